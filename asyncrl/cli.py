@@ -1,0 +1,148 @@
+"""The ``asyncrl`` command: run | serve | bench | plot.
+
+Parsing is done before any heavy import (torch, transformers), so ``--help``
+answers at once and config errors show before anything starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+from pathlib import Path
+
+__all__ = ["main"]
+
+BENCHES = ("weight-sync", "transport", "pipeline", "generation", "controller", "train", "learning")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="asyncrl", description="Fully-asynchronous RL for LMs.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    run = sub.add_parser(
+        "run",
+        help="fully-async GRPO (no arguments: the embedded default job)",
+        description="Run a training job. Any config key can be overridden as --section.key=value "
+        "(e.g. --controller.max_staleness=2).",
+    )
+    run.add_argument("config", nargs="?", help="TOML config file (default: built-in defaults)")
+    run.add_argument("--run-dir", default=None, help="output folder (default: a new runs/<time>)")
+    run.add_argument("--quiet", action="store_true", help="no per-step progress lines")
+    serve = sub.add_parser("serve", help="start the embedded engine (SGLang HTTP protocol)")
+    serve.add_argument("args", nargs=argparse.REMAINDER, help="--model-path DIR --port N ...")
+    bench = sub.add_parser("bench", help="benchmarks: " + ", ".join(BENCHES))
+    bench.add_argument("name", choices=BENCHES)
+    bench.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the benchmark")
+    plot = sub.add_parser("plot", help="print a run's reward curve from metrics.jsonl")
+    plot.add_argument("run_dir")
+    return p
+
+
+def _run(ns: argparse.Namespace, overrides: list[str]) -> int:
+    from asyncrl.config import load_config
+
+    try:
+        cfg = load_config(ns.config, overrides)
+    except ValueError as exc:
+        print(f"asyncrl run: {exc}", file=sys.stderr)
+        return 2
+    import asyncio
+    import logging
+
+    from asyncrl.runner import new_run_dir, run_job
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    run_dir = Path(ns.run_dir or cfg.run_dir or new_run_dir())
+    print(f"asyncrl run: writing to {run_dir}", flush=True)
+
+    async def _main() -> list[dict]:
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        assert task is not None
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, task.cancel)
+        return await run_job(cfg, run_dir, quiet=ns.quiet)
+
+    try:
+        rows = _event_loop_run(_main())
+    except asyncio.CancelledError:
+        print("asyncrl run: stopped; every process of the run has ended", file=sys.stderr)
+        return 130
+    except (RuntimeError, ValueError) as exc:
+        print(f"asyncrl run: failed: {exc}", file=sys.stderr)
+        return 1
+    _summary(rows)
+    return 0
+
+
+def _event_loop_run(coro):  # noqa: ANN001, ANN202
+    try:
+        import uvloop
+    except ImportError:
+        import asyncio
+
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
+def _summary(rows: list[dict]) -> None:
+    if not rows:
+        return
+    k = min(10, len(rows))
+    first = sum(r["reward_mean"] for r in rows[:k]) / k
+    last = sum(r["reward_mean"] for r in rows[-k:]) / k
+    worst = max(r["staleness_max"] for r in rows)
+    print(
+        f"done: {len(rows)} steps in {rows[-1]['wall_s']:.0f}s | reward first {k}: {first:.3f}"
+        f" -> last {k}: {last:.3f} | max staleness {worst} | weight version "
+        f"{rows[-1]['weight_version']}"
+    )
+
+
+def _plot(run_dir: str) -> int:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        print(f"asyncrl plot: {path} not found", file=sys.stderr)
+        return 2
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    for r in rows:
+        bar = "#" * int(round(40 * r["reward_mean"]))
+        print(f"{r['step']:5d} {r['reward_mean']:.3f} {bar}")
+    return 0
+
+
+def _bench(name: str, args: list[str]) -> int:
+    import runpy
+
+    root = Path(__file__).resolve().parents[1] / "benchmarks"
+    script = root / f"{name.replace('-', '_')}.py"
+    if not script.is_file():
+        print(f"asyncrl bench: {script} not found (benchmarks ship with the source tree)", file=sys.stderr)
+        return 2
+    sys.argv = [str(script), *args]
+    runpy.run_path(str(script), run_name="__main__")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = _parser()
+    if argv[:1] == ["run"]:  # dotted overrides are not argparse options
+        known = [a for a in argv if not (a.startswith("--") and "." in a.split("=")[0])]
+        overrides = [a for a in argv if a not in known]
+        ns = parser.parse_args(known)
+        sys.exit(_run(ns, overrides))
+    ns = parser.parse_args(argv)
+    if ns.cmd == "serve":
+        from asyncrl.engines.rollout.local.server import main as serve_main
+
+        serve_main(ns.args)
+    elif ns.cmd == "bench":
+        sys.exit(_bench(ns.name, ns.args))
+    elif ns.cmd == "plot":
+        sys.exit(_plot(ns.run_dir))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""The RolloutEngine seam: what the controller needs from a generation server.
+
+Contract: ``generate`` returns the sampled token ids, the log-prob of each under
+the sampling distribution, the engine's weight version and the finish reason
+(``"stop"``, ``"length"`` or ``"abort"``; an aborted request returns the tokens
+generated so far). ``pause_generation(mode)`` stops scheduling (``abort``:
+in-flight requests return at once with ``finish_reason == "abort"``;
+``in_place``: they wait), ``continue_generation`` resumes. Weight updates
+switch ``weight_version`` only once the whole update is loaded.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import msgspec
+
+__all__ = ["EngineError", "EngineUnavailable", "GenerateResult", "RolloutEngine"]
+
+
+class EngineError(RuntimeError):
+    """The engine answered with an error (HTTP >= 400 or success=false)."""
+
+    def __init__(self, path: str, status: int, message: str):
+        super().__init__(f"{path} -> {status}: {message}")
+        self.path = path
+        self.status = status
+        self.message = message
+
+
+class EngineUnavailable(ConnectionError):
+    """The engine could not be reached or timed out (recoverable: retry elsewhere)."""
+
+
+class GenerateResult(msgspec.Struct, frozen=True, gc=False):
+    output_ids: list[int]
+    logprobs: list[float]
+    weight_version: int
+    finish_reason: str
+    prompt_tokens: int = 0
+
+    @classmethod
+    def from_sglang(cls, out: Any) -> GenerateResult:
+        """Parse SGLang's /generate response (single request, return_logprob=True)."""
+        if not isinstance(out, dict) or "meta_info" not in out:
+            raise EngineError("/generate", 200, f"unexpected response: {str(out)[:200]}")
+        meta = out["meta_info"]
+        ids = list(out.get("output_ids", []))
+        lps = [float(x[0]) for x in meta.get("output_token_logprobs", [])]
+        if len(lps) != len(ids):
+            raise EngineError("/generate", 200, f"{len(ids)} tokens but {len(lps)} log-probs")
+        fr = meta.get("finish_reason") or {}
+        reason = fr.get("type", "length") if isinstance(fr, dict) else str(fr)
+        return cls(
+            output_ids=ids,
+            logprobs=lps,
+            weight_version=_parse_version(meta.get("weight_version", "0")),
+            finish_reason=reason,
+            prompt_tokens=int(meta.get("prompt_tokens", 0)),
+        )
+
+
+def _parse_version(v: Any) -> int:
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return 0  # SGLang's "default" before any update
+
+
+class RolloutEngine(Protocol):
+    """A generation server (see module docstring for the contract)."""
+
+    url: str
+
+    async def generate(
+        self, input_ids: list[int], sampling_params: dict[str, Any], rid: str | None = None
+    ) -> GenerateResult: ...
+
+    async def pause_generation(self, mode: str = "abort") -> None: ...
+
+    async def continue_generation(self) -> None: ...
+
+    async def abort_request(self, rid: str = "", abort_all: bool = False) -> None: ...
+
+    async def get_weight_version(self) -> str: ...
+
+    async def health(self) -> bool: ...
+
+    async def close(self) -> None: ...

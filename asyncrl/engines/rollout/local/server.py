@@ -1,0 +1,268 @@
+"""HTTP server of the embedded engine: the SGLang endpoints a run needs, same field names.
+
+``python -m asyncrl.engines.rollout.local.server --model-path DIR --port N`` (or
+``asyncrl serve``). Endpoints: ``/generate``, ``/abort_request``,
+``/pause_generation``, ``/continue_generation``, ``/init_weights_update_group``,
+``/update_weights_from_distributed`` (``load_format="flattened_bucket"``),
+``/update_weight_version``, ``/get_weight_version``, ``/flush_cache``,
+``/get_model_info``, ``/health``. Bad requests get HTTP 400 with a message and
+the server keeps serving.
+
+Weight updates are staged: a bucket sent with ``flush_cache=false`` is received
+and held; the bucket with ``flush_cache=true`` (SGLang's default, so a
+single-call update commits at once) commits everything staged plus itself and
+switches ``weight_version``. A failure drops the staged buckets and keeps the
+old weights and version.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+from aiohttp import web
+
+from asyncrl.engines.rollout.local.engine import LocalEngine, Request, SamplingParams
+
+__all__ = ["build_app", "main"]
+
+log = logging.getLogger("asyncrl.engine")
+
+
+class _BadRequest(ValueError):
+    pass
+
+
+def _json_error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": {"message": message}, "success": False}, status=status)
+
+
+async def _body(request: web.Request) -> dict[str, Any]:
+    if not request.can_read_body:
+        return {}
+    try:
+        body = await request.json()
+    except ValueError as exc:
+        raise _BadRequest(f"body is not JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise _BadRequest("body must be a JSON object")
+    return body
+
+
+class EngineServer:
+    """Binds a LocalEngine to HTTP handlers and owns the weight-sync group."""
+
+    def __init__(self, engine: LocalEngine, model_path: str):
+        self.engine = engine
+        self.model_path = model_path
+        self.groups: dict[str, Any] = {}
+        self._staged: list[tuple[str, torch.Tensor]] = []
+        self._weights_io = ThreadPoolExecutor(1, thread_name_prefix="weights-io")
+
+    async def generate(self, request: web.Request) -> web.Response:
+        body = await _body(request)
+        ids = body.get("input_ids")
+        if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids):
+            raise _BadRequest("input_ids must be a non-empty list of ints (batched input unsupported)")
+        vocab = self.engine.model.get_input_embeddings().num_embeddings
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise _BadRequest(f"input_ids must be in [0, {vocab})")
+        sp = body.get("sampling_params") or {}
+        if not isinstance(sp, dict):
+            raise _BadRequest("sampling_params must be an object")
+        try:
+            sampling = SamplingParams.from_dict(sp)
+        except (TypeError, ValueError) as exc:
+            raise _BadRequest(f"sampling_params: {exc}") from None
+        loop = asyncio.get_running_loop()
+        req = Request(
+            rid=str(body.get("rid") or uuid.uuid4().hex),
+            input_ids=ids,
+            sampling=sampling,
+            loop=loop,
+            future=loop.create_future(),
+        )
+        self.engine.submit(req)
+        try:
+            await req.future
+        except asyncio.CancelledError:  # client went away
+            self.engine.abort(req.rid)
+            raise
+        meta: dict[str, Any] = {
+            "id": req.rid,
+            "finish_reason": req.finish,
+            "prompt_tokens": len(ids),
+            "completion_tokens": len(req.output_ids),
+            "weight_version": req.min_version,
+        }
+        if body.get("return_logprob"):
+            meta["output_token_logprobs"] = [
+                [lp, tok, None] for lp, tok in zip(req.logprobs, req.output_ids, strict=True)
+            ]
+        return web.json_response({"text": "", "output_ids": req.output_ids, "meta_info": meta})
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        body = await _body(request)
+        n = self.engine.abort(str(body.get("rid", "")), bool(body.get("abort_all", False)))
+        return web.json_response({"success": True, "aborted": n})
+
+    async def pause_generation(self, request: web.Request) -> web.Response:
+        body = await _body(request)
+        mode = body.get("mode", "abort")
+        try:
+            await asyncio.to_thread(self.engine.pause, mode)
+        except ValueError as exc:
+            raise _BadRequest(str(exc)) from None
+        return web.json_response({"success": True})
+
+    async def continue_generation(self, request: web.Request) -> web.Response:
+        self.engine.resume()
+        return web.json_response({"success": True})
+
+    async def init_weights_update_group(self, request: web.Request) -> web.Response:
+        from asyncrl.transports.weights.collective import new_weight_group
+
+        body = await _body(request)
+        try:
+            args = (
+                str(body.get("backend", "gloo")),
+                str(body["master_address"]),
+                int(body["master_port"]),
+                int(body["rank_offset"]),
+                int(body["world_size"]),
+                str(body.get("group_name", "weight_update_group")),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise _BadRequest(f"init_weights_update_group: missing or bad field {exc}") from None
+        loop = asyncio.get_running_loop()
+        try:
+            group = await loop.run_in_executor(self._weights_io, lambda: new_weight_group(*args))
+        except Exception as exc:  # rendezvous failures are reported to the caller
+            return web.json_response({"success": False, "message": f"{type(exc).__name__}: {exc}"})
+        self.groups[args[5]] = group
+        return web.json_response({"success": True, "message": "weight update group ready"})
+
+    async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
+        from asyncrl.transports.weights.collective import receive_flattened_bucket
+
+        body = await _body(request)
+        group = self.groups.get(str(body.get("group_name", "weight_update_group")))
+        if group is None:
+            raise _BadRequest("no weight update group: call /init_weights_update_group first")
+        if body.get("load_format") not in (None, "flattened_bucket"):
+            raise _BadRequest(f"load_format {body.get('load_format')!r} unsupported")
+        loop = asyncio.get_running_loop()
+        device = self.engine.device
+        try:
+            named = await loop.run_in_executor(
+                self._weights_io,
+                lambda: receive_flattened_bucket(
+                    group, body["names"], body["dtypes"], body["shapes"], device
+                ),
+            )
+            self._staged.extend(named)
+            if body.get("flush_cache", True):
+                staged, self._staged = self._staged, []
+                version = body.get("weight_version")
+                await asyncio.to_thread(
+                    self.engine.load_weights, staged, None if version is None else str(version)
+                )
+        except Exception as exc:  # keep the old weights and tell the sender
+            self._staged = []
+            log.error("weight update failed: %s", exc)
+            return web.json_response({"success": False, "message": f"{type(exc).__name__}: {exc}"})
+        return web.json_response({"success": True, "message": "updated"})
+
+    async def update_weight_version(self, request: web.Request) -> web.Response:
+        body = await _body(request)
+        if "new_version" not in body:
+            raise _BadRequest("new_version is required")
+        self.engine.weight_version = str(body["new_version"])
+        return web.json_response({"success": True})
+
+    async def get_weight_version(self, request: web.Request) -> web.Response:
+        return web.json_response({"weight_version": self.engine.weight_version})
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        return web.json_response({"success": True})
+
+    async def get_model_info(self, request: web.Request) -> web.Response:
+        return web.json_response({"model_path": self.model_path, "is_generation": True})
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except _BadRequest as exc:
+        log.warning("bad request to %s: %s", request.path, exc)
+        return _json_error(400, str(exc))
+
+
+def build_app(server: EngineServer) -> web.Application:
+    app = web.Application(middlewares=[_errors], client_max_size=64 << 20)
+    post = {
+        "/generate": server.generate,
+        "/abort_request": server.abort_request,
+        "/pause_generation": server.pause_generation,
+        "/continue_generation": server.continue_generation,
+        "/init_weights_update_group": server.init_weights_update_group,
+        "/update_weights_from_distributed": server.update_weights_from_distributed,
+        "/update_weight_version": server.update_weight_version,
+        "/flush_cache": server.flush_cache,
+    }
+    get = {
+        "/get_weight_version": server.get_weight_version,
+        "/get_model_info": server.get_model_info,
+        "/health": server.health,
+    }
+    for path, h in post.items():
+        app.router.add_post(path, h)
+    for path, h in get.items():
+        app.router.add_get(path, h)
+    app.router.add_post("/get_weight_version", server.get_weight_version)
+
+    async def _on_shutdown(_: web.Application) -> None:
+        server.engine.stop()
+
+    app.on_shutdown.append(_on_shutdown)
+    return app
+
+
+def load_engine(model_path: str, device: str, dtype: str, max_batch_size: int, seed: int) -> LocalEngine:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
+    eos = model.generation_config.eos_token_id or model.config.eos_token_id
+    eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    return LocalEngine(model, eos_ids, device=device, max_batch_size=max_batch_size, seed=seed)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description="asyncrl embedded engine (SGLang HTTP protocol)")
+    p.add_argument("--model-path", required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--max-batch-size", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s %(message)s")
+    torch.set_num_threads(args.threads)
+    engine = load_engine(args.model_path, args.device, args.dtype, args.max_batch_size, args.seed)
+    app = build_app(EngineServer(engine, args.model_path))
+    web.run_app(app, host=args.host, port=args.port, print=None, access_log=None)
+
+
+if __name__ == "__main__":
+    main()

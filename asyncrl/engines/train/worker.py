@@ -1,0 +1,140 @@
+"""Trainer process: receive batches over ZeroMQ, train, push weights, report.
+
+``python -m asyncrl.engines.train.worker --config run/config.json ...`` — one
+process per data-parallel rank, started by ``asyncrl run``. Rank 0 owns the
+weight sender and reports ``StepDone(step, version=step + 1)`` once the new
+weights are live on every engine. Training of step t+1 overlaps the push of
+step t; the push of step t+1 waits for the push of step t to finish.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import logging
+import signal
+import time
+from collections.abc import Callable
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+from asyncrl.algorithms.grpo import GRPOLoss, build_seqs
+from asyncrl.config import RunConfig
+from asyncrl.engines.train.fsdp import FSDPEngine
+from asyncrl.transports.experience.types import Shutdown, StepDone, TrainBatch
+from asyncrl.transports.experience.zmq import TrainerChannel
+from asyncrl.transports.weights import make_weight_transport
+from asyncrl.transports.weights.base import PushHandle, WeightSyncError
+
+log = logging.getLogger("asyncrl.trainer")
+
+
+class _Stop(Exception):
+    pass
+
+
+def _on_signal(signum: int, _frame: object) -> None:
+    raise _Stop(f"signal {signum}")
+
+
+def _metrics(stats: dict[str, float], n_traj: int, train_s: float) -> dict[str, float]:
+    tokens = max(stats.pop("tokens", 0.0), 1.0)
+    out = {k.removesuffix("_sum"): v / tokens for k, v in stats.items() if k.endswith("_sum")}
+    out.update({k: v for k, v in stats.items() if not k.endswith("_sum")})
+    out.update(train_s=train_s, num_samples=float(n_traj), train_tokens=tokens)
+    return out
+
+
+def _reporter(
+    chan: TrainerChannel, step: int, metrics: dict[str, float]
+) -> Callable[[PushHandle], None]:
+    """Report step ``step`` to the controller once its weights are live (or failed)."""
+
+    def report(handle: PushHandle) -> None:
+        try:
+            metrics.update(handle.wait())
+        except WeightSyncError as exc:
+            log.error("%s", exc)
+            chan.report(Shutdown(reason=str(exc), error=True))
+            return
+        chan.report(StepDone(step=step, version=handle.version, metrics=metrics))
+
+    return report
+
+
+def run(args: argparse.Namespace) -> None:
+    cfg = msgspec.json.decode(open(args.config, "rb").read(), type=RunConfig)
+    torch.manual_seed(cfg.seed + args.rank)
+    torch.set_num_threads(cfg.trainer.threads)
+    backend = "nccl" if cfg.trainer.device.startswith("cuda") else "gloo"
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://127.0.0.1:{args.dist_port}",
+        rank=args.rank,
+        world_size=args.world_size,
+        timeout=datetime.timedelta(minutes=10),
+    )
+    engine = FSDPEngine(args.model_path, cfg)
+    loss_fn = GRPOLoss(cfg.algo)
+    chan = TrainerChannel(
+        args.batch_endpoint,
+        args.report_endpoint if args.rank == 0 else None,
+        cfg.experience.max_message_mb << 20,
+    )
+    sender = None
+    if args.rank == 0:
+        urls = [u for u in args.engine_urls.split(",") if u]
+        sender = make_weight_transport(cfg.weights, urls, cfg.trainer.device, cfg.rollout.pause_mode)
+        sender.connect()
+    try:
+        while True:
+            got = chan.recv(timeout_s=0.1)
+            if got is None:
+                continue
+            msg, trajs = got
+            if isinstance(msg, Shutdown):
+                break
+            if not isinstance(msg, TrainBatch):
+                continue
+            t0 = time.perf_counter()
+            stats = engine.train_batch(build_seqs(trajs, cfg.algo), loss_fn)
+            metrics = _metrics(stats, len(trajs), time.perf_counter() - t0)
+            weights = engine.named_weights()
+            if sender is not None:
+                t1 = time.perf_counter()
+                handle = sender.push(weights, version=msg.step + 1)
+                metrics["push_call_s"] = time.perf_counter() - t1
+                handle.add_done_callback(_reporter(chan, msg.step, metrics))
+            else:
+                for _ in weights:  # collective under sharding: every rank takes part
+                    pass
+    except _Stop as exc:
+        log.info("trainer rank %d stopping: %s", args.rank, exc)
+    finally:
+        if sender is not None:
+            sender.close()
+        chan.close()
+        dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description="asyncrl trainer rank")
+    p.add_argument("--config", required=True)
+    p.add_argument("--model-path", required=True)
+    p.add_argument("--rank", type=int, default=0)
+    p.add_argument("--world-size", type=int, default=1)
+    p.add_argument("--dist-port", type=int, required=True)
+    p.add_argument("--batch-endpoint", required=True)
+    p.add_argument("--report-endpoint", required=True)
+    p.add_argument("--engine-urls", default="")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s trainer %(levelname)s %(message)s")
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+    run(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""Child processes and ports: start, health-wait and stop the processes of a run by pid.
+
+Every child starts in its own session (process group), so stopping it ends
+its whole tree. ``stop`` sends SIGTERM, waits, then SIGKILLs what is left.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+__all__ = ["free_port", "python_env", "spawn", "stop"]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free on ``host`` a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def python_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment for a child Python that imports this very copy of asyncrl."""
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    if extra:
+        env.update(extra)
+    return env
+
+
+def spawn(
+    args: Sequence[str],
+    log_path: Path | None = None,
+    env: dict[str, str] | None = None,
+) -> subprocess.Popen:
+    """Start ``python -m ...``-style args in a new session; output to ``log_path`` (or inherit)."""
+    out = open(log_path, "ab") if log_path is not None else None  # noqa: SIM115
+    try:
+        return subprocess.Popen(
+            [sys.executable, *args],
+            stdout=out,
+            stderr=subprocess.STDOUT if out else None,
+            stdin=subprocess.DEVNULL,
+            env=env or python_env(),
+            start_new_session=True,
+        )
+    finally:
+        if out is not None:
+            out.close()
+
+
+def stop(procs: Sequence[subprocess.Popen], timeout_s: float = 5.0) -> None:
+    """SIGTERM each process group, wait up to ``timeout_s``, then SIGKILL the rest."""
+    for p in procs:
+        if p.poll() is None:
+            _signal_group(p.pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for p in procs:
+        _signal_group(p.pid, signal.SIGKILL)  # the group may hold grandchildren
+        if p.poll() is None:
+            p.wait(5)
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass

@@ -1,0 +1,215 @@
+"""``asyncrl run``: start the engines and the trainer, drive the controller, log every step.
+
+Process layout of a run (every child in its own session, stopped by pid)::
+
+    asyncrl run (this process: controller, asyncio/uvloop, no torch)
+      ├─ engine i   python -m asyncrl.engines.rollout.local.server   (HTTP, SGLang protocol)
+      └─ trainer r  python -m asyncrl.engines.train.worker           (FSDP2, weight sender on r=0)
+
+Three supervised loops run until ``controller.total_steps`` steps are reported:
+the dispatcher (``next_batch`` -> ZeroMQ to the trainer ranks), the reporter
+(``StepDone`` -> ``set_version`` + one metrics line) and the watchdog (a child
+that exits early fails the run with the tail of its log).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import subprocess
+import sys
+import time
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from asyncrl.config import RunConfig, to_dict
+from asyncrl.controllers.controller import Batch, Controller
+from asyncrl.controllers.episode import single_turn
+from asyncrl.engines.rollout.sglang import SGLangClient
+from asyncrl.procs import free_port, spawn, stop
+from asyncrl.tasks import make_task
+from asyncrl.transports.experience.types import Shutdown, StepDone
+from asyncrl.transports.experience.zmq import ControllerChannel
+
+__all__ = ["new_run_dir", "run_job"]
+
+log = logging.getLogger("asyncrl.run")
+
+
+def new_run_dir(base: str = "runs") -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for i in range(1000):
+        path = Path(base) / (stamp if i == 0 else f"{stamp}-{i}")
+        try:
+            path.mkdir(parents=True)
+            return path
+        except FileExistsError:
+            continue
+    raise RuntimeError(f"could not create a run folder under {base}")
+
+
+def resolve_model(cfg: RunConfig) -> str:
+    """The model directory: the user's, or the tiny default (built once in a child process)."""
+    if cfg.model.path:
+        if not (Path(cfg.model.path) / "config.json").is_file():
+            raise ValueError(f"model.path {cfg.model.path!r} is not a Hugging Face model folder")
+        return cfg.model.path
+    from asyncrl.tasks.tiny_model import default_model_dir
+
+    path = default_model_dir()
+    if not (path / "config.json").is_file():
+        print(f"building the tiny default model in {path} ...", flush=True)
+        subprocess.run(
+            [sys.executable, "-m", "asyncrl.tasks.tiny_model", "--out", str(path)],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
+    return str(path)
+
+
+class _Run:
+    def __init__(self, cfg: RunConfig, run_dir: Path, quiet: bool):
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.quiet = quiet
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.batches: dict[int, Batch] = {}
+        self.t0 = time.perf_counter()
+        self.rows: list[dict[str, Any]] = []
+
+    def start_engines(self, model_path: str) -> list[str]:
+        rc = self.cfg.rollout
+        if rc.urls:
+            return list(rc.urls)
+        if rc.backend == "sglang":
+            raise ValueError("rollout.backend='sglang' needs rollout.urls (running SGLang servers)")
+        urls = []
+        for i in range(rc.num_engines):
+            port = free_port(rc.host)
+            args = ["-m", "asyncrl.engines.rollout.local.server", "--model-path", model_path]
+            args += ["--host", rc.host, "--port", str(port), "--device", rc.device]
+            args += ["--dtype", self.cfg.model.dtype, "--seed", str(self.cfg.seed + 1000 + i)]
+            args += ["--max-batch-size", str(rc.max_batch_size)]
+            self.procs[f"engine{i}"] = spawn(args, self.run_dir / f"engine{i}.log")
+            urls.append(f"http://{rc.host}:{port}")
+        return urls
+
+    def start_trainers(self, model_path: str, chan: ControllerChannel, urls: list[str]) -> None:
+        world = self.cfg.trainer.world_size
+        dist_port = free_port()
+        for r in range(world):
+            args = ["-m", "asyncrl.engines.train.worker", "--config", str(self.run_dir / "config.json")]
+            args += ["--model-path", model_path, "--rank", str(r), "--world-size", str(world)]
+            args += ["--dist-port", str(dist_port), "--batch-endpoint", chan.batch_endpoints[r]]
+            args += ["--report-endpoint", chan.report_endpoint, "--engine-urls", ",".join(urls)]
+            self.procs[f"trainer{r}"] = spawn(args, self.run_dir / f"trainer{r}.log")
+
+    async def dispatch(self, ctl: Controller, chan: ControllerChannel) -> None:
+        world = self.cfg.trainer.world_size
+        for _ in range(self.cfg.controller.total_steps):
+            batch = await ctl.next_batch()
+            self.batches[batch.step] = batch
+            for r in range(world):  # whole groups per rank: a GRPO group never splits
+                shard = [t for g in batch.groups[r::world] for t in g]
+                await chan.send_batch(r, batch.step, shard)
+        await asyncio.Future()  # all sent: the run ends when the reporter has every step
+
+    async def report(self, ctl: Controller, chan: ControllerChannel) -> None:
+        done = 0
+        while done < self.cfg.controller.total_steps:
+            msg = await chan.recv_report()
+            if isinstance(msg, Shutdown):
+                raise RuntimeError(f"trainer stopped the run: {msg.reason}")
+            if not isinstance(msg, StepDone):
+                continue
+            await ctl.set_version(msg.version)
+            self.log_step(msg, ctl)
+            done += 1
+
+    def log_step(self, msg: StepDone, ctl: Controller) -> None:
+        batch = self.batches.pop(msg.step)
+        m = msg.metrics
+        row = {
+            "step": msg.step,
+            "reward_mean": batch.reward_mean,
+            "staleness_max": batch.staleness_max,
+            "weight_version": msg.version,
+            "num_samples": len(batch.trajectories),
+            "wall_s": time.perf_counter() - self.t0,
+            **{k: v for k, v in m.items() if k not in ("num_samples",)},
+            **{f"ctl_{k}": v for k, v in ctl.stats().items()},
+        }
+        self.rows.append(row)
+        with open(self.run_dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+        if not self.quiet:
+            print(
+                f"step {msg.step:4d} | reward {row['reward_mean']:.3f} | staleness "
+                f"{row['staleness_max']} | version {msg.version} | train {m.get('train_s', 0):.2f}s"
+                f" | sync {m.get('sync_s', 0):.3f}s | {row['wall_s']:.1f}s",
+                flush=True,
+            )
+
+    async def watchdog(self) -> None:
+        while True:
+            for name, p in self.procs.items():
+                if p.poll() is not None:
+                    tail = _tail(self.run_dir / f"{name}.log")
+                    raise RuntimeError(f"{name} (pid {p.pid}) exited with {p.returncode}:\n{tail}")
+            await asyncio.sleep(0.5)
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+async def _first(*coros: Coroutine[Any, Any, Any]) -> None:
+    """Run until the first coroutine finishes; re-raise its error; cancel the rest."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        for t in done:
+            t.result()
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def run_job(cfg: RunConfig, run_dir: Path, quiet: bool = False) -> list[dict[str, Any]]:
+    """Run a whole training job; returns the metrics rows (also in ``run_dir/metrics.jsonl``)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_bytes(msgspec.json.encode(to_dict(cfg)))
+    model_path = resolve_model(cfg)
+    task = make_task(cfg.task, model_path)
+    job = _Run(cfg, run_dir, quiet)
+    chan = ControllerChannel(cfg.trainer.world_size, cfg.experience.host)
+    clients: list[SGLangClient] = []
+    try:
+        urls = job.start_engines(model_path)
+        job.start_trainers(model_path, chan, urls)
+        clients = [SGLangClient(u, timeout_s=cfg.rollout.request_timeout_s) for u in urls]
+        await _first(
+            asyncio.gather(*(c.wait_healthy(cfg.rollout.startup_timeout_s) for c in clients)),
+            job.watchdog(),
+        )
+        sampling = {"max_new_tokens": cfg.rollout.max_new_tokens or task.max_new_tokens}
+        episode = single_turn(task.reward)
+        async with Controller(cfg, episode, clients, task.samples(), sampling) as ctl:
+            await _first(job.report(ctl, chan), job.dispatch(ctl, chan), job.watchdog())
+        return job.rows
+    finally:
+        try:
+            await asyncio.wait_for(chan.broadcast(Shutdown(reason="run finished")), 1.0)
+        except (asyncio.TimeoutError, OSError):
+            pass
+        await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
+        await asyncio.to_thread(stop, list(job.procs.values()), 5.0)
+        chan.close()

@@ -1,0 +1,88 @@
+"""The default model: a tiny Qwen2-architecture causal LM with a digit tokenizer, made locally.
+
+Written once in Hugging Face format (``config.json``, ``model.safetensors``,
+``tokenizer.json``, ...) and then loaded through the ordinary
+``from_pretrained(local_dir)`` path, exactly as a real model is. No download.
+``python -m asyncrl.tasks.tiny_model --out DIR`` builds it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+__all__ = ["TINY_VERSION", "default_model_dir", "ensure_tiny_model"]
+
+TINY_VERSION = "tiny-qwen2-digits-v1"
+SPECIAL = ["<pad>", "<s>", "</s>"]
+WORDS = [*SPECIAL, *(str(d) for d in range(10)), "=", "+"]
+
+
+def default_model_dir() -> Path:
+    root = os.environ.get("ASYNCRL_CACHE") or Path.home() / ".cache" / "asyncrl"
+    return Path(root) / "models" / TINY_VERSION
+
+
+def _build(out: Path, seed: int) -> None:
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    vocab = {w: i for i, w in enumerate(WORDS)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<pad>"
+    )
+    config = Qwen2Config(
+        vocab_size=len(vocab),
+        hidden_size=64,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        bos_token_id=vocab["<s>"],
+        eos_token_id=vocab["</s>"],
+        pad_token_id=vocab["<pad>"],
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config)
+    model.generation_config.eos_token_id = vocab["</s>"]
+    model.save_pretrained(out, safe_serialization=True)
+    fast.save_pretrained(out)
+
+
+def ensure_tiny_model(path: Path | None = None, seed: int = 0) -> Path:
+    """Build the tiny model at ``path`` unless it is already there; returns the directory."""
+    path = Path(path or default_model_dir())
+    if (path / "config.json").is_file() and (path / "tokenizer.json").is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=".building-"))
+    try:
+        _build(tmp, seed)
+        try:
+            tmp.rename(path)  # atomic: concurrent builders race harmlessly
+        except OSError:
+            if not (path / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description="build the tiny default model")
+    p.add_argument("--out", default=None)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    print(ensure_tiny_model(Path(args.out) if args.out else None, args.seed))
+
+
+if __name__ == "__main__":
+    main()
