@@ -52,7 +52,9 @@ def _run(ns: argparse.Namespace, overrides: list[str]) -> int:
 
     from asyncrl.runner import new_run_dir, run_job
 
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
     run_dir = Path(ns.run_dir or cfg.run_dir or new_run_dir())
     print(f"asyncrl run: writing to {run_dir}", flush=True)
 
@@ -76,7 +78,7 @@ def _run(ns: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
-def _event_loop_run(coro):  # noqa: ANN001, ANN202
+def _event_loop_run(coro):
     try:
         import uvloop
     except ImportError:
@@ -107,7 +109,7 @@ def _plot(run_dir: str) -> int:
         return 2
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     for r in rows:
-        bar = "#" * int(round(40 * r["reward_mean"]))
+        bar = "#" * round(40 * r["reward_mean"])
         print(f"{r['step']:5d} {r['reward_mean']:.3f} {bar}")
     return 0
 
@@ -118,7 +120,10 @@ def _bench(name: str, args: list[str]) -> int:
     root = Path(__file__).resolve().parents[1] / "benchmarks"
     script = root / f"{name.replace('-', '_')}.py"
     if not script.is_file():
-        print(f"asyncrl bench: {script} not found (benchmarks ship with the source tree)", file=sys.stderr)
+        print(
+            f"asyncrl bench: {script} not found (benchmarks ship with the source tree)",
+            file=sys.stderr,
+        )
         return 2
     sys.argv = [str(script), *args]
     runpy.run_path(str(script), run_name="__main__")

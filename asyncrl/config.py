@@ -51,7 +51,7 @@ class TaskConfig(_Section):
 
 class RolloutConfig(_Section):
     backend: Literal["local", "sglang"] = "local"
-    """``local``: the embedded engine (spawned by the run); ``sglang``: SGLang servers at ``urls``."""
+    """``local``: the embedded engine (started by the run); ``sglang``: SGLang servers."""
     urls: tuple[str, ...] = ()
     """Engines already running elsewhere (``http://host:port``). Empty: the run starts them."""
     num_engines: int = 1
@@ -181,7 +181,9 @@ def _check_positive(cfg: RunConfig) -> None:
         if value <= 0:
             raise ValueError(f"{key} must be > 0, got {value!r}")
     if cfg.controller.max_staleness < 0:
-        raise ValueError(f"controller.max_staleness must be >= 0, got {cfg.controller.max_staleness}")
+        raise ValueError(
+            f"controller.max_staleness must be >= 0, got {cfg.controller.max_staleness}"
+        )
     if not 0.0 < cfg.rollout.top_p <= 1.0:
         raise ValueError(f"rollout.top_p must be in (0, 1], got {cfg.rollout.top_p}")
     if cfg.rollout.temperature <= 0:
@@ -244,7 +246,9 @@ def _convert(tree: dict[str, Any]) -> RunConfig:
             path = [*path, field]
         hint = _allowed(path)
         key = ".".join(path) or "<root>"
-        raise ValueError(f"invalid config key {key}: {msg}" + (f" ({hint})" if hint else "")) from None
+        raise ValueError(
+            f"invalid config key {key}: {msg}" + (f" ({hint})" if hint else "")
+        ) from None
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:

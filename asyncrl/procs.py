@@ -31,6 +31,9 @@ def python_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     root = str(Path(__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
     env.setdefault("PYTHONUNBUFFERED", "1")
+    env.setdefault("HF_HUB_OFFLINE", "1")  # models load from local folders only
+    env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    env.setdefault("TRANSFORMERS_VERBOSITY", "error")
     if extra:
         env.update(extra)
     return env
@@ -42,7 +45,7 @@ def spawn(
     env: dict[str, str] | None = None,
 ) -> subprocess.Popen:
     """Start ``python -m ...``-style args in a new session; output to ``log_path`` (or inherit)."""
-    out = open(log_path, "ab") if log_path is not None else None  # noqa: SIM115
+    out = open(log_path, "ab") if log_path is not None else None
     try:
         return subprocess.Popen(
             [sys.executable, *args],

@@ -30,7 +30,7 @@ from asyncrl.config import RunConfig, to_dict
 from asyncrl.controllers.controller import Batch, Controller
 from asyncrl.controllers.episode import single_turn
 from asyncrl.engines.rollout.sglang import SGLangClient
-from asyncrl.procs import free_port, spawn, stop
+from asyncrl.procs import free_port, python_env, spawn, stop
 from asyncrl.tasks import make_task
 from asyncrl.transports.experience.types import Shutdown, StepDone
 from asyncrl.transports.experience.zmq import ControllerChannel
@@ -67,6 +67,7 @@ def resolve_model(cfg: RunConfig) -> str:
             [sys.executable, "-m", "asyncrl.tasks.tiny_model", "--out", str(path)],
             check=True,
             stdout=subprocess.DEVNULL,
+            env=python_env(),
         )
     return str(path)
 
@@ -102,7 +103,12 @@ class _Run:
         world = self.cfg.trainer.world_size
         dist_port = free_port()
         for r in range(world):
-            args = ["-m", "asyncrl.engines.train.worker", "--config", str(self.run_dir / "config.json")]
+            args = [
+                "-m",
+                "asyncrl.engines.train.worker",
+                "--config",
+                str(self.run_dir / "config.json"),
+            ]
             args += ["--model-path", model_path, "--rank", str(r), "--world-size", str(world)]
             args += ["--dist-port", str(dist_port), "--batch-endpoint", chan.batch_endpoints[r]]
             args += ["--report-endpoint", chan.report_endpoint, "--engine-urls", ",".join(urls)]
@@ -195,6 +201,8 @@ async def run_job(cfg: RunConfig, run_dir: Path, quiet: bool = False) -> list[di
     try:
         urls = job.start_engines(model_path)
         job.start_trainers(model_path, chan, urls)
+        pids = {name: p.pid for name, p in job.procs.items()}
+        (run_dir / "processes.json").write_text(json.dumps(pids))
         clients = [SGLangClient(u, timeout_s=cfg.rollout.request_timeout_s) for u in urls]
         await _first(
             asyncio.gather(*(c.wait_healthy(cfg.rollout.startup_timeout_s) for c in clients)),

@@ -14,7 +14,7 @@ import asyncio
 import inspect
 import logging
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import numpy as np
@@ -51,7 +51,7 @@ class EpisodeFailed(RuntimeError):
     """An episode's generation failed after every retry; its group is reported failed."""
 
 
-EpisodeResult = Union[Trajectory, list[Trajectory], None]
+EpisodeResult = Trajectory | list[Trajectory] | None
 Episode = Callable[["EpisodeContext", Any], Awaitable[EpisodeResult]]
 RewardFn = Callable[[Any, list[int]], "float | Awaitable[float]"]
 

@@ -57,5 +57,5 @@ class ReverseTask:
         if self.eos_id in out:
             out = out[: out.index(self.eos_id)]
         answer = sample.answer
-        hits = sum(1 for a, b in zip(out, answer) if a == b)
+        hits = sum(1 for a, b in zip(out, answer, strict=False) if a == b)
         return hits / len(answer)

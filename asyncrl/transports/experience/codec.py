@@ -18,8 +18,8 @@ import numpy as np
 from asyncrl.transports.experience.types import (
     ARRAY_FIELDS,
     Message,
-    Trajectory,
     TrainBatch,
+    Trajectory,
     TrajMeta,
 )
 

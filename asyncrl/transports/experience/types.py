@@ -17,8 +17,8 @@ __all__ = [
     "ARRAY_FIELDS",
     "Shutdown",
     "StepDone",
-    "Trajectory",
     "TrainBatch",
+    "Trajectory",
 ]
 
 # name -> dtype of every per-trajectory array; the codec relies on this order.

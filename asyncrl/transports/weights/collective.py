@@ -50,7 +50,9 @@ def resolve_backend(name: str, device: str) -> str:
         try:
             import torch_npu  # noqa: F401
         except ImportError:
-            raise ValueError("weights.backend='hccl' needs torch_npu (pip install torch-npu)") from None
+            raise ValueError(
+                "weights.backend='hccl' needs torch_npu (pip install torch-npu)"
+            ) from None
     if name not in ("gloo", "nccl", "hccl"):
         raise ValueError(f"{name!r} is not a collective backend (allowed: gloo, nccl, hccl)")
     return name
@@ -131,7 +133,9 @@ class CollectiveWeightSender:
         self._pause_mode = pause_mode
         self._device = device
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="weight-sender", daemon=True)
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="weight-sender", daemon=True
+        )
         self._group: dist.ProcessGroup | None = None
         self._clients: list[SGLangClient] = []
         self._plan: list[BucketManifest] = []
@@ -156,7 +160,7 @@ class CollectiveWeightSender:
             self._thread.join(timeout=10)
         self._group = None
 
-    def _run(self, coro):  # noqa: ANN001, ANN202 - internal
+    def _run(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     async def _connect(self) -> None:

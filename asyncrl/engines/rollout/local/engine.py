@@ -223,8 +223,12 @@ class LocalEngine:
             for r, reason in done:
                 self._finish(r, reason)
 
-    def _sample(self, logits: torch.Tensor, batch: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
-        temps = torch.tensor([max(r.sampling.temperature, 1e-5) for r in batch], device=logits.device)
+    def _sample(
+        self, logits: torch.Tensor, batch: list[Request]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        temps = torch.tensor(
+            [max(r.sampling.temperature, 1e-5) for r in batch], device=logits.device
+        )
         scaled = logits / temps[:, None]
         logp = torch.log_softmax(scaled, dim=-1)
         filtered = scaled.clone()

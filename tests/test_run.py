@@ -1,0 +1,83 @@
+"""End to end: `asyncrl run` through every process (engine, trainer, controller)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from asyncrl.procs import python_env
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead for our purposes
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def _run_cli(tmp_path: Path, model_dir: Path, *extra: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "asyncrl.cli", "run", "--run-dir", str(tmp_path / "run")]
+    cmd += [f"--model.path={model_dir}", "--quiet", *extra]
+    return subprocess.Popen(cmd, env=python_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def test_short_run_end_to_end(tmp_path: Path, tiny_model_dir: Path) -> None:
+    proc = _run_cli(
+        tmp_path,
+        tiny_model_dir,
+        "--controller.total_steps=6",
+        "--controller.batch_size=4",
+        "--controller.max_staleness=1",
+    )
+    try:
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = out.decode(errors="replace")
+    assert proc.returncode == 0, text
+    run = tmp_path / "run"
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(6))
+    for r in rows:
+        assert {"reward_mean", "staleness_max", "weight_version", "num_samples", "wall_s"} <= set(r)
+        assert 0 <= r["staleness_max"] <= 1
+        assert r["num_samples"] == 4 * 8
+    versions = {r["weight_version"] for r in rows}
+    assert len(versions) >= 3 and max(versions) == 6
+    pids = json.loads((run / "processes.json").read_text())
+    assert set(pids) == {"engine0", "trainer0"}
+    assert not [name for name, pid in pids.items() if _alive(pid)]
+
+
+def test_sigint_stops_every_process(tmp_path: Path, tiny_model_dir: Path) -> None:
+    proc = _run_cli(tmp_path, tiny_model_dir, "--controller.total_steps=10000")
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and proc.poll() is None:
+            if metrics.is_file() and len(metrics.read_text().splitlines()) >= 2:
+                break
+            time.sleep(0.2)
+        assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else ""
+        pids = json.loads((tmp_path / "run" / "processes.json").read_text())
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=20)
+        assert time.monotonic() - t0 < 15
+        assert proc.returncode == 130
+        assert not [name for name, pid in pids.items() if _alive(pid)]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
