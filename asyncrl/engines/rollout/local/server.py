@@ -68,7 +68,9 @@ class EngineServer:
         body = await _body(request)
         ids = body.get("input_ids")
         if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids):
-            raise _BadRequest("input_ids must be a non-empty list of ints (batched input unsupported)")
+            raise _BadRequest(
+                "input_ids must be a non-empty list of ints (batched input unsupported)"
+            )
         vocab = self.engine.model.get_input_embeddings().num_embeddings
         if min(ids) < 0 or max(ids) >= vocab:
             raise _BadRequest(f"input_ids must be in [0, {vocab})")
@@ -237,7 +239,9 @@ def build_app(server: EngineServer) -> web.Application:
     return app
 
 
-def load_engine(model_path: str, device: str, dtype: str, max_batch_size: int, seed: int) -> LocalEngine:
+def load_engine(
+    model_path: str, device: str, dtype: str, max_batch_size: int, seed: int
+) -> LocalEngine:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
