@@ -261,14 +261,27 @@ def build_app(server: EngineServer) -> web.Application:
 
 
 def load_engine(
-    model_path: str, device: str, dtype: str, max_batch_size: int, seed: int
+    model_path: str,
+    device: str,
+    dtype: str,
+    max_batch_size: int,
+    seed: int,
+    max_prefill_tokens: int = 8192,
 ) -> LocalEngine:
+    """The model at ``model_path`` (a Hugging Face folder) behind a LocalEngine."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
     eos = model.generation_config.eos_token_id or model.config.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    return LocalEngine(model, eos_ids, device=device, max_batch_size=max_batch_size, seed=seed)
+    return LocalEngine(
+        model,
+        eos_ids,
+        device=device,
+        max_batch_size=max_batch_size,
+        seed=seed,
+        max_prefill_tokens=max_prefill_tokens,
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
