@@ -200,3 +200,30 @@ async def test_weight_load_mid_flight_recomputes_cache_and_keeps_oldest_version(
     with pytest.raises(KeyError):
         engine.load_weights([("nope", torch.zeros(1))], "8")
     assert engine.weight_version == "0"
+
+
+@pytest.mark.gpu
+async def test_cuda_engine_matches_hf_generate(model: torch.nn.Module) -> None:
+    cuda_model = type(model)(model.config).to("cuda").eval()
+    cuda_model.load_state_dict(model.state_dict())
+    eng = LocalEngine(cuda_model, {EOS}, device="cuda", max_batch_size=2)
+    try:
+        reqs = await asyncio.gather(
+            *(
+                _gen(eng, p, rid=str(i), max_new_tokens=8, temperature=0, ignore_eos=True)
+                for i, p in enumerate(PROMPTS)
+            )
+        )
+        for p, r in zip(PROMPTS, reqs, strict=True):
+            ref = cuda_model.generate(
+                torch.tensor([p], device="cuda"),
+                max_new_tokens=8,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+            assert r.output_ids == ref[0, len(p) :].tolist()
+        sampled = await _gen(eng, PROMPTS[0], max_new_tokens=8, top_p=0.9, top_k=5)
+        assert len(sampled.output_ids) >= 1
+    finally:
+        eng.stop()
