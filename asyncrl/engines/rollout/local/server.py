@@ -5,8 +5,8 @@
 ``/pause_generation``, ``/continue_generation``, ``/init_weights_update_group``,
 ``/update_weights_from_distributed`` (``load_format="flattened_bucket"``),
 ``/update_weight_version``, ``/get_weight_version``, ``/flush_cache``,
-``/get_model_info``, ``/health``. Bad requests get HTTP 400 with a message and
-the server keeps serving.
+``/get_model_info``, ``/get_server_info`` (step and token counters), ``/health``.
+Bad requests get HTTP 400 with a message and the server keeps serving.
 
 Weight updates are staged: a bucket sent with ``flush_cache=false`` is received
 and held; the bucket with ``flush_cache=true`` (SGLang's default, so a
@@ -71,7 +71,7 @@ class EngineServer:
         try:
             await req.future
         except asyncio.CancelledError:  # client went away
-            self.engine.abort(req.rid)
+            await asyncio.shield(asyncio.to_thread(self.engine.abort, req.rid))
             raise
         meta: dict[str, Any] = {
             "id": req.rid,
@@ -115,7 +115,8 @@ class EngineServer:
 
     async def abort_request(self, request: web.Request) -> web.Response:
         body = await _body(request)
-        n = self.engine.abort(str(body.get("rid", "")), bool(body.get("abort_all", False)))
+        rid, abort_all = str(body.get("rid") or ""), bool(body.get("abort_all", False))
+        n = await asyncio.to_thread(self.engine.abort, rid, abort_all)
         return web.json_response({"success": True, "aborted": n})
 
     async def pause_generation(self, request: web.Request) -> web.Response:
