@@ -20,6 +20,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
+import sys
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -318,6 +320,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     app = build_app(EngineServer(engine, args.model_path))
     web.run_app(app, host=args.host, port=args.port, print=None, access_log=None)
+    # Shutdown was orderly (engine stopped, sockets closed); skip the interpreter's slow
+    # teardown of torch/transformers, which takes seconds on a loaded machine.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
