@@ -51,7 +51,7 @@ class TaskConfig(_Section):
 
 class RolloutConfig(_Section):
     backend: Literal["local", "sglang"] = "local"
-    """``local``: embedded engines; ``sglang``: SGLang servers (at ``urls`` or launched)."""
+    """``local``: the embedded engine (started by the run); ``sglang``: SGLang servers."""
     urls: tuple[str, ...] = ()
     """Engines already running elsewhere (``http://host:port``). Empty: the run starts them."""
     num_engines: int = 1
