@@ -216,6 +216,14 @@ class SGLangClient:
             raise EngineError("/get_weight_version", 200, f"unexpected response: {out!r:.200}")
         return str(out["weight_version"])
 
+    async def get_server_info(self) -> dict[str, Any]:
+        """The server's ``/get_server_info`` (SGLang: server args and state; the embedded
+        engine: step and token counters)."""
+        out = await self._call("GET", "/get_server_info")
+        if not isinstance(out, dict):
+            raise EngineError("/get_server_info", 200, f"unexpected response: {out!r:.200}")
+        return out
+
     # -- liveness ----------------------------------------------------------------------
     async def health(self) -> bool:
         """True when the server answers /health with 200; never raises."""

@@ -58,16 +58,26 @@ async def test_abort_one_and_all(engine_server: LaunchedServer) -> None:
 @pytest.mark.parametrize("mode", ["in_place", "retract"])
 async def test_pause_keeps_and_continue_resumes(engine_server: LaunchedServer, mode: str) -> None:
     client = SGLangClient(engine_server.url)
+
+    async def tokens() -> int:
+        return int((await client.get_server_info())["tokens"])
+
     try:
-        params = {"max_new_tokens": 300, "ignore_eos": True}
-        task = asyncio.create_task(client.generate([1, 5], params, rid=mode))
-        await asyncio.sleep(0.2)
+        task = asyncio.create_task(client.generate([1, 5], LONG, rid=mode))
+        await _started(client, mode, task)
         await client.pause_generation(mode)
+        frozen = await tokens()
         await asyncio.sleep(0.5)
-        assert not task.done()
+        assert not task.done() and await tokens() == frozen  # kept, not generating
         await client.continue_generation()
+        for _ in range(200):
+            if await tokens() > frozen:
+                break
+            await asyncio.sleep(0.05)
+        assert await tokens() > frozen  # generating again
+        await client.abort_request(mode)
         res = await asyncio.wait_for(task, 60)
-        assert res.finish_reason == "length" and len(res.output_ids) == 300
+        assert res.finish_reason == "abort" and len(res.output_ids) > 0
     finally:
         await client.continue_generation()
         await client.close()

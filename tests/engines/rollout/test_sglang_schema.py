@@ -118,6 +118,7 @@ SCHEMA: dict[str, tuple[set[str], str, dict[str, str], set[str]]] = {
         {"new_version"},
     ),
     "/get_weight_version": ({"GET"}, "(no body)", {}, set()),
+    "/get_server_info": ({"GET"}, "(no body)", {}, set()),
     "/health": ({"GET"}, "(no body)", {}, set()),
 }
 
@@ -248,6 +249,7 @@ async def test_every_request_the_client_sends_matches_sglang(
         await client.update_weight_version("4")
         assert await client.get_weight_version() == "4"
         assert await client.health()
+        assert (await client.get_server_info())["weight_version"] == "4"
         await client.update_weight_version("0")
     finally:
         await client.close()
