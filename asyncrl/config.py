@@ -76,6 +76,13 @@ class RolloutConfig(_Section):
     """How engines pause for a weight update. ``abort``: in-flight requests return their
     partial output and the controller resumes them under the new weights (every token's
     version stays exact)."""
+    tp_size: int = 1
+    """GPUs per launched SGLang server (``--tp-size``); the embedded engine needs 1."""
+    mem_fraction_static: float = 0.0
+    """SGLang's ``--mem-fraction-static`` of launched servers; 0 keeps SGLang's default."""
+    extra_args: tuple[str, ...] = ()
+    """Extra command-line arguments of every launched engine server, passed through as they
+    are (e.g. ``["--skip-tokenizer-init"]`` for SGLang, ``["--threads", "2"]`` locally)."""
 
 
 class TrainerConfig(_Section):

@@ -29,6 +29,7 @@ import msgspec
 from asyncrl.config import RunConfig, to_dict
 from asyncrl.controllers.controller import Batch, Controller
 from asyncrl.controllers.episode import single_turn
+from asyncrl.engines.rollout.launcher import start_engines
 from asyncrl.engines.rollout.sglang import SGLangClient
 from asyncrl.procs import free_port, python_env, spawn, stop
 from asyncrl.tasks import make_task
@@ -83,20 +84,11 @@ class _Run:
         self.rows: list[dict[str, Any]] = []
 
     def start_engines(self, model_path: str) -> list[str]:
-        rc = self.cfg.rollout
-        if rc.urls:
-            return list(rc.urls)
-        if rc.backend == "sglang":
-            raise ValueError("rollout.backend='sglang' needs rollout.urls (running SGLang servers)")
-        urls = []
-        for i in range(rc.num_engines):
-            port = free_port(rc.host)
-            args = ["-m", "asyncrl.engines.rollout.local.server", "--model-path", model_path]
-            args += ["--host", rc.host, "--port", str(port), "--device", rc.device]
-            args += ["--dtype", self.cfg.model.dtype, "--seed", str(self.cfg.seed + 1000 + i)]
-            args += ["--max-batch-size", str(rc.max_batch_size)]
-            self.procs[f"engine{i}"] = spawn(args, self.run_dir / f"engine{i}.log")
-            urls.append(f"http://{rc.host}:{port}")
+        urls, servers = start_engines(
+            self.cfg.rollout, model_path, self.run_dir, self.cfg.model.dtype, self.cfg.seed
+        )
+        for i, server in enumerate(servers):
+            self.procs[f"engine{i}"] = server.proc
         return urls
 
     def start_trainers(self, model_path: str, chan: ControllerChannel, urls: list[str]) -> None:

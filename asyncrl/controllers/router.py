@@ -1,16 +1,38 @@
-"""Routing of generation requests across engines: least outstanding requests, health-aware.
+"""Routing of generation requests across engines: least outstanding requests, health, stickiness.
 
-An engine that fails a request is taken out of rotation; a background health
-probe (run by the controller) puts it back once ``/health`` answers again.
+Contract:
+
+- :meth:`Router.pick` returns the healthy engine with the fewest requests in
+  flight (ties go round-robin, so an idle fleet fills evenly). With a ``key``
+  (an episode, a conversation), the key sticks to the engine it was first given
+  while that engine stays healthy — so a request resumed after an abort, or the
+  next turn of a multi-turn episode, lands on the engine that served it before.
+- :meth:`Router.call` runs one ``generate`` and counts it as outstanding while
+  it runs; a success clears the engine's failure streak.
+- :meth:`Router.report_failure`: an :class:`EngineUnavailable` (unreachable,
+  timed out) takes the engine out of rotation at once; server errors take it
+  out after ``max_consecutive_errors`` in a row (a bad request never does).
+  Keys stuck to an engine out of rotation are released.
+- :meth:`Router.probe` (the controller runs it periodically) puts engines that
+  answer ``/health`` back into rotation.
+
+All methods run on the controller's event loop; none blocks.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any
 
-from asyncrl.engines.rollout.base import EngineUnavailable, GenerateResult, RolloutEngine
+from asyncrl.engines.rollout.base import (
+    EngineBadRequest,
+    EngineError,
+    EngineUnavailable,
+    GenerateResult,
+    RolloutEngine,
+)
 
 __all__ = ["Router"]
 
@@ -18,36 +40,80 @@ log = logging.getLogger(__name__)
 
 
 class Router:
-    def __init__(self, engines: Sequence[RolloutEngine]):
+    """Spreads requests over ``engines`` (see the module docstring for the contract)."""
+
+    def __init__(self, engines: Sequence[RolloutEngine], max_consecutive_errors: int = 3):
         if not engines:
             raise ValueError("at least one rollout engine is needed")
+        if max_consecutive_errors < 1:
+            raise ValueError(f"max_consecutive_errors must be >= 1, got {max_consecutive_errors}")
         self.engines = list(engines)
+        self.max_consecutive_errors = max_consecutive_errors
         self.outstanding = {id(e): 0 for e in self.engines}
+        self.served = {id(e): 0 for e in self.engines}
         self.unhealthy: set[int] = set()
         self.failures = 0
+        self._streak = {id(e): 0 for e in self.engines}
+        self._sticky: dict[Hashable, RolloutEngine] = {}
+        self._turn = itertools.count()
 
-    def pick(self) -> RolloutEngine:
-        """The healthy engine with the fewest requests in flight."""
-        healthy = [e for e in self.engines if id(e) not in self.unhealthy]
+    # -- choosing ----------------------------------------------------------------------
+    def healthy(self) -> list[RolloutEngine]:
+        return [e for e in self.engines if id(e) not in self.unhealthy]
+
+    def pick(self, key: Hashable | None = None) -> RolloutEngine:
+        """The engine for the next request (sticky per ``key``); EngineUnavailable if none."""
+        if key is not None:
+            engine = self._sticky.get(key)
+            if engine is not None and id(engine) not in self.unhealthy:
+                return engine
+        healthy = self.healthy()
         if not healthy:
             raise EngineUnavailable("no healthy rollout engine")
-        return min(healthy, key=lambda e: self.outstanding[id(e)])
+        start = next(self._turn) % len(healthy)
+        rotated = healthy[start:] + healthy[:start]
+        engine = min(rotated, key=lambda e: self.outstanding[id(e)])
+        if key is not None:
+            self._sticky[key] = engine
+        return engine
 
+    def release(self, key: Hashable) -> None:
+        """Forget ``key``'s engine (call when the episode or conversation ends)."""
+        self._sticky.pop(key, None)
+
+    # -- calling -----------------------------------------------------------------------
     async def call(
         self, engine: RolloutEngine, input_ids: list[int], params: dict[str, Any], rid: str
     ) -> GenerateResult:
+        """``engine.generate`` counted as outstanding while it runs."""
         self.outstanding[id(engine)] += 1
         try:
-            return await engine.generate(input_ids, params, rid=rid)
+            res = await engine.generate(input_ids, params, rid=rid)
         finally:
             self.outstanding[id(engine)] -= 1
+        self._streak[id(engine)] = 0
+        self.served[id(engine)] += 1
+        return res
 
+    # -- health ------------------------------------------------------------------------
     def report_failure(self, engine: RolloutEngine | None, exc: Exception) -> None:
+        """Account a failed request of ``engine``; may take it out of rotation."""
         self.failures += 1
-        if engine is not None and isinstance(exc, EngineUnavailable):
-            if id(engine) not in self.unhealthy:
-                log.warning("engine %s out of rotation: %s", getattr(engine, "url", "?"), exc)
-            self.unhealthy.add(id(engine))
+        if engine is None or id(engine) not in self.outstanding:
+            return
+        if isinstance(exc, EngineBadRequest):
+            return  # the request was wrong, not the engine
+        self._streak[id(engine)] += 1
+        if isinstance(exc, EngineUnavailable) or (
+            isinstance(exc, EngineError) and self._streak[id(engine)] >= self.max_consecutive_errors
+        ):
+            self._mark_unhealthy(engine, exc)
+
+    def _mark_unhealthy(self, engine: RolloutEngine, exc: Exception) -> None:
+        if id(engine) not in self.unhealthy:
+            log.warning("engine %s out of rotation: %s", getattr(engine, "url", "?"), exc)
+        self.unhealthy.add(id(engine))
+        self._sticky = {k: e for k, e in self._sticky.items() if e is not engine}
 
     async def probe(self) -> None:
         """Put engines that answer /health back into rotation."""
@@ -55,3 +121,15 @@ class Router:
             if id(e) in self.unhealthy and await e.health():
                 log.info("engine %s back in rotation", getattr(e, "url", "?"))
                 self.unhealthy.discard(id(e))
+                self._streak[id(e)] = 0
+
+    def stats(self) -> dict[str, Any]:
+        """Per-engine outstanding/served counts and health, keyed by URL."""
+        return {
+            getattr(e, "url", str(i)): {
+                "outstanding": self.outstanding[id(e)],
+                "served": self.served[id(e)],
+                "healthy": id(e) not in self.unhealthy,
+            }
+            for i, e in enumerate(self.engines)
+        }

@@ -15,17 +15,31 @@ from typing import Any, Protocol
 
 import msgspec
 
-__all__ = ["EngineError", "EngineUnavailable", "GenerateResult", "RolloutEngine"]
+__all__ = [
+    "EngineBadRequest",
+    "EngineError",
+    "EngineUnavailable",
+    "GenerateResult",
+    "RolloutEngine",
+]
 
 
 class EngineError(RuntimeError):
-    """The engine answered with an error (HTTP >= 400 or success=false)."""
+    """The engine answered with an error (HTTP >= 400, or ``success: false`` with HTTP 200).
+
+    ``message`` is the server's own message (``error.message`` or ``message`` of its
+    JSON body, else the body text); ``status`` the HTTP status; ``path`` the endpoint.
+    """
 
     def __init__(self, path: str, status: int, message: str):
         super().__init__(f"{path} -> {status}: {message}")
         self.path = path
         self.status = status
         self.message = message
+
+
+class EngineBadRequest(EngineError):
+    """The engine rejected the request as malformed (HTTP 4xx): retrying it cannot help."""
 
 
 class EngineUnavailable(ConnectionError):
@@ -68,22 +82,41 @@ def _parse_version(v: Any) -> int:
 
 
 class RolloutEngine(Protocol):
-    """A generation server (see module docstring for the contract)."""
+    """A generation server as the controller sees it (module docstring: the contract).
+
+    The receiving side of weight sync (``init_weights_update_group``,
+    ``update_weights_from_distributed``, ``update_weights_from_tensor``) is driven
+    by the weight transport through :class:`~asyncrl.engines.rollout.sglang.SGLangClient`.
+    """
 
     url: str
 
     async def generate(
         self, input_ids: list[int], sampling_params: dict[str, Any], rid: str | None = None
-    ) -> GenerateResult: ...
+    ) -> GenerateResult:
+        """Complete ``input_ids``. Raises EngineError (server said no) or EngineUnavailable."""
+        ...
 
-    async def pause_generation(self, mode: str = "abort") -> None: ...
+    async def pause_generation(self, mode: str = "abort") -> None:
+        """Stop scheduling. ``abort`` returns in-flight requests; other modes keep them."""
+        ...
 
-    async def continue_generation(self) -> None: ...
+    async def continue_generation(self) -> None:
+        """Resume scheduling after a pause."""
+        ...
 
-    async def abort_request(self, rid: str = "", abort_all: bool = False) -> None: ...
+    async def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
+        """Finish request ``rid`` (or all) now; its ``generate`` returns the partial output."""
+        ...
 
-    async def get_weight_version(self) -> str: ...
+    async def get_weight_version(self) -> str:
+        """The version of the weights now loaded."""
+        ...
 
-    async def health(self) -> bool: ...
+    async def health(self) -> bool:
+        """True when the server answers ``/health``; never raises."""
+        ...
 
-    async def close(self) -> None: ...
+    async def close(self) -> None:
+        """Release the client's connections (the server keeps running)."""
+        ...

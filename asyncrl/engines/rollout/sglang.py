@@ -1,11 +1,20 @@
 """SGLang HTTP client: the RolloutEngine that speaks SGLang's server protocol exactly.
 
-Field names follow SGLang's ``io_struct.py`` (``GenerateReqInput``,
+Field names and types follow SGLang's ``io_struct.py`` (``GenerateReqInput``,
+``AbortReq``, ``PauseGenerationReqInput``, ``ContinueGenerationReqInput``,
 ``InitWeightsUpdateGroupReqInput``, ``UpdateWeightsFromDistributedReqInput``,
-``PauseGenerationReqInput``, ...). The embedded engine serves the same
-endpoints, so this one client drives both. Server-side failures surface as
-:class:`EngineError` (carrying the server's message); connection failures and
-timeouts as :class:`EngineUnavailable`.
+``UpdateWeightsFromTensorReqInput``, ``UpdateWeightVersionReqInput``,
+``FlushCacheReqInput``); ``tests/engines/rollout/test_sglang_schema.py`` checks
+every request this client sends against that schema. The embedded engine
+serves the same endpoints, so this one client drives both.
+
+Errors: a server answer with HTTP 4xx raises :class:`EngineBadRequest`, any
+other HTTP error or a ``success: false`` body raises :class:`EngineError` —
+both carry the server's message. Connection failures and timeouts raise
+:class:`EngineUnavailable` (recoverable: retry, maybe elsewhere).
+
+The launcher of SGLang server processes lives in
+:mod:`asyncrl.engines.rollout.launcher`.
 """
 
 from __future__ import annotations
@@ -16,18 +25,50 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from asyncrl.engines.rollout.base import EngineError, EngineUnavailable, GenerateResult
+from asyncrl.engines.rollout.base import (
+    EngineBadRequest,
+    EngineError,
+    EngineUnavailable,
+    GenerateResult,
+)
 
-__all__ = ["SGLangClient"]
+__all__ = ["PAUSE_MODES", "SGLangClient"]
+
+PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+def _server_message(raw: bytes) -> str:
+    """The message of an error body: ``error.message``, ``message``, ``detail`` or the text."""
+    text = raw.decode(errors="replace")
+    try:
+        body = msgspec.json.decode(raw)
+    except msgspec.DecodeError:
+        return text[:2000]
+    if isinstance(body, dict):
+        err = body.get("error")
+        if isinstance(err, dict) and err.get("message"):
+            return str(err["message"])
+        for key in ("message", "detail", "error"):
+            if body.get(key):
+                return str(body[key])
+    return text[:2000]
 
 
 class SGLangClient:
-    """One engine at ``base_url``. Create and use it inside one event loop."""
+    """One SGLang-protocol server at ``base_url``. Create and use it inside one event loop.
 
-    def __init__(self, base_url: str, timeout_s: float = 120.0):
+    ``record=True`` keeps every request sent as ``(method, path, body)`` in
+    ``self.sent`` (the schema test reads it).
+    """
+
+    def __init__(self, base_url: str, timeout_s: float = 120.0, record: bool = False):
         self.url = base_url.rstrip("/")
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._session: aiohttp.ClientSession | None = None
+        self.sent: list[tuple[str, str, dict[str, Any] | None]] | None = [] if record else None
+
+    def __repr__(self) -> str:
+        return f"SGLangClient({self.url!r})"
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -42,24 +83,26 @@ class SGLangClient:
             self._session = None
 
     async def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+        if self.sent is not None:
+            self.sent.append((method, path, body))
         try:
             async with self._http().request(method, self.url + path, json=body) as resp:
                 raw = await resp.read()
-                if resp.status >= 400:
-                    raise EngineError(path, resp.status, raw.decode(errors="replace")[:2000])
+                status = resp.status
         except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
             raise EngineUnavailable(f"{self.url}{path}: {type(exc).__name__}: {exc}") from exc
+        if 400 <= status < 500:
+            raise EngineBadRequest(path, status, _server_message(raw))
+        if status >= 400:
+            raise EngineError(path, status, _server_message(raw))
         if not raw:
             return None
         try:
-            return msgspec.json.decode(raw)
+            out = msgspec.json.decode(raw)
         except msgspec.DecodeError:
             return raw.decode(errors="replace")
-
-    @staticmethod
-    def _check_success(path: str, out: Any) -> Any:
         if isinstance(out, dict) and out.get("success") is False:
-            raise EngineError(path, 200, str(out.get("message", out)))
+            raise EngineError(path, status, str(out.get("message") or _server_message(raw)))
         return out
 
     # -- generation ---------------------------------------------------------------------
@@ -69,27 +112,31 @@ class SGLangClient:
         sampling_params: dict[str, Any],
         rid: str | None = None,
     ) -> GenerateResult:
-        """One completion with per-token log-probs of the sampled tokens."""
+        """One completion of ``input_ids`` with per-token log-probs of the sampled tokens."""
         body: dict[str, Any] = {
-            "input_ids": list(input_ids),
-            "sampling_params": sampling_params,
+            "input_ids": [int(t) for t in input_ids],
+            "sampling_params": dict(sampling_params),
             "return_logprob": True,
         }
         if rid is not None:
-            body["rid"] = rid
-        out = await self._call("POST", "/generate", body)
-        return GenerateResult.from_sglang(out)
+            body["rid"] = str(rid)
+        return GenerateResult.from_sglang(await self._call("POST", "/generate", body))
 
     async def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
-        await self._call("POST", "/abort_request", {"rid": rid, "abort_all": abort_all})
+        """Abort request ``rid`` (or every request): its /generate returns the partial output."""
+        await self._call("POST", "/abort_request", {"rid": str(rid), "abort_all": bool(abort_all)})
 
     async def pause_generation(self, mode: str = "abort") -> None:
+        """Stop scheduling: ``abort`` | ``retract`` | ``in_place`` (SGLang's modes)."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
         await self._call("POST", "/pause_generation", {"mode": mode})
 
     async def continue_generation(self) -> None:
         await self._call("POST", "/continue_generation", {})
 
     async def flush_cache(self) -> None:
+        """Drop the server's prefix cache (SGLang refuses while requests run)."""
         await self._call("POST", "/flush_cache")
 
     # -- weights -----------------------------------------------------------------------
@@ -102,16 +149,16 @@ class SGLangClient:
         group_name: str = "weight_update_group",
         backend: str = "nccl",
     ) -> None:
-        path = "/init_weights_update_group"
+        """Join the weight-sync process group as ranks ``rank_offset..`` (blocks until formed)."""
         body = {
-            "master_address": master_address,
-            "master_port": master_port,
-            "rank_offset": rank_offset,
-            "world_size": world_size,
-            "group_name": group_name,
-            "backend": backend,
+            "master_address": str(master_address),
+            "master_port": int(master_port),
+            "rank_offset": int(rank_offset),
+            "world_size": int(world_size),
+            "group_name": str(group_name),
+            "backend": str(backend),
         }
-        self._check_success(path, await self._call("POST", path, body))
+        await self._call("POST", "/init_weights_update_group", body)
 
     async def update_weights_from_distributed(
         self,
@@ -123,32 +170,63 @@ class SGLangClient:
         weight_version: str | None = None,
         load_format: str | None = None,
     ) -> None:
-        path = "/update_weights_from_distributed"
+        """Receive one broadcast of the named tensors (``load_format="flattened_bucket"``:
+        one flat buffer). ``flush_cache=True`` commits; ``weight_version`` is set with it."""
         body: dict[str, Any] = {
-            "names": names,
-            "dtypes": dtypes,
-            "shapes": shapes,
-            "group_name": group_name,
-            "flush_cache": flush_cache,
+            "names": [str(n) for n in names],
+            "dtypes": [str(d) for d in dtypes],
+            "shapes": [[int(x) for x in s] for s in shapes],
+            "group_name": str(group_name),
+            "flush_cache": bool(flush_cache),
             "abort_all_requests": False,
         }
         if weight_version is not None:
-            body["weight_version"] = weight_version
+            body["weight_version"] = str(weight_version)
         if load_format is not None:
-            body["load_format"] = load_format
-        self._check_success(path, await self._call("POST", path, body))
+            body["load_format"] = str(load_format)
+        await self._call("POST", "/update_weights_from_distributed", body)
+
+    async def update_weights_from_tensor(
+        self,
+        serialized_named_tensors: list[str],
+        load_format: str | None = None,
+        flush_cache: bool = True,
+        weight_version: str | None = None,
+    ) -> None:
+        """Load tensors handed over in-host (CUDA IPC handles), one base64 string per TP rank."""
+        body: dict[str, Any] = {
+            "serialized_named_tensors": [str(s) for s in serialized_named_tensors],
+            "flush_cache": bool(flush_cache),
+            "abort_all_requests": False,
+        }
+        if load_format is not None:
+            body["load_format"] = str(load_format)
+        if weight_version is not None:
+            body["weight_version"] = str(weight_version)
+        await self._call("POST", "/update_weights_from_tensor", body)
 
     async def update_weight_version(self, new_version: str) -> None:
-        path = "/update_weight_version"
-        body = {"new_version": new_version, "abort_all_requests": False}
-        self._check_success(path, await self._call("POST", path, body))
+        """Relabel the loaded weights (never aborts running requests)."""
+        body = {"new_version": str(new_version), "abort_all_requests": False}
+        await self._call("POST", "/update_weight_version", body)
 
     async def get_weight_version(self) -> str:
         out = await self._call("GET", "/get_weight_version")
+        if not isinstance(out, dict) or "weight_version" not in out:
+            raise EngineError("/get_weight_version", 200, f"unexpected response: {out!r:.200}")
         return str(out["weight_version"])
 
+    async def get_server_info(self) -> dict[str, Any]:
+        """The server's ``/get_server_info`` (SGLang: server args and state; the embedded
+        engine: step and token counters)."""
+        out = await self._call("GET", "/get_server_info")
+        if not isinstance(out, dict):
+            raise EngineError("/get_server_info", 200, f"unexpected response: {out!r:.200}")
+        return out
+
+    # -- liveness ----------------------------------------------------------------------
     async def health(self) -> bool:
-        """True when the server answers /health with 200."""
+        """True when the server answers /health with 200; never raises."""
         try:
             await self._call("GET", "/health")
         except (EngineError, EngineUnavailable):

@@ -1,15 +1,24 @@
 """The embedded generation engine: a transformers model behind a continuous-batching loop.
 
-One scheduler thread owns the model. At every token boundary it admits waiting
-requests into the running batch (up to ``max_batch_size``), runs one forward
-pass over the running sequences, samples one token for each, and retires the
-finished ones — so requests join and leave the batch between tokens. Weight
-updates are applied under the same lock, between two decoding steps, so no
-forward pass ever sees a half-loaded model.
+One scheduler thread owns the model and a per-sequence KV cache
+(:class:`~asyncrl.engines.rollout.local.kv.BatchCache`). Each iteration is a
+token boundary: if requests are waiting it *prefills* them (up to
+``max_batch_size`` running and ``max_prefill_tokens`` per prefill), samples
+their first token and appends their cache rows to the running batch;
+otherwise it runs one *decode* step — one new token per running sequence
+against the cached past. Finished sequences leave at once and their rows are
+dropped. Abort, pause and weight updates take the model lock, so they happen
+between two steps and never see a half-updated batch or model.
+
+Pause modes (SGLang's): ``abort`` returns every request (running and waiting)
+at once with its partial output; ``in_place`` keeps them and their cache;
+``retract`` moves running requests back to the queue and frees their cache
+(recomputed on continue). Weights loaded while requests are in flight make
+their cache stale: they are re-prefilled under the new weights before their
+next token.
 
 Reported ``weight_version`` of a request is the *oldest* version that produced
-any of its tokens (conservative for staleness accounting even when weights
-change under an in-place pause).
+any of its tokens (conservative for staleness accounting).
 """
 
 from __future__ import annotations
@@ -23,45 +32,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["LocalEngine", "SamplingParams"]
+from asyncrl.engines.rollout.local.kv import BatchCache
+from asyncrl.engines.rollout.local.sampling import SamplingParams, sample
+
+__all__ = ["LocalEngine", "Request", "SamplingParams"]
 
 log = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """The SGLang sampling_params subset the embedded engine honours."""
-
-    max_new_tokens: int = 128
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> SamplingParams:
-        known = {
-            "max_new_tokens": int,
-            "temperature": float,
-            "top_p": float,
-            "top_k": int,
-            "ignore_eos": bool,
-        }
-        kwargs: dict[str, Any] = {}
-        for key, conv in known.items():
-            if d.get(key) is not None:
-                kwargs[key] = conv(d[key])
-        if d.get("stop_token_ids"):
-            kwargs["stop_token_ids"] = tuple(int(t) for t in d["stop_token_ids"])
-        sp = cls(**kwargs)
-        if sp.max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {sp.max_new_tokens}")
-        if sp.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {sp.temperature}")
-        if not 0 < sp.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {sp.top_p}")
-        return sp
+PAUSE_MODES = ("abort", "in_place", "retract")
 
 
 @dataclass(eq=False)
@@ -88,53 +66,66 @@ class LocalEngine:
         max_batch_size: int = 256,
         seed: int = 0,
         weight_version: str = "0",
+        max_prefill_tokens: int = 8192,
     ):
         self.model = model.to(device).eval()
         self.device = torch.device(device)
-        self.eos_token_ids = eos_token_ids
+        self.eos_token_ids = set(eos_token_ids)
         self.max_batch_size = max_batch_size
+        self.max_prefill_tokens = max_prefill_tokens
         self.weight_version = weight_version
+        self.vocab_size = model.get_input_embeddings().num_embeddings
         self._gen = torch.Generator(device=self.device).manual_seed(seed)
         self._cv = threading.Condition()
-        self._model_lock = threading.Lock()
+        self._model_lock = threading.Lock()  # order: _model_lock, then _cv
         self._waiting: deque[Request] = deque()
-        self._running: list[Request] = []
+        self._running: list[Request] = []  # row i of self._kv is self._running[i]
+        self._kv: BatchCache | None = None
+        self._stale = False
         self._paused = False
         self._stopped = False
+        self.stats = {"prefill_steps": 0, "decode_steps": 0, "tokens": 0}
         self._params = dict(self.model.named_parameters())
         self._thread = threading.Thread(target=self._run, name="engine-scheduler", daemon=True)
         self._thread.start()
 
     # -- requests ------------------------------------------------------------------------
     def submit(self, req: Request) -> None:
+        """Queue ``req``; its future resolves (to ``req``) when it finishes or is aborted."""
         if req.sampling.max_new_tokens == 0:
             self._finish(req, {"type": "length", "length": 0})
             return
         with self._cv:
+            if self._stopped:
+                self._finish(req, {"type": "abort", "message": "engine stopped"})
+                return
             self._waiting.append(req)
             self._cv.notify()
 
     def abort(self, rid: str = "", abort_all: bool = False) -> int:
         """Finish matching requests now with their partial output; returns how many.
 
-        Waits for the decoding step in progress, so a returned output never grows.
+        Waits for the step in progress, so a returned output never grows afterwards.
         """
         with self._model_lock, self._cv:
             victims = [r for r in (*self._waiting, *self._running) if abort_all or r.rid == rid]
-            self._waiting = deque(r for r in self._waiting if r not in victims)
-            self._running = [r for r in self._running if r not in victims]
+            if not victims:
+                return 0
+            gone = {id(r) for r in victims}
+            self._waiting = deque(r for r in self._waiting if id(r) not in gone)
+            self._keep_running([i for i, r in enumerate(self._running) if id(r) not in gone])
         for r in victims:
             self._finish(r, {"type": "abort", "message": "aborted by request"})
         return len(victims)
 
     def pause(self, mode: str) -> None:
-        """Stop scheduling; ``abort`` also returns every in-flight request at once."""
-        if mode not in ("abort", "in_place", "retract"):
-            raise ValueError(f"pause mode must be abort, in_place or retract, got {mode!r}")
-        with self._cv:
+        """Stop scheduling between two steps (see the module docstring for the modes)."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
+        with self._model_lock, self._cv:
             self._paused = True
-        with self._model_lock:  # wait out the step in progress
-            pass
+            if mode == "retract":
+                self._retract()
         if mode == "abort":
             self.abort(abort_all=True)
 
@@ -142,6 +133,10 @@ class LocalEngine:
         with self._cv:
             self._paused = False
             self._cv.notify()
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
 
     def stop(self) -> None:
         with self._cv:
@@ -156,7 +151,11 @@ class LocalEngine:
 
     # -- weights -------------------------------------------------------------------------
     def load_weights(self, named: list[tuple[str, torch.Tensor]], version: str | None) -> None:
-        """Copy all tensors into the model between two steps, then switch the version."""
+        """Copy all tensors into the model between two steps, then switch the version.
+
+        Sequences in flight keep their tokens; their KV cache, computed by the old
+        weights, is recomputed under the new ones before their next token.
+        """
         missing = [n for n, _ in named if n not in self._params]
         if missing:
             raise KeyError(f"unknown parameter names: {missing[:5]}")
@@ -168,6 +167,7 @@ class LocalEngine:
                 self._params[n].copy_(t)
             if version is not None:
                 self.weight_version = version
+            self._stale = self._kv is not None
 
     # -- scheduler -----------------------------------------------------------------------
     def _run(self) -> None:
@@ -177,22 +177,50 @@ class LocalEngine:
                     self._cv.wait()
                 if self._stopped:
                     return
-                while self._waiting and len(self._running) < self.max_batch_size:
-                    self._running.append(self._waiting.popleft())
-                batch = list(self._running)
-            try:
-                with self._model_lock:
-                    self._step(batch)
-            except Exception as exc:  # a broken step must not hang its callers
-                log.exception("decode step failed")
-                for r in batch:
-                    self._finish(r, {"type": "abort", "message": f"engine error: {exc}"})
-                with self._cv:
-                    self._running = [r for r in self._running if r not in batch]
+            with self._model_lock:
+                try:
+                    self._iteration()
+                except Exception as exc:  # a broken step must not hang its callers
+                    log.exception("engine step failed")
+                    self._fail_all(exc)
 
-    @torch.no_grad()
-    def _step(self, batch: list[Request]) -> None:
-        seqs = [r.input_ids + r.output_ids for r in batch]
+    def _iteration(self) -> None:
+        """One token boundary: prefill the joiners, or one decode step of the batch."""
+        with self._cv:
+            if self._paused or self._stopped:
+                return
+            if self._stale:
+                self._retract()
+            joining: list[Request] = []
+            budget = self.max_prefill_tokens
+            while self._waiting and len(self._running) + len(joining) < self.max_batch_size:
+                n = len(self._waiting[0].input_ids) + len(self._waiting[0].output_ids)
+                if joining and n > budget:
+                    break
+                joining.append(self._waiting.popleft())
+                budget -= n
+        with torch.no_grad():
+            if joining:
+                self._prefill(joining)
+            elif self._running:
+                self._decode()
+
+    def _retract(self) -> None:
+        """Running requests back to the head of the queue; their cache is dropped."""
+        self._waiting.extendleft(reversed(self._running))
+        self._running = []
+        self._kv = None
+        self._stale = False
+
+    def _keep_running(self, rows: list[int]) -> None:
+        self._running = [self._running[i] for i in rows]
+        if not rows:
+            self._kv = None
+        elif self._kv is not None:
+            self._kv.keep(rows)
+
+    def _prefill(self, reqs: list[Request]) -> None:
+        seqs = [r.input_ids + r.output_ids for r in reqs]
         width = max(len(s) for s in seqs)
         ids = torch.zeros(len(seqs), width, dtype=torch.long)
         mask = torch.zeros(len(seqs), width, dtype=torch.long)
@@ -200,53 +228,70 @@ class LocalEngine:
             ids[i, width - len(s) :] = torch.tensor(s)
             mask[i, width - len(s) :] = 1
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        ids, mask, pos = ids.to(self.device), mask.to(self.device), pos.to(self.device)
-        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -1]
-        tokens, logprobs = self._sample(logits.float(), batch)
+        out = self.model(
+            input_ids=ids.to(self.device),
+            attention_mask=mask.to(self.device),
+            position_ids=pos.to(self.device),
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        joined = BatchCache(out.past_key_values, [len(s) for s in seqs])
+        if self._kv is None:
+            self._kv = joined
+        else:
+            self._kv.extend(joined)
+        with self._cv:
+            self._running += reqs
+        self.stats["prefill_steps"] += 1
+        self._emit(len(self._running) - len(reqs), out.logits[:, -1].float())
+
+    def _decode(self) -> None:
+        kv = self._kv
+        assert kv is not None and kv.rows == len(self._running)
+        ids = torch.tensor([[r.output_ids[-1]] for r in self._running], device=self.device)
+        out = self.model(
+            input_ids=ids,
+            attention_mask=kv.decode_mask(self.device),
+            position_ids=kv.positions(self.device),
+            past_key_values=kv.cache,
+            use_cache=True,
+        )
+        kv.cache = out.past_key_values
+        kv.advance()
+        self.stats["decode_steps"] += 1
+        self._emit(0, out.logits[:, -1].float())
+
+    def _emit(self, first: int, logits: torch.Tensor) -> None:
+        """Sample the next token of running rows ``first:``; finished rows leave the batch."""
+        rows = self._running[first:]
+        tokens, logprobs = sample(logits, [r.sampling for r in rows], self._gen)
         done: list[tuple[Request, dict[str, Any]]] = []
-        for r, tok, lp in zip(batch, tokens.tolist(), logprobs.tolist(), strict=True):
+        for r, tok, lp in zip(rows, tokens.tolist(), logprobs.tolist(), strict=True):
             r.output_ids.append(tok)
             r.logprobs.append(lp)
             if r.min_version is None:
                 r.min_version = self.weight_version
-            stops = set(r.sampling.stop_token_ids)
-            if not r.sampling.ignore_eos:
-                stops |= self.eos_token_ids
-            if tok in stops:
+            if tok in r.sampling.stop_token_ids or (
+                not r.sampling.ignore_eos and tok in self.eos_token_ids
+            ):
                 done.append((r, {"type": "stop", "matched": tok}))
             elif len(r.output_ids) >= r.sampling.max_new_tokens:
                 done.append((r, {"type": "length", "length": len(r.output_ids)}))
-        if done:
-            finished = {id(r) for r, _ in done}
-            with self._cv:
-                self._running = [r for r in self._running if id(r) not in finished]
-            for r, reason in done:
-                self._finish(r, reason)
+        self.stats["tokens"] += len(rows)
+        if not done:
+            return
+        finished = {id(r) for r, _ in done}
+        with self._cv:
+            self._keep_running([i for i, r in enumerate(self._running) if id(r) not in finished])
+        for r, reason in done:
+            self._finish(r, reason)
 
-    def _sample(
-        self, logits: torch.Tensor, batch: list[Request]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        temps = torch.tensor(
-            [max(r.sampling.temperature, 1e-5) for r in batch], device=logits.device
-        )
-        scaled = logits / temps[:, None]
-        logp = torch.log_softmax(scaled, dim=-1)
-        filtered = scaled.clone()
-        for i, r in enumerate(batch):
-            sp = r.sampling
-            if sp.top_k > 0 and sp.top_k < filtered.shape[-1]:
-                kth = torch.topk(filtered[i], sp.top_k).values[-1]
-                filtered[i][filtered[i] < kth] = float("-inf")
-            if sp.top_p < 1.0:
-                sorted_l, idx = torch.sort(filtered[i], descending=True)
-                cum = torch.softmax(sorted_l, -1).cumsum(-1)
-                drop = cum - torch.softmax(sorted_l, -1) > sp.top_p
-                filtered[i][idx[drop]] = float("-inf")
-        probs = torch.softmax(filtered, dim=-1)
-        greedy = torch.tensor([r.sampling.temperature == 0 for r in batch], device=logits.device)
-        sampled = torch.multinomial(probs, 1, generator=self._gen).squeeze(-1)
-        tokens = torch.where(greedy, logits.argmax(-1), sampled)
-        return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+    def _fail_all(self, exc: Exception) -> None:
+        with self._cv:
+            victims = list(self._running)
+            self._running, self._kv = [], None
+        for r in victims:
+            self._finish(r, {"type": "abort", "message": f"engine error: {exc}"})
 
     def _finish(self, r: Request, reason: dict[str, Any]) -> None:
         if r.finish is not None:

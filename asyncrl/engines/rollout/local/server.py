@@ -5,8 +5,8 @@
 ``/pause_generation``, ``/continue_generation``, ``/init_weights_update_group``,
 ``/update_weights_from_distributed`` (``load_format="flattened_bucket"``),
 ``/update_weight_version``, ``/get_weight_version``, ``/flush_cache``,
-``/get_model_info``, ``/health``. Bad requests get HTTP 400 with a message and
-the server keeps serving.
+``/get_model_info``, ``/get_server_info`` (step and token counters), ``/health``.
+Bad requests get HTTP 400 with a message and the server keeps serving.
 
 Weight updates are staged: a bucket sent with ``flush_cache=false`` is received
 and held; the bucket with ``flush_cache=true`` (SGLang's default, so a
@@ -20,6 +20,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
+import sys
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -66,12 +68,34 @@ class EngineServer:
 
     async def generate(self, request: web.Request) -> web.Response:
         body = await _body(request)
+        req = self._parse_generate(body, asyncio.get_running_loop())
+        self.engine.submit(req)
+        try:
+            await req.future
+        except asyncio.CancelledError:  # client went away
+            await asyncio.shield(asyncio.to_thread(self.engine.abort, req.rid))
+            raise
+        meta: dict[str, Any] = {
+            "id": req.rid,
+            "finish_reason": req.finish,
+            "prompt_tokens": len(req.input_ids),
+            "completion_tokens": len(req.output_ids),
+            "cached_tokens": 0,
+            "weight_version": req.min_version,
+        }
+        if body.get("return_logprob"):
+            meta["output_token_logprobs"] = [
+                [lp, tok, None] for lp, tok in zip(req.logprobs, req.output_ids, strict=True)
+            ]
+        return web.json_response({"text": "", "output_ids": req.output_ids, "meta_info": meta})
+
+    def _parse_generate(self, body: dict[str, Any], loop: asyncio.AbstractEventLoop) -> Request:
         ids = body.get("input_ids")
-        if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids):
-            raise _BadRequest(
-                "input_ids must be a non-empty list of ints (batched input unsupported)"
-            )
-        vocab = self.engine.model.get_input_embeddings().num_embeddings
+        if body.get("text") is not None:
+            raise _BadRequest("text prompts are unsupported: send input_ids (token ids)")
+        if not isinstance(ids, list) or not ids or not all(type(t) is int for t in ids):
+            raise _BadRequest("input_ids must be a non-empty list of ints (no batched input)")
+        vocab = self.engine.vocab_size
         if min(ids) < 0 or max(ids) >= vocab:
             raise _BadRequest(f"input_ids must be in [0, {vocab})")
         sp = body.get("sampling_params") or {}
@@ -81,36 +105,20 @@ class EngineServer:
             sampling = SamplingParams.from_dict(sp)
         except (TypeError, ValueError) as exc:
             raise _BadRequest(f"sampling_params: {exc}") from None
-        loop = asyncio.get_running_loop()
-        req = Request(
+        if body.get("stream"):
+            raise _BadRequest("stream=true is unsupported by the embedded engine")
+        return Request(
             rid=str(body.get("rid") or uuid.uuid4().hex),
             input_ids=ids,
             sampling=sampling,
             loop=loop,
             future=loop.create_future(),
         )
-        self.engine.submit(req)
-        try:
-            await req.future
-        except asyncio.CancelledError:  # client went away
-            self.engine.abort(req.rid)
-            raise
-        meta: dict[str, Any] = {
-            "id": req.rid,
-            "finish_reason": req.finish,
-            "prompt_tokens": len(ids),
-            "completion_tokens": len(req.output_ids),
-            "weight_version": req.min_version,
-        }
-        if body.get("return_logprob"):
-            meta["output_token_logprobs"] = [
-                [lp, tok, None] for lp, tok in zip(req.logprobs, req.output_ids, strict=True)
-            ]
-        return web.json_response({"text": "", "output_ids": req.output_ids, "meta_info": meta})
 
     async def abort_request(self, request: web.Request) -> web.Response:
         body = await _body(request)
-        n = self.engine.abort(str(body.get("rid", "")), bool(body.get("abort_all", False)))
+        rid, abort_all = str(body.get("rid") or ""), bool(body.get("abort_all", False))
+        n = await asyncio.to_thread(self.engine.abort, rid, abort_all)
         return web.json_response({"success": True, "aborted": n})
 
     async def pause_generation(self, request: web.Request) -> web.Response:
@@ -196,6 +204,21 @@ class EngineServer:
     async def get_model_info(self, request: web.Request) -> web.Response:
         return web.json_response({"model_path": self.model_path, "is_generation": True})
 
+    async def get_server_info(self, request: web.Request) -> web.Response:
+        e = self.engine
+        return web.json_response(
+            {
+                "engine": "asyncrl-local",
+                "model_path": self.model_path,
+                "device": str(e.device),
+                "max_batch_size": e.max_batch_size,
+                "weight_version": e.weight_version,
+                "paused": e.paused,
+                "num_requests": e.num_requests,
+                **e.stats,
+            }
+        )
+
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(text="ok")
 
@@ -224,6 +247,7 @@ def build_app(server: EngineServer) -> web.Application:
     get = {
         "/get_weight_version": server.get_weight_version,
         "/get_model_info": server.get_model_info,
+        "/get_server_info": server.get_server_info,
         "/health": server.health,
     }
     for path, h in post.items():
@@ -240,17 +264,30 @@ def build_app(server: EngineServer) -> web.Application:
 
 
 def load_engine(
-    model_path: str, device: str, dtype: str, max_batch_size: int, seed: int
+    model_path: str,
+    device: str,
+    dtype: str,
+    max_batch_size: int,
+    seed: int,
+    max_prefill_tokens: int = 8192,
 ) -> LocalEngine:
+    """The model at ``model_path`` (a Hugging Face folder) behind a LocalEngine."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
     eos = model.generation_config.eos_token_id or model.config.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    return LocalEngine(model, eos_ids, device=device, max_batch_size=max_batch_size, seed=seed)
+    return LocalEngine(
+        model,
+        eos_ids,
+        device=device,
+        max_batch_size=max_batch_size,
+        seed=seed,
+        max_prefill_tokens=max_prefill_tokens,
+    )
 
 
-def main(argv: list[str] | None = None) -> None:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="asyncrl embedded engine (SGLang HTTP protocol)")
     p.add_argument("--model-path", required=True)
     p.add_argument("--host", default="127.0.0.1")
@@ -258,14 +295,37 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--max-batch-size", type=int, default=256)
+    p.add_argument("--max-prefill-tokens", type=int, default=8192)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
-    args = p.parse_args(argv)
+    # SGLang launch_server flags, so the SGLang launcher can start this server too.
+    p.add_argument("--tp-size", "--tp", type=int, default=1, help="must be 1 (no tensor parallel)")
+    p.add_argument("--mem-fraction-static", type=float, default=None, help="accepted, unused")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
+    if args.tp_size != 1:
+        raise SystemExit("the embedded engine has no tensor parallelism: --tp-size must be 1")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s %(message)s")
     torch.set_num_threads(args.threads)
-    engine = load_engine(args.model_path, args.device, args.dtype, args.max_batch_size, args.seed)
+    engine = load_engine(
+        args.model_path,
+        args.device,
+        args.dtype,
+        args.max_batch_size,
+        args.seed,
+        args.max_prefill_tokens,
+    )
     app = build_app(EngineServer(engine, args.model_path))
     web.run_app(app, host=args.host, port=args.port, print=None, access_log=None)
+    # Shutdown was orderly (engine stopped, sockets closed); skip the interpreter's slow
+    # teardown of torch/transformers, which takes seconds on a loaded machine.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,202 @@
+"""Start, health-wait and stop rollout-engine server processes; or take engines by URL.
+
+:func:`launch` runs ``python -m sglang.launch_server --model-path P --tp-size N
+--host H --port P [--mem-fraction-static F] [extra args...]`` in its own
+session (so stopping it by pid ends its whole process tree, TP workers
+included) with output to a log file. :func:`wait_healthy` polls ``/health``
+until it answers, failing early (with the log's tail) if the process exits,
+or after a timeout. :func:`stop_servers` ends them by pid (SIGTERM, then
+SIGKILL).
+
+The server module is a field of :class:`LaunchSpec`: ``sglang.launch_server``
+by default; ``asyncrl.engines.rollout.local.server`` (the embedded engine,
+which accepts the same flags) runs the very same code path — that is how the
+launcher is tested on machines without SGLang, and how ``asyncrl run`` starts
+its embedded engines.
+
+:func:`start_engines` is the one place a run turns ``RolloutConfig`` into
+engine URLs: the configured ``urls`` as they are (servers running elsewhere),
+or freshly launched local or SGLang servers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from asyncrl.config import RolloutConfig
+from asyncrl.engines.rollout.base import EngineUnavailable
+from asyncrl.engines.rollout.sglang import SGLangClient
+from asyncrl.procs import free_port, python_env, spawn, stop
+
+__all__ = [
+    "LOCAL_SERVER",
+    "SGLANG_SERVER",
+    "LaunchSpec",
+    "LaunchedServer",
+    "launch",
+    "launch_command",
+    "start_engines",
+    "stop_servers",
+    "wait_healthy",
+]
+
+SGLANG_SERVER = "sglang.launch_server"
+LOCAL_SERVER = "asyncrl.engines.rollout.local.server"
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """One server process to start."""
+
+    model_path: str
+    """Hugging Face model folder (or hub id, for SGLang)."""
+    port: int
+    """HTTP port of the server."""
+    host: str = "127.0.0.1"
+    """Address the server binds to."""
+    tp_size: int = 1
+    """Tensor-parallel size (GPUs per server)."""
+    mem_fraction_static: float | None = None
+    """SGLang's static memory fraction (weights + KV cache); None keeps SGLang's default."""
+    extra_args: tuple[str, ...] = ()
+    """Further command-line arguments, passed through unchanged."""
+    module: str = SGLANG_SERVER
+    """The ``python -m`` module to run (the hook: any server taking SGLang's flags)."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment variables (e.g. ``CUDA_VISIBLE_DEVICES``)."""
+
+    @property
+    def url(self) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+        return f"http://{host}:{self.port}"
+
+
+@dataclass
+class LaunchedServer:
+    """A started server: its process (stop it by pid), URL and log file."""
+
+    spec: LaunchSpec
+    proc: subprocess.Popen
+    log_path: Path | None
+
+    @property
+    def url(self) -> str:
+        return self.spec.url
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def log_tail(self, chars: int = 2000) -> str:
+        if self.log_path is None or not self.log_path.is_file():
+            return ""
+        return self.log_path.read_bytes()[-chars:].decode(errors="replace")
+
+
+def launch_command(spec: LaunchSpec) -> list[str]:
+    """The interpreter arguments (after ``python``) that start ``spec``'s server."""
+    if spec.tp_size < 1:
+        raise ValueError(f"tp_size must be >= 1, got {spec.tp_size}")
+    if spec.mem_fraction_static is not None and not 0 < spec.mem_fraction_static < 1:
+        raise ValueError(f"mem_fraction_static must be in (0, 1), got {spec.mem_fraction_static}")
+    args = ["-m", spec.module, "--model-path", spec.model_path, "--tp-size", str(spec.tp_size)]
+    args += ["--host", spec.host, "--port", str(spec.port)]
+    if spec.mem_fraction_static is not None:
+        args += ["--mem-fraction-static", str(spec.mem_fraction_static)]
+    return [*args, *spec.extra_args]
+
+
+def launch(spec: LaunchSpec, log_path: Path | None = None) -> LaunchedServer:
+    """Start ``spec``'s server in a new session; returns at once (see :func:`wait_healthy`)."""
+    proc = spawn(launch_command(spec), log_path, env=python_env(spec.env))
+    return LaunchedServer(spec, proc, log_path)
+
+
+async def wait_healthy(
+    servers: Sequence[LaunchedServer], timeout_s: float, interval_s: float = 0.25
+) -> None:
+    """Wait until every server answers ``/health``.
+
+    Raises EngineUnavailable naming the server (with its log's tail) if its process
+    exits first or ``timeout_s`` passes.
+    """
+
+    async def one(server: LaunchedServer) -> None:
+        client = SGLangClient(server.url, timeout_s=max(1.0, interval_s * 8))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        try:
+            while not await client.health():
+                code = server.proc.poll()
+                if code is not None:
+                    raise EngineUnavailable(
+                        f"{server.spec.module} (pid {server.pid}) exited with {code} before "
+                        f"{server.url} was healthy; log tail:\n{server.log_tail()}"
+                    )
+                if loop.time() > deadline:
+                    raise EngineUnavailable(
+                        f"{server.url} (pid {server.pid}) not healthy after {timeout_s:.0f}s; "
+                        f"log tail:\n{server.log_tail()}"
+                    )
+                await asyncio.sleep(interval_s)
+        finally:
+            await client.close()
+
+    await asyncio.gather(*(one(s) for s in servers))
+
+
+def stop_servers(servers: Sequence[LaunchedServer], timeout_s: float = 10.0) -> None:
+    """End every server's process group by pid: SIGTERM, wait, then SIGKILL."""
+    stop([s.proc for s in servers], timeout_s)
+
+
+def start_engines(
+    rc: RolloutConfig,
+    model_path: str,
+    log_dir: Path,
+    dtype: str = "float32",
+    seed: int = 0,
+) -> tuple[list[str], list[LaunchedServer]]:
+    """Engine URLs for a run, and the servers started for it (empty when ``rc.urls`` is set).
+
+    ``backend="local"`` launches ``rc.num_engines`` embedded engines; ``"sglang"``
+    launches ``rc.num_engines`` SGLang servers (``rc.tp_size`` GPUs each, on
+    consecutive GPUs via ``--base-gpu-id``). Callers wait with :func:`wait_healthy` and stop with
+    :func:`stop_servers`.
+    """
+    if rc.urls:
+        return list(rc.urls), []
+    servers: list[LaunchedServer] = []
+    try:
+        for i in range(rc.num_engines):
+            spec = _spec(rc, model_path, i, dtype, seed)
+            servers.append(launch(spec, log_dir / f"engine{i}.log"))
+    except BaseException:
+        stop_servers(servers)
+        raise
+    return [s.url for s in servers], servers
+
+
+def _spec(rc: RolloutConfig, model_path: str, i: int, dtype: str, seed: int) -> LaunchSpec:
+    port = free_port(rc.host)
+    if rc.backend == "local":
+        extra = ["--device", rc.device, "--dtype", dtype, "--seed", str(seed + 1000 + i)]
+        extra += ["--max-batch-size", str(rc.max_batch_size)]
+        return LaunchSpec(
+            model_path, port, rc.host, 1, None, (*extra, *rc.extra_args), LOCAL_SERVER
+        )
+    extra = ["--dtype", dtype, "--random-seed", str(seed + 1000 + i)]
+    extra += ["--base-gpu-id", str(i * rc.tp_size)]
+    return LaunchSpec(
+        model_path,
+        port,
+        rc.host,
+        rc.tp_size,
+        rc.mem_fraction_static or None,
+        (*extra, *rc.extra_args),
+        SGLANG_SERVER,
+    )

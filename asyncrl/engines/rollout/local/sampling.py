@@ -1,0 +1,130 @@
+"""Sampling of the embedded engine: SGLang's ``sampling_params`` subset, batched.
+
+Contract of :func:`sample`: one token per row from ``softmax(logits / T)``
+restricted by top-k then top-p (nucleus); ``temperature == 0`` is greedy (as
+in SGLang, where it means ``top_k = 1``). The returned log-prob of each token
+is ``log_softmax(logits / T)`` at that token — the temperature-scaled
+distribution *before* top-k/top-p truncation, which is what a trainer
+recomputes from the same weights (with ``T = 1`` it is the plain model
+log-prob).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["SamplingParams", "sample"]
+
+TOP_K_ALL = 1 << 30  # SGLang's "whole vocabulary"
+
+# SGLang sampling keys the embedded engine accepts only at their default value.
+_INERT_DEFAULTS: dict[str, Any] = {
+    "min_p": 0.0,
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "min_new_tokens": 0,
+    "n": 1,
+    "stop": None,
+    "stop_regex": None,
+    "json_schema": None,
+    "regex": None,
+    "ebnf": None,
+    "structural_tag": None,
+    "logit_bias": None,
+}
+# SGLang sampling keys that only concern detokenisation/streaming: accepted, ignored.
+_IGNORED = {
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "no_stop_trim",
+    "stream_interval",
+    "custom_params",
+    "sampling_seed",
+}
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """The SGLang ``sampling_params`` the embedded engine honours."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SamplingParams:
+        """Parse SGLang-style sampling params; ValueError names an unsupported or bad key."""
+        known = {
+            "max_new_tokens": int,
+            "temperature": float,
+            "top_p": float,
+            "top_k": int,
+            "ignore_eos": bool,
+        }
+        kwargs: dict[str, Any] = {}
+        for key, value in d.items():
+            if key in known:
+                if value is not None:
+                    kwargs[key] = known[key](value)
+            elif key == "stop_token_ids":
+                kwargs[key] = tuple(int(t) for t in value or ())
+            elif key in _INERT_DEFAULTS:
+                if value is not None and value != _INERT_DEFAULTS[key]:
+                    raise ValueError(f"{key}={value!r} is not supported by the embedded engine")
+            elif key not in _IGNORED:
+                raise ValueError(f"unknown sampling parameter {key!r}")
+        sp = cls(**kwargs)
+        if sp.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {sp.max_new_tokens}")
+        if not math.isfinite(sp.temperature) or sp.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {sp.temperature}")
+        if not 0 < sp.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {sp.top_p}")
+        if sp.top_k == 0 or sp.top_k < -1:
+            raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {sp.top_k}")
+        return sp
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-6 or self.top_k == 1
+
+
+def sample(
+    logits: torch.Tensor, params: Sequence[SamplingParams], generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row of ``logits`` (B, V) float; returns (tokens, log-probs)."""
+    dev = logits.device
+    vocab = logits.shape[-1]
+    temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=dev)
+    scaled = logits / temps[:, None]
+    logp = torch.log_softmax(scaled, dim=-1)
+    greedy = [p.greedy for p in params]
+    if all(greedy):
+        tokens = logits.argmax(-1)
+        return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+    ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    ps = [p.top_p for p in params]
+    filtered = scaled
+    if min(ks) < vocab or min(ps) < 1.0:
+        sorted_l, idx = torch.sort(scaled, dim=-1, descending=True)
+        rank = torch.arange(vocab, device=dev)[None, :]
+        drop = rank >= torch.tensor(ks, device=dev)[:, None]
+        if min(ps) < 1.0:
+            probs = torch.softmax(sorted_l.masked_fill(drop, float("-inf")), dim=-1)
+            before = probs.cumsum(-1) - probs  # mass strictly above this token
+            drop |= before > torch.tensor(ps, device=dev)[:, None]
+        sorted_l = sorted_l.masked_fill(drop, float("-inf"))
+        filtered = torch.empty_like(scaled).scatter_(-1, idx, sorted_l)
+    probs = torch.softmax(filtered, dim=-1)
+    sampled = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    tokens = torch.where(torch.tensor(greedy, device=dev), logits.argmax(-1), sampled)
+    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
