@@ -5,9 +5,9 @@ rank, so group-relative advantages are computed on one rank. Two policies:
 
 - ``modulo``: rank = group_id mod world_size. Stateless, so several producers
   that stream trajectories of one group separately still agree on its rank.
-- ``balanced``: for one train step's groups, at most ceil(n / world) groups per
-  rank, and among those the rank with the fewest tokens so far takes the next
-  largest group (greedy longest-processing-time). Evens out the ranks' work.
+- ``balanced``: for one train step's groups, group counts per rank differ by at
+  most one, and within that the rank with the fewest tokens so far takes the
+  next largest group (greedy longest-processing-time). Evens out the ranks' work.
 """
 
 from __future__ import annotations
@@ -40,16 +40,21 @@ class ModuloAssigner:
 
 
 class BalancedAssigner:
-    """Equal group counts (±1) per rank, token-balanced greedily, ties to the lowest rank."""
+    """Group counts per rank differ by at most one; within that, the rank with the fewest
+    tokens takes the next largest group (ties to the lowest rank)."""
 
     def assign(self, groups: Sequence[Sequence[Trajectory]], world_size: int) -> list[int]:
-        cap = -(-len(groups) // world_size) if groups else 0
+        lo, extra = divmod(len(groups), world_size)
         tokens = [0] * world_size
         count = [0] * world_size
         ranks = [0] * len(groups)
         sizes = [sum(t.num_tokens for t in g) for g in groups]
         for i in sorted(range(len(groups)), key=lambda i: (-sizes[i], i)):
-            r = min((r for r in range(world_size) if count[r] < cap), key=lambda r: tokens[r])
+            full = sum(c > lo for c in count)  # ranks that took one of the `extra` groups
+            ok = [
+                r for r in range(world_size) if count[r] < lo or (count[r] == lo and full < extra)
+            ]
+            r = min(ok, key=lambda r: tokens[r])
             ranks[i] = r
             tokens[r] += sizes[i]
             count[r] += 1
