@@ -87,7 +87,13 @@ def encode_batch(seq: int, step: int, trajs: Sequence[Trajectory]) -> list[Any]:
         )
         for t in trajs
     ]
-    frames: list[Any] = [_encoder.encode(TrainBatch(seq=seq, step=step, trajs=metas))]
+    try:
+        frames: list[Any] = [_encoder.encode(TrainBatch(seq=seq, step=step, trajs=metas))]
+    except (TypeError, OverflowError) as exc:
+        raise TypeError(
+            f"trajectory rewards/timings/metadata must be msgpack-able JSON-like values "
+            f"(str keys; int within 64 bits; float, str, bool, None, list, dict): {exc}"
+        ) from None
     for name, dtype in ARRAY_FIELDS.items():
         if len(trajs) == 1:
             arr = getattr(trajs[0], name)
@@ -150,8 +156,8 @@ def _decode_header(view: memoryview) -> Message:
         if text.endswith("at `$[0]`") and "Invalid value" in text:
             raise MalformedMessage("unknown_type", text) from None
         raise MalformedMessage("bad_header", text) from None
-    except msgspec.DecodeError as exc:
-        raise MalformedMessage("bad_header", str(exc)) from None
+    except (msgspec.DecodeError, ValueError, RecursionError) as exc:  # e.g. invalid UTF-8
+        raise MalformedMessage("bad_header", f"{type(exc).__name__}: {exc}") from None
 
 
 def _split(metas: list[TrajMeta], arrays: list[np.ndarray]) -> list[Trajectory]:

@@ -237,7 +237,10 @@ class ExperienceSender:
         """Send a control message (e.g. Shutdown) to every rank that has said Hello."""
         for rank, peer in enumerate(self._peers):
             if peer.ident is not None:
-                await self._transmit(rank, encode(msg))
+                try:
+                    await self._transmit(rank, encode(msg))
+                except zmq.ZMQError as exc:
+                    log.warning("could not send %s to rank %d: %s", type(msg).__name__, rank, exc)
 
     async def close(self) -> None:
         """Stop the loops and close the socket; unacked messages are logged as not delivered."""
@@ -254,6 +257,8 @@ class ExperienceSender:
                 )
         self._sock.close(linger=0)
         self._ctx.term()
+        if self.endpoint.startswith("ipc://"):
+            Path(self.endpoint.removeprefix("ipc://")).unlink(missing_ok=True)
 
     # -- internals -----------------------------------------------------------------------
     def _supervise(self, task: asyncio.Task) -> None:

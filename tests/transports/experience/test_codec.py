@@ -103,7 +103,9 @@ def test_control_round_trip(msg: object) -> None:
 @given(
     lengths=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40)), max_size=6),
     reward=st.floats(allow_nan=False),
-    meta=st.dictionaries(st.text(max_size=5), st.integers() | st.text(max_size=5), max_size=3),
+    meta=st.dictionaries(
+        st.text(max_size=5), st.integers(-(2**63), 2**63 - 1) | st.text(max_size=5), max_size=3
+    ),
 )
 def test_round_trip_property(lengths: list[tuple[int, int]], reward: float, meta: dict) -> None:
     trajs = []
@@ -170,3 +172,10 @@ def test_trajectory_rejects_misaligned_or_multi_dimensional_arrays() -> None:
         msgspec.structs.replace(t, versions=np.zeros(3, np.int32))
     with pytest.raises(ValueError, match="1-D"):
         msgspec.structs.replace(t, prompt_ids=np.zeros((2, 2), np.int32))
+
+
+def test_unserializable_metadata_is_a_clear_error() -> None:
+    t = traj(0)
+    t.metadata = {"big": 2**70}
+    with pytest.raises(TypeError, match="metadata"):
+        encode_batch(0, 0, [t])
