@@ -12,7 +12,8 @@ process, which decodes every message into ``Trajectory`` objects and acks.
 - baseline: ``pickle.dumps(list_of_trajectories)`` over a PUSH/PULL pair, the same
   trajectories per message, ``pickle.loads`` on receipt (high-water mark = credits).
 
-Both are timed from the first send until the consumer reports it has everything.
+Both are timed from the first send until the consumer reports it has everything;
+each row is the median of ``--repeats`` interleaved runs (the machine may be shared).
 ``payload_gbps`` counts the array bytes plus the inline scalars (header frame).
 """
 
@@ -22,6 +23,7 @@ import argparse
 import asyncio
 import json
 import pickle
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -169,8 +171,12 @@ async def _bench(args: argparse.Namespace) -> list[dict]:
         trajs = [pool[i % len(pool)] for i in range(n)]
         per_traj = nbytes(encode_batch(0, -1, trajs[:group])) / group
         timed = n - group  # the first message is not timed
-        for impl, fn in (("msgspec_zmq", _run_ours), ("pickle_zmq", _run_pickle)):
-            dt = await fn(args, trajs, group)
+        secs: dict[str, list[float]] = {"msgspec_zmq": [], "pickle_zmq": []}
+        for _ in range(args.repeats):  # interleaved, so both see the same machine load
+            secs["msgspec_zmq"].append(await _run_ours(args, trajs, group))
+            secs["pickle_zmq"].append(await _run_pickle(args, trajs, group))
+        for impl, runs in secs.items():
+            dt = statistics.median(runs)
             rows.append(
                 {
                     "impl": impl,
@@ -179,6 +185,7 @@ async def _bench(args: argparse.Namespace) -> list[dict]:
                     "seconds": dt,
                     "eps": timed / dt,
                     "gbps": timed * per_traj / dt / 1e9,
+                    "eps_runs": [timed / r for r in runs],
                 }
             )
     return rows
@@ -191,6 +198,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--group-sizes", default="8,1", help="trajectories per message, comma list")
     p.add_argument("--credits", type=int, default=16, help="credits (ours) = HWM (pickle)")
     p.add_argument("--transport", choices=("ipc", "tcp"), default="ipc")
+    p.add_argument("--repeats", type=int, default=3, help="runs per row; the median is shown")
     p.add_argument("--role", choices=("ours", "pickle"), help=argparse.SUPPRESS)
     p.add_argument("--endpoint", help=argparse.SUPPRESS)
     p.add_argument("--done-endpoint", help=argparse.SUPPRESS)
@@ -221,6 +229,7 @@ def main(argv: list[str] | None = None) -> None:
         "group_size": args.group_sizes[0],
         "transport": args.transport,
         "credits": args.credits,
+        "repeats": args.repeats,
         "prompt_tokens": PROMPT,
         "response_tokens": RESPONSE,
         "runs": rows,
@@ -239,7 +248,7 @@ def _print(rows: list[dict], args: argparse.Namespace) -> None:
         f"experience transport, {PROMPT}+{RESPONSE} tokens/trajectory, {args.transport}, "
         f"credits/HWM {args.credits}"
     )
-    print(f"{'impl':<12} {'group':>5} {'traj':>6} {'seconds':>8} {'eps':>9} {'GB/s':>6}")
+    print(f"{'impl':<12} {'group':>5} {'traj':>6} {'seconds':>8} {'eps':>9} {'GB/s':>6}  (median)")
     for r in rows:
         print(
             f"{r['impl']:<12} {r['group_size']:>5} {r['trajectories']:>6} {r['seconds']:>8.2f} "

@@ -422,6 +422,8 @@ class ExperienceReceiver:
         self._reject = _RejectLog(f"rank {rank}")
         self._ready: collections.deque[Delivery] = collections.deque()
         self._in_hand = [0] * len(self.endpoints)  # delivered, not yet acked, per producer
+        self._acks: list[list[int]] = [[] for _ in self.endpoints]  # acked, not yet sent
+        self._ack_batch = max(1, credits // 2)
         self._ctx = zmq.Context()
         self._data = [self._connect(ep, control=False) for ep in self.endpoints]
         self._ctl = [self._connect(ep, control=True) for ep in self.endpoints]
@@ -450,6 +452,7 @@ class ExperienceReceiver:
         """Next delivery (a TrainBatch or a Shutdown) within ``timeout_s``, else None."""
         deadline = time.monotonic() + timeout_s
         while not self._ready:
+            self._send_acks()  # never wait while holding back credit
             left = deadline - time.monotonic()
             if left < 0:
                 return None
@@ -458,11 +461,14 @@ class ExperienceReceiver:
         return self._ready.popleft()
 
     def ack(self, delivery: Delivery) -> None:
-        """The delivery is used: its producer may forget it and send one more."""
+        """The delivery is used: its producer may forget it and send one more.
+
+        Acks go out in batches of ``credits // 2`` and always before ``recv`` waits."""
         if isinstance(delivery.msg, TrainBatch):
             self._in_hand[delivery.producer] -= 1
-            credit = Credit(acked=[delivery.msg.seq], grant=1)
-            self._data[delivery.producer].send_multipart(encode(credit))
+            self._acks[delivery.producer].append(delivery.msg.seq)
+            if len(self._acks[delivery.producer]) >= self._ack_batch:
+                self._send_acks()
 
     def report(self, msg: Message) -> None:
         """Send a report (StepDone, Shutdown) to every producer; safe from any thread."""
@@ -473,6 +479,7 @@ class ExperienceReceiver:
 
     def close(self) -> None:
         """Stop heartbeats; close the sockets (sent acks and reports get up to 1 s to flush)."""
+        self._send_acks()
         self._stop.set()
         self._beat.join(5.0)
         with self._ctl_lock:
@@ -497,6 +504,12 @@ class ExperienceReceiver:
         )
         s.send_multipart(encode(hello))
         return s
+
+    def _send_acks(self) -> None:
+        for i, seqs in enumerate(self._acks):
+            if seqs:
+                self._data[i].send_multipart(encode(Credit(acked=seqs, grant=len(seqs))))
+                self._acks[i] = []
 
     def _heartbeat(self, interval_s: float) -> None:
         beat = encode(Credit())
