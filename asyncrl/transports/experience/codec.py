@@ -21,6 +21,8 @@ buffer or a wrong dtype/shape shows up here), and the trajectory invariants.
 
 from __future__ import annotations
 
+import collections
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -37,7 +39,17 @@ from asyncrl.transports.experience.types import (
     TrajMeta,
 )
 
-__all__ = ["REJECT_KINDS", "MalformedMessage", "decode", "encode", "encode_batch", "nbytes"]
+__all__ = [
+    "REJECT_KINDS",
+    "MalformedMessage",
+    "RejectLog",
+    "decode",
+    "encode",
+    "encode_batch",
+    "nbytes",
+]
+
+log = logging.getLogger("asyncrl.transports.experience")
 
 REJECT_KINDS = (
     "empty",
@@ -183,3 +195,27 @@ def _split(metas: list[TrajMeta], arrays: list[np.ndarray]) -> list[Trajectory]:
         )
         p0, r0 = p1, r1
     return out
+
+
+class RejectLog:
+    """Counts rejected messages by kind; logs the first few of each kind, then every 1000th."""
+
+    def __init__(self, side: str):
+        self.side = side
+        self.total = 0
+        self.by_kind: collections.Counter[str] = collections.Counter()
+
+    def __call__(self, exc: MalformedMessage, peer: str) -> None:
+        self.total += 1
+        self.by_kind[exc.kind] += 1
+        n = self.by_kind[exc.kind]
+        if n <= 5 or n % 1000 == 0:
+            log.warning(
+                "%s rejected message #%d from %s (%s x%d): %s",
+                self.side,
+                self.total,
+                peer,
+                exc.kind,
+                n,
+                exc,
+            )

@@ -32,8 +32,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import random
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -47,11 +45,13 @@ from asyncrl.config import ExperienceConfig
 from asyncrl.transports.experience.assign import Assigner, make_assigner
 from asyncrl.transports.experience.codec import (
     MalformedMessage,
+    RejectLog,
     decode,
     encode,
     encode_batch,
     nbytes,
 )
+from asyncrl.transports.experience.receiver import Delivery, ExperienceReceiver
 from asyncrl.transports.experience.types import (
     ConsumerLost,
     Credit,
@@ -59,7 +59,6 @@ from asyncrl.transports.experience.types import (
     Message,
     Shutdown,
     StepDone,
-    TrainBatch,
     Trajectory,
 )
 
@@ -78,30 +77,6 @@ def bind_endpoint(cfg: ExperienceConfig, run_dir: Path | None = None) -> str:
             raise ValueError("experience.transport='ipc' needs a run folder for the socket file")
         return f"ipc://{Path(run_dir).resolve() / 'experience.ipc'}"
     return f"tcp://{cfg.host}:*"
-
-
-class _RejectLog:
-    """Counts rejected messages by kind; logs the first few of each kind, then every 1000th."""
-
-    def __init__(self, side: str):
-        self.side = side
-        self.total = 0
-        self.by_kind: collections.Counter[str] = collections.Counter()
-
-    def __call__(self, exc: MalformedMessage, peer: str) -> None:
-        self.total += 1
-        self.by_kind[exc.kind] += 1
-        n = self.by_kind[exc.kind]
-        if n <= 5 or n % 1000 == 0:
-            log.warning(
-                "%s rejected message #%d from %s (%s x%d): %s",
-                self.side,
-                self.total,
-                peer,
-                exc.kind,
-                n,
-                exc,
-            )
 
 
 class _Pending(msgspec.Struct, gc=False):
@@ -157,7 +132,7 @@ class ExperienceSender:
         self._reports: asyncio.Queue[Message | None] = asyncio.Queue()  # None: failed
         self._changed = asyncio.Event()
         self._error: BaseException | None = None
-        self._reject = _RejectLog("sender")
+        self._reject = RejectLog("sender")
         self.counters = collections.Counter(
             {"sent": 0, "acked": 0, "redelivered": 0, "lost_reported": 0}
         )
@@ -382,159 +357,3 @@ class ExperienceSender:
                 if peer.alive and now - peer.last_seen > self._timeout:
                     self._lose(rank, f"silent for {now - peer.last_seen:.1f}s")
                     self._changed.set()
-
-
-class Delivery(msgspec.Struct, gc=False):
-    """One received message: ``msg`` (TrainBatch or Shutdown), its trajectories, its source."""
-
-    msg: Message
-    trajs: list[Trajectory]
-    producer: int
-
-
-class ExperienceReceiver:
-    """Consumer side for one trainer rank (blocking API).
-
-    ``recv`` returns deliveries in each producer's order and ``ack`` (after use)
-    returns credit to their producer: call both from one thread (the consumer's
-    loop). ``report`` sends to every producer over separate control connections
-    and may be called from any thread; a small thread heartbeats on those, so a
-    rank busy training is not taken for dead. Arrays of delivered trajectories
-    are read-only views of the received frames.
-    """
-
-    def __init__(
-        self,
-        endpoints: Sequence[str],
-        rank: int,
-        world_size: int,
-        *,
-        credits: int = 4,
-        max_message_bytes: int = 256 << 20,
-        heartbeat_s: float = 1.0,
-    ):
-        if credits <= 0:
-            raise ValueError(f"credits must be > 0, got {credits}")
-        self.rank, self.world_size, self.credits = rank, world_size, credits
-        self.endpoints = list(endpoints)
-        self.incarnation = random.getrandbits(62)
-        self._max_bytes = max_message_bytes
-        self._reject = _RejectLog(f"rank {rank}")
-        self._ready: collections.deque[Delivery] = collections.deque()
-        self._in_hand = [0] * len(self.endpoints)  # delivered, not yet acked, per producer
-        self._acks: list[list[int]] = [[] for _ in self.endpoints]  # acked, not yet sent
-        self._ack_batch = max(1, credits // 2)
-        self._ctx = zmq.Context()
-        self._data = [self._connect(ep, control=False) for ep in self.endpoints]
-        self._ctl = [self._connect(ep, control=True) for ep in self.endpoints]
-        self._index = {s: i for i, s in enumerate(self._data)}
-        self._poller = zmq.Poller()
-        for s in self._data:
-            self._poller.register(s, zmq.POLLIN)
-        self._ctl_lock = threading.Lock()
-        self._stop = threading.Event()
-        self._beat = threading.Thread(
-            target=self._heartbeat, args=(heartbeat_s,), name=f"xport-hb{rank}", daemon=True
-        )
-        self._beat.start()
-
-    @property
-    def rejected(self) -> int:
-        """Malformed (or credit-violating) messages received and dropped."""
-        return self._reject.total
-
-    @property
-    def rejected_by(self) -> dict[str, int]:
-        """Rejections by kind (see ``codec.REJECT_KINDS``)."""
-        return dict(self._reject.by_kind)
-
-    def recv(self, timeout_s: float) -> Delivery | None:
-        """Next delivery (a TrainBatch or a Shutdown) within ``timeout_s``, else None."""
-        deadline = time.monotonic() + timeout_s
-        while not self._ready:
-            self._send_acks()  # never wait while holding back credit
-            left = deadline - time.monotonic()
-            if left < 0:
-                return None
-            for sock, _ in self._poller.poll(max(0, int(left * 1000))):
-                self._drain(sock, self._index[sock])
-        return self._ready.popleft()
-
-    def ack(self, delivery: Delivery) -> None:
-        """The delivery is used: its producer may forget it and send one more.
-
-        Acks go out in batches of ``credits // 2`` and always before ``recv`` waits."""
-        if isinstance(delivery.msg, TrainBatch):
-            self._in_hand[delivery.producer] -= 1
-            self._acks[delivery.producer].append(delivery.msg.seq)
-            if len(self._acks[delivery.producer]) >= self._ack_batch:
-                self._send_acks()
-
-    def report(self, msg: Message) -> None:
-        """Send a report (StepDone, Shutdown) to every producer; safe from any thread."""
-        frames = encode(msg)
-        with self._ctl_lock:
-            for s in self._ctl:
-                s.send_multipart(frames)
-
-    def close(self) -> None:
-        """Stop heartbeats; close the sockets (sent acks and reports get up to 1 s to flush)."""
-        self._send_acks()
-        self._stop.set()
-        self._beat.join(5.0)
-        with self._ctl_lock:
-            for s in [*self._data, *self._ctl]:
-                s.close(linger=1000)
-        self._ctx.term()
-
-    # -- internals -----------------------------------------------------------------------
-    def _connect(self, endpoint: str, control: bool) -> zmq.Socket:
-        s = self._ctx.socket(zmq.DEALER)
-        kind = "c" if control else "d"
-        s.setsockopt(zmq.IDENTITY, f"{kind}{self.rank}-{self.incarnation:x}".encode())
-        s.setsockopt(zmq.MAXMSGSIZE, self._max_bytes)
-        s.setsockopt(zmq.RCVHWM, 0)  # credits bound what can arrive
-        s.connect(endpoint)
-        hello = Hello(
-            rank=self.rank,
-            world_size=self.world_size,
-            incarnation=self.incarnation,
-            credit=0 if control else self.credits,
-            control=control,
-        )
-        s.send_multipart(encode(hello))
-        return s
-
-    def _send_acks(self) -> None:
-        for i, seqs in enumerate(self._acks):
-            if seqs:
-                self._data[i].send_multipart(encode(Credit(acked=seqs, grant=len(seqs))))
-                self._acks[i] = []
-
-    def _heartbeat(self, interval_s: float) -> None:
-        beat = encode(Credit())
-        while not self._stop.wait(interval_s):
-            with self._ctl_lock:
-                for s in self._ctl:
-                    s.send_multipart(beat)
-
-    def _drain(self, sock: zmq.Socket, producer: int) -> None:
-        while True:
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            try:
-                msg, trajs = decode(frames, self._max_bytes)
-                if isinstance(msg, TrainBatch):
-                    if self._in_hand[producer] >= self.credits:
-                        raise MalformedMessage("protocol", f"seq {msg.seq} sent without credit")
-                    self._in_hand[producer] += 1
-                elif not isinstance(msg, Shutdown):
-                    raise MalformedMessage(
-                        "protocol", f"a producer may not send {type(msg).__name__}"
-                    )
-            except MalformedMessage as exc:
-                self._reject(exc, self.endpoints[producer])
-                continue
-            self._ready.append(Delivery(msg, trajs, producer))
