@@ -30,7 +30,12 @@ from asyncrl.transports.experience.types import (
     TrainBatch,
     TrajMeta,
 )
-from asyncrl.transports.experience.zmq import Delivery, ExperienceReceiver, ExperienceSender
+from asyncrl.transports.experience.zmq import (
+    Delivery,
+    ExperienceReceiver,
+    ExperienceSender,
+    bind_endpoint,
+)
 
 sys.path.insert(0, str(Path(__file__).parent))
 from peers import make_traj
@@ -310,3 +315,56 @@ async def test_sender_rejects_garbage_and_keeps_serving(tmp_path: Path) -> None:
         bad.close(linger=0)
         ctx.term()
         await tx.close()
+
+
+def test_credit_overrun_is_rejected(tmp_path: Path) -> None:
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    rx = ExperienceReceiver([f"tcp://127.0.0.1:{port}"], 0, 1, credits=2)
+    try:
+        ident = None
+        while ident is None:
+            assert router.poll(10_000)
+            who, frame = router.recv_multipart()
+            hello, _ = decode([frame])
+            ident = who if isinstance(hello, Hello) and not hello.control else None
+        for i in range(3):  # one more than the credit granted
+            router.send_multipart([ident, *encode_batch(i, 0, [make_traj(i, 0)])])
+        got = [rx.recv(10.0) for _ in range(2)]
+        assert [d.msg.seq for d in got if d is not None] == [0, 1]
+        assert rx.recv(0.5) is None
+        assert rx.rejected_by == {"protocol": 1}
+    finally:
+        rx.close()
+        router.close(linger=0)
+        ctx.term()
+
+
+async def test_sender_refuses_a_message_over_the_limit() -> None:
+    tx = ExperienceSender(1, "tcp://127.0.0.1:*", max_message_bytes=1 << 12)
+    rx = ExperienceReceiver([tx.endpoint], 0, 1, credits=1)
+    try:
+        with pytest.raises(ValueError, match="max_message_mb"):
+            await asyncio.wait_for(tx.send([make_traj(0, 0, n_resp=4096)], rank=0), 10)
+        with pytest.raises(ValueError, match="out of range"):
+            await tx.send([], rank=1)
+    finally:
+        rx.close()
+        await tx.close()
+
+
+def test_bind_endpoint_from_config(tmp_path: Path) -> None:
+    from asyncrl.config import ExperienceConfig
+
+    assert bind_endpoint(ExperienceConfig()) == "tcp://127.0.0.1:*"
+    assert bind_endpoint(ExperienceConfig(host="0.0.0.0")) == "tcp://0.0.0.0:*"
+    ipc = bind_endpoint(ExperienceConfig(transport="ipc"), tmp_path)
+    assert ipc == f"ipc://{tmp_path.resolve()}/experience.ipc"
+    assert bind_endpoint(ExperienceConfig(endpoint="tcp://10.1.2.3:5555")) == "tcp://10.1.2.3:5555"
+    with pytest.raises(ValueError, match="run folder"):
+        bind_endpoint(ExperienceConfig(transport="ipc"))
+    with pytest.raises(ValueError, match="peer_timeout_s"):
+        ExperienceConfig(heartbeat_s=5.0, peer_timeout_s=6.0)
+    with pytest.raises(ValueError, match="credits"):
+        ExperienceConfig(credits=0)
