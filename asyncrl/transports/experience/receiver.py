@@ -8,6 +8,7 @@ in, credits out; used by the consumer's own thread) and a control DEALER
 from __future__ import annotations
 
 import collections
+import logging
 import random
 import threading
 import time
@@ -27,6 +28,9 @@ from asyncrl.transports.experience.types import (
 )
 
 __all__ = ["Delivery", "ExperienceReceiver"]
+
+log = logging.getLogger(__name__)
+_DRAIN = 64  # messages taken per readiness event, so a flood cannot starve timeouts
 
 
 class Delivery(msgspec.Struct, gc=False):
@@ -121,8 +125,13 @@ class ExperienceReceiver:
         with self._ctl_lock:
             if self._stop.is_set():
                 raise RuntimeError(f"report({type(msg).__name__}) after the receiver was closed")
-            for s in self._ctl:
-                s.send_multipart(frames)
+            for i, s in enumerate(self._ctl):
+                if not _send(s, frames):
+                    log.error(
+                        "report %s not sent to %s: its queue is full (producer unreachable)",
+                        msg,
+                        self.endpoints[i],
+                    )
 
     def close(self) -> None:
         """Stop heartbeats; close the sockets (sent acks and reports get up to 1 s to flush)."""
@@ -155,7 +164,10 @@ class ExperienceReceiver:
     def _send_acks(self) -> None:
         for i, seqs in enumerate(self._acks):
             if seqs:
-                self._data[i].send_multipart(encode(Credit(acked=seqs, grant=len(seqs))))
+                if not _send(self._data[i], encode(Credit(acked=seqs, grant=len(seqs)))):
+                    log.warning(
+                        "acks %s to %s not sent: producer unreachable", seqs, self.endpoints[i]
+                    )
                 self._acks[i] = []
 
     def _heartbeat(self, interval_s: float) -> None:
@@ -163,10 +175,10 @@ class ExperienceReceiver:
         while not self._stop.wait(interval_s):
             with self._ctl_lock:
                 for s in self._ctl:
-                    s.send_multipart(beat)
+                    _send(s, beat)
 
     def _drain(self, sock: zmq.Socket, producer: int) -> None:
-        while True:
+        for _ in range(_DRAIN):
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
@@ -185,3 +197,12 @@ class ExperienceReceiver:
                 self._reject(exc, self.endpoints[producer])
                 continue
             self._ready.append(Delivery(msg, trajs, producer))
+
+
+def _send(sock: zmq.Socket, frames: list[bytes]) -> bool:
+    """Send without blocking; False when the peer's queue is full (it is gone or stuck)."""
+    try:
+        sock.send_multipart(frames, zmq.NOBLOCK)
+    except zmq.Again:
+        return False
+    return True
