@@ -70,6 +70,18 @@ class Trajectory(msgspec.Struct, kw_only=True, gc=False):
     metadata: dict[str, Any] = {}
 
     def __post_init__(self) -> None:
+        for name, dtype in ARRAY_FIELDS.items():
+            arr = getattr(self, name)
+            if not (
+                type(arr) is np.ndarray
+                and arr.dtype == dtype
+                and arr.ndim == 1
+                and arr.flags.c_contiguous
+            ):
+                arr = np.ascontiguousarray(arr, dtype=dtype)
+                if arr.ndim != 1:
+                    raise ValueError(f"Trajectory.{name} must be 1-D, got shape {arr.shape}")
+                setattr(self, name, arr)
         n = len(self.response_ids)
         for name in ("behav_logprobs", "versions", "loss_mask"):
             if len(getattr(self, name)) != n:
@@ -77,11 +89,6 @@ class Trajectory(msgspec.Struct, kw_only=True, gc=False):
                     f"Trajectory.{name} has {len(getattr(self, name))} entries, "
                     f"response_ids has {n}: they must align per response token"
                 )
-        for name, dtype in ARRAY_FIELDS.items():
-            arr = np.ascontiguousarray(getattr(self, name), dtype=dtype)
-            if arr.ndim != 1:
-                raise ValueError(f"Trajectory.{name} must be 1-D, got shape {arr.shape}")
-            setattr(self, name, arr)
 
     @property
     def min_version(self) -> int:
