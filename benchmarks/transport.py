@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import pickle
 import statistics
 import sys
@@ -213,10 +214,13 @@ def main(argv: list[str] | None = None) -> None:
     args.group_sizes = [int(g) for g in args.group_sizes.split(",")]
     import tempfile
 
+    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="xport-") as tmp:
         args.tmp = Path(tmp)
         rows = asyncio.run(_bench(args))
+    load = (load_before + os.getloadavg()[0]) / 2
     _print(rows, args)
+    print(f"machine: {os.cpu_count()} CPUs, 1-min load average during the run ~{load:.1f}")
     head = next(
         r for r in rows if r["group_size"] == args.group_sizes[0] and r["impl"] == "msgspec_zmq"
     )
@@ -232,6 +236,8 @@ def main(argv: list[str] | None = None) -> None:
         "transport": args.transport,
         "credits": args.credits,
         "repeats": args.repeats,
+        "cpus": os.cpu_count(),
+        "load_avg_1m": load,
         "prompt_tokens": PROMPT,
         "response_tokens": RESPONSE,
         "runs": rows,
