@@ -33,6 +33,9 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
+if __name__ == "__main__":  # `python benchmarks/transport.py` uses the asyncrl next to it
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 from asyncrl.procs import spawn, stop
 from asyncrl.transports.experience.codec import encode_batch, nbytes
 from asyncrl.transports.experience.types import StepDone, TrainBatch, Trajectory
