@@ -70,7 +70,7 @@ class ExperienceReceiver:
         self._max_bytes = max_message_bytes
         self._reject = RejectLog(f"rank {rank}")
         self._ready: collections.deque[Delivery] = collections.deque()
-        self._in_hand = [0] * len(self.endpoints)  # delivered, not yet acked, per producer
+        self._window = [credits] * len(self.endpoints)  # credit each producer holds
         self._acks: list[list[int]] = [[] for _ in self.endpoints]  # acked, not yet sent
         self._ack_batch = max(1, credits // 2)
         self._ctx = zmq.Context()
@@ -101,7 +101,7 @@ class ExperienceReceiver:
         """Next delivery (a TrainBatch or a Shutdown) within ``timeout_s``, else None."""
         deadline = time.monotonic() + timeout_s
         while not self._ready:
-            self._send_acks()  # never wait while holding back credit
+            self._send_acks(low_only=True)  # never wait while a producer runs low on credit
             left = deadline - time.monotonic()
             if left < 0:
                 return None
@@ -112,9 +112,9 @@ class ExperienceReceiver:
     def ack(self, delivery: Delivery) -> None:
         """The delivery is used: its producer may forget it and send one more.
 
-        Acks go out in batches of ``credits // 2`` and always before ``recv`` waits."""
+        Acks go out in batches of ``credits // 2``, or before ``recv`` waits once the
+        producer's remaining credit is down to half the window."""
         if isinstance(delivery.msg, TrainBatch):
-            self._in_hand[delivery.producer] -= 1
             self._acks[delivery.producer].append(delivery.msg.seq)
             if len(self._acks[delivery.producer]) >= self._ack_batch:
                 self._send_acks()
@@ -161,9 +161,12 @@ class ExperienceReceiver:
         s.send_multipart(encode(hello))
         return s
 
-    def _send_acks(self) -> None:
+    def _send_acks(self, low_only: bool = False) -> None:
+        """Send held acks (as new credit); ``low_only``: only to producers whose remaining
+        credit is down to half the window, so a consumer that keeps up sends few acks."""
         for i, seqs in enumerate(self._acks):
-            if seqs:
+            if seqs and not (low_only and self._window[i] > self.credits // 2):
+                self._window[i] += len(seqs)
                 if not _send(self._data[i], encode(Credit(acked=seqs, grant=len(seqs)))):
                     log.warning(
                         "acks %s to %s not sent: producer unreachable", seqs, self.endpoints[i]
@@ -186,9 +189,9 @@ class ExperienceReceiver:
             try:
                 msg, trajs = decode(frames, self._max_bytes)
                 if isinstance(msg, TrainBatch):
-                    if self._in_hand[producer] >= self.credits:
+                    if self._window[producer] <= 0:
                         raise MalformedMessage("protocol", f"seq {msg.seq} sent without credit")
-                    self._in_hand[producer] += 1
+                    self._window[producer] -= 1
                 elif not isinstance(msg, Shutdown):
                     raise MalformedMessage(
                         "protocol", f"a producer may not send {type(msg).__name__}"
