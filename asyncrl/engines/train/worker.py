@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> None:
             t0 = time.perf_counter()
             stats = engine.train_batch(build_seqs(trajs, cfg.algo), loss_fn)
             metrics = _metrics(stats, len(trajs), time.perf_counter() - t0)
-            chan.ack(got)  # trained on: the controller may send this rank another batch
+            chan.ack(got, flush=True)  # trained on: the controller may send another batch
             weights = engine.named_weights()
             if sender is not None:
                 t1 = time.perf_counter()

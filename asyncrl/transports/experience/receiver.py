@@ -109,14 +109,15 @@ class ExperienceReceiver:
                 self._drain(sock, self._index[sock])
         return self._ready.popleft()
 
-    def ack(self, delivery: Delivery) -> None:
+    def ack(self, delivery: Delivery, flush: bool = False) -> None:
         """The delivery is used: its producer may forget it and send one more.
 
         Acks go out in batches of ``credits // 2``, or before ``recv`` waits once the
-        producer's remaining credit is down to half the window."""
+        producer's remaining credit is down to half the window; ``flush`` sends at once
+        (for consumers that ack rarely, e.g. once per train step)."""
         if isinstance(delivery.msg, TrainBatch):
             self._acks[delivery.producer].append(delivery.msg.seq)
-            if len(self._acks[delivery.producer]) >= self._ack_batch:
+            if flush or len(self._acks[delivery.producer]) >= self._ack_batch:
                 self._send_acks()
 
     def report(self, msg: Message) -> None:
