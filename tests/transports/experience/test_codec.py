@@ -179,3 +179,9 @@ def test_unserializable_metadata_is_a_clear_error() -> None:
     t.metadata = {"big": 2**70}
     with pytest.raises(TypeError, match="metadata"):
         encode_batch(0, 0, [t])
+
+
+@pytest.mark.parametrize("cls", [TrainBatch, TrajMeta, Hello, Credit, StepDone, Shutdown])
+def test_wire_structs_are_array_like_untracked_and_omit_defaults(cls: type) -> None:
+    cfg = cls.__struct_config__
+    assert cfg.array_like and not cfg.gc and cfg.omit_defaults

@@ -368,3 +368,29 @@ def test_bind_endpoint_from_config(tmp_path: Path) -> None:
         ExperienceConfig(heartbeat_s=5.0, peer_timeout_s=6.0)
     with pytest.raises(ValueError, match="credits"):
         ExperienceConfig(credits=0)
+
+
+@pytest.mark.parametrize("credits", [1, 5, 8])
+async def test_streaming_with_batched_acks_never_stalls(credits: int, tmp_path: Path) -> None:
+    n = 60
+    tx = ExperienceSender(1, _endpoint("ipc", tmp_path))
+    rx = ExperienceReceiver([tx.endpoint], 0, 1, credits=credits, heartbeat_s=0.2)
+
+    def consume() -> list[int]:
+        got: list[int] = []
+        while len(got) < n:
+            d = rx.recv(10.0)
+            assert d is not None, f"stalled after {got}"
+            got += [t.episode_id for t in d.trajs]
+            rx.ack(d)
+        return got
+
+    try:
+        consumer = asyncio.ensure_future(asyncio.to_thread(consume))
+        for i in range(n):
+            await asyncio.wait_for(tx.send([make_traj(i, i)], rank=0), 10)
+        assert await asyncio.wait_for(consumer, 30) == list(range(n))
+        assert tx.pending(0) <= credits
+    finally:
+        rx.close()
+        await tx.close()
