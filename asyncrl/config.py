@@ -146,6 +146,33 @@ class ExperienceConfig(_Section):
     """Address the controller binds its experience and control sockets to."""
     max_message_mb: int = 256
     """Largest experience message a receiver accepts, MiB."""
+    transport: Literal["tcp", "ipc"] = "tcp"
+    """``tcp``: bind ``tcp://{host}:<free port>`` (reachable across hosts when ``host`` is);
+    ``ipc``: a Unix socket in the run folder (one host)."""
+    endpoint: str = ""
+    """Explicit ZeroMQ endpoint the controller binds (e.g. ``tcp://10.0.0.5:5555``); overrides
+    ``host`` and ``transport``."""
+    credits: int = 4
+    """Messages one producer may have unacknowledged at one trainer rank; a producer without
+    credit waits (back-pressure), so this bounds memory on both sides."""
+    heartbeat_s: float = 1.0
+    """Interval of the trainer ranks' heartbeats to the producers."""
+    peer_timeout_s: float = 30.0
+    """A trainer rank silent this long is reported lost; its unacknowledged messages stay
+    pending and are redelivered if it says hello again."""
+    assignment: Literal["balanced", "modulo"] = "balanced"
+    """How whole GRPO groups map to trainer ranks: ``balanced`` (equal group counts, token-
+    balanced, per step) or ``modulo`` (group_id mod world size, stateless)."""
+
+    def __post_init__(self) -> None:
+        for key in ("credits", "heartbeat_s", "peer_timeout_s"):
+            if getattr(self, key) <= 0:
+                raise ValueError(f"experience.{key} must be > 0, got {getattr(self, key)!r}")
+        if self.peer_timeout_s <= 2 * self.heartbeat_s:
+            raise ValueError(
+                f"experience.peer_timeout_s ({self.peer_timeout_s}) must exceed twice "
+                f"experience.heartbeat_s ({self.heartbeat_s})"
+            )
 
 
 class RunConfig(_Section):

@@ -7,8 +7,9 @@ Process layout of a run (every child in its own session, stopped by pid)::
       └─ trainer r  python -m asyncrl.engines.train.worker           (FSDP2, weight sender on r=0)
 
 Three supervised loops run until ``controller.total_steps`` steps are reported:
-the dispatcher (``next_batch`` -> ZeroMQ to the trainer ranks), the reporter
-(``StepDone`` -> ``set_version`` + one metrics line) and the watchdog (a child
+the dispatcher (``next_batch`` -> whole groups assigned to trainer ranks ->
+ZeroMQ, credit flow control), the reporter (``StepDone`` -> ``set_version`` + one
+metrics line; a lost trainer rank fails the run) and the watchdog (a child
 that exits early fails the run with the tail of its log).
 """
 
@@ -33,8 +34,9 @@ from asyncrl.engines.rollout.launcher import start_engines
 from asyncrl.engines.rollout.sglang import SGLangClient
 from asyncrl.procs import free_port, python_env, spawn, stop
 from asyncrl.tasks import make_task
-from asyncrl.transports.experience.types import Shutdown, StepDone
-from asyncrl.transports.experience.zmq import ControllerChannel
+from asyncrl.transports.experience.assign import make_assigner
+from asyncrl.transports.experience.types import ConsumerLost, Shutdown, StepDone
+from asyncrl.transports.experience.zmq import ExperienceSender, bind_endpoint
 
 __all__ = ["new_run_dir", "run_job"]
 
@@ -91,7 +93,7 @@ class _Run:
             self.procs[f"engine{i}"] = server.proc
         return urls
 
-    def start_trainers(self, model_path: str, chan: ControllerChannel, urls: list[str]) -> None:
+    def start_trainers(self, model_path: str, chan: ExperienceSender, urls: list[str]) -> None:
         world = self.cfg.trainer.world_size
         dist_port = free_port()
         for r in range(world):
@@ -102,26 +104,28 @@ class _Run:
                 str(self.run_dir / "config.json"),
             ]
             args += ["--model-path", model_path, "--rank", str(r), "--world-size", str(world)]
-            args += ["--dist-port", str(dist_port), "--batch-endpoint", chan.batch_endpoints[r]]
-            args += ["--report-endpoint", chan.report_endpoint, "--engine-urls", ",".join(urls)]
+            args += ["--dist-port", str(dist_port), "--batch-endpoint", chan.endpoint]
+            args += ["--engine-urls", ",".join(urls)]
             self.procs[f"trainer{r}"] = spawn(args, self.run_dir / f"trainer{r}.log")
 
-    async def dispatch(self, ctl: Controller, chan: ControllerChannel) -> None:
-        world = self.cfg.trainer.world_size
+    async def dispatch(self, ctl: Controller, chan: ExperienceSender) -> None:
         for _ in range(self.cfg.controller.total_steps):
             batch = await ctl.next_batch()
             self.batches[batch.step] = batch
-            for r in range(world):  # whole groups per rank: a GRPO group never splits
-                shard = [t for g in batch.groups[r::world] for t in g]
-                await chan.send_batch(r, batch.step, shard)
+            await chan.send_groups(batch.groups, step=batch.step)  # a group never splits
         await asyncio.Future()  # all sent: the run ends when the reporter has every step
 
-    async def report(self, ctl: Controller, chan: ControllerChannel) -> None:
+    async def report(self, ctl: Controller, chan: ExperienceSender) -> None:
         done = 0
         while done < self.cfg.controller.total_steps:
             msg = await chan.recv_report()
             if isinstance(msg, Shutdown):
                 raise RuntimeError(f"trainer stopped the run: {msg.reason}")
+            if isinstance(msg, ConsumerLost):
+                raise RuntimeError(
+                    f"trainer rank {msg.rank} went silent with {len(msg.seqs)} batch(es) "
+                    f"unacknowledged (episodes {msg.episode_ids[:20]})"
+                )
             if not isinstance(msg, StepDone):
                 continue
             await ctl.set_version(msg.version)
@@ -188,7 +192,14 @@ async def run_job(cfg: RunConfig, run_dir: Path, quiet: bool = False) -> list[di
     model_path = resolve_model(cfg)
     task = make_task(cfg.task, model_path)
     job = _Run(cfg, run_dir, quiet)
-    chan = ControllerChannel(cfg.trainer.world_size, cfg.experience.host)
+    xc = cfg.experience
+    chan = ExperienceSender(
+        cfg.trainer.world_size,
+        bind_endpoint(xc, run_dir),
+        max_message_bytes=xc.max_message_mb << 20,
+        peer_timeout_s=xc.peer_timeout_s,
+        assigner=make_assigner(xc.assignment),
+    )
     clients: list[SGLangClient] = []
     try:
         urls = job.start_engines(model_path)
@@ -212,4 +223,4 @@ async def run_job(cfg: RunConfig, run_dir: Path, quiet: bool = False) -> list[di
             pass
         await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
         await asyncio.to_thread(stop, list(job.procs.values()), 5.0)
-        chan.close()
+        await chan.close()

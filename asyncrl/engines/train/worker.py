@@ -24,7 +24,7 @@ from asyncrl.algorithms.grpo import GRPOLoss, build_seqs
 from asyncrl.config import RunConfig
 from asyncrl.engines.train.fsdp import FSDPEngine
 from asyncrl.transports.experience.types import Shutdown, StepDone, TrainBatch
-from asyncrl.transports.experience.zmq import TrainerChannel
+from asyncrl.transports.experience.zmq import ExperienceReceiver
 from asyncrl.transports.weights import make_weight_transport
 from asyncrl.transports.weights.base import PushHandle, WeightSyncError
 
@@ -48,7 +48,7 @@ def _metrics(stats: dict[str, float], n_traj: int, train_s: float) -> dict[str, 
 
 
 def _reporter(
-    chan: TrainerChannel, step: int, metrics: dict[str, float]
+    chan: ExperienceReceiver, step: int, metrics: dict[str, float]
 ) -> Callable[[PushHandle], None]:
     """Report step ``step`` to the controller once its weights are live (or failed)."""
 
@@ -78,10 +78,13 @@ def run(args: argparse.Namespace) -> None:
     )
     engine = FSDPEngine(args.model_path, cfg)
     loss_fn = GRPOLoss(cfg.algo)
-    chan = TrainerChannel(
-        args.batch_endpoint,
-        args.report_endpoint if args.rank == 0 else None,
-        cfg.experience.max_message_mb << 20,
+    chan = ExperienceReceiver(
+        [args.batch_endpoint],
+        args.rank,
+        args.world_size,
+        credits=cfg.experience.credits,
+        max_message_bytes=cfg.experience.max_message_mb << 20,
+        heartbeat_s=cfg.experience.heartbeat_s,
     )
     sender = None
     if args.rank == 0:
@@ -95,7 +98,7 @@ def run(args: argparse.Namespace) -> None:
             got = chan.recv(timeout_s=0.1)
             if got is None:
                 continue
-            msg, trajs = got
+            msg, trajs = got.msg, got.trajs
             if isinstance(msg, Shutdown):
                 break
             if not isinstance(msg, TrainBatch):
@@ -103,6 +106,7 @@ def run(args: argparse.Namespace) -> None:
             t0 = time.perf_counter()
             stats = engine.train_batch(build_seqs(trajs, cfg.algo), loss_fn)
             metrics = _metrics(stats, len(trajs), time.perf_counter() - t0)
+            chan.ack(got, flush=True)  # trained on: the controller may send another batch
             weights = engine.named_weights()
             if sender is not None:
                 t1 = time.perf_counter()
@@ -129,7 +133,6 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--world-size", type=int, default=1)
     p.add_argument("--dist-port", type=int, required=True)
     p.add_argument("--batch-endpoint", required=True)
-    p.add_argument("--report-endpoint", required=True)
     p.add_argument("--engine-urls", default="")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s trainer %(levelname)s %(message)s")

@@ -1,9 +1,15 @@
-"""Wire types of the experience channel (controller -> trainer) and its control messages.
+"""Wire types of the experience channel (producers -> trainer ranks) and its control messages.
 
 A :class:`Trajectory` is one finished episode. Its arrays (token ids, behaviour
 log-probs, per-token versions, loss mask) never go through msgspec: the codec
-sends them as separate zero-copy frames and describes them in a small header.
-Everything else is a tagged, array-like msgspec Struct.
+sends each as its own zero-copy frame and describes them in a small header.
+Everything else is a tagged, array-like msgspec Struct (no pickle anywhere).
+
+Messages and who sends them (see ``zmq.py`` for the protocol)::
+
+    consumer -> producer   Hello (once per connection), Credit (acks + new credit, heartbeat)
+    producer -> consumer   TrainBatch (+ array frames), Shutdown
+    consumer -> producer   StepDone (the version announcement of the trainer), Shutdown
 """
 
 from __future__ import annotations
@@ -15,11 +21,20 @@ import numpy as np
 
 __all__ = [
     "ARRAY_FIELDS",
+    "SCHEMA_VERSION",
+    "ConsumerLost",
+    "Credit",
+    "Hello",
+    "Message",
     "Shutdown",
     "StepDone",
     "TrainBatch",
+    "TrajMeta",
     "Trajectory",
 ]
+
+SCHEMA_VERSION = 2
+"""Bumped on any change of the wire layout; peers with another schema are rejected."""
 
 # name -> dtype of every per-trajectory array; the codec relies on this order.
 ARRAY_FIELDS: dict[str, np.dtype] = {
@@ -38,7 +53,8 @@ class Trajectory(msgspec.Struct, kw_only=True, gc=False):
     aligned per response token. ``versions[i]`` is the policy version that
     generated token i; environment/tool tokens carry the version of the turn they
     follow and ``loss_mask[i] == 0`` (not trained on). ``reward`` is the scalar
-    the algorithm uses; ``rewards`` may hold named components.
+    the algorithm uses; ``rewards`` may hold named components. ``metadata`` is a
+    small map of JSON-able values (it travels inline in the header).
     """
 
     prompt_ids: np.ndarray
@@ -54,6 +70,18 @@ class Trajectory(msgspec.Struct, kw_only=True, gc=False):
     metadata: dict[str, Any] = {}
 
     def __post_init__(self) -> None:
+        for name, dtype in ARRAY_FIELDS.items():
+            arr = getattr(self, name)
+            if not (
+                type(arr) is np.ndarray
+                and arr.dtype == dtype
+                and arr.ndim == 1
+                and arr.flags.c_contiguous
+            ):
+                arr = np.ascontiguousarray(arr, dtype=dtype)
+                if arr.ndim != 1:
+                    raise ValueError(f"Trajectory.{name} must be 1-D, got shape {arr.shape}")
+                setattr(self, name, arr)
         n = len(self.response_ids)
         for name in ("behav_logprobs", "versions", "loss_mask"):
             if len(getattr(self, name)) != n:
@@ -61,11 +89,6 @@ class Trajectory(msgspec.Struct, kw_only=True, gc=False):
                     f"Trajectory.{name} has {len(getattr(self, name))} entries, "
                     f"response_ids has {n}: they must align per response token"
                 )
-        for name, dtype in ARRAY_FIELDS.items():
-            arr = np.ascontiguousarray(getattr(self, name), dtype=dtype)
-            if arr.ndim != 1:
-                raise ValueError(f"Trajectory.{name} must be 1-D, got shape {arr.shape}")
-            setattr(self, name, arr)
 
     @property
     def min_version(self) -> int:
@@ -73,6 +96,11 @@ class Trajectory(msgspec.Struct, kw_only=True, gc=False):
         trained = self.versions[self.loss_mask.astype(bool)]
         src = trained if len(trained) else self.versions
         return int(src.min()) if len(src) else 0
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus response tokens."""
+        return len(self.prompt_ids) + len(self.response_ids)
 
 
 class TrajMeta(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
@@ -88,14 +116,50 @@ class TrajMeta(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
 
 
 class TrainBatch(msgspec.Struct, tag="batch", array_like=True, gc=False, omit_defaults=True):
-    """Header of one train step's data for one trainer rank; arrays follow as frames."""
+    """Header of one experience message: whole GRPO groups for one consumer (trainer rank).
 
+    ``seq`` numbers the messages of one producer to one rank (acked by the
+    consumer); ``step`` is the train step they belong to (-1: not tied to a
+    step). Five array frames per trajectory follow, in ``ARRAY_FIELDS`` order.
+    """
+
+    seq: int
     step: int
     trajs: list[TrajMeta]
+    schema: int = SCHEMA_VERSION
+
+
+class Hello(msgspec.Struct, tag="hello", array_like=True, gc=False, omit_defaults=True):
+    """Consumer -> producer, first message of a connection: who I am and my initial credit.
+
+    Each consumer opens two connections per producer: the data connection
+    (``control=False``: batches in, credits out) and a control connection
+    (``control=True``: heartbeats and reports, usable from any thread). A data
+    Hello with a new ``incarnation`` for a known ``rank`` means the consumer
+    restarted: the producer redelivers what the old incarnation had not acked.
+    """
+
+    rank: int
+    world_size: int
+    incarnation: int
+    credit: int = 0
+    control: bool = False
+    schema: int = SCHEMA_VERSION
+
+
+class Credit(msgspec.Struct, tag="credit", array_like=True, gc=False, omit_defaults=True):
+    """Consumer -> producer: ``acked`` seqs are done (may be forgotten); ``grant`` more may come.
+
+    An empty Credit is the consumer's heartbeat.
+    """
+
+    acked: list[int] = []
+    grant: int = 0
 
 
 class StepDone(msgspec.Struct, tag="step_done", array_like=True, gc=False, omit_defaults=True):
-    """Trainer -> controller: step ``step`` is trained and ``version`` is live on the engines."""
+    """Trainer -> producers (version announcement): step ``step`` is trained and ``version``
+    is live on the engines."""
 
     step: int
     version: int
@@ -109,4 +173,16 @@ class Shutdown(msgspec.Struct, tag="shutdown", array_like=True, gc=False, omit_d
     error: bool = False
 
 
-Message = TrainBatch | StepDone | Shutdown
+class ConsumerLost(msgspec.Struct, tag="lost", array_like=True, gc=False, omit_defaults=True):
+    """Producer-local report: consumer ``rank`` went silent with messages unacknowledged.
+
+    ``seqs`` and ``episode_ids`` name what it had not acked; they stay pending
+    and are redelivered, in order, when the rank says Hello again.
+    """
+
+    rank: int
+    seqs: list[int]
+    episode_ids: list[int]
+
+
+Message = TrainBatch | Hello | Credit | StepDone | Shutdown | ConsumerLost

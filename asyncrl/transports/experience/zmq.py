@@ -1,124 +1,359 @@
-"""ZeroMQ channels between the controller and the trainer ranks.
+"""Experience channel over ZeroMQ: many producers -> one consumer per trainer rank, by credit.
 
-Topology (all sockets bound by the controller, 127.0.0.1 unless configured)::
+Topology: each producer (the controller, or an episode worker elsewhere) binds
+one ROUTER socket (127.0.0.1 unless configured; ``tcp://`` or ``ipc://``). Each
+consumer (trainer rank r) connects one DEALER to every producer. Protocol::
 
-    controller PUSH[r] ──batches──▶ trainer rank r PULL      (one socket per rank)
-    controller PULL    ◀─StepDone── trainer rank 0 PUSH
+    consumer ─ Hello(rank, world, incarnation, credit=W) ─▶ producer
+    producer ─ TrainBatch(seq, step, ...) + array frames ─▶ consumer   (only while credit > 0)
+    consumer ─ Credit(acked=[seq...], grant=k) ───────────▶ producer   (after processing; heartbeat
+                                                                        when empty)
+    consumer ─ StepDone / Shutdown ───────────────────────▶ producer   (reports, any thread)
+    producer ─ Shutdown ──────────────────────────────────▶ consumer
 
-Sends are back-pressured by ZeroMQ's high-water mark: a trainer that does not
-read makes ``send_batch`` wait, nothing is dropped. A malformed message is
-logged, counted in ``rejected`` and skipped; the receiver keeps serving.
+Back-pressure, not loss: a producer sends to rank r only while it holds credit
+from r; it keeps every sent message (its frames: references, no copy) until r
+acks it. A slow trainer therefore slows ``send`` and bounds memory on both
+sides at ``credits`` messages per (producer, rank). If a rank falls silent for
+``peer_timeout_s`` its unacked messages are reported (log, counter, a
+:class:`ConsumerLost` from ``recv_report``) and stay pending; when the rank says
+Hello again (a new incarnation) they are redelivered first, in order. Delivery
+is at-least-once: a consumer acks after it has used a message.
+
+Hardening: every received message goes through :func:`codec.decode` with the
+configured size limit; a malformed one is logged (rate-limited), counted in
+``rejected`` / ``rejected_by[kind]`` and dropped, and the socket keeps serving.
+libzmq's MAXMSGSIZE additionally disconnects a peer that sends a single frame
+over the limit before it is buffered.
 """
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import logging
-import threading
+import time
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
+import msgspec
 import zmq
 import zmq.asyncio
 
-from asyncrl.transports.experience.codec import MalformedMessage, decode, encode, encode_batch
-from asyncrl.transports.experience.types import Message, Trajectory
+from asyncrl.config import ExperienceConfig
+from asyncrl.transports.experience.assign import Assigner, make_assigner
+from asyncrl.transports.experience.codec import (
+    MalformedMessage,
+    RejectLog,
+    decode,
+    encode,
+    encode_batch,
+    nbytes,
+)
+from asyncrl.transports.experience.receiver import Delivery, ExperienceReceiver
+from asyncrl.transports.experience.types import (
+    ConsumerLost,
+    Credit,
+    Hello,
+    Message,
+    Shutdown,
+    StepDone,
+    Trajectory,
+)
 
-__all__ = ["ControllerChannel", "TrainerChannel"]
+__all__ = ["Delivery", "ExperienceReceiver", "ExperienceSender", "bind_endpoint"]
 
 log = logging.getLogger(__name__)
-_HWM = 8  # batches in flight per rank before the controller waits
 
 
-class ControllerChannel:
-    """Controller side: one PUSH per trainer rank, one PULL for trainer reports."""
-
-    def __init__(self, num_ranks: int, host: str = "127.0.0.1", max_message_bytes: int = 1 << 28):
-        self._ctx = zmq.asyncio.Context()
-        self._push: list[zmq.asyncio.Socket] = []
-        self.batch_endpoints: list[str] = []
-        for _ in range(num_ranks):
-            sock = self._ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.SNDHWM, _HWM)
-            sock.setsockopt(zmq.LINGER, 0)
-            port = sock.bind_to_random_port(f"tcp://{host}")
-            self._push.append(sock)
-            self.batch_endpoints.append(f"tcp://{host}:{port}")
-        self._pull = self._ctx.socket(zmq.PULL)
-        self._pull.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
-        self._pull.setsockopt(zmq.LINGER, 0)
-        port = self._pull.bind_to_random_port(f"tcp://{host}")
-        self.report_endpoint = f"tcp://{host}:{port}"
-        self.rejected = 0
-
-    async def send_batch(self, rank: int, step: int, trajs: Sequence[Trajectory]) -> None:
-        """Send one step's shard to ``rank``; waits (never drops) while that rank is behind."""
-        await self._push[rank].send_multipart(encode_batch(step, trajs), copy=False)
-
-    async def broadcast(self, msg: Message) -> None:
-        """Send a control message to every rank."""
-        for sock in self._push:
-            await sock.send_multipart(encode(msg))
-
-    async def recv_report(self) -> Message:
-        """Next well-formed message from the trainer; malformed ones are logged and skipped."""
-        while True:
-            frames = await self._pull.recv_multipart(copy=False)
-            try:
-                msg, _ = decode([f.buffer for f in frames])
-                return msg
-            except MalformedMessage as exc:
-                self.rejected += 1
-                log.warning("rejected malformed trainer report: %s", exc)
-
-    def close(self) -> None:
-        for sock in [*self._push, self._pull]:
-            sock.close(linger=0)
-        self._ctx.term()
+def bind_endpoint(cfg: ExperienceConfig, run_dir: Path | None = None) -> str:
+    """The endpoint a producer binds: ``cfg.endpoint``, else tcp on ``cfg.host`` (any port) or
+    an ipc socket in ``run_dir``."""
+    if cfg.endpoint:
+        return cfg.endpoint
+    if cfg.transport == "ipc":
+        if run_dir is None:
+            raise ValueError("experience.transport='ipc' needs a run folder for the socket file")
+        return f"ipc://{Path(run_dir).resolve() / 'experience.ipc'}"
+    return f"tcp://{cfg.host}:*"
 
 
-class TrainerChannel:
-    """Trainer side (blocking): PULL batches for this rank; rank 0 also PUSHes reports."""
+class _Pending(msgspec.Struct, gc=False):
+    frames: list[Any]
+    episode_ids: list[int]
+    nbytes: int
+
+
+class _Peer:
+    """Producer-side state of one consumer rank."""
+
+    def __init__(self) -> None:
+        self.ident: bytes | None = None
+        self.incarnation: int | None = None
+        self.alive = False
+        self.credit = 0
+        self.last_seen = 0.0
+        self.next_seq = 0
+        self.pending: dict[int, _Pending] = {}  # insertion order == seq order
+        self.resend: collections.deque[int] = collections.deque()
+
+
+class ExperienceSender:
+    """Producer side (asyncio): binds a ROUTER; trainer ranks connect and pull by credit.
+
+    Create inside a running event loop; ``await close()`` when done. ``endpoint``
+    is the bound address (with the real port) to give to the consumers.
+    """
 
     def __init__(
         self,
-        batch_endpoint: str,
-        report_endpoint: str | None,
-        max_message_bytes: int = 1 << 28,
+        world_size: int,
+        endpoint: str = "tcp://127.0.0.1:*",
+        *,
+        max_message_bytes: int = 256 << 20,
+        peer_timeout_s: float = 30.0,
+        assigner: Assigner | None = None,
     ):
-        self._ctx = zmq.Context()
-        self._pull = self._ctx.socket(zmq.PULL)
-        self._pull.setsockopt(zmq.RCVHWM, _HWM)
-        self._pull.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
-        self._pull.setsockopt(zmq.LINGER, 0)
-        self._pull.connect(batch_endpoint)
-        self._push = None
-        self._report_lock = threading.Lock()
-        if report_endpoint:
-            self._push = self._ctx.socket(zmq.PUSH)
-            self._push.setsockopt(zmq.LINGER, 2000)
-            self._push.connect(report_endpoint)
-        self.rejected = 0
+        self.world_size = world_size
+        self._max_bytes = max_message_bytes
+        self._timeout = peer_timeout_s
+        self._assigner = assigner or make_assigner("balanced")
+        self._ctx = zmq.asyncio.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._sock.setsockopt(zmq.SNDHWM, 0)  # credits bound what is queued
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+        self._sock.bind(endpoint)
+        self.endpoint: str = self._sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self._peers = [_Peer() for _ in range(world_size)]
+        self._by_ident: dict[bytes, tuple[int, int]] = {}  # -> (rank, incarnation)
+        self._reports: asyncio.Queue[Message | None] = asyncio.Queue()  # None: failed
+        self._changed = asyncio.Event()
+        self._error: BaseException | None = None
+        self._reject = RejectLog("sender")
+        self.counters = collections.Counter(
+            {"sent": 0, "acked": 0, "redelivered": 0, "lost_reported": 0}
+        )
+        self._tasks = [
+            asyncio.get_running_loop().create_task(self._recv_loop(), name="xport-recv"),
+            asyncio.get_running_loop().create_task(self._liveness_loop(), name="xport-live"),
+        ]
+        for t in self._tasks:
+            t.add_done_callback(self._supervise)
 
-    def recv(self, timeout_s: float) -> tuple[Message, list[Trajectory]] | None:
-        """Next well-formed message within ``timeout_s``, else None."""
-        if not self._pull.poll(int(timeout_s * 1000)):
-            return None
-        frames = self._pull.recv_multipart(copy=False)
-        try:
-            return decode([f.buffer for f in frames])
-        except MalformedMessage as exc:
-            self.rejected += 1
-            log.warning("rejected malformed batch: %s", exc)
-            return None
+    # -- public API ----------------------------------------------------------------------
+    @property
+    def rejected(self) -> int:
+        """Malformed messages received and dropped."""
+        return self._reject.total
 
-    def report(self, msg: Message) -> None:
-        """Send a report; safe to call from any thread."""
-        assert self._push is not None, "only the reporting rank sends reports"
-        with self._report_lock:
-            self._push.send_multipart(encode(msg))
+    def pending(self, rank: int) -> int:
+        """Messages sent to ``rank`` (or waiting for redelivery) and not yet acknowledged."""
+        return len(self._peers[rank].pending)
 
-    def close(self) -> None:
-        self._pull.close(linger=0)
-        if self._push is not None:
-            with self._report_lock:
-                self._push.close()
+    def pending_bytes(self) -> int:
+        """Payload bytes held for possible redelivery, over all ranks."""
+        return sum(p.nbytes for peer in self._peers for p in peer.pending.values())
+
+    async def send(self, trajs: Sequence[Trajectory], rank: int, step: int = -1) -> int:
+        """Send whole groups ``trajs`` to ``rank``; waits (never drops) until ``rank`` has
+        credit. Returns the message's seq. Raises ValueError for a message over the limit."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} out of range for world size {self.world_size}")
+        peer = self._peers[rank]
+        while not (peer.alive and peer.credit > 0 and not peer.resend):
+            self._raise_if_failed()
+            self._changed.clear()
+            await self._changed.wait()
+        self._raise_if_failed()
+        seq, peer.next_seq = peer.next_seq, peer.next_seq + 1
+        frames = encode_batch(seq, step, trajs)
+        size = nbytes(frames)
+        if size > self._max_bytes:
+            raise ValueError(
+                f"experience message of {size} bytes exceeds experience.max_message_mb "
+                f"({self._max_bytes >> 20} MiB): raise it or send fewer groups per message"
+            )
+        peer.pending[seq] = _Pending(frames, [t.episode_id for t in trajs], size)
+        peer.credit -= 1
+        await self._transmit(rank, frames)
+        self.counters["sent"] += 1
+        return seq
+
+    async def send_groups(
+        self, groups: Sequence[Sequence[Trajectory]], step: int = -1
+    ) -> list[int]:
+        """Assign whole groups to ranks (the policy) and send one message per rank.
+
+        With ``step >= 0`` every rank gets a message (possibly empty), so all data-parallel
+        ranks take part in the step. Returns the rank of each group.
+        """
+        ranks = self._assigner.assign(groups, self.world_size)
+        for r in range(self.world_size):
+            shard = [t for g, gr in zip(groups, ranks, strict=True) if gr == r for t in g]
+            if shard or step >= 0:
+                await self.send(shard, rank=r, step=step)
+        return ranks
+
+    async def recv_report(self) -> Message:
+        """Next report: StepDone / Shutdown from a consumer, or a local ConsumerLost.
+
+        Raises RuntimeError if the sender's background loop failed."""
+        self._raise_if_failed()
+        msg = await self._reports.get()
+        if msg is None:
+            self._raise_if_failed()
+        assert msg is not None
+        return msg
+
+    async def broadcast(self, msg: Message) -> None:
+        """Send a control message (e.g. Shutdown) to every rank that has said Hello."""
+        for rank, peer in enumerate(self._peers):
+            if peer.ident is not None:
+                try:
+                    await self._transmit(rank, encode(msg))
+                except zmq.ZMQError as exc:
+                    log.warning("could not send %s to rank %d: %s", type(msg).__name__, rank, exc)
+
+    async def close(self) -> None:
+        """Stop the loops and close the socket; unacked messages are logged as not delivered."""
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for rank, peer in enumerate(self._peers):
+            if peer.pending:
+                log.warning(
+                    "closing with %d message(s) to rank %d unacknowledged (seqs %s)",
+                    len(peer.pending),
+                    rank,
+                    list(peer.pending)[:20],
+                )
+        self._sock.close(linger=0)
         self._ctx.term()
+        if self.endpoint.startswith("ipc://"):
+            Path(self.endpoint.removeprefix("ipc://")).unlink(missing_ok=True)
+
+    # -- internals -----------------------------------------------------------------------
+    def _supervise(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None and self._error is None:
+            self._error = task.exception()
+            log.error("experience sender task %s failed: %r", task.get_name(), self._error)
+            self._reports.put_nowait(None)
+        self._changed.set()
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"experience sender failed: {self._error!r}") from self._error
+
+    async def _transmit(self, rank: int, frames: list[Any]) -> None:
+        peer = self._peers[rank]
+        try:
+            await self._sock.send_multipart([peer.ident, *frames], copy=False)
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EHOSTUNREACH:
+                raise
+            self._lose(rank, "its connection is gone")
+
+    async def _recv_loop(self) -> None:
+        while True:
+            parts = await self._sock.recv_multipart(copy=False)
+            ident = parts[0].bytes
+            try:
+                msg, _ = decode(parts[1:], self._max_bytes)
+                await self._handle(ident, msg)
+            except MalformedMessage as exc:
+                self._reject(exc, repr(ident))
+            self._changed.set()
+
+    async def _handle(self, ident: bytes, msg: Message) -> None:
+        if isinstance(msg, Hello):
+            await self._hello(ident, msg)
+            return
+        known = self._by_ident.get(ident)
+        if known is None:
+            raise MalformedMessage("protocol", f"{type(msg).__name__} before Hello")
+        rank, incarnation = known
+        peer = self._peers[rank]
+        if incarnation == peer.incarnation:
+            peer.last_seen = time.monotonic()
+            if not peer.alive:  # back from a long silence
+                log.warning("trainer rank %d is talking again", rank)
+                peer.alive = True
+        if isinstance(msg, Credit):
+            if ident != peer.ident:
+                return  # credit of a dead incarnation: its messages are pending for redelivery
+            for seq in msg.acked:
+                if peer.pending.pop(seq, None) is not None:
+                    self.counters["acked"] += 1
+            peer.credit += max(0, msg.grant)
+            await self._pump(rank)
+        elif isinstance(msg, StepDone | Shutdown):
+            self._reports.put_nowait(msg)
+        else:
+            raise MalformedMessage("protocol", f"a consumer may not send {type(msg).__name__}")
+
+    async def _hello(self, ident: bytes, msg: Hello) -> None:
+        if msg.world_size != self.world_size or not 0 <= msg.rank < self.world_size:
+            raise MalformedMessage(
+                "protocol",
+                f"hello rank {msg.rank}/{msg.world_size}, expected world {self.world_size}",
+            )
+        if not msg.control and msg.credit <= 0:
+            raise MalformedMessage("protocol", f"data hello with credit {msg.credit}")
+        self._by_ident[ident] = (msg.rank, msg.incarnation)
+        peer = self._peers[msg.rank]
+        if msg.control or peer.ident == ident:
+            return
+        if peer.ident is not None:
+            self._by_ident.pop(peer.ident, None)
+            log.warning(
+                "trainer rank %d reconnected; redelivering %d unacked message(s)",
+                msg.rank,
+                len(peer.pending),
+            )
+        peer.ident, peer.incarnation, peer.credit = ident, msg.incarnation, msg.credit
+        peer.alive, peer.last_seen = True, time.monotonic()
+        peer.resend = collections.deque(peer.pending)
+        self.counters["redelivered"] += len(peer.resend)
+        await self._pump(msg.rank)
+
+    async def _pump(self, rank: int) -> None:
+        """Redeliver pending messages to a new incarnation, as far as its credit allows."""
+        peer = self._peers[rank]
+        while peer.resend and peer.credit > 0 and peer.alive:
+            seq = peer.resend.popleft()
+            item = peer.pending.get(seq)
+            if item is None:
+                continue
+            peer.credit -= 1
+            await self._transmit(rank, item.frames)
+
+    def _lose(self, rank: int, why: str) -> None:
+        peer = self._peers[rank]
+        if not peer.alive:
+            return
+        peer.alive = False
+        seqs = list(peer.pending)
+        eids = [e for s in seqs for e in peer.pending[s].episode_ids]
+        self.counters["lost_reported"] += len(seqs)
+        log.error(
+            "trainer rank %d lost (%s): %d unacknowledged message(s), seqs %s, "
+            "episodes %s; kept for redelivery",
+            rank,
+            why,
+            len(seqs),
+            seqs[:20],
+            eids[:50],
+        )
+        self._reports.put_nowait(ConsumerLost(rank=rank, seqs=seqs, episode_ids=eids))
+
+    async def _liveness_loop(self) -> None:
+        while True:
+            await asyncio.sleep(min(1.0, self._timeout / 4))
+            now = time.monotonic()
+            for rank, peer in enumerate(self._peers):
+                if peer.alive and now - peer.last_seen > self._timeout:
+                    self._lose(rank, f"silent for {now - peer.last_seen:.1f}s")
+                    self._changed.set()

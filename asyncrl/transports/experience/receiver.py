@@ -1,0 +1,212 @@
+"""Consumer side of the experience channel: one ``ExperienceReceiver`` per trainer rank.
+
+See ``zmq.py`` for the protocol. The receiver connects a data DEALER (batches
+in, credits out; used by the consumer's own thread) and a control DEALER
+(heartbeats from a small thread, reports from any thread) to every producer.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import random
+import threading
+import time
+from collections.abc import Sequence
+
+import msgspec
+import zmq
+
+from asyncrl.transports.experience.codec import MalformedMessage, RejectLog, decode, encode
+from asyncrl.transports.experience.types import (
+    Credit,
+    Hello,
+    Message,
+    Shutdown,
+    TrainBatch,
+    Trajectory,
+)
+
+__all__ = ["Delivery", "ExperienceReceiver"]
+
+log = logging.getLogger(__name__)
+_DRAIN = 64  # messages taken per readiness event, so a flood cannot starve timeouts
+
+
+class Delivery(msgspec.Struct, gc=False):
+    """One received message: ``msg`` (TrainBatch or Shutdown), its trajectories, its source."""
+
+    msg: Message
+    trajs: list[Trajectory]
+    producer: int
+
+
+class ExperienceReceiver:
+    """Consumer side for one trainer rank (blocking API).
+
+    ``recv`` returns deliveries in each producer's order and ``ack`` (after use)
+    returns credit to their producer: call both from one thread (the consumer's
+    loop). ``report`` sends to every producer over separate control connections
+    and may be called from any thread; a small thread heartbeats on those, so a
+    rank busy training is not taken for dead. Arrays of delivered trajectories
+    are read-only views of the received frames.
+    """
+
+    def __init__(
+        self,
+        endpoints: Sequence[str],
+        rank: int,
+        world_size: int,
+        *,
+        credits: int = 4,
+        max_message_bytes: int = 256 << 20,
+        heartbeat_s: float = 1.0,
+    ):
+        if credits <= 0:
+            raise ValueError(f"credits must be > 0, got {credits}")
+        self.rank, self.world_size, self.credits = rank, world_size, credits
+        self.endpoints = list(endpoints)
+        self.incarnation = random.getrandbits(62)
+        self._max_bytes = max_message_bytes
+        self._reject = RejectLog(f"rank {rank}")
+        self._ready: collections.deque[Delivery] = collections.deque()
+        self._window = [credits] * len(self.endpoints)  # credit each producer holds
+        self._acks: list[list[int]] = [[] for _ in self.endpoints]  # acked, not yet sent
+        self._ack_batch = max(1, credits // 2)
+        self._ctx = zmq.Context()
+        self._data = [self._connect(ep, control=False) for ep in self.endpoints]
+        self._ctl = [self._connect(ep, control=True) for ep in self.endpoints]
+        self._index = {s: i for i, s in enumerate(self._data)}
+        self._poller = zmq.Poller()
+        for s in self._data:
+            self._poller.register(s, zmq.POLLIN)
+        self._ctl_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._beat = threading.Thread(
+            target=self._heartbeat, args=(heartbeat_s,), name=f"xport-hb{rank}", daemon=True
+        )
+        self._beat.start()
+
+    @property
+    def rejected(self) -> int:
+        """Malformed (or credit-violating) messages received and dropped."""
+        return self._reject.total
+
+    @property
+    def rejected_by(self) -> dict[str, int]:
+        """Rejections by kind (see ``codec.REJECT_KINDS``)."""
+        return dict(self._reject.by_kind)
+
+    def recv(self, timeout_s: float) -> Delivery | None:
+        """Next delivery (a TrainBatch or a Shutdown) within ``timeout_s``, else None."""
+        deadline = time.monotonic() + timeout_s
+        while not self._ready:
+            self._send_acks(low_only=True)  # never wait while a producer runs low on credit
+            left = deadline - time.monotonic()
+            if left < 0:
+                return None
+            for sock, _ in self._poller.poll(max(0, int(left * 1000))):
+                self._drain(sock, self._index[sock])
+        return self._ready.popleft()
+
+    def ack(self, delivery: Delivery, flush: bool = False) -> None:
+        """The delivery is used: its producer may forget it and send one more.
+
+        Acks go out in batches of ``credits // 2``, or before ``recv`` waits once the
+        producer's remaining credit is down to half the window; ``flush`` sends at once
+        (for consumers that ack rarely, e.g. once per train step)."""
+        if isinstance(delivery.msg, TrainBatch):
+            self._acks[delivery.producer].append(delivery.msg.seq)
+            if flush or len(self._acks[delivery.producer]) >= self._ack_batch:
+                self._send_acks()
+
+    def report(self, msg: Message) -> None:
+        """Send a report (StepDone, Shutdown) to every producer; safe from any thread."""
+        frames = encode(msg)
+        with self._ctl_lock:
+            if self._stop.is_set():
+                raise RuntimeError(f"report({type(msg).__name__}) after the receiver was closed")
+            for i, s in enumerate(self._ctl):
+                if not _send(s, frames):
+                    log.error(
+                        "report %s not sent to %s: its queue is full (producer unreachable)",
+                        msg,
+                        self.endpoints[i],
+                    )
+
+    def close(self) -> None:
+        """Stop heartbeats; close the sockets (sent acks and reports get up to 1 s to flush)."""
+        self._send_acks()
+        self._stop.set()
+        self._beat.join(5.0)
+        with self._ctl_lock:
+            for s in [*self._data, *self._ctl]:
+                s.close(linger=1000)
+        self._ctx.term()
+
+    # -- internals -----------------------------------------------------------------------
+    def _connect(self, endpoint: str, control: bool) -> zmq.Socket:
+        s = self._ctx.socket(zmq.DEALER)
+        kind = "c" if control else "d"
+        s.setsockopt(zmq.IDENTITY, f"{kind}{self.rank}-{self.incarnation:x}".encode())
+        s.setsockopt(zmq.MAXMSGSIZE, self._max_bytes)
+        s.setsockopt(zmq.RCVHWM, 0)  # credits bound what can arrive
+        s.connect(endpoint)
+        hello = Hello(
+            rank=self.rank,
+            world_size=self.world_size,
+            incarnation=self.incarnation,
+            credit=0 if control else self.credits,
+            control=control,
+        )
+        s.send_multipart(encode(hello))
+        return s
+
+    def _send_acks(self, low_only: bool = False) -> None:
+        """Send held acks (as new credit); ``low_only``: only to producers whose remaining
+        credit is down to half the window, so a consumer that keeps up sends few acks."""
+        for i, seqs in enumerate(self._acks):
+            if seqs and not (low_only and self._window[i] > self.credits // 2):
+                self._window[i] += len(seqs)
+                if not _send(self._data[i], encode(Credit(acked=seqs, grant=len(seqs)))):
+                    log.warning(
+                        "acks %s to %s not sent: producer unreachable", seqs, self.endpoints[i]
+                    )
+                self._acks[i] = []
+
+    def _heartbeat(self, interval_s: float) -> None:
+        beat = encode(Credit())
+        while not self._stop.wait(interval_s):
+            with self._ctl_lock:
+                for s in self._ctl:
+                    _send(s, beat)
+
+    def _drain(self, sock: zmq.Socket, producer: int) -> None:
+        for _ in range(_DRAIN):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                msg, trajs = decode(frames, self._max_bytes)
+                if isinstance(msg, TrainBatch):
+                    if self._window[producer] <= 0:
+                        raise MalformedMessage("protocol", f"seq {msg.seq} sent without credit")
+                    self._window[producer] -= 1
+                elif not isinstance(msg, Shutdown):
+                    raise MalformedMessage(
+                        "protocol", f"a producer may not send {type(msg).__name__}"
+                    )
+            except MalformedMessage as exc:
+                self._reject(exc, self.endpoints[producer])
+                continue
+            self._ready.append(Delivery(msg, trajs, producer))
+
+
+def _send(sock: zmq.Socket, frames: list[bytes]) -> bool:
+    """Send without blocking; False when the peer's queue is full (it is gone or stuck)."""
+    try:
+        sock.send_multipart(frames, zmq.NOBLOCK)
+    except zmq.Again:
+        return False
+    return True

@@ -1,0 +1,275 @@
+"""Experience transport throughput: our msgspec + zero-copy ZeroMQ channel vs pickle over ZeroMQ.
+
+``asyncrl bench transport [--json PATH] [--trajectories N] [--group-sizes 8,1] ...``
+
+One producer process (this one) sends trajectories of a 512-token prompt and a
+4096-token response (int32 ids, float32 behaviour log-probs, int32 versions,
+uint8 loss mask, reward, ids, timings, a small metadata map) to one consumer
+process, which decodes every message into ``Trajectory`` objects and acks.
+
+- ours: ``ExperienceSender`` -> ``ExperienceReceiver`` (credit flow control, acks,
+  header + one frame per array, ``np.frombuffer`` on receipt).
+- baseline: ``pickle.dumps(list_of_trajectories)`` over a PUSH/PULL pair, the same
+  trajectories per message, ``pickle.loads`` on receipt (high-water mark = credits).
+
+Both are timed from the first send until the consumer reports it has everything;
+each row is the median of ``--repeats`` interleaved runs (the machine may be shared).
+``payload_gbps`` counts the array bytes plus the inline scalars (header frame).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import pickle
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import zmq
+import zmq.asyncio
+
+if __name__ == "__main__":  # `python benchmarks/transport.py` uses the asyncrl next to it
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from asyncrl.procs import spawn, stop
+from asyncrl.transports.experience.codec import encode_batch, nbytes
+from asyncrl.transports.experience.types import StepDone, TrainBatch, Trajectory
+from asyncrl.transports.experience.zmq import ExperienceReceiver, ExperienceSender
+
+PROMPT, RESPONSE = 512, 4096
+
+
+def make_trajectories(n: int, seed: int = 0) -> list[Trajectory]:
+    """``n`` distinct trajectories of PROMPT + RESPONSE tokens."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        out.append(
+            Trajectory(
+                prompt_ids=rng.integers(0, 150_000, PROMPT, dtype=np.int32),
+                response_ids=rng.integers(0, 150_000, RESPONSE, dtype=np.int32),
+                behav_logprobs=-rng.random(RESPONSE, dtype=np.float32),
+                versions=np.full(RESPONSE, 7, np.int32),
+                loss_mask=np.ones(RESPONSE, np.uint8),
+                reward=float(rng.random()),
+                group_id=i // 8,
+                episode_id=i,
+                timings={"gen_s": 1.5, "reward_s": 0.01},
+                metadata={"task": "bench", "turns": 1},
+            )
+        )
+    return out
+
+
+# -- consumer processes -------------------------------------------------------------------
+def _consume_ours(endpoint: str, total: int, credits: int) -> None:
+    rx = ExperienceReceiver([endpoint], 0, 1, credits=credits, max_message_bytes=1 << 30)
+    got = 0
+    try:
+        while got < total:
+            d = rx.recv(30.0)
+            if d is None:
+                raise RuntimeError(f"consumer timed out after {got} trajectories")
+            assert isinstance(d.msg, TrainBatch)
+            got += len(d.trajs)
+            rx.ack(d)
+        rx.report(StepDone(step=-1, version=got))
+    finally:
+        rx.close()
+
+
+def _consume_pickle(endpoint: str, done_endpoint: str, total: int, credits: int) -> None:
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    pull.setsockopt(zmq.RCVHWM, credits)
+    pull.connect(endpoint)
+    push = ctx.socket(zmq.PUSH)
+    push.connect(done_endpoint)
+    push.send(b"ready")
+    got = 0
+    while got < total:
+        trajs = pickle.loads(pull.recv())
+        assert isinstance(trajs[0], Trajectory)
+        got += len(trajs)
+    push.send(str(got).encode())
+    push.close(linger=2000)
+    pull.close(linger=0)
+    ctx.term()
+
+
+# -- producers (this process) ---------------------------------------------------------------
+def _endpoint(transport: str, tmp: Path, name: str) -> str:
+    return f"ipc://{tmp / name}" if transport == "ipc" else "tcp://127.0.0.1:*"
+
+
+async def _run_ours(args: argparse.Namespace, trajs: list[Trajectory], group: int) -> float:
+    tx = ExperienceSender(
+        1, _endpoint(args.transport, args.tmp, "ours.ipc"), max_message_bytes=1 << 30
+    )
+    child = spawn(_child_args(args, "ours", tx.endpoint, "", group))
+    try:
+        msgs = [trajs[i : i + group] for i in range(0, len(trajs), group)]
+        await tx.send(msgs[0], rank=0)  # waits for the consumer's hello (not timed)
+        t0 = time.perf_counter()
+        for m in msgs[1:]:
+            await tx.send(m, rank=0)
+        report = await asyncio.wait_for(tx.recv_report(), 120)
+        dt = time.perf_counter() - t0
+        assert isinstance(report, StepDone) and report.version == len(trajs), report
+        return dt
+    finally:
+        await tx.close()
+        stop([child])
+
+
+async def _run_pickle(args: argparse.Namespace, trajs: list[Trajectory], group: int) -> float:
+    ctx = zmq.asyncio.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.SNDHWM, args.credits)
+    push.bind(_endpoint(args.transport, args.tmp, "pickle.ipc"))
+    done = ctx.socket(zmq.PULL)
+    done.bind(_endpoint(args.transport, args.tmp, "done.ipc"))
+    ep, done_ep = (s.getsockopt(zmq.LAST_ENDPOINT).decode() for s in (push, done))
+    child = spawn(_child_args(args, "pickle", ep, done_ep, group))
+    try:
+        msgs = [trajs[i : i + group] for i in range(0, len(trajs), group)]
+        assert await asyncio.wait_for(done.recv(), 60) == b"ready"
+        await push.send(pickle.dumps(msgs[0], protocol=pickle.HIGHEST_PROTOCOL))
+        t0 = time.perf_counter()
+        for m in msgs[1:]:
+            await push.send(pickle.dumps(m, protocol=pickle.HIGHEST_PROTOCOL))
+        got = int(await asyncio.wait_for(done.recv(), 120))
+        dt = time.perf_counter() - t0
+        assert got == len(trajs), got
+        return dt
+    finally:
+        stop([child])
+        push.close(linger=0)
+        done.close(linger=0)
+        ctx.term()
+
+
+def _child_args(
+    args: argparse.Namespace, role: str, ep: str, done_ep: str, group: int
+) -> list[str]:
+    return [
+        str(Path(__file__).resolve()),
+        "--role", role,
+        "--endpoint", ep,
+        "--done-endpoint", done_ep,
+        "--total", str(args.trajectories // group * group),
+        "--credits", str(args.credits),
+    ]  # fmt: skip
+
+
+async def _bench(args: argparse.Namespace) -> list[dict]:
+    pool = make_trajectories(64)
+    rows = []
+    for group in args.group_sizes:
+        n = args.trajectories // group * group
+        trajs = [pool[i % len(pool)] for i in range(n)]
+        per_traj = nbytes(encode_batch(0, -1, trajs[:group])) / group
+        timed = n - group  # the first message is not timed
+        secs: dict[str, list[float]] = {"msgspec_zmq": [], "pickle_zmq": []}
+        for _ in range(args.repeats):  # interleaved, so both see the same machine load
+            secs["msgspec_zmq"].append(await _run_ours(args, trajs, group))
+            secs["pickle_zmq"].append(await _run_pickle(args, trajs, group))
+        for impl, runs in secs.items():
+            dt = statistics.median(runs)
+            rows.append(
+                {
+                    "impl": impl,
+                    "group_size": group,
+                    "trajectories": timed,
+                    "seconds": dt,
+                    "eps": timed / dt,
+                    "gbps": timed * per_traj / dt / 1e9,
+                    "eps_runs": [timed / r for r in runs],
+                    "best_eps": timed / min(runs),
+                    "best_gbps": timed * per_traj / min(runs) / 1e9,
+                }
+            )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--json", default=None, help="write results to this JSON file")
+    p.add_argument("--trajectories", type=int, default=4000, help="per run (default 4000)")
+    p.add_argument("--group-sizes", default="8,1", help="trajectories per message, comma list")
+    p.add_argument("--credits", type=int, default=16, help="credits (ours) = HWM (pickle)")
+    p.add_argument("--transport", choices=("ipc", "tcp"), default="ipc")
+    p.add_argument("--repeats", type=int, default=5, help="runs per row; the median is shown")
+    p.add_argument("--role", choices=("ours", "pickle"), help=argparse.SUPPRESS)
+    p.add_argument("--endpoint", help=argparse.SUPPRESS)
+    p.add_argument("--done-endpoint", help=argparse.SUPPRESS)
+    p.add_argument("--total", type=int, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.role == "ours":
+        return _consume_ours(args.endpoint, args.total, args.credits)
+    if args.role == "pickle":
+        return _consume_pickle(args.endpoint, args.done_endpoint, args.total, args.credits)
+    args.group_sizes = [int(g) for g in args.group_sizes.split(",")]
+    import tempfile
+
+    load_before = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory(prefix="xport-") as tmp:
+        args.tmp = Path(tmp)
+        rows = asyncio.run(_bench(args))
+    load = (load_before + os.getloadavg()[0]) / 2
+    _print(rows, args)
+    print(f"machine: {os.cpu_count()} CPUs, 1-min load average during the run ~{load:.1f}")
+    head = next(
+        r for r in rows if r["group_size"] == args.group_sizes[0] and r["impl"] == "msgspec_zmq"
+    )
+    base = next(
+        r for r in rows if r["group_size"] == args.group_sizes[0] and r["impl"] == "pickle_zmq"
+    )
+    result = {
+        "msgspec_zmq_eps": head["eps"],
+        "pickle_baseline_eps": base["eps"],
+        "speedup": head["eps"] / base["eps"],
+        "payload_gbps": head["gbps"],
+        "group_size": args.group_sizes[0],
+        "transport": args.transport,
+        "credits": args.credits,
+        "repeats": args.repeats,
+        "cpus": os.cpu_count(),
+        "load_avg_1m": load,
+        "prompt_tokens": PROMPT,
+        "response_tokens": RESPONSE,
+        "runs": rows,
+    }
+    print(
+        f"\nheadline (group {args.group_sizes[0]}): ours {head['eps']:.0f} eps, pickle "
+        f"{base['eps']:.0f} eps, x{result['speedup']:.2f}, payload {head['gbps']:.2f} GB/s"
+    )
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+        print(f"wrote {args.json}")
+
+
+def _print(rows: list[dict], args: argparse.Namespace) -> None:
+    print(
+        f"experience transport, {PROMPT}+{RESPONSE} tokens/trajectory, {args.transport}, "
+        f"credits/HWM {args.credits}"
+    )
+    print(
+        f"{'impl':<12} {'group':>5} {'traj':>6} {'seconds':>8} {'eps':>9} {'GB/s':>6} "
+        f"{'best eps':>9} {'best GB/s':>9}"
+    )
+    for r in rows:
+        print(
+            f"{r['impl']:<12} {r['group_size']:>5} {r['trajectories']:>6} {r['seconds']:>8.2f} "
+            f"{r['eps']:>9.0f} {r['gbps']:>6.2f} {r['best_eps']:>9.0f} {r['best_gbps']:>9.2f}"
+        )
+    print("(seconds, eps, GB/s: median of the repeats; best: the fastest repeat)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
