@@ -209,7 +209,9 @@ def _check_positive(cfg: RunConfig) -> None:
         if value <= 0:
             raise ValueError(f"{key} must be > 0, got {value!r}")
     if cfg.controller.max_staleness < 0:
-        raise ValueError(f"controller.max_staleness must be >= 0, got {cfg.controller.max_staleness}")
+        raise ValueError(
+            f"controller.max_staleness must be >= 0, got {cfg.controller.max_staleness}"
+        )
     if not 0.0 < cfg.rollout.top_p <= 1.0:
         raise ValueError(f"rollout.top_p must be in (0, 1], got {cfg.rollout.top_p}")
     if cfg.rollout.temperature <= 0:
@@ -272,7 +274,9 @@ def _convert(tree: dict[str, Any]) -> RunConfig:
             path = [*path, field]
         hint = _allowed(path)
         key = ".".join(path) or "<root>"
-        raise ValueError(f"invalid config key {key}: {msg}" + (f" ({hint})" if hint else "")) from None
+        raise ValueError(
+            f"invalid config key {key}: {msg}" + (f" ({hint})" if hint else "")
+        ) from None
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:

@@ -26,7 +26,14 @@ if TYPE_CHECKING:
 __all__ = ["export_hf", "load", "save"]
 
 _STATE = "trainer_state.json"
-_WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")
+_WEIGHT_FILES = (
+    ".safetensors",
+    ".bin",
+    ".pt",
+    ".pth",
+    ".safetensors.index.json",
+    ".bin.index.json",
+)
 _SHARD_BYTES = 4 << 30
 
 
@@ -74,7 +81,9 @@ def load(engine: FSDPEngine, path: str | Path) -> None:
         raise ValueError(f"{path} is not an asyncrl checkpoint (no {_STATE})")
     state = json.loads((path / _STATE).read_text())
     if state["role"] != engine.role:
-        raise ValueError(f"{path} holds a {state['role']} checkpoint, this engine is a {engine.role}")
+        raise ValueError(
+            f"{path} holds a {state['role']} checkpoint, this engine is a {engine.role}"
+        )
     model_sd, optim_sd = get_state_dict(engine.model, engine.optimizer)
     sd = {"model": model_sd, "optim": optim_sd}
     dcp.load(sd, checkpoint_id=str(path))

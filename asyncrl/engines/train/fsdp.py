@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import math
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import Literal
 
@@ -36,6 +37,8 @@ from asyncrl.engines.train.schedule import lr_schedule
 __all__ = ["FSDPEngine", "init_process_group"]
 
 Role = Literal["actor", "critic"]
+# Output preparation never writes into the model's outputs in place.
+warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
 _PACKABLE = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
 
 
@@ -96,9 +99,13 @@ class FSDPEngine:
         model.config.use_cache = False
         self.pad_id = model.config.pad_token_id or 0
         attn = getattr(model.config, "_attn_implementation", None) or "eager"
-        self.packed = tc.packing == "on" or (tc.packing == "auto" and attn in _PACKABLE)
+        self.packed = tc.packing == "on" or (
+            tc.packing == "auto" and attn in _PACKABLE and _packing_supported()
+        )
         if tc.activation_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
         self.units = self._shard(model.to(self.device))
         self.model = model
         self.optimizer = torch.optim.AdamW(
@@ -129,7 +136,9 @@ class FSDPEngine:
         self, seqs: Sequence[Seq], loss_fn: LossFn | None, forward_only: bool = False
     ) -> tuple[list[torch.Tensor], dict[str, float]]:
         if any(s.prompt_len < 1 for s in seqs):
-            raise ValueError("every Seq needs prompt_len >= 1 (a position predicts each response token)")
+            raise ValueError(
+                "every Seq needs prompt_len >= 1 (a position predicts each response token)"
+            )
         if not forward_only and loss_fn is None:
             raise ValueError("forward_backward_batch needs a loss_fn unless forward_only=True")
         lengths = [len(s.input_ids) for s in seqs]
@@ -146,7 +155,9 @@ class FSDPEngine:
         self.model.train(not forward_only)
         with torch.set_grad_enabled(not forward_only):
             for idx in groups:
-                outs = self._micro_batch([seqs[i] for i in idx], loss_fn, scale, forward_only, stats)
+                outs = self._micro_batch(
+                    [seqs[i] for i in idx], loss_fn, scale, forward_only, stats
+                )
                 for i, out in zip(idx, outs, strict=True):
                     outputs[i] = out
         assert all(o is not None for o in outputs)
@@ -160,7 +171,7 @@ class FSDPEngine:
         forward_only: bool,
         stats: dict[str, float],
     ) -> list[torch.Tensor]:
-        """Input preparation -> model -> output preparation (-> loss backward) for one micro-batch."""
+        """Input preparation -> model -> output preparation (-> loss, backward) of a micro-batch."""
         if not seqs:  # an empty micro-batch still joins the collectives
             ids = torch.full((1, 1), self.pad_id, dtype=torch.long, device=self.device)
             out = self.model(input_ids=ids).logits
@@ -258,6 +269,15 @@ class FSDPEngine:
         else:
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
+
+
+def _packing_supported() -> bool:
+    """Whether this transformers derives a block-diagonal mask from restarting position ids."""
+    try:
+        from transformers.masking_utils import find_packed_sequence_indices  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _in_child(name: str, unit: nn.Module) -> bool:

@@ -18,7 +18,13 @@ import torch
 
 from asyncrl.engines.train.base import Seq
 
-__all__ = ["MicroBatch", "prepare_inputs", "response_logprobs", "response_values", "split_by_tokens"]
+__all__ = [
+    "MicroBatch",
+    "prepare_inputs",
+    "response_logprobs",
+    "response_values",
+    "split_by_tokens",
+]
 
 
 def split_by_tokens(lengths: Sequence[int], budget: int, min_count: int = 1) -> list[list[int]]:
@@ -78,7 +84,10 @@ def prepare_inputs(seqs: Sequence[Seq], packed: bool, trim: bool, pad_id: int = 
         pos = torch.cat([torch.arange(len(s.input_ids)) for s in seqs])[None]
         starts = torch.tensor([0, *(len(s.input_ids) for s in seqs)]).cumsum(0)[:-1].tolist()
         gather = torch.cat(
-            [torch.arange(o + s.prompt_len - 1, o + len(s.input_ids) - 1) for o, s in zip(starts, seqs)]
+            [
+                torch.arange(o + s.prompt_len - 1, o + len(s.input_ids) - 1)
+                for o, s in zip(starts, seqs, strict=True)
+            ]
         )
         inputs: dict[str, torch.Tensor | int] = {"input_ids": ids, "position_ids": pos}
         if trim:
@@ -95,7 +104,9 @@ def prepare_inputs(seqs: Sequence[Seq], packed: bool, trim: bool, pad_id: int = 
     kept = width - first
     gather = torch.cat(
         [
-            torch.arange(i * kept + s.prompt_len - 1 - first, i * kept + len(s.input_ids) - 1 - first)
+            torch.arange(
+                i * kept + s.prompt_len - 1 - first, i * kept + len(s.input_ids) - 1 - first
+            )
             for i, s in enumerate(seqs)
         ]
     )

@@ -15,9 +15,12 @@ __all__ = ["lr_schedule"]
 
 
 def lr_schedule(cfg: TrainerConfig, total_steps: int) -> Callable[[int], float]:
-    """``lr(step)`` for step 0, 1, ...: warm-up over ``cfg.warmup_steps`` (reaching ``cfg.lr``
-    at step ``warmup_steps``), then ``cfg.lr_schedule`` decay to ``cfg.lr * cfg.min_lr_ratio``
-    at step ``cfg.decay_steps or total_steps`` (held there afterwards)."""
+    """``lr(step)`` for step 0, 1, ...
+
+    Linear warm-up ``lr * (step + 1) / (warmup_steps + 1)`` reaching ``cfg.lr`` at step
+    ``warmup_steps``, then ``cfg.lr_schedule`` decay to ``cfg.lr * cfg.min_lr_ratio`` at step
+    ``(cfg.decay_steps or total_steps) - 1``, held there afterwards.
+    """
     peak, warm, floor = cfg.lr, cfg.warmup_steps, cfg.lr * cfg.min_lr_ratio
     end = max(cfg.decay_steps or total_steps, warm + 1)
     kind = cfg.lr_schedule
