@@ -103,9 +103,7 @@ class FSDPEngine:
             tc.packing == "auto" and attn in _PACKABLE and _packing_supported()
         )
         if tc.activation_checkpointing:
-            model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": False}
-            )
+            _enable_activation_checkpointing(model)
         self.units = self._shard(model.to(self.device))
         self.model = model
         self.optimizer = torch.optim.AdamW(
@@ -269,6 +267,15 @@ class FSDPEngine:
         else:
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
+
+
+def _enable_activation_checkpointing(model: nn.Module) -> None:
+    """Non-reentrant activation checkpointing of every decoder layer (HF's own switch)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def _packing_supported() -> bool:

@@ -103,6 +103,17 @@ def world1(model: str, out: Path) -> None:
             eng = FSDPEngine(model, config(budget))
             eng.forward_backward_batch(batch, loss)
             saved.update({f"grads_{tag}_{name}/{k}": v for k, v in grads(eng).items()})
+    # activation checkpointing: same gradients; bf16 compute: close log-probs
+    eng = FSDPEngine(model, config(SMALL_BUDGET, "--trainer.activation_checkpointing=true"))
+    eng.forward_backward_batch(batch, TokenMeanLoss())
+    saved.update({f"grads_tok_ckpt/{k}": v for k, v in grads(eng).items()})
+    eng = FSDPEngine(model, config(SMALL_BUDGET, "--trainer.mixed_precision=bf16"))
+    saved["logp_bf16"] = torch.cat(eng.forward_batch(batch))
+    eng.offload()
+    eng.onload()
+    saved["bf16_step_grad_norm"] = torch.tensor(
+        eng.train_batch(batch, TokenMeanLoss())["grad_norm"]
+    )
     for packing in ("on", "off"):
         eng = FSDPEngine(model, config(SMALL_BUDGET, f"--trainer.packing={packing}"))
         assert eng.packed == (packing == "on")
