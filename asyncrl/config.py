@@ -111,8 +111,9 @@ class TrainerConfig(_Section):
     packing: Literal["auto", "on", "off"] = "auto"
     """Padding-free micro-batches (sequences packed in one row, position ids restarting at 0).
     ``auto``: packed when the model's attention backend supports it, padded otherwise."""
-    reshard_after_forward: bool = True
-    """FSDP2: free gathered parameters after forward (ZeRO-3); False keeps them until backward."""
+    reshard_after_forward: bool | None = None
+    """FSDP2: free gathered parameters after forward (ZeRO-3); False keeps them until backward.
+    None: True when more than one rank shares the model, False at world size 1."""
 
     def __post_init__(self) -> None:
         if self.warmup_steps < 0 or self.decay_steps < 0:

@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prompt", default="16,48", help="prompt length range min,max")
     p.add_argument("--response", default="16,112", help="response length range min,max")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1, help="torch threads (the machine is shared)")
     p.add_argument("--packing", default="auto", choices=["auto", "on", "off"])
     p.add_argument("--mixed-precision", default="none", choices=["none", "bf16"])
     p.add_argument("--json", default="", help="write the results here")

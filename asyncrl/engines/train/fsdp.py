@@ -119,7 +119,11 @@ class FSDPEngine:
         mp = MixedPrecisionPolicy()
         if tc.mixed_precision == "bf16":
             mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        kw = {"mp_policy": mp, "reshard_after_forward": tc.reshard_after_forward}
+        reshard = tc.reshard_after_forward
+        kw = {
+            "mp_policy": mp,
+            "reshard_after_forward": self.world > 1 if reshard is None else reshard,
+        }
         blocks = set(getattr(model, "_no_split_modules", None) or ())
         units = [(n, m) for n, m in model.named_modules() if type(m).__name__ in blocks]
         if not units:
@@ -152,7 +156,10 @@ class FSDPEngine:
         stats: dict[str, float] = {}
         self.model.train(not forward_only)
         with torch.set_grad_enabled(not forward_only):
-            for idx in groups:
+            for i, idx in enumerate(groups):
+                if not forward_only and self.world == 1:
+                    # nothing to reduce at world size 1: accumulate unsharded, sync once
+                    self.model.set_requires_gradient_sync(i == len(groups) - 1)
                 outs = self._micro_batch(
                     [seqs[i] for i in idx], loss_fn, scale, forward_only, stats
                 )
