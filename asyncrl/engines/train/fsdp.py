@@ -165,6 +165,9 @@ class FSDPEngine:
                 )
                 for i, out in zip(idx, outs, strict=True):
                     outputs[i] = out
+        if forward_only:  # no backward will reshard what forward kept gathered
+            for _, unit in self.units:
+                unit.reshard()
         assert all(o is not None for o in outputs)
         return outputs, stats  # type: ignore[return-value]
 
@@ -236,10 +239,7 @@ class FSDPEngine:
         """Full tensors under HF names, gathered one FSDP unit (decoder layer) at a time."""
         for prefix, unit in self.units:
             owned = [(n, p) for n, p in unit.named_parameters() if not _in_child(n, unit)]
-            full = [
-                (f"{prefix}.{n}" if prefix else n, p.full_tensor() if isinstance(p, DTensor) else p)
-                for n, p in owned
-            ]
+            full = [(f"{prefix}.{n}" if prefix else n, _full(p)) for n, p in owned]
             for name, t in full:
                 yield name, t.detach()
 
@@ -274,6 +274,11 @@ class FSDPEngine:
         else:
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
+
+
+def _full(p: torch.Tensor) -> torch.Tensor:
+    """A full copy of a (possibly sharded) parameter that outlives FSDP's buffers."""
+    return p.full_tensor() if isinstance(p, DTensor) else p.detach().clone()
 
 
 def _enable_activation_checkpointing(model: nn.Module) -> None:

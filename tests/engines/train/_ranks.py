@@ -118,6 +118,8 @@ def world1(model: str, out: Path) -> None:
         eng = FSDPEngine(model, config(SMALL_BUDGET, f"--trainer.packing={packing}"))
         assert eng.packed == (packing == "on")
         saved[f"logp_{packing}"] = torch.cat(eng.forward_batch(batch))
+        # forward-only passes leave the parameters sharded (named_weights gathers fresh copies)
+        assert all(isinstance(p, DTensor) for p in eng.model.parameters())
     # checkpoint at step 1, then the uninterrupted step 2
     sched = ["--trainer.lr_schedule=cosine", "--trainer.warmup_steps=1", "--trainer.decay_steps=4"]
     eng = FSDPEngine(model, config(SMALL_BUDGET, *sched))
