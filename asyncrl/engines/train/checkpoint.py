@@ -37,6 +37,15 @@ _WEIGHT_FILES = (
 _SHARD_BYTES = 4 << 30
 
 
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
 def _rng_state() -> dict[str, torch.Tensor]:
     state = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -50,8 +59,12 @@ def save(engine: FSDPEngine, path: str | Path) -> None:
 
     path = Path(path)
     model_sd, optim_sd = get_state_dict(engine.model, engine.optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
-    rank = dist.get_rank()
+    dcp.save(
+        {"model": model_sd, "optim": optim_sd},
+        checkpoint_id=str(path),
+        no_dist=not dist.is_initialized(),
+    )
+    rank = _rank()
     (path / "rng").mkdir(parents=True, exist_ok=True)
     save_file(_rng_state(), str(path / "rng" / f"rank{rank}.safetensors"))
     if rank == 0:
@@ -69,7 +82,7 @@ def save(engine: FSDPEngine, path: str | Path) -> None:
             },
         }
         (path / _STATE).write_text(json.dumps(state, indent=1))
-    dist.barrier()
+    _barrier()
 
 
 def load(engine: FSDPEngine, path: str | Path) -> None:
@@ -86,18 +99,18 @@ def load(engine: FSDPEngine, path: str | Path) -> None:
         )
     model_sd, optim_sd = get_state_dict(engine.model, engine.optimizer)
     sd = {"model": model_sd, "optim": optim_sd}
-    dcp.load(sd, checkpoint_id=str(path))
+    dcp.load(sd, checkpoint_id=str(path), no_dist=not dist.is_initialized())
     set_state_dict(
         engine.model, engine.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"]
     )
     engine.step = int(state["step"])
-    rng = path / "rng" / f"rank{dist.get_rank()}.safetensors"
+    rng = path / "rng" / f"rank{_rank()}.safetensors"
     if rng.is_file():
         saved = load_file(str(rng))
         torch.set_rng_state(saved["cpu"])
         if "cuda" in saved and torch.cuda.is_available():
             torch.cuda.set_rng_state(saved["cuda"])
-    dist.barrier()
+    _barrier()
 
 
 def export_hf(engine: FSDPEngine, path: str | Path) -> None:
@@ -109,7 +122,7 @@ def export_hf(engine: FSDPEngine, path: str | Path) -> None:
     from safetensors.torch import save_file
 
     path = Path(path)
-    rank0 = dist.get_rank() == 0
+    rank0 = _rank() == 0
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     index: dict[str, str] = {}
@@ -140,7 +153,7 @@ def export_hf(engine: FSDPEngine, path: str | Path) -> None:
             idx = {"metadata": {}, "weight_map": index}
             (path / "model.safetensors.index.json").write_bytes(msgspec.json.encode(idx))
         _write_config(engine, path)
-    dist.barrier()
+    _barrier()
 
 
 def _write_config(engine: FSDPEngine, path: Path) -> None:

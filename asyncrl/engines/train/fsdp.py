@@ -2,10 +2,12 @@
 with ``fully_shard`` per decoder layer plus the root.
 
 Runs one process per rank over the default process group (Gloo on CPU, NCCL on
-CUDA; :func:`init_process_group` makes one). Every rank runs the same number of
-micro-batches (padded with empty ones when its shard is smaller), so the
-collectives inside FSDP always line up. See ``asyncrl.engines.train.base`` for
-the contract; checkpoints and Hugging Face export live in ``checkpoint.py``.
+CUDA; :func:`init_process_group` makes one). Without a process group the model
+stays a plain (unsharded) module at world size 1, for tools and tests. Every
+rank runs the same number of micro-batches (padded with empty ones when its
+shard is smaller), so the collectives inside FSDP always line up. See
+``asyncrl.engines.train.base`` for the contract; checkpoints and Hugging Face
+export live in ``checkpoint.py``.
 """
 
 from __future__ import annotations
@@ -87,12 +89,14 @@ class FSDPEngine:
     """
 
     def __init__(self, model_path: str, config: RunConfig, role: Role = "actor"):
-        if not dist.is_initialized():
-            raise ValueError("FSDPEngine needs the default process group: call init_process_group")
         self.config, self.role, self.model_path = config, role, model_path
         tc = config.trainer
         self.device = torch.device(tc.device)
-        self.world = dist.get_world_size()
+        # Without a process group (tools, tests) the model stays a plain module at world size 1.
+        self.sharded = dist.is_initialized()
+        self.world = dist.get_world_size() if self.sharded else 1
+        if not self.sharded and tc.mixed_precision != "none":
+            raise ValueError("trainer.mixed_precision needs a process group (init_process_group)")
         self.dtype = getattr(torch, config.model.dtype)
         model = _build_model(model_path, role, self.dtype, config.seed)
         self.hf_class = type(model).__name__
@@ -115,6 +119,8 @@ class FSDPEngine:
 
     def _shard(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
         """``fully_shard`` every decoder layer (HF ``_no_split_modules``), then the root."""
+        if not self.sharded:
+            return [("", model)]
         tc = self.config.trainer
         mp = MixedPrecisionPolicy()
         if tc.mixed_precision == "bf16":
@@ -157,7 +163,7 @@ class FSDPEngine:
         self.model.train(not forward_only)
         with torch.set_grad_enabled(not forward_only):
             for i, idx in enumerate(groups):
-                if not forward_only and self.world == 1:
+                if not forward_only and self.sharded and self.world == 1:
                     # nothing to reduce at world size 1: accumulate unsharded, sync once
                     self.model.set_requires_gradient_sync(i == len(groups) - 1)
                 outs = self._micro_batch(
@@ -165,7 +171,7 @@ class FSDPEngine:
                 )
                 for i, out in zip(idx, outs, strict=True):
                     outputs[i] = out
-        if forward_only:  # no backward will reshard what forward kept gathered
+        if forward_only and self.sharded:  # no backward reshards what forward kept gathered
             for _, unit in self.units:
                 unit.reshard()
         assert all(o is not None for o in outputs)
