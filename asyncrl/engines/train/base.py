@@ -8,10 +8,13 @@ Contract (:class:`TrainEngine`, the compute side):
   the per-token outputs of every sequence in the original order: for an actor
   the log-prob of each response token, for a critic the value predicted at the
   position that predicts each response token (float32, shape ``(response_len,)``
-  either way). With ``forward_only=False`` it also back-propagates ``loss_fn``'s
+  either way; ``output="entropy"`` gives an actor's per-token entropy instead).
+  With ``forward_only=False`` it also back-propagates ``loss_fn``'s
   loss, scaled so the accumulated gradient equals that of the whole batch
   (across all ranks) however it was split. ``loss_fn`` gets the outputs of one
-  micro-batch concatenated, and copies of that micro-batch's ``Seq`` objects.
+  micro-batch concatenated, and copies of that micro-batch's ``Seq`` objects; a
+  loss with ``needs_entropy = True`` finds each copy's per-token entropy (with
+  grad) in ``fields["entropy"]``.
 - ``train_batch`` = zero grads + forward_backward_batch + ``optimizer_step``;
   ``forward_batch`` = forward_backward_batch(forward_only=True).
 - ``optimizer_step()`` clips gradients and returns ``{"grad_norm", "lr",
@@ -32,7 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Literal, Protocol
 
 import torch
 
@@ -74,12 +77,18 @@ class TrainEngine(Protocol):
     """Compute side of a training engine (see the module docstring for the contract)."""
 
     def forward_backward_batch(
-        self, seqs: Sequence[Seq], loss_fn: LossFn | None, forward_only: bool = False
+        self,
+        seqs: Sequence[Seq],
+        loss_fn: LossFn | None,
+        forward_only: bool = False,
+        output: Literal["logp", "entropy"] = "logp",
     ) -> tuple[list[torch.Tensor], dict[str, float]]: ...
 
     def train_batch(self, seqs: Sequence[Seq], loss_fn: LossFn) -> dict[str, float]: ...
 
-    def forward_batch(self, seqs: Sequence[Seq]) -> list[torch.Tensor]: ...
+    def forward_batch(
+        self, seqs: Sequence[Seq], output: Literal["logp", "entropy"] = "logp"
+    ) -> list[torch.Tensor]: ...
 
     def optimizer_step(self) -> dict[str, float]: ...
 

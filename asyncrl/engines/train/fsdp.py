@@ -30,6 +30,7 @@ from asyncrl.engines.train.base import LossFn, Seq
 from asyncrl.engines.train.micro_batch import (
     MicroBatch,
     prepare_inputs,
+    response_entropy,
     response_logprobs,
     response_values,
     split_by_tokens,
@@ -39,6 +40,7 @@ from asyncrl.engines.train.schedule import lr_schedule
 __all__ = ["FSDPEngine", "init_process_group"]
 
 Role = Literal["actor", "critic"]
+Output = Literal["logp", "entropy"]
 # Output preparation never writes into the model's outputs in place.
 warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
 _PACKABLE = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
@@ -141,8 +143,14 @@ class FSDPEngine:
 
     # -- one execution path ------------------------------------------------------------
     def forward_backward_batch(
-        self, seqs: Sequence[Seq], loss_fn: LossFn | None, forward_only: bool = False
+        self,
+        seqs: Sequence[Seq],
+        loss_fn: LossFn | None,
+        forward_only: bool = False,
+        output: Output = "logp",
     ) -> tuple[list[torch.Tensor], dict[str, float]]:
+        if output == "entropy" and self.role != "actor":
+            raise ValueError("output='entropy' needs an actor (a critic outputs values)")
         if any(s.prompt_len < 1 for s in seqs):
             raise ValueError(
                 "every Seq needs prompt_len >= 1 (a position predicts each response token)"
@@ -162,13 +170,12 @@ class FSDPEngine:
         stats: dict[str, float] = {}
         self.model.train(not forward_only)
         with torch.set_grad_enabled(not forward_only):
-            for i, idx in enumerate(groups):
+            for g, idx in enumerate(groups):
                 if not forward_only and self.sharded and self.world == 1:
                     # nothing to reduce at world size 1: accumulate unsharded, sync once
-                    self.model.set_requires_gradient_sync(i == len(groups) - 1)
-                outs = self._micro_batch(
-                    [seqs[i] for i in idx], loss_fn, scale, forward_only, stats
-                )
+                    self.model.set_requires_gradient_sync(g == len(groups) - 1)
+                mb = [seqs[i] for i in idx]
+                outs = self._micro_batch(mb, loss_fn, scale, forward_only, output, stats)
                 for i, out in zip(idx, outs, strict=True):
                     outputs[i] = out
         if forward_only and self.sharded:  # no backward reshards what forward kept gathered
@@ -183,6 +190,7 @@ class FSDPEngine:
         loss_fn: LossFn | None,
         scale: float,
         forward_only: bool,
+        output: Output,
         stats: dict[str, float],
     ) -> list[torch.Tensor]:
         """Input preparation -> model -> output preparation (-> loss, backward) of a micro-batch."""
@@ -193,9 +201,18 @@ class FSDPEngine:
                 (out.sum() * 0.0).backward()
             return []
         mb = prepare_inputs(seqs, self.packed, trim=self.role == "actor", pad_id=self.pad_id)
-        outs = self._outputs(self._run_model(mb), mb)
+        logits = self._run_model(mb)
+        if self.role == "critic":
+            outs = response_values(logits, mb)
+        elif output == "entropy":
+            outs = response_entropy(logits, mb)
+        else:
+            outs = response_logprobs(logits, mb)
         if not forward_only:
             assert loss_fn is not None
+            if self.role == "actor" and getattr(loss_fn, "needs_entropy", False):
+                for s, ent in zip(mb.seqs, response_entropy(logits, mb), strict=True):
+                    s.fields["entropy"] = ent  # on the micro-batch's copies, with grad
             loss, info = loss_fn(torch.cat(outs), mb.seqs)
             weight = torch.cat([loss_fn.token_weight(s) for s in mb.seqs]).to(loss.device)
             ((loss * weight).sum() * scale).backward()
@@ -207,19 +224,14 @@ class FSDPEngine:
         inputs = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in mb.inputs.items()}
         return self.model(**inputs).logits
 
-    def _outputs(self, logits: torch.Tensor, mb: MicroBatch) -> list[torch.Tensor]:
-        if self.role == "critic":
-            return response_values(logits, mb)
-        return response_logprobs(logits, mb)
-
     def train_batch(self, seqs: Sequence[Seq], loss_fn: LossFn) -> dict[str, float]:
         self.optimizer.zero_grad(set_to_none=True)
         _, stats = self.forward_backward_batch(seqs, loss_fn)
         stats.update(self.optimizer_step())
         return stats
 
-    def forward_batch(self, seqs: Sequence[Seq]) -> list[torch.Tensor]:
-        outputs, _ = self.forward_backward_batch(seqs, None, forward_only=True)
+    def forward_batch(self, seqs: Sequence[Seq], output: Output = "logp") -> list[torch.Tensor]:
+        outputs, _ = self.forward_backward_batch(seqs, None, forward_only=True, output=output)
         return outputs
 
     def optimizer_step(self) -> dict[str, float]:

@@ -21,6 +21,7 @@ from asyncrl.engines.train.base import Seq
 __all__ = [
     "MicroBatch",
     "prepare_inputs",
+    "response_entropy",
     "response_logprobs",
     "response_values",
     "split_by_tokens",
@@ -116,12 +117,25 @@ def prepare_inputs(seqs: Sequence[Seq], packed: bool, trim: bool, pad_id: int = 
     return MicroBatch(copies, inputs, gather, targets, lengths)
 
 
+def _rows(logits: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+    """float32 logits of the positions predicting the response tokens, (tokens, vocab)."""
+    flat = logits.reshape(-1, logits.shape[-1])
+    return flat.index_select(0, mb.gather.to(logits.device)).float()
+
+
 def response_logprobs(logits: torch.Tensor, mb: MicroBatch) -> list[torch.Tensor]:
     """Output preparation (actor): float32 log-prob of every response token, per sequence."""
-    rows = logits.reshape(-1, logits.shape[-1]).index_select(0, mb.gather.to(logits.device)).float()
+    rows = _rows(logits, mb)
     targets = mb.targets.to(logits.device)
     logp = rows.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(rows, dim=-1)
     return list(logp.split(mb.lengths))
+
+
+def response_entropy(logits: torch.Tensor, mb: MicroBatch) -> list[torch.Tensor]:
+    """Output preparation (actor): float32 entropy of the predicted distribution at each
+    position predicting a response token, per sequence."""
+    logp = torch.log_softmax(_rows(logits, mb), dim=-1)
+    return list((-(logp.exp() * logp).sum(-1)).split(mb.lengths))
 
 
 def response_values(values: torch.Tensor, mb: MicroBatch) -> list[torch.Tensor]:

@@ -61,6 +61,18 @@ class SeqMeanLoss(TokenMeanLoss):
         return m / m.sum()
 
 
+class EntropyBonusLoss(TokenMeanLoss):
+    """Token-mean loss with an entropy bonus (the engine attaches ``fields["entropy"]``)."""
+
+    needs_entropy = True
+
+    def __call__(self, out: torch.Tensor, mb: Sequence[Seq]):
+        loss, stats = super().__call__(out, mb)
+        ent = torch.cat([s.fields["entropy"] for s in mb])
+        assert ent.requires_grad and ent.shape == out.shape
+        return loss - 0.5 * ent, stats
+
+
 class ValueLoss:
     """Squared error of the values against the returns, token-mean."""
 
@@ -98,7 +110,8 @@ def shard(seqs: list[Seq], rank: int, world: int) -> list[Seq]:
 def world1(model: str, out: Path) -> None:
     batch, batch2 = make_batch(1), make_batch(2)
     saved: dict[str, torch.Tensor] = {}
-    for tag, loss in (("tok", TokenMeanLoss()), ("seq", SeqMeanLoss())):
+    losses = (("tok", TokenMeanLoss()), ("seq", SeqMeanLoss()), ("ent", EntropyBonusLoss()))
+    for tag, loss in losses:
         for budget, name in ((BIG_BUDGET, "1mb"), (SMALL_BUDGET, "many")):
             eng = FSDPEngine(model, config(budget))
             eng.forward_backward_batch(batch, loss)
@@ -118,6 +131,7 @@ def world1(model: str, out: Path) -> None:
         eng = FSDPEngine(model, config(SMALL_BUDGET, f"--trainer.packing={packing}"))
         assert eng.packed == (packing == "on")
         saved[f"logp_{packing}"] = torch.cat(eng.forward_batch(batch))
+        saved[f"entropy_{packing}"] = torch.cat(eng.forward_batch(batch, output="entropy"))
         # forward-only passes leave the parameters sharded (named_weights gathers fresh copies)
         assert all(isinstance(p, DTensor) for p in eng.model.parameters())
     # checkpoint at step 1, then the uninterrupted step 2

@@ -65,27 +65,29 @@ def _assert_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: 
         torch.testing.assert_close(a[k], b[k], atol=atol, rtol=1e-4, msg=lambda m, k=k: f"{k}: {m}")
 
 
-def _plain_logprobs(model: Path) -> list[torch.Tensor]:
-    """The test batch's log-probs from a plain ``model(input_ids)`` per sequence."""
+def _plain_outputs(model: Path) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The test batch's log-probs and entropies from a plain ``model(input_ids)`` per sequence."""
     from transformers import AutoModelForCausalLM
 
     from tests.engines.train._ranks import make_batch
 
     batch = make_batch(1)
     plain = AutoModelForCausalLM.from_pretrained(model)
-    ref = []
+    ref, ent = [], []
     with torch.no_grad():
         for s in batch:
             logp = torch.log_softmax(plain(s.input_ids[None]).logits[0].float(), -1)
             targets = s.input_ids[s.prompt_len :, None]
             ref.append(logp[s.prompt_len - 1 : -1].gather(-1, targets)[:, 0])
-    return ref
+            ent.append(-(logp.exp() * logp).sum(-1)[s.prompt_len - 1 : -1])
+    return ref, ent
 
 
 def test_gradients_do_not_depend_on_micro_batches(results: Path) -> None:
     w1 = load_file(results / "world1.safetensors")
-    for tag in ("tok", "seq"):
+    for tag in ("tok", "seq", "ent"):
         _assert_close(_group(w1, f"grads_{tag}_1mb"), _group(w1, f"grads_{tag}_many"), atol=1e-6)
+    assert (w1["grads_ent_1mb/lm_head.weight"] - w1["grads_tok_1mb/lm_head.weight"]).abs().max() > 0
     # activation checkpointing recomputes the same activations
     _assert_close(_group(w1, "grads_tok_1mb"), _group(w1, "grads_tok_ckpt"), atol=1e-6)
 
@@ -100,9 +102,10 @@ def test_gradients_match_across_world_sizes(results: Path) -> None:
 
 def test_forward_logprobs_match_plain_model(results: Path, tiny_model_dir: Path) -> None:
     w1 = load_file(results / "world1.safetensors")
-    ref = _plain_logprobs(tiny_model_dir)
+    ref, ent = _plain_outputs(tiny_model_dir)
     for packing in ("on", "off"):
         torch.testing.assert_close(w1[f"logp_{packing}"], torch.cat(ref), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(w1[f"entropy_{packing}"], torch.cat(ent), atol=1e-5, rtol=1e-5)
     # bf16 compute over float32 master weights: close, not equal
     torch.testing.assert_close(w1["logp_bf16"], torch.cat(ref), atol=0.1, rtol=0.05)
     assert torch.isfinite(w1["bf16_step_grad_norm"]) and w1["bf16_step_grad_norm"] > 0
