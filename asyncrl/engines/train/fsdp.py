@@ -96,6 +96,10 @@ class FSDPEngine:
         self.device = torch.device(tc.device)
         # Without a process group (tools, tests) the model stays a plain module at world size 1.
         self.sharded = dist.is_initialized()
+        if self.device.type == "cuda" and self.device.index is None and self.sharded:
+            # one GPU per rank: the rank's local GPU
+            self.device = torch.device("cuda", dist.get_rank() % torch.cuda.device_count())
+            torch.cuda.set_device(self.device)
         self.world = dist.get_world_size() if self.sharded else 1
         if not self.sharded and tc.mixed_precision != "none":
             raise ValueError("trainer.mixed_precision needs a process group (init_process_group)")
