@@ -86,9 +86,7 @@ def run(args: argparse.Namespace) -> None:
     sender = None
     if args.rank == 0:
         urls = [u for u in args.engine_urls.split(",") if u]
-        sender = make_weight_transport(
-            cfg.weights, urls, cfg.trainer.device, cfg.rollout.pause_mode
-        )
+        sender = make_weight_transport(cfg.weights, urls, cfg.trainer.device, cfg.rollout.pause_mode)
         sender.connect()
     try:
         while True:
