@@ -100,6 +100,35 @@ class TrainerConfig(_Section):
     """``cpu`` (Gloo) or ``cuda`` (NCCL)."""
     threads: int = 1
     """torch intra-op threads per trainer rank on CPU."""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """LR after warm-up: ``constant``, ``linear`` or ``cosine`` decay to ``lr * min_lr_ratio``."""
+    warmup_steps: int = 0
+    """Optimizer steps of linear LR warm-up from 0 to ``lr``."""
+    decay_steps: int = 0
+    """Steps (warm-up included) over which the LR decays; 0: ``controller.total_steps``."""
+    min_lr_ratio: float = 0.0
+    """Final LR of the ``linear``/``cosine`` schedules as a fraction of ``lr``."""
+    adam_betas: tuple[float, float] = (0.9, 0.99)
+    """AdamW betas."""
+    mixed_precision: Literal["none", "bf16"] = "none"
+    """FSDP2 compute dtype: ``bf16`` runs forward/backward in bfloat16 over the master
+    parameters (dtype ``model.dtype``) and reduces gradients in float32."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in backward (less memory, ~30% more compute)."""
+    packing: Literal["auto", "on", "off"] = "auto"
+    """Padding-free micro-batches (sequences packed in one row, position ids restarting at 0).
+    ``auto``: packed when the model's attention backend supports it, padded otherwise."""
+    reshard_after_forward: bool | None = None
+    """FSDP2: free gathered parameters after forward (ZeRO-3); False keeps them until backward.
+    None: True when more than one rank shares the model, False at world size 1."""
+
+    def __post_init__(self) -> None:
+        if self.warmup_steps < 0 or self.decay_steps < 0:
+            raise ValueError("trainer.warmup_steps and trainer.decay_steps must be >= 0")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"trainer.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if not all(0.0 <= b < 1.0 for b in self.adam_betas):
+            raise ValueError(f"trainer.adam_betas must be in [0, 1), got {self.adam_betas}")
 
 
 class AlgoConfig(_Section):

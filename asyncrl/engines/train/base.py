@@ -1,30 +1,45 @@
 """The TrainEngine seam: one execution path for every way the trainer touches the model.
 
-Contract:
+Contract (:class:`TrainEngine`, the compute side):
 
 - ``forward_backward_batch(seqs, loss_fn, forward_only)`` splits ``seqs`` into
-  micro-batches by a token budget, runs input preparation -> model -> output
-  preparation on each, and returns the per-token outputs (response log-probs)
-  of every sequence in the original order. With ``forward_only=False`` it also
-  back-propagates ``loss_fn``'s loss, scaled so the accumulated gradient equals
-  that of the whole batch (across ranks) however it was split.
-- ``train_batch`` = forward_backward_batch + ``optimizer_step``;
+  micro-batches by a token budget (balanced; every rank runs the same number),
+  runs input preparation -> model -> output preparation on each, and returns
+  the per-token outputs of every sequence in the original order: for an actor
+  the log-prob of each response token, for a critic the value predicted at the
+  position that predicts each response token (float32, shape ``(response_len,)``
+  either way; ``output="entropy"`` gives an actor's per-token entropy instead).
+  With ``forward_only=False`` it also back-propagates ``loss_fn``'s
+  loss, scaled so the accumulated gradient equals that of the whole batch
+  (across all ranks) however it was split. ``loss_fn`` gets the outputs of one
+  micro-batch concatenated, and copies of that micro-batch's ``Seq`` objects; a
+  loss with ``needs_entropy = True`` finds each copy's per-token entropy (with
+  grad) in ``fields["entropy"]``.
+- ``train_batch`` = zero grads + forward_backward_batch + ``optimizer_step``;
   ``forward_batch`` = forward_backward_batch(forward_only=True).
-- ``optimizer_step()`` clips gradients and returns ``{"grad_norm", "lr"}``; a
-  non-finite grad norm skips the update and reports ``skipped = 1``.
+- ``optimizer_step()`` clips gradients and returns ``{"grad_norm", "lr",
+  "skipped"}``; a non-finite grad norm skips the update and reports ``skipped=1``.
+
+Contract (:class:`EngineState`, the state side; every method is collective):
+
 - ``named_weights()`` yields full (unsharded) tensors under Hugging Face names,
-  one at a time, on every rank (it is collective under sharding).
+  gathered one FSDP unit (decoder layer) at a time, on every rank.
+- ``save(dir)`` / ``load(dir)``: torch distributed checkpoint of model,
+  optimizer, LR schedule, RNG and step; a checkpoint loads at any world size.
+- ``export_hf(dir)`` writes a Hugging Face folder ``from_pretrained`` loads.
+- ``offload()`` / ``onload()`` move parameters, gradients and optimizer state
+  to CPU and back (a no-op on a CPU engine).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Literal, Protocol
 
 import torch
 
-__all__ = ["LossFn", "Seq", "TrainEngine"]
+__all__ = ["EngineState", "LossFn", "Seq", "TrainEngine"]
 
 
 @dataclass
@@ -50,21 +65,45 @@ class LossFn(Protocol):
         ...
 
     def __call__(
-        self, logp: torch.Tensor, mb: Sequence[Seq]
+        self, out: torch.Tensor, mb: Sequence[Seq]
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Per-token loss of the micro-batch (response tokens concatenated) and summed stats."""
+        """Per-token loss of the micro-batch and summed stats. ``out`` is the engine's
+        per-token output (log-probs, or values for a critic), response tokens concatenated
+        in the order of ``mb``."""
         ...
 
 
 class TrainEngine(Protocol):
+    """Compute side of a training engine (see the module docstring for the contract)."""
+
     def forward_backward_batch(
-        self, seqs: Sequence[Seq], loss_fn: LossFn | None, forward_only: bool = False
+        self,
+        seqs: Sequence[Seq],
+        loss_fn: LossFn | None,
+        forward_only: bool = False,
+        output: Literal["logp", "entropy"] = "logp",
     ) -> tuple[list[torch.Tensor], dict[str, float]]: ...
 
     def train_batch(self, seqs: Sequence[Seq], loss_fn: LossFn) -> dict[str, float]: ...
 
-    def forward_batch(self, seqs: Sequence[Seq]) -> list[torch.Tensor]: ...
+    def forward_batch(
+        self, seqs: Sequence[Seq], output: Literal["logp", "entropy"] = "logp"
+    ) -> list[torch.Tensor]: ...
 
     def optimizer_step(self) -> dict[str, float]: ...
 
+
+class EngineState(Protocol):
+    """State side of a training engine: weights out, checkpoints, memory placement."""
+
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+    def save(self, path: str) -> None: ...
+
+    def load(self, path: str) -> None: ...
+
+    def export_hf(self, path: str) -> None: ...
+
+    def offload(self) -> None: ...
+
+    def onload(self) -> None: ...

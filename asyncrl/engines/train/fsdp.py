@@ -1,25 +1,60 @@
-"""FSDP2 training engine: a Hugging Face causal LM sharded with ``fully_shard``.
+"""FSDP2 training engine: a Hugging Face actor (causal LM) or critic (value head), sharded
+with ``fully_shard`` per decoder layer plus the root.
 
 Runs one process per rank over the default process group (Gloo on CPU, NCCL on
-CUDA). Every rank runs the same number of micro-batches (padded with empty ones
-when its shard is smaller) so the collectives inside FSDP always line up.
+CUDA; :func:`init_process_group` makes one). Without a process group the model
+stays a plain (unsharded) module at world size 1, for tools and tests. Every
+rank runs the same number of micro-batches (padded with empty ones when its
+shard is smaller), so the collectives inside FSDP always line up. See
+``asyncrl.engines.train.base`` for the contract; checkpoints and Hugging Face
+export live in ``checkpoint.py``.
 """
 
 from __future__ import annotations
 
+import datetime
 import math
+import warnings
 from collections.abc import Iterator, Sequence
+from typing import Literal
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import fully_shard
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from asyncrl.config import RunConfig
+from asyncrl.engines.train import checkpoint
 from asyncrl.engines.train.base import LossFn, Seq
-from asyncrl.engines.train.micro_batch import pad_inputs, split_by_tokens
+from asyncrl.engines.train.micro_batch import (
+    MicroBatch,
+    prepare_inputs,
+    response_entropy,
+    response_logprobs,
+    response_values,
+    split_by_tokens,
+)
+from asyncrl.engines.train.schedule import lr_schedule
 
-__all__ = ["FSDPEngine"]
+__all__ = ["FSDPEngine", "init_process_group"]
+
+Role = Literal["actor", "critic"]
+Output = Literal["logp", "entropy"]
+# Output preparation never writes into the model's outputs in place.
+warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+_PACKABLE = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
+
+
+def init_process_group(rank: int, world_size: int, port: int, device: str = "cpu") -> None:
+    """The trainer's default process group on 127.0.0.1 (Gloo on CPU, NCCL on CUDA)."""
+    dist.init_process_group(
+        "nccl" if device.startswith("cuda") else "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(minutes=10),
+    )
 
 
 def _all_reduce(value: float, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> float:
@@ -30,73 +65,168 @@ def _all_reduce(value: float, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -
     return float(t.item())
 
 
+def _build_model(model_path: str, role: Role, dtype: torch.dtype, seed: int) -> nn.Module:
+    """The HF model of ``role``; fresh heads are initialised identically on every rank."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        if role == "actor":
+            return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+        if role == "critic":
+            cfg = AutoConfig.from_pretrained(model_path, num_labels=1)
+            cfg.classifier_dropout = 0.0  # values must be deterministic in train mode
+            return AutoModelForTokenClassification.from_pretrained(
+                model_path, config=cfg, dtype=dtype
+            )
+    raise ValueError(f"role must be 'actor' or 'critic', got {role!r}")
+
+
 class FSDPEngine:
-    """TrainEngine over FSDP2 (see ``asyncrl.engines.train.base`` for the contract)."""
+    """TrainEngine + EngineState over FSDP2 (see ``asyncrl.engines.train.base``).
 
-    def __init__(self, model_path: str, config: RunConfig):
-        from transformers import AutoModelForCausalLM
+    ``role="actor"``: per-token outputs are response log-probs; ``role="critic"``: the
+    same HF directory loaded with a one-output token-classification head
+    (``score``, new unless the folder is a critic export), outputs are values.
+    """
 
-        self.config = config
+    def __init__(self, model_path: str, config: RunConfig, role: Role = "actor"):
+        self.config, self.role, self.model_path = config, role, model_path
         tc = config.trainer
         self.device = torch.device(tc.device)
-        dtype = getattr(torch, config.model.dtype)
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(self.device)
+        # Without a process group (tools, tests) the model stays a plain module at world size 1.
+        self.sharded = dist.is_initialized()
+        if self.device.type == "cuda" and self.device.index is None and self.sharded:
+            # one GPU per rank: the rank's local GPU
+            self.device = torch.device("cuda", dist.get_rank() % torch.cuda.device_count())
+            torch.cuda.set_device(self.device)
+        self.world = dist.get_world_size() if self.sharded else 1
+        if not self.sharded and tc.mixed_precision != "none":
+            raise ValueError("trainer.mixed_precision needs a process group (init_process_group)")
+        self.dtype = getattr(torch, config.model.dtype)
+        model = _build_model(model_path, role, self.dtype, config.seed)
+        self.hf_class = type(model).__name__
+        model.config.use_cache = False
         self.pad_id = model.config.pad_token_id or 0
-        self.world = dist.get_world_size() if dist.is_initialized() else 1
-        if dist.is_initialized():
-            for layer in model.model.layers:
-                fully_shard(layer)
-            fully_shard(model)
+        attn = getattr(model.config, "_attn_implementation", None) or "eager"
+        self.packed = tc.packing == "on" or (
+            tc.packing == "auto" and attn in _PACKABLE and _packing_supported()
+        )
+        if tc.activation_checkpointing:
+            _enable_activation_checkpointing(model)
+        self.units = self._shard(model.to(self.device))
         self.model = model
         self.optimizer = torch.optim.AdamW(
-            model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay, betas=(0.9, 0.99)
+            model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay, betas=tc.adam_betas
         )
+        self.lr_at = lr_schedule(tc, config.controller.total_steps)
+        self.step = 0
+        self.offloaded = False
+
+    def _shard(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
+        """``fully_shard`` every decoder layer (HF ``_no_split_modules``), then the root."""
+        if not self.sharded:
+            return [("", model)]
+        tc = self.config.trainer
+        mp = MixedPrecisionPolicy()
+        if tc.mixed_precision == "bf16":
+            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        reshard = tc.reshard_after_forward
+        kw = {
+            "mp_policy": mp,
+            "reshard_after_forward": self.world > 1 if reshard is None else reshard,
+        }
+        blocks = set(getattr(model, "_no_split_modules", None) or ())
+        units = [(n, m) for n, m in model.named_modules() if type(m).__name__ in blocks]
+        if not units:
+            raise ValueError(f"{type(model).__name__} names no decoder layer (_no_split_modules)")
+        for _, m in units:
+            fully_shard(m, **kw)
+        fully_shard(model, **kw)
+        return [*units, ("", model)]
 
     # -- one execution path ------------------------------------------------------------
     def forward_backward_batch(
-        self, seqs: Sequence[Seq], loss_fn: LossFn | None, forward_only: bool = False
+        self,
+        seqs: Sequence[Seq],
+        loss_fn: LossFn | None,
+        forward_only: bool = False,
+        output: Output = "logp",
     ) -> tuple[list[torch.Tensor], dict[str, float]]:
-        budget = self.config.trainer.micro_batch_tokens
+        if output == "entropy" and self.role != "actor":
+            raise ValueError("output='entropy' needs an actor (a critic outputs values)")
+        if any(s.prompt_len < 1 for s in seqs):
+            raise ValueError(
+                "every Seq needs prompt_len >= 1 (a position predicts each response token)"
+            )
+        if not forward_only and loss_fn is None:
+            raise ValueError("forward_backward_batch needs a loss_fn unless forward_only=True")
         lengths = [len(s.input_ids) for s in seqs]
-        local_count = len(split_by_tokens(lengths, budget))
-        count = int(_all_reduce(local_count, dist.ReduceOp.MAX))
+        budget = self.config.trainer.micro_batch_tokens
+        count = int(_all_reduce(len(split_by_tokens(lengths, budget)), dist.ReduceOp.MAX))
         groups = split_by_tokens(lengths, budget, min_count=count)
         denom = 1.0
         if loss_fn is not None and not forward_only:
             denom = _all_reduce(sum(float(loss_fn.token_weight(s).sum()) for s in seqs))
+        # FSDP averages gradients over ranks; undo that so the sum over ranks is global.
+        scale = self.world / max(denom, 1e-12)
         outputs: list[torch.Tensor | None] = [None] * len(seqs)
         stats: dict[str, float] = {}
         self.model.train(not forward_only)
-        for idx in groups:
-            mb = [seqs[i] for i in idx]
-            with torch.set_grad_enabled(not forward_only):
-                logps = self._forward(mb)
-                if not forward_only and loss_fn is not None:
-                    flat = torch.cat(logps) if logps else torch.zeros(0)
-                    loss, info = loss_fn(flat, mb)
-                    weight = torch.cat([loss_fn.token_weight(s) for s in mb]).to(loss.device)
-                    # FSDP averages gradients over ranks; undo that so the sum is global.
-                    scaled = (loss * weight).sum() * (self.world / max(denom, 1e-12))
-                    scaled.backward()
-                    for k, v in info.items():
-                        stats[k] = stats.get(k, 0.0) + float(v)
-            for i, lp in zip(idx, logps, strict=True):
-                outputs[i] = lp.detach()
+        with torch.set_grad_enabled(not forward_only):
+            for g, idx in enumerate(groups):
+                if not forward_only and self.sharded and self.world == 1:
+                    # nothing to reduce at world size 1: accumulate unsharded, sync once
+                    self.model.set_requires_gradient_sync(g == len(groups) - 1)
+                mb = [seqs[i] for i in idx]
+                outs = self._micro_batch(mb, loss_fn, scale, forward_only, output, stats)
+                for i, out in zip(idx, outs, strict=True):
+                    outputs[i] = out
+        if forward_only and self.sharded:  # no backward reshards what forward kept gathered
+            for _, unit in self.units:
+                unit.reshard()
         assert all(o is not None for o in outputs)
         return outputs, stats  # type: ignore[return-value]
 
-    def _forward(self, mb: Sequence[Seq]) -> list[torch.Tensor]:
-        """Input preparation -> model -> output preparation for one micro-batch."""
-        if not mb:  # an empty micro-batch still joins the collectives
+    def _micro_batch(
+        self,
+        seqs: list[Seq],
+        loss_fn: LossFn | None,
+        scale: float,
+        forward_only: bool,
+        output: Output,
+        stats: dict[str, float],
+    ) -> list[torch.Tensor]:
+        """Input preparation -> model -> output preparation (-> loss, backward) of a micro-batch."""
+        if not seqs:  # an empty micro-batch still joins the collectives
             ids = torch.full((1, 1), self.pad_id, dtype=torch.long, device=self.device)
             out = self.model(input_ids=ids).logits
-            (out.sum() * 0.0).backward() if torch.is_grad_enabled() else None
+            if not forward_only:
+                (out.sum() * 0.0).backward()
             return []
-        ids, mask = pad_inputs(mb, self.pad_id)
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        logits = self.model(input_ids=ids, attention_mask=mask).logits.float()
-        logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-        return [logp[i, s.prompt_len - 1 : len(s.input_ids) - 1] for i, s in enumerate(mb)]
+        mb = prepare_inputs(seqs, self.packed, trim=self.role == "actor", pad_id=self.pad_id)
+        logits = self._run_model(mb)
+        if self.role == "critic":
+            outs = response_values(logits, mb)
+        elif output == "entropy":
+            outs = response_entropy(logits, mb)
+        else:
+            outs = response_logprobs(logits, mb)
+        if not forward_only:
+            assert loss_fn is not None
+            if self.role == "actor" and getattr(loss_fn, "needs_entropy", False):
+                for s, ent in zip(mb.seqs, response_entropy(logits, mb), strict=True):
+                    s.fields["entropy"] = ent  # on the micro-batch's copies, with grad
+            loss, info = loss_fn(torch.cat(outs), mb.seqs)
+            weight = torch.cat([loss_fn.token_weight(s) for s in mb.seqs]).to(loss.device)
+            ((loss * weight).sum() * scale).backward()
+            for k, v in info.items():
+                stats[k] = stats.get(k, 0.0) + float(v)
+        return [o.detach() for o in outs]
+
+    def _run_model(self, mb: MicroBatch) -> torch.Tensor:
+        inputs = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in mb.inputs.items()}
+        return self.model(**inputs).logits
 
     def train_batch(self, seqs: Sequence[Seq], loss_fn: LossFn) -> dict[str, float]:
         self.optimizer.zero_grad(set_to_none=True)
@@ -104,25 +234,101 @@ class FSDPEngine:
         stats.update(self.optimizer_step())
         return stats
 
-    def forward_batch(self, seqs: Sequence[Seq]) -> list[torch.Tensor]:
-        outputs, _ = self.forward_backward_batch(seqs, None, forward_only=True)
+    def forward_batch(self, seqs: Sequence[Seq], output: Output = "logp") -> list[torch.Tensor]:
+        outputs, _ = self.forward_backward_batch(seqs, None, forward_only=True, output=output)
         return outputs
 
     def optimizer_step(self) -> dict[str, float]:
+        """Clip, step (unless the grad norm is non-finite), advance the LR schedule."""
         clip = self.config.trainer.grad_clip
+        lr = self.lr_at(self.step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
         params = [p for p in self.model.parameters() if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         grad_norm = float(norm)
-        lr = self.optimizer.param_groups[0]["lr"]
+        self.step += 1
         if not math.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)
             return {"grad_norm": grad_norm, "lr": lr, "skipped": 1.0}
         self.optimizer.step()
         return {"grad_norm": grad_norm, "lr": lr, "skipped": 0.0}
 
+    # -- state -------------------------------------------------------------------------
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, p in self.model.named_parameters():
-            full = p.full_tensor() if isinstance(p, DTensor) else p
-            yield name, full.detach()
+        """Full tensors under HF names, gathered one FSDP unit (decoder layer) at a time."""
+        for prefix, unit in self.units:
+            owned = [(n, p) for n, p in unit.named_parameters() if not _in_child(n, unit)]
+            full = [(f"{prefix}.{n}" if prefix else n, _full(p)) for n, p in owned]
+            for name, t in full:
+                yield name, t.detach()
+
+    def save(self, path: str) -> None:
+        checkpoint.save(self, path)
+
+    def load(self, path: str) -> None:
+        checkpoint.load(self, path)
+
+    def export_hf(self, path: str) -> None:
+        checkpoint.export_hf(self, path)
+
+    def offload(self) -> None:
+        """Parameters, gradients and optimizer state to CPU (colocated runs free the GPU)."""
+        self._place(torch.device("cpu"))
+        self.offloaded = True
+
+    def onload(self) -> None:
+        self._place(self.device)
+        self.offloaded = False
+
+    def _place(self, device: torch.device) -> None:
+        if self.device.type == "cpu":
+            return
+        self.model.to(device)
+        for state in self.optimizer.state.values():
+            for k, v in state.items():
+                if torch.is_tensor(v) and k != "step":
+                    state[k] = v.to(device, non_blocking=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        else:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+
+
+def _full(p: torch.Tensor) -> torch.Tensor:
+    """A full copy of a (possibly sharded) parameter that outlives FSDP's buffers."""
+    return p.full_tensor() if isinstance(p, DTensor) else p.detach().clone()
+
+
+def _enable_activation_checkpointing(model: nn.Module) -> None:
+    """Non-reentrant activation checkpointing of every decoder layer (HF's own switch)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def _packing_supported() -> bool:
+    """Whether this transformers derives a block-diagonal mask from restarting position ids."""
+    try:
+        from transformers.masking_utils import find_packed_sequence_indices  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _in_child(name: str, unit: nn.Module) -> bool:
+    """Whether parameter ``name`` of ``unit`` belongs to a nested FSDP unit (gathered there)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    parts = name.split(".")[:-1]
+    mod = unit
+    for part in parts:
+        mod = getattr(mod, part)
+        if isinstance(mod, FSDPModule):
+            return True
+    return False
