@@ -132,6 +132,18 @@ class WeightSyncConfig(_Section):
     """Name of the weight-sync process group on the engines."""
     timeout_s: float = 300.0
     """Timeout of one weight-sync collective."""
+    min_buckets: int = 8
+    """A sync is cut into at least this many buckets (each still <= ``bucket_mb``), so packing,
+    sending and verifying overlap from the first bucket on. 1: fill every bucket up to
+    ``bucket_mb``."""
+    snapshot: bool = False
+    """``false``: ``push`` returns at once and the trainer's next forward/backward overlaps the
+    stream; only its next optimizer step waits until the sender has read the weights.
+    ``true``: ``push`` copies every weight first (costs the trainer one copy of the model)."""
+    pause_scope: Literal["commit", "transfer"] = "commit"
+    """When engines pause generation: ``commit`` only around the switch to the new weights (the
+    embedded engine stages buckets aside); ``transfer`` for the whole stream (SGLang, which
+    loads each bucket as it arrives)."""
 
 
 class ExperienceConfig(_Section):
@@ -169,6 +181,8 @@ _POSITIVE = {
     "trainer.micro_batch_tokens",
     "trainer.threads",
     "weights.bucket_mb",
+    "weights.min_buckets",
+    "weights.timeout_s",
     "task.num_digits",
     "experience.max_message_mb",
 }

@@ -122,7 +122,9 @@ class SGLangClient:
         flush_cache: bool = True,
         weight_version: str | None = None,
         load_format: str | None = None,
+        extra: dict[str, Any] | None = None,
     ) -> None:
+        """One bucket (or per-tensor batch); ``extra`` adds fields SGLang ignores."""
         path = "/update_weights_from_distributed"
         body: dict[str, Any] = {
             "names": names,
@@ -136,7 +138,36 @@ class SGLangClient:
             body["weight_version"] = weight_version
         if load_format is not None:
             body["load_format"] = load_format
+        if extra:
+            body.update(extra)
         self._check_success(path, await self._call("POST", path, body))
+
+    async def update_weights_from_tensor(
+        self,
+        serialized_named_tensors: list[str],
+        load_format: str | None = None,
+        flush_cache: bool = True,
+        weight_version: str | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> None:
+        """SGLang's colocated update (CUDA IPC handles); ``extra`` adds fields SGLang ignores."""
+        path = "/update_weights_from_tensor"
+        body: dict[str, Any] = {
+            "serialized_named_tensors": serialized_named_tensors,
+            "flush_cache": flush_cache,
+            "abort_all_requests": False,
+        }
+        if load_format is not None:
+            body["load_format"] = load_format
+        if weight_version is not None:
+            body["weight_version"] = weight_version
+        if extra:
+            body.update(extra)
+        self._check_success(path, await self._call("POST", path, body))
+
+    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
+        path = "/destroy_weights_update_group"
+        self._check_success(path, await self._call("POST", path, {"group_name": group_name}))
 
     async def update_weight_version(self, new_version: str) -> None:
         path = "/update_weight_version"

@@ -1,0 +1,301 @@
+"""The pipelined bucket sender shared by the collective and CUDA IPC transports.
+
+``push`` only takes references to the tensors; a background thread with its own
+asyncio loop does the rest, one push at a time, in order:
+
+1. pack bucket 0 into staging slot 0 (a packer thread; checksum computed there);
+2. for every bucket k: start packing k+1 into the other slot, send k (the
+   subclass's ``_send_bucket``: a broadcast plus one control call per engine,
+   all concurrent), move on as soon as slot k may be reused — acks of bucket k
+   are gathered later, so verifying on the engines overlaps sending k+1;
+3. once the last bucket is packed, the snapshot event is set: the trainer may
+   step its optimizer (``PushHandle.wait_snapshot``);
+4. when every engine acked every bucket (received + checksum verified + names
+   and shapes checked), commit on every engine (``/update_weight_version``,
+   engines paused only around it when ``pause_scope="commit"``).
+
+Any failure skips the commit: the engines drop what they staged and keep their
+weights and version; the push's handle raises :class:`WeightSyncError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Awaitable, Coroutine, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import msgspec
+import torch
+
+from asyncrl.config import WeightSyncConfig
+from asyncrl.engines.rollout.base import EngineError, EngineUnavailable
+from asyncrl.engines.rollout.sglang import SGLangClient
+from asyncrl.transports.weights.base import PushHandle, WeightSyncError
+from asyncrl.transports.weights.bucket import (
+    BucketManifest,
+    TensorSpec,
+    checksum,
+    pack_into,
+    plan_buckets,
+    spec_of,
+)
+
+__all__ = ["BucketSender", "bucket_extra"]
+
+log = logging.getLogger("asyncrl.weights")
+
+Acks = list[tuple[str, "asyncio.Task[Any]"]]
+
+
+def bucket_extra(m: BucketManifest) -> dict[str, Any]:
+    """The ``asyncrl_bucket`` field of a bucket's control call (SGLang ignores it)."""
+    chunks = None if all(e.whole for e in m.entries) else [[e.start, e.numel] for e in m.entries]
+    full = None if chunks is None else [list(e.shape) for e in m.entries]
+    return {
+        "index": m.index,
+        "count": m.count,
+        "version": m.version,
+        "checksum": m.checksum,
+        "chunks": chunks,
+        "full_shapes": full,
+    }
+
+
+class BucketSender:
+    """Base of the weight senders: planning, double-buffered packing, acks, commit."""
+
+    def __init__(
+        self,
+        engine_urls: Sequence[str],
+        cfg: WeightSyncConfig,
+        device: str = "cpu",
+        pause_mode: str = "abort",
+    ):
+        if not engine_urls:
+            raise ValueError("weight sync needs at least one engine URL")
+        self.urls = list(engine_urls)
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self.pause_mode = pause_mode
+        self.clients: list[SGLangClient] = []
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="weight-sender", daemon=True
+        )
+        self._packer = ThreadPoolExecutor(1, thread_name_prefix="weight-pack")
+        self._lock: asyncio.Lock | None = None
+        self._formed = False
+        self._plan_key: tuple[TensorSpec, ...] = ()
+        self._plan: list[BucketManifest] = []
+        self._slots: list[torch.Tensor] = []
+        self._last: PushHandle | None = None
+
+    # -- hooks of a transport ------------------------------------------------------------
+    async def _form(self) -> None:
+        """Form the transport with every engine in ``self.clients``."""
+        raise NotImplementedError
+
+    async def _teardown(self) -> None:
+        """Undo ``_form`` (best effort: engines may be gone)."""
+        raise NotImplementedError
+
+    async def _send_bucket(self, m: BucketManifest, flat: torch.Tensor) -> Acks:
+        """Send one bucket; return once ``flat`` may be overwritten, with one ack per engine."""
+        raise NotImplementedError
+
+    # -- lifecycle -----------------------------------------------------------------------
+    def _run(self, coro: Coroutine[Any, Any, Any]) -> Future[Any]:
+        if not self._thread.is_alive():
+            self._thread.start()
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def connect(self, engine_urls: Sequence[str] | None = None) -> None:
+        """Form the transport (again, with ``engine_urls`` when given); blocks until formed."""
+        if engine_urls is not None:
+            if not engine_urls:
+                raise ValueError("weight sync needs at least one engine URL")
+            self.urls = list(engine_urls)
+        self._run(self._reform()).result()
+
+    def close(self) -> None:
+        if self._last is not None and not self._last.done():
+            try:
+                self._last.wait(self.cfg.timeout_s)
+            except (WeightSyncError, TimeoutError) as exc:
+                log.warning("closing with a failed push: %s", exc)
+        if self._thread.is_alive():
+            try:
+                self._run(self._shutdown()).result(timeout=30)
+            finally:
+                self._loop.call_soon_threadsafe(self._loop.stop)
+                self._thread.join(timeout=10)
+        self._packer.shutdown(wait=False)
+
+    async def _reform(self) -> None:
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            await self._reform_locked()
+
+    async def _shutdown(self) -> None:
+        if self._formed:
+            self._formed = False
+            await self._teardown()
+        await asyncio.gather(*(c.close() for c in self.clients), return_exceptions=True)
+        self.clients = []
+
+    # -- push ----------------------------------------------------------------------------
+    def push(self, named_weights: Iterable[tuple[str, torch.Tensor]], version: int) -> PushHandle:
+        """Take references to the weights and stream them in the background (see base)."""
+        t0 = time.perf_counter()
+        tensors = {n: t.detach() for n, t in named_weights}
+        if not tensors:
+            raise ValueError("push() got no tensors")
+        snap = threading.Event()
+        if self.cfg.snapshot:  # copy now: the caller may modify its tensors on return
+            if self._last is not None:
+                self._last.wait_snapshot()
+            tensors = {n: t.clone() for n, t in tensors.items()}
+            snap.set()
+        fut = self._run(self._push(tensors, version, snap, t0))
+        self._last = PushHandle(version, fut, snap)
+        return self._last
+
+    def _plan_for(self, tensors: dict[str, torch.Tensor]) -> list[BucketManifest]:
+        specs = tuple(spec_of(n, t) for n, t in tensors.items())
+        if specs != self._plan_key:
+            self._plan_key = specs
+            self._plan = plan_buckets(specs, self.cfg.bucket_mb << 20, self.cfg.min_buckets)
+            biggest = max(m.nbytes for m in self._plan)
+            self._slots = [
+                torch.empty(biggest, dtype=torch.uint8, device=self.device) for _ in (0, 1)
+            ]
+        return self._plan
+
+    def _pack(
+        self, k: int, tensors: dict[str, torch.Tensor], version: int
+    ) -> tuple[BucketManifest, torch.Tensor]:
+        m = self._plan[k]
+        flat = self._slots[k % 2][: m.nbytes].view(m.torch_dtype)
+        pack_into(flat, m, tensors)
+        return msgspec.structs.replace(m, version=version, checksum=checksum(flat)), flat
+
+    async def _push(
+        self, tensors: dict[str, torch.Tensor], version: int, snap: threading.Event, t_push: float
+    ) -> dict[str, float]:
+        assert self._lock is not None, "connect() first"
+        async with self._lock:
+            t0 = time.perf_counter()
+            try:
+                if not self._formed:  # a failed push broke the group: re-form it first
+                    await self._reform_locked()
+                plan = self._plan_for(tensors)
+                acks = await self._stream(plan, tensors, version, snap)
+                snap_s = time.perf_counter() - t_push
+                await self._check_acks(acks)
+                await self._commit(version)
+            finally:
+                snap.set()
+            nbytes = sum(m.nbytes for m in plan)
+            return {
+                "sync_s": time.perf_counter() - t_push,
+                "push_wait_s": t0 - t_push,
+                "snapshot_s": snap_s,
+                "bytes": float(nbytes),
+                "buckets": float(len(plan)),
+            }
+
+    async def _reform_locked(self) -> None:
+        await self._shutdown()
+        self.clients = [SGLangClient(u, timeout_s=self.cfg.timeout_s) for u in self.urls]
+        await asyncio.gather(*(c.wait_healthy(self.cfg.timeout_s) for c in self.clients))
+        await self._form()
+        self._formed = True
+
+    async def _stream(
+        self,
+        plan: list[BucketManifest],
+        tensors: dict[str, torch.Tensor],
+        version: int,
+        snap: threading.Event,
+    ) -> Acks:
+        loop = asyncio.get_running_loop()
+        acks: Acks = []
+        paused = self.cfg.pause_scope == "transfer"
+        if paused:
+            await self._all("/pause_generation", lambda c: c.pause_generation(self.pause_mode))
+        try:
+            nxt: Awaitable[Any] = loop.run_in_executor(
+                self._packer, self._pack, 0, tensors, version
+            )
+            for k in range(len(plan)):
+                m, flat = await nxt
+                if k + 1 < len(plan):
+                    nxt = loop.run_in_executor(self._packer, self._pack, k + 1, tensors, version)
+                else:
+                    snap.set()  # every tensor read: the trainer may step its optimizer
+                try:
+                    acks += await self._send_bucket(m, flat)
+                except (EngineError, EngineUnavailable, RuntimeError, OSError) as exc:
+                    self._formed = False  # the group may be out of step: re-form next time
+                    if k + 1 < len(plan):
+                        await asyncio.wait([nxt])  # the packer must stop reading first
+                    raise WeightSyncError(
+                        f"v{version} bucket {k} (kept old weights): {exc}"
+                    ) from exc
+                if any(t.done() and t.exception() is not None for _, t in acks):
+                    if k + 1 < len(plan):
+                        await asyncio.wait([nxt])
+                    break  # an engine failed: stop sending, report below
+        finally:
+            if paused:
+                await self._resume_all()
+        return acks
+
+    async def _check_acks(self, acks: Acks) -> None:
+        results = await asyncio.gather(*(t for _, t in acks), return_exceptions=True)
+        errors = [
+            (u, r) for (u, _), r in zip(acks, results, strict=True) if isinstance(r, BaseException)
+        ]
+        if errors:
+            if any(not isinstance(e, EngineError) for _, e in errors):
+                self._formed = False
+            detail = "; ".join(f"{u}: {e}" for u, e in errors[:4])
+            raise WeightSyncError(
+                f"{len(errors)} engine(s) failed the update (kept old weights): {detail}"
+            )
+
+    async def _commit(self, version: int) -> None:
+        paused = self.cfg.pause_scope == "commit"
+        if paused:
+            await self._all("/pause_generation", lambda c: c.pause_generation(self.pause_mode))
+        try:
+            await self._all(
+                "/update_weight_version", lambda c: c.update_weight_version(str(version))
+            )
+        finally:
+            if paused:
+                await self._resume_all()
+
+    async def _all(self, what: str, call: Any) -> None:
+        results = await asyncio.gather(*(call(c) for c in self.clients), return_exceptions=True)
+        errors = [
+            (c.url, r)
+            for c, r in zip(self.clients, results, strict=True)
+            if isinstance(r, BaseException)
+        ]
+        if errors:
+            detail = "; ".join(f"{u}: {e}" for u, e in errors)
+            raise WeightSyncError(f"{what} failed on {len(errors)} engine(s): {detail}")
+
+    async def _resume_all(self) -> None:
+        results = await asyncio.gather(
+            *(c.continue_generation() for c in self.clients), return_exceptions=True
+        )
+        for c, r in zip(self.clients, results, strict=True):
+            if isinstance(r, BaseException):
+                log.warning("could not resume %s: %s", c.url, r)
