@@ -140,6 +140,11 @@ class WeightSyncConfig(_Section):
     """``false``: ``push`` returns at once and the trainer's next forward/backward overlaps the
     stream; only its next optimizer step waits until the sender has read the weights.
     ``true``: ``push`` copies every weight first (costs the trainer one copy of the model)."""
+    staging_buckets: int = 0
+    """Staging slots of the sender (each as large as a bucket): the packer runs ahead of the
+    sends as far as they allow. 0: one per bucket (one copy of the weights; the trainer is
+    released after a memcpy of the model); 2: double-buffered, least memory (the next optimizer
+    step may wait for the tail of the stream)."""
     pause_scope: Literal["commit", "transfer"] = "commit"
     """When engines pause generation: ``commit`` only around the switch to the new weights (the
     embedded engine stages buckets aside); ``transfer`` for the whole stream (SGLang, which

@@ -102,10 +102,12 @@ def plan_buckets(
 ) -> list[BucketManifest]:
     """Cut ``specs`` into buckets of one dtype each, bounded by ``bucket_bytes``.
 
-    Within a dtype the order of ``specs`` is kept. The fill target is
-    ``min(bucket_bytes, total / min_buckets)`` (at least 1 MiB) so a sync has
-    enough buckets for packing, sending and verifying to overlap. A tensor
-    larger than the target is chunked into target-sized element ranges.
+    Within a dtype the order of ``specs`` is kept. Whole tensors are grouped up
+    to a fill target of ``min(bucket_bytes, total / min_buckets)`` (at least
+    1 MiB) so a sync has enough buckets for packing, sending and verifying to
+    overlap; a tensor that alone exceeds the target but not ``bucket_bytes``
+    gets a bucket of its own. Only a tensor larger than ``bucket_bytes`` is
+    chunked, into element ranges that fill buckets up to ``bucket_bytes``.
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
@@ -121,14 +123,15 @@ def plan_buckets(
         return groups[-1][1], 0
 
     for spec in specs:
-        cap = max(target // getattr(torch, spec.dtype).itemsize, 1)  # elements per bucket
+        item = getattr(torch, spec.dtype).itemsize
+        cap, fill = max(bucket_bytes // item, 1), max(target // item, 1)  # elements
         entries, used = open_by_dtype.get(spec.dtype) or new_bucket(spec.dtype)
-        if spec.numel <= cap:
-            if used + spec.numel > cap:
+        if spec.numel <= cap:  # whole: in the open bucket while it stays under the fill target
+            if used > 0 and used + spec.numel > fill:
                 entries, used = new_bucket(spec.dtype)
             entries.append(BucketEntry(spec.name, spec.shape))
             used += spec.numel
-        else:  # oversized: element ranges, filling buckets up to cap
+        else:  # larger than a bucket: element ranges, filling buckets up to the bound
             start = 0
             while start < spec.numel:
                 if used == cap:

@@ -100,7 +100,7 @@ class CudaIpcWeightSender(BucketSender):
         self._descs = {}
 
     async def _send_bucket(self, m: BucketManifest, flat: torch.Tensor) -> Acks:
-        slot = self._slots[m.index % 2]
+        slot = self._slots[m.index % len(self._slots)]
         if slot.data_ptr() not in self._descs:
             self._descs[slot.data_ptr()] = encode_ipc(slot)
         payload = json.dumps({"slot": self._descs[slot.data_ptr()], "nbytes": m.nbytes})

@@ -3,11 +3,14 @@
 ``push`` only takes references to the tensors; a background thread with its own
 asyncio loop does the rest, one push at a time, in order:
 
-1. pack bucket 0 into staging slot 0 (a packer thread; checksum computed there);
-2. for every bucket k: start packing k+1 into the other slot, send k (the
-   subclass's ``_send_bucket``: a broadcast plus one control call per engine,
-   all concurrent), move on as soon as slot k may be reused — acks of bucket k
-   are gathered later, so verifying on the engines overlaps sending k+1;
+1. a packer thread packs bucket after bucket into the staging slots (checksum
+   computed there), running ahead of the sends as far as the slots allow
+   (``staging_buckets``: 0 = a slot per bucket, so the trainer is released
+   after one copy of the weights; 2 = double-buffered, least memory);
+2. the sender sends bucket k (the subclass's ``_send_bucket``: a broadcast
+   plus one control call per engine, all concurrent) while k+1 is packed, and
+   moves on as soon as slot k may be reused — acks of bucket k are gathered
+   later, so verifying on the engines overlaps sending k+1;
 3. once the last bucket is packed, the snapshot event is set: the trainer may
    step its optimizer (``PushHandle.wait_snapshot``);
 4. when every engine acked every bucket (received + checksum verified + names
@@ -93,6 +96,7 @@ class BucketSender:
         self._plan: list[BucketManifest] = []
         self._slots: list[torch.Tensor] = []
         self._last: PushHandle | None = None
+        self._snap_at = 0.0
 
     # -- hooks of a transport ------------------------------------------------------------
     async def _form(self) -> None:
@@ -170,17 +174,17 @@ class BucketSender:
         if specs != self._plan_key:
             self._plan_key = specs
             self._plan = plan_buckets(specs, self.cfg.bucket_mb << 20, self.cfg.min_buckets)
-            biggest = max(m.nbytes for m in self._plan)
-            self._slots = [
-                torch.empty(biggest, dtype=torch.uint8, device=self.device) for _ in (0, 1)
-            ]
+            depth = len(self._plan) if self.cfg.staging_buckets == 0 else self.cfg.staging_buckets
+            depth = max(1, min(depth, len(self._plan)))
+            sizes = [max(m.nbytes for m in self._plan[j::depth]) for j in range(depth)]
+            self._slots = [torch.empty(b, dtype=torch.uint8, device=self.device) for b in sizes]
         return self._plan
 
     def _pack(
         self, k: int, tensors: dict[str, torch.Tensor], version: int
     ) -> tuple[BucketManifest, torch.Tensor]:
         m = self._plan[k]
-        flat = self._slots[k % 2][: m.nbytes].view(m.torch_dtype)
+        flat = self._slots[k % len(self._slots)][: m.nbytes].view(m.torch_dtype)
         pack_into(flat, m, tensors)
         return msgspec.structs.replace(m, version=version, checksum=checksum(flat)), flat
 
@@ -194,8 +198,9 @@ class BucketSender:
                 if not self._formed:  # a failed push broke the group: re-form it first
                     await self._reform_locked()
                 plan = self._plan_for(tensors)
+                self._snap_at = t_push
                 acks = await self._stream(plan, tensors, version, snap)
-                snap_s = time.perf_counter() - t_push
+                snap_s = self._snap_at - t_push
                 await self._check_acks(acks)
                 await self._commit(version)
             finally:
@@ -224,34 +229,49 @@ class BucketSender:
         snap: threading.Event,
     ) -> Acks:
         loop = asyncio.get_running_loop()
+        n, depth = len(plan), len(self._slots)
+        packed: list[asyncio.Future[Any]] = [loop.create_future() for _ in plan]
+        sent: list[asyncio.Future[None]] = [loop.create_future() for _ in plan]
+
+        async def produce() -> None:  # packs ahead as far as the staging slots allow
+            for k in range(n):
+                if k >= depth:
+                    await sent[k - depth]
+                try:
+                    item = await loop.run_in_executor(self._packer, self._pack, k, tensors, version)
+                except (RuntimeError, ValueError, KeyError) as exc:
+                    packed[k].set_exception(exc)
+                    return
+                packed[k].set_result(item)
+            self._snap_at = time.perf_counter()
+            snap.set()  # every tensor read: the trainer may step its optimizer
+
+        producer = asyncio.ensure_future(produce())
         acks: Acks = []
         paused = self.cfg.pause_scope == "transfer"
-        if paused:
-            await self._all("/pause_generation", lambda c: c.pause_generation(self.pause_mode))
         try:
-            nxt: Awaitable[Any] = loop.run_in_executor(
-                self._packer, self._pack, 0, tensors, version
-            )
-            for k in range(len(plan)):
-                m, flat = await nxt
-                if k + 1 < len(plan):
-                    nxt = loop.run_in_executor(self._packer, self._pack, k + 1, tensors, version)
-                else:
-                    snap.set()  # every tensor read: the trainer may step its optimizer
+            if paused:
+                await self._all("/pause_generation", lambda c: c.pause_generation(self.pause_mode))
+            for k in range(n):
+                m, flat = await packed[k]
                 try:
                     acks += await self._send_bucket(m, flat)
                 except (EngineError, EngineUnavailable, RuntimeError, OSError) as exc:
                     self._formed = False  # the group may be out of step: re-form next time
-                    if k + 1 < len(plan):
-                        await asyncio.wait([nxt])  # the packer must stop reading first
                     raise WeightSyncError(
                         f"v{version} bucket {k} (kept old weights): {exc}"
                     ) from exc
+                sent[k].set_result(None)
                 if any(t.done() and t.exception() is not None for _, t in acks):
-                    if k + 1 < len(plan):
-                        await asyncio.wait([nxt])
                     break  # an engine failed: stop sending, report below
         finally:
+            for f in sent:  # wake the producer; it stops at its next bucket
+                if not f.done():
+                    f.set_result(None)
+            if not producer.done():
+                producer.cancel()  # the pack in progress finishes in its thread first
+            await asyncio.gather(producer, return_exceptions=True)
+            await loop.run_in_executor(self._packer, lambda: None)  # packer idle: tensors released
             if paused:
                 await self._resume_all()
         return acks
