@@ -80,6 +80,7 @@ def _serve_engine(args: argparse.Namespace) -> None:
         model = Qwen2ForCausalLM(Qwen2Config(**MODELS[args.model], dtype=args.dtype))
     device = DEVICE[args.backend]
     model = model.to_empty(device=device).to(getattr(torch, args.dtype))
+    model.tie_weights()  # to_empty unties: the served model must have the sender's parameters
     engine = LocalEngine(model, {0}, device=device)
     app = build_app(EngineServer(engine, f"{args.model}-shapes"))
     web.run_app(app, host="127.0.0.1", port=args.port, print=None, access_log=None)
@@ -94,7 +95,7 @@ def _floor_peer(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     group = new_weight_group(args.backend, "127.0.0.1", args.port, 1, 2, "floor", 120.0)
     buf = torch.empty(args.nbytes, dtype=torch.uint8, device=DEVICE[args.backend])
-    for _ in range(args.repeats + 1):
+    while True:  # until the benchmark stops this process
         broadcast(group, buf)
 
 
@@ -104,7 +105,9 @@ def _weights(model: str, dtype: str, device: str) -> dict[str, Any]:
 
     shapes = _shapes(model)
     total = sum(torch.Size(s).numel() for _, s in shapes)
-    flat = torch.empty(total, dtype=torch.int16).random_(-(1 << 15), (1 << 15) - 1)
+    period = (1 << 24) + 7  # random bits, repeated with a period that no tensor size shares
+    base = torch.empty(period, dtype=torch.int16).random_(-(1 << 15), (1 << 15) - 1)
+    flat = base.repeat(-(-total // period))[:total].clone()
     flat = flat.view(getattr(torch, dtype)).to(device)
     out, off = {}, 0
     for name, shape in shapes:
@@ -114,38 +117,46 @@ def _weights(model: str, dtype: str, device: str) -> dict[str, Any]:
     return out
 
 
-def _floor(backend: str, nbytes: int, repeats: int, spawn_peer: Any) -> list[float]:
-    import torch
+class _Floor:
+    """One flat transfer of ``nbytes`` on the same link: a broadcast to a peer process
+    (for ``cuda-ipc``: a device-to-device copy), measured between our pushes."""
 
-    from asyncrl.procs import free_port
-    from asyncrl.transports.weights.collective import broadcast, new_weight_group
+    def __init__(self, backend: str, nbytes: int, spawn_peer: Any):
+        import torch
 
-    if backend == "cuda-ipc":
-        a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-        b = torch.empty_like(a)
-        times = []
-        for _ in range(repeats + 1):
+        from asyncrl.procs import free_port
+        from asyncrl.transports.weights.collective import new_weight_group
+
+        self.backend, self.peer, self.group = backend, None, None
+        self.buf = torch.empty(nbytes, dtype=torch.uint8, device=DEVICE[backend])
+        if backend == "cuda-ipc":
+            self.dst = torch.empty_like(self.buf)
+            return
+        port = free_port()
+        self.peer = spawn_peer(["--_peer", "--port", str(port), "--nbytes", str(nbytes)])
+        self.group = new_weight_group(backend, "127.0.0.1", port, 0, 2, "floor", 120.0)
+        self.once()  # warm-up
+
+    def once(self) -> float:
+        import torch
+
+        from asyncrl.transports.weights.collective import broadcast
+
+        if self.group is None:
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            b.copy_(a)
+            self.dst.copy_(self.buf)
             torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-        return times[1:]
-    port = free_port()
-    peer = spawn_peer(["--_peer", "--port", str(port), "--nbytes", str(nbytes)])
-    try:
-        group = new_weight_group(backend, "127.0.0.1", port, 0, 2, "floor", 120.0)
-        buf = torch.empty(nbytes, dtype=torch.uint8, device=DEVICE[backend])
-        times = []
-        for _ in range(repeats + 1):
-            t0 = time.perf_counter()
-            broadcast(group, buf)
-            times.append(time.perf_counter() - t0)
-        return times[1:]
-    finally:
+            return time.perf_counter() - t0
+        t0 = time.perf_counter()
+        broadcast(self.group, self.buf)
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
         from asyncrl.procs import stop
 
-        stop([peer])
+        if self.peer is not None:
+            stop([self.peer])
 
 
 def _ours(sender: Any, weights: dict[str, Any], version: int, train_s: float) -> dict[str, float]:
@@ -227,13 +238,15 @@ def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
     engines = [spawn_child(["--_engine", "--port", str(p)]) for p in ports]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     rows = []
+    floor = None
     try:
         device = DEVICE[args.backend]
         weights = _weights(args.model, args.dtype, device)
         nbytes = sum(t.numel() * t.element_size() for t in weights.values())
-        floors = _floor(args.backend, nbytes, args.repeats, spawn_child)
-        floor_s = statistics.median(floors)
+        floor = _Floor(args.backend, nbytes, spawn_child)
         for mode in args.modes.split(","):
+            floors = [floor.once()]
+            floor_s = floors[0]
             cfg = WeightSyncConfig(
                 backend=args.backend,
                 bucket_mb=args.bucket_mb,
@@ -245,9 +258,13 @@ def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
             try:
                 sender.connect()
                 version = 1
-                _ours(sender, weights, version, floor_s)  # warm-up: plans, buffers, connections
+                for _ in range(2):  # warm-up: plans, both receive-buffer sets, connections
+                    _ours(sender, weights, version, floor_s)
+                    version += 1
                 ours, naive = [], []
                 for _ in range(args.repeats):
+                    floors.append(floor.once())  # the floor, interleaved with ours
+                    floor_s = statistics.median(floors)
                     version += 1
                     weights[next(iter(weights))].view(-1)[:1024].random_()  # new bits every version
                     ours.append(_ours(sender, weights, version, floor_s))
@@ -284,6 +301,8 @@ def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 }
             )
     finally:
+        if floor is not None:
+            floor.close()
         stop(engines)
     return rows
 

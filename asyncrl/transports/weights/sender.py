@@ -24,6 +24,7 @@ weights and version; the push's handle raises :class:`WeightSyncError`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -160,12 +161,15 @@ class BucketSender:
         if not tensors:
             raise ValueError("push() got no tensors")
         snap = threading.Event()
-        if self.cfg.snapshot:  # copy now: the caller may modify its tensors on return
+        packed = None
+        if self.cfg.snapshot:  # pack every bucket now: the caller may modify its tensors on return
             if self._last is not None:
-                self._last.wait_snapshot()
-            tensors = {n: t.clone() for n, t in tensors.items()}
+                with contextlib.suppress(WeightSyncError):
+                    self._last.wait()  # the staging slots are free once the last push is done
+            plan = self._plan_for(tensors)
+            packed = [self._pack(k, tensors, version) for k in range(len(plan))]
             snap.set()
-        fut = self._run(self._push(tensors, version, snap, t0))
+        fut = self._run(self._push(tensors, version, snap, t0, packed))
         self._last = PushHandle(version, fut, snap)
         return self._last
 
@@ -174,7 +178,9 @@ class BucketSender:
         if specs != self._plan_key:
             self._plan_key = specs
             self._plan = plan_buckets(specs, self.cfg.bucket_mb << 20, self.cfg.min_buckets)
-            depth = len(self._plan) if self.cfg.staging_buckets == 0 else self.cfg.staging_buckets
+            depth = self.cfg.staging_buckets
+            if depth == 0 or self.cfg.snapshot:
+                depth = len(self._plan)
             depth = max(1, min(depth, len(self._plan)))
             sizes = [max(m.nbytes for m in self._plan[j::depth]) for j in range(depth)]
             self._slots = [torch.empty(b, dtype=torch.uint8, device=self.device) for b in sizes]
@@ -189,7 +195,12 @@ class BucketSender:
         return msgspec.structs.replace(m, version=version, checksum=checksum(flat)), flat
 
     async def _push(
-        self, tensors: dict[str, torch.Tensor], version: int, snap: threading.Event, t_push: float
+        self,
+        tensors: dict[str, torch.Tensor],
+        version: int,
+        snap: threading.Event,
+        t_push: float,
+        packed: list[tuple[BucketManifest, torch.Tensor]] | None = None,
     ) -> dict[str, float]:
         assert self._lock is not None, "connect() first"
         async with self._lock:
@@ -199,7 +210,7 @@ class BucketSender:
                     await self._reform_locked()
                 plan = self._plan_for(tensors)
                 self._snap_at = t_push
-                acks = await self._stream(plan, tensors, version, snap)
+                acks = await self._stream(plan, tensors, version, snap, packed)
                 snap_s = self._snap_at - t_push
                 await self._check_acks(acks)
                 await self._commit(version)
@@ -227,6 +238,7 @@ class BucketSender:
         tensors: dict[str, torch.Tensor],
         version: int,
         snap: threading.Event,
+        prepacked: list[tuple[BucketManifest, torch.Tensor]] | None = None,
     ) -> Acks:
         loop = asyncio.get_running_loop()
         n, depth = len(plan), len(self._slots)
@@ -238,7 +250,12 @@ class BucketSender:
                 if k >= depth:
                     await sent[k - depth]
                 try:
-                    item = await loop.run_in_executor(self._packer, self._pack, k, tensors, version)
+                    if prepacked is not None:
+                        item = prepacked[k]
+                    else:
+                        item = await loop.run_in_executor(
+                            self._packer, self._pack, k, tensors, version
+                        )
                 except (RuntimeError, ValueError, KeyError) as exc:
                     packed[k].set_exception(exc)
                     return
