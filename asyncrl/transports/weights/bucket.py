@@ -193,9 +193,8 @@ def assemble(
     pieces: dict[str, list[tuple[BucketEntry, torch.Tensor]]] = {}
     for manifest, flat in buckets:
         if flat.numel() != manifest.numel:
-            raise ValueError(
-                f"bucket {manifest.index} holds {flat.numel()} elements, manifest says {manifest.numel}"
-            )
+            got, want = flat.numel(), manifest.numel
+            raise ValueError(f"bucket {manifest.index} holds {got} elements, manifest says {want}")
         offset = 0
         for e in manifest.entries:
             view = flat[offset : offset + e.size]
