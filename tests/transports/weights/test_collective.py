@@ -116,6 +116,8 @@ def push(urls: list[str], pushes: list[tuple[dict[str, torch.Tensor], int]]) -> 
                 out.append(handle.wait(60))
             except WeightSyncError as exc:
                 out.append(exc)
+            if isinstance(out[-1], dict):
+                out[-1]["chunked"] = any(not e.whole for m in sender._plan for e in m.entries)
     finally:
         sender.close()
     return out
@@ -129,6 +131,7 @@ def test_push_to_several_engines_with_chunks_and_mixed_dtypes(
     ws = [{n: t.bfloat16() if "norm" in n else t for n, t in w.items()} for w in ws]
     stats = push(pair, [(ws[0], 1), (ws[1], 2)])
     assert all(isinstance(s, dict) and s["buckets"] >= 3 for s in stats), stats  # chunked + bf16
+    assert all(s["chunked"] for s in stats)  # the 1.5 MB embedding spans two 1 MiB buckets
     for url in pair:
         assert state(url) == ("2", expected(ws[1]))
 
@@ -176,3 +179,19 @@ def test_restarted_engine_rejoins_and_gets_current_weights(
             assert state(pair[0]) == ("31", expected(w))
     finally:
         sender.close()
+
+
+async def _post(url: str, path: str, body: dict) -> tuple[int, dict]:
+    import aiohttp
+
+    async with aiohttp.ClientSession() as http, http.post(url + path, json=body) as resp:
+        return resp.status, await resp.json()
+
+
+def test_malformed_weight_requests_get_400_and_the_engine_keeps_serving(pair: list[str]) -> None:
+    path = "/update_weights_from_distributed"
+    status, out = asyncio.run(_post(pair[0], path, {"group_name": "nope", "names": ["x"]}))
+    assert status == 400 and "init_weights_update_group" in out["error"]["message"]
+    status, out = asyncio.run(_post(pair[0], "/init_weights_update_group", {"world_size": 2}))
+    assert status == 400 and "master_address" in out["error"]["message"]
+    assert state(pair[0])[0]  # still serving
