@@ -188,10 +188,14 @@ async def _post(url: str, path: str, body: dict) -> tuple[int, dict]:
         return resp.status, await resp.json()
 
 
-def test_malformed_weight_requests_get_400_and_the_engine_keeps_serving(pair: list[str]) -> None:
+def test_malformed_requests_get_400_and_closed_groups_are_gone(pair: list[str]) -> None:
     path = "/update_weights_from_distributed"
     status, out = asyncio.run(_post(pair[0], path, {"group_name": "nope", "names": ["x"]}))
     assert status == 400 and "init_weights_update_group" in out["error"]["message"]
     status, out = asyncio.run(_post(pair[0], "/init_weights_update_group", {"world_size": 2}))
     assert status == 400 and "master_address" in out["error"]["message"]
     assert state(pair[0])[0]  # still serving
+    # the senders of the tests above closed: their group is torn down on the engines too
+    body = {"group_name": CFG.group_name, "names": ["x"], "dtypes": ["float32"], "shapes": [[1]]}
+    status, out = asyncio.run(_post(pair[1], path, body))
+    assert status == 400 and "no weight update group" in out["error"]["message"]
