@@ -39,7 +39,7 @@ def encode_ipc(slot: torch.Tensor) -> dict[str, Any]:
     _, args = reduce_tensor(slot)
     (_, size, stride, offset, _, dtype, device, handle, storage_bytes, storage_offset, _,
      ref_handle, ref_offset, event_handle, event_sync) = args  # fmt: skip
-    b64 = lambda b: base64.b64encode(b).decode() if b else ""  # noqa: E731
+    b64 = lambda b: None if b is None else base64.b64encode(b).decode()  # noqa: E731
     return {
         "size": list(size),
         "stride": list(stride),
@@ -59,9 +59,9 @@ def encode_ipc(slot: torch.Tensor) -> dict[str, Any]:
 def _open(desc: dict[str, Any]) -> torch.Tensor:
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-    key = desc["handle"]
+    key = f"{desc['handle']}@{desc['storage_offset']}"  # slots may share one CUDA allocation
     if key not in _opened:
-        unb64 = lambda s: base64.b64decode(s) if s else b""  # noqa: E731
+        unb64 = lambda s: None if s is None else base64.b64decode(s)  # noqa: E731
         _opened[key] = rebuild_cuda_tensor(
             torch.Tensor, tuple(desc["size"]), tuple(desc["stride"]), desc["offset"],
             torch.UntypedStorage, getattr(torch, desc["dtype"]), desc["device"],
