@@ -106,6 +106,8 @@ def _refused(task: asyncio.Task[Any]) -> bool:
 class CollectiveWeightSender(BucketSender):
     """WeightTransport over a collective group (see module docstring)."""
 
+    zero_copy_ok = True  # a broadcast has read its buffer when it returns
+
     def __init__(
         self,
         engine_urls: Any,

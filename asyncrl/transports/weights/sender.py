@@ -72,6 +72,10 @@ def bucket_extra(m: BucketManifest) -> dict[str, Any]:
 class BucketSender:
     """Base of the weight senders: planning, double-buffered packing, acks, commit."""
 
+    zero_copy_ok = False
+    """A transport whose ``_send_bucket`` is done with ``flat`` when it returns may send a
+    single-tensor bucket straight from the caller's tensor (see ``_zero_copy``)."""
+
     def __init__(
         self,
         engine_urls: Sequence[str],
@@ -190,9 +194,30 @@ class BucketSender:
         self, k: int, tensors: dict[str, torch.Tensor], version: int
     ) -> tuple[BucketManifest, torch.Tensor]:
         m = self._plan[k]
-        flat = self._slots[k % len(self._slots)][: m.nbytes].view(m.torch_dtype)
-        pack_into(flat, m, tensors)
+        src = tensors[m.entries[0].name]
+        if self._zero_copy(k, m, src):  # send straight from the tensor: nothing to copy
+            flat = src.view(-1)
+        else:
+            flat = self._slots[k % len(self._slots)][: m.nbytes].view(m.torch_dtype)
+            pack_into(flat, m, tensors)
         return msgspec.structs.replace(m, version=version, checksum=checksum(flat)), flat
+
+    def _zero_copy(self, k: int, m: BucketManifest, src: torch.Tensor) -> bool:
+        """Whether bucket k is sent from the caller's tensor itself (collectives only).
+
+        Only a bucket that is one whole contiguous tensor, in the first half of the
+        sync (sent early, so releasing the trainer waits little for it), and not in
+        snapshot mode (there the caller may write its tensors once ``push`` returns).
+        """
+        return (
+            self.zero_copy_ok
+            and not self.cfg.snapshot
+            and k < len(self._plan) // 2
+            and len(m.entries) == 1
+            and m.entries[0].whole
+            and src.is_contiguous()
+            and src.device == self.device
+        )
 
     async def _push(
         self,
@@ -260,6 +285,9 @@ class BucketSender:
                     packed[k].set_exception(exc)
                     return
                 packed[k].set_result(item)
+            for k in range(n):  # buckets sent from the tensors themselves must have left
+                if self._zero_copy(k, plan[k], tensors[plan[k].entries[0].name]):
+                    await sent[k]
             self._snap_at = time.perf_counter()
             snap.set()  # every tensor read: the trainer may step its optimizer
 
