@@ -107,6 +107,7 @@ class CollectiveWeightSender(BucketSender):
     """WeightTransport over a collective group (see module docstring)."""
 
     zero_copy_ok = True  # a broadcast has read its buffer when it returns
+    early_announce = True  # engines queue announced buckets and receive them in order
 
     def __init__(
         self,
@@ -157,21 +158,18 @@ class CollectiveWeightSender(BucketSender):
             return_exceptions=True,
         )
 
-    async def _send_bucket(self, m: BucketManifest, flat: torch.Tensor) -> Acks:
-        assert self._group is not None, "connect() first"
-        loop = asyncio.get_running_loop()
+    def _announce(self, m: BucketManifest) -> Acks:
+        """Start the bucket's control call to every engine (it may run ahead of the data)."""
         names = [e.name for e in m.entries]
-        dtypes = [m.dtype] * len(names)
-        shapes = [e.wire_shape for e in m.entries]
         extra = {"asyncrl_bucket": bucket_extra(m)}
-        acks: Acks = [
+        return [
             (
                 c.url,
                 asyncio.ensure_future(
                     c.update_weights_from_distributed(
                         names=names,
-                        dtypes=dtypes,
-                        shapes=shapes,
+                        dtypes=[m.dtype] * len(names),
+                        shapes=[e.wire_shape for e in m.entries],
                         group_name=self.cfg.group_name,
                         flush_cache=m.index == m.count - 1,
                         load_format="flattened_bucket",
@@ -181,17 +179,29 @@ class CollectiveWeightSender(BucketSender):
             )
             for c in self.clients
         ]
+
+    async def _transfer(self, m: BucketManifest, flat: torch.Tensor, acks: Acks) -> None:
+        """Broadcast the bucket; fail fast when an engine refused it (it will not receive)."""
+        assert self._group is not None, "connect() first"
+        loop = asyncio.get_running_loop()
         sent = loop.run_in_executor(self._bcast, broadcast, self._group, flat)
-        while not sent.done():  # an engine that refuses the bucket never joins the broadcast
+        while not sent.done():
             await asyncio.wait([sent, *(t for _, t in acks)], return_when=asyncio.FIRST_COMPLETED)
             refused = [(u, t) for u, t in acks if t.done() and _refused(t)]
             if refused and not sent.done():
-                for _, t in acks:
-                    t.cancel()
-                await asyncio.gather(*(t for _, t in acks), return_exceptions=True)
                 url, task = refused[0]
                 raise RuntimeError(f"{url} refused bucket {m.index}: {task.exception()}")
             if all(t.done() for _, t in acks):
                 break
         await sent
+
+    async def _send_bucket(self, m: BucketManifest, flat: torch.Tensor) -> Acks:
+        acks = self._announce(m)
+        try:
+            await self._transfer(m, flat, acks)
+        except RuntimeError:
+            for _, t in acks:
+                t.cancel()
+            await asyncio.gather(*(t for _, t in acks), return_exceptions=True)
+            raise
         return acks

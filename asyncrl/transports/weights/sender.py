@@ -72,6 +72,18 @@ def bucket_extra(m: BucketManifest) -> dict[str, Any]:
 class BucketSender:
     """Base of the weight senders: planning, double-buffered packing, acks, commit."""
 
+    early_announce = False
+    """Whether ``_announce`` / ``_transfer`` split a bucket's send, so control calls may run
+    ahead of the data (engines queue them in bucket order)."""
+
+    def _announce(self, m: BucketManifest) -> Acks:
+        """Start bucket ``m``'s control call to every engine (``early_announce`` only)."""
+        raise NotImplementedError
+
+    async def _transfer(self, m: BucketManifest, flat: torch.Tensor, acks: Acks) -> None:
+        """Move bucket ``m``'s data; return once ``flat`` may be overwritten."""
+        raise NotImplementedError
+
     zero_copy_ok = False
     """A transport whose ``_send_bucket`` is done with ``flat`` when it returns may send a
     single-tensor bucket straight from the caller's tensor (see ``_zero_copy``)."""
@@ -291,7 +303,15 @@ class BucketSender:
             self._snap_at = time.perf_counter()
             snap.set()  # every tensor read: the trainer may step its optimizer
 
+        announced: list[asyncio.Future[Acks]] = [loop.create_future() for _ in plan]
+
+        async def announce() -> None:  # control calls run ahead of the data, in bucket order
+            for k in range(n):
+                m, _ = await packed[k]
+                announced[k].set_result(self._announce(m))
+
         producer = asyncio.ensure_future(produce())
+        announcer = asyncio.ensure_future(announce()) if self.early_announce else None
         acks: Acks = []
         paused = self.cfg.pause_scope == "transfer"
         try:
@@ -300,22 +320,33 @@ class BucketSender:
             for k in range(n):
                 m, flat = await packed[k]
                 try:
-                    acks += await self._send_bucket(m, flat)
+                    if announcer is None:
+                        acks += await self._send_bucket(m, flat)
+                    else:
+                        acks += await announced[k]
+                        await self._transfer(m, flat, acks[-len(self.clients) :])
                 except (EngineError, EngineUnavailable, RuntimeError, OSError) as exc:
                     self._formed = False  # the group may be out of step: re-form next time
                     raise WeightSyncError(
                         f"v{version} bucket {k} (kept old weights): {exc}"
                     ) from exc
                 sent[k].set_result(None)
-                if any(t.done() and t.exception() is not None for _, t in acks):
-                    break  # an engine failed: stop sending, report below
+                failed = any(t.done() and t.exception() is not None for _, t in acks)
+                if failed and announcer is None:
+                    break  # an engine failed: stop sending (announced buckets are always sent)
         finally:
             for f in sent:  # wake the producer; it stops at its next bucket
                 if not f.done():
                     f.set_result(None)
-            if not producer.done():
-                producer.cancel()  # the pack in progress finishes in its thread first
-            await asyncio.gather(producer, return_exceptions=True)
+            for task in (producer, announcer):
+                if task is not None and not task.done():
+                    task.cancel()  # the pack in progress finishes in its thread first
+            await asyncio.gather(*(t for t in (producer, announcer) if t), return_exceptions=True)
+            pending = [t for f in announced if f.done() for _, t in f.result() if not t.done()]
+            if pending and not all(f.done() for f in sent):
+                for t in pending:
+                    t.cancel()
+                await asyncio.gather(*pending, return_exceptions=True)
             await loop.run_in_executor(self._packer, lambda: None)  # packer idle: tensors released
             if paused:
                 await self._resume_all()

@@ -110,6 +110,8 @@ class WeightReceiver:
         self._update: _Update | None = None
         self._pool: dict[tuple[int, str, int], list[torch.Tensor]] = {}
         self._live: set[int] = set()
+        self._turn = asyncio.Condition()
+        self.turn_timeout_s = 60.0
         self._faults = {
             (int(k), int(v)): kind
             for kind, _, at in (
@@ -192,6 +194,27 @@ class WeightReceiver:
 
         return await self._stage(m, receive)
 
+    async def _turn_of(self, m: BucketManifest) -> _Update:
+        """Wait until bucket ``m.index`` is next (buckets may be announced before their turn)."""
+        if m.index == 0:
+            self._update = _Update(m.version, m.count)  # a new push drops whatever was staged
+            return self._update
+
+        def ready() -> bool:
+            up = self._update
+            return up is not None and (up.version > m.version or up.next_index >= m.index)
+
+        async with self._turn:
+            try:
+                await asyncio.wait_for(self._turn.wait_for(ready), self.turn_timeout_s)
+            except asyncio.TimeoutError:
+                pass
+        up = self._update
+        if up is None or up.version != m.version or up.next_index != m.index:
+            expected = "none" if up is None else f"v{up.version} bucket {up.next_index}"
+            raise WeightRequestError(f"bucket {m.index} of v{m.version} out of turn ({expected})")
+        return up
+
     def _buffer(self, m: BucketManifest) -> torch.Tensor:
         key = (m.index, m.dtype, m.numel)
         pair = self._pool.setdefault(key, [])
@@ -205,14 +228,10 @@ class WeightReceiver:
 
     async def _stage(self, m: BucketManifest, receive: Any) -> dict[str, Any]:
         loop = asyncio.get_running_loop()
-        if m.index == 0 or self._update is None or self._update.version != m.version:
-            self._update = _Update(m.version, m.count)  # a new push drops whatever was staged
-        up = self._update
-        if m.index != up.next_index:
-            raise WeightRequestError(
-                f"bucket {m.index} of v{m.version} out of order (expected {up.next_index})"
-            )
+        up = await self._turn_of(m)
         up.next_index += 1
+        async with self._turn:
+            self._turn.notify_all()  # the next bucket may queue its receive right behind this one
         flat = self._buffer(m)
         done: asyncio.Future[None] = loop.create_future()
         up.verified[m.index] = done
