@@ -7,10 +7,13 @@ asyncio loop does the rest, one push at a time, in order:
    computed there), running ahead of the sends as far as the slots allow
    (``staging_buckets``: 0 = a slot per bucket, so the trainer is released
    after one copy of the weights; 2 = double-buffered, least memory);
-2. the sender sends bucket k (the subclass's ``_send_bucket``: a broadcast
-   plus one control call per engine, all concurrent) while k+1 is packed, and
-   moves on as soon as slot k may be reused — acks of bucket k are gathered
-   later, so verifying on the engines overlaps sending k+1;
+2. the sender sends bucket k while k+1 is packed, and moves on as soon as
+   slot k may be reused. For collectives the control calls (one per engine,
+   concurrent) are announced as soon as a bucket is packed, ahead of its
+   broadcast, so engines queue the receives in order and no handshake sits
+   between two broadcasts; acks are gathered at the end, so verifying on the
+   engines overlaps sending. A one-tensor bucket in the first half of the
+   sync is sent from the tensor itself (no staging copy);
 3. once the last bucket is packed, the snapshot event is set: the trainer may
    step its optimizer (``PushHandle.wait_snapshot``);
 4. when every engine acked every bucket (received + checksum verified + names
@@ -70,23 +73,14 @@ def bucket_extra(m: BucketManifest) -> dict[str, Any]:
 
 
 class BucketSender:
-    """Base of the weight senders: planning, double-buffered packing, acks, commit."""
+    """Base of the weight senders: planning, staged packing, acks, commit."""
 
     early_announce = False
     """Whether ``_announce`` / ``_transfer`` split a bucket's send, so control calls may run
     ahead of the data (engines queue them in bucket order)."""
-
-    def _announce(self, m: BucketManifest) -> Acks:
-        """Start bucket ``m``'s control call to every engine (``early_announce`` only)."""
-        raise NotImplementedError
-
-    async def _transfer(self, m: BucketManifest, flat: torch.Tensor, acks: Acks) -> None:
-        """Move bucket ``m``'s data; return once ``flat`` may be overwritten."""
-        raise NotImplementedError
-
     zero_copy_ok = False
-    """A transport whose ``_send_bucket`` is done with ``flat`` when it returns may send a
-    single-tensor bucket straight from the caller's tensor (see ``_zero_copy``)."""
+    """A transport whose ``_send_bucket``/``_transfer`` is done with ``flat`` when it returns may
+    send a single-tensor bucket straight from the caller's tensor (see ``_zero_copy``)."""
 
     def __init__(
         self,
@@ -126,6 +120,14 @@ class BucketSender:
 
     async def _send_bucket(self, m: BucketManifest, flat: torch.Tensor) -> Acks:
         """Send one bucket; return once ``flat`` may be overwritten, with one ack per engine."""
+        raise NotImplementedError
+
+    def _announce(self, m: BucketManifest) -> Acks:
+        """Start bucket ``m``'s control call to every engine (``early_announce`` only)."""
+        raise NotImplementedError
+
+    async def _transfer(self, m: BucketManifest, flat: torch.Tensor, acks: Acks) -> None:
+        """Move bucket ``m``'s data; return once ``flat`` may be overwritten."""
         raise NotImplementedError
 
     # -- lifecycle -----------------------------------------------------------------------
