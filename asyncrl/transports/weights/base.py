@@ -27,6 +27,7 @@ Contract (sender, trainer rank 0):
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Protocol
@@ -58,8 +59,6 @@ class PushHandle:
 
     def wait_snapshot(self, timeout: float | None = None) -> float:
         """Block until the sender read every pushed tensor; returns the seconds waited."""
-        import time
-
         t0 = time.perf_counter()
         while not self._snapshot.wait(0.05 if timeout is None else timeout):
             if self._future.done():  # failed before it finished reading

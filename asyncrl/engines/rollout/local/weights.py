@@ -111,7 +111,7 @@ class WeightReceiver:
         self._pool: dict[tuple[int, str, int], list[torch.Tensor]] = {}
         self._live: set[int] = set()
         self._turn = asyncio.Condition()
-        self.turn_timeout_s = 60.0
+        self.turn_timeout_s = 120.0  # longest wait for the previous bucket to start arriving
         self._faults = {
             (int(k), int(v)): kind
             for kind, _, at in (
@@ -204,11 +204,12 @@ class WeightReceiver:
             up = self._update
             return up is not None and (up.version > m.version or up.next_index >= m.index)
 
-        async with self._turn:
-            try:
-                await asyncio.wait_for(self._turn.wait_for(ready), self.turn_timeout_s)
-            except asyncio.TimeoutError:
-                pass
+        async with self._turn:  # give up only when no bucket moved for turn_timeout_s
+            while not ready():
+                try:
+                    await asyncio.wait_for(self._turn.wait(), self.turn_timeout_s)
+                except asyncio.TimeoutError:
+                    break
         up = self._update
         if up is None or up.version != m.version or up.next_index != m.index:
             expected = "none" if up is None else f"v{up.version} bucket {up.next_index}"
