@@ -140,6 +140,8 @@ class WeightReceiver:
             ) from None
         self.groups.pop(args[5], None)
         self._update = None
+        self._io.shutdown(wait=False)  # a receive stuck on a dead sender times out on its own
+        self._io = ThreadPoolExecutor(1, thread_name_prefix="weights-io")
         loop = asyncio.get_running_loop()
         try:
             group = await loop.run_in_executor(self._io, lambda: new_weight_group(*args))
