@@ -251,6 +251,7 @@ def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 backend=args.backend,
                 bucket_mb=args.bucket_mb,
                 min_buckets=args.min_buckets,
+                staging_buckets=args.staging_buckets,
                 snapshot=mode == "snapshot",
                 timeout_s=600.0,
             )
@@ -287,6 +288,7 @@ def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
                     "num_tensors": len(weights),
                     "bucket_mb": args.bucket_mb,
                     "min_buckets": args.min_buckets,
+                    "staging_buckets": args.staging_buckets,
                     "floor_s": floor_s,
                     "naive_s": naive_s,
                     "total_s": total_s,
@@ -325,6 +327,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=3, help="timed pushes (median reported)")
     p.add_argument("--bucket-mb", type=int, default=512, help="weights.bucket_mb")
     p.add_argument("--min-buckets", type=int, default=8, help="weights.min_buckets")
+    p.add_argument("--staging-buckets", type=int, default=0, help="weights.staging_buckets")
     p.add_argument("--modes", default="overlap,snapshot", help="overlap and/or snapshot")
     p.add_argument("--no-naive", dest="naive", action="store_false", help="skip the naive baseline")
     p.add_argument("--threads", type=int, default=1, help="torch threads of the sender")
