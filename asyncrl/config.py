@@ -168,6 +168,23 @@ class WeightSyncConfig(_Section):
     """Name of the weight-sync process group on the engines."""
     timeout_s: float = 300.0
     """Timeout of one weight-sync collective."""
+    min_buckets: int = 8
+    """A sync is cut into at least this many buckets (each still <= ``bucket_mb``), so packing,
+    sending and verifying overlap from the first bucket on. 1: fill every bucket up to
+    ``bucket_mb``."""
+    snapshot: bool = False
+    """``false``: ``push`` returns at once and the trainer's next forward/backward overlaps the
+    stream; only its next optimizer step waits until the sender has read the weights.
+    ``true``: ``push`` copies every weight first (costs the trainer one copy of the model)."""
+    staging_buckets: int = 0
+    """Staging slots of the sender (each as large as a bucket): the packer runs ahead of the
+    sends as far as they allow. 0: one per bucket (one copy of the weights; the trainer is
+    released after a memcpy of the model); 2: double-buffered, least memory (the next optimizer
+    step may wait for the tail of the stream)."""
+    pause_scope: Literal["commit", "transfer"] = "commit"
+    """When engines pause generation: ``commit`` only around the switch to the new weights (the
+    embedded engine stages buckets aside); ``transfer`` for the whole stream (SGLang, which
+    loads each bucket as it arrives)."""
 
 
 class ExperienceConfig(_Section):
@@ -232,6 +249,8 @@ _POSITIVE = {
     "trainer.micro_batch_tokens",
     "trainer.threads",
     "weights.bucket_mb",
+    "weights.min_buckets",
+    "weights.timeout_s",
     "task.num_digits",
     "experience.max_message_mb",
 }

@@ -169,9 +169,11 @@ class SGLangClient:
         flush_cache: bool = True,
         weight_version: str | None = None,
         load_format: str | None = None,
+        extra: dict[str, Any] | None = None,
     ) -> None:
         """Receive one broadcast of the named tensors (``load_format="flattened_bucket"``:
-        one flat buffer). ``flush_cache=True`` commits; ``weight_version`` is set with it."""
+        one flat buffer). ``flush_cache=True`` commits; ``weight_version`` is set with it.
+        ``extra`` adds fields SGLang ignores (asyncrl's bucket manifest)."""
         body: dict[str, Any] = {
             "names": [str(n) for n in names],
             "dtypes": [str(d) for d in dtypes],
@@ -184,6 +186,8 @@ class SGLangClient:
             body["weight_version"] = str(weight_version)
         if load_format is not None:
             body["load_format"] = str(load_format)
+        if extra:
+            body.update(extra)
         await self._call("POST", "/update_weights_from_distributed", body)
 
     async def update_weights_from_tensor(
@@ -192,8 +196,10 @@ class SGLangClient:
         load_format: str | None = None,
         flush_cache: bool = True,
         weight_version: str | None = None,
+        extra: dict[str, Any] | None = None,
     ) -> None:
-        """Load tensors handed over in-host (CUDA IPC handles), one base64 string per TP rank."""
+        """Load tensors handed over in-host (CUDA IPC handles), one base64 string per TP rank.
+        ``extra`` adds fields SGLang ignores (asyncrl's bucket manifest)."""
         body: dict[str, Any] = {
             "serialized_named_tensors": [str(s) for s in serialized_named_tensors],
             "flush_cache": bool(flush_cache),
@@ -203,7 +209,13 @@ class SGLangClient:
             body["load_format"] = str(load_format)
         if weight_version is not None:
             body["weight_version"] = str(weight_version)
+        if extra:
+            body.update(extra)
         await self._call("POST", "/update_weights_from_tensor", body)
+
+    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
+        """Leave the weight-sync process group ``group_name``."""
+        await self._call("POST", "/destroy_weights_update_group", {"group_name": str(group_name)})
 
     async def update_weight_version(self, new_version: str) -> None:
         """Relabel the loaded weights (never aborts running requests)."""

@@ -4,7 +4,9 @@
 process per data-parallel rank, started by ``asyncrl run``. Rank 0 owns the
 weight sender and reports ``StepDone(step, version=step + 1)`` once the new
 weights are live on every engine. Training of step t+1 overlaps the push of
-step t; the push of step t+1 waits for the push of step t to finish.
+step t: ``push`` only takes references, and an optimizer-step pre-hook makes
+the next optimizer step wait until the sender has read the weights (see
+``asyncrl.transports.weights.base``).
 """
 
 from __future__ import annotations
@@ -93,6 +95,15 @@ def run(args: argparse.Namespace) -> None:
             cfg.weights, urls, cfg.trainer.device, cfg.rollout.pause_mode
         )
         sender.connect()
+    pending: list[PushHandle] = []  # the last push, until the sender has read the weights
+    waits: list[float] = []
+
+    def _before_step(*_: object) -> None:  # the only place the trainer waits for weight sync
+        if pending:
+            waits.append(pending[-1].wait_snapshot())
+            pending.clear()
+
+    engine.optimizer.register_step_pre_hook(_before_step)
     try:
         while True:
             got = chan.recv(timeout_s=0.1)
@@ -112,6 +123,8 @@ def run(args: argparse.Namespace) -> None:
                 t1 = time.perf_counter()
                 handle = sender.push(weights, version=msg.step + 1)
                 metrics["push_call_s"] = time.perf_counter() - t1
+                metrics["push_wait_before_step_s"] = waits.pop() if waits else 0.0
+                pending.append(handle)
                 handle.add_done_callback(_reporter(chan, msg.step, metrics))
             else:
                 for _ in weights:  # collective under sharding: every rank takes part

@@ -16,9 +16,16 @@ __all__ = ["make_weight_transport"]
 def make_weight_transport(
     cfg: WeightSyncConfig, engine_urls: Sequence[str], device: str, pause_mode: str = "abort"
 ) -> WeightTransport:
-    """The one factory of weight transports: chooses from ``cfg.backend`` and the device."""
+    """The one factory of weight transports: the backend is chosen here, once.
+
+    ``cuda-ipc``: colocated engines on the trainer's GPU(s); ``gloo``/``nccl``/``hccl``: a
+    dedicated collective group; ``auto``: nccl on CUDA, hccl on an Ascend NPU, else gloo.
+    Raises ValueError naming what to install when the backend is not available here.
+    """
     if cfg.backend == "cuda-ipc":
-        raise ValueError("weights.backend='cuda-ipc' is not available yet (use gloo or nccl)")
+        from asyncrl.transports.weights.cuda_ipc import CudaIpcWeightSender
+
+        return CudaIpcWeightSender(engine_urls, cfg, pause_mode=pause_mode, device=device)
     from asyncrl.transports.weights.collective import CollectiveWeightSender, resolve_backend
 
     backend = resolve_backend(cfg.backend, device)

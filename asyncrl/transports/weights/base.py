@@ -2,23 +2,33 @@
 
 Contract (sender, trainer rank 0):
 
-- ``connect()`` forms the transport with every engine (for collectives: a
-  dedicated process group of trainer rank 0 + every engine rank; the trainer's
-  default group is never touched).
-- ``push(named_weights, version)`` snapshots the weights into staging buffers
-  and returns a :class:`PushHandle` at once; a background sender streams the
-  buckets. The caller may change its parameters as soon as ``push`` returns.
-  Pushes are delivered in order; a push waits for the previous one to leave
-  the staging buffers.
-- ``handle.wait()`` returns when every engine holds and acknowledged
-  ``version``, or raises :class:`WeightSyncError`; engines always resume
-  generating, also after a failed push.
-- ``close()`` tears the group down.
+- ``connect(engine_urls=None)`` forms the transport with every engine (for
+  collectives: a dedicated process group of trainer rank 0 + every engine rank;
+  the trainer's default group is never touched). Called again, with or without
+  a new list of engines, it tears the old group down and forms a new one: this
+  is how a restarted or added engine joins; the next push brings it the
+  current weights (every push carries the full weights).
+- ``push(named_weights, version)`` consumes the iterable in the caller's thread
+  (so collectives inside it, e.g. FSDP all-gathers, run on every rank) and
+  returns a :class:`PushHandle` at once. A background sender packs the tensors
+  bucket by bucket and streams them. The caller must not modify the pushed
+  tensors until ``handle.wait_snapshot()`` returns (the trainer calls it just
+  before its next optimizer step; with ``snapshot=True`` it has returned
+  already). Pushes are delivered in order; a push starts once the previous one
+  finished.
+- ``handle.wait()`` returns when every engine holds, verified and switched to
+  ``version``, or raises :class:`WeightSyncError` naming the engine and its
+  error; then every engine kept its previous weights and version. Engines
+  always resume generating, also after a failed push; the next push re-forms
+  a broken group.
+- ``close()`` waits for the push in flight and tears the group down.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Protocol
 
@@ -33,11 +43,12 @@ class WeightSyncError(RuntimeError):
 
 
 class PushHandle:
-    """Delivery of one push: ``wait()`` for it; ``stats`` once done (seconds, bytes)."""
+    """One push: ``wait_snapshot()`` before touching the weights, ``wait()`` for delivery."""
 
-    def __init__(self, version: int, future: Future[dict[str, float]]):
+    def __init__(self, version: int, future: Future[dict[str, float]], snapshot: threading.Event):
         self.version = version
         self._future = future
+        self._snapshot = snapshot
 
     def done(self) -> bool:
         return self._future.done()
@@ -46,11 +57,23 @@ class PushHandle:
         """Call ``fn(handle)`` once delivered or failed (from the sender's thread)."""
         self._future.add_done_callback(lambda _: fn(self))
 
+    def wait_snapshot(self, timeout: float | None = None) -> float:
+        """Block until the sender read every pushed tensor; returns the seconds waited."""
+        t0 = time.perf_counter()
+        while not self._snapshot.wait(0.05 if timeout is None else timeout):
+            if self._future.done():  # failed before it finished reading
+                break
+            if timeout is not None:
+                raise TimeoutError(f"weight push v{self.version}: snapshot not taken in {timeout}s")
+        return time.perf_counter() - t0
+
     def wait(self, timeout: float | None = None) -> dict[str, float]:
         """Block until delivered; returns timing stats; raises WeightSyncError on failure."""
         try:
             return self._future.result(timeout)
         except WeightSyncError:
+            raise
+        except TimeoutError:
             raise
         except Exception as exc:  # the background sender's failure, re-raised typed
             raise WeightSyncError(f"weight push v{self.version} failed: {exc}") from exc
@@ -59,10 +82,14 @@ class PushHandle:
 class WeightTransport(Protocol):
     """Sending side of weight sync (see module docstring for the contract)."""
 
-    def connect(self) -> None: ...
+    def connect(self, engine_urls: Sequence[str] | None = None) -> None:
+        """Form (or re-form, with these engines) the transport with every engine."""
+        ...
 
-    def push(
-        self, named_weights: Iterable[tuple[str, torch.Tensor]], version: int
-    ) -> PushHandle: ...
+    def push(self, named_weights: Iterable[tuple[str, torch.Tensor]], version: int) -> PushHandle:
+        """Start streaming ``named_weights`` as ``version``; returns at once."""
+        ...
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Wait for the push in flight, tear the group down, stop the sender thread."""
+        ...

@@ -1,91 +1,217 @@
 """Flat weight buckets: named tensors packed into contiguous one-dtype buffers.
 
-Layout is SGLang's ``load_format="flattened_bucket"``: the tensors of a bucket
-are flattened and concatenated in manifest order; ``names``/``dtypes``/``shapes``
-describe them. A bucket holds one dtype and at most ``bucket_bytes`` bytes,
-except a single tensor larger than that, which gets a bucket of its own.
+Layout is SGLang's ``load_format="flattened_bucket"``: the entries of a bucket
+are flattened and concatenated in manifest order. A bucket holds one dtype and
+at most ``bucket_bytes`` bytes. A tensor larger than a bucket is *chunked*: it
+is cut into element ranges of the flattened tensor, each range an entry of its
+own (``start``/``numel``), in consecutive buckets; the receiver reassembles it.
+
+Each bucket travels with its :class:`BucketManifest` (entries, index, count,
+version and a checksum of the bucket's bytes, see :func:`checksum`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Mapping, Sequence
 
 import msgspec
 import torch
 
-__all__ = ["BucketManifest", "TensorSpec", "pack_into", "plan_buckets", "unpack"]
+__all__ = [
+    "BucketEntry",
+    "BucketManifest",
+    "TensorSpec",
+    "assemble",
+    "checksum",
+    "pack_into",
+    "plan_buckets",
+    "spec_of",
+]
+
+_MASK64 = (1 << 64) - 1
 
 
 class TensorSpec(msgspec.Struct, frozen=True, array_like=True):
+    """A whole named tensor: name, dtype (torch name without ``torch.``), shape."""
+
     name: str
-    dtype: str  # torch dtype name without the "torch." prefix, e.g. "bfloat16"
+    dtype: str
     shape: tuple[int, ...]
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
 
+    @property
+    def nbytes(self) -> int:
+        return self.numel * getattr(torch, self.dtype).itemsize
 
-class BucketManifest(msgspec.Struct, frozen=True):
-    """One bucket: what it holds, in order, and its size."""
 
-    specs: tuple[TensorSpec, ...]
-    index: int
-    count: int
+class BucketEntry(msgspec.Struct, frozen=True, array_like=True):
+    """Elements ``[start, start + numel)`` of the flattened tensor ``name`` of ``shape``."""
+
+    name: str
+    shape: tuple[int, ...]
+    start: int = 0
+    numel: int = -1  # -1: the whole tensor
 
     @property
-    def dtype(self) -> torch.dtype:
-        return getattr(torch, self.specs[0].dtype)
+    def size(self) -> int:
+        return math.prod(self.shape) if self.numel < 0 else self.numel
+
+    @property
+    def whole(self) -> bool:
+        return self.numel < 0 or (self.start == 0 and self.numel == math.prod(self.shape))
+
+    @property
+    def wire_shape(self) -> list[int]:
+        """Shape of these elements as they lie in the bucket (SGLang's ``shapes`` field)."""
+        return list(self.shape) if self.whole else [self.numel]
+
+
+class BucketManifest(msgspec.Struct, frozen=True):
+    """One bucket: what it holds, in order, plus its place in a push and its checksum."""
+
+    dtype: str
+    entries: tuple[BucketEntry, ...]
+    index: int
+    count: int
+    version: int = -1
+    checksum: int = 0
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
 
     @property
     def numel(self) -> int:
-        return sum(s.numel for s in self.specs)
+        return sum(e.size for e in self.entries)
 
     @property
     def nbytes(self) -> int:
-        return self.numel * self.dtype.itemsize
+        return self.numel * self.torch_dtype.itemsize
 
 
 def spec_of(name: str, tensor: torch.Tensor) -> TensorSpec:
     return TensorSpec(name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape))
 
 
-def plan_buckets(specs: Sequence[TensorSpec], bucket_bytes: int) -> list[BucketManifest]:
-    """Group specs into buckets of one dtype each, in order within a dtype, bounded in bytes."""
+def plan_buckets(
+    specs: Sequence[TensorSpec], bucket_bytes: int, min_buckets: int = 1
+) -> list[BucketManifest]:
+    """Cut ``specs`` into buckets of one dtype each, bounded by ``bucket_bytes``.
+
+    Within a dtype the order of ``specs`` is kept. Whole tensors are grouped up
+    to a fill target of ``min(bucket_bytes, total / min_buckets)`` (at least
+    1 MiB) so a sync has enough buckets for packing, sending and verifying to
+    overlap; a tensor that alone exceeds the target but not ``bucket_bytes``
+    gets a bucket of its own. Only a tensor larger than ``bucket_bytes`` is
+    chunked, into element ranges that fill buckets up to ``bucket_bytes``.
+    """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
-    groups: list[list[TensorSpec]] = []
-    open_by_dtype: dict[str, tuple[list[TensorSpec], int]] = {}
+    if min_buckets <= 0:
+        raise ValueError(f"min_buckets must be > 0, got {min_buckets}")
+    total = sum(s.nbytes for s in specs)
+    target = min(bucket_bytes, max(math.ceil(total / min_buckets), 1 << 20))
+    groups: list[tuple[str, list[BucketEntry]]] = []
+    open_by_dtype: dict[str, tuple[list[BucketEntry], int]] = {}
+
+    def new_bucket(dtype: str) -> tuple[list[BucketEntry], int]:
+        groups.append((dtype, []))
+        return groups[-1][1], 0
+
     for spec in specs:
-        size = spec.numel * getattr(torch, spec.dtype).itemsize
-        current = open_by_dtype.get(spec.dtype)
-        if current is None or current[1] + size > bucket_bytes:
-            bucket: list[TensorSpec] = []
-            groups.append(bucket)
-            current = (bucket, 0)
-        current[0].append(spec)
-        open_by_dtype[spec.dtype] = (current[0], current[1] + size)
-    return [BucketManifest(tuple(g), i, len(groups)) for i, g in enumerate(groups)]
+        item = getattr(torch, spec.dtype).itemsize
+        cap, fill = max(bucket_bytes // item, 1), max(target // item, 1)  # elements
+        entries, used = open_by_dtype.get(spec.dtype) or new_bucket(spec.dtype)
+        if spec.numel <= cap:  # whole: in the open bucket while it stays under the fill target
+            if used > 0 and used + spec.numel > fill:
+                entries, used = new_bucket(spec.dtype)
+            entries.append(BucketEntry(spec.name, spec.shape))
+            used += spec.numel
+        else:  # larger than a bucket: element ranges, filling buckets up to the bound
+            start = 0
+            while start < spec.numel:
+                if used == cap:
+                    entries, used = new_bucket(spec.dtype)
+                take = min(cap - used, spec.numel - start)
+                entries.append(BucketEntry(spec.name, spec.shape, start, take))
+                used, start = used + take, start + take
+        open_by_dtype[spec.dtype] = (entries, used)
+    n = len(groups)
+    return [BucketManifest(d, tuple(e), i, n) for i, (d, e) in enumerate(groups)]
 
 
-def pack_into(flat: torch.Tensor, tensors: Iterable[torch.Tensor]) -> None:
-    """Copy tensors, flattened, back to back into ``flat`` (a staging buffer)."""
+def pack_into(
+    flat: torch.Tensor, manifest: BucketManifest, tensors: Mapping[str, torch.Tensor]
+) -> None:
+    """Copy the manifest's entries of ``tensors``, flattened, back to back into ``flat``."""
     offset = 0
-    for t in tensors:
-        n = t.numel()
-        flat[offset : offset + n].copy_(t.reshape(-1))
-        offset += n
+    for e in manifest.entries:
+        src = tensors[e.name].reshape(-1)
+        if not e.whole:
+            src = src[e.start : e.start + e.numel]
+        flat[offset : offset + src.numel()].copy_(src)
+        offset += src.numel()
     assert offset == flat.numel(), f"packed {offset} of {flat.numel()} elements"
 
 
-def unpack(flat: torch.Tensor, manifest: BucketManifest) -> list[tuple[str, torch.Tensor]]:
-    """Views of ``flat`` as the manifest's named tensors (no copy)."""
-    out = []
-    offset = 0
-    for spec in manifest.specs:
-        out.append((spec.name, flat[offset : offset + spec.numel].view(spec.shape)))
-        offset += spec.numel
-    if offset != flat.numel():
-        raise ValueError(f"bucket holds {flat.numel()} elements, manifest describes {offset}")
-    return out
+def checksum(flat: torch.Tensor, block: int = 1 << 16) -> int:
+    """64-bit checksum of a contiguous buffer's bytes (same value on CPU and CUDA).
+
+    Sums of the 8-byte words per block of ``block`` words, combined as
+    ``sum(block_sum) + 1000003 * sum(i * block_sum_i)`` modulo 2**64, so a flipped
+    bit anywhere and a swap of blocks both change it. Integer sums are
+    associative, so the value does not depend on the device or thread count.
+    """
+    raw = flat.reshape(-1).view(torch.uint8)
+    n8 = raw.numel() // 8
+    words = raw[: n8 * 8].view(torch.int64)
+    nblocks = n8 // block
+    sums = words[: nblocks * block].view(nblocks, block).sum(1)
+    rest = words[nblocks * block :].sum().reshape(1)
+    tail = raw[n8 * 8 :].to(torch.int64) << (
+        8 * torch.arange(raw.numel() - n8 * 8, device=raw.device)
+    )
+    sums = torch.cat([sums, rest + tail.sum()])
+    idx = torch.arange(1, sums.numel() + 1, device=sums.device, dtype=torch.int64)
+    s1, s2 = int(sums.sum()), int((sums * idx).sum())
+    value = (s1 + 1000003 * s2 + raw.numel()) & _MASK64
+    return value - (1 << 64) if value >= 1 << 63 else value  # signed: fits JSON int64
+
+
+def assemble(
+    buckets: Sequence[tuple[BucketManifest, torch.Tensor]],
+) -> list[tuple[str, torch.Tensor]]:
+    """Named tensors from received buckets: whole entries are views, chunks are joined.
+
+    Raises ValueError when a chunked tensor is incomplete.
+    """
+    out: dict[str, torch.Tensor] = {}
+    pieces: dict[str, list[tuple[BucketEntry, torch.Tensor]]] = {}
+    for manifest, flat in buckets:
+        if flat.numel() != manifest.numel:
+            got, want = flat.numel(), manifest.numel
+            raise ValueError(f"bucket {manifest.index} holds {got} elements, manifest says {want}")
+        offset = 0
+        for e in manifest.entries:
+            view = flat[offset : offset + e.size]
+            offset += e.size
+            if e.whole:
+                out[e.name] = view.view(e.shape)
+            else:
+                pieces.setdefault(e.name, []).append((e, view))
+    for name, parts in pieces.items():
+        parts.sort(key=lambda p: p[0].start)
+        shape = parts[0][0].shape
+        covered = 0
+        for e, _ in parts:
+            if e.start != covered:
+                raise ValueError(f"{name}: chunk at element {e.start}, expected {covered}")
+            covered += e.numel
+        if covered != math.prod(shape):
+            raise ValueError(f"{name}: chunks cover {covered} of {math.prod(shape)} elements")
+        out[name] = torch.cat([v for _, v in parts]).view(shape)
+    return list(out.items())

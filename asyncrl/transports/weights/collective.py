@@ -1,61 +1,63 @@
 """Collective weight transport (NCCL / HCCL / Gloo) into SGLang-protocol engines.
 
 The weight group is a process group of its own — trainer rank 0 is rank 0,
-engine i is rank ``1 + i`` — built from a TCPStore, so the trainer's default
-group (and its world) is never touched. Each bucket is one broadcast of a flat
-buffer, announced to every engine by ``/update_weights_from_distributed`` with
-``load_format="flattened_bucket"``; the last bucket carries ``weight_version``
-and ``flush_cache=True`` (the engine's commit point).
+engine i is rank ``1 + i`` (SGLang's ``rank_offset``) — built from a TCPStore,
+so the trainer's default group (and its world) is never touched. Each bucket
+is one broadcast of a flat buffer, announced to every engine by
+``/update_weights_from_distributed`` with ``load_format="flattened_bucket"``
+plus an ``asyncrl_bucket`` field (index, count, version, checksum, chunks)
+that SGLang ignores. The commit is ``/update_weight_version`` (see ``sender``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import datetime
-import threading
-import time
-from collections.abc import Iterable, Sequence
+import importlib.util
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from asyncrl.config import WeightSyncConfig
-from asyncrl.engines.rollout.sglang import SGLangClient
+from asyncrl.engines.rollout.base import EngineError
 from asyncrl.procs import free_port
-from asyncrl.transports.weights.base import PushHandle, WeightSyncError
-from asyncrl.transports.weights.bucket import (
-    BucketManifest,
-    pack_into,
-    plan_buckets,
-    spec_of,
-    unpack,
-)
+from asyncrl.transports.weights.bucket import BucketManifest
+from asyncrl.transports.weights.sender import Acks, BucketSender, bucket_extra
 
-__all__ = [
-    "CollectiveWeightSender",
-    "broadcast",
-    "new_weight_group",
-    "receive_flattened_bucket",
-    "resolve_backend",
-]
+__all__ = ["CollectiveWeightSender", "broadcast", "new_weight_group", "resolve_backend"]
+
+_INSTALL = {
+    "nccl": "a CUDA device and a CUDA build of torch (pip install torch --index-url "
+    "https://download.pytorch.org/whl/cu128)",
+    "hccl": "an Ascend NPU and torch_npu (pip install torch-npu, matching your torch version)",
+}
 
 
 def resolve_backend(name: str, device: str) -> str:
-    """The collective backend to use, checked against what this machine has."""
+    """The collective backend to use, checked once against what this machine has."""
     if name == "auto":
-        return "nccl" if device.startswith("cuda") else "gloo"
-    if name == "nccl" and not (torch.cuda.is_available() and dist.is_nccl_available()):
-        raise ValueError("weights.backend='nccl' needs CUDA and a torch built with NCCL")
+        if device.startswith("cuda"):
+            name = "nccl"
+        elif device.startswith("npu"):
+            name = "hccl"
+        else:
+            return "gloo"
+    if name == "gloo":
+        if not dist.is_gloo_available():
+            raise ValueError("weights.backend='gloo' needs a torch built with Gloo")
+        return name
+    if name == "nccl":
+        if not (torch.cuda.is_available() and dist.is_nccl_available()):
+            raise ValueError(f"weights.backend='nccl' needs {_INSTALL['nccl']}; or use 'gloo'")
+        return name
     if name == "hccl":
-        try:
-            import torch_npu  # noqa: F401
-        except ImportError:
-            raise ValueError(
-                "weights.backend='hccl' needs torch_npu (pip install torch-npu)"
-            ) from None
-    if name not in ("gloo", "nccl", "hccl"):
-        raise ValueError(f"{name!r} is not a collective backend (allowed: gloo, nccl, hccl)")
-    return name
+        if importlib.util.find_spec("torch_npu") is None:
+            raise ValueError(f"weights.backend='hccl' needs {_INSTALL['hccl']}; or use 'gloo'")
+        return name
+    raise ValueError(
+        f"weights.backend={name!r} is not a collective backend (allowed: gloo, nccl, hccl)"
+    )
 
 
 def new_weight_group(
@@ -77,7 +79,7 @@ def new_weight_group(
         return dist.ProcessGroupGloo(store, rank, world_size, timeout)
     if backend == "nccl":
         return dist.ProcessGroupNCCL(store, rank, world_size)
-    if backend == "hccl":
+    if backend == "hccl":  # the one difference from NCCL: torch_npu's process group class
         import torch_npu
 
         return torch_npu._C._distributed_c10d.ProcessGroupHCCL(store, rank, world_size)
@@ -85,168 +87,121 @@ def new_weight_group(
 
 
 def broadcast(group: dist.ProcessGroup, tensor: torch.Tensor, src: int = 0) -> None:
+    """One broadcast on ``group``; returns once ``tensor`` may be reused (device synced)."""
     opts = dist.BroadcastOptions()
     opts.rootRank = src
     group.broadcast([tensor], opts).wait()
+    if tensor.device.type == "cuda":
+        torch.cuda.current_stream(tensor.device).synchronize()
 
 
-def receive_flattened_bucket(
-    group: dist.ProcessGroup,
-    names: Sequence[str],
-    dtypes: Sequence[str],
-    shapes: Sequence[Sequence[int]],
-    device: str | torch.device = "cpu",
-) -> list[tuple[str, torch.Tensor]]:
-    """Engine side of one bucket: receive the flat buffer and split it into named tensors."""
-    if not (len(names) == len(dtypes) == len(shapes)) or not names:
-        raise ValueError("names, dtypes and shapes must be non-empty and of equal length")
-    if len(set(dtypes)) != 1:
-        raise ValueError(f"a flattened bucket holds one dtype, got {sorted(set(dtypes))}")
-    from asyncrl.transports.weights.bucket import TensorSpec
-
-    specs = tuple(
-        TensorSpec(n, d.removeprefix("torch."), tuple(s))
-        for n, d, s in zip(names, dtypes, shapes, strict=True)
-    )
-    manifest = BucketManifest(specs, 0, 1)
-    flat = torch.empty(manifest.numel, dtype=manifest.dtype, device=device)
-    broadcast(group, flat, src=0)
-    return unpack(flat, manifest)
+def _refused(task: asyncio.Task[Any]) -> bool:
+    """The engine did not take part in the bucket's broadcast (HTTP error, unreachable)."""
+    if task.cancelled() or task.exception() is None:
+        return False
+    exc = task.exception()
+    return not (isinstance(exc, EngineError) and exc.status == 200)  # 200: received, then failed
 
 
-class CollectiveWeightSender:
-    """WeightTransport over a collective: snapshot on ``push``, stream in a background thread."""
+class CollectiveWeightSender(BucketSender):
+    """WeightTransport over a collective group (see module docstring)."""
+
+    zero_copy_ok = True  # a broadcast has read its buffer when it returns
+    early_announce = True  # engines queue announced buckets and receive them in order
 
     def __init__(
         self,
-        engine_urls: Sequence[str],
-        cfg: WeightSyncConfig,
+        engine_urls: Any,
+        cfg: Any,
         backend: str,
         pause_mode: str = "abort",
         device: str = "cpu",
     ):
-        if not engine_urls:
-            raise ValueError("weight sync needs at least one engine URL")
-        self._urls = list(engine_urls)
-        self._cfg = cfg
-        self._backend = backend
-        self._pause_mode = pause_mode
-        self._device = device
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(
-            target=self._loop.run_forever, name="weight-sender", daemon=True
-        )
+        super().__init__(engine_urls, cfg, device=device, pause_mode=pause_mode)
+        self.backend = backend
         self._group: dist.ProcessGroup | None = None
-        self._clients: list[SGLangClient] = []
-        self._plan: list[BucketManifest] = []
-        self._plan_key: tuple = ()
-        self._staging: list[torch.Tensor] = []
-        self._last: PushHandle | None = None
+        self._bcast = ThreadPoolExecutor(1, thread_name_prefix="weight-bcast")
 
-    # -- lifecycle ---------------------------------------------------------------------
-    def connect(self) -> None:
-        self._thread.start()
-        self._run(self._connect()).result()
-
-    def close(self) -> None:
-        if self._last is not None and not self._last.done():
-            try:
-                self._last.wait(self._cfg.timeout_s)
-            except WeightSyncError:
-                pass
-        if self._thread.is_alive():
-            self._run(self._close_clients()).result(timeout=10)
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=10)
-        self._group = None
-
-    def _run(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self._loop)
-
-    async def _connect(self) -> None:
-        port = free_port(self._cfg.master_address)
-        world = 1 + len(self._urls)
-        self._clients = [SGLangClient(u, timeout_s=self._cfg.timeout_s) for u in self._urls]
-        await asyncio.gather(*(c.wait_healthy(self._cfg.timeout_s) for c in self._clients))
+    async def _form(self) -> None:
+        port = free_port(self.cfg.master_address)
+        world = 1 + len(self.clients)
         calls = [
             c.init_weights_update_group(
-                master_address=self._cfg.master_address,
+                master_address=self.cfg.master_address,
                 master_port=port,
                 rank_offset=1 + i,
                 world_size=world,
-                group_name=self._cfg.group_name,
-                backend=self._backend,
+                group_name=self.cfg.group_name,
+                backend=self.backend,
             )
-            for i, c in enumerate(self._clients)
+            for i, c in enumerate(self.clients)
         ]
         own = asyncio.to_thread(
             new_weight_group,
-            self._backend,
-            self._cfg.master_address,
+            self.backend,
+            self.cfg.master_address,
             port,
             0,
             world,
-            self._cfg.group_name,
-            self._cfg.timeout_s,
+            self.cfg.group_name,
+            self.cfg.timeout_s,
         )
         results = await asyncio.gather(own, *calls)
         self._group = results[0]
 
-    async def _close_clients(self) -> None:
-        await asyncio.gather(*(c.close() for c in self._clients), return_exceptions=True)
+    async def _teardown(self) -> None:
+        self._group = None  # our ranks' sockets close with the group object
+        self._bcast.shutdown(wait=False)  # a broadcast stuck on a dead peer times out alone
+        self._bcast = ThreadPoolExecutor(1, thread_name_prefix="weight-bcast")
+        await asyncio.gather(
+            *(c.destroy_weights_update_group(self.cfg.group_name) for c in self.clients),
+            return_exceptions=True,
+        )
 
-    # -- push --------------------------------------------------------------------------
-    def push(self, named_weights: Iterable[tuple[str, torch.Tensor]], version: int) -> PushHandle:
-        """Snapshot ``named_weights`` into staging buffers and stream them in the background."""
-        assert self._group is not None, "connect() first"
-        t0 = time.perf_counter()
-        if self._last is not None:
-            self._last.wait()  # staging buffers still in use by the previous push
-        waited = time.perf_counter() - t0
-        items = [(n, t.detach()) for n, t in named_weights]
-        specs = [spec_of(n, t) for n, t in items]
-        if tuple(specs) != self._plan_key:
-            self._plan_key = tuple(specs)
-            self._plan = plan_buckets(specs, self._cfg.bucket_mb << 20)
-            self._staging = [
-                torch.empty(b.numel, dtype=b.dtype, device=self._device) for b in self._plan
-            ]
-        by_name = dict(items)
-        for bucket, flat in zip(self._plan, self._staging, strict=True):
-            pack_into(flat, (by_name[s.name] for s in bucket.specs))
-        snapshot_s = time.perf_counter() - t0
-        fut = self._run(self._send(version, waited, snapshot_s))
-        self._last = PushHandle(version, fut)
-        return self._last
-
-    async def _send(self, version: int, waited_s: float, snapshot_s: float) -> dict[str, float]:
-        t0 = time.perf_counter()
-        try:
-            await asyncio.gather(*(c.pause_generation(self._pause_mode) for c in self._clients))
-            for bucket, flat in zip(self._plan, self._staging, strict=True):
-                last = bucket.index == bucket.count - 1
-                calls = [
+    def _announce(self, m: BucketManifest) -> Acks:
+        """Start the bucket's control call to every engine (it may run ahead of the data)."""
+        names = [e.name for e in m.entries]
+        extra = {"asyncrl_bucket": bucket_extra(m)}
+        return [
+            (
+                c.url,
+                asyncio.ensure_future(
                     c.update_weights_from_distributed(
-                        names=[s.name for s in bucket.specs],
-                        dtypes=[s.dtype for s in bucket.specs],
-                        shapes=[list(s.shape) for s in bucket.specs],
-                        group_name=self._cfg.group_name,
+                        names=names,
+                        dtypes=[m.dtype] * len(names),
+                        shapes=[e.wire_shape for e in m.entries],
+                        group_name=self.cfg.group_name,
+                        flush_cache=m.index == m.count - 1,
                         load_format="flattened_bucket",
-                        flush_cache=last,
-                        weight_version=str(version) if last else None,
+                        extra=extra,
                     )
-                    for c in self._clients
-                ]
-                await asyncio.gather(asyncio.to_thread(broadcast, self._group, flat), *calls)
-        finally:
-            await asyncio.gather(
-                *(c.continue_generation() for c in self._clients), return_exceptions=True
+                ),
             )
-        nbytes = sum(b.nbytes for b in self._plan)
-        return {
-            "sync_s": time.perf_counter() - t0,
-            "snapshot_s": snapshot_s,
-            "push_wait_s": waited_s,
-            "bytes": float(nbytes),
-            "buckets": float(len(self._plan)),
-        }
+            for c in self.clients
+        ]
+
+    async def _transfer(self, m: BucketManifest, flat: torch.Tensor, acks: Acks) -> None:
+        """Broadcast the bucket; fail fast when an engine refused it (it will not receive)."""
+        assert self._group is not None, "connect() first"
+        loop = asyncio.get_running_loop()
+        sent = loop.run_in_executor(self._bcast, broadcast, self._group, flat)
+        while not sent.done():
+            await asyncio.wait([sent, *(t for _, t in acks)], return_when=asyncio.FIRST_COMPLETED)
+            refused = [(u, t) for u, t in acks if t.done() and _refused(t)]
+            if refused and not sent.done():
+                url, task = refused[0]
+                raise RuntimeError(f"{url} refused bucket {m.index}: {task.exception()}")
+            if all(t.done() for _, t in acks):
+                break
+        await sent
+
+    async def _send_bucket(self, m: BucketManifest, flat: torch.Tensor) -> Acks:
+        acks = self._announce(m)
+        try:
+            await self._transfer(m, flat, acks)
+        except RuntimeError:
+            for _, t in acks:
+                t.cancel()
+            await asyncio.gather(*(t for _, t in acks), return_exceptions=True)
+            raise
+        return acks

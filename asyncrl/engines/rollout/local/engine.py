@@ -150,21 +150,33 @@ class LocalEngine:
         return len(self._waiting) + len(self._running)
 
     # -- weights -------------------------------------------------------------------------
-    def load_weights(self, named: list[tuple[str, torch.Tensor]], version: str | None) -> None:
-        """Copy all tensors into the model between two steps, then switch the version.
-
-        Sequences in flight keep their tokens; their KV cache, computed by the old
-        weights, is recomputed under the new ones before their next token.
-        """
+    def check_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        """Raise KeyError/ValueError unless every tensor names a parameter of its shape."""
         missing = [n for n, _ in named if n not in self._params]
         if missing:
             raise KeyError(f"unknown parameter names: {missing[:5]}")
         for n, t in named:
             if tuple(t.shape) != tuple(self._params[n].shape):
                 raise ValueError(f"{n}: shape {tuple(t.shape)} != {tuple(self._params[n].shape)}")
+
+    def load_weights(
+        self, named: list[tuple[str, torch.Tensor]], version: str | None, zero_copy: bool = False
+    ) -> None:
+        """Switch to ``named`` between two steps, then the version (all or nothing).
+
+        ``zero_copy``: parameters whose dtype and device match become the given
+        tensors (the caller must not write them afterwards); others are copied.
+        Sequences in flight keep their tokens; their KV cache, computed by the old
+        weights, is recomputed under the new ones before their next token.
+        """
+        self.check_weights(named)
         with self._model_lock, torch.no_grad():
             for n, t in named:
-                self._params[n].copy_(t)
+                p = self._params[n]
+                if zero_copy and t.dtype == p.dtype and t.device == p.device:
+                    p.data = t
+                else:
+                    p.copy_(t)
             if version is not None:
                 self.weight_version = version
             self._stale = self._kv is not None

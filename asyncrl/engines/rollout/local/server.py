@@ -8,11 +8,12 @@
 ``/get_model_info``, ``/get_server_info`` (step and token counters), ``/health``.
 Bad requests get HTTP 400 with a message and the server keeps serving.
 
-Weight updates are staged: a bucket sent with ``flush_cache=false`` is received
-and held; the bucket with ``flush_cache=true`` (SGLang's default, so a
-single-call update commits at once) commits everything staged plus itself and
-switches ``weight_version``. A failure drops the staged buckets and keeps the
-old weights and version.
+Weight sync (``/init_weights_update_group``, ``/destroy_weights_update_group``,
+``/update_weights_from_distributed``, ``/update_weights_from_tensor``,
+``/update_weight_version``, ``/get_weights_checksum``) is handled by
+:class:`~asyncrl.engines.rollout.local.weights.WeightReceiver`: buckets are
+received, verified and staged aside, and ``/update_weight_version`` switches
+the model and the version at once; a failure keeps the old weights and version.
 """
 
 from __future__ import annotations
@@ -23,13 +24,13 @@ import logging
 import os
 import sys
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 from aiohttp import web
 
 from asyncrl.engines.rollout.local.engine import LocalEngine, Request, SamplingParams
+from asyncrl.engines.rollout.local.weights import WeightReceiver, WeightRequestError
 
 __all__ = ["build_app", "main"]
 
@@ -62,9 +63,7 @@ class EngineServer:
     def __init__(self, engine: LocalEngine, model_path: str):
         self.engine = engine
         self.model_path = model_path
-        self.groups: dict[str, Any] = {}
-        self._staged: list[tuple[str, torch.Tensor]] = []
-        self._weights_io = ThreadPoolExecutor(1, thread_name_prefix="weights-io")
+        self.weights = WeightReceiver(engine)
 
     async def generate(self, request: web.Request) -> web.Response:
         body = await _body(request)
@@ -134,66 +133,24 @@ class EngineServer:
         self.engine.resume()
         return web.json_response({"success": True})
 
+    # weight sync: the logic lives in local/weights.py (WeightReceiver)
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
-        from asyncrl.transports.weights.collective import new_weight_group
+        return web.json_response(await self.weights.init_group(await _body(request)))
 
-        body = await _body(request)
-        try:
-            args = (
-                str(body.get("backend", "gloo")),
-                str(body["master_address"]),
-                int(body["master_port"]),
-                int(body["rank_offset"]),
-                int(body["world_size"]),
-                str(body.get("group_name", "weight_update_group")),
-            )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise _BadRequest(f"init_weights_update_group: missing or bad field {exc}") from None
-        loop = asyncio.get_running_loop()
-        try:
-            group = await loop.run_in_executor(self._weights_io, lambda: new_weight_group(*args))
-        except Exception as exc:  # rendezvous failures are reported to the caller
-            return web.json_response({"success": False, "message": f"{type(exc).__name__}: {exc}"})
-        self.groups[args[5]] = group
-        return web.json_response({"success": True, "message": "weight update group ready"})
+    async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
+        return web.json_response(await self.weights.destroy_group(await _body(request)))
 
     async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
-        from asyncrl.transports.weights.collective import receive_flattened_bucket
+        return web.json_response(await self.weights.update_from_distributed(await _body(request)))
 
-        body = await _body(request)
-        group = self.groups.get(str(body.get("group_name", "weight_update_group")))
-        if group is None:
-            raise _BadRequest("no weight update group: call /init_weights_update_group first")
-        if body.get("load_format") not in (None, "flattened_bucket"):
-            raise _BadRequest(f"load_format {body.get('load_format')!r} unsupported")
-        loop = asyncio.get_running_loop()
-        device = self.engine.device
-        try:
-            named = await loop.run_in_executor(
-                self._weights_io,
-                lambda: receive_flattened_bucket(
-                    group, body["names"], body["dtypes"], body["shapes"], device
-                ),
-            )
-            self._staged.extend(named)
-            if body.get("flush_cache", True):
-                staged, self._staged = self._staged, []
-                version = body.get("weight_version")
-                await asyncio.to_thread(
-                    self.engine.load_weights, staged, None if version is None else str(version)
-                )
-        except Exception as exc:  # keep the old weights and tell the sender
-            self._staged = []
-            log.error("weight update failed: %s", exc)
-            return web.json_response({"success": False, "message": f"{type(exc).__name__}: {exc}"})
-        return web.json_response({"success": True, "message": "updated"})
+    async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
+        return web.json_response(await self.weights.update_from_tensor(await _body(request)))
 
     async def update_weight_version(self, request: web.Request) -> web.Response:
-        body = await _body(request)
-        if "new_version" not in body:
-            raise _BadRequest("new_version is required")
-        self.engine.weight_version = str(body["new_version"])
-        return web.json_response({"success": True})
+        return web.json_response(await self.weights.commit(await _body(request)))
+
+    async def get_weights_checksum(self, request: web.Request) -> web.Response:
+        return web.json_response(await asyncio.to_thread(self.weights.weights_checksum))
 
     async def get_weight_version(self, request: web.Request) -> web.Response:
         return web.json_response({"weight_version": self.engine.weight_version})
@@ -227,7 +184,7 @@ class EngineServer:
 async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
     try:
         return await handler(request)
-    except _BadRequest as exc:
+    except (_BadRequest, WeightRequestError) as exc:
         log.warning("bad request to %s: %s", request.path, exc)
         return _json_error(400, str(exc))
 
@@ -241,12 +198,15 @@ def build_app(server: EngineServer) -> web.Application:
         "/continue_generation": server.continue_generation,
         "/init_weights_update_group": server.init_weights_update_group,
         "/update_weights_from_distributed": server.update_weights_from_distributed,
+        "/update_weights_from_tensor": server.update_weights_from_tensor,
+        "/destroy_weights_update_group": server.destroy_weights_update_group,
         "/update_weight_version": server.update_weight_version,
         "/flush_cache": server.flush_cache,
     }
     get = {
         "/get_weight_version": server.get_weight_version,
         "/get_model_info": server.get_model_info,
+        "/get_weights_checksum": server.get_weights_checksum,
         "/get_server_info": server.get_server_info,
         "/health": server.health,
     }
@@ -258,6 +218,7 @@ def build_app(server: EngineServer) -> web.Application:
 
     async def _on_shutdown(_: web.Application) -> None:
         server.engine.stop()
+        server.weights.close()
 
     app.on_shutdown.append(_on_shutdown)
     return app

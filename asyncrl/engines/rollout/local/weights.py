@@ -1,0 +1,358 @@
+"""Receiving side of weight sync in the embedded engine (the server's handlers stay thin).
+
+Protocol (SGLang's endpoints and field names, plus an ``asyncrl_bucket`` field):
+
+- ``/init_weights_update_group``: join the sender's dedicated group as rank
+  ``rank_offset``; ``/destroy_weights_update_group`` leaves it.
+- ``/update_weights_from_distributed`` with ``asyncrl_bucket`` (index, count,
+  version, checksum, chunks): receive bucket ``index`` of a push (one
+  broadcast), verify its checksum, stage it. The last bucket also checks that
+  every staged bucket verified and that names and shapes fit the model. The
+  answer is ``success: false`` with the reason on any failure; the engine keeps
+  receiving the buckets still announced so the group stays in step.
+  Without ``asyncrl_bucket`` (a plain SGLang sender): receive and load at
+  once (``flattened_bucket`` or one broadcast per tensor), SGLang's semantics.
+- ``/update_weights_from_tensor`` (``load_format="flattened_bucket"``): the
+  same staging, with the bucket read from the sender's GPU buffer through a
+  CUDA IPC handle (JSON descriptor, see ``transports.weights.cuda_ipc``).
+- ``/update_weight_version`` {new_version}: the commit. When a verified update
+  of that version is staged, the model switches to it between two decoding
+  steps and only then reports the new version; otherwise only the label
+  changes (SGLang's meaning). A failed or partial update is never served.
+
+Received buckets live in receive buffers, two per bucket slot: the committed
+model's parameters become views into one set (no copy when dtypes match) while
+the next update arrives into the other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from asyncrl.transports.weights.bucket import BucketEntry, BucketManifest, assemble, checksum
+
+if TYPE_CHECKING:
+    from asyncrl.engines.rollout.local.engine import LocalEngine
+
+__all__ = ["WeightReceiver", "WeightRequestError"]
+
+log = logging.getLogger("asyncrl.engine.weights")
+
+FAULT_ENV = "ASYNCRL_WEIGHT_FAULT"
+"""Test hook, comma-separated: ``corrupt:K@V`` flips a byte of bucket K of version V after
+receiving it, ``fail:K@V`` fails staging bucket K of version V."""
+
+
+class WeightRequestError(ValueError):
+    """A malformed weight-sync request (answered with HTTP 400)."""
+
+
+@dataclass
+class _Update:
+    version: int
+    count: int
+    next_index: int = 0
+    buckets: dict[int, tuple[BucketManifest, torch.Tensor]] = field(default_factory=dict)
+    verified: dict[int, asyncio.Future[None]] = field(default_factory=dict)
+    error: str | None = None
+    ready: list[tuple[str, torch.Tensor]] | None = None
+
+
+def _manifest(body: dict[str, Any], extra: dict[str, Any]) -> BucketManifest:
+    try:
+        names, dtypes = list(body["names"]), [str(d).removeprefix("torch.") for d in body["dtypes"]]
+        shapes = [tuple(int(x) for x in s) for s in body["shapes"]]
+        chunks, full = extra.get("chunks"), extra.get("full_shapes")
+        if not (len(names) == len(dtypes) == len(shapes)) or not names:
+            raise WeightRequestError(
+                "names, dtypes and shapes must be non-empty and of equal length"
+            )
+        if len(set(dtypes)) != 1 or not isinstance(getattr(torch, dtypes[0], None), torch.dtype):
+            raise WeightRequestError(
+                f"a flattened bucket holds one torch dtype, got {sorted(set(dtypes))}"
+            )
+        entries = []
+        for i, (n, s) in enumerate(zip(names, shapes, strict=True)):
+            if chunks is None or chunks[i] is None:
+                entries.append(BucketEntry(n, s))
+            else:
+                entries.append(BucketEntry(n, tuple(full[i]), int(chunks[i][0]), int(chunks[i][1])))
+        return BucketManifest(
+            dtypes[0],
+            tuple(entries),
+            int(extra["index"]),
+            int(extra["count"]),
+            int(extra["version"]),
+            int(extra["checksum"]),
+        )
+    except (KeyError, TypeError, ValueError, IndexError) as exc:
+        if isinstance(exc, WeightRequestError):
+            raise
+        raise WeightRequestError(
+            f"bad weight update request: {type(exc).__name__}: {exc}"
+        ) from None
+
+
+class WeightReceiver:
+    """Owns the engine's weight groups, the staged update and the receive buffers."""
+
+    def __init__(self, engine: LocalEngine):
+        self.engine = engine
+        self.groups: dict[str, Any] = {}
+        self._io = ThreadPoolExecutor(1, thread_name_prefix="weights-io")  # receives, in order
+        self._update: _Update | None = None
+        self._pool: dict[tuple[int, str, int], list[torch.Tensor]] = {}
+        self._live: set[int] = set()
+        self._turn = asyncio.Condition()
+        self.turn_timeout_s = 120.0  # longest wait for the previous bucket to start arriving
+        self._faults = {
+            (int(k), int(v)): kind
+            for kind, _, at in (
+                f.partition(":") for f in os.environ.get(FAULT_ENV, "").split(",") if f
+            )
+            for k, _, v in [at.partition("@")]
+        }
+
+    # -- group -------------------------------------------------------------------------
+    async def init_group(self, body: dict[str, Any]) -> dict[str, Any]:
+        from asyncrl.transports.weights.collective import new_weight_group
+
+        try:
+            args = (
+                str(body.get("backend", "gloo")),
+                str(body["master_address"]),
+                int(body["master_port"]),
+                int(body["rank_offset"]),
+                int(body["world_size"]),
+                str(body.get("group_name", "weight_update_group")),
+                float(body.get("timeout_s", 300.0)),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise WeightRequestError(
+                f"init_weights_update_group: missing or bad field {exc}"
+            ) from None
+        self.groups.pop(args[5], None)
+        self._update = None
+        self._io.shutdown(wait=False)  # a receive stuck on a dead sender times out on its own
+        self._io = ThreadPoolExecutor(1, thread_name_prefix="weights-io")
+        loop = asyncio.get_running_loop()
+        try:
+            group = await loop.run_in_executor(self._io, lambda: new_weight_group(*args))
+        except (RuntimeError, ValueError, OSError) as exc:  # rendezvous failures go to the caller
+            return {"success": False, "message": f"{type(exc).__name__}: {exc}"}
+        self.groups[args[5]] = group
+        return {"success": True, "message": "weight update group ready"}
+
+    async def destroy_group(self, body: dict[str, Any]) -> dict[str, Any]:
+        found = self.groups.pop(str(body.get("group_name", "weight_update_group")), None)
+        self._update = None
+        return {"success": found is not None, "message": "destroyed" if found else "no such group"}
+
+    # -- buckets -----------------------------------------------------------------------
+    async def update_from_distributed(self, body: dict[str, Any]) -> dict[str, Any]:
+        from asyncrl.transports.weights.collective import broadcast
+
+        group = self.groups.get(str(body.get("group_name", "weight_update_group")))
+        if group is None:
+            raise WeightRequestError(
+                "no weight update group: call /init_weights_update_group first"
+            )
+        fmt = body.get("load_format")
+        if fmt not in (None, "flattened_bucket", "direct"):
+            raise WeightRequestError(f"load_format {fmt!r} unsupported (flattened_bucket or none)")
+        extra = body.get("asyncrl_bucket")
+        if extra is None:
+            return await self._load_plain(body, group, fmt == "flattened_bucket")
+        m = _manifest(body, extra)
+
+        def receive(flat: torch.Tensor) -> None:
+            broadcast(group, flat, src=0)
+
+        return await self._stage(m, receive)
+
+    async def update_from_tensor(self, body: dict[str, Any]) -> dict[str, Any]:
+        from asyncrl.transports.weights.cuda_ipc import read_ipc_bucket
+
+        extra = body.get("asyncrl_bucket")
+        if body.get("load_format") != "flattened_bucket" or extra is None:
+            raise WeightRequestError(
+                "update_weights_from_tensor needs load_format='flattened_bucket' "
+                "and an asyncrl_bucket field (asyncrl's JSON IPC descriptors)"
+            )
+        m = _manifest(body, extra)
+        tensors = body.get("serialized_named_tensors") or []
+        if len(tensors) != 1:
+            raise WeightRequestError("expected one serialized IPC descriptor per bucket")
+
+        def receive(flat: torch.Tensor) -> None:
+            read_ipc_bucket(str(tensors[0]), flat)
+
+        return await self._stage(m, receive)
+
+    async def _turn_of(self, m: BucketManifest) -> _Update:
+        """Wait until bucket ``m.index`` is next (buckets may be announced before their turn)."""
+        if m.index == 0:
+            self._update = _Update(m.version, m.count)  # a new push drops whatever was staged
+            return self._update
+
+        def ready() -> bool:
+            up = self._update
+            return up is not None and (up.version > m.version or up.next_index >= m.index)
+
+        async with self._turn:  # give up only when no bucket moved for turn_timeout_s
+            while not ready():
+                try:
+                    await asyncio.wait_for(self._turn.wait(), self.turn_timeout_s)
+                except asyncio.TimeoutError:
+                    break
+        up = self._update
+        if up is None or up.version != m.version or up.next_index != m.index:
+            expected = "none" if up is None else f"v{up.version} bucket {up.next_index}"
+            raise WeightRequestError(f"bucket {m.index} of v{m.version} out of turn ({expected})")
+        return up
+
+    def _buffer(self, m: BucketManifest) -> torch.Tensor:
+        key = (m.index, m.dtype, m.numel)
+        pair = self._pool.setdefault(key, [])
+        for buf in pair:
+            if buf.data_ptr() not in self._live:
+                return buf
+        buf = torch.empty(m.numel, dtype=m.torch_dtype, device=self.engine.device)
+        pair.append(buf)
+        assert len(pair) <= 2, "receive buffers: at most one live and one arriving set"
+        return buf
+
+    async def _stage(self, m: BucketManifest, receive: Any) -> dict[str, Any]:
+        loop = asyncio.get_running_loop()
+        up = await self._turn_of(m)
+        up.next_index += 1
+        async with self._turn:
+            self._turn.notify_all()  # the next bucket may queue its receive right behind this one
+        flat = self._buffer(m)
+        done: asyncio.Future[None] = loop.create_future()
+        up.verified[m.index] = done
+        try:
+            await loop.run_in_executor(self._io, receive, flat)  # always drain what was announced
+            await asyncio.to_thread(self._verify, m, flat)
+            up.buckets[m.index] = (m, flat)
+            done.set_result(None)
+        except (ValueError, RuntimeError, KeyError, OSError) as exc:
+            up.error = up.error or f"bucket {m.index}: {type(exc).__name__}: {exc}"
+            done.set_result(None)
+        if m.index == m.count - 1 and up.error is None:
+            await asyncio.gather(*up.verified.values())
+            if up.error is None:
+                try:
+                    up.ready = await asyncio.to_thread(self._prepare, up)
+                except (ValueError, KeyError) as exc:
+                    up.error = f"{type(exc).__name__}: {exc}"
+        if up.error is not None:
+            log.error(
+                "weight update v%d failed, keeping v%s: %s",
+                m.version,
+                self.engine.weight_version,
+                up.error,
+            )
+            return {"success": False, "message": up.error}
+        return {"success": True, "message": f"bucket {m.index + 1}/{m.count} staged"}
+
+    def _verify(self, m: BucketManifest, flat: torch.Tensor) -> None:
+        fault = self._faults.get((m.index, m.version))
+        if fault == "corrupt":
+            flat.view(torch.uint8)[flat.numel() // 2] ^= 0xFF
+        elif fault == "fail":
+            raise RuntimeError(f"injected failure loading bucket {m.index}")
+        got = checksum(flat)
+        if got != m.checksum:
+            raise ValueError(
+                f"checksum mismatch on bucket {m.index}: got {got}, sender sent {m.checksum}"
+            )
+
+    def _prepare(self, up: _Update) -> list[tuple[str, torch.Tensor]]:
+        if len(up.buckets) != up.count:
+            raise ValueError(f"{len(up.buckets)} of {up.count} buckets arrived")
+        named = assemble([up.buckets[i] for i in range(up.count)])
+        self.engine.check_weights(named)
+        return named
+
+    async def _load_plain(
+        self, body: dict[str, Any], group: Any, flattened: bool
+    ) -> dict[str, Any]:
+        from asyncrl.transports.weights.collective import broadcast
+
+        names, shapes = list(body.get("names") or []), [tuple(s) for s in body.get("shapes") or []]
+        dtypes = [
+            getattr(torch, str(d).removeprefix("torch."), None) for d in body.get("dtypes") or []
+        ]
+        if not names or not (len(names) == len(shapes) == len(dtypes)) or None in dtypes:
+            raise WeightRequestError(
+                "names, dtypes and shapes must be non-empty, equal-length, torch dtypes"
+            )
+        device = self.engine.device
+
+        def receive() -> list[tuple[str, torch.Tensor]]:
+            if flattened:
+                if len(set(dtypes)) != 1:
+                    raise ValueError("a flattened bucket holds one dtype")
+                total = sum(torch.Size(s).numel() for s in shapes)
+                flat = torch.empty(total, dtype=dtypes[0], device=device)
+                broadcast(group, flat)
+                views, off = [], 0
+                for n, s in zip(names, shapes, strict=True):
+                    views.append((n, flat[off : off + torch.Size(s).numel()].view(s)))
+                    off += torch.Size(s).numel()
+                return views
+            out = []
+            for n, d, s in zip(names, dtypes, shapes, strict=True):
+                t = torch.empty(s, dtype=d, device=device)
+                broadcast(group, t)
+                out.append((n, t))
+            return out
+
+        loop = asyncio.get_running_loop()
+        version = body.get("weight_version")
+        try:
+            named = await loop.run_in_executor(self._io, receive)
+            await asyncio.to_thread(
+                self.engine.load_weights, named, None if version is None else str(version)
+            )
+        except (ValueError, RuntimeError, KeyError) as exc:
+            return {"success": False, "message": f"{type(exc).__name__}: {exc}"}
+        return {"success": True, "message": "updated"}
+
+    # -- commit ------------------------------------------------------------------------
+    async def commit(self, body: dict[str, Any]) -> dict[str, Any]:
+        if "new_version" not in body:
+            raise WeightRequestError("new_version is required")
+        version = str(body["new_version"])
+        up = self._update
+        if up is None:  # no staged update: SGLang's meaning, relabel only
+            self.engine.weight_version = version
+            return {"success": True, "message": "version label updated"}
+        if str(up.version) != version or up.ready is None or up.error is not None:
+            self._update = None
+            reason = up.error or f"staged v{up.version} is incomplete"
+            return {"success": False, "message": f"cannot commit v{version}: {reason}"}
+        self._update = None
+        await asyncio.to_thread(self.engine.load_weights, up.ready, version, True)
+        self._live = {flat.data_ptr() for _, flat in up.buckets.values()}
+        return {"success": True, "message": f"switched to v{version}"}
+
+    def weights_checksum(self) -> dict[str, Any]:
+        """Per-parameter checksums of the served model (for tests and benchmarks)."""
+        params = dict(self.engine.model.named_parameters())
+        return {
+            "weight_version": self.engine.weight_version,
+            "checksums": {n: checksum(p.detach().contiguous()) for n, p in params.items()},
+        }
+
+    def close(self) -> None:
+        self.groups.clear()
+        self._io.shutdown(wait=False)

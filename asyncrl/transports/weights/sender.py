@@ -1,0 +1,399 @@
+"""The pipelined bucket sender shared by the collective and CUDA IPC transports.
+
+``push`` only takes references to the tensors; a background thread with its own
+asyncio loop does the rest, one push at a time, in order:
+
+1. a packer thread packs bucket after bucket into the staging slots (checksum
+   computed there), running ahead of the sends as far as the slots allow
+   (``staging_buckets``: 0 = a slot per bucket, so the trainer is released
+   after one copy of the weights; 2 = double-buffered, least memory);
+2. the sender sends bucket k while k+1 is packed, and moves on as soon as
+   slot k may be reused. For collectives the control calls (one per engine,
+   concurrent) are announced as soon as a bucket is packed, ahead of its
+   broadcast, so engines queue the receives in order and no handshake sits
+   between two broadcasts; acks are gathered at the end, so verifying on the
+   engines overlaps sending. A one-tensor bucket in the first half of the
+   sync is sent from the tensor itself (no staging copy);
+3. once the last bucket is packed, the snapshot event is set: the trainer may
+   step its optimizer (``PushHandle.wait_snapshot``);
+4. when every engine acked every bucket (received + checksum verified + names
+   and shapes checked), commit on every engine (``/update_weight_version``,
+   engines paused only around it when ``pause_scope="commit"``).
+
+Any failure skips the commit: the engines drop what they staged and keep their
+weights and version; the push's handle raises :class:`WeightSyncError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Coroutine, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import msgspec
+import torch
+
+from asyncrl.config import WeightSyncConfig
+from asyncrl.engines.rollout.base import EngineError, EngineUnavailable
+from asyncrl.engines.rollout.sglang import SGLangClient
+from asyncrl.transports.weights.base import PushHandle, WeightSyncError
+from asyncrl.transports.weights.bucket import (
+    BucketManifest,
+    TensorSpec,
+    checksum,
+    pack_into,
+    plan_buckets,
+    spec_of,
+)
+
+__all__ = ["BucketSender", "bucket_extra"]
+
+log = logging.getLogger("asyncrl.weights")
+
+Acks = list[tuple[str, "asyncio.Task[Any]"]]
+
+
+def bucket_extra(m: BucketManifest) -> dict[str, Any]:
+    """The ``asyncrl_bucket`` field of a bucket's control call (SGLang ignores it)."""
+    chunks = None if all(e.whole for e in m.entries) else [[e.start, e.numel] for e in m.entries]
+    full = None if chunks is None else [list(e.shape) for e in m.entries]
+    return {
+        "index": m.index,
+        "count": m.count,
+        "version": m.version,
+        "checksum": m.checksum,
+        "chunks": chunks,
+        "full_shapes": full,
+    }
+
+
+class BucketSender:
+    """Base of the weight senders: planning, staged packing, acks, commit."""
+
+    early_announce = False
+    """Whether ``_announce`` / ``_transfer`` split a bucket's send, so control calls may run
+    ahead of the data (engines queue them in bucket order)."""
+    zero_copy_ok = False
+    """A transport whose ``_send_bucket``/``_transfer`` is done with ``flat`` when it returns may
+    send a single-tensor bucket straight from the caller's tensor (see ``_zero_copy``)."""
+
+    def __init__(
+        self,
+        engine_urls: Sequence[str],
+        cfg: WeightSyncConfig,
+        device: str = "cpu",
+        pause_mode: str = "abort",
+    ):
+        if not engine_urls:
+            raise ValueError("weight sync needs at least one engine URL")
+        self.urls = list(engine_urls)
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self.pause_mode = pause_mode
+        self.clients: list[SGLangClient] = []
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="weight-sender", daemon=True
+        )
+        self._packer = ThreadPoolExecutor(1, thread_name_prefix="weight-pack")
+        self._lock: asyncio.Lock | None = None
+        self._formed = False
+        self._plan_key: tuple[TensorSpec, ...] = ()
+        self._plan: list[BucketManifest] = []
+        self._slots: list[torch.Tensor] = []
+        self._last: PushHandle | None = None
+        self._snap_at = 0.0
+
+    # -- hooks of a transport ------------------------------------------------------------
+    async def _form(self) -> None:
+        """Form the transport with every engine in ``self.clients``."""
+        raise NotImplementedError
+
+    async def _teardown(self) -> None:
+        """Undo ``_form`` (best effort: engines may be gone)."""
+        raise NotImplementedError
+
+    async def _send_bucket(self, m: BucketManifest, flat: torch.Tensor) -> Acks:
+        """Send one bucket; return once ``flat`` may be overwritten, with one ack per engine."""
+        raise NotImplementedError
+
+    def _announce(self, m: BucketManifest) -> Acks:
+        """Start bucket ``m``'s control call to every engine (``early_announce`` only)."""
+        raise NotImplementedError
+
+    async def _transfer(self, m: BucketManifest, flat: torch.Tensor, acks: Acks) -> None:
+        """Move bucket ``m``'s data; return once ``flat`` may be overwritten."""
+        raise NotImplementedError
+
+    # -- lifecycle -----------------------------------------------------------------------
+    def _run(self, coro: Coroutine[Any, Any, Any]) -> Future[Any]:
+        if not self._thread.is_alive():
+            self._thread.start()
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def connect(self, engine_urls: Sequence[str] | None = None) -> None:
+        """Form the transport (again, with ``engine_urls`` when given); blocks until formed."""
+        if engine_urls is not None:
+            if not engine_urls:
+                raise ValueError("weight sync needs at least one engine URL")
+            self.urls = list(engine_urls)
+        self._run(self._reform()).result()
+
+    def close(self) -> None:
+        if self._last is not None and not self._last.done():
+            try:
+                self._last.wait(self.cfg.timeout_s)
+            except (WeightSyncError, TimeoutError) as exc:
+                log.warning("closing with a failed push: %s", exc)
+        if self._thread.is_alive():
+            try:
+                self._run(self._shutdown()).result(timeout=30)
+            finally:
+                self._loop.call_soon_threadsafe(self._loop.stop)
+                self._thread.join(timeout=10)
+        self._packer.shutdown(wait=False)
+
+    async def _reform(self) -> None:
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            await self._reform_locked()
+
+    async def _shutdown(self) -> None:
+        if self._formed:
+            self._formed = False
+            await self._teardown()
+        await asyncio.gather(*(c.close() for c in self.clients), return_exceptions=True)
+        self.clients = []
+
+    # -- push ----------------------------------------------------------------------------
+    def push(self, named_weights: Iterable[tuple[str, torch.Tensor]], version: int) -> PushHandle:
+        """Take references to the weights and stream them in the background (see base)."""
+        t0 = time.perf_counter()
+        tensors = {n: t.detach() for n, t in named_weights}
+        if not tensors:
+            raise ValueError("push() got no tensors")
+        snap = threading.Event()
+        packed = None
+        if self.cfg.snapshot:  # pack every bucket now: the caller may modify its tensors on return
+            if self._last is not None:
+                with contextlib.suppress(WeightSyncError):
+                    self._last.wait()  # the staging slots are free once the last push is done
+            plan = self._plan_for(tensors)
+            packed = [self._pack(k, tensors, version) for k in range(len(plan))]
+            snap.set()
+        fut = self._run(self._push(tensors, version, snap, t0, packed))
+        self._last = PushHandle(version, fut, snap)
+        return self._last
+
+    def _plan_for(self, tensors: dict[str, torch.Tensor]) -> list[BucketManifest]:
+        specs = tuple(spec_of(n, t) for n, t in tensors.items())
+        if specs != self._plan_key:
+            self._plan_key = specs
+            self._plan = plan_buckets(specs, self.cfg.bucket_mb << 20, self.cfg.min_buckets)
+            depth = self.cfg.staging_buckets
+            if depth == 0 or self.cfg.snapshot:
+                depth = len(self._plan)
+            depth = max(1, min(depth, len(self._plan)))
+            sizes = [max(m.nbytes for m in self._plan[j::depth]) for j in range(depth)]
+            self._slots = [torch.empty(b, dtype=torch.uint8, device=self.device) for b in sizes]
+        return self._plan
+
+    def _pack(
+        self, k: int, tensors: dict[str, torch.Tensor], version: int
+    ) -> tuple[BucketManifest, torch.Tensor]:
+        m = self._plan[k]
+        src = tensors[m.entries[0].name]
+        if self._zero_copy(k, m, src):  # send straight from the tensor: nothing to copy
+            flat = src.view(-1)
+        else:
+            flat = self._slots[k % len(self._slots)][: m.nbytes].view(m.torch_dtype)
+            pack_into(flat, m, tensors)
+        return msgspec.structs.replace(m, version=version, checksum=checksum(flat)), flat
+
+    def _zero_copy(self, k: int, m: BucketManifest, src: torch.Tensor) -> bool:
+        """Whether bucket k is sent from the caller's tensor itself (collectives only).
+
+        Only a bucket that is one whole contiguous tensor, in the first half of the
+        sync (sent early, so releasing the trainer waits little for it), and not in
+        snapshot mode (there the caller may write its tensors once ``push`` returns).
+        """
+        return (
+            self.zero_copy_ok
+            and not self.cfg.snapshot
+            and k < len(self._plan) // 2
+            and len(m.entries) == 1
+            and m.entries[0].whole
+            and src.is_contiguous()
+            and src.device == self.device
+        )
+
+    async def _push(
+        self,
+        tensors: dict[str, torch.Tensor],
+        version: int,
+        snap: threading.Event,
+        t_push: float,
+        packed: list[tuple[BucketManifest, torch.Tensor]] | None = None,
+    ) -> dict[str, float]:
+        assert self._lock is not None, "connect() first"
+        async with self._lock:
+            t0 = time.perf_counter()
+            try:
+                if not self._formed:  # a failed push broke the group: re-form it first
+                    await self._reform_locked()
+                plan = self._plan_for(tensors)
+                self._snap_at = t_push
+                acks = await self._stream(plan, tensors, version, snap, packed)
+                snap_s = self._snap_at - t_push
+                await self._check_acks(acks)
+                await self._commit(version)
+            finally:
+                snap.set()
+            nbytes = sum(m.nbytes for m in plan)
+            return {
+                "sync_s": time.perf_counter() - t_push,
+                "push_wait_s": t0 - t_push,
+                "snapshot_s": snap_s,
+                "bytes": float(nbytes),
+                "buckets": float(len(plan)),
+            }
+
+    async def _reform_locked(self) -> None:
+        await self._shutdown()
+        self.clients = [SGLangClient(u, timeout_s=self.cfg.timeout_s) for u in self.urls]
+        await asyncio.gather(*(c.wait_healthy(self.cfg.timeout_s) for c in self.clients))
+        await self._form()
+        self._formed = True
+
+    async def _stream(
+        self,
+        plan: list[BucketManifest],
+        tensors: dict[str, torch.Tensor],
+        version: int,
+        snap: threading.Event,
+        prepacked: list[tuple[BucketManifest, torch.Tensor]] | None = None,
+    ) -> Acks:
+        loop = asyncio.get_running_loop()
+        n, depth = len(plan), len(self._slots)
+        packed: list[asyncio.Future[Any]] = [loop.create_future() for _ in plan]
+        sent: list[asyncio.Future[None]] = [loop.create_future() for _ in plan]
+
+        async def produce() -> None:  # packs ahead as far as the staging slots allow
+            for k in range(n):
+                if k >= depth:
+                    await sent[k - depth]
+                try:
+                    if prepacked is not None:
+                        item = prepacked[k]
+                    else:
+                        item = await loop.run_in_executor(
+                            self._packer, self._pack, k, tensors, version
+                        )
+                except (RuntimeError, ValueError, KeyError) as exc:
+                    packed[k].set_exception(exc)
+                    return
+                packed[k].set_result(item)
+            for k in range(n):  # buckets sent from the tensors themselves must have left
+                if self._zero_copy(k, plan[k], tensors[plan[k].entries[0].name]):
+                    await sent[k]
+            self._snap_at = time.perf_counter()
+            snap.set()  # every tensor read: the trainer may step its optimizer
+
+        announced: list[asyncio.Future[Acks]] = [loop.create_future() for _ in plan]
+
+        async def announce() -> None:  # control calls run ahead of the data, in bucket order
+            for k in range(n):
+                m, _ = await packed[k]
+                announced[k].set_result(self._announce(m))
+
+        producer = asyncio.ensure_future(produce())
+        announcer = asyncio.ensure_future(announce()) if self.early_announce else None
+        acks: Acks = []
+        paused = self.cfg.pause_scope == "transfer"
+        try:
+            if paused:
+                await self._all("/pause_generation", lambda c: c.pause_generation(self.pause_mode))
+            for k in range(n):
+                m, flat = await packed[k]
+                try:
+                    if announcer is None:
+                        acks += await self._send_bucket(m, flat)
+                    else:
+                        acks += await announced[k]
+                        await self._transfer(m, flat, acks[-len(self.clients) :])
+                except (EngineError, EngineUnavailable, RuntimeError, OSError) as exc:
+                    self._formed = False  # the group may be out of step: re-form next time
+                    raise WeightSyncError(
+                        f"v{version} bucket {k} (kept old weights): {exc}"
+                    ) from exc
+                sent[k].set_result(None)
+                failed = any(t.done() and t.exception() is not None for _, t in acks)
+                if failed and announcer is None:
+                    break  # an engine failed: stop sending (announced buckets are always sent)
+        finally:
+            for f in sent:  # wake the producer; it stops at its next bucket
+                if not f.done():
+                    f.set_result(None)
+            for task in (producer, announcer):
+                if task is not None and not task.done():
+                    task.cancel()  # the pack in progress finishes in its thread first
+            await asyncio.gather(*(t for t in (producer, announcer) if t), return_exceptions=True)
+            pending = [t for f in announced if f.done() for _, t in f.result() if not t.done()]
+            if pending and not all(f.done() for f in sent):
+                for t in pending:
+                    t.cancel()
+                await asyncio.gather(*pending, return_exceptions=True)
+            await loop.run_in_executor(self._packer, lambda: None)  # packer idle: tensors released
+            if paused:
+                await self._resume_all()
+        return acks
+
+    async def _check_acks(self, acks: Acks) -> None:
+        results = await asyncio.gather(*(t for _, t in acks), return_exceptions=True)
+        errors = [
+            (u, r) for (u, _), r in zip(acks, results, strict=True) if isinstance(r, BaseException)
+        ]
+        if errors:
+            if any(not isinstance(e, EngineError) for _, e in errors):
+                self._formed = False
+            detail = "; ".join(f"{u}: {e}" for u, e in errors[:4])
+            raise WeightSyncError(
+                f"{len(errors)} engine(s) failed the update (kept old weights): {detail}"
+            )
+
+    async def _commit(self, version: int) -> None:
+        paused = self.cfg.pause_scope == "commit"
+        if paused:
+            await self._all("/pause_generation", lambda c: c.pause_generation(self.pause_mode))
+        try:
+            await self._all(
+                "/update_weight_version", lambda c: c.update_weight_version(str(version))
+            )
+        finally:
+            if paused:
+                await self._resume_all()
+
+    async def _all(self, what: str, call: Any) -> None:
+        results = await asyncio.gather(*(call(c) for c in self.clients), return_exceptions=True)
+        errors = [
+            (c.url, r)
+            for c, r in zip(self.clients, results, strict=True)
+            if isinstance(r, BaseException)
+        ]
+        if errors:
+            detail = "; ".join(f"{u}: {e}" for u, e in errors)
+            raise WeightSyncError(f"{what} failed on {len(errors)} engine(s): {detail}")
+
+    async def _resume_all(self) -> None:
+        results = await asyncio.gather(
+            *(c.continue_generation() for c in self.clients), return_exceptions=True
+        )
+        for c, r in zip(self.clients, results, strict=True):
+            if isinstance(r, BaseException):
+                log.warning("could not resume %s: %s", c.url, r)

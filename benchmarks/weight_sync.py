@@ -1,0 +1,352 @@
+"""Weight-sync benchmark: our bucketed stream vs. the link's floor and per-tensor broadcasts.
+
+``asyncrl bench weight-sync --backend gloo|nccl|hccl|cuda-ipc [--model qwen2-0.5b|qwen2-1.5b]
+[--engines N] [--json PATH]``
+
+The model's shapes come from a local ``Qwen2Config`` (no download); the sender's
+tensors hold random bits. Every engine is a real separate process (the embedded
+engine's HTTP server with that model, uninitialised) joined over the transport.
+Per repeat, in the same run and on the same link:
+
+- ``floor_s``: one flat broadcast of the same bytes to a peer process (for
+  ``cuda-ipc``: one device-to-device copy of the same bytes);
+- ``total_s``: ``push`` until every engine verified, switched and acknowledged;
+- ``stall_s``: the ``push`` call plus the wait before the next optimizer step,
+  with a simulated train step (a sleep as long as ``floor_s``) in between;
+- ``naive_s``: one control call + one broadcast per tensor (older RL stacks);
+- ``verified``: every engine parameter's checksum equals the sender's.
+
+Reported figures are medians over ``--repeats`` after one warm-up push.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the asyncrl this script ships with
+
+MODELS = {
+    "qwen2-0.5b": dict(
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    ),
+    "qwen2-1.5b": dict(
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    ),
+}
+DEVICE = {"gloo": "cpu", "nccl": "cuda", "hccl": "npu", "cuda-ipc": "cuda"}
+
+
+def _shapes(model: str) -> list[tuple[str, tuple[int, ...]]]:
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    with torch.device("meta"):
+        m = Qwen2ForCausalLM(Qwen2Config(**MODELS[model]))
+    return [(n, tuple(p.shape)) for n, p in m.named_parameters()]
+
+
+# -- child processes ------------------------------------------------------------------
+def _serve_engine(args: argparse.Namespace) -> None:
+    """A real engine process: the embedded server around the model's shapes (uninitialised)."""
+    import torch
+    from aiohttp import web
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from asyncrl.engines.rollout.local.engine import LocalEngine
+    from asyncrl.engines.rollout.local.server import EngineServer, build_app
+
+    torch.set_num_threads(1)
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(Qwen2Config(**MODELS[args.model], dtype=args.dtype))
+    device = DEVICE[args.backend]
+    model = model.to_empty(device=device).to(getattr(torch, args.dtype))
+    model.tie_weights()  # to_empty unties: the served model must have the sender's parameters
+    engine = LocalEngine(model, {0}, device=device)
+    app = build_app(EngineServer(engine, f"{args.model}-shapes"))
+    web.run_app(app, host="127.0.0.1", port=args.port, print=None, access_log=None)
+
+
+def _floor_peer(args: argparse.Namespace) -> None:
+    """Receiving side of the floor: ``repeats + 1`` flat broadcasts of ``nbytes``."""
+    import torch
+
+    from asyncrl.transports.weights.collective import broadcast, new_weight_group
+
+    torch.set_num_threads(1)
+    group = new_weight_group(args.backend, "127.0.0.1", args.port, 1, 2, "floor", 120.0)
+    buf = torch.empty(args.nbytes, dtype=torch.uint8, device=DEVICE[args.backend])
+    while True:  # until the benchmark stops this process
+        broadcast(group, buf)
+
+
+# -- measurements ---------------------------------------------------------------------
+def _weights(model: str, dtype: str, device: str) -> dict[str, Any]:
+    import torch
+
+    shapes = _shapes(model)
+    total = sum(torch.Size(s).numel() for _, s in shapes)
+    period = (1 << 24) + 7  # random bits, repeated with a period that no tensor size shares
+    base = torch.empty(period, dtype=torch.int16).random_(-(1 << 15), (1 << 15) - 1)
+    flat = base.repeat(-(-total // period))[:total].clone()
+    flat = flat.view(getattr(torch, dtype)).to(device)
+    out, off = {}, 0
+    for name, shape in shapes:
+        n = torch.Size(shape).numel()
+        out[name] = flat[off : off + n].view(shape)
+        off += n
+    return out
+
+
+class _Floor:
+    """One flat transfer of ``nbytes`` on the same link: a broadcast to a peer process
+    (for ``cuda-ipc``: a device-to-device copy), measured between our pushes."""
+
+    def __init__(self, backend: str, nbytes: int, spawn_peer: Any):
+        import torch
+
+        from asyncrl.procs import free_port
+        from asyncrl.transports.weights.collective import new_weight_group
+
+        self.backend, self.peer, self.group = backend, None, None
+        self.buf = torch.empty(nbytes, dtype=torch.uint8, device=DEVICE[backend])
+        if backend == "cuda-ipc":
+            self.dst = torch.empty_like(self.buf)
+            return
+        port = free_port()
+        self.peer = spawn_peer(["--_peer", "--port", str(port), "--nbytes", str(nbytes)])
+        self.group = new_weight_group(backend, "127.0.0.1", port, 0, 2, "floor", 120.0)
+        self.once()  # warm-up
+
+    def once(self) -> float:
+        import torch
+
+        from asyncrl.transports.weights.collective import broadcast
+
+        if self.group is None:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            self.dst.copy_(self.buf)
+            torch.cuda.synchronize()
+            return time.perf_counter() - t0
+        t0 = time.perf_counter()
+        broadcast(self.group, self.buf)
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        from asyncrl.procs import stop
+
+        if self.peer is not None:
+            stop([self.peer])
+
+
+def _ours(sender: Any, weights: dict[str, Any], version: int, train_s: float) -> dict[str, float]:
+    done_at: list[float] = []
+    t0 = time.perf_counter()
+    handle = sender.push(weights.items(), version)
+    push_s = time.perf_counter() - t0
+    handle.add_done_callback(lambda _: done_at.append(time.perf_counter()))
+    time.sleep(train_s)  # the trainer's next forward/backward
+    wait_s = handle.wait_snapshot()  # its optimizer step waits for the sender to read the weights
+    handle.wait()
+    while not done_at:
+        time.sleep(0.001)
+    return {"total_s": done_at[0] - t0, "stall_s": push_s + wait_s, "push_s": push_s}
+
+
+async def _naive_async(sender: Any, weights: dict[str, Any], version: int) -> None:
+    """One control call and one broadcast per tensor, in turn (every engine concurrently)."""
+    from asyncrl.transports.weights.collective import broadcast
+
+    loop = asyncio.get_running_loop()
+    items = list(weights.items())
+    for i, (name, t) in enumerate(items):
+        last = i == len(items) - 1
+        calls = [
+            c.update_weights_from_distributed(
+                names=[name],
+                dtypes=[str(t.dtype).removeprefix("torch.")],
+                shapes=[list(t.shape)],
+                group_name=sender.cfg.group_name,
+                flush_cache=last,
+                weight_version=str(version) if last else None,
+            )
+            for c in sender.clients
+        ]
+        await asyncio.gather(loop.run_in_executor(None, broadcast, sender._group, t), *calls)
+
+
+def _naive(sender: Any, weights: dict[str, Any], version: int) -> float:
+    t0 = time.perf_counter()
+    sender._run(_naive_async(sender, weights, version)).result()
+    return time.perf_counter() - t0
+
+
+async def _engine_checksums(urls: list[str]) -> list[dict[str, Any]]:
+    from asyncrl.engines.rollout.sglang import SGLangClient
+
+    clients = [SGLangClient(u, timeout_s=600) for u in urls]
+    try:
+        return await asyncio.gather(*(c._call("GET", "/get_weights_checksum") for c in clients))
+    finally:
+        await asyncio.gather(*(c.close() for c in clients))
+
+
+def _verified(urls: list[str], weights: dict[str, Any], version: int) -> bool:
+    from asyncrl.transports.weights.bucket import checksum
+
+    want = {n: checksum(t.contiguous()) for n, t in weights.items()}
+    states = asyncio.run(_engine_checksums(urls))
+    return all(s["weight_version"] == str(version) and s["checksums"] == want for s in states)
+
+
+def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    import torch
+
+    from asyncrl.config import WeightSyncConfig
+    from asyncrl.procs import free_port, python_env, spawn, stop
+    from asyncrl.transports.weights import make_weight_transport
+
+    torch.set_num_threads(args.threads)
+    logs = Path(tempfile.mkdtemp(prefix="asyncrl-bench-ws-"))
+    me = [str(Path(__file__).resolve()), "--backend", args.backend, "--model", args.model]
+    me += ["--dtype", args.dtype, "--repeats", str(args.repeats)]
+
+    def spawn_child(extra: list[str]) -> Any:
+        return spawn([*me, *extra], logs / f"{extra[0].strip('-')}-{extra[2]}.log", python_env())
+
+    ports = [free_port() for _ in range(args.engines)]
+    engines = [spawn_child(["--_engine", "--port", str(p)]) for p in ports]
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    rows = []
+    floor = None
+    try:
+        device = DEVICE[args.backend]
+        weights = _weights(args.model, args.dtype, device)
+        nbytes = sum(t.numel() * t.element_size() for t in weights.values())
+        floor = _Floor(args.backend, nbytes, spawn_child)
+        for mode in args.modes.split(","):
+            floors = [floor.once()]
+            floor_s = floors[0]
+            cfg = WeightSyncConfig(
+                backend=args.backend,
+                bucket_mb=args.bucket_mb,
+                min_buckets=args.min_buckets,
+                staging_buckets=args.staging_buckets,
+                snapshot=mode == "snapshot",
+                timeout_s=600.0,
+            )
+            sender = make_weight_transport(cfg, urls, device)
+            try:
+                sender.connect()
+                version = 1
+                for _ in range(2):  # warm-up: plans, both receive-buffer sets, connections
+                    _ours(sender, weights, version, floor_s)
+                    version += 1
+                ours, naive = [], []
+                for _ in range(args.repeats):
+                    floors.append(floor.once())  # the floor, interleaved with ours
+                    floor_s = statistics.median(floors)
+                    version += 1
+                    weights[next(iter(weights))].view(-1)[:1024].random_()  # new bits every version
+                    ours.append(_ours(sender, weights, version, floor_s))
+                    if args.naive and args.backend != "cuda-ipc" and mode == "overlap":
+                        version += 1
+                        naive.append(_naive(sender, weights, version))
+                verified = _verified(urls, weights, version)
+            finally:
+                sender.close()
+            total_s = statistics.median(r["total_s"] for r in ours)
+            stall_s = statistics.median(r["stall_s"] for r in ours)
+            naive_s = statistics.median(naive) if naive else None
+            rows.append(
+                {
+                    "backend": args.backend,
+                    "model": args.model,
+                    "mode": mode,
+                    "engines": args.engines,
+                    "bytes": nbytes,
+                    "num_tensors": len(weights),
+                    "bucket_mb": args.bucket_mb,
+                    "min_buckets": args.min_buckets,
+                    "staging_buckets": args.staging_buckets,
+                    "floor_s": floor_s,
+                    "naive_s": naive_s,
+                    "total_s": total_s,
+                    "stall_s": stall_s,
+                    "push_s": statistics.median(r["push_s"] for r in ours),
+                    "verified": verified,
+                    "total_over_floor": total_s / floor_s,
+                    "naive_over_total": None if naive_s is None else naive_s / total_s,
+                    "stall_over_total": stall_s / total_s,
+                    "floor_runs_s": floors,
+                    "total_runs_s": [r["total_s"] for r in ours],
+                }
+            )
+    finally:
+        if floor is not None:
+            floor.close()
+        stop(engines)
+    return rows
+
+
+def _table(rows: list[dict[str, Any]]) -> str:
+    cols = ["backend", "mode", "bytes", "num_tensors", "floor_s", "naive_s", "total_s", "stall_s"]
+    cols += ["total_over_floor", "naive_over_total", "stall_over_total", "verified"]
+    fmt = lambda v: f"{v:.4f}" if isinstance(v, float) else str(v)  # noqa: E731
+    lines = [" | ".join(cols)]
+    lines += [" | ".join(fmt(r[c]) for c in cols) for r in rows]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description="asyncrl weight-sync benchmark")
+    p.add_argument("--backend", default="gloo", choices=sorted(DEVICE))
+    p.add_argument("--model", default="qwen2-0.5b", choices=sorted(MODELS))
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--engines", type=int, default=1, help="engine processes")
+    p.add_argument("--repeats", type=int, default=3, help="timed pushes (median reported)")
+    p.add_argument("--bucket-mb", type=int, default=512, help="weights.bucket_mb")
+    p.add_argument("--min-buckets", type=int, default=8, help="weights.min_buckets")
+    p.add_argument("--staging-buckets", type=int, default=0, help="weights.staging_buckets")
+    p.add_argument("--modes", default="overlap,snapshot", help="overlap and/or snapshot")
+    p.add_argument("--no-naive", dest="naive", action="store_false", help="skip the naive baseline")
+    p.add_argument("--threads", type=int, default=1, help="torch threads of the sender")
+    p.add_argument("--json", default=None, help="write the rows here")
+    p.add_argument("--_engine", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--_peer", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--nbytes", type=int, default=0, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args._engine:
+        return _serve_engine(args)
+    if args._peer:
+        return _floor_peer(args)
+    rows = _run(args)
+    print(_table(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+        print(f"wrote {args.json}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""Flat buckets: planning (one dtype, bounded, chunked), packing, checksum, reassembly."""
+
+from __future__ import annotations
+
+import torch
+
+from asyncrl.transports.weights.bucket import (
+    assemble,
+    checksum,
+    pack_into,
+    plan_buckets,
+    spec_of,
+)
+
+MIB = 1 << 20
+
+
+def _roundtrip(tensors: dict[str, torch.Tensor], bucket_bytes: int, min_buckets: int = 1):
+    plan = plan_buckets([spec_of(n, t) for n, t in tensors.items()], bucket_bytes, min_buckets)
+    bufs = []
+    for m in plan:
+        flat = torch.empty(m.numel, dtype=m.torch_dtype)
+        pack_into(flat, m, tensors)
+        bufs.append((m, flat))
+    return plan, dict(assemble(bufs))
+
+
+def test_buckets_hold_one_dtype_bounded_and_chunk_oversized_tensors() -> None:
+    torch.manual_seed(0)
+    tensors = {
+        "small": torch.randn(10, 10),
+        "half": torch.randn(3000).to(torch.bfloat16),
+        "huge": torch.randn(700, 1000),  # 2.8 MB > 1 MiB bucket
+        "tail": torch.randn(5),
+        "int": torch.arange(7),
+    }
+    plan, out = _roundtrip(tensors, MIB)
+    for m in plan:
+        assert m.nbytes <= MIB
+        assert len({m.dtype}) == 1
+        assert m.count == len(plan)
+    chunks = [e for m in plan for e in m.entries if e.name == "huge"]
+    assert len(chunks) >= 3 and not any(e.whole for e in chunks)
+    assert {m.dtype for m in plan} == {"float32", "bfloat16", "int64"}
+    for name, t in tensors.items():
+        assert out[name].dtype == t.dtype and torch.equal(out[name], t), name
+
+
+def test_min_buckets_splits_a_sync_for_pipelining() -> None:
+    tensors = {f"w{i}": torch.zeros(256, 1024) for i in range(8)}  # 8 MiB
+    plan, out = _roundtrip(tensors, 512 * MIB, min_buckets=4)
+    assert len(plan) == 4 and all(m.nbytes == 2 * MIB for m in plan)
+    assert all(torch.equal(out[n], t) for n, t in tensors.items())
+
+
+def test_checksum_detects_a_flipped_bit_and_block_swaps() -> None:
+    flat = torch.randn(1 << 20).to(torch.bfloat16)  # 4 checksum blocks
+    c = checksum(flat)
+    assert c == checksum(flat.clone())
+    bad = flat.clone()
+    bad.view(torch.uint8)[12345] ^= 4
+    assert checksum(bad) != c
+    words = flat.view(torch.int64).clone()
+    swapped = torch.cat([words[1 << 16 :], words[: 1 << 16]])
+    assert checksum(swapped) != checksum(words)
+    odd = torch.arange(13, dtype=torch.uint8)  # byte tail not a multiple of 8
+    assert checksum(odd) != checksum(torch.arange(1, 14, dtype=torch.uint8))

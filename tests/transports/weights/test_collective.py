@@ -1,0 +1,201 @@
+"""Collective weight sync (Gloo) into real embedded-engine processes over HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from asyncrl.config import WeightSyncConfig
+from asyncrl.engines.rollout.local.weights import FAULT_ENV
+from asyncrl.engines.rollout.sglang import SGLangClient
+from asyncrl.procs import free_port, python_env, spawn, stop
+from asyncrl.transports.weights import make_weight_transport
+from asyncrl.transports.weights.base import WeightSyncError
+from asyncrl.transports.weights.bucket import checksum
+
+CFG = WeightSyncConfig(backend="gloo", bucket_mb=1, min_buckets=2, timeout_s=60.0)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small tied-embedding Qwen2 whose embedding (1.5 MB) is larger than a 1 MiB bucket."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(
+        vocab_size=6000,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        eos_token_id=1,
+    )
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("weights") / "model"
+    Qwen2ForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+def _model_weights(model_dir: Path, seed: int) -> dict[str, torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    torch.manual_seed(seed)
+    return {n: torch.randn_like(p) for n, p in model.named_parameters()}
+
+
+@contextlib.contextmanager
+def engines(model_dir: Path, tmp: Path, faults: list[str]) -> Iterator[list[str]]:
+    """Start one engine process per entry of ``faults`` ("" = healthy); stop them by pid."""
+    procs: list[subprocess.Popen] = []
+    urls = []
+    try:
+        for i, fault in enumerate(faults):
+            port = free_port()
+            args = ["-m", "asyncrl.engines.rollout.local.server", "--model-path", str(model_dir)]
+            env = python_env({FAULT_ENV: fault} if fault else None)
+            procs.append(spawn([*args, "--port", str(port)], tmp / f"engine{i}_{port}.log", env))
+            urls.append(f"http://127.0.0.1:{port}")
+        asyncio.run(_healthy(urls))
+        yield urls
+    finally:
+        stop(procs)
+
+
+async def _healthy(urls: list[str]) -> None:
+    clients = [SGLangClient(u) for u in urls]
+    try:
+        await asyncio.gather(*(c.wait_healthy(60) for c in clients))
+    finally:
+        await asyncio.gather(*(c.close() for c in clients))
+
+
+async def _state(url: str) -> tuple[str, dict[str, int]]:
+    client = SGLangClient(url)
+    try:
+        out = await client._call("GET", "/get_weights_checksum")
+    finally:
+        await client.close()
+    return out["weight_version"], out["checksums"]
+
+
+def state(url: str) -> tuple[str, dict[str, int]]:
+    return asyncio.run(_state(url))
+
+
+def expected(weights: dict[str, torch.Tensor]) -> dict[str, int]:
+    return {n: checksum(t.float().contiguous()) for n, t in weights.items()}
+
+
+@pytest.fixture(scope="module")
+def pair(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
+    """Two engines; the second corrupts bucket 1 of v11 and fails bucket 1 of v21."""
+    with engines(
+        model_dir, tmp_path_factory.mktemp("logs"), ["", "corrupt:1@11,fail:1@21"]
+    ) as urls:
+        yield urls
+
+
+def push(urls: list[str], pushes: list[tuple[dict[str, torch.Tensor], int]]) -> list:
+    """Connect a sender to ``urls``, push each (weights, version), return stats or errors."""
+    sender = make_weight_transport(CFG, urls, "cpu")
+    out: list = []
+    try:
+        sender.connect()
+        for w, version in pushes:
+            handle = sender.push(w.items(), version)
+            handle.wait_snapshot(60)
+            try:
+                out.append(handle.wait(60))
+            except WeightSyncError as exc:
+                out.append(exc)
+            if isinstance(out[-1], dict):
+                out[-1]["chunked"] = any(not e.whole for m in sender._plan for e in m.entries)
+    finally:
+        sender.close()
+    return out
+
+
+def test_push_to_several_engines_with_chunks_and_mixed_dtypes(
+    pair: list[str], model_dir: Path
+) -> None:
+    ws = [_model_weights(model_dir, seed=v) for v in (1, 2)]
+    # norms travel as bf16 (the engines hold float32): mixed-dtype buckets
+    ws = [{n: t.bfloat16() if "norm" in n else t for n, t in w.items()} for w in ws]
+    stats = push(pair, [(ws[0], 1), (ws[1], 2)])
+    assert all(isinstance(s, dict) and s["buckets"] >= 3 for s in stats), stats  # chunked + bf16
+    assert all(s["chunked"] for s in stats)  # the 1.5 MB embedding spans two 1 MiB buckets
+    for url in pair:
+        assert state(url) == ("2", expected(ws[1]))
+
+
+def test_checksum_mismatch_keeps_old_weights_then_next_push_succeeds(
+    pair: list[str], model_dir: Path
+) -> None:
+    before = [state(u) for u in pair]
+    w = _model_weights(model_dir, seed=12)
+    failed, ok = push(pair, [(_model_weights(model_dir, seed=11), 11), (w, 12)])
+    assert isinstance(failed, WeightSyncError) and "checksum mismatch on bucket 1" in str(failed)
+    assert pair[1] in str(failed)
+    assert isinstance(ok, dict)
+    after = [state(u) for u in pair]
+    assert after == [("12", expected(w))] * 2 and after != before
+
+
+def test_engine_failing_mid_update_is_reported_and_nobody_switches(
+    pair: list[str], model_dir: Path
+) -> None:
+    w20 = _model_weights(model_dir, seed=20)
+    push(pair, [(w20, 20)])
+    failed = push(pair, [(_model_weights(model_dir, seed=21), 21)])[0]
+    assert isinstance(failed, WeightSyncError), failed
+    assert pair[1] in str(failed) and "injected failure" in str(failed)
+    assert [state(u) for u in pair] == [("20", expected(w20))] * 2  # nobody switched
+    w22 = _model_weights(model_dir, seed=22)
+    assert isinstance(push(pair, [(w22, 22)])[0], dict)
+    assert [state(u) for u in pair] == [("22", expected(w22))] * 2
+
+
+def test_restarted_engine_rejoins_and_gets_current_weights(
+    pair: list[str], model_dir: Path, tmp_path: Path
+) -> None:
+    w = _model_weights(model_dir, seed=31)
+    sender = make_weight_transport(CFG, pair, "cpu")
+    try:
+        sender.connect()
+        sender.push(w.items(), 31).wait(60)
+        with engines(model_dir, tmp_path, [""]) as fresh:  # engine 1 "restarted" elsewhere
+            assert state(fresh[0])[0] == "0"
+            sender.connect([pair[0], fresh[0]])  # group torn down and formed anew
+            sender.push(w.items(), 31).wait(60)  # the current weights, again
+            assert state(fresh[0]) == ("31", expected(w))
+            assert state(pair[0]) == ("31", expected(w))
+    finally:
+        sender.close()
+
+
+async def _post(url: str, path: str, body: dict) -> tuple[int, dict]:
+    import aiohttp
+
+    async with aiohttp.ClientSession() as http, http.post(url + path, json=body) as resp:
+        return resp.status, await resp.json()
+
+
+def test_malformed_requests_get_400_and_closed_groups_are_gone(pair: list[str]) -> None:
+    path = "/update_weights_from_distributed"
+    status, out = asyncio.run(_post(pair[0], path, {"group_name": "nope", "names": ["x"]}))
+    assert status == 400 and "init_weights_update_group" in out["error"]["message"]
+    status, out = asyncio.run(_post(pair[0], "/init_weights_update_group", {"world_size": 2}))
+    assert status == 400 and "master_address" in out["error"]["message"]
+    assert state(pair[0])[0]  # still serving
+    # the senders of the tests above closed: their group is torn down on the engines too
+    body = {"group_name": CFG.group_name, "names": ["x"], "dtypes": ["float32"], "shapes": [[1]]}
+    status, out = asyncio.run(_post(pair[1], path, body))
+    assert status == 400 and "no weight update group" in out["error"]["message"]

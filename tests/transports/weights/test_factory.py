@@ -1,0 +1,41 @@
+"""The weight-transport factory: backend chosen once, clear errors naming what to install."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from asyncrl.config import WeightSyncConfig, load_config
+from asyncrl.transports.weights import make_weight_transport
+from asyncrl.transports.weights.collective import CollectiveWeightSender, resolve_backend
+
+URLS = ["http://127.0.0.1:1"]
+
+
+def test_auto_and_gloo_on_cpu_give_the_gloo_collective() -> None:
+    for backend in ("auto", "gloo"):
+        sender = make_weight_transport(WeightSyncConfig(backend=backend), URLS, "cpu")
+        assert isinstance(sender, CollectiveWeightSender) and sender.backend == "gloo"
+    assert resolve_backend("auto", "cpu") == "gloo"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without CUDA")
+def test_missing_backends_say_what_to_install() -> None:
+    with pytest.raises(ValueError, match=r"nccl.*CUDA"):
+        make_weight_transport(WeightSyncConfig(backend="nccl"), URLS, "cpu")
+    with pytest.raises(ValueError, match=r"cuda-ipc.*CUDA"):
+        make_weight_transport(WeightSyncConfig(backend="cuda-ipc"), URLS, "cpu")
+    if importlib.util.find_spec("torch_npu") is None:
+        with pytest.raises(ValueError, match=r"torch_npu.*pip install torch-npu"):
+            make_weight_transport(WeightSyncConfig(backend="hccl"), URLS, "cpu")
+
+
+def test_config_rejects_unknown_backend_and_bad_sizes() -> None:
+    with pytest.raises(ValueError, match=r"weights.backend"):
+        load_config(overrides=["--weights.backend=mpi"])
+    with pytest.raises(ValueError, match=r"weights.min_buckets"):
+        load_config(overrides=["--weights.min_buckets=0"])
+    cfg = load_config(overrides=["--weights.bucket_mb=64", "--weights.snapshot=true"])
+    assert cfg.weights.bucket_mb == 64 and cfg.weights.snapshot
