@@ -201,7 +201,7 @@ async def run_job(cfg: RunConfig, run_dir: Path, quiet: bool = False) -> list[di
             job.watchdog(),
         )
         sampling = {"max_new_tokens": cfg.rollout.max_new_tokens or task.max_new_tokens}
-        episode = single_turn(task.reward)
+        episode = single_turn(task.reward, cfg.controller.inline_reward_s)
         async with Controller(cfg, episode, clients, task.samples(), sampling) as ctl:
             await _first(job.report(ctl, chan), job.dispatch(ctl, chan), job.watchdog())
         return job.rows
