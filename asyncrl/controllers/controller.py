@@ -356,17 +356,19 @@ class Controller:
 
     async def _group_body(self, gid: int, sample: Any) -> None:
         n = self._group_size
+        ctxs = [self._context(gid) for _ in range(n)]
         if n == 1:
             try:
-                results: list[Any] = [await self._run_episode(gid, sample)]
+                results: list[Any] = [await self._episode(ctxs[0], sample)]
             except EpisodeFailed as exc:
                 results = [exc]
         else:
-            coros = [self._run_episode(gid, sample) for _ in range(n)]
+            coros = [self._episode(ctx, sample) for ctx in ctxs]
             results = await asyncio.gather(*coros, return_exceptions=True)
         self.counters["episodes"] += n
         trajs: list[Trajectory] = []
-        for r in results:
+        min_v: int | None = None
+        for r, ctx in zip(results, ctxs):  # noqa: B905 - equal lengths by construction
             if isinstance(r, EpisodeFailed):
                 log.warning("group %d failed: %s", gid, r)
                 self._release("failed")
@@ -375,29 +377,26 @@ class Controller:
                 raise r
             if r is None:
                 continue
-            if isinstance(r, Trajectory):
-                trajs.append(r)
-            elif isinstance(r, list) and all(isinstance(t, Trajectory) for t in r):
-                trajs.extend(r)
-            else:
-                raise TypeError(
-                    f"an episode must return Trajectory, list[Trajectory] or None: {r!r}"
-                )
-        if not trajs:
+            got = [r] if isinstance(r, Trajectory) else r
+            if not isinstance(got, list) or not all(isinstance(t, Trajectory) for t in got):
+                msg = f"an episode must return Trajectory, list[Trajectory] or None, got {r!r}"
+                raise TypeError(msg)
+            for t in got:
+                v = ctx.min_version(t)
+                min_v = v if min_v is None or v < min_v else min_v
+                t.group_id = gid
+            trajs += got
+        if min_v is None:
             self._release("rejected")
             return
-        min_v = min(t.min_version for t in trajs)
-        for t in trajs:
-            t.group_id = gid
         self._ready.append(Group(gid, sample, trajs, min_v, gid))
         if len(self._ready) >= self._batch_size or self._input_ended:
             self._ready_changed.set()
 
-    def _run_episode(self, gid: int, sample: Any) -> Coroutine[Any, Any, Any]:
+    def _context(self, gid: int) -> EpisodeContext:
         eid = self._eid
         self._eid += 1
-        ctx = EpisodeContext(self.router, gid, eid, self._sampling, self._max_retries, self._gate)
-        return self._episode(ctx, sample)  # type: ignore[return-value]
+        return EpisodeContext(self.router, gid, eid, self._sampling, self._max_retries, self._gate)
 
     async def _health_loop(self) -> None:
         while True:

@@ -105,13 +105,14 @@ class Gate:
 class RewardRunner:
     """Calls one reward function: async ones awaited; sync ones inline when cheap, else a thread.
 
-    The first call of a sync function runs in a worker thread and is timed; while
-    calls stay under ``inline_s`` later ones run on the event loop (a thread hop
-    costs ~50 µs, more than a cheap reward). One slow inline call sends it back
-    to the thread for good.
+    The first call of a sync function runs in a worker thread and its CPU time is
+    measured (calls arriving meanwhile wait for that verdict). If it took less than
+    ``inline_s``, later calls run on the event loop — a thread hop costs ~50 µs,
+    more than a cheap reward — and stay timed: a run of inline calls slower than
+    ``inline_s`` (not a single preempted one) sends it back to the thread for good.
     """
 
-    __slots__ = ("fn", "inline", "inline_s", "is_async")
+    __slots__ = ("_probe", "_slow", "fn", "inline", "inline_s", "is_async")
 
     def __init__(self, fn: RewardFn, inline_s: float = 0.0002):
         self.fn = fn
@@ -120,20 +121,42 @@ class RewardRunner:
         )
         self.inline_s = inline_s
         self.inline = False
+        self._slow = 0.0
+        self._probe: asyncio.Future | None = None
 
     async def __call__(self, sample: Any, response_ids: list[int]) -> float:
         if self.is_async:
             return float(await self.fn(sample, response_ids))  # type: ignore[misc]
-        t0 = time.perf_counter()
+        if not self.inline and self.inline_s > 0:
+            if self._probe is None:
+                return await self._first(sample, response_ids)
+            await asyncio.shield(self._probe)
         if self.inline:
+            t0 = time.perf_counter()
             value = self.fn(sample, response_ids)
-        else:
-            value = await asyncio.to_thread(self.fn, sample, response_ids)
-        took = time.perf_counter() - t0
-        if self.inline and took > self.inline_s:
-            self.inline_s = 0.0  # never inline again
-        self.inline = took < self.inline_s
-        return float(value)  # type: ignore[arg-type]
+            if time.perf_counter() - t0 > self.inline_s:
+                self._slow += 1.0  # one preemption is noise; a pattern is a slow function
+                if self._slow > 3.0:
+                    self.inline = False
+                    self.inline_s = 0.0  # never inline again
+            elif self._slow:
+                self._slow *= 0.9
+            return float(value)  # type: ignore[arg-type]
+        return float(await asyncio.to_thread(self.fn, sample, response_ids))  # type: ignore[arg-type]
+
+    async def _first(self, sample: Any, response_ids: list[int]) -> float:
+        self._probe = asyncio.get_running_loop().create_future()
+        try:
+            value, took = await asyncio.to_thread(self._timed, sample, response_ids)
+            self.inline = took < self.inline_s
+        finally:
+            self._probe.set_result(None)
+        return float(value)
+
+    def _timed(self, sample: Any, response_ids: list[int]) -> tuple[Any, float]:
+        t0 = time.thread_time()
+        value = self.fn(sample, response_ids)
+        return value, time.thread_time() - t0
 
 
 async def call_reward(fn: RewardFn, sample: Any, response_ids: list[int]) -> float:
@@ -145,7 +168,7 @@ class EpisodeContext:
     """Handed to each episode: generation with exact versions, rewards, trajectory helpers."""
 
     __slots__ = ("_engine", "_gate", "_max_retries", "_rids", "_router", "episode_id", "group_id")
-    __slots__ += ("sampling",)
+    __slots__ += ("made", "sampling")
 
     def __init__(
         self,
@@ -164,6 +187,7 @@ class EpisodeContext:
         self._gate = gate
         self._engine: Any = None  # sticky: every turn of an episode goes to one engine
         self._rids = 0
+        self.made: list[tuple[Trajectory, int]] = []  # (trajectory, min generated version)
 
     async def generate(self, input_ids: Sequence[int], **sampling: Any) -> Generation:
         """Complete ``input_ids``; keyword args override the run's sampling params.
@@ -243,20 +267,45 @@ class EpisodeContext:
         """
         if len(turns) == 1 and isinstance(turns[0], Generation):  # the common single turn
             g = turns[0]
-            ids, lps, vers, mask = g.output_ids, g.logprobs, g.versions, [1] * len(g.output_ids)
+            ids, lps, vers = g.output_ids, g.logprobs, g.versions
+            mask = _ones(len(ids))
+            oldest = min(vers) if vers else 0
         else:
-            ids, lps, vers, mask = _stitch(turns)
-        return Trajectory(
+            ids, lps, vers, mask_list = _stitch(turns)
+            mask = np.asarray(mask_list, np.uint8)
+            gens = [t.versions[0] for t in turns if isinstance(t, Generation) and t.versions]
+            oldest = min(gens) if gens else (min(vers) if vers else 0)
+        traj = Trajectory(
             prompt_ids=np.asarray(prompt_ids, np.int32),
             response_ids=np.asarray(ids, np.int32),
             behav_logprobs=np.asarray(lps, np.float32),
             versions=np.asarray(vers, np.int32),
-            loss_mask=np.asarray(mask, np.uint8),
+            loss_mask=mask,
             reward=float(reward),
             group_id=self.group_id,
             episode_id=self.episode_id,
             **extra,
         )
+        # Versions only grow over time, so the first generated token is the oldest: a lower
+        # bound of the trained tokens' version however the episode edits loss_mask later.
+        self.made.append((traj, oldest))
+        return traj
+
+    def min_version(self, traj: Trajectory) -> int:
+        """Oldest version of ``traj``'s trained tokens (cached when this context built it)."""
+        for t, oldest in self.made:
+            if t is traj:
+                return oldest
+        return traj.min_version
+
+
+_ONES = np.ones(1 << 16, np.uint8)
+_ONES.flags.writeable = False
+
+
+def _ones(n: int) -> np.ndarray:
+    """A read-only loss mask of n ones (a view of one shared buffer when small)."""
+    return _ONES[:n] if n <= len(_ONES) else np.ones(n, np.uint8)
 
 
 def _stitch(

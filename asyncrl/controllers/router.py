@@ -28,6 +28,8 @@ class Router:
 
     def pick(self, avoid: RolloutEngine | None = None) -> RolloutEngine:
         """The healthy engine with the fewest requests in flight (not ``avoid`` if another is)."""
+        if len(self.engines) == 1 and not self.unhealthy:
+            return self.engines[0]
         healthy = [e for e in self.engines if id(e) not in self.unhealthy]
         if not healthy:
             raise EngineUnavailable("no healthy rollout engine")
