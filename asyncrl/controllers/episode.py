@@ -105,14 +105,14 @@ class Gate:
 class RewardRunner:
     """Calls one reward function: async ones awaited; sync ones inline when cheap, else a thread.
 
-    The first call of a sync function runs in a worker thread and its CPU time is
-    measured (calls arriving meanwhile wait for that verdict). If it took less than
+    The first calls (up to 3) of a sync function run in a worker thread, timed
+    (calls arriving meanwhile wait for the verdict). Once one took less than
     ``inline_s``, later calls run on the event loop — a thread hop costs ~50 µs,
     more than a cheap reward — and stay timed: a run of inline calls slower than
     ``inline_s`` (not a single preempted one) sends it back to the thread for good.
     """
 
-    __slots__ = ("_probe", "_slow", "fn", "inline", "inline_s", "is_async")
+    __slots__ = ("_probe", "_probes", "_slow", "fn", "inline", "inline_s", "is_async")
 
     def __init__(self, fn: RewardFn, inline_s: float = 0.0002):
         self.fn = fn
@@ -122,13 +122,14 @@ class RewardRunner:
         self.inline_s = inline_s
         self.inline = False
         self._slow = 0.0
+        self._probes = 0
         self._probe: asyncio.Future | None = None
 
     async def __call__(self, sample: Any, response_ids: list[int]) -> float:
         if self.is_async:
             return float(await self.fn(sample, response_ids))  # type: ignore[misc]
-        if not self.inline and self.inline_s > 0:
-            if self._probe is None:
+        if not self.inline and self._probes < 3 and self.inline_s > 0:
+            if self._probe is None or self._probe.done():
                 return await self._first(sample, response_ids)
             await asyncio.shield(self._probe)
         if self.inline:
@@ -145,6 +146,7 @@ class RewardRunner:
         return float(await asyncio.to_thread(self.fn, sample, response_ids))  # type: ignore[arg-type]
 
     async def _first(self, sample: Any, response_ids: list[int]) -> float:
+        self._probes += 1
         self._probe = asyncio.get_running_loop().create_future()
         try:
             value, took = await asyncio.to_thread(self._timed, sample, response_ids)
@@ -154,9 +156,9 @@ class RewardRunner:
         return float(value)
 
     def _timed(self, sample: Any, response_ids: list[int]) -> tuple[Any, float]:
-        t0 = time.thread_time()
+        t0 = time.perf_counter()
         value = self.fn(sample, response_ids)
-        return value, time.thread_time() - t0
+        return value, time.perf_counter() - t0
 
 
 async def call_reward(fn: RewardFn, sample: Any, response_ids: list[int]) -> float:
