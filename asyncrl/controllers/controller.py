@@ -67,7 +67,7 @@ class Group(msgspec.Struct, gc=False):
     sample: Any
     trajs: list[Trajectory]
     min_version: int
-    order: int
+    admitted_at: int
 
 
 class Batch(msgspec.Struct, gc=False):
@@ -152,6 +152,7 @@ class Controller:
         self._samples: deque[Any] = deque()
         self._ready: list[Group] = []
         self._groups: dict[int, asyncio.Task] = {}
+        self._admitted_at: dict[int, int] = {}  # running group -> version at its admission
         self._tasks: set[asyncio.Task] = set()
         self._gid = 0
         self._eid = 0
@@ -330,6 +331,7 @@ class Controller:
                 self._gid += 1
                 task = loop.create_task(self._run_group(gid, sample))
                 self._groups[gid] = task
+                self._admitted_at[gid] = staleness.version
                 task.add_done_callback(self._group_done)
             self._changed.clear()
             await self._changed.wait()
@@ -345,14 +347,14 @@ class Controller:
         self.counters[counter] += 1
         self.staleness.release()
         self._changed.set()
-        if self._input_ended:
-            self._ready_changed.set()
+        self._ready_changed.set()  # next_batch may be waiting for this very group
 
     async def _run_group(self, gid: int, sample: Any) -> None:
         try:
             await self._group_body(gid, sample)
         finally:
             del self._groups[gid]
+            del self._admitted_at[gid]
 
     async def _group_body(self, gid: int, sample: Any) -> None:
         n = self._group_size
@@ -389,7 +391,7 @@ class Controller:
         if min_v is None:
             self._release("rejected")
             return
-        self._ready.append(Group(gid, sample, trajs, min_v, gid))
+        self._ready.append(Group(gid, sample, trajs, min_v, self._admitted_at[gid]))
         if len(self._ready) >= self._batch_size or self._input_ended:
             self._ready_changed.set()
 
@@ -422,11 +424,13 @@ class Controller:
                     self._release("stale_dropped")
         self._ready = keep
         size = self._batch_size
+        if self._groups and min(self._admitted_at.values()) <= step - self.staleness.max_staleness:
+            return None  # a running group must train at this step or never: wait for it
         if len(keep) < size:
             last = self._input_ended and not self._samples and self._source is None
             if not (last and keep and not self._groups):
                 return None
-        keep.sort(key=lambda g: (g.min_version, g.order))
+        keep.sort(key=lambda g: (g.admitted_at, g.min_version, g.gid))
         chosen, self._ready = keep[:size], keep[size:]
         self.step += 1
         self.counters["trained"] += len(chosen)
