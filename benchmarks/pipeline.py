@@ -98,7 +98,7 @@ def run_once(staleness: int, a: argparse.Namespace, model_path: str, out: Path) 
         f"--controller.total_steps={a.steps + a.warmup}",
         f"--algo.group_size={a.group_size}",
         f"--rollout.max_new_tokens={a.max_len}",
-        f"--rollout.max_batch_size={a.engine_batch or a.batch_size * a.group_size}",
+        f"--rollout.max_batch_size={a.engine_batch}",
         f"--rollout.pause_mode={a.pause_mode}",
         "--trainer.threads=1",
     ]
@@ -121,16 +121,14 @@ def run_once(staleness: int, a: argparse.Namespace, model_path: str, out: Path) 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=20, help="measured train steps per run")
+    p.add_argument("--steps", type=int, default=16, help="measured train steps per run")
     p.add_argument("--warmup", type=int, default=2, help="steps before the measured window")
     p.add_argument("--batch-size", type=int, default=8, help="groups per step")
     p.add_argument("--group-size", type=int, default=8, help="samples per group")
-    p.add_argument("--min-len", type=int, default=4, help="Pareto scale of generation lengths")
-    p.add_argument("--alpha", type=float, default=1.1, help="Pareto shape (smaller: longer tail)")
-    p.add_argument("--max-len", type=int, default=128, help="cap of generation lengths")
-    p.add_argument(
-        "--engine-batch", type=int, default=0, help="engine max_batch_size (0: one step's samples)"
-    )
+    p.add_argument("--min-len", type=int, default=2, help="Pareto scale of generation lengths")
+    p.add_argument("--alpha", type=float, default=1.0, help="Pareto shape (smaller: longer tail)")
+    p.add_argument("--max-len", type=int, default=32, help="cap of generation lengths")
+    p.add_argument("--engine-batch", type=int, default=32, help="engine max_batch_size")
     p.add_argument("--pause-mode", default="in_place", choices=["abort", "in_place"])
     p.add_argument("--async-staleness", type=int, default=2)
     p.add_argument("--engine-core", type=int, default=0)

@@ -14,8 +14,9 @@ Data flow (one asyncio loop — uvloop when the CLI runs it; nothing here import
                           ▼                                         │
               ready groups (each with the min version of its trained tokens)
                           │
-       next_batch()  waits for: B ready groups; drops or re-queues (controller.stale_policy)
-                          │     every group with t - min_version > s before step t takes it
+       next_batch()  waits for: B ready groups AND no running group admitted at a version
+                          │     <= t - s (it must train at step t or never); drops or re-queues
+                          │     (controller.stale_policy) any group with t - min_version > s
                           ▼
               Batch(step=t) ─▶ trainer / the user's loop ─▶ new weights on the engines
                                                               │
@@ -408,8 +409,14 @@ class Controller:
 
     # -- batches -----------------------------------------------------------------------
     def _take_batch(self) -> Batch | None:
-        """Drop or re-queue groups too stale for this step, then take the B oldest (or, once
-        the input ended and nothing else can come, what is left)."""
+        """Drop or re-queue groups too stale for this step, then take the B oldest-admitted
+        (or, once the input ended and nothing else can come, what is left).
+
+        Waits (returns None) while a running group was admitted at a version <= t - s: its
+        tokens are at least that new, so step t is its last chance to train; taking other
+        groups now would throw its work away. With FIFO admission this makes stale drops
+        rare (only after interruptions or failures), at the cost of waiting for a straggler
+        only once it is s steps old."""
         step = self.step
         fits = self.staleness.fits
         keep = [g for g in self._ready if fits(step, g.min_version)]
