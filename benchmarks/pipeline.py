@@ -21,6 +21,8 @@ excluded, in both runs alike). ``trainer_idle_frac`` = 1 - (time the trainer
 spent in train steps and weight snapshots) / window. ``staleness_violations``
 counts trained samples with ``step - version > max_staleness`` (over the whole run).
 The whole-run times (controller start to last report) are in the JSON too.
+``--repeats K`` alternates K sync/async pairs and reports the median run of each mode
+(this machine's load from other work drifts by tens of percent within minutes).
 """
 
 from __future__ import annotations
@@ -89,6 +91,11 @@ def measure(rows: list[dict[str, Any]], warmup: int, staleness: int) -> dict[str
     }
 
 
+def _median(runs: list[dict[str, float]]) -> dict[str, float]:
+    """The run with the median window time (its own metrics, not a mix of runs)."""
+    return sorted(runs, key=lambda r: r["seconds"])[(len(runs) - 1) // 2]
+
+
 def run_once(staleness: int, a: argparse.Namespace, model_path: str, out: Path) -> dict[str, float]:
     from asyncrl.runner import run_job
 
@@ -135,6 +142,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--trainer-core", type=int, default=1)
     p.add_argument("--no-pin", dest="pin", action="store_false", help="do not pin processes")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=1, help="alternating sync/async pairs")
     p.add_argument("--out", default=None, help="folder for the two runs (default: a temp dir)")
     p.add_argument("--json", default=None, help="write results here")
     a = p.parse_args(argv)
@@ -145,8 +153,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     model_path = resolve_model(RunConfig())
     out = Path(a.out or tempfile.mkdtemp(prefix="asyncrl-pipeline-"))
-    sync = run_once(0, a, model_path, out)
-    asyn = run_once(a.async_staleness, a, model_path, out)
+    syncs, asyns = [], []
+    for i in range(a.repeats):  # alternate, so both modes see the same drift in machine load
+        syncs.append(run_once(0, a, model_path, out / f"r{i}"))
+        asyns.append(run_once(a.async_staleness, a, model_path, out / f"r{i}"))
+    sync, asyn = _median(syncs), _median(asyns)
     res = {
         "sync_s": sync["seconds"],
         "async_s": asyn["seconds"],
@@ -163,6 +174,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "max_staleness_async": a.async_staleness,
         "lengths": {"pareto_alpha": a.alpha, "min": a.min_len, "max": a.max_len},
         "pinned": bool(a.pin),
+        "repeats": a.repeats,
+        "speedups_each": [s["seconds"] / x["seconds"] for s, x in zip(syncs, asyns)],  # noqa: B905
         "cpus": os.cpu_count(),
         "runs": str(out),
     }

@@ -431,8 +431,12 @@ class Controller:
                     self._release("stale_dropped")
         self._ready = keep
         size = self._batch_size
-        if self._groups and min(self._admitted_at.values()) <= step - self.staleness.max_staleness:
-            return None  # a running group must train at this step or never: wait for it
+        due = step - self.staleness.max_staleness
+        if self._groups and min(self._admitted_at.values()) <= due:
+            # a running group must train at this step or never: wait for it, unless enough
+            # groups just as old are ready to fill the batch without it
+            if sum(1 for g in keep if g.admitted_at <= due) < size:
+                return None
         if len(keep) < size:
             last = self._input_ended and not self._samples and self._source is None
             if not (last and keep and not self._groups):
