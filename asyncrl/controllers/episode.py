@@ -213,7 +213,11 @@ class EpisodeContext:
             gate.drained.clear()
             try:
                 if self._engine is None:
-                    self._engine = self._router.pick()
+                    router = self._router
+                    if len(router.engines) == 1 and not router.unhealthy:
+                        self._engine = router.engines[0]  # the common case, without pick()
+                    else:
+                        self._engine = router.pick()
                 ids = prefix + out.output_ids if done else prefix
                 res = await self._router.call(self._engine, ids, params, rid)
             except (EngineError, EngineUnavailable) as exc:
@@ -222,10 +226,7 @@ class EpisodeContext:
                 self._router.report_failure(failed, exc)
                 if failures > self._max_retries:
                     raise EpisodeFailed(f"episode {self.episode_id}: {exc}") from exc
-                try:
-                    self._engine = self._router.pick(avoid=failed)
-                except EngineUnavailable:
-                    pass  # all out of rotation: pick again after the back-off
+                self._engine = _other_engine(self._router, failed)
                 backoff = gate.retry_backoff_s * 2 ** (failures - 1)
                 await asyncio.sleep(min(gate.retry_backoff_max_s, backoff))
                 continue
@@ -308,6 +309,14 @@ _ONES.flags.writeable = False
 def _ones(n: int) -> np.ndarray:
     """A read-only loss mask of n ones (a view of one shared buffer when small)."""
     return _ONES[:n] if n <= len(_ONES) else np.ones(n, np.uint8)
+
+
+def _other_engine(router: Router, failed: Any) -> Any:
+    """The least-loaded engine in rotation other than ``failed`` (None: let pick() decide)."""
+    others = [e for e in router.engines if e is not failed and id(e) not in router.unhealthy]
+    if not others:
+        return None  # only the failed one (or none) is left: pick again after the back-off
+    return min(others, key=lambda e: router.outstanding[id(e)])
 
 
 def _stitch(

@@ -26,15 +26,11 @@ class Router:
         self.unhealthy: set[int] = set()
         self.failures = 0
 
-    def pick(self, avoid: RolloutEngine | None = None) -> RolloutEngine:
-        """The healthy engine with the fewest requests in flight (not ``avoid`` if another is)."""
-        if len(self.engines) == 1 and not self.unhealthy:
-            return self.engines[0]
+    def pick(self) -> RolloutEngine:
+        """The healthy engine with the fewest requests in flight."""
         healthy = [e for e in self.engines if id(e) not in self.unhealthy]
         if not healthy:
             raise EngineUnavailable("no healthy rollout engine")
-        if avoid is not None and len(healthy) > 1:
-            healthy = [e for e in healthy if e is not avoid] or healthy
         return min(healthy, key=lambda e: self.outstanding[id(e)])
 
     async def call(
