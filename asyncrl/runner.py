@@ -29,8 +29,9 @@ from typing import Any
 import msgspec
 
 from asyncrl.config import RunConfig, to_dict
+from asyncrl.controllers import episode as episode_api
 from asyncrl.controllers.controller import Batch, Controller
-from asyncrl.controllers.episode import Episode, single_turn
+from asyncrl.controllers.episode import single_turn
 from asyncrl.engines.rollout.sglang import SGLangClient
 from asyncrl.procs import free_port, spawn, stop
 from asyncrl.tasks import make_task
@@ -205,7 +206,7 @@ async def run_job(
     cfg: RunConfig,
     run_dir: Path,
     quiet: bool = False,
-    episode: Episode | None = None,
+    episode: episode_api.Episode | None = None,
     samples: Iterable[Any] | None = None,
     pin: dict[str, set[int]] | None = None,
 ) -> list[dict[str, Any]]:

@@ -78,9 +78,8 @@ class EpisodeFailed(RuntimeError):
     """An episode's generation failed after every retry; its group is reported failed."""
 
 
-EpisodeResult = "Trajectory | list[Trajectory] | None"
-Episode = Callable[["EpisodeContext", Any], Awaitable[Any]]
-"""``async def episode(ctx, sample) -> Trajectory | list[Trajectory] | None``."""
+EpisodeResult = Trajectory | list[Trajectory] | None
+Episode = Callable[["EpisodeContext", Any], Awaitable[EpisodeResult]]
 RewardFn = Callable[[Any, list[int]], "float | Awaitable[float]"]
 
 
