@@ -155,6 +155,29 @@ class ControllerConfig(_Section):
     """What happens to a group that would exceed the staleness bound at its step."""
     max_retries: int = 3
     """Retries of a failed engine request before the episode is reported failed."""
+    pause_mode: Literal["abort", "in_place", "wait"] = "abort"
+    """How ``Controller.weight_update`` quiesces the engines (embedding API). ``abort``:
+    in-flight requests return their partial output and are resumed under the new weights;
+    ``in_place``: engines hold requests and go on after the update; ``wait``: no new request
+    is sent and the update starts once the in-flight ones finished. ``asyncrl run``'s trainer
+    pauses the engines itself with ``rollout.pause_mode``."""
+    retry_backoff_s: float = 0.05
+    """First back-off before retrying a failed request on another engine; doubles per retry."""
+    retry_backoff_max_s: float = 2.0
+    """Upper bound of one retry back-off."""
+    health_interval_s: float = 1.0
+    """How often engines out of rotation are probed with ``/health``."""
+    inline_reward_s: float = 0.0002
+    """A sync reward function whose calls take less than this runs on the event loop (no
+    thread hop); slower ones run in a worker thread. 0: always a thread."""
+
+    def __post_init__(self) -> None:
+        for key in ("max_retries", "retry_backoff_s", "retry_backoff_max_s", "inline_reward_s"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"controller.{key} must be >= 0, got {getattr(self, key)!r}")
+        if self.health_interval_s <= 0:
+            value = self.health_interval_s
+            raise ValueError(f"controller.health_interval_s must be > 0, got {value}")
 
 
 class WeightSyncConfig(_Section):

@@ -16,18 +16,21 @@ that exits early fails the run with the tail of its log).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import os
 import subprocess
 import sys
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
 from asyncrl.config import RunConfig, to_dict
+from asyncrl.controllers import episode as episode_api
 from asyncrl.controllers.controller import Batch, Controller
 from asyncrl.controllers.episode import single_turn
 from asyncrl.engines.rollout.launcher import start_engines
@@ -83,6 +86,7 @@ class _Run:
         self.procs: dict[str, subprocess.Popen] = {}
         self.batches: dict[int, Batch] = {}
         self.t0 = time.perf_counter()
+        self.t_controller = self.t0
         self.rows: list[dict[str, Any]] = []
 
     def start_engines(self, model_path: str) -> list[str]:
@@ -142,6 +146,7 @@ class _Run:
             "weight_version": msg.version,
             "num_samples": len(batch.trajectories),
             "wall_s": time.perf_counter() - self.t0,
+            "controller_s": time.perf_counter() - self.t_controller,
             **{k: v for k, v in m.items() if k not in ("num_samples",)},
             **{f"ctl_{k}": v for k, v in ctl.stats().items()},
         }
@@ -185,12 +190,36 @@ async def _first(*coros: Coroutine[Any, Any, Any]) -> None:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def run_job(cfg: RunConfig, run_dir: Path, quiet: bool = False) -> list[dict[str, Any]]:
-    """Run a whole training job; returns the metrics rows (also in ``run_dir/metrics.jsonl``)."""
+@contextlib.contextmanager
+def _pinned(cores: set[int] | None) -> Iterator[None]:
+    """Children started inside inherit this thread's CPU affinity ``cores`` (Linux)."""
+    if not cores or not hasattr(os, "sched_setaffinity"):
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cores)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+async def run_job(
+    cfg: RunConfig,
+    run_dir: Path,
+    quiet: bool = False,
+    episode: episode_api.Episode | None = None,
+    samples: Iterable[Any] | None = None,
+    pin: dict[str, set[int]] | None = None,
+) -> list[dict[str, Any]]:
+    """Run a whole training job; returns the metrics rows (also in ``run_dir/metrics.jsonl``).
+
+    ``episode`` and ``samples`` replace the built-in task's single-turn episode and prompt
+    stream; ``pin`` maps ``"engine"`` / ``"trainer"`` to the CPU cores their processes get.
+    """
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_bytes(msgspec.json.encode(to_dict(cfg)))
     model_path = resolve_model(cfg)
-    task = make_task(cfg.task, model_path)
     job = _Run(cfg, run_dir, quiet)
     xc = cfg.experience
     chan = ExperienceSender(
@@ -201,9 +230,12 @@ async def run_job(cfg: RunConfig, run_dir: Path, quiet: bool = False) -> list[di
         assigner=make_assigner(xc.assignment),
     )
     clients: list[SGLangClient] = []
+    pin = pin or {}
     try:
-        urls = job.start_engines(model_path)
-        job.start_trainers(model_path, chan, urls)
+        with _pinned(pin.get("engine")):
+            urls = job.start_engines(model_path)
+        with _pinned(pin.get("trainer")):
+            job.start_trainers(model_path, chan, urls)
         pids = {name: p.pid for name, p in job.procs.items()}
         (run_dir / "processes.json").write_text(json.dumps(pids))
         clients = [SGLangClient(u, timeout_s=cfg.rollout.request_timeout_s) for u in urls]
@@ -211,9 +243,14 @@ async def run_job(cfg: RunConfig, run_dir: Path, quiet: bool = False) -> list[di
             asyncio.gather(*(c.wait_healthy(cfg.rollout.startup_timeout_s) for c in clients)),
             job.watchdog(),
         )
-        sampling = {"max_new_tokens": cfg.rollout.max_new_tokens or task.max_new_tokens}
-        episode = single_turn(task.reward)
-        async with Controller(cfg, episode, clients, task.samples(), sampling) as ctl:
+        sampling: dict[str, Any] = {}
+        if episode is None:
+            task = make_task(cfg.task, model_path)
+            sampling = {"max_new_tokens": cfg.rollout.max_new_tokens or task.max_new_tokens}
+            episode = single_turn(task.reward, cfg.controller.inline_reward_s)
+            samples = task.samples()
+        job.t_controller = time.perf_counter()
+        async with Controller(cfg, episode, clients, samples, sampling) as ctl:
             await _first(job.report(ctl, chan), job.dispatch(ctl, chan), job.watchdog())
         return job.rows
     finally:

@@ -1,49 +1,66 @@
 """The controller: admission -> episode tasks -> grouping -> batches, under a staleness bound.
 
-Data flow (one asyncio loop; nothing here imports torch)::
+Data flow (one asyncio loop — uvloop when the CLI runs it; nothing here imports torch)::
 
-    source / submit() ──▶ samples ──▶ [admission loop] ──▶ group task × n episodes ──▶ engines
-                                        │ waits for: a sample AND          │ (Router: least
-                                        │ in_flight < (s + v + 1)·B        │  outstanding, retries)
-                                        ▼                                  ▼
-                              Staleness counters ◀── release ── group done: all n episodes
-                                        ▲                                  │ (None -> rejected)
-                       set_version(v) ──┘                                  ▼
-                       (trainer announces)                   ready groups (min token version)
-                                                                           │
-                                  next_batch() waits for: B ready groups that fit step t
-                                  (t - min_version <= s); stale ones dropped or re-generated
-                                                                           ▼
-                                                       Batch(step=t) ──▶ trainer / user loop
+  source / submit() ─▶ queued samples
+                          │
+              [admission loop]  waits for: a queued sample AND
+                          │     admitted - released < (s + v + 1)·B   (Staleness, AReaL's rule)
+                          ▼
+              group task (one per sample) ─▶ n episodes ─▶ ctx.generate ─▶ Router ─▶ engines
+                          │   waits for: its n episodes             ▲ abort → resume same engine
+                          │   (None → rejected, EpisodeFailed →     │ error/timeout → other engine,
+                          │    failed; both release the slot)       │ bounded back-off
+                          ▼                                         │
+              ready groups (each with the min version of its trained tokens)
+                          │
+       next_batch()  waits for: B ready groups AND no running group admitted at a version
+                          │     <= t - s (it must train at step t or never); drops or re-queues
+                          │     (controller.stale_policy) any group with t - min_version > s
+                          ▼
+              Batch(step=t) ─▶ trainer / the user's loop ─▶ new weights on the engines
+                                                              │
+       set_version(v) / weight_update(v) ◀────────────────────┘ (the trainer announces v)
+          opens admission further (capacity grows by B per version)
 
-- Admission loop waits on ``_changed`` (set by submit, set_version, release).
-- ``next_batch`` waits on ``_ready_changed`` (set when a group finishes or the
-  version moves) and on the first failure of any supervised task.
-- Every background task is supervised: its exception is re-raised by the next
-  ``next_batch``/``set_version`` call, and ``close()`` cancels everything.
+- The admission loop waits on ``_changed`` (set by submit, set_version, a release).
+- ``next_batch`` waits on ``_ready_changed`` (set when B groups may be ready, the
+  version moves, the input ends, or a supervised task fails).
+- The health loop probes engines out of rotation every ``health_interval_s``.
+- Every background task is supervised: the first exception is re-raised by the
+  next ``next_batch`` / ``set_version`` call; ``close()`` cancels everything.
+
+Accounting (``stats()``): every admitted group ends in exactly one of trained,
+rejected, failed, stale_dropped, stale_regenerated (re-queued as a new group), or
+is still running / ready — ``admitted == trained + ready + running + rejected +
+failed + stale_dropped + stale_regenerated`` holds at every await point.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
+import contextlib
 import logging
 from collections import deque
-from collections.abc import Coroutine, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Coroutine, Iterable, Iterator, Sequence
 from typing import Any
 
 import msgspec
 
 from asyncrl.config import RunConfig
-from asyncrl.controllers.episode import Episode, EpisodeContext, EpisodeFailed
+from asyncrl.controllers.episode import Episode, EpisodeContext, EpisodeFailed, Gate
 from asyncrl.controllers.router import Router
 from asyncrl.controllers.staleness import Staleness
-from asyncrl.engines.rollout.base import RolloutEngine
+from asyncrl.engines.rollout.base import EngineError, EngineUnavailable, RolloutEngine
 from asyncrl.transports.experience.types import Trajectory
 
-__all__ = ["Batch", "Controller"]
+__all__ = ["Batch", "Controller", "NoMoreSamples"]
 
 log = logging.getLogger(__name__)
+
+
+class NoMoreSamples(Exception):
+    """``next_batch`` after ``end_input()``: every sample has been trained, rejected or failed."""
 
 
 class Group(msgspec.Struct, gc=False):
@@ -51,7 +68,7 @@ class Group(msgspec.Struct, gc=False):
     sample: Any
     trajs: list[Trajectory]
     min_version: int
-    order: int
+    admitted_at: int
 
 
 class Batch(msgspec.Struct, gc=False):
@@ -59,6 +76,7 @@ class Batch(msgspec.Struct, gc=False):
 
     step: int
     groups: list[list[Trajectory]]
+    samples: list[Any] = []
 
     @property
     def trajectories(self) -> list[Trajectory]:
@@ -74,13 +92,26 @@ class Batch(msgspec.Struct, gc=False):
         return sum(t.reward for t in ts) / len(ts)
 
 
+_COUNTERS = (
+    "groups_admitted",
+    "trained",
+    "episodes",
+    "rejected",
+    "failed",
+    "stale_dropped",
+    "stale_regenerated",
+)
+
+
 class Controller:
     """Runs episodes concurrently under the staleness bound and hands out batches.
 
-    ``async with Controller(cfg, episode=fn, source=samples) as ctl:`` then
-    ``batch = await ctl.next_batch()`` and ``await ctl.set_version(v)`` whenever
-    the engines hold version ``v``. ``start_version`` resumes a run at a version
-    (the admission counters restart from it).
+    ``async with Controller(cfg, episode=fn) as ctl:`` then ``ctl.submit(samples)``,
+    ``batch = await ctl.next_batch()`` and ``await ctl.set_version(v)`` whenever the
+    engines hold version ``v`` (or ``async with ctl.weight_update(v): ...`` around
+    loading them). ``engines`` default to SGLang-protocol clients of
+    ``config.rollout.urls``; ``source`` is an optional iterable of samples pulled
+    lazily; ``start_version`` resumes a run (the admission counters restart from it).
     """
 
     def __init__(
@@ -92,6 +123,8 @@ class Controller:
         sampling: dict[str, Any] | None = None,
         start_version: int = 0,
     ):
+        if not callable(episode):
+            raise TypeError(f"episode must be an async function (ctx, sample), got {episode!r}")
         cc = config.controller
         self.config = config
         self._episode = episode
@@ -106,7 +139,10 @@ class Controller:
         self.router = Router(engines)
         self.staleness = Staleness(cc.max_staleness, cc.batch_size, start_version)
         self.step = start_version
+        self._batch_size = cc.batch_size
         self._group_size = config.algo.group_size
+        self._max_retries = cc.max_retries
+        self._regenerate = cc.stale_policy == "regenerate"
         self._sampling = {
             "temperature": config.rollout.temperature,
             "top_p": config.rollout.top_p,
@@ -117,17 +153,17 @@ class Controller:
         self._samples: deque[Any] = deque()
         self._ready: list[Group] = []
         self._groups: dict[int, asyncio.Task] = {}
+        self._admitted_at: dict[int, int] = {}  # running group -> version at its admission
         self._tasks: set[asyncio.Task] = set()
-        self._gids = itertools.count()
-        self._eids = itertools.count()
-        self._order = itertools.count()
+        self._gid = 0
+        self._eid = 0
         self._changed = asyncio.Event()
         self._ready_changed = asyncio.Event()
-        self._closing = asyncio.Event()
+        self._gate = Gate(cc.retry_backoff_s, cc.retry_backoff_max_s)
+        self._input_ended = False
+        self._closing = False
         self._error: BaseException | None = None
-        self.counters = dict.fromkeys(
-            ["groups_done", "rejected", "failed", "stale_dropped", "stale_regenerated"], 0
-        )
+        self.counters = dict.fromkeys(_COUNTERS, 0)
 
     # -- lifecycle ---------------------------------------------------------------------
     async def __aenter__(self) -> Controller:
@@ -139,7 +175,8 @@ class Controller:
         await self.close()
 
     async def close(self) -> None:
-        self._closing.set()
+        """Cancel every task (background loops and running groups); close owned engines."""
+        self._closing = True
         tasks = [*self._tasks, *self._groups.values()]
         for t in tasks:
             t.cancel()
@@ -155,7 +192,7 @@ class Controller:
 
     def _supervise(self, task: asyncio.Task) -> None:
         self._tasks.discard(task)
-        if task.cancelled() or self._closing.is_set():
+        if task.cancelled() or self._closing:
             return
         exc = task.exception()
         if exc is not None and self._error is None:
@@ -174,7 +211,15 @@ class Controller:
     # -- public API --------------------------------------------------------------------
     def submit(self, samples: Iterable[Any]) -> None:
         """Queue samples; each becomes a group of ``group_size`` episodes when admitted."""
+        if self._input_ended:
+            raise ValueError("submit() after end_input(): the controller takes no more samples")
         self._samples.extend(samples)
+        self._changed.set()
+
+    def end_input(self) -> None:
+        """No more samples will come: ``next_batch`` then hands out a last, smaller batch
+        and raises :class:`NoMoreSamples` once every group is done."""
+        self._input_ended = True
         self._notify()
 
     async def set_version(self, version: int) -> None:
@@ -183,26 +228,70 @@ class Controller:
         self.staleness.set_version(version)
         self._notify()
 
+    @contextlib.asynccontextmanager
+    async def weight_update(self, version: int, mode: str | None = None) -> AsyncIterator[None]:
+        """Quiesce the engines for a weight update, then let them go on — always.
+
+        ``mode`` (default ``controller.pause_mode``): ``abort`` / ``in_place`` pause the
+        engines (aborted requests are resumed by their episodes); ``wait`` holds new
+        requests and waits for the in-flight ones. On leaving the block the engines
+        continue even if the update raised; only a successful update sets ``version``.
+        """
+        mode = mode or self.config.controller.pause_mode
+        if mode not in ("abort", "in_place", "wait"):
+            raise ValueError(f"pause mode must be 'abort', 'in_place' or 'wait', got {mode!r}")
+        engines = self.router.engines
+        try:
+            if mode == "wait":
+                self._gate.open.clear()
+                await self._gate.drained.wait()
+            else:  # requests sent meanwhile (resumed ones too) queue on the paused engines
+                await asyncio.gather(*(self._pause(e, mode) for e in engines))
+            yield
+        finally:
+            if mode != "wait":
+                await asyncio.gather(*(self._continue(e) for e in engines))
+            self._gate.open.set()
+        await self.set_version(version)
+
+    async def _pause(self, engine: RolloutEngine, mode: str) -> None:
+        try:
+            await engine.pause_generation(mode)
+        except (EngineError, EngineUnavailable) as exc:  # an engine down is not paused: fine
+            self.router.report_failure(engine, exc)
+
+    async def _continue(self, engine: RolloutEngine) -> None:
+        try:
+            await engine.continue_generation()
+        except (EngineError, EngineUnavailable) as exc:
+            self.router.report_failure(engine, exc)
+
     async def next_batch(self) -> Batch:
         """Wait for ``batch_size`` groups that may train at the next step, and take them."""
         while True:
             self._raise_if_failed()
-            batch = self._take_batch()
-            if batch is not None:
-                return batch
+            if len(self._ready) >= self._batch_size or self._input_ended:
+                batch = self._take_batch()
+                if batch is not None:
+                    return batch
+                if self._exhausted():
+                    raise NoMoreSamples(f"all samples done after step {self.step - 1}")
             self._ready_changed.clear()
             await self._ready_changed.wait()
 
     def stats(self) -> dict[str, int]:
+        """Counters and gauges (see the module docstring for the accounting identity)."""
         return {
             "version": self.staleness.version,
             "step": self.step,
-            "admitted": self.staleness.admitted,
+            "admitted_total": self.staleness.admitted,
             "in_flight": self.staleness.in_flight,
-            "running_groups": len(self._groups),
-            "ready_groups": len(self._ready),
-            "queued_samples": len(self._samples),
+            "capacity": self.staleness.capacity,
+            "running": len(self._groups),
+            "ready": len(self._ready),
+            "queued": len(self._samples),
             "engine_failures": self.router.failures,
+            "engines_out": len(self.router.unhealthy),
             **self.counters,
         }
 
@@ -217,88 +306,145 @@ class Controller:
                 self._source = None
         return False, None
 
+    def _exhausted(self) -> bool:
+        return (
+            self._input_ended
+            and not self._samples
+            and self._source is None
+            and not self._groups
+            and not self._ready
+        )
+
     async def _admission_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        staleness = self.staleness
+        counters = self.counters
         while True:
-            while self.staleness.can_admit():
+            while staleness.can_admit():
                 ok, sample = self._next_sample()
                 if not ok:
+                    if self._input_ended:
+                        self._ready_changed.set()
                     break
-                self.staleness.admit()
-                gid = next(self._gids)
-                task = asyncio.get_running_loop().create_task(self._run_group(gid, sample))
+                staleness.admit()
+                counters["groups_admitted"] += 1
+                gid = self._gid
+                self._gid += 1
+                task = loop.create_task(self._run_group(gid, sample))
                 self._groups[gid] = task
+                self._admitted_at[gid] = staleness.version
                 task.add_done_callback(self._group_done)
             self._changed.clear()
             await self._changed.wait()
 
     def _group_done(self, task: asyncio.Task) -> None:
-        self._groups = {g: t for g, t in self._groups.items() if t is not task}
-        if not task.cancelled() and task.exception() is not None:
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None:
             self._supervise(task)
 
+    def _release(self, counter: str) -> None:
+        self.counters[counter] += 1
+        self.staleness.release()
+        self._changed.set()
+        self._ready_changed.set()  # next_batch may be waiting for this very group
+
     async def _run_group(self, gid: int, sample: Any) -> None:
-        results = await asyncio.gather(
-            *(self._run_episode(gid, sample) for _ in range(self._group_size)),
-            return_exceptions=True,
-        )
+        try:
+            await self._group_body(gid, sample)
+        finally:
+            del self._groups[gid]
+            del self._admitted_at[gid]
+
+    async def _group_body(self, gid: int, sample: Any) -> None:
+        n = self._group_size
+        ctxs = [self._context(gid) for _ in range(n)]
+        if n == 1:
+            try:
+                results: list[Any] = [await self._episode(ctxs[0], sample)]
+            except EpisodeFailed as exc:
+                results = [exc]
+        else:
+            coros = [self._episode(ctx, sample) for ctx in ctxs]
+            results = await asyncio.gather(*coros, return_exceptions=True)
+        self.counters["episodes"] += n
         trajs: list[Trajectory] = []
-        for r in results:
+        min_v: int | None = None
+        for r, ctx in zip(results, ctxs):  # noqa: B905 - equal lengths by construction
             if isinstance(r, EpisodeFailed):
-                log.warning("group %d: %s", gid, r)
-                self.counters["failed"] += 1
-                self.staleness.release()
-                self._notify()
+                log.warning("group %d failed: %s", gid, r)
+                self._release("failed")
                 return
             if isinstance(r, BaseException):
                 raise r
             if r is None:
                 continue
-            trajs.extend(r if isinstance(r, list) else [r])
-        self.counters["groups_done"] += 1
-        if not trajs:
-            self.counters["rejected"] += 1
-            self.staleness.release()
-            self._notify()
+            got = [r] if isinstance(r, Trajectory) else r
+            if not isinstance(got, list) or not all(isinstance(t, Trajectory) for t in got):
+                msg = f"an episode must return Trajectory, list[Trajectory] or None, got {r!r}"
+                raise TypeError(msg)
+            for t in got:
+                v = ctx.min_version(t)
+                min_v = v if min_v is None or v < min_v else min_v
+                t.group_id = gid
+            trajs += got
+        if min_v is None:
+            self._release("rejected")
             return
-        for t in trajs:
-            t.group_id = gid
-        min_v = min(t.min_version for t in trajs)
-        self._ready.append(Group(gid, sample, trajs, min_v, next(self._order)))
-        self._ready_changed.set()
+        self._ready.append(Group(gid, sample, trajs, min_v, self._admitted_at[gid]))
+        if len(self._ready) >= self._batch_size or self._input_ended:
+            self._ready_changed.set()
 
-    async def _run_episode(self, gid: int, sample: Any) -> Trajectory | list[Trajectory] | None:
-        eid = next(self._eids)
-        ctx = EpisodeContext(
-            self.router, gid, eid, self._sampling, self.config.controller.max_retries, self._closing
-        )
-        return await self._episode(ctx, sample)
+    def _context(self, gid: int) -> EpisodeContext:
+        eid = self._eid
+        self._eid += 1
+        return EpisodeContext(self.router, gid, eid, self._sampling, self._max_retries, self._gate)
 
     async def _health_loop(self) -> None:
         while True:
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(self.config.controller.health_interval_s)
             if self.router.unhealthy:
                 await self.router.probe()
 
     # -- batches -----------------------------------------------------------------------
     def _take_batch(self) -> Batch | None:
+        """Drop or re-queue groups too stale for this step, then take the B oldest-admitted
+        (or, once the input ended and nothing else can come, what is left).
+
+        Waits (returns None) while a running group was admitted at a version <= t - s: its
+        tokens are at least that new, so step t is its last chance to train; taking other
+        groups now would throw its work away. With FIFO admission this makes stale drops
+        rare (only after interruptions or failures), at the cost of waiting for a straggler
+        only once it is s steps old."""
         step = self.step
-        keep: list[Group] = []
-        for g in self._ready:
-            if self.staleness.fits(step, g.min_version):
-                keep.append(g)
-                continue
-            self.staleness.release()
-            if self.config.controller.stale_policy == "regenerate":
-                self.counters["stale_regenerated"] += 1
-                self._samples.appendleft(g.sample)
-            else:
-                self.counters["stale_dropped"] += 1
-            self._changed.set()
+        fits = self.staleness.fits
+        keep = [g for g in self._ready if fits(step, g.min_version)]
+        if len(keep) != len(self._ready):
+            for g in self._ready:
+                if fits(step, g.min_version):
+                    continue
+                if self._regenerate:
+                    self._samples.appendleft(g.sample)
+                    self._release("stale_regenerated")
+                else:
+                    self._release("stale_dropped")
         self._ready = keep
-        size = self.config.controller.batch_size
+        size = self._batch_size
+        due = step - self.staleness.max_staleness
+        if self._groups and min(self._admitted_at.values()) <= due:
+            # a running group must train at this step or never: wait for it, unless enough
+            # groups just as old are ready to fill the batch without it
+            if sum(1 for g in keep if g.admitted_at <= due) < size:
+                return None
         if len(keep) < size:
-            return None
-        keep.sort(key=lambda g: (g.min_version, g.order))
+            last = self._input_ended and not self._samples and self._source is None
+            if not (last and keep and not self._groups):
+                return None
+        keep.sort(key=lambda g: (g.admitted_at, g.min_version, g.gid))
         chosen, self._ready = keep[:size], keep[size:]
         self.step += 1
-        return Batch(step=step, groups=[g.trajs for g in chosen])
+        self.counters["trained"] += len(chosen)
+        return Batch(
+            step=step, groups=[g.trajs for g in chosen], samples=[g.sample for g in chosen]
+        )

@@ -1,11 +1,22 @@
 """The agent-loop API: an episode is ``async def episode(ctx, sample) -> Trajectory | ... | None``.
 
 An episode calls ``await ctx.generate(ids)`` any number of times (multi-turn,
-tools), appends environment tokens with ``ctx`` helpers, computes a reward and
-returns a :class:`Trajectory` (or a list of them, or None to reject the sample).
-``ctx.generate`` hides engine interruptions: when a weight update aborts a
-request, it re-submits prompt + tokens so far to the same engine with the
-remaining ``max_new_tokens`` budget, and records the version of every token.
+tools), interleaves environment tokens (tool output, user turns) that are masked
+out of the loss, computes a reward (``await ctx.reward(fn, sample, ids)``: sync
+functions run off the event loop unless they are measured cheap, async ones are
+awaited) and returns ``ctx.trajectory(...)`` — or a list of trajectories, or
+None to reject the sample (its group then never trains).
+
+``ctx.generate`` hides engine interruptions and failures:
+
+- a request that a weight update aborted (``finish_reason == "abort"``) is
+  re-submitted to the *same* engine as prompt + tokens generated so far, with
+  the remaining ``max_new_tokens`` budget; every token keeps the version the
+  engine reported for the call that produced it;
+- an engine error or timeout retries the request on another healthy engine
+  after a bounded exponential back-off (``controller.retry_backoff_s`` doubling
+  up to ``retry_backoff_max_s``); after ``controller.max_retries`` retries the
+  episode raises :class:`EpisodeFailed` and its group is reported failed.
 """
 
 from __future__ import annotations
@@ -13,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -25,7 +37,17 @@ from asyncrl.transports.experience.types import Trajectory
 if TYPE_CHECKING:
     from asyncrl.controllers.router import Router
 
-__all__ = ["Episode", "EpisodeContext", "EpisodeFailed", "Generation", "Sample", "single_turn"]
+__all__ = [
+    "Episode",
+    "EpisodeContext",
+    "EpisodeFailed",
+    "Gate",
+    "Generation",
+    "RewardRunner",
+    "Sample",
+    "call_reward",
+    "single_turn",
+]
 
 log = logging.getLogger(__name__)
 
@@ -39,12 +61,17 @@ class Sample(msgspec.Struct, frozen=True):
 
 
 class Generation(msgspec.Struct, gc=False):
-    """One completion, possibly stitched from several engine calls across weight updates."""
+    """One completion, possibly stitched from several engine calls across weight updates.
+
+    ``versions[i]`` is the weight version that produced ``output_ids[i]``;
+    ``calls`` counts engine calls (1 unless interrupted or retried).
+    """
 
     output_ids: list[int]
     logprobs: list[float]
     versions: list[int]
     finish_reason: str
+    calls: int = 0
 
 
 class EpisodeFailed(RuntimeError):
@@ -56,8 +83,93 @@ Episode = Callable[["EpisodeContext", Any], Awaitable[EpisodeResult]]
 RewardFn = Callable[[Any, list[int]], "float | Awaitable[float]"]
 
 
+class Gate:
+    """Shared by the controller and every episode: holds new requests during a ``wait`` pause.
+
+    ``inflight`` counts engine calls in progress; ``drained`` is set whenever it is 0.
+    """
+
+    __slots__ = ("drained", "inflight", "open", "retry_backoff_max_s", "retry_backoff_s")
+
+    def __init__(self, retry_backoff_s: float = 0.05, retry_backoff_max_s: float = 2.0):
+        self.open = asyncio.Event()
+        self.open.set()
+        self.drained = asyncio.Event()
+        self.drained.set()
+        self.inflight = 0
+        self.retry_backoff_s = retry_backoff_s
+        self.retry_backoff_max_s = retry_backoff_max_s
+
+
+class RewardRunner:
+    """Calls one reward function: async ones awaited; sync ones inline when cheap, else a thread.
+
+    The first calls (up to 3) of a sync function run in a worker thread, timed
+    (calls arriving meanwhile wait for the verdict). Once one took less than
+    ``inline_s``, later calls run on the event loop — a thread hop costs ~50 µs,
+    more than a cheap reward — and stay timed: a run of inline calls slower than
+    ``inline_s`` (not a single preempted one) sends it back to the thread for good.
+    """
+
+    __slots__ = ("_probe", "_probes", "_slow", "fn", "inline", "inline_s", "is_async")
+
+    def __init__(self, fn: RewardFn, inline_s: float = 0.0002):
+        self.fn = fn
+        self.is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+            getattr(fn, "__call__", None)  # noqa: B004 - async callable objects
+        )
+        self.inline_s = inline_s
+        self.inline = False
+        self._slow = 0.0
+        self._probes = 0
+        self._probe: asyncio.Future | None = None
+
+    async def __call__(self, sample: Any, response_ids: list[int]) -> float:
+        if self.is_async:
+            return float(await self.fn(sample, response_ids))  # type: ignore[misc]
+        if not self.inline and self._probes < 3 and self.inline_s > 0:
+            if self._probe is None or self._probe.done():
+                return await self._first(sample, response_ids)
+            await asyncio.shield(self._probe)
+        if self.inline:
+            t0 = time.perf_counter()
+            value = self.fn(sample, response_ids)
+            if time.perf_counter() - t0 > self.inline_s:
+                self._slow += 1.0  # one preemption is noise; a pattern is a slow function
+                if self._slow > 3.0:
+                    self.inline = False
+                    self.inline_s = 0.0  # never inline again
+            elif self._slow:
+                self._slow *= 0.9
+            return float(value)  # type: ignore[arg-type]
+        return float(await asyncio.to_thread(self.fn, sample, response_ids))  # type: ignore[arg-type]
+
+    async def _first(self, sample: Any, response_ids: list[int]) -> float:
+        self._probes += 1
+        self._probe = asyncio.get_running_loop().create_future()
+        try:
+            value, took = await asyncio.to_thread(self._timed, sample, response_ids)
+            self.inline = took < self.inline_s
+        finally:
+            self._probe.set_result(None)
+        return float(value)
+
+    def _timed(self, sample: Any, response_ids: list[int]) -> tuple[Any, float]:
+        t0 = time.perf_counter()
+        value = self.fn(sample, response_ids)
+        return value, time.perf_counter() - t0
+
+
+async def call_reward(fn: RewardFn, sample: Any, response_ids: list[int]) -> float:
+    """Run a reward function once: async ones awaited, sync ones in a worker thread."""
+    return await RewardRunner(fn, inline_s=0.0)(sample, response_ids)
+
+
 class EpisodeContext:
-    """Handed to each episode: generation with exact versions, ids, and trajectory helpers."""
+    """Handed to each episode: generation with exact versions, rewards, trajectory helpers."""
+
+    __slots__ = ("_engine", "_gate", "_max_retries", "_rids", "_router", "episode_id", "group_id")
+    __slots__ += ("made", "sampling")
 
     def __init__(
         self,
@@ -66,45 +178,81 @@ class EpisodeContext:
         episode_id: int,
         sampling: dict[str, Any],
         max_retries: int,
-        closing: asyncio.Event,
+        gate: Gate,
     ):
         self._router = router
         self.group_id = group_id
         self.episode_id = episode_id
-        self.sampling = dict(sampling)
+        self.sampling = sampling  # shared, read-only: generate() copies before changing it
         self._max_retries = max_retries
-        self._closing = closing
+        self._gate = gate
         self._engine: Any = None  # sticky: every turn of an episode goes to one engine
+        self._rids = 0
+        self.made: list[tuple[Trajectory, int]] = []  # (trajectory, min generated version)
 
     async def generate(self, input_ids: Sequence[int], **sampling: Any) -> Generation:
-        """Complete ``input_ids``; keyword args override the run's sampling params."""
-        params = {**self.sampling, **sampling}
+        """Complete ``input_ids``; keyword args override the run's sampling params.
+
+        Raises :class:`EpisodeFailed` when the request failed ``max_retries + 1`` times.
+        """
+        params = {**self.sampling, **sampling} if sampling else dict(self.sampling)
         budget = int(params.get("max_new_tokens", 128))
-        prefix = list(input_ids)
+        prefix = input_ids if isinstance(input_ids, list) else list(input_ids)
         out = Generation([], [], [], "length")
-        attempts = 0
-        while len(out.output_ids) < budget:
-            params["max_new_tokens"] = budget - len(out.output_ids)
-            rid = f"{self.episode_id}-{len(out.output_ids)}-{attempts}"
+        failures = 0
+        gate = self._gate
+        while True:
+            done = len(out.output_ids)
+            params["max_new_tokens"] = budget - done
+            rid = f"{self.episode_id}-{self._rids}"
+            self._rids += 1
+            if not gate.open.is_set():
+                await gate.open.wait()
+            gate.inflight += 1
+            gate.drained.clear()
             try:
                 if self._engine is None:
-                    self._engine = self._router.pick()
-                res = await self._router.call(self._engine, prefix + out.output_ids, params, rid)
+                    router = self._router
+                    if len(router.engines) == 1 and not router.unhealthy:
+                        self._engine = router.engines[0]  # the common case, without pick()
+                    else:
+                        self._engine = router.pick()
+                ids = prefix + out.output_ids if done else prefix
+                res = await self._router.call(self._engine, ids, params, rid)
             except (EngineError, EngineUnavailable) as exc:
-                attempts += 1
-                self._router.report_failure(self._engine, exc)
-                self._engine = None
-                if attempts > self._max_retries:
+                failures += 1
+                failed, self._engine = self._engine, None
+                self._router.report_failure(failed, exc)
+                if failures > self._max_retries:
                     raise EpisodeFailed(f"episode {self.episode_id}: {exc}") from exc
-                await asyncio.sleep(min(2.0, 0.05 * 2**attempts))
+                self._engine = _other_engine(self._router, failed)
+                backoff = gate.retry_backoff_s * 2 ** (failures - 1)
+                await asyncio.sleep(min(gate.retry_backoff_max_s, backoff))
                 continue
-            out.output_ids += res.output_ids
-            out.logprobs += res.logprobs
-            out.versions += [res.weight_version] * len(res.output_ids)
+            finally:
+                gate.inflight -= 1
+                if gate.inflight == 0:
+                    gate.drained.set()
+            out.calls += 1
+            n = len(res.output_ids)
+            if n:
+                out.output_ids += res.output_ids
+                out.logprobs += res.logprobs
+                out.versions += [res.weight_version] * n
             out.finish_reason = res.finish_reason
-            if res.finish_reason != "abort" or self._closing.is_set():
-                break
-        return out
+            if res.finish_reason != "abort" or len(out.output_ids) >= budget:
+                if out.finish_reason == "abort":
+                    out.finish_reason = "length"
+                return out
+            if not n:  # aborted before any progress: do not spin against a paused engine
+                await asyncio.sleep(gate.retry_backoff_s)
+
+    async def reward(
+        self, fn: RewardFn | RewardRunner, sample: Any, response_ids: list[int]
+    ) -> float:
+        """Score ``response_ids``: async functions awaited, sync ones off the event loop."""
+        runner = fn if isinstance(fn, RewardRunner) else RewardRunner(fn, inline_s=0.0)
+        return await runner(sample, response_ids)
 
     def trajectory(
         self,
@@ -116,53 +264,93 @@ class EpisodeContext:
         """Build a Trajectory from alternating generations and environment tokens.
 
         Generated tokens are trained on; environment tokens (plain int sequences)
-        are masked out, with log-prob 0 and the version of the turn before them.
+        are masked out, with log-prob 0 and the version of the turn before them
+        (of the turn after them when they come first).
         """
-        ids: list[int] = []
-        lps: list[float] = []
-        vers: list[int] = []
-        mask: list[int] = []
-        last_version = 0
-        for turn in turns:
-            if isinstance(turn, Generation):
-                ids += turn.output_ids
-                lps += turn.logprobs
-                vers += turn.versions
-                mask += [1] * len(turn.output_ids)
-                if turn.versions:
-                    last_version = turn.versions[-1]
-            else:
-                env = list(turn)
-                ids += env
-                lps += [0.0] * len(env)
-                vers += [last_version] * len(env)
-                mask += [0] * len(env)
-        return Trajectory(
+        if len(turns) == 1 and isinstance(turns[0], Generation):  # the common single turn
+            g = turns[0]
+            ids, lps, vers = g.output_ids, g.logprobs, g.versions
+            mask = _ones(len(ids))
+            oldest = min(vers) if vers else 0
+        else:
+            ids, lps, vers, mask_list = _stitch(turns)
+            mask = np.asarray(mask_list, np.uint8)
+            gens = [t.versions[0] for t in turns if isinstance(t, Generation) and t.versions]
+            oldest = min(gens) if gens else (min(vers) if vers else 0)
+        traj = Trajectory(
             prompt_ids=np.asarray(prompt_ids, np.int32),
             response_ids=np.asarray(ids, np.int32),
             behav_logprobs=np.asarray(lps, np.float32),
             versions=np.asarray(vers, np.int32),
-            loss_mask=np.asarray(mask, np.uint8),
+            loss_mask=mask,
             reward=float(reward),
             group_id=self.group_id,
             episode_id=self.episode_id,
             **extra,
         )
+        # Versions only grow over time, so the first generated token is the oldest: a lower
+        # bound of the trained tokens' version however the episode edits loss_mask later.
+        self.made.append((traj, oldest))
+        return traj
+
+    def min_version(self, traj: Trajectory) -> int:
+        """Oldest version of ``traj``'s trained tokens (cached when this context built it)."""
+        for t, oldest in self.made:
+            if t is traj:
+                return oldest
+        return traj.min_version
 
 
-async def call_reward(fn: RewardFn, sample: Any, response_ids: list[int]) -> float:
-    """Run a reward function: async ones awaited, sync ones off the event loop."""
-    if inspect.iscoroutinefunction(fn):
-        return float(await fn(sample, response_ids))
-    return float(await asyncio.to_thread(fn, sample, response_ids))
+_ONES = np.ones(1 << 16, np.uint8)
+_ONES.flags.writeable = False
 
 
-def single_turn(reward_fn: RewardFn) -> Episode:
+def _ones(n: int) -> np.ndarray:
+    """A read-only loss mask of n ones (a view of one shared buffer when small)."""
+    return _ONES[:n] if n <= len(_ONES) else np.ones(n, np.uint8)
+
+
+def _other_engine(router: Router, failed: Any) -> Any:
+    """The least-loaded engine in rotation other than ``failed`` (None: let pick() decide)."""
+    others = [e for e in router.engines if e is not failed and id(e) not in router.unhealthy]
+    if not others:
+        return None  # only the failed one (or none) is left: pick again after the back-off
+    return min(others, key=lambda e: router.outstanding[id(e)])
+
+
+def _stitch(
+    turns: Sequence[Generation | Sequence[int]],
+) -> tuple[list[int], list[float], list[int], list[int]]:
+    first = next((t.versions[0] for t in turns if isinstance(t, Generation) and t.versions), 0)
+    ids: list[int] = []
+    lps: list[float] = []
+    vers: list[int] = []
+    mask: list[int] = []
+    last_version = first
+    for turn in turns:
+        if isinstance(turn, Generation):
+            ids += turn.output_ids
+            lps += turn.logprobs
+            vers += turn.versions
+            mask += [1] * len(turn.output_ids)
+            if turn.versions:
+                last_version = turn.versions[-1]
+        else:
+            env = [int(t) for t in turn]
+            ids += env
+            lps += [0.0] * len(env)
+            vers += [last_version] * len(env)
+            mask += [0] * len(env)
+    return ids, lps, vers, mask
+
+
+def single_turn(reward_fn: RewardFn, inline_reward_s: float = 0.0002) -> Episode:
     """The default episode: one generation from the sample's prompt, scored by ``reward_fn``."""
+    runner = RewardRunner(reward_fn, inline_reward_s)
 
     async def episode(ctx: EpisodeContext, sample: Sample) -> Trajectory:
         gen = await ctx.generate(sample.prompt_ids)
-        reward = await call_reward(reward_fn, sample, gen.output_ids)
+        reward = await runner(sample, gen.output_ids)
         return ctx.trajectory(sample.prompt_ids, [gen], reward)
 
     return episode

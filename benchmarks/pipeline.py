@@ -1,0 +1,202 @@
+"""Pipeline speedup: the same RL workload synchronous (max_staleness=0) vs asynchronous (=2).
+
+``asyncrl bench pipeline [--steps N] [--json PATH]``
+
+Both runs go through ``asyncrl run``'s own code path (``runner.run_job``): the
+embedded engine in its own process pinned to one core, the FSDP trainer in its own
+process pinned to the other core (as rollout and training get their own GPUs in a
+disaggregated deployment), Gloo weight sync after every step, the controller in
+this process. Only ``controller.max_staleness`` differs.
+
+The workload: prompts of the built-in reverse task, each with a generation length
+drawn from a Pareto distribution (``--min-len``, ``--alpha``, capped at
+``--max-len``; ``ignore_eos``) — the long tail of real reasoning/agent rollouts,
+where a synchronous step waits for its slowest sequence while the engine decodes
+a nearly empty batch and the trainer idles. The sample stream (prompts and
+lengths) is identical in both runs.
+
+Measured over a steady-state window: from the report of step ``--warmup - 1``
+to the report of the last step (process start-up and the first pipeline fill
+excluded, in both runs alike). ``trainer_idle_frac`` = 1 - (time the trainer
+spent in train steps and weight snapshots) / window. ``staleness_violations``
+counts trained samples with ``step - version > max_staleness`` (over the whole run).
+The whole-run times (controller start to last report) are in the JSON too.
+``--repeats K`` alternates K sync/async pairs and reports the median run of each mode
+(this machine's load from other work drifts by tens of percent within minutes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from asyncrl.config import load_config
+from asyncrl.controllers.episode import EpisodeContext, Sample
+from asyncrl.transports.experience.types import Trajectory
+
+
+def length_stream(seed: int, min_len: int, alpha: float, max_len: int) -> Iterator[int]:
+    """Pareto(alpha) lengths scaled by ``min_len``, capped at ``max_len``."""
+    rng = random.Random(seed)
+    while True:
+        u = rng.random()
+        yield min(max_len, math.ceil(min_len * (1.0 - u) ** (-1.0 / alpha)))
+
+
+def samples(
+    model_path: str, seed: int, min_len: int, alpha: float, max_len: int
+) -> Iterator[Sample]:
+    from asyncrl.tasks.reverse import ReverseTask
+
+    task = ReverseTask.from_tokenizer_dir(model_path, 3, seed)
+    lengths = length_stream(seed + 1, min_len, alpha, max_len)
+    for s, n in zip(task.samples(), lengths):  # noqa: B905 - both infinite
+        yield Sample(prompt_ids=s.prompt_ids, answer=(s.answer, n), id=s.id)
+
+
+async def episode(ctx: EpisodeContext, sample: Sample) -> Trajectory:
+    """Generate exactly the sample's length; reward: the reverse task's partial credit."""
+    answer, n = sample.answer
+    gen = await ctx.generate(sample.prompt_ids, max_new_tokens=n, ignore_eos=True)
+    hits = sum(1 for a, b in zip(gen.output_ids, answer) if a == b)  # noqa: B905
+    return ctx.trajectory(sample.prompt_ids, [gen], hits / len(answer))
+
+
+def measure(rows: list[dict[str, Any]], warmup: int, staleness: int) -> dict[str, float]:
+    rows = sorted(rows, key=lambda r: r["step"])
+    window = rows[warmup:]
+    t_start = rows[warmup - 1]["controller_s"] if warmup > 0 else 0.0
+    span = rows[-1]["controller_s"] - t_start
+    busy = sum(r.get("train_s", 0.0) + r.get("push_call_s", 0.0) for r in window)
+    violations = sum(
+        int(r["num_samples"]) for r in rows if r["staleness_max"] > staleness
+    )  # a whole batch counts when any of it is too stale: an upper bound
+    return {
+        "seconds": span,
+        "total_s": rows[-1]["controller_s"],
+        "steps": len(window),
+        "trainer_busy_s": busy,
+        "trainer_idle_frac": max(0.0, 1.0 - busy / span),
+        "violations": violations,
+        "staleness_max": max(r["staleness_max"] for r in rows),
+        "reward_last": sum(r["reward_mean"] for r in rows[-5:]) / min(5, len(rows)),
+    }
+
+
+def _median(runs: list[dict[str, float]]) -> dict[str, float]:
+    """The run with the median window time (its own metrics, not a mix of runs)."""
+    return sorted(runs, key=lambda r: r["seconds"])[(len(runs) - 1) // 2]
+
+
+def run_once(staleness: int, a: argparse.Namespace, model_path: str, out: Path) -> dict[str, float]:
+    from asyncrl.runner import run_job
+
+    overrides = [
+        f"--controller.max_staleness={staleness}",
+        f"--controller.batch_size={a.batch_size}",
+        f"--controller.total_steps={a.steps + a.warmup}",
+        f"--algo.group_size={a.group_size}",
+        f"--rollout.max_new_tokens={a.max_len}",
+        f"--rollout.max_batch_size={a.engine_batch}",
+        f"--rollout.pause_mode={a.pause_mode}",
+        "--trainer.threads=1",
+    ]
+    cfg = load_config(None, overrides)
+    stream = samples(model_path, a.seed, a.min_len, a.alpha, a.max_len)
+    pin = {"engine": {a.engine_core}, "trainer": {a.trainer_core}} if a.pin else None
+    run_dir = out / f"staleness{staleness}"
+
+    async def go() -> list[dict[str, Any]]:
+        return await run_job(cfg, run_dir, quiet=True, episode=episode, samples=stream, pin=pin)
+
+    try:
+        import uvloop
+
+        rows = uvloop.run(go())
+    except ImportError:
+        rows = asyncio.run(go())
+    return measure(rows, a.warmup, staleness)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=16, help="measured train steps per run")
+    p.add_argument("--warmup", type=int, default=2, help="steps before the measured window")
+    p.add_argument("--batch-size", type=int, default=8, help="groups per step")
+    p.add_argument("--group-size", type=int, default=8, help="samples per group")
+    p.add_argument("--min-len", type=int, default=2, help="Pareto scale of generation lengths")
+    p.add_argument("--alpha", type=float, default=1.0, help="Pareto shape (smaller: longer tail)")
+    p.add_argument("--max-len", type=int, default=32, help="cap of generation lengths")
+    p.add_argument("--engine-batch", type=int, default=32, help="engine max_batch_size")
+    p.add_argument("--pause-mode", default="in_place", choices=["abort", "in_place"])
+    p.add_argument("--async-staleness", type=int, default=2)
+    p.add_argument("--engine-core", type=int, default=0)
+    p.add_argument("--trainer-core", type=int, default=1)
+    p.add_argument("--no-pin", dest="pin", action="store_false", help="do not pin processes")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=1, help="alternating sync/async pairs")
+    p.add_argument("--out", default=None, help="folder for the two runs (default: a temp dir)")
+    p.add_argument("--json", default=None, help="write results here")
+    a = p.parse_args(argv)
+    if a.warmup < 1:
+        p.error("--warmup must be >= 1")
+    from asyncrl.config import RunConfig
+    from asyncrl.runner import resolve_model
+
+    model_path = resolve_model(RunConfig())
+    out = Path(a.out or tempfile.mkdtemp(prefix="asyncrl-pipeline-"))
+    syncs, asyns = [], []
+    for i in range(a.repeats):  # alternate, so both modes see the same drift in machine load
+        syncs.append(run_once(0, a, model_path, out / f"r{i}"))
+        asyns.append(run_once(a.async_staleness, a, model_path, out / f"r{i}"))
+    sync, asyn = _median(syncs), _median(asyns)
+    res = {
+        "sync_s": sync["seconds"],
+        "async_s": asyn["seconds"],
+        "speedup": sync["seconds"] / asyn["seconds"],
+        "trainer_idle_frac_sync": sync["trainer_idle_frac"],
+        "trainer_idle_frac_async": asyn["trainer_idle_frac"],
+        "staleness_violations": sync["violations"] + asyn["violations"],
+        "sync_total_s": sync["total_s"],
+        "async_total_s": asyn["total_s"],
+        "speedup_total": sync["total_s"] / asyn["total_s"],
+        "staleness_max_async": asyn["staleness_max"],
+        "steps": a.steps,
+        "samples_per_step": a.batch_size * a.group_size,
+        "max_staleness_async": a.async_staleness,
+        "lengths": {"pareto_alpha": a.alpha, "min": a.min_len, "max": a.max_len},
+        "pinned": bool(a.pin),
+        "repeats": a.repeats,
+        "speedups_each": [s["seconds"] / x["seconds"] for s, x in zip(syncs, asyns)],  # noqa: B905
+        "cpus": os.cpu_count(),
+        "runs": str(out),
+    }
+    print(f"{'mode':<22} {'window s':>9} {'total s':>8} {'trainer idle':>13} {'max stale':>10}")
+    for name, r in (
+        ("sync  (staleness 0)", sync),
+        (f"async (staleness {a.async_staleness})", asyn),
+    ):
+        print(
+            f"{name:<22} {r['seconds']:>9.2f} {r['total_s']:>8.2f} {r['trainer_idle_frac']:>13.2f}"
+            f" {r['staleness_max']:>10d}"
+        )
+    print(
+        f"speedup {res['speedup']:.2f}x (whole run {res['speedup_total']:.2f}x), "
+        f"staleness violations {res['staleness_violations']}"
+    )
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=2)
+    return res
+
+
+if __name__ == "__main__":
+    main()

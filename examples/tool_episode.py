@@ -1,0 +1,150 @@
+"""A multi-turn, tool-using episode driven through the embedding API.
+
+    python examples/tool_episode.py            # starts an embedded engine with the tiny model
+    python examples/tool_episode.py --url http://127.0.0.1:30000   # or use a running engine
+
+The episode: the model reads ``<s> d1 d2 d3 =`` and writes up to 4 tokens (turn 1).
+The digits it wrote are a call to a "calculator" tool, which answers with their sum
+mod 10 followed by ``=`` — environment tokens, kept in the trajectory but masked
+out of the loss. The model then writes 2 more tokens (turn 2); the reward is 1 if
+its first token repeats the tool's answer. An episode whose turn 1 holds no digit
+made no tool call and is rejected (returns None). The reward function is async
+(awaited on the loop); a sync one would run off the loop.
+
+The loop below is where your own trainer goes: take a batch, train on it, load
+the new weights inside ``ctl.weight_update(version)`` (the engines pause, and go
+on afterwards even if loading fails). Here, "loading weights" only bumps the
+engine's version, so the example runs in seconds on a CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from asyncrl import Controller, EpisodeContext, RunConfig, Trajectory
+from asyncrl.config import AlgoConfig, ControllerConfig, RolloutConfig
+from asyncrl.controllers.episode import Sample
+
+
+def vocabulary(model_path: str) -> dict[str, int]:
+    tok = json.loads((Path(model_path) / "tokenizer.json").read_text())
+    return dict(tok["model"]["vocab"])
+
+
+def prompts(vocab: dict[str, int], seed: int = 0) -> Iterator[Sample]:
+    rng = random.Random(seed)
+    i = 0
+    while True:
+        digits = [str(rng.randrange(10)) for _ in range(3)]
+        ids = [vocab["<s>"], *(vocab[d] for d in digits), vocab["="]]
+        yield Sample(prompt_ids=ids, id=i)
+        i += 1
+
+
+def make_episode(vocab: dict[str, int]) -> Any:
+    digit_of = {vocab[str(d)]: d for d in range(10)}
+
+    def calculator(token_ids: list[int]) -> list[int] | None:
+        """The tool: sum of the digits the model wrote, mod 10, then '='."""
+        digits = [digit_of[t] for t in token_ids if t in digit_of]
+        if not digits:
+            return None
+        return [vocab[str(sum(digits) % 10)], vocab["="]]
+
+    async def reward(expected: int, response: list[int]) -> float:
+        return float(bool(response) and response[0] == expected)
+
+    async def episode(ctx: EpisodeContext, sample: Sample) -> Trajectory | None:
+        turn1 = await ctx.generate(sample.prompt_ids, max_new_tokens=4)
+        tool_out = calculator(turn1.output_ids)
+        if tool_out is None:
+            return None  # no tool call: reject the sample
+        context = sample.prompt_ids + turn1.output_ids + tool_out
+        turn2 = await ctx.generate(context, max_new_tokens=2)
+        r = await ctx.reward(reward, tool_out[0], turn2.output_ids)
+        return ctx.trajectory(sample.prompt_ids, [turn1, tool_out, turn2], r)
+
+    return episode
+
+
+async def drive(url: str, model_path: str, steps: int, batch_size: int, group_size: int) -> dict:
+    cfg = RunConfig(
+        controller=ControllerConfig(batch_size=batch_size, max_staleness=1, pause_mode="abort"),
+        algo=AlgoConfig(group_size=group_size),
+        rollout=RolloutConfig(urls=(url,), max_new_tokens=8),
+    )
+    vocab = vocabulary(model_path)
+    async with Controller(cfg, episode=make_episode(vocab)) as ctl:
+        stream = prompts(vocab)
+        ctl.submit(next(stream) for _ in range(steps * batch_size * 2))
+        for step in range(steps):
+            batch = await ctl.next_batch()
+            # --- your trainer: train on batch.trajectories (loss_mask marks trained tokens) ---
+            masked = sum(int((t.loss_mask == 0).sum()) for t in batch.trajectories)
+            print(
+                f"step {batch.step}: {len(batch.groups)} groups, reward {batch.reward_mean:.2f},"
+                f" {masked} tool tokens masked, staleness {batch.staleness_max}"
+            )
+            async with ctl.weight_update(step + 1):
+                for engine in ctl.router.engines:  # stands in for loading new weights
+                    await engine.update_weight_version(str(step + 1))  # type: ignore[attr-defined]
+        stats = ctl.stats()
+    print("controller stats:", stats)
+    return stats
+
+
+def start_engine(model_path: str) -> tuple[Any, str]:
+    from asyncrl.procs import free_port, spawn
+
+    port = free_port()
+    log = Path(tempfile.mkdtemp(prefix="asyncrl-example-")) / "engine.log"
+    args = ["-m", "asyncrl.engines.rollout.local.server", "--model-path", model_path]
+    proc = spawn([*args, "--port", str(port)], log)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+async def wait_healthy(url: str, timeout_s: float = 120.0) -> None:
+    from asyncrl.engines.rollout.sglang import SGLangClient
+
+    client = SGLangClient(url)
+    try:
+        await client.wait_healthy(timeout_s)
+    finally:
+        await client.close()
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description="a multi-turn tool-using episode via the embedding API")
+    p.add_argument("--url", default=None, help="a running engine (default: start one)")
+    p.add_argument("--model-path", default=None, help="default: the tiny model")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--group-size", type=int, default=4)
+    a = p.parse_args(argv)
+    from asyncrl.runner import resolve_model
+
+    model_path = a.model_path or resolve_model(RunConfig())
+    proc = None
+    url = a.url
+    if url is None:
+        proc, url = start_engine(model_path)
+    try:
+        asyncio.run(wait_healthy(url))
+        return asyncio.run(drive(url, model_path, a.steps, a.batch_size, a.group_size))
+    finally:
+        if proc is not None:
+            from asyncrl.procs import stop
+
+            stop([proc])
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)

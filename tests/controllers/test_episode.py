@@ -1,0 +1,238 @@
+"""The episode API against a real embedded engine: multi-turn with masked tool tokens,
+abort + resume with an exact budget and per-token versions, engines that go on after
+a failed update; plus reward dispatch, resume counters and fail-over on test doubles."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from asyncrl.config import AlgoConfig, ControllerConfig, RolloutConfig, RunConfig
+from asyncrl.controllers.controller import Controller, NoMoreSamples
+from asyncrl.controllers.episode import EpisodeContext, Gate, RewardRunner
+from asyncrl.controllers.router import Router
+from asyncrl.engines.rollout.sglang import SGLangClient
+from asyncrl.procs import spawn, stop
+from tests.controllers.fakes import FakeEngine, VirtualTimeLoop
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def engine_url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    from asyncrl.procs import free_port
+
+    port = free_port()
+    log = tmp_path_factory.mktemp("engine") / "engine.log"
+    args = ["-m", "asyncrl.engines.rollout.local.server", "--model-path", str(tiny_model_dir)]
+    proc = spawn([*args, "--port", str(port), "--seed", "1"], log)
+    url = f"http://127.0.0.1:{port}"
+    try:
+
+        async def up() -> None:
+            c = SGLangClient(url)
+            try:
+                await c.wait_healthy(120)
+            finally:
+                await c.close()
+
+        asyncio.run(up())
+        yield url
+    finally:
+        stop([proc])
+
+
+def _example():
+    spec = importlib.util.spec_from_file_location("tool_episode", ROOT / "examples/tool_episode.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["tool_episode"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_example_multi_turn_tool_episode(engine_url: str, tiny_model_dir: Path) -> None:
+    stats = asyncio.run(_example().drive(engine_url, str(tiny_model_dir), 3, 2, 3))
+    assert stats["trained"] == 6 and stats["version"] == 3 and stats["failed"] == 0
+    assert stats["groups_admitted"] == (
+        stats["trained"]
+        + stats["ready"]
+        + stats["running"]
+        + stats["rejected"]
+        + stats["stale_dropped"]
+        + stats["stale_regenerated"]
+    )
+
+
+async def test_tool_tokens_masked_and_versions_exact(engine_url: str) -> None:
+    client = SGLangClient(engine_url)
+    ctx = EpisodeContext(Router([client]), 0, 123, {"max_new_tokens": 5}, 1, Gate())
+    try:
+        await client.update_weight_version("4")
+        t1 = await ctx.generate([1, 5, 6, 7, 14], ignore_eos=True)
+        tool = [9, 9, 9]
+        t2 = await ctx.generate([1, 5, 6, 7, 14, *t1.output_ids, *tool], max_new_tokens=2)
+        traj = ctx.trajectory([1, 5, 6, 7, 14], [t1, tool, t2], reward=0.5)
+    finally:
+        await client.close()
+    assert len(t1.output_ids) == 5 and len(t2.output_ids) <= 2
+    assert traj.loss_mask.tolist() == [1] * 5 + [0] * 3 + [1] * len(t2.output_ids)
+    assert traj.behav_logprobs[5:8].tolist() == [0.0, 0.0, 0.0]
+    assert set(traj.versions.tolist()) == {4} and traj.min_version == 4
+    assert ctx.min_version(traj) == 4
+
+
+async def test_abort_resumes_on_same_engine_with_exact_budget(engine_url: str) -> None:
+    client = SGLangClient(engine_url)
+    ctx = EpisodeContext(Router([client]), 0, 7, {"max_new_tokens": 300}, 0, Gate())
+    try:
+        await client.update_weight_version("0")
+        task = asyncio.ensure_future(ctx.generate([1, 5, 6, 7, 14], ignore_eos=True))
+        await asyncio.sleep(0.3)
+        await client.pause_generation("abort")
+        await client.update_weight_version("1")
+        await client.continue_generation()
+        gen = await asyncio.wait_for(task, 120)
+    finally:
+        await client.close()
+    assert len(gen.output_ids) == 300 == len(gen.logprobs) == len(gen.versions)
+    assert gen.calls >= 2, "the abort should have interrupted the request"
+    assert gen.versions == sorted(gen.versions) and set(gen.versions) <= {0, 1}
+    assert gen.versions[-1] == 1 and gen.finish_reason == "length"
+
+
+async def test_engines_continue_after_failed_update(engine_url: str) -> None:
+    cfg = RunConfig(
+        controller=ControllerConfig(batch_size=1, max_staleness=0),
+        algo=AlgoConfig(group_size=1),
+        rollout=RolloutConfig(urls=(engine_url,), max_new_tokens=3),
+    )
+
+    async def episode(ctx: EpisodeContext, sample: list[int]):
+        gen = await ctx.generate(sample)
+        return ctx.trajectory(sample, [gen], 1.0)
+
+    async with Controller(cfg, episode) as ctl:
+        for mode in ("abort", "in_place", "wait"):
+            with pytest.raises(OSError):
+                async with ctl.weight_update(1, mode):
+                    raise OSError("update failed")
+            assert ctl.staleness.version == 0
+        ctl.submit([[1, 5, 6, 14]])
+        ctl.end_input()
+        batch = await asyncio.wait_for(ctl.next_batch(), 60)  # the engine still generates
+        assert batch.step == 0 and len(batch.trajectories) == 1
+        with pytest.raises(NoMoreSamples):
+            await ctl.next_batch()
+
+
+async def test_reward_runner_inlines_cheap_sync_and_threads_slow() -> None:
+    loop_thread = threading.get_ident()
+    seen: list[bool] = []
+
+    def cheap(sample: object, ids: list[int]) -> float:
+        seen.append(threading.get_ident() == loop_thread)
+        return 1.0
+
+    runner = RewardRunner(cheap, inline_s=0.01)
+    vals = await asyncio.gather(*(runner(None, [1]) for _ in range(5)))
+    vals.append(await runner(None, [1]))
+    assert vals == [1.0] * 6 and seen[0] is False and seen[-1] is True
+
+    def slow(sample: object, ids: list[int]) -> float:
+        seen.append(threading.get_ident() == loop_thread)
+        import time
+
+        time.sleep(0.003)
+        return 2.0
+
+    seen.clear()
+    runner = RewardRunner(slow, inline_s=0.001)
+    for _ in range(3):
+        assert await runner(None, []) == 2.0
+    assert seen == [False, False, False]
+
+    async def coro(sample: object, ids: list[int]) -> float:
+        return 3.0
+
+    assert await RewardRunner(coro)(None, []) == 3.0
+
+
+def _run_virtual(coro) -> object:
+    loop = VirtualTimeLoop()
+    try:
+        return loop.run_until_complete(coro)
+    finally:
+        loop.close()
+
+
+def test_admission_counters_survive_resume_and_sync_mode_is_lockstep() -> None:
+    import random
+
+    async def go() -> None:
+        rng = random.Random(0)
+        engine = FakeEngine("e", rng, 0.1)
+        cfg = RunConfig(
+            controller=ControllerConfig(batch_size=2, max_staleness=0),
+            algo=AlgoConfig(group_size=2),
+            rollout=RolloutConfig(max_new_tokens=4),
+        )
+
+        async def episode(ctx: EpisodeContext, sample: int):
+            return ctx.trajectory([1], [await ctx.generate([1, sample])], 0.0)
+
+        engine.version = 5
+        async with Controller(cfg, episode, [engine], range(100), start_version=5) as ctl:
+            await asyncio.sleep(0.01)
+            st = ctl.stats()
+            assert st["admitted_total"] == 12 and st["capacity"] == 12  # (0 + 5 + 1) * 2
+            assert st["running"] == 2  # one batch in flight: synchronous
+            for step in (5, 6, 7):
+                b = await ctl.next_batch()
+                assert b.step == step and b.staleness_max == 0
+                assert ctl.stats()["running"] == 0  # nothing generates while "training"
+                engine.version = step + 1
+                await ctl.set_version(step + 1)
+
+    _run_virtual(go())
+
+
+def test_failover_to_healthy_engine_and_back_into_rotation() -> None:
+    import random
+
+    async def go() -> None:
+        rng = random.Random(1)
+        a, b = FakeEngine("a", rng, 0.01), FakeEngine("b", rng, 0.01)
+        cfg = RunConfig(
+            controller=ControllerConfig(batch_size=4, max_staleness=1, health_interval_s=1.0),
+            algo=AlgoConfig(group_size=1),
+            rollout=RolloutConfig(max_new_tokens=3),
+        )
+
+        async def episode(ctx: EpisodeContext, sample: int):
+            return ctx.trajectory([1], [await ctx.generate([1, sample])], 0.0)
+
+        async with Controller(cfg, episode, [a, b], range(40)) as ctl:
+            ctl.end_input()
+            a.down(5.0)
+            n = 0
+            while True:
+                try:
+                    batch = await ctl.next_batch()
+                except NoMoreSamples:
+                    break
+                n += len(batch.groups)
+                a.version = b.version = batch.step + 1
+                await ctl.set_version(batch.step + 1)
+            st = ctl.stats()
+        assert n == 40 and st["failed"] == 0 and st["engine_failures"] >= 1
+        assert st["engines_out"] == 0 or asyncio.get_running_loop().time() < 6.0
+        assert b.requests > a.requests
+
+    _run_virtual(go())
