@@ -33,14 +33,24 @@ def _all_reduce(value: float, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -
 class FSDPEngine:
     """TrainEngine over FSDP2 (see ``asyncrl.engines.train.base`` for the contract)."""
 
-    def __init__(self, model_path: str, config: RunConfig):
-        from transformers import AutoModelForCausalLM
+    def __init__(self, model_path: str, config: RunConfig, role: str = "actor"):
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
+        if role not in ("actor", "critic"):
+            raise ValueError(f"FSDPEngine role must be 'actor' or 'critic', got {role!r}")
+        self.role = role
         self.config = config
         tc = config.trainer
         self.device = torch.device(tc.device)
         dtype = getattr(torch, config.model.dtype)
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(self.device)
+        if role == "critic":  # value head (num_labels=1) on the same backbone
+            hf_config = AutoConfig.from_pretrained(model_path, num_labels=1)
+            hf_config.classifier_dropout = 0.0
+            model = AutoModelForTokenClassification.from_pretrained(
+                model_path, config=hf_config, dtype=dtype
+            ).to(self.device)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(self.device)
         self.pad_id = model.config.pad_token_id or 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         if dist.is_initialized():
@@ -95,6 +105,9 @@ class FSDPEngine:
         ids, mask = pad_inputs(mb, self.pad_id)
         ids, mask = ids.to(self.device), mask.to(self.device)
         logits = self.model(input_ids=ids, attention_mask=mask).logits.float()
+        if self.role == "critic":  # value of the state before each response token
+            values = logits[..., 0]
+            return [values[i, s.prompt_len - 1 : len(s.input_ids) - 1] for i, s in enumerate(mb)]
         logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
         return [logp[i, s.prompt_len - 1 : len(s.input_ids) - 1] for i, s in enumerate(mb)]
 
