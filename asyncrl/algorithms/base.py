@@ -181,7 +181,7 @@ class PolicyUpdate:
         stats = run_updates(self.actor, seqs, self.loss, a, gen, self._set_scale)
         out = per_token(stats, "tokens")
         out.update(self.loss.extrema)
-        out["train_tokens"] = stats.get("tokens", 0.0)
+        out["train_tokens"] = stats.get("tokens", 0.0) / a.epochs
         out["updates"] = float(a.epochs * a.num_minibatches)
         return out
 
