@@ -172,13 +172,14 @@ class PolicyLoss:
         else:
             decoupled = self.objective == "decoupled"
             loss, info = ppo_token_loss(logp, behav, adv, prox, self.clip_eps, self.cap, decoupled)
+        old = behav if self.objective == "naive" else prox  # what the ratio is taken against
         stats = {
             "pg_loss_sum": (loss.detach() * mask).sum(),
             "tokens": mask.sum(),
             "clip_frac_sum": (info["clipped"] * mask).sum(),
             "imp_weight_sum": (info["imp_weight"] * mask).sum(),
             "imp_truncated_sum": (info["truncated"] * mask).sum(),
-            "approx_kl_sum": (0.5 * (logp.detach() - prox) ** 2 * mask).sum(),
+            "approx_kl_sum": (0.5 * (logp.detach() - old) ** 2 * mask).sum(),
             "behav_kl_sum": ((behav - prox) * mask).sum(),
             "entropy_sum": (-logp.detach() * mask).sum(),
         }
