@@ -45,7 +45,7 @@ class TaskConfig(_Section):
     """Built-in task. ``reverse``: repeat n digits in reverse order; reward = fraction right.
     ``math``: prompts from a local JSONL/Parquet file (``path``), rendered with the model's chat
     template; reward 1 when the last integer in the response equals the answer, else 0."""
-    num_digits: int = 3
+    num_digits: int = 2
     """Digits per prompt for the ``reverse`` task."""
     seed: int = 0
     """Seed of the prompt stream."""
@@ -121,7 +121,7 @@ class AlgoConfig(_Section):
     """Samples per prompt (GRPO group; PPO samples each prompt this many times too)."""
     clip_eps: float = 0.2
     """PPO clip range of the surrogate objective."""
-    norm_adv_by_std: bool = False
+    norm_adv_by_std: bool = True
     """GRPO: divide group-centred advantages by the group's std (off = Dr.GRPO's unbiased form)."""
     behav_imp_weight_cap: float = 5.0
     """Cap of the importance weight between the proximal and the behaviour policy."""

@@ -50,10 +50,12 @@ def run_arm(arm: str, seed: int, args: argparse.Namespace, root: Path) -> dict[s
         f"--seed={seed}",
         f"--task.seed={seed}",
         f"--controller.total_steps={args.steps}",
-        f"--controller.batch_size={args.batch_size}",
-        f"--algo.group_size={args.group_size}",
         *args.override,
     ]
+    if args.batch_size:
+        overrides.append(f"--controller.batch_size={args.batch_size}")
+    if args.group_size:
+        overrides.append(f"--algo.group_size={args.group_size}")
     cfg = load_config(None, overrides)
     run_dir = root / f"{arm}-seed{seed}"
     t0 = time.perf_counter()
@@ -122,8 +124,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--seeds", default="0,1", help="comma-separated seeds (>= 2 for the claim)")
     p.add_argument("--steps", type=int, default=30, help="train steps per run")
-    p.add_argument("--batch-size", type=int, default=16, help="groups per step")
-    p.add_argument("--group-size", type=int, default=8, help="samples per group")
+    p.add_argument("--batch-size", type=int, default=0, help="groups per step (0: run default)")
+    p.add_argument("--group-size", type=int, default=0, help="samples per group (0: default)")
     p.add_argument("--staleness", type=int, default=4, help="max_staleness of the async arms")
     p.add_argument("--arms", default=",".join(ARMS), help="subset of: " + ", ".join(ARMS))
     p.add_argument("--override", action="append", default=[], help="extra --section.key=value")

@@ -123,7 +123,7 @@ async def test_custom_reward_from_config(
     assert await call_reward(task.reward, sample, [vocab["1"]]) == 0.0
     task = make_task(TaskConfig(reward_fn="my_rewards.by_length"), str(tiny_model_dir))
     assert await call_reward(task.reward, sample, [1, 2, 3]) == pytest.approx(0.3)
-    assert task.max_new_tokens == 4
+    assert task.max_new_tokens == TaskConfig().num_digits + 1
     sys.modules.pop("my_rewards", None)
 
 
@@ -140,14 +140,15 @@ def test_reverse_task_unchanged(tiny_model_dir: Path) -> None:
     task = make_task(TaskConfig(), str(tiny_model_dir))
     vocab = json.loads((tiny_model_dir / "tokenizer.json").read_text())["model"]["vocab"]
     s = next(task.samples())
-    assert isinstance(s, Sample) and len(s.answer) == 3 and task.max_new_tokens == 4
+    n = TaskConfig().num_digits
+    assert isinstance(s, Sample) and len(s.answer) == n and task.max_new_tokens == n + 1
     assert task.reward(s, [*s.answer, vocab["</s>"]]) == 1.0
 
 
 def test_config_keys() -> None:
     cfg = load_config(None, ["--algo.name=ppo", "--task.name=math", "--task.max_new_tokens=64"])
     assert cfg.algo.name == "ppo" and generation_budget(cfg) == 64
-    assert generation_budget(RunConfig()) == 4
+    assert generation_budget(RunConfig()) == RunConfig().task.num_digits + 1
     with pytest.raises(ValueError, match="allowed values"):
         load_config(None, ["--algo.name=dpo"])
     with pytest.raises(ValueError, match=r"algo\.lam"):
