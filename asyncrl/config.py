@@ -123,8 +123,9 @@ class AlgoConfig(_Section):
     """PPO clip range of the surrogate objective."""
     norm_adv_by_std: bool = True
     """GRPO: divide group-centred advantages by the group's std (off = Dr.GRPO's unbiased form)."""
-    behav_imp_weight_cap: float = 5.0
-    """Cap of the importance weight between the proximal and the behaviour policy."""
+    behav_imp_weight_cap: float = 1.0
+    """Cap of the importance weight proximal/behaviour (>= 1). 1 (V-trace style) only
+    down-weights tokens the policy has moved away from and never amplifies stale ones."""
     decoupled: bool = True
     """Decoupled off-policy objective: clip against the proximal policy (the trainer's weights at
     the start of the step), weighted by the truncated ratio proximal/behaviour. Used when
