@@ -29,6 +29,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("config", nargs="?", help="TOML config file (default: built-in defaults)")
     run.add_argument("--run-dir", default=None, help="output folder (default: a new runs/<time>)")
     run.add_argument("--quiet", action="store_true", help="no per-step progress lines")
+    run.add_argument("--algo", choices=("grpo", "ppo"), help="shorthand of --algo.name=...")
     serve = sub.add_parser("serve", help="start the embedded engine (SGLang HTTP protocol)")
     serve.add_argument("args", nargs=argparse.REMAINDER, help="--model-path DIR --port N ...")
     bench = sub.add_parser("bench", help="benchmarks: " + ", ".join(BENCHES))
@@ -42,6 +43,8 @@ def _parser() -> argparse.ArgumentParser:
 def _run(ns: argparse.Namespace, overrides: list[str]) -> int:
     from asyncrl.config import load_config
 
+    if ns.algo:
+        overrides = [f"--algo.name={ns.algo}", *overrides]
     try:
         cfg = load_config(ns.config, overrides)
     except ValueError as exc:

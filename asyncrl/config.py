@@ -41,12 +41,30 @@ class ModelConfig(_Section):
 
 
 class TaskConfig(_Section):
-    name: Literal["reverse"] = "reverse"
-    """Built-in task. ``reverse``: repeat n digits in reverse order; reward = fraction right."""
+    name: Literal["reverse", "math"] = "reverse"
+    """Built-in task. ``reverse``: repeat n digits in reverse order; reward = fraction right.
+    ``math``: prompts from a local JSONL/Parquet file (``path``), rendered with the model's chat
+    template; reward 1 when the last integer in the response equals the answer, else 0."""
     num_digits: int = 2
     """Digits per prompt for the ``reverse`` task."""
     seed: int = 0
     """Seed of the prompt stream."""
+    path: str = ""
+    """``math``: local ``.jsonl`` or ``.parquet`` file with one problem per row."""
+    prompt_key: str = "question"
+    """``math``: column holding the problem text."""
+    answer_key: str = "answer"
+    """``math``: column holding the integer answer (``#### 42`` / ``\\boxed{42}`` also accepted)."""
+    system_prompt: str = ""
+    """``math``: optional system message put before each problem."""
+    max_new_tokens: int = 512
+    """``math``: generation budget per response (``rollout.max_new_tokens`` overrides it)."""
+    shuffle: bool = True
+    """``math``: visit the rows in a seeded random order each pass (else file order)."""
+    reward_fn: str = ""
+    """Custom reward ``package.module:function`` (importable, e.g. on PYTHONPATH) replacing the
+    task's own; called as ``fn(sample, response_ids, response_text) -> float`` (may be
+    ``async def``); ``sample.answer`` holds the row's answer (``math``) or the digits."""
 
 
 class RolloutConfig(_Section):
@@ -132,16 +150,50 @@ class TrainerConfig(_Section):
 
 
 class AlgoConfig(_Section):
-    name: Literal["grpo"] = "grpo"
-    """RL algorithm."""
+    name: Literal["grpo", "ppo"] = "grpo"
+    """RL algorithm. ``grpo``: group-relative advantages, no critic. ``ppo``: a critic (value
+    model from the same checkpoint) and GAE advantages."""
     group_size: int = 8
-    """Samples per prompt (GRPO group)."""
+    """Samples per prompt (GRPO group; PPO samples each prompt this many times too)."""
     clip_eps: float = 0.2
     """PPO clip range of the surrogate objective."""
     norm_adv_by_std: bool = True
-    """Divide group-centred advantages by the group's std."""
-    behav_imp_weight_cap: float = 5.0
-    """Cap of the importance weight between the proximal and the behaviour policy."""
+    """GRPO: divide group-centred advantages by the group's std (off = Dr.GRPO's unbiased form)."""
+    behav_imp_weight_cap: float = 1.0
+    """Cap of the importance weight proximal/behaviour (>= 1). 1 (V-trace style) only
+    down-weights tokens the policy has moved away from and never amplifies stale ones."""
+    decoupled: bool = True
+    """Decoupled off-policy objective: clip against the proximal policy (the trainer's weights at
+    the start of the step), weighted by the truncated ratio proximal/behaviour. Used when
+    ``controller.max_staleness > 0``; at 0 the plain on-policy objective is used. ``False``:
+    naive PPO clipped against the behaviour policy (the ablation)."""
+    loss_agg: Literal["token-mean", "seq-mean", "token-sum-norm"] = "token-mean"
+    """Loss aggregation. ``token-mean``: mean over every trained token of the batch;
+    ``seq-mean``: mean over sequences of each sequence's token mean; ``token-sum-norm``:
+    token sum over (sequences x max_new_tokens), Dr.GRPO's length-unbiased constant norm."""
+    epochs: int = 1
+    """Passes over each batch (the proximal policy is recomputed first when > 1 update)."""
+    num_minibatches: int = 1
+    """Optimizer steps per pass; the batch is split into this many minibatches."""
+    kl_coef: float = 0.0
+    """Weight of the KL penalty (k3 estimator) to the frozen initial model; 0 builds no
+    reference model."""
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus (sample estimate -log p of the trained tokens)."""
+    gamma: float = 1.0
+    """PPO: discount of GAE."""
+    lam: float = 0.95
+    """PPO: GAE lambda."""
+    whiten_adv: bool = True
+    """PPO: normalise advantages to zero mean, unit std over the batch's trained tokens."""
+    value_clip: float = 0.2
+    """PPO: clip range of the value update around the old values; <= 0 disables it."""
+    value_coef: float = 0.5
+    """PPO: scale of the squared-error value loss."""
+    critic_lr: float = 0.0
+    """PPO: learning rate of the critic; 0 uses ``trainer.lr``."""
+    critic_warmup_steps: int = 0
+    """PPO: first steps that train only the critic (the actor is held)."""
 
 
 class ControllerConfig(_Section):
@@ -266,6 +318,8 @@ _POSITIVE = {
     "controller.batch_size",
     "controller.total_steps",
     "algo.group_size",
+    "algo.epochs",
+    "algo.num_minibatches",
     "rollout.num_engines",
     "rollout.max_batch_size",
     "trainer.world_size",
@@ -291,8 +345,21 @@ def _check_positive(cfg: RunConfig) -> None:
         )
     if not 0.0 < cfg.rollout.top_p <= 1.0:
         raise ValueError(f"rollout.top_p must be in (0, 1], got {cfg.rollout.top_p}")
+    _check_algo(cfg.algo)
     if cfg.rollout.temperature <= 0:
         raise ValueError(f"rollout.temperature must be > 0, got {cfg.rollout.temperature}")
+
+
+def _check_algo(a: AlgoConfig) -> None:
+    if a.clip_eps <= 0:
+        raise ValueError(f"algo.clip_eps must be > 0, got {a.clip_eps}")
+    if a.behav_imp_weight_cap < 1:
+        raise ValueError(f"algo.behav_imp_weight_cap must be >= 1, got {a.behav_imp_weight_cap}")
+    if not 0.0 <= a.gamma <= 1.0 or not 0.0 <= a.lam <= 1.0:
+        raise ValueError(f"algo.gamma and algo.lam must be in [0, 1], got {a.gamma}, {a.lam}")
+    for key in ("kl_coef", "entropy_coef", "value_coef", "critic_lr", "critic_warmup_steps"):
+        if getattr(a, key) < 0:
+            raise ValueError(f"algo.{key} must be >= 0, got {getattr(a, key)}")
 
 
 def _field_type(struct_type: type, name: str) -> Any:

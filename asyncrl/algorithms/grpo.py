@@ -1,4 +1,10 @@
-"""GRPO: group-relative advantages + the decoupled PPO token loss, over trajectories."""
+"""GRPO: group-relative advantages, no critic; the (decoupled) PPO token loss on the actor.
+
+Every response token of a sequence gets its sequence's advantage: reward minus
+the mean reward of its group (same prompt), divided by the group's std when
+``algo.norm_adv_by_std``. With std-normalisation off and ``loss_agg =
+"token-sum-norm"`` this is Dr.GRPO's unbiased form.
+"""
 
 from __future__ import annotations
 
@@ -7,12 +13,14 @@ from collections.abc import Sequence
 import torch
 
 from asyncrl.algorithms.advantages import grpo_advantages
-from asyncrl.algorithms.losses import ppo_token_loss
-from asyncrl.config import AlgoConfig
+from asyncrl.algorithms.base import EngineFactory, PolicyUpdate, adv_stats, seqs_from_trajs
+from asyncrl.algorithms.losses import PolicyLoss
+from asyncrl.config import AlgoConfig, RunConfig
 from asyncrl.engines.train.base import Seq
+from asyncrl.tasks.base import generation_budget
 from asyncrl.transports.experience.types import Trajectory
 
-__all__ = ["GRPOLoss", "build_seqs"]
+__all__ = ["GRPO", "GRPOLoss", "build_seqs"]
 
 
 def build_seqs(trajs: Sequence[Trajectory], cfg: AlgoConfig) -> list[Seq]:
@@ -20,55 +28,46 @@ def build_seqs(trajs: Sequence[Trajectory], cfg: AlgoConfig) -> list[Seq]:
     rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
     groups = torch.tensor([t.group_id for t in trajs], dtype=torch.long)
     adv = grpo_advantages(rewards, groups, cfg.norm_adv_by_std)
-    seqs = []
-    for t, a in zip(trajs, adv.tolist(), strict=True):
-        ids = torch.from_numpy(t.prompt_ids.astype("int64"))
-        resp = torch.from_numpy(t.response_ids.astype("int64"))
-        n = len(resp)
-        seqs.append(
-            Seq(
-                input_ids=torch.cat([ids, resp]),
-                prompt_len=len(ids),
-                fields={
-                    "behav": torch.from_numpy(t.behav_logprobs.copy()),
-                    "adv": torch.full((n,), a, dtype=torch.float32),
-                    "mask": torch.from_numpy(t.loss_mask.astype("float32")),
-                },
-            )
-        )
+    seqs = seqs_from_trajs(trajs)
+    for s, a in zip(seqs, adv.tolist(), strict=True):
+        s.fields["adv"] = torch.full((s.response_len,), a, dtype=torch.float32)
     return seqs
 
 
-class GRPOLoss:
-    """Token-mean decoupled PPO loss over the batch (see ``asyncrl.algorithms.losses``)."""
+class GRPOLoss(PolicyLoss):
+    """The skeleton's loss: decoupled (or naive) PPO token loss, token-mean."""
 
     def __init__(self, cfg: AlgoConfig, decoupled: bool = True):
+        objective = "decoupled" if decoupled else "naive"
+        super().__init__(objective, cfg.clip_eps, cfg.behav_imp_weight_cap)
+
+
+class GRPO:
+    """GRPO on one actor engine (+ a frozen reference engine when ``algo.kl_coef > 0``)."""
+
+    def __init__(self, cfg: RunConfig, build: EngineFactory):
         self.cfg = cfg
-        self.decoupled = decoupled
+        self.actor = build("actor", cfg)
+        ref = build("actor", cfg) if cfg.algo.kl_coef > 0 else None
+        self.policy = PolicyUpdate(cfg, self.actor, ref, generation_budget(cfg))
 
-    def token_weight(self, seq: Seq) -> torch.Tensor:
-        return seq.fields["mask"]
+    def train_step(self, step: int, trajs: Sequence[Trajectory]) -> dict[str, float]:
+        seqs = build_seqs(trajs, self.cfg.algo)
+        adv = torch.cat([s.fields["adv"] for s in seqs]) if seqs else torch.zeros(0)
+        mask = torch.cat([s.fields["mask"] for s in seqs]) if seqs else torch.zeros(0)
+        metrics = adv_stats(adv, mask)
+        rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
+        metrics["zero_adv_frac"] = _zero_adv_groups(trajs)
+        metrics["reward_std"] = float(rewards.std(unbiased=False)) if len(trajs) else 0.0
+        metrics.update(self.policy.run(step, seqs))
+        return metrics
 
-    def __call__(
-        self, logp: torch.Tensor, mb: Sequence[Seq]
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        behav = torch.cat([s.fields["behav"] for s in mb]).to(logp.device)
-        adv = torch.cat([s.fields["adv"] for s in mb]).to(logp.device)
-        mask = torch.cat([s.fields["mask"] for s in mb]).to(logp.device)
-        loss, info = ppo_token_loss(
-            logp,
-            behav,
-            adv,
-            clip_eps=self.cfg.clip_eps,
-            cap=self.cfg.behav_imp_weight_cap,
-            decoupled=self.decoupled,
-        )
-        stats = {
-            "loss_sum": (loss * mask).sum().detach(),
-            "tokens": mask.sum(),
-            "clipped_sum": (info["clipped"] * mask).sum(),
-            "behav_ratio_sum": (info["behav_ratio"] * mask).sum(),
-            "approx_kl_sum": (info["approx_kl"] * mask).sum(),
-            "entropy_proxy_sum": (-logp.detach() * mask).sum(),
-        }
-        return loss, stats
+
+def _zero_adv_groups(trajs: Sequence[Trajectory]) -> float:
+    """Fraction of groups whose rewards are all equal (they carry no GRPO signal)."""
+    by_group: dict[int, set[float]] = {}
+    for t in trajs:
+        by_group.setdefault(t.group_id, set()).add(t.reward)
+    if not by_group:
+        return 0.0
+    return sum(1 for r in by_group.values() if len(r) == 1) / len(by_group)

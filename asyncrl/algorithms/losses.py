@@ -1,23 +1,47 @@
-"""Policy losses (torch). The decoupled off-policy PPO objective used for async training.
+"""Token losses (torch): the decoupled off-policy PPO objective, value loss, KL and entropy terms.
 
-Per response token with mask m, advantage A, current log-prob logp, proximal
-log-prob prox (the policy at the start of the step) and behaviour log-prob
-behav (the engine's, possibly several versions old)::
+Per response token with advantage A, current log-prob ``logp``, proximal log-prob
+``prox`` (the trainer's policy at the start of the step) and behaviour log-prob
+``behav`` (the engine's, possibly several versions old)::
 
     ratio = exp(logp - prox)
     w     = min(exp(prox - behav), cap)                       # truncated importance weight
     loss  = -w * min(ratio * A, clip(ratio, 1-eps, 1+eps) * A)
 
-With one optimizer step per batch, prox equals logp's value (detached), so the
-proximal policy costs no extra forward pass. ``decoupled=False`` is the plain
-PPO objective against the behaviour policy (ratio = exp(logp - behav), w = 1).
+The three objectives of :class:`PolicyLoss` (see ``objective``):
+
+- ``decoupled``: as above (AReaL's decoupled PPO); used when samples may be stale.
+- ``on-policy``: ratio against the proximal policy, ``w = 1``; the plain objective of
+  synchronous training (staleness 0), where behaviour and proximal are the same weights.
+- ``naive``: ratio against the behaviour policy, ``w = 1`` (standard PPO run off-policy).
+
+With one optimizer step per batch ``prox`` is ``logp``'s value (detached), so the proximal
+policy costs no extra forward pass; with several minibatches or epochs the trainer
+recomputes it once at the start of the step and stores it as the ``prox`` field.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Literal
+
 import torch
 
-__all__ = ["ppo_token_loss"]
+from asyncrl.engines.train.base import Seq
+
+__all__ = [
+    "Objective",
+    "PolicyLoss",
+    "ValueLoss",
+    "aggregation_weight",
+    "entropy_surrogate",
+    "kl_k3",
+    "ppo_token_loss",
+    "value_token_loss",
+]
+
+Objective = Literal["decoupled", "on-policy", "naive"]
+Aggregation = Literal["token-mean", "seq-mean", "token-sum-norm"]
 
 
 def ppo_token_loss(
@@ -29,21 +53,181 @@ def ppo_token_loss(
     cap: float = 5.0,
     decoupled: bool = True,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Per-token loss (same shape as ``logp``) and per-token diagnostics (detached)."""
+    """Per-token clipped surrogate loss (shape of ``logp``) and detached per-token diagnostics.
+
+    ``decoupled=True``: ratio vs ``prox`` (default ``logp.detach()``), weighted by
+    ``min(exp(prox - behav), cap)``; pass ``behav=prox`` for the plain on-policy objective.
+    ``decoupled=False``: ratio vs ``behav``, weight 1. Diagnostics: ``ratio`` (current/old),
+    ``clipped`` (1 where clipping cut the gradient), ``imp_weight`` (untruncated
+    exp(prox - behav)), ``truncated`` (1 where the weight hit the cap).
+    """
     if prox is None:
         prox = logp.detach()
     if decoupled:
-        ratio = torch.exp(logp - prox)
-        weight = torch.exp(prox - behav).clamp(max=cap)
+        old = prox
+        raw = torch.exp(prox - behav).detach()
+        weight = raw.clamp(max=cap)
+        truncated = (raw > cap).float()
     else:
-        ratio = torch.exp(logp - behav)
+        old = behav
+        raw = torch.exp(logp.detach() - behav)
         weight = torch.ones_like(logp)
-    clipped = ratio.clamp(1 - clip_eps, 1 + clip_eps)
-    surrogate = torch.minimum(ratio * adv, clipped * adv)
-    loss = -weight.detach() * surrogate
+        truncated = torch.zeros_like(logp)
+    ratio = torch.exp(logp - old)
+    unclipped = ratio * adv
+    clipped = ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv
+    loss = -weight * torch.minimum(unclipped, clipped)
     info = {
-        "clipped": ((ratio - clipped).abs() > 1e-8).float().detach(),
-        "behav_ratio": torch.exp(prox - behav).detach(),
-        "approx_kl": (behav - logp).detach(),
+        "ratio": ratio.detach(),
+        "clipped": (clipped < unclipped).float().detach(),
+        "imp_weight": raw,
+        "truncated": truncated,
     }
     return loss, info
+
+
+def kl_k3(logp: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """Per-token KL(pi || ref) estimate ``exp(ref - logp) - (ref - logp) - 1`` (>= 0, unbiased)."""
+    d = ref - logp
+    return torch.exp(d) - d - 1.0
+
+
+def entropy_surrogate(logp: torch.Tensor) -> torch.Tensor:
+    """Per-token surrogate whose gradient is the score-function estimate of the entropy's.
+
+    Its value is ``-logp`` (the sampled entropy estimate); its gradient is
+    ``-logp * grad(logp)``, whose expectation under the sampling policy is grad H.
+    """
+    h = -logp.detach()
+    return h + h * (logp - logp.detach())
+
+
+def value_token_loss(
+    values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, clip: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token ``0.5 * max((v - R)^2, (v_clipped - R)^2)`` and where the clipped term won.
+
+    ``v_clipped = old + clamp(v - old, -clip, clip)``; ``clip <= 0`` disables clipping.
+    """
+    err = (values - returns) ** 2
+    if clip <= 0:
+        return 0.5 * err, torch.zeros_like(err)
+    v_clip = old_values + (values - old_values).clamp(-clip, clip)
+    err_clip = (v_clip - returns) ** 2
+    return 0.5 * torch.maximum(err, err_clip), (err_clip > err).float().detach()
+
+
+def aggregation_weight(mask: torch.Tensor, agg: Aggregation) -> torch.Tensor:
+    """Token weights of one sequence for the engine's ``sum(loss * w) / sum(w)`` reduction.
+
+    ``token-mean`` and ``token-sum-norm``: the mask (the latter rescales the loss itself);
+    ``seq-mean``: mask / trained tokens, so every sequence weighs 1.
+    """
+    if agg == "seq-mean":
+        return mask / mask.sum().clamp(min=1.0)
+    return mask
+
+
+class PolicyLoss:
+    """The actor's LossFn: clipped surrogate (+ KL to reference, - entropy bonus).
+
+    Reads per-sequence fields ``behav``, ``adv``, ``mask`` and optionally ``prox`` and
+    ``ref``. ``scale`` multiplies the loss (``token-sum-norm`` sets it per step to
+    trained tokens / (sequences x max length)). Stats are sums over trained tokens;
+    ``extrema`` keeps the step's min/max importance weight and ratio (reset by the caller).
+    """
+
+    def __init__(
+        self,
+        objective: Objective,
+        clip_eps: float,
+        cap: float,
+        agg: Aggregation = "token-mean",
+        kl_coef: float = 0.0,
+        entropy_coef: float = 0.0,
+    ):
+        self.objective = objective
+        self.clip_eps = clip_eps
+        self.cap = cap
+        self.agg = agg
+        self.kl_coef = kl_coef
+        self.entropy_coef = entropy_coef
+        self.scale = 1.0
+        self.extrema: dict[str, float] = {}
+
+    def token_weight(self, seq: Seq) -> torch.Tensor:
+        return aggregation_weight(seq.fields["mask"], self.agg)
+
+    def __call__(
+        self, logp: torch.Tensor, mb: Sequence[Seq]
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        def cat(name: str) -> torch.Tensor:
+            return torch.cat([s.fields[name] for s in mb]).to(logp.device)
+
+        behav, adv, mask = cat("behav"), cat("adv"), cat("mask")
+        prox = cat("prox") if all("prox" in s.fields for s in mb) else logp.detach()
+        if self.objective == "on-policy":
+            loss, info = ppo_token_loss(logp, prox, adv, prox, self.clip_eps, self.cap)
+            info["imp_weight"] = torch.exp(prox - behav)
+        else:
+            decoupled = self.objective == "decoupled"
+            loss, info = ppo_token_loss(logp, behav, adv, prox, self.clip_eps, self.cap, decoupled)
+        old = behav if self.objective == "naive" else prox  # what the ratio is taken against
+        stats = {
+            "pg_loss_sum": (loss.detach() * mask).sum(),
+            "tokens": mask.sum(),
+            "clip_frac_sum": (info["clipped"] * mask).sum(),
+            "imp_weight_sum": (info["imp_weight"] * mask).sum(),
+            "imp_truncated_sum": (info["truncated"] * mask).sum(),
+            "approx_kl_sum": (0.5 * (logp.detach() - old) ** 2 * mask).sum(),
+            "behav_kl_sum": ((behav - prox) * mask).sum(),
+            "entropy_sum": (-logp.detach() * mask).sum(),
+        }
+        if self.kl_coef > 0:
+            kl = kl_k3(logp, cat("ref"))
+            loss = loss + self.kl_coef * kl
+            stats["kl_ref_sum"] = (kl.detach() * mask).sum()
+        if self.entropy_coef > 0:
+            loss = loss - self.entropy_coef * entropy_surrogate(logp)
+        self._track(info, mask)
+        return loss * self.scale, stats
+
+    def _track(self, info: dict[str, torch.Tensor], mask: torch.Tensor) -> None:
+        on = mask > 0
+        if not bool(on.any()):
+            return
+        for name in ("imp_weight", "ratio"):
+            vals = info[name][on]
+            hi, lo = float(vals.max()), float(vals.min())
+            self.extrema[f"{name}_max"] = max(self.extrema.get(f"{name}_max", hi), hi)
+            self.extrema[f"{name}_min"] = min(self.extrema.get(f"{name}_min", lo), lo)
+
+
+class ValueLoss:
+    """The critic's LossFn: clipped squared error of the values against the returns.
+
+    Receives the critic's per-token values in place of log-probs; reads fields
+    ``old_values``, ``returns`` and ``mask``. Token-mean over the batch, times ``coef``.
+    """
+
+    def __init__(self, clip: float, coef: float = 0.5):
+        self.clip = clip
+        self.coef = coef
+
+    def token_weight(self, seq: Seq) -> torch.Tensor:
+        return seq.fields["mask"]
+
+    def __call__(
+        self, values: torch.Tensor, mb: Sequence[Seq]
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        def cat(name: str) -> torch.Tensor:
+            return torch.cat([s.fields[name] for s in mb]).to(values.device)
+
+        old, ret, mask = cat("old_values"), cat("returns"), cat("mask")
+        loss, clipped = value_token_loss(values, old, ret, self.clip)
+        stats = {
+            "vf_loss_sum": (loss.detach() * mask).sum(),
+            "vf_tokens": mask.sum(),
+            "vf_clip_frac_sum": (clipped * mask).sum(),
+        }
+        return self.coef * loss, stats

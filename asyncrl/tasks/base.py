@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Protocol
+import importlib
+import inspect
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
 
-from asyncrl.config import TaskConfig
+from asyncrl.config import RunConfig, TaskConfig
 from asyncrl.controllers.episode import Sample
 
-__all__ = ["Task", "make_task"]
+__all__ = ["CustomReward", "Task", "generation_budget", "load_reward_fn", "make_task"]
 
 
 class Task(Protocol):
-    """``samples()`` yields prompts forever; ``reward`` scores response token ids in [0, 1]."""
+    """``samples()`` yields prompts forever; ``reward`` scores response token ids in [0, 1].
+
+    ``reward`` may be ``async def``; a sync one runs off the event loop.
+    """
 
     max_new_tokens: int
 
@@ -22,9 +27,70 @@ class Task(Protocol):
 
 
 def make_task(cfg: TaskConfig, model_path: str) -> Task:
-    """The one factory of tasks: chooses the implementation from ``cfg.name``."""
+    """The one factory of tasks: chooses the implementation from ``cfg.name``, then wraps it
+    with ``cfg.reward_fn`` when one is named."""
+    task: Any
     if cfg.name == "reverse":
         from asyncrl.tasks.reverse import ReverseTask
 
-        return ReverseTask.from_tokenizer_dir(model_path, cfg.num_digits, cfg.seed)
-    raise ValueError(f"unknown task.name {cfg.name!r} (allowed: 'reverse')")
+        task = ReverseTask.from_tokenizer_dir(model_path, cfg.num_digits, cfg.seed)
+    elif cfg.name == "math":
+        from asyncrl.tasks.math import MathTask
+
+        task = MathTask(cfg, model_path)
+    else:
+        raise ValueError(f"unknown task.name {cfg.name!r} (allowed: 'reverse', 'math')")
+    if cfg.reward_fn:
+        task = CustomReward(task, load_reward_fn(cfg.reward_fn), model_path)
+    return task
+
+
+def generation_budget(cfg: RunConfig) -> int:
+    """Most response tokens of one episode: ``rollout.max_new_tokens`` or the task's own."""
+    if cfg.rollout.max_new_tokens > 0:
+        return cfg.rollout.max_new_tokens
+    if cfg.task.name == "reverse":
+        return cfg.task.num_digits + 1
+    return cfg.task.max_new_tokens
+
+
+def load_reward_fn(spec: str) -> Callable[..., Any]:
+    """Import ``package.module:function`` (``module.function`` also accepted)."""
+    mod_name, sep, fn_name = spec.partition(":")
+    if not sep:
+        mod_name, _, fn_name = spec.rpartition(".")
+    if not mod_name or not fn_name:
+        raise ValueError(f"task.reward_fn {spec!r} must look like 'package.module:function'")
+    try:
+        module = importlib.import_module(mod_name)
+    except ImportError as exc:
+        raise ValueError(f"task.reward_fn {spec!r}: cannot import {mod_name!r}: {exc}") from None
+    fn = getattr(module, fn_name, None)
+    if not callable(fn):
+        raise ValueError(f"task.reward_fn {spec!r}: {mod_name} has no function {fn_name!r}")
+    return fn
+
+
+class CustomReward:
+    """A task whose reward is the user's ``fn(sample, response_ids, response_text)``."""
+
+    def __init__(self, task: Any, fn: Callable[..., Any], model_path: str):
+        self.task = task
+        self.fn = fn
+        self.max_new_tokens = task.max_new_tokens
+        decode = getattr(task, "decode", None)
+        if decode is None:
+            from asyncrl.tasks.text import ChatTokenizer
+
+            decode = ChatTokenizer(model_path).decode
+        self.decode = decode
+        self.reward = self._async_reward if inspect.iscoroutinefunction(fn) else self._sync_reward
+
+    def samples(self) -> Iterator[Sample]:
+        return self.task.samples()
+
+    def _sync_reward(self, sample: Sample, response_ids: list[int]) -> float:
+        return float(self.fn(sample, list(response_ids), self.decode(list(response_ids))))
+
+    async def _async_reward(self, sample: Sample, response_ids: list[int]) -> float:
+        return float(await self.fn(sample, list(response_ids), self.decode(list(response_ids))))

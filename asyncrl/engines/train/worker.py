@@ -22,7 +22,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from asyncrl.algorithms.grpo import GRPOLoss, build_seqs
+from asyncrl.algorithms.base import make_algorithm
 from asyncrl.config import RunConfig
 from asyncrl.engines.train.fsdp import FSDPEngine
 from asyncrl.transports.experience.types import Shutdown, StepDone, TrainBatch
@@ -42,10 +42,8 @@ def _on_signal(signum: int, _frame: object) -> None:
 
 
 def _metrics(stats: dict[str, float], n_traj: int, train_s: float) -> dict[str, float]:
-    tokens = max(stats.pop("tokens", 0.0), 1.0)
-    out = {k.removesuffix("_sum"): v / tokens for k, v in stats.items() if k.endswith("_sum")}
-    out.update({k: v for k, v in stats.items() if not k.endswith("_sum")})
-    out.update(train_s=train_s, num_samples=float(n_traj), train_tokens=tokens)
+    out = {k: float(v) for k, v in stats.items()}
+    out.update(train_s=train_s, num_samples=float(n_traj))
     return out
 
 
@@ -78,8 +76,9 @@ def run(args: argparse.Namespace) -> None:
         world_size=args.world_size,
         timeout=datetime.timedelta(minutes=10),
     )
-    engine = FSDPEngine(args.model_path, cfg)
-    loss_fn = GRPOLoss(cfg.algo)
+    model_path = args.model_path
+    algorithm = make_algorithm(cfg, lambda role, c: FSDPEngine(model_path, c, role=role))
+    engine = algorithm.actor  # only the actor's weights go to the engines
     chan = ExperienceReceiver(
         [args.batch_endpoint],
         args.rank,
@@ -115,7 +114,7 @@ def run(args: argparse.Namespace) -> None:
             if not isinstance(msg, TrainBatch):
                 continue
             t0 = time.perf_counter()
-            stats = engine.train_batch(build_seqs(trajs, cfg.algo), loss_fn)
+            stats = algorithm.train_step(msg.step, trajs)
             metrics = _metrics(stats, len(trajs), time.perf_counter() - t0)
             chan.ack(got, flush=True)  # trained on: the controller may send another batch
             weights = engine.named_weights()

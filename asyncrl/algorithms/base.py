@@ -1,0 +1,205 @@
+"""The Algorithm seam: one train step of the trainer over a batch of trajectories.
+
+An algorithm owns the step between "a batch arrived" and "new actor weights":
+advantages, the proximal/reference/critic forward passes, and the optimizer
+updates of the actor (and critic). The trainer process then pushes
+``algorithm.actor``'s weights to the engines (the actor's only).
+
+Step structure shared by GRPO and PPO (:class:`PolicyUpdate`)::
+
+    seqs   <- trajectories (behaviour log-probs, loss mask) + advantages
+    ref    <- reference model forward            (only if algo.kl_coef > 0)
+    prox   <- actor forward, no grad             (only if epochs x minibatches > 1)
+    for epoch in epochs: for minibatch in shuffled split: actor.train_batch(mb, PolicyLoss)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from asyncrl.algorithms.losses import Objective, PolicyLoss
+from asyncrl.config import AlgoConfig, RunConfig
+from asyncrl.engines.train.base import LossFn, Seq, TrainEngine
+from asyncrl.transports.experience.types import Trajectory
+
+__all__ = [
+    "Algorithm",
+    "EngineFactory",
+    "PolicyUpdate",
+    "make_algorithm",
+    "objective_for",
+    "seqs_from_trajs",
+]
+
+EngineFactory = Callable[[str, RunConfig], TrainEngine]
+"""``build(role, config)`` -> a train engine; role ``"actor"`` (also the reference) or
+``"critic"`` (per-token outputs are values instead of log-probs)."""
+
+
+class Algorithm(Protocol):
+    """One RL algorithm on the trainer side. ``actor`` is the engine whose weights are synced."""
+
+    actor: TrainEngine
+
+    def train_step(self, step: int, trajs: Sequence[Trajectory]) -> dict[str, float]:
+        """Train on one batch (this rank's shard, whole groups); returns the step's metrics.
+
+        Collective under data parallelism: every rank calls it once per step.
+        """
+        ...
+
+
+def make_algorithm(cfg: RunConfig, build: EngineFactory) -> Algorithm:
+    """The one factory of algorithms: chooses from ``cfg.algo.name``; builds the engines."""
+    if cfg.algo.name == "grpo":
+        from asyncrl.algorithms.grpo import GRPO
+
+        return GRPO(cfg, build)
+    if cfg.algo.name == "ppo":
+        from asyncrl.algorithms.ppo import PPO
+
+        return PPO(cfg, build)
+    raise ValueError(f"unknown algo.name {cfg.algo.name!r} (allowed: 'grpo', 'ppo')")
+
+
+def objective_for(cfg: RunConfig) -> Objective:
+    """``naive`` if ``algo.decoupled`` is off; else ``decoupled`` when samples may be stale
+    (``controller.max_staleness > 0``) and the plain ``on-policy`` objective at 0."""
+    if not cfg.algo.decoupled:
+        return "naive"
+    return "decoupled" if cfg.controller.max_staleness > 0 else "on-policy"
+
+
+def seqs_from_trajs(trajs: Sequence[Trajectory]) -> list[Seq]:
+    """Trainer sequences with per-token ``behav`` and ``mask`` fields (advantages added later)."""
+    seqs = []
+    for t in trajs:
+        ids = torch.from_numpy(t.prompt_ids.astype("int64"))
+        resp = torch.from_numpy(t.response_ids.astype("int64"))
+        fields = {
+            "behav": torch.from_numpy(t.behav_logprobs.copy()),
+            "mask": torch.from_numpy(t.loss_mask.astype("float32")),
+        }
+        seqs.append(Seq(input_ids=torch.cat([ids, resp]), prompt_len=len(ids), fields=fields))
+    return seqs
+
+
+def global_sum(*values: float) -> list[float]:
+    """Sums over the data-parallel ranks (identity on one process)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def minibatches(seqs: Sequence[Seq], n: int, gen: torch.Generator) -> list[list[Seq]]:
+    """A shuffled split of ``seqs`` into ``n`` non-empty, near-equal minibatches."""
+    if len(seqs) < n:
+        raise ValueError(
+            f"algo.num_minibatches={n} exceeds the {len(seqs)} sequences of a rank's batch"
+        )
+    if n == 1:
+        return [list(seqs)]
+    order = torch.randperm(len(seqs), generator=gen).tolist()
+    return [[seqs[i] for i in order[k::n]] for k in range(n)]
+
+
+def merge_stats(parts: Sequence[dict[str, float]]) -> dict[str, float]:
+    """Sums of the token sums (``*_sum``, ``*tokens``) and means of the rest over updates."""
+    out: dict[str, float] = {}
+    for p in parts:
+        for k, v in p.items():
+            out[k] = out.get(k, 0.0) + v
+    for k in out:
+        if not (k.endswith("_sum") or k.endswith("tokens")):
+            out[k] /= len(parts)
+    return out
+
+
+def per_token(stats: dict[str, float], tokens_key: str, prefix: str = "") -> dict[str, float]:
+    """``*_sum`` stats divided by ``stats[tokens_key]``; other keys copied, names prefixed."""
+    denom = max(stats.get(tokens_key, 0.0), 1.0)
+    out = {}
+    for k, v in stats.items():
+        if k == tokens_key:
+            continue
+        out[prefix + k.removesuffix("_sum")] = v / denom if k.endswith("_sum") else v
+    return out
+
+
+def run_updates(
+    engine: TrainEngine,
+    seqs: Sequence[Seq],
+    loss: LossFn,
+    algo: AlgoConfig,
+    gen: torch.Generator,
+    before: Callable[[list[Seq]], None] | None = None,
+) -> dict[str, float]:
+    """``epochs`` passes of ``num_minibatches`` optimizer steps; merged stats."""
+    parts = []
+    for _ in range(algo.epochs):
+        for mb in minibatches(seqs, algo.num_minibatches, gen):
+            if before is not None:
+                before(mb)
+            parts.append(engine.train_batch(mb, loss))
+    return merge_stats(parts)
+
+
+class PolicyUpdate:
+    """The actor side of a step: reference and proximal passes, then the policy updates."""
+
+    def __init__(self, cfg: RunConfig, actor: TrainEngine, ref: TrainEngine | None, budget: int):
+        a = cfg.algo
+        self.cfg = cfg
+        self.actor = actor
+        self.ref = ref
+        self.budget = budget  # max response tokens, the constant of token-sum-norm
+        self.loss = PolicyLoss(
+            objective_for(cfg),
+            a.clip_eps,
+            a.behav_imp_weight_cap,
+            a.loss_agg,
+            a.kl_coef,
+            a.entropy_coef,
+        )
+
+    def run(self, step: int, seqs: list[Seq]) -> dict[str, float]:
+        a = self.cfg.algo
+        if self.ref is not None:
+            for s, lp in zip(seqs, self.ref.forward_batch(seqs), strict=True):
+                s.fields["ref"] = lp.float().cpu()
+        if a.epochs * a.num_minibatches > 1 and self.loss.objective != "naive":
+            for s, lp in zip(seqs, self.actor.forward_batch(seqs), strict=True):
+                s.fields["prox"] = lp.float().cpu()
+        self.loss.extrema = {}
+        gen = torch.Generator().manual_seed(self.cfg.seed * 100_003 + step)
+        stats = run_updates(self.actor, seqs, self.loss, a, gen, self._set_scale)
+        out = per_token(stats, "tokens")
+        out.update(self.loss.extrema)
+        out["train_tokens"] = stats.get("tokens", 0.0) / a.epochs
+        out["updates"] = float(a.epochs * a.num_minibatches)
+        return out
+
+    def _set_scale(self, mb: list[Seq]) -> None:
+        if self.cfg.algo.loss_agg != "token-sum-norm":
+            return
+        tokens, n = global_sum(sum(float(s.fields["mask"].sum()) for s in mb), float(len(mb)))
+        self.loss.scale = tokens / max(n * self.budget, 1.0)
+
+
+def adv_stats(adv: torch.Tensor, mask: torch.Tensor, prefix: str = "adv") -> dict[str, float]:
+    """Mean, std, min and max of the masked entries of ``adv``."""
+    vals = adv[mask > 0]
+    if vals.numel() == 0:
+        return {}
+    return {
+        f"{prefix}_mean": float(vals.mean()),
+        f"{prefix}_std": float(vals.std(unbiased=False)),
+        f"{prefix}_min": float(vals.min()),
+        f"{prefix}_max": float(vals.max()),
+    }

@@ -1,0 +1,74 @@
+"""Text side of a Hugging Face model folder without transformers (so without torch).
+
+``ChatTokenizer`` encodes and decodes with ``tokenizer.json`` (the ``tokenizers``
+library) and renders the model's chat template (``chat_template.jinja`` or
+``tokenizer_config.json``'s ``chat_template``) with a sandboxed Jinja2
+environment, the way ``apply_chat_template(..., add_generation_prompt=True)``
+does; the rendered text is tokenized without adding special tokens again.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+__all__ = ["ChatTokenizer"]
+
+
+def _token_text(value: Any) -> str:
+    if isinstance(value, dict):  # {"content": "<s>", ...} in older configs
+        return str(value.get("content", ""))
+    return "" if value is None else str(value)
+
+
+class ChatTokenizer:
+    """Tokenizer + chat template of a local model folder."""
+
+    def __init__(self, model_path: str | Path):
+        from tokenizers import Tokenizer
+
+        root = Path(model_path)
+        path = root / "tokenizer.json"
+        if not path.is_file():
+            raise ValueError(f"{path} not found: the task needs the model's tokenizer.json")
+        self.tokenizer = Tokenizer.from_file(str(path))
+        conf_path = root / "tokenizer_config.json"
+        conf = json.loads(conf_path.read_text()) if conf_path.is_file() else {}
+        template = conf.get("chat_template")
+        if (root / "chat_template.jinja").is_file():
+            template = (root / "chat_template.jinja").read_text()
+        if isinstance(template, list):  # named templates: take "default"
+            named = {t.get("name"): t.get("template") for t in template}
+            template = named.get("default")
+        self.template: str | None = template
+        self.special = {k: _token_text(conf.get(k)) for k in ("bos_token", "eos_token")}
+        self.eos_id = self.tokenizer.token_to_id(self.special["eos_token"] or "")
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def render(self, messages: list[dict[str, str]]) -> str:
+        """The chat template applied to ``messages`` with the generation prompt added."""
+        if not self.template:
+            raise ValueError(
+                "the model's tokenizer has no chat template (tokenizer_config.json "
+                "'chat_template' or chat_template.jinja): the math task needs one"
+            )
+        from jinja2.exceptions import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message: str) -> None:
+            raise TemplateError(message)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
+        return env.from_string(self.template).render(
+            messages=messages, add_generation_prompt=True, **self.special
+        )
+
+    def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        return self.encode(self.render(messages))
