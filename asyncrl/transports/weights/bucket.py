@@ -208,6 +208,11 @@ def checksum(flat: torch.Tensor) -> int:
         raw = _bytes_np(flat)
         nblocks = raw.size // _BLOCK_BYTES
         return _combine_np(raw, [_block_sums_np(raw, 0, nblocks)], nblocks)
+    return _checksum_torch(flat)
+
+
+def _checksum_torch(flat: torch.Tensor) -> int:
+    """:func:`checksum` with torch ops, on the tensor's own device (CUDA, NPU)."""
     raw = flat.reshape(-1).view(torch.uint8)
     n8 = raw.numel() // 8
     words = raw[: n8 * 8].view(torch.int64)
