@@ -14,7 +14,10 @@ Per repeat, in the same run and on the same link:
 - ``stall_s``: the ``push`` call plus the wait before the next optimizer step,
   with a simulated train step (a sleep as long as ``floor_s``) in between;
 - ``naive_s``: one control call + one broadcast per tensor (older RL stacks);
-- ``verified``: every engine parameter's checksum equals the sender's.
+- ``verified``: every engine parameter's checksum equals the sender's;
+- ``floor_cpu_s`` / ``cpu_s``: CPU seconds (user + system, all threads) that the
+  floor (this process + its peer) and our push (this process + the engines)
+  used, from ``/proc`` (Linux): the profile of what a push costs beyond the link.
 
 Reported figures are medians over ``--repeats`` after one warm-up push.
 """
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -159,6 +163,24 @@ class _Floor:
             stop([self.peer])
 
 
+def _cpu_s(*children: Any) -> float:
+    """CPU seconds (user + system) used so far by this process and ``children`` (Linux /proc)."""
+    import resource
+
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    total = own.ru_utime + own.ru_stime
+    for child in children:
+        if child is None:
+            continue
+        try:
+            with open(f"/proc/{child.pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            return float("nan")
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
 def _ours(sender: Any, weights: dict[str, Any], version: int, train_s: float) -> dict[str, float]:
     done_at: list[float] = []
     t0 = time.perf_counter()
@@ -262,13 +284,17 @@ def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 for _ in range(2):  # warm-up: plans, both receive-buffer sets, connections
                     _ours(sender, weights, version, floor_s)
                     version += 1
-                ours, naive = [], []
+                ours, naive, cpu_floor, cpu_ours = [], [], [], []
                 for _ in range(args.repeats):
+                    c0 = _cpu_s(floor.peer)
                     floors.append(floor.once())  # the floor, interleaved with ours
+                    cpu_floor.append(_cpu_s(floor.peer) - c0)
                     floor_s = statistics.median(floors)
                     version += 1
                     weights[next(iter(weights))].view(-1)[:1024].random_()  # new bits every version
+                    c0 = _cpu_s(*engines)
                     ours.append(_ours(sender, weights, version, floor_s))
+                    cpu_ours.append(_cpu_s(*engines) - c0)
                     if args.naive and args.backend != "cuda-ipc" and mode == "overlap":
                         version += 1
                         naive.append(_naive(sender, weights, version))
@@ -294,6 +320,8 @@ def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
                     "total_s": total_s,
                     "stall_s": stall_s,
                     "push_s": statistics.median(r["push_s"] for r in ours),
+                    "floor_cpu_s": statistics.median(cpu_floor),
+                    "cpu_s": statistics.median(cpu_ours),
                     "verified": verified,
                     "total_over_floor": total_s / floor_s,
                     "naive_over_total": None if naive_s is None else naive_s / total_s,
@@ -312,6 +340,7 @@ def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
 def _table(rows: list[dict[str, Any]]) -> str:
     cols = ["backend", "mode", "bytes", "num_tensors", "floor_s", "naive_s", "total_s", "stall_s"]
     cols += ["total_over_floor", "naive_over_total", "stall_over_total", "verified"]
+    cols += ["floor_cpu_s", "cpu_s"]
     fmt = lambda v: f"{v:.4f}" if isinstance(v, float) else str(v)  # noqa: E731
     lines = [" | ".join(cols)]
     lines += [" | ".join(fmt(r[c]) for c in cols) for r in rows]

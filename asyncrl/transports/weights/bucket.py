@@ -13,9 +13,10 @@ version and a checksum of the bucket's bytes, see :func:`checksum`).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import msgspec
+import numpy as np
 import torch
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "TensorSpec",
     "assemble",
     "checksum",
+    "pack_checksum",
     "pack_into",
     "plan_buckets",
     "spec_of",
@@ -148,6 +150,36 @@ def pack_into(
     flat: torch.Tensor, manifest: BucketManifest, tensors: Mapping[str, torch.Tensor]
 ) -> None:
     """Copy the manifest's entries of ``tensors``, flattened, back to back into ``flat``."""
+    for _ in _pack_steps(flat, manifest, tensors):
+        pass
+
+
+def pack_checksum(
+    flat: torch.Tensor, manifest: BucketManifest, tensors: Mapping[str, torch.Tensor]
+) -> int:
+    """:func:`pack_into`, returning :func:`checksum` of ``flat`` once packed.
+
+    On CPU the checksum blocks are summed right after the copy that completed
+    them, while their bytes are still in cache, so checksumming costs the sender
+    almost no extra memory traffic.
+    """
+    if flat.device.type != "cpu":
+        pack_into(flat, manifest, tensors)
+        return checksum(flat)
+    raw = _bytes_np(flat)
+    sums, done = [], 0
+    for end in _pack_steps(flat, manifest, tensors):
+        upto = end * flat.element_size() // _BLOCK_BYTES
+        if upto > done:
+            sums.append(_block_sums_np(raw, done, upto))
+            done = upto
+    return _combine_np(raw, sums, done)
+
+
+def _pack_steps(
+    flat: torch.Tensor, manifest: BucketManifest, tensors: Mapping[str, torch.Tensor]
+) -> Iterator[int]:
+    """Copy entry after entry into ``flat``, yielding the element offset packed so far."""
     offset = 0
     for e in manifest.entries:
         src = tensors[e.name].reshape(-1)
@@ -155,31 +187,73 @@ def pack_into(
             src = src[e.start : e.start + e.numel]
         flat[offset : offset + src.numel()].copy_(src)
         offset += src.numel()
+        yield offset
     assert offset == flat.numel(), f"packed {offset} of {flat.numel()} elements"
 
 
-def checksum(flat: torch.Tensor, block: int = 1 << 16) -> int:
+_BLOCK = 1 << 16  # 8-byte words per checksum block
+_BLOCK_BYTES = 8 * _BLOCK
+
+
+def checksum(flat: torch.Tensor) -> int:
     """64-bit checksum of a contiguous buffer's bytes (same value on CPU and CUDA).
 
-    Sums of the 8-byte words per block of ``block`` words, combined as
+    Sums of the 8-byte words per block of 2**16 words, combined as
     ``sum(block_sum) + 1000003 * sum(i * block_sum_i)`` modulo 2**64, so a flipped
     bit anywhere and a swap of blocks both change it. Integer sums are
     associative, so the value does not depend on the device or thread count.
+    On CPU it is computed with numpy (one pass over memory, no temporaries).
     """
+    if flat.device.type == "cpu":
+        raw = _bytes_np(flat)
+        nblocks = raw.size // _BLOCK_BYTES
+        return _combine_np(raw, [_block_sums_np(raw, 0, nblocks)], nblocks)
+    return _checksum_torch(flat)
+
+
+def _checksum_torch(flat: torch.Tensor) -> int:
+    """:func:`checksum` with torch ops, on the tensor's own device (CUDA, NPU)."""
     raw = flat.reshape(-1).view(torch.uint8)
     n8 = raw.numel() // 8
     words = raw[: n8 * 8].view(torch.int64)
-    nblocks = n8 // block
-    sums = words[: nblocks * block].view(nblocks, block).sum(1)
-    rest = words[nblocks * block :].sum().reshape(1)
+    nblocks = n8 // _BLOCK
+    sums = words[: nblocks * _BLOCK].view(nblocks, _BLOCK).sum(1)
+    rest = words[nblocks * _BLOCK :].sum().reshape(1)
     tail = raw[n8 * 8 :].to(torch.int64) << (
         8 * torch.arange(raw.numel() - n8 * 8, device=raw.device)
     )
     sums = torch.cat([sums, rest + tail.sum()])
     idx = torch.arange(1, sums.numel() + 1, device=sums.device, dtype=torch.int64)
-    s1, s2 = int(sums.sum()), int((sums * idx).sum())
-    value = (s1 + 1000003 * s2 + raw.numel()) & _MASK64
+    return _finish(int(sums.sum()), int((sums * idx).sum()), raw.numel())
+
+
+def _finish(s1: int, s2: int, nbytes: int) -> int:
+    value = (s1 + 1000003 * s2 + nbytes) & _MASK64
     return value - (1 << 64) if value >= 1 << 63 else value  # signed: fits JSON int64
+
+
+def _bytes_np(flat: torch.Tensor) -> np.ndarray:
+    """The bytes of a contiguous CPU tensor as a flat numpy uint8 array (no copy)."""
+    return flat.detach().reshape(-1).view(torch.uint8).numpy()
+
+
+def _block_sums_np(raw: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    """Wrapping uint64 sums of the words of checksum blocks ``[lo, hi)`` of ``raw``."""
+    words = raw[lo * _BLOCK_BYTES : hi * _BLOCK_BYTES].view(np.uint64)
+    return np.add.reduce(words.reshape(hi - lo, _BLOCK), axis=1, dtype=np.uint64)
+
+
+def _combine_np(raw: np.ndarray, sums: list[np.ndarray], nblocks: int) -> int:
+    """Finish :func:`checksum` from the sums of its first ``nblocks`` complete blocks."""
+    n8 = raw.size // 8
+    rest = int(raw[nblocks * _BLOCK_BYTES : n8 * 8].view(np.uint64).sum(dtype=np.uint64))
+    tail = sum(int(b) << (8 * i) for i, b in enumerate(raw[n8 * 8 :].tolist()))
+    last = np.array([(rest + tail) & _MASK64], dtype=np.uint64)
+    all_sums = np.concatenate([*sums, last])
+    idx = np.arange(1, all_sums.size + 1, dtype=np.uint64)
+    s1 = int(all_sums.sum(dtype=np.uint64))
+    s2 = int(np.dot(all_sums, idx))
+    return _finish(s1, s2, raw.size)
 
 
 def assemble(

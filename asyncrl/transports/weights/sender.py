@@ -46,7 +46,7 @@ from asyncrl.transports.weights.bucket import (
     BucketManifest,
     TensorSpec,
     checksum,
-    pack_into,
+    pack_checksum,
     plan_buckets,
     spec_of,
 )
@@ -213,7 +213,9 @@ class BucketSender:
             flat = src.view(-1)
         else:
             flat = self._slots[k % len(self._slots)][: m.nbytes].view(m.torch_dtype)
-            pack_into(flat, m, tensors)
+            return msgspec.structs.replace(
+                m, version=version, checksum=pack_checksum(flat, m, tensors)
+            ), flat
         return msgspec.structs.replace(m, version=version, checksum=checksum(flat)), flat
 
     def _zero_copy(self, k: int, m: BucketManifest, src: torch.Tensor) -> bool:

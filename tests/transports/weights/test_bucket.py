@@ -65,3 +65,20 @@ def test_checksum_detects_a_flipped_bit_and_block_swaps() -> None:
     assert checksum(swapped) != checksum(words)
     odd = torch.arange(13, dtype=torch.uint8)  # byte tail not a multiple of 8
     assert checksum(odd) != checksum(torch.arange(1, 14, dtype=torch.uint8))
+
+
+def test_cpu_checksum_equals_the_device_formula_and_fused_packing() -> None:
+    from asyncrl.transports.weights.bucket import _checksum_torch, pack_checksum
+
+    for n in (0, 1, 7, 8, 13, (1 << 19) + 5, 3 * (1 << 19) + 11):
+        raw = torch.randint(0, 256, (n,), dtype=torch.uint8)
+        assert checksum(raw) == _checksum_torch(raw), n
+    specs = [spec_of(f"t{i}", torch.empty(301 * i + 3, 7, dtype=torch.bfloat16)) for i in range(40)]
+    tensors = {s.name: torch.randn(s.shape).to(torch.bfloat16) for s in specs}
+    for m in plan_buckets(specs, MIB // 4):
+        fused, plain = torch.empty(m.numel, dtype=torch.bfloat16), torch.empty(m.numel)
+        plain = plain.to(torch.bfloat16)
+        value = pack_checksum(fused, m, tensors)
+        pack_into(plain, m, tensors)
+        assert torch.equal(fused.view(torch.int16), plain.view(torch.int16))
+        assert value == checksum(plain) == _checksum_torch(plain)
