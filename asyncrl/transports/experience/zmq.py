@@ -5,7 +5,7 @@ one ROUTER socket (127.0.0.1 unless configured; ``tcp://`` or ``ipc://``). Each
 consumer (trainer rank r) connects one DEALER to every producer. Protocol::
 
     consumer ─ Hello(rank, world, incarnation, credit=W) ─▶ producer
-    producer ─ TrainBatch(seq, step, ...) + array frames ─▶ consumer   (only while credit > 0)
+    producer ─ TrainBatch(seq, step, ...) + payload ─────▶ consumer   (only while credit > 0)
     consumer ─ Credit(acked=[seq...], grant=k) ───────────▶ producer   (after processing; heartbeat
                                                                         when empty)
     consumer ─ StepDone / Shutdown ───────────────────────▶ producer   (reports, any thread)
