@@ -247,6 +247,8 @@ class ExperienceSender:
             self._error = task.exception()
             log.error("experience sender task %s failed: %r", task.get_name(), self._error)
             self._reports.put_nowait(None)
+            # nobody reads the socket any more: stop watching its FD (it may stay readable)
+            asyncio.get_running_loop().remove_reader(self._fd)
         self._changed.set()
 
     def _raise_if_failed(self) -> None:
