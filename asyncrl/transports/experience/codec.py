@@ -1,21 +1,23 @@
-"""Zero-copy codec of experience messages: a msgspec header frame plus one frame per array.
+"""Codec of experience messages: a msgspec header frame plus ONE payload frame.
 
-Frame layout of a :class:`TrainBatch` of n trajectories (always 6 frames)::
+Frame layout of a :class:`TrainBatch` of n trajectories (always 2 frames)::
 
-    [header, prompt_ids, response_ids, behav_logprobs, versions, loss_mask]
+    [header, payload]
+    payload = prompt_ids* | response_ids* | behav_logprobs* | versions* | loss_mask*
 
-Each array frame holds that array of every trajectory of the message, back to
-back (lengths in the header). A one-trajectory message sends the trajectory's
-own numpy buffers (no copy); a multi-trajectory message gathers each field once
-(one ``np.concatenate`` per field: far cheaper than 5 n separate ZeroMQ frames,
-whose per-frame cost in pyzmq dominates). The receiver never copies: arrays are
-``np.frombuffer`` views of the received frames, sliced per trajectory. Control
-messages are a single header frame.
+The payload holds each field of every trajectory of the message back to back,
+field after field in ``ARRAY_FIELDS`` order (lengths in the header); every
+4-byte field starts 4-byte aligned. The sender gathers the arrays into one
+buffer (``bytes.join``: one memcpy of the payload, microseconds, far cheaper
+than pyzmq's cost per extra frame and per zero-copy frame). The receiver never
+copies: arrays are ``np.frombuffer`` views of the received payload frame, sliced
+per trajectory. Control messages are a single
+header frame.
 
 Decoding validates everything a peer controls and raises :class:`MalformedMessage`
 with a ``kind`` (one of :data:`REJECT_KINDS`) and a readable reason: total size
 over the limit, undecodable header, unknown message type, schema version,
-frame count, negative lengths, byte size of each array frame (a truncated
+frame count, negative lengths, byte size of the payload frame (a truncated
 buffer or a wrong dtype/shape shows up here), and the trajectory invariants.
 """
 
@@ -64,8 +66,12 @@ REJECT_KINDS = (
 )
 """Reasons a message is rejected (keys of the receivers' ``rejected_by`` counters)."""
 
-_NARR = len(ARRAY_FIELDS)
+_FIELDS = list(ARRAY_FIELDS.items())
+_NAMES = list(ARRAY_FIELDS)
 _ITEMSIZE = [dt.itemsize for dt in ARRAY_FIELDS.values()]
+_PROMPT_ITEMSIZE = _ITEMSIZE[0]
+_RESP_ITEMSIZE = sum(_ITEMSIZE[1:])  # bytes per response token over the aligned fields
+assert _ITEMSIZE == sorted(_ITEMSIZE, reverse=True), "descending item sizes keep alignment"
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 
@@ -86,7 +92,7 @@ def encode(msg: Message) -> list[bytes]:
 
 
 def encode_batch(seq: int, step: int, trajs: Sequence[Trajectory]) -> list[Any]:
-    """Frames of one experience message; array frames are the trajectories' buffers (no copy)."""
+    """Frames ``[header, payload]`` of one experience message (the payload is a new buffer)."""
     metas = [
         TrajMeta(
             lengths=(len(t.prompt_ids), len(t.response_ids)),
@@ -106,15 +112,16 @@ def encode_batch(seq: int, step: int, trajs: Sequence[Trajectory]) -> list[Any]:
             f"trajectory rewards/timings/metadata must be msgpack-able JSON-like values "
             f"(str keys; int within 64 bits; float, str, bool, None, list, dict): {exc}"
         ) from None
-    for name, dtype in ARRAY_FIELDS.items():
-        if len(trajs) == 1:
-            arr = getattr(trajs[0], name)
-        elif trajs:
-            arr = np.concatenate([getattr(t, name) for t in trajs])
-        else:
-            arr = np.empty(0, dtype)
-        frames.append(memoryview(arr).cast("B"))
+    frames.append(_gather(trajs))
     return frames
+
+
+def _gather(trajs: Sequence[Trajectory]) -> bytes:
+    """The payload: every array of ``trajs``, field after field, in one contiguous buffer.
+
+    ``bytes.join`` over the arrays' buffers is one allocation plus one memcpy per array
+    (3x faster than ``np.concatenate(out=...)`` per field, measured)."""
+    return b"".join([getattr(t, name) for name in _NAMES for t in trajs])
 
 
 def nbytes(frames: Sequence[Any]) -> int:
@@ -140,23 +147,29 @@ def decode(frames: Sequence[Any], max_bytes: int = 1 << 62) -> tuple[Message, li
         if len(views) != 1:
             raise MalformedMessage("frame_count", f"{type(msg).__name__} has {len(views)} frames")
         return msg, []
-    if len(views) != 1 + _NARR:
-        raise MalformedMessage("frame_count", f"batch needs {1 + _NARR} frames, got {len(views)}")
-    lengths = [m.lengths for m in msg.trajs]
-    if any(p < 0 or r < 0 for p, r in lengths):
-        raise MalformedMessage("shape", "negative array length in header")
-    n_prompt = sum(p for p, _ in lengths)
-    n_resp = sum(r for _, r in lengths)
+    if len(views) != 2:
+        raise MalformedMessage("frame_count", f"batch needs 2 frames, got {len(views)}")
+    n_prompt = n_resp = 0
+    for m in msg.trajs:
+        p, r = m.lengths
+        if p < 0 or r < 0:
+            raise MalformedMessage("shape", "negative array length in header")
+        n_prompt += p
+        n_resp += r
+    payload = views[1]
+    want = n_prompt * _PROMPT_ITEMSIZE + n_resp * _RESP_ITEMSIZE
+    if payload.nbytes != want:
+        raise MalformedMessage(
+            "size",
+            f"payload frame: {payload.nbytes} bytes, header implies {n_prompt} prompt and "
+            f"{n_resp} response tokens = {want} bytes (truncated, or wrong dtype/shape)",
+        )
     arrays = []
-    for k, (name, dtype) in enumerate(ARRAY_FIELDS.items()):
+    off = 0
+    for k, (_, dtype) in enumerate(_FIELDS):
         count = n_prompt if k == 0 else n_resp
-        if views[1 + k].nbytes != count * _ITEMSIZE[k]:
-            raise MalformedMessage(
-                "size",
-                f"frame {name}: {views[1 + k].nbytes} bytes, header implies {count} x {dtype} "
-                f"= {count * _ITEMSIZE[k]} (truncated, or wrong dtype/shape)",
-            )
-        arrays.append(np.frombuffer(views[1 + k], dtype=dtype))
+        arrays.append(np.frombuffer(payload, dtype=dtype, count=count, offset=off))
+        off += count * _ITEMSIZE[k]
     return msg, _split(msg.trajs, arrays)
 
 
@@ -172,27 +185,37 @@ def _decode_header(view: memoryview) -> Message:
         raise MalformedMessage("bad_header", f"{type(exc).__name__}: {exc}") from None
 
 
+# Decoded trajectories are built by copying this template and setting every field: their
+# arrays are valid by construction (dtype, 1-D, aligned lengths checked above), so the
+# checks of Trajectory.__post_init__ (about 2 us per trajectory) are skipped.
+_TEMPLATE = Trajectory(
+    **{name: np.empty(0, dtype) for name, dtype in ARRAY_FIELDS.items()},
+    reward=0.0,
+    group_id=0,
+    episode_id=0,
+)
+_copy = Trajectory.__copy__
+
+
 def _split(metas: list[TrajMeta], arrays: list[np.ndarray]) -> list[Trajectory]:
     prompt, resp, lps, vers, mask = arrays
     out: list[Trajectory] = []
     p0 = r0 = 0
     for m in metas:
         p1, r1 = p0 + m.lengths[0], r0 + m.lengths[1]
-        out.append(
-            Trajectory(
-                prompt_ids=prompt[p0:p1],
-                response_ids=resp[r0:r1],
-                behav_logprobs=lps[r0:r1],
-                versions=vers[r0:r1],
-                loss_mask=mask[r0:r1],
-                reward=m.reward,
-                group_id=m.group_id,
-                episode_id=m.episode_id,
-                rewards=m.rewards,
-                timings=m.timings,
-                metadata=m.metadata,
-            )
-        )
+        t = _copy(_TEMPLATE)
+        t.prompt_ids = prompt[p0:p1]
+        t.response_ids = resp[r0:r1]
+        t.behav_logprobs = lps[r0:r1]
+        t.versions = vers[r0:r1]
+        t.loss_mask = mask[r0:r1]
+        t.reward = m.reward
+        t.group_id = m.group_id
+        t.episode_id = m.episode_id
+        t.rewards = m.rewards
+        t.timings = m.timings
+        t.metadata = m.metadata
+        out.append(t)
         p0, r0 = p1, r1
     return out
 

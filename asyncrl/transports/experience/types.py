@@ -2,13 +2,13 @@
 
 A :class:`Trajectory` is one finished episode. Its arrays (token ids, behaviour
 log-probs, per-token versions, loss mask) never go through msgspec: the codec
-sends each as its own zero-copy frame and describes them in a small header.
+packs them into one raw payload frame and describes them in a small header.
 Everything else is a tagged, array-like msgspec Struct (no pickle anywhere).
 
 Messages and who sends them (see ``zmq.py`` for the protocol)::
 
     consumer -> producer   Hello (once per connection), Credit (acks + new credit, heartbeat)
-    producer -> consumer   TrainBatch (+ array frames), Shutdown
+    producer -> consumer   TrainBatch (+ one payload frame), Shutdown
     consumer -> producer   StepDone (the version announcement of the trainer), Shutdown
 """
 
@@ -33,7 +33,7 @@ __all__ = [
     "Trajectory",
 ]
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """Bumped on any change of the wire layout; peers with another schema are rejected."""
 
 # name -> dtype of every per-trajectory array; the codec relies on this order.
@@ -120,7 +120,8 @@ class TrainBatch(msgspec.Struct, tag="batch", array_like=True, gc=False, omit_de
 
     ``seq`` numbers the messages of one producer to one rank (acked by the
     consumer); ``step`` is the train step they belong to (-1: not tied to a
-    step). Five array frames per trajectory follow, in ``ARRAY_FIELDS`` order.
+    step). One payload frame follows: each field of every trajectory, back to back, field
+    after field in ``ARRAY_FIELDS`` order.
     """
 
     seq: int

@@ -57,7 +57,7 @@ def wire(frames: list) -> list[bytes]:
 def test_batch_round_trip_every_field(n: int) -> None:
     trajs = [traj(i, n_prompt=i + 1, n_resp=2 * i) for i in range(n)]  # includes empty response
     frames = wire(encode_batch(42, 7, trajs))
-    assert len(frames) == 1 + len(ARRAY_FIELDS)
+    assert len(frames) == 2  # header + one payload frame
     msg, out = decode(frames)
     assert isinstance(msg, TrainBatch) and (msg.seq, msg.step, msg.schema) == (
         42,
@@ -69,15 +69,18 @@ def test_batch_round_trip_every_field(n: int) -> None:
         assert_same(a, b)
 
 
-def test_encoding_one_trajectory_is_zero_copy_and_decoding_never_copies() -> None:
-    t = traj(1, 300, 4096)
-    frames = encode_batch(0, 0, [t])
-    for name, frame in zip(ARRAY_FIELDS, frames[1:], strict=True):
-        assert np.shares_memory(np.frombuffer(frame, np.uint8), getattr(t, name).view(np.uint8))
-    received = wire(frames)
-    _, (out,) = decode(received)
-    for name, frame in zip(ARRAY_FIELDS, received[1:], strict=True):
-        assert np.shares_memory(getattr(out, name).view(np.uint8), np.frombuffer(frame, np.uint8))
+@pytest.mark.parametrize("n", [1, 3])
+def test_payload_is_one_aligned_frame_and_decoding_never_copies(n: int) -> None:
+    trajs = [traj(i, 300 + i, 4096 - i) for i in range(n)]
+    received = wire(encode_batch(0, 0, trajs))
+    payload = np.frombuffer(received[1], np.uint8)
+    _, out = decode(received)
+    for t in out:
+        for name in ARRAY_FIELDS:
+            arr = getattr(t, name)
+            assert np.shares_memory(arr.view(np.uint8), payload), name
+            assert not arr.flags.writeable, name
+            assert (arr.ctypes.data - payload.ctypes.data) % arr.dtype.itemsize == 0, name
 
 
 @pytest.mark.parametrize(
@@ -131,7 +134,11 @@ def _cases() -> dict[str, tuple[str, list[bytes]]]:
     v = _valid()
     bad_len = [TrajMeta(lengths=(5, 8), reward=0.0, group_id=0, episode_id=0)] * 2
     neg_len = [TrajMeta(lengths=(-5, 7), reward=0.0, group_id=0, episode_id=0)]
-    f64 = np.frombuffer(v[3], np.float32).astype(np.float64).tobytes()
+    # log-probs of both trajectories sent as float64: 4 more bytes per response token
+    n_p, n_r = 5 + 5, 7 + 7
+    lp = slice(4 * (n_p + n_r), 4 * (n_p + 2 * n_r))
+    f64 = v[1][: lp.start] + np.frombuffer(v[1][lp], np.float32).astype(np.float64).tobytes()
+    f64 += v[1][lp.stop :]
     return {
         "no frames": ("empty", []),
         "garbage header": ("bad_header", [b"\xc1\xff\x00", *v[1:]]),
@@ -142,8 +149,9 @@ def _cases() -> dict[str, tuple[str, list[bytes]]]:
         "missing frame": ("frame_count", v[:-1]),
         "extra frame": ("frame_count", [*v, b""]),
         "control with arrays": ("frame_count", [encode(Shutdown())[0], b"x"]),
-        "truncated array": ("size", [*v[:2], v[2][:-4], *v[3:]]),
-        "wrong dtype": ("size", [*v[:3], f64, *v[4:]]),
+        "truncated payload": ("size", [v[0], v[1][:-4]]),
+        "extended payload": ("size", [v[0], v[1] + b"\x00"]),
+        "wrong dtype": ("size", [v[0], f64]),
         "lengths disagree": ("size", [_header(trajs=bad_len), *v[1:]]),
         "negative length": ("shape", [_header(trajs=neg_len), *v[1:]]),
         "wrong field type": ("bad_header", [_header(step="seven"), *v[1:]]),

@@ -228,14 +228,13 @@ def _fuzz_frames(rng: random.Random, valid: list[bytes], big: int) -> list[bytes
     if kind == 2:  # a frame missing
         drop = rng.randrange(len(valid))
         return [f for i, f in enumerate(valid) if i != drop]
-    if kind == 3:  # truncated or extended array frame
-        i = rng.randrange(1, len(valid))
-        cut = valid[i][: rng.randrange(len(valid[i]))]
-        return [*valid[:i], cut if rng.random() < 0.5 else valid[i] + b"\x00", *valid[i + 1 :]]
-    if kind == 4:  # wrong dtype (float64 log-probs) or shape (header lengths off)
+    if kind == 3:  # truncated or extended payload frame
+        cut = valid[1][: rng.randrange(len(valid[1]))]
+        return [valid[0], cut if rng.random() < 0.5 else valid[1] + rng.randbytes(4)]
+    if kind == 4:  # wrong dtype (a field sent as 8-byte values) or shape (header lengths off)
         if rng.random() < 0.5:
-            f64 = np.frombuffer(valid[3], np.float32).astype(np.float64).tobytes()
-            return [*valid[:3], f64, *valid[4:]]
+            wide = np.frombuffer(valid[1], np.uint8).repeat(2).tobytes()
+            return [valid[0], wide]
         meta = TrajMeta(lengths=(rng.randrange(0, 9), rng.randrange(65, 99)), reward=0.0,
                         group_id=0, episode_id=0)  # fmt: skip
         return [msgspec.msgpack.encode(TrainBatch(seq=0, step=0, trajs=[meta])), *valid[1:]]
