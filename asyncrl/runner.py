@@ -149,6 +149,7 @@ class _Run:
             "controller_s": time.perf_counter() - self.t_controller,
             **{k: v for k, v in m.items() if k not in ("num_samples",)},
             **{f"ctl_{k}": v for k, v in ctl.stats().items()},
+            **self.cpu_times(),
         }
         self.rows.append(row)
         with open(self.run_dir / "metrics.jsonl", "a") as f:
@@ -160,6 +161,19 @@ class _Run:
                 f" | sync {m.get('sync_s', 0):.3f}s | {row['wall_s']:.1f}s",
                 flush=True,
             )
+
+    def cpu_times(self) -> dict[str, float]:
+        """CPU seconds used so far by this process and each child (Linux /proc; else empty)."""
+        out = {"cpu_controller_s": time.process_time()}
+        tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        for name, p in self.procs.items():
+            try:
+                with open(f"/proc/{p.pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            out[f"cpu_{name}_s"] = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+        return out
 
     async def watchdog(self) -> None:
         while True:

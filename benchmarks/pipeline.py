@@ -21,6 +21,9 @@ excluded, in both runs alike). ``trainer_idle_frac`` = 1 - (time the trainer
 spent in train steps and weight snapshots) / window. ``staleness_violations``
 counts trained samples with ``step - version > max_staleness`` (over the whole run).
 The whole-run times (controller start to last report) are in the JSON too.
+``trainer_cpu_share`` = the trainer's CPU seconds / its busy wall time in the window:
+1.0 when its core is really its own, lower when other work on the machine takes it
+(the machine load — load average, CPU pressure — is recorded before and after each run).
 ``--repeats K`` alternates K sync/async pairs and reports the median run of each mode
 (this machine's load from other work drifts by tens of percent within minutes).
 """
@@ -79,8 +82,17 @@ def measure(rows: list[dict[str, Any]], warmup: int, staleness: int) -> dict[str
     violations = sum(
         int(r["num_samples"]) for r in rows if r["staleness_max"] > staleness
     )  # a whole batch counts when any of it is too stale: an upper bound
+    cpu = {
+        k.removeprefix("cpu_").removesuffix("_s"): rows[-1][k] - rows[warmup - 1][k]
+        for k in rows[-1]
+        if k.startswith("cpu_") and k in rows[warmup - 1]
+    }
+    trainer_cpu = sum(v for k, v in cpu.items() if k.startswith("trainer"))
     return {
         "seconds": span,
+        "cpu_s": cpu,  # CPU seconds each process used in the window (runner's cpu_* metrics)
+        # the share of its core the trainer got while it was busy: 1.0 on a dedicated core
+        "trainer_cpu_share": trainer_cpu / busy if busy > 0 else 0.0,
         "total_s": rows[-1]["controller_s"],
         "steps": len(window),
         "trainer_busy_s": busy,
@@ -110,6 +122,7 @@ def run_once(staleness: int, a: argparse.Namespace, model_path: str, out: Path) 
         "--trainer.threads=1",
     ]
     cfg = load_config(None, overrides)
+    load_before = machine_load()
     stream = samples(model_path, a.seed, a.min_len, a.alpha, a.max_len)
     pin = {"engine": {a.engine_core}, "trainer": {a.trainer_core}} if a.pin else None
     run_dir = out / f"staleness{staleness}"
@@ -123,7 +136,21 @@ def run_once(staleness: int, a: argparse.Namespace, model_path: str, out: Path) 
         rows = uvloop.run(go())
     except ImportError:
         rows = asyncio.run(go())
-    return measure(rows, a.warmup, staleness)
+    res = measure(rows, a.warmup, staleness)
+    res["load"] = {"before": load_before, "after": machine_load()}
+    return res
+
+
+def machine_load() -> dict[str, float]:
+    """1-minute load average and CPU pressure (PSI ``some`` avg10, %), where Linux has them."""
+    out = {"loadavg_1m": os.getloadavg()[0]} if hasattr(os, "getloadavg") else {}
+    try:
+        with open("/proc/pressure/cpu") as f:
+            some = f.readline().split()
+        out["cpu_pressure_some_avg10"] = float(some[1].split("=")[1])
+    except (OSError, IndexError, ValueError):
+        pass
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -135,7 +162,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--min-len", type=int, default=2, help="Pareto scale of generation lengths")
     p.add_argument("--alpha", type=float, default=1.0, help="Pareto shape (smaller: longer tail)")
     p.add_argument("--max-len", type=int, default=32, help="cap of generation lengths")
-    p.add_argument("--engine-batch", type=int, default=32, help="engine max_batch_size")
+    p.add_argument(
+        "--engine-batch", type=int, default=256, help="engine max_batch_size (product default)"
+    )
     p.add_argument("--pause-mode", default="in_place", choices=["abort", "in_place"])
     p.add_argument("--async-staleness", type=int, default=2)
     p.add_argument("--engine-core", type=int, default=0)
@@ -176,22 +205,32 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "pinned": bool(a.pin),
         "repeats": a.repeats,
         "speedups_each": [s["seconds"] / x["seconds"] for s, x in zip(syncs, asyns)],  # noqa: B905
+        "trainer_cpu_share_sync": sync["trainer_cpu_share"],
+        "trainer_cpu_share_async": asyn["trainer_cpu_share"],
+        "cpu_s_sync": sync["cpu_s"],
+        "cpu_s_async": asyn["cpu_s"],
+        "load_each": [[s["load"], x["load"]] for s, x in zip(syncs, asyns)],  # noqa: B905
         "cpus": os.cpu_count(),
         "runs": str(out),
     }
-    print(f"{'mode':<22} {'window s':>9} {'total s':>8} {'trainer idle':>13} {'max stale':>10}")
+    print(
+        f"{'mode':<22} {'window s':>9} {'total s':>8} {'trainer idle':>13} {'max stale':>10}"
+        f" {'trainer cpu share':>18}"
+    )
     for name, r in (
         ("sync  (staleness 0)", sync),
         (f"async (staleness {a.async_staleness})", asyn),
     ):
         print(
             f"{name:<22} {r['seconds']:>9.2f} {r['total_s']:>8.2f} {r['trainer_idle_frac']:>13.2f}"
-            f" {r['staleness_max']:>10d}"
+            f" {r['staleness_max']:>10d} {r['trainer_cpu_share']:>18.2f}"
         )
     print(
         f"speedup {res['speedup']:.2f}x (whole run {res['speedup_total']:.2f}x), "
         f"staleness violations {res['staleness_violations']}"
     )
+    loads = [round(x["load"]["before"].get("loadavg_1m", -1.0), 1) for x in syncs + asyns]
+    print(f"pairs: {', '.join(f'{x:.2f}x' for x in res['speedups_each'])}; load avg {loads}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=2)

@@ -53,6 +53,10 @@ def test_short_run_end_to_end(tmp_path: Path, tiny_model_dir: Path) -> None:
         assert {"reward_mean", "staleness_max", "weight_version", "num_samples", "wall_s"} <= set(r)
         assert 0 <= r["staleness_max"] <= 1
         assert r["num_samples"] == 4 * 8
+    if Path("/proc/self/stat").is_file():  # CPU seconds per process, monotone over the run
+        keys = ("cpu_controller_s", "cpu_engine0_s", "cpu_trainer0_s")
+        assert all(r[k] >= 0.0 for r in rows for k in keys)
+        assert all(rows[-1][k] >= rows[0][k] for k in keys)
     versions = {r["weight_version"] for r in rows}
     assert len(versions) >= 3 and max(versions) == 6
     pids = json.loads((run / "processes.json").read_text())
