@@ -72,7 +72,7 @@ def engines(model_dir: Path, tmp: Path, faults: list[str]) -> Iterator[list[str]
 async def _healthy(urls: list[str]) -> None:
     clients = [SGLangClient(u) for u in urls]
     try:
-        await asyncio.gather(*(c.wait_healthy(60) for c in clients))
+        await asyncio.gather(*(c.wait_healthy(180) for c in clients))
     finally:
         await asyncio.gather(*(c.close() for c in clients))
 
