@@ -11,6 +11,7 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+import aiohttp
 import pytest
 
 from asyncrl.config import AlgoConfig, ControllerConfig, RolloutConfig, RunConfig
@@ -88,23 +89,31 @@ async def test_tool_tokens_masked_and_versions_exact(engine_url: str) -> None:
     assert ctx.min_version(traj) == 4
 
 
+async def _tokens_generated(url: str) -> int:
+    async with aiohttp.ClientSession() as http, http.get(url + "/get_server_info") as resp:
+        return int((await resp.json())["tokens"])
+
+
 async def test_abort_resumes_on_same_engine_with_exact_budget(engine_url: str) -> None:
+    budget = 3000  # long enough that the abort lands mid-request on any machine
     client = SGLangClient(engine_url)
-    ctx = EpisodeContext(Router([client]), 0, 7, {"max_new_tokens": 300}, 0, Gate())
+    ctx = EpisodeContext(Router([client]), 0, 7, {"max_new_tokens": budget}, 0, Gate())
     try:
         await client.update_weight_version("0")
+        start = await _tokens_generated(engine_url)
         task = asyncio.ensure_future(ctx.generate([1, 5, 6, 7, 14], ignore_eos=True))
-        await asyncio.sleep(0.3)
+        while await _tokens_generated(engine_url) < start + 5:  # the request is decoding
+            await asyncio.sleep(0.005)
         await client.pause_generation("abort")
         await client.update_weight_version("1")
         await client.continue_generation()
-        gen = await asyncio.wait_for(task, 120)
+        gen = await asyncio.wait_for(task, 300)
     finally:
         await client.close()
-    assert len(gen.output_ids) == 300 == len(gen.logprobs) == len(gen.versions)
+    assert len(gen.output_ids) == budget == len(gen.logprobs) == len(gen.versions)
     assert gen.calls >= 2, "the abort should have interrupted the request"
     assert gen.versions == sorted(gen.versions) and set(gen.versions) <= {0, 1}
-    assert gen.versions[-1] == 1 and gen.finish_reason == "length"
+    assert gen.versions[0] == 0 and gen.versions[-1] == 1 and gen.finish_reason == "length"
 
 
 async def test_engines_continue_after_failed_update(engine_url: str) -> None:
