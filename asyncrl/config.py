@@ -194,6 +194,11 @@ class AlgoConfig(_Section):
     """PPO: learning rate of the critic; 0 uses ``trainer.lr``."""
     critic_warmup_steps: int = 0
     """PPO: first steps that train only the critic (the actor is held)."""
+    behav_clip_eps: float = 0.2
+    """Decoupled objective: behaviour-side trust region. A token whose proximal/behaviour
+    ratio is already above ``1 + this`` (positive advantage) or below ``1 - this`` (negative)
+    gets no gradient, so stale samples do not push tokens the intervening updates already
+    moved. 0 disables it. No effect on the ``on-policy`` (staleness 0) and ``naive`` objectives."""
 
 
 class ControllerConfig(_Section):
