@@ -171,3 +171,12 @@ def test_behaviour_trust_region_only_in_decoupled_objective() -> None:
     torch.testing.assert_close(naive.detach(), torch.tensor([-1.2]))  # its own clip: 2 -> 1.2
     on, _ = PolicyLoss("on-policy", 0.2, 1.0, behav_clip_eps=0.2)(logp, [s])
     torch.testing.assert_close(on.detach(), torch.tensor([-1.0]))
+
+
+def test_behaviour_trust_region_config_is_validated() -> None:
+    from asyncrl.config import load_config
+
+    assert load_config(None, []).algo.behav_clip_eps == 0.2
+    assert load_config(None, ["--algo.behav_clip_eps=0"]).algo.behav_clip_eps == 0.0
+    with pytest.raises(ValueError, match="behav_clip_eps"):
+        load_config(None, ["--algo.behav_clip_eps=-0.1"])
