@@ -194,6 +194,11 @@ class AlgoConfig(_Section):
     """PPO: learning rate of the critic; 0 uses ``trainer.lr``."""
     critic_warmup_steps: int = 0
     """PPO: first steps that train only the critic (the actor is held)."""
+    behav_clip_eps: float = 0.2
+    """Decoupled objective: behaviour-side trust region. A token whose proximal/behaviour
+    ratio is already above ``1 + this`` (positive advantage) or below ``1 - this`` (negative)
+    gets no gradient, so stale samples do not push tokens the intervening updates already
+    moved. 0 disables it. No effect on the ``on-policy`` (staleness 0) and ``naive`` objectives."""
 
 
 class ControllerConfig(_Section):
@@ -357,6 +362,8 @@ def _check_algo(a: AlgoConfig) -> None:
         raise ValueError(f"algo.behav_imp_weight_cap must be >= 1, got {a.behav_imp_weight_cap}")
     if not 0.0 <= a.gamma <= 1.0 or not 0.0 <= a.lam <= 1.0:
         raise ValueError(f"algo.gamma and algo.lam must be in [0, 1], got {a.gamma}, {a.lam}")
+    if not 0.0 <= a.behav_clip_eps < 1.0:
+        raise ValueError(f"algo.behav_clip_eps must be in [0, 1) (0: off), got {a.behav_clip_eps}")
     for key in ("kl_coef", "entropy_coef", "value_coef", "critic_lr", "critic_warmup_steps"):
         if getattr(a, key) < 0:
             raise ValueError(f"algo.{key} must be >= 0, got {getattr(a, key)}")

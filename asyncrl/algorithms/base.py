@@ -166,6 +166,7 @@ class PolicyUpdate:
             a.loss_agg,
             a.kl_coef,
             a.entropy_coef,
+            a.behav_clip_eps,
         )
 
     def run(self, step: int, seqs: list[Seq]) -> dict[str, float]:

@@ -39,7 +39,9 @@ class GRPOLoss(PolicyLoss):
 
     def __init__(self, cfg: AlgoConfig, decoupled: bool = True):
         objective = "decoupled" if decoupled else "naive"
-        super().__init__(objective, cfg.clip_eps, cfg.behav_imp_weight_cap)
+        super().__init__(
+            objective, cfg.clip_eps, cfg.behav_imp_weight_cap, behav_clip_eps=cfg.behav_clip_eps
+        )
 
 
 class GRPO:

@@ -8,6 +8,15 @@ Per response token with advantage A, current log-prob ``logp``, proximal log-pro
     w     = min(exp(prox - behav), cap)                       # truncated importance weight
     loss  = -w * min(ratio * A, clip(ratio, 1-eps, 1+eps) * A)
 
+Behaviour-side trust region (``behav_clip_eps = eps_b > 0``, decoupled only): a token
+whose proximal/behaviour ratio already lies beyond ``1 + eps_b`` (A > 0) or below
+``1 - eps_b`` (A < 0) gets weight 0, i.e. no gradient. The stale updates since the
+sample was generated have already moved it past the trust region in the direction its
+advantage asks for, so pushing it further overshoots. This is the cut naive PPO makes
+with its ratio against the behaviour policy, kept here while the ratio of the clipped
+surrogate stays against the proximal policy; with one update per step (ratio = 1)
+it is the only trust region that acts.
+
 The three objectives of :class:`PolicyLoss` (see ``objective``):
 
 - ``decoupled``: as above (AReaL's decoupled PPO); used when samples may be stale.
@@ -52,6 +61,7 @@ def ppo_token_loss(
     clip_eps: float = 0.2,
     cap: float = 5.0,
     decoupled: bool = True,
+    behav_clip_eps: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-token clipped surrogate loss (shape of ``logp``) and detached per-token diagnostics.
 
@@ -59,7 +69,8 @@ def ppo_token_loss(
     ``min(exp(prox - behav), cap)``; pass ``behav=prox`` for the plain on-policy objective.
     ``decoupled=False``: ratio vs ``behav``, weight 1. Diagnostics: ``ratio`` (current/old),
     ``clipped`` (1 where clipping cut the gradient), ``imp_weight`` (untruncated
-    exp(prox - behav)), ``truncated`` (1 where the weight hit the cap).
+    exp(prox - behav)), ``truncated`` (1 where the weight hit the cap), ``behav_clipped``
+    (1 where the behaviour-side trust region ``behav_clip_eps > 0`` zeroed the weight).
     """
     if prox is None:
         prox = logp.detach()
@@ -68,11 +79,19 @@ def ppo_token_loss(
         raw = torch.exp(prox - behav).detach()
         weight = raw.clamp(max=cap)
         truncated = (raw > cap).float()
+        behav_clipped = torch.zeros_like(logp)
+        if behav_clip_eps > 0:
+            out = ((adv > 0) & (raw > 1 + behav_clip_eps)) | (
+                (adv < 0) & (raw < 1 - behav_clip_eps)
+            )
+            behav_clipped = out.float()
+            weight = weight * (1.0 - behav_clipped)
     else:
         old = behav
         raw = torch.exp(logp.detach() - behav)
         weight = torch.ones_like(logp)
         truncated = torch.zeros_like(logp)
+        behav_clipped = torch.zeros_like(logp)
     ratio = torch.exp(logp - old)
     unclipped = ratio * adv
     clipped = ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv
@@ -82,6 +101,7 @@ def ppo_token_loss(
         "clipped": (clipped < unclipped).float().detach(),
         "imp_weight": raw,
         "truncated": truncated,
+        "behav_clipped": behav_clipped.detach(),
     }
     return loss, info
 
@@ -145,6 +165,7 @@ class PolicyLoss:
         agg: Aggregation = "token-mean",
         kl_coef: float = 0.0,
         entropy_coef: float = 0.0,
+        behav_clip_eps: float = 0.0,
     ):
         self.objective = objective
         self.clip_eps = clip_eps
@@ -152,6 +173,7 @@ class PolicyLoss:
         self.agg = agg
         self.kl_coef = kl_coef
         self.entropy_coef = entropy_coef
+        self.behav_clip_eps = behav_clip_eps
         self.scale = 1.0
         self.extrema: dict[str, float] = {}
 
@@ -171,7 +193,9 @@ class PolicyLoss:
             info["imp_weight"] = torch.exp(prox - behav)
         else:
             decoupled = self.objective == "decoupled"
-            loss, info = ppo_token_loss(logp, behav, adv, prox, self.clip_eps, self.cap, decoupled)
+            loss, info = ppo_token_loss(
+                logp, behav, adv, prox, self.clip_eps, self.cap, decoupled, self.behav_clip_eps
+            )
         old = behav if self.objective == "naive" else prox  # what the ratio is taken against
         stats = {
             "pg_loss_sum": (loss.detach() * mask).sum(),
@@ -179,6 +203,7 @@ class PolicyLoss:
             "clip_frac_sum": (info["clipped"] * mask).sum(),
             "imp_weight_sum": (info["imp_weight"] * mask).sum(),
             "imp_truncated_sum": (info["truncated"] * mask).sum(),
+            "behav_clip_frac_sum": (info["behav_clipped"] * mask).sum(),
             "approx_kl_sum": (0.5 * (logp.detach() - old) ** 2 * mask).sum(),
             "behav_kl_sum": ((behav - prox) * mask).sum(),
             "entropy_sum": (-logp.detach() * mask).sum(),

@@ -142,3 +142,41 @@ def test_value_loss_fn_stats() -> None:
     torch.testing.assert_close(loss, torch.tensor([0.25, 0.25]))
     assert float(stats["vf_loss_sum"]) == pytest.approx(0.5)
     assert float(stats["vf_tokens"]) == 1.0
+
+
+def test_behaviour_trust_region_zeroes_tokens_moved_past_it() -> None:
+    # ratio 1 (prox = logp); prox/behav per token: 2, 2, 0.5, 0.5, 1.1, 0.9
+    # A > 0 and prox/behav 2 > 1.2 -> cut; A < 0 and 2 -> kept (weight capped 1)
+    # A < 0 and 0.5 < 0.8 -> cut; A > 0 and 0.5 -> kept with weight 0.5
+    # 1.1 and 0.9 lie inside [0.8, 1.2] -> kept whatever the sign
+    logp = torch.tensor([L(0.4), L(0.4), L(0.2), L(0.2), L(0.44), L(0.36)], requires_grad=True)
+    behav = torch.tensor([L(0.2), L(0.2), L(0.4), L(0.4), L(0.4), L(0.4)])
+    adv = torch.tensor([1.0, -1.0, -1.0, 1.0, 1.0, -1.0])
+    loss, info = ppo_token_loss(logp, behav, adv, cap=1.0, behav_clip_eps=0.2)
+    torch.testing.assert_close(info["behav_clipped"], torch.tensor([1.0, 0, 1, 0, 0, 0]))
+    torch.testing.assert_close(loss.detach(), torch.tensor([0.0, 1.0, 0.0, -0.5, -1.0, 0.9]))
+    loss.sum().backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([0.0, 1.0, 0.0, -0.5, -1.0, 0.9]))
+    # eps_b = 0 disables it: token 0 gets its (capped) weight 1 back
+    off, info = ppo_token_loss(logp.detach(), behav, adv, cap=1.0, behav_clip_eps=0.0)
+    assert float(off[0]) == -1.0 and float(info["behav_clipped"].sum()) == 0.0
+
+
+def test_behaviour_trust_region_only_in_decoupled_objective() -> None:
+    logp = torch.tensor([L(0.4)], requires_grad=True)
+    s = _seq(1, behav=[L(0.2)], adv=[1.0], mask=[1.0])
+    dec, stats = PolicyLoss("decoupled", 0.2, 1.0, behav_clip_eps=0.2)(logp, [s])
+    assert float(dec[0]) == 0.0 and float(stats["behav_clip_frac_sum"]) == 1.0
+    naive, _ = PolicyLoss("naive", 0.2, 1.0, behav_clip_eps=0.2)(logp, [s])
+    torch.testing.assert_close(naive.detach(), torch.tensor([-1.2]))  # its own clip: 2 -> 1.2
+    on, _ = PolicyLoss("on-policy", 0.2, 1.0, behav_clip_eps=0.2)(logp, [s])
+    torch.testing.assert_close(on.detach(), torch.tensor([-1.0]))
+
+
+def test_behaviour_trust_region_config_is_validated() -> None:
+    from asyncrl.config import load_config
+
+    assert load_config(None, []).algo.behav_clip_eps == 0.2
+    assert load_config(None, ["--algo.behav_clip_eps=0"]).algo.behav_clip_eps == 0.0
+    with pytest.raises(ValueError, match="behav_clip_eps"):
+        load_config(None, ["--algo.behav_clip_eps=-0.1"])
