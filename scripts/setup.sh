@@ -10,12 +10,14 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 . .venv/bin/activate
+# pip, minus this kind of machine's noise about local index folders it does not have
+pip_install() { python -m pip install -q "$@" 2>&1 | { grep -v "^WARNING: Location 'file:" || true; }; }
 python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 if ! python -c "import torch" >/dev/null 2>&1; then
   if [ -n "${ASYNCRL_TORCH_SPEC:-}" ]; then
-    python -m pip install -q "$ASYNCRL_TORCH_SPEC"
+    pip_install "$ASYNCRL_TORCH_SPEC"
   elif ! command -v nvidia-smi >/dev/null 2>&1; then
-    python -m pip install -q "torch==2.13.0"
+    pip_install "torch==2.13.0"
   fi
 fi
-python -m pip install -q -e ".[test]"
+pip_install -e ".[test]"
