@@ -14,13 +14,12 @@ import torch
 
 from asyncrl.algorithms.advantages import grpo_advantages
 from asyncrl.algorithms.base import EngineFactory, PolicyUpdate, adv_stats, seqs_from_trajs
-from asyncrl.algorithms.losses import PolicyLoss
 from asyncrl.config import AlgoConfig, RunConfig
 from asyncrl.engines.train.base import Seq
 from asyncrl.tasks.base import generation_budget
 from asyncrl.transports.experience.types import Trajectory
 
-__all__ = ["GRPO", "GRPOLoss", "build_seqs"]
+__all__ = ["GRPO", "build_seqs"]
 
 
 def build_seqs(trajs: Sequence[Trajectory], cfg: AlgoConfig) -> list[Seq]:
@@ -32,16 +31,6 @@ def build_seqs(trajs: Sequence[Trajectory], cfg: AlgoConfig) -> list[Seq]:
     for s, a in zip(seqs, adv.tolist(), strict=True):
         s.fields["adv"] = torch.full((s.response_len,), a, dtype=torch.float32)
     return seqs
-
-
-class GRPOLoss(PolicyLoss):
-    """The skeleton's loss: decoupled (or naive) PPO token loss, token-mean."""
-
-    def __init__(self, cfg: AlgoConfig, decoupled: bool = True):
-        objective = "decoupled" if decoupled else "naive"
-        super().__init__(
-            objective, cfg.clip_eps, cfg.behav_imp_weight_cap, behav_clip_eps=cfg.behav_clip_eps
-        )
 
 
 class GRPO:

@@ -148,6 +148,11 @@ def aggregation_weight(mask: torch.Tensor, agg: Aggregation) -> torch.Tensor:
     return mask
 
 
+def _cat(mb: Sequence[Seq], name: str, device: torch.device) -> torch.Tensor:
+    """Field ``name`` of every sequence of a micro-batch, concatenated, on ``device``."""
+    return torch.cat([s.fields[name] for s in mb]).to(device)
+
+
 class PolicyLoss:
     """The actor's LossFn: clipped surrogate (+ KL to reference, - entropy bonus).
 
@@ -184,7 +189,7 @@ class PolicyLoss:
         self, logp: torch.Tensor, mb: Sequence[Seq]
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         def cat(name: str) -> torch.Tensor:
-            return torch.cat([s.fields[name] for s in mb]).to(logp.device)
+            return _cat(mb, name, logp.device)
 
         behav, adv, mask = cat("behav"), cat("adv"), cat("mask")
         prox = cat("prox") if all("prox" in s.fields for s in mb) else logp.detach()
@@ -246,7 +251,7 @@ class ValueLoss:
         self, values: torch.Tensor, mb: Sequence[Seq]
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         def cat(name: str) -> torch.Tensor:
-            return torch.cat([s.fields[name] for s in mb]).to(values.device)
+            return _cat(mb, name, values.device)
 
         old, ret, mask = cat("old_values"), cat("returns"), cat("mask")
         loss, clipped = value_token_loss(values, old, ret, self.clip)

@@ -182,12 +182,7 @@ class SGLangClient:
             "flush_cache": bool(flush_cache),
             "abort_all_requests": False,
         }
-        if weight_version is not None:
-            body["weight_version"] = str(weight_version)
-        if load_format is not None:
-            body["load_format"] = str(load_format)
-        if extra:
-            body.update(extra)
+        _set_optional(body, weight_version, load_format, extra)
         await self._call("POST", "/update_weights_from_distributed", body)
 
     async def update_weights_from_tensor(
@@ -205,12 +200,7 @@ class SGLangClient:
             "flush_cache": bool(flush_cache),
             "abort_all_requests": False,
         }
-        if load_format is not None:
-            body["load_format"] = str(load_format)
-        if weight_version is not None:
-            body["weight_version"] = str(weight_version)
-        if extra:
-            body.update(extra)
+        _set_optional(body, weight_version, load_format, extra)
         await self._call("POST", "/update_weights_from_tensor", body)
 
     async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
@@ -253,3 +243,18 @@ class SGLangClient:
             if loop.time() > deadline:
                 raise EngineUnavailable(f"{self.url} not healthy after {timeout_s:.0f}s")
             await asyncio.sleep(interval_s)
+
+
+def _set_optional(
+    body: dict[str, Any],
+    weight_version: str | None,
+    load_format: str | None,
+    extra: dict[str, Any] | None,
+) -> None:
+    """Add the optional fields of a weight-update request that are set (SGLang omits None)."""
+    if weight_version is not None:
+        body["weight_version"] = str(weight_version)
+    if load_format is not None:
+        body["load_format"] = str(load_format)
+    if extra:
+        body.update(extra)
