@@ -104,7 +104,9 @@ def _floor_peer(args: argparse.Namespace) -> None:
 
 
 # -- measurements ---------------------------------------------------------------------
-def _weights(model: str, dtype: str, device: str) -> dict[str, Any]:
+def _weights(model: str, dtype: str, device: str, separate: bool = False) -> dict[str, Any]:
+    """Random bits in the model's shapes: views of one flat tensor, or (``separate``) one
+    allocation per tensor, like a trainer's parameters (what cuda-ipc must map)."""
     import torch
 
     shapes = _shapes(model)
@@ -117,6 +119,8 @@ def _weights(model: str, dtype: str, device: str) -> dict[str, Any]:
     for name, shape in shapes:
         n = torch.Size(shape).numel()
         out[name] = flat[off : off + n].view(shape)
+        if separate:
+            out[name] = out[name].clone()
         off += n
     return out
 
@@ -263,7 +267,7 @@ def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
     floor = None
     try:
         device = DEVICE[args.backend]
-        weights = _weights(args.model, args.dtype, device)
+        weights = _weights(args.model, args.dtype, device, separate=args.backend == "cuda-ipc")
         nbytes = sum(t.numel() * t.element_size() for t in weights.values())
         floor = _Floor(args.backend, nbytes, spawn_child)
         for mode in args.modes.split(","):
@@ -276,6 +280,7 @@ def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 staging_buckets=args.staging_buckets,
                 snapshot=mode == "snapshot",
                 timeout_s=600.0,
+                ipc_verify=args.ipc_verify,
             )
             sender = make_weight_transport(cfg, urls, device)
             try:
@@ -324,6 +329,8 @@ def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
                     "cpu_s": statistics.median(cpu_ours),
                     "verified": verified,
                     "total_over_floor": total_s / floor_s,
+                    "floor_over_total": floor_s / total_s,
+                    "ipc_verify": args.ipc_verify,
                     "naive_over_total": None if naive_s is None else naive_s / total_s,
                     "stall_over_total": stall_s / total_s,
                     "floor_runs_s": floors,
@@ -339,9 +346,15 @@ def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def _table(rows: list[dict[str, Any]]) -> str:
     cols = ["backend", "mode", "bytes", "num_tensors", "floor_s", "naive_s", "total_s", "stall_s"]
-    cols += ["total_over_floor", "naive_over_total", "stall_over_total", "verified"]
+    cols += [
+        "total_over_floor",
+        "floor_over_total",
+        "naive_over_total",
+        "stall_over_total",
+        "verified",
+    ]
     cols += ["floor_cpu_s", "cpu_s"]
-    fmt = lambda v: f"{v:.4f}" if isinstance(v, float) else str(v)  # noqa: E731
+    fmt = lambda v: f"{v:.5f}" if isinstance(v, float) else str(v)  # noqa: E731
     lines = [" | ".join(cols)]
     lines += [" | ".join(fmt(r[c]) for c in cols) for r in rows]
     return "\n".join(lines)
@@ -359,6 +372,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--staging-buckets", type=int, default=0, help="weights.staging_buckets")
     p.add_argument("--modes", default="overlap,snapshot", help="overlap and/or snapshot")
     p.add_argument("--no-naive", dest="naive", action="store_false", help="skip the naive baseline")
+    p.add_argument("--ipc-verify", action="store_true", help="weights.ipc_verify (cuda-ipc)")
     p.add_argument("--threads", type=int, default=1, help="torch threads of the sender")
     p.add_argument("--json", default=None, help="write the rows here")
     p.add_argument("--_engine", action="store_true", help=argparse.SUPPRESS)

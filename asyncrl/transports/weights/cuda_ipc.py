@@ -1,13 +1,41 @@
-"""CUDA IPC weight transport for engines colocated on the trainer's GPU(s).
+"""CUDA IPC weight transport for engines colocated on the trainer's GPU(s): the bytes move once.
 
-The sender packs each bucket into one of two GPU staging slots (as every
-sender does) and posts ``/update_weights_from_tensor`` with
-``load_format="flattened_bucket"``: ``serialized_named_tensors`` holds one JSON
-descriptor of the slot's CUDA IPC handle (never pickle: the descriptor names
-the dtype, sizes and the handle bytes in base64) and ``asyncrl_bucket`` the
-manifest. The engine maps the slot once (handles are cached per slot), copies
-the bucket out device to device, verifies and stages it like any other
-bucket. A slot is reused only after every engine answered for it.
+A sync is one device-to-device read of the trainer's tensors and one write into
+the engine's standby parameters; nothing is staged on the sender.
+
+- **Export, once per layout.** The sender exports the CUDA storages that hold
+  the pushed tensors (``storage._share_cuda_()``: handle of the caching-allocator
+  segment + the storage's byte offset in it) and describes every tensor by
+  (storage, element offset, dtype, shape, stride). That *layout* gets an id;
+  it is re-exported only when a tensor's storage, dtype, shape or stride
+  changes. The sender holds a reference to every exported storage while its
+  layout is current, so the memory an engine maps is never reused under it.
+- **One control call per sync** (one engine): ``/update_weights_from_tensor``
+  with ``load_format="asyncrl_ipc"`` and an ``asyncrl_ipc`` JSON object
+  (never pickle): version, layout id (the full layout only when that engine
+  has not mapped it yet), the sender's interprocess CUDA event, recorded in
+  ``push`` on the trainer's current stream (the engine's copy waits for it, so
+  the trainer never synchronizes), and ``commit``.
+- **Engine side** (:class:`IpcLayouts`): opens each segment once
+  (``cudaIpcOpenMemHandle`` is slow) and keeps the mapped tensors while the
+  layout is current; a sync is one ``torch._foreach_copy_`` from the trainer's
+  tensors into the engine's standby parameter set on a side stream, then the
+  model switches to the standby set between two decoding steps (zero copy, as
+  on CPU) and the old parameters become the next standby set. With several
+  engines the copy and the switch are two phases (``/update_weight_version``
+  commits once every engine copied), so all switch or none do.
+- **Ordering.** The trainer may run its next forward/backward while engines
+  copy; its next optimizer step waits (``PushHandle.wait_snapshot``) until
+  every engine has copied and answered.
+- **Checksums** (``weights.ipc_verify``, default off): the bytes never leave
+  the GPU's memory, so there is no link to corrupt them, and a checksum costs
+  a full extra read of the weights on each side (as much as the copy itself).
+  When on, the sender sends one checksum per tensor and the engine checks its
+  copies before switching.
+
+Failure semantics are those of every transport: any error (an unmapped layout,
+a failed copy, a checksum mismatch) leaves the engine on its old weights and
+version and fails the push; the next push re-sends the layout.
 
 SGLang's own ``/update_weights_from_tensor`` expects pickled tensors, which
 this project does not put on a wire; use the collective transport with SGLang.
@@ -17,70 +45,154 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import json
+import threading
+import time
+import uuid
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
-from asyncrl.transports.weights.bucket import BucketManifest
-from asyncrl.transports.weights.sender import Acks, BucketSender, bucket_extra
+from asyncrl.engines.rollout.base import EngineError
+from asyncrl.transports.weights.base import PushHandle, WeightSyncError
+from asyncrl.transports.weights.bucket import checksum
+from asyncrl.transports.weights.sender import BucketSender
 
-__all__ = ["CudaIpcWeightSender", "encode_ipc", "read_ipc_bucket"]
+__all__ = ["LOAD_FORMAT", "CudaIpcWeightSender", "IpcExport", "IpcLayouts"]
 
-_opened: dict[str, torch.Tensor] = {}  # engine side: mapped sender slots by handle
+LOAD_FORMAT = "asyncrl_ipc"
+"""``load_format`` of asyncrl's CUDA IPC requests (the descriptor is in ``asyncrl_ipc``)."""
 
 
-def encode_ipc(slot: torch.Tensor) -> dict[str, Any]:
-    """A JSON-able descriptor of a CUDA tensor's storage that another process can map."""
-    from torch.multiprocessing.reductions import reduce_tensor
+def _b64(raw: bytes | None) -> str | None:
+    return None if raw is None else base64.b64encode(raw).decode()
 
-    if slot.device.type != "cuda":
-        raise ValueError("CUDA IPC needs a CUDA tensor")
-    _, args = reduce_tensor(slot)
-    (_, size, stride, offset, _, dtype, device, handle, storage_bytes, storage_offset, _,
-     ref_handle, ref_offset, event_handle, event_sync) = args  # fmt: skip
-    b64 = lambda b: None if b is None else base64.b64encode(b).decode()  # noqa: E731
+
+def _unb64(text: str | None) -> bytes | None:
+    return None if text is None else base64.b64decode(text)
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, str(name), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r} in the IPC layout")
+    return dtype
+
+
+class IpcExport:
+    """Sender side: the exported storages and the layout of the pushed tensors."""
+
+    def __init__(self) -> None:
+        self._key: tuple[Any, ...] = ()
+        self._held: dict[int, tuple[torch.UntypedStorage, dict[str, Any]]] = {}
+        self.layout: dict[str, Any] = {}
+        self.nbytes = 0
+
+    @property
+    def layout_id(self) -> str:
+        return str(self.layout.get("id", ""))
+
+    def update(self, items: list[tuple[str, torch.Tensor]]) -> bool:
+        """Describe ``items``; export storages not exported yet. True when the layout changed.
+
+        Raises ValueError for a tensor that is not on a CUDA device.
+        """
+        key = tuple((n, t.data_ptr(), t.dtype, t.shape, t.stride()) for n, t in items)
+        if key == self._key:
+            return False
+        held: dict[int, tuple[torch.UntypedStorage, dict[str, Any]]] = {}
+        index: dict[int, int] = {}
+        segments: list[dict[str, Any]] = []
+        tensors: list[list[Any]] = []
+        for name, t in items:
+            if t.device.type != "cuda":
+                raise ValueError(f"cuda-ipc pushes CUDA tensors; {name} is on {t.device}")
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr not in index:
+                old = self._held.get(ptr)
+                desc = old[1] if old is not None else _share(storage)
+                held[ptr] = (storage, desc)
+                index[ptr] = len(segments)
+                segments.append(desc)
+            dtype = str(t.dtype).removeprefix("torch.")
+            tensors.append(
+                [name, index[ptr], t.storage_offset(), dtype, list(t.shape), list(t.stride())]
+            )
+        self._held = held  # storages out of the layout are released (engines drop them too)
+        self.layout = {"id": uuid.uuid4().hex, "segments": segments, "tensors": tensors}
+        self.nbytes = sum(t.numel() * t.element_size() for _, t in items)
+        self._key = key
+        return True
+
+    def clear(self) -> None:
+        self._key, self._held, self.layout = (), {}, {}
+
+
+def _share(storage: torch.UntypedStorage) -> dict[str, Any]:
+    """The JSON descriptor of one CUDA storage (its segment's IPC handle and its offset)."""
+    (_, handle, size, offset, ref, ref_offset, event, event_sync) = storage._share_cuda_()
     return {
-        "size": list(size),
-        "stride": list(stride),
-        "offset": offset,
-        "dtype": str(dtype).removeprefix("torch."),
-        "device": device,
-        "handle": b64(handle),
-        "storage_bytes": storage_bytes,
-        "storage_offset": storage_offset,
-        "ref_handle": b64(ref_handle),
-        "ref_offset": ref_offset,
-        "event_handle": b64(event_handle),
-        "event_sync": event_sync,
+        "handle": _b64(handle),
+        "size": int(size),
+        "offset": int(offset),
+        "ref": _b64(ref),
+        "ref_offset": int(ref_offset),
+        "event": _b64(event),
+        "event_sync": bool(event_sync),
     }
 
 
-def _open(desc: dict[str, Any]) -> torch.Tensor:
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+class IpcLayouts:
+    """Engine side: the sender's tensors mapped through CUDA IPC, for the current layout.
 
-    key = f"{desc['handle']}@{desc['storage_offset']}"  # slots may share one CUDA allocation
-    if key not in _opened:
-        unb64 = lambda s: None if s is None else base64.b64decode(s)  # noqa: E731
-        _opened[key] = rebuild_cuda_tensor(
-            torch.Tensor, tuple(desc["size"]), tuple(desc["stride"]), desc["offset"],
-            torch.UntypedStorage, getattr(torch, desc["dtype"]), desc["device"],
-            unb64(desc["handle"]), desc["storage_bytes"], desc["storage_offset"], False,
-            unb64(desc["ref_handle"]), desc["ref_offset"], unb64(desc["event_handle"]),
-            desc["event_sync"],
-        )  # fmt: skip
-    return _opened[key]
+    Keeps one layout (the last one sent); a new one is mapped before the old one is
+    dropped, so segments that stay in it are not re-opened (torch caches opened
+    handles while a storage of that segment lives).
+    """
 
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.layout_id: str | None = None
+        self.names: list[str] = []
+        self.sources: list[torch.Tensor] = []
+        self._events: dict[str, torch.cuda.Event] = {}
 
-def read_ipc_bucket(serialized: str, flat: torch.Tensor) -> None:
-    """Engine side: copy the bucket described by ``serialized`` into ``flat`` (device copy)."""
-    desc = json.loads(serialized)
-    src = _open(desc["slot"]).view(torch.uint8)
-    nbytes = flat.numel() * flat.element_size()
-    if desc["nbytes"] != nbytes:
-        raise ValueError(f"IPC bucket has {desc['nbytes']} bytes, manifest needs {nbytes}")
-    flat.view(torch.uint8).copy_(src[: desc["nbytes"]])
-    torch.cuda.current_stream(flat.device).synchronize()
+    def sources_for(self, desc: dict[str, Any]) -> tuple[list[str], list[torch.Tensor]]:
+        """The names and mapped source tensors of ``desc``'s layout (mapping it when new)."""
+        layout_id = str(desc.get("layout"))
+        if layout_id == self.layout_id:
+            return self.names, self.sources
+        if desc.get("tensors") is None or desc.get("segments") is None:
+            raise ValueError(f"unknown IPC layout {layout_id}: the sender must send it again")
+        index = self.device.index if self.device.index is not None else 0
+        storages = [
+            torch.UntypedStorage._new_shared_cuda(
+                index, _unb64(s["handle"]), int(s["size"]), int(s["offset"]),
+                _unb64(s["ref"]), int(s["ref_offset"]), _unb64(s["event"]), bool(s["event_sync"]),
+            )
+            for s in desc["segments"]
+        ]  # fmt: skip
+        names, sources = [], []
+        for name, seg, offset, dtype, shape, stride in desc["tensors"]:
+            t = torch.empty(0, dtype=_dtype(dtype), device=self.device)
+            sources.append(t.set_(storages[int(seg)], int(offset), tuple(shape), tuple(stride)))
+            names.append(str(name))
+        self.layout_id, self.names, self.sources = layout_id, names, sources
+        return names, sources
+
+    def event(self, handle: str | None) -> torch.cuda.Event | None:
+        """The sender's interprocess event (opened once per handle)."""
+        if handle is None:
+            return None
+        if handle not in self._events:
+            raw = _unb64(handle)
+            assert raw is not None
+            self._events[handle] = torch.cuda.Event.from_ipc_handle(self.device, raw)
+        return self._events[handle]
+
+    def clear(self) -> None:
+        self.layout_id, self.names, self.sources = None, [], []
 
 
 class CudaIpcWeightSender(BucketSender):
@@ -91,37 +203,112 @@ class CudaIpcWeightSender(BucketSender):
             raise ValueError("weights.backend='cuda-ipc' needs the trainer on a CUDA device "
                              "(trainer.device='cuda') and engines on the same GPU(s)")  # fmt: skip
         super().__init__(engine_urls, cfg, device=device, pause_mode=pause_mode)
-        self._descs: dict[int, dict[str, Any]] = {}
+        self._export = IpcExport()
+        self._mapped: set[str] = set()  # engines that hold the current layout
+        self._event = torch.cuda.Event(interprocess=True)
+        self._event_handle = _b64(self._event.ipc_handle())
 
     async def _form(self) -> None:
-        self._descs = {}  # engines map each slot on first use
+        self._mapped = set()
 
     async def _teardown(self) -> None:
-        self._descs = {}
+        self._mapped = set()
 
-    async def _send_bucket(self, m: BucketManifest, flat: torch.Tensor) -> Acks:
-        slot = self._slots[m.index % len(self._slots)]
-        if slot.data_ptr() not in self._descs:
-            self._descs[slot.data_ptr()] = encode_ipc(slot)
-        payload = json.dumps({"slot": self._descs[slot.data_ptr()], "nbytes": m.nbytes})
-        acks: Acks = [
-            (
-                c.url,
-                asyncio.ensure_future(
-                    c.update_weights_from_tensor(
-                        serialized_named_tensors=[payload],
-                        load_format="flattened_bucket",
-                        flush_cache=m.index == m.count - 1,
-                        extra={
-                            "asyncrl_bucket": bucket_extra(m),
-                            "names": [e.name for e in m.entries],
-                            "dtypes": [m.dtype] * len(m.entries),
-                            "shapes": [e.wire_shape for e in m.entries],
-                        },
-                    )
-                ),
-            )
-            for c in self.clients
-        ]
-        await asyncio.wait([t for _, t in acks])  # the slot is free once every engine copied
-        return acks
+    def close(self) -> None:
+        super().close()
+        self._export.clear()
+
+    def push(self, named_weights: Iterable[tuple[str, torch.Tensor]], version: int) -> PushHandle:
+        """Record the trainer's stream and hand the tensors' references to the sender thread.
+
+        The caller must not write the tensors until ``wait_snapshot()`` returns (with
+        ``snapshot=True``: until ``push`` returns, which then waits for every engine's copy).
+        """
+        t0 = time.perf_counter()
+        items = list(named_weights)
+        if not items:
+            raise ValueError("push() got no tensors")
+        self._event.record(torch.cuda.current_stream(self.device))  # the weights are final here
+        snap = threading.Event()
+        handle = PushHandle(version, self._run(self._push_ipc(items, version, snap, t0)), snap)
+        self._last = handle
+        if self.cfg.snapshot:
+            handle.wait_snapshot()
+        return handle
+
+    async def _push_ipc(
+        self, items: list[tuple[str, torch.Tensor]], version: int, snap: threading.Event, t0: float
+    ) -> dict[str, float]:
+        assert self._lock is not None, "connect() first"
+        async with self._lock:
+            t1 = time.perf_counter()
+            try:
+                if not self._formed:
+                    await self._reform_locked()
+                if self._export.update(items):
+                    self._mapped = set()
+                verify = None
+                if self.cfg.ipc_verify:  # after the trainer's writes, on this thread's stream
+                    torch.cuda.current_stream(self.device).wait_event(self._event)
+                    verify = [checksum(t.contiguous()) for _, t in items]
+                await self._deliver(version, verify)
+                self._snap_at = time.perf_counter()
+            except BaseException:
+                self._mapped = set()  # re-send the layout next time
+                raise
+            finally:
+                snap.set()
+            return {
+                "sync_s": time.perf_counter() - t0,
+                "push_wait_s": t1 - t0,
+                "snapshot_s": self._snap_at - t0,
+                "bytes": float(self._export.nbytes),
+                "buckets": 1.0,
+            }
+
+    async def _deliver(self, version: int, verify: list[int] | None) -> None:
+        single = len(self.clients) == 1
+        scope = self.cfg.pause_scope
+        pause = {"mode": self.pause_mode, "scope": scope} if single else None
+        base = {
+            "version": version,
+            "layout": self._export.layout_id,
+            "event": self._event_handle,
+            "commit": single,
+            "pause": pause,
+            "verify": verify,
+        }
+        full = {**base, **self._export.layout, "layout": self._export.layout_id}
+        paused = not single and scope == "transfer"
+        if paused:
+            await self._all("/pause_generation", lambda c: c.pause_generation(self.pause_mode))
+        try:
+            calls = [
+                c.update_weights_from_tensor(
+                    serialized_named_tensors=[],
+                    load_format=LOAD_FORMAT,
+                    weight_version=str(version) if single else None,
+                    extra={"asyncrl_ipc": base if c.url in self._mapped else full},
+                )
+                for c in self.clients
+            ]
+            results = await asyncio.gather(*calls, return_exceptions=True)
+            errors = [
+                (c.url, r)
+                for c, r in zip(self.clients, results, strict=True)
+                if isinstance(r, BaseException)
+            ]
+            if errors:
+                if any(not isinstance(e, EngineError) for _, e in errors):
+                    self._formed = False
+                detail = "; ".join(f"{u}: {e}" for u, e in errors[:4])
+                raise WeightSyncError(
+                    f"v{version}: {len(errors)} engine(s) failed the update (kept old weights): "
+                    f"{detail}"
+                )
+            self._mapped = {c.url for c in self.clients}
+            if not single:
+                await self._commit(version)
+        finally:
+            if paused:
+                await self._resume_all()

@@ -12,9 +12,12 @@ Protocol (SGLang's endpoints and field names, plus an ``asyncrl_bucket`` field):
   receiving the buckets still announced so the group stays in step.
   Without ``asyncrl_bucket`` (a plain SGLang sender): receive and load at
   once (``flattened_bucket`` or one broadcast per tensor), SGLang's semantics.
-- ``/update_weights_from_tensor`` (``load_format="flattened_bucket"``): the
-  same staging, with the bucket read from the sender's GPU buffer through a
-  CUDA IPC handle (JSON descriptor, see ``transports.weights.cuda_ipc``).
+- ``/update_weights_from_tensor`` (``load_format="asyncrl_ipc"``, a JSON
+  descriptor in ``asyncrl_ipc``, see ``transports.weights.cuda_ipc``): copy the
+  sender's CUDA tensors, mapped through CUDA IPC once per layout, into the
+  standby parameter set with one multi-tensor copy on a side stream; with
+  ``commit`` switch to it at once (one call per sync), else stage it for
+  ``/update_weight_version``.
 - ``/update_weight_version`` {new_version}: the commit. When a verified update
   of that version is staged, the model switches to it between two decoding
   steps and only then reports the new version; otherwise only the label
@@ -63,6 +66,7 @@ class _Update:
     verified: dict[int, asyncio.Future[None]] = field(default_factory=dict)
     error: str | None = None
     ready: list[tuple[str, torch.Tensor]] | None = None
+    ipc: bool = False
 
 
 def _manifest(body: dict[str, Any], extra: dict[str, Any]) -> BucketManifest:
@@ -112,6 +116,10 @@ class WeightReceiver:
         self._live: set[int] = set()
         self._turn = asyncio.Condition()
         self.turn_timeout_s = 120.0  # longest wait for the previous bucket to start arriving
+        self._ipc: Any = None  # cuda-ipc: the sender's mapped tensors (IpcLayouts), lazily
+        self._standby: dict[str, torch.Tensor] = {}  # cuda-ipc: the next update's parameters
+        self._released: Any = None  # CUDA event: the scheduler's last read of the standby set
+        self._copy_stream: Any = None  # cuda-ipc: the side stream of the copies
         self._faults = {
             (int(k), int(v)): kind
             for kind, _, at in (
@@ -178,23 +186,112 @@ class WeightReceiver:
         return await self._stage(m, receive)
 
     async def update_from_tensor(self, body: dict[str, Any]) -> dict[str, Any]:
-        from asyncrl.transports.weights.cuda_ipc import read_ipc_bucket
-
-        extra = body.get("asyncrl_bucket")
-        if body.get("load_format") != "flattened_bucket" or extra is None:
+        desc = body.get("asyncrl_ipc")
+        if body.get("load_format") != "asyncrl_ipc" or not isinstance(desc, dict):
             raise WeightRequestError(
-                "update_weights_from_tensor needs load_format='flattened_bucket' "
-                "and an asyncrl_bucket field (asyncrl's JSON IPC descriptors)"
+                "update_weights_from_tensor needs load_format='asyncrl_ipc' and an asyncrl_ipc "
+                "descriptor (asyncrl's JSON CUDA IPC layout; pickled tensors are not accepted)"
             )
-        m = _manifest(body, extra)
-        tensors = body.get("serialized_named_tensors") or []
-        if len(tensors) != 1:
-            raise WeightRequestError("expected one serialized IPC descriptor per bucket")
+        try:
+            version, commit = int(desc["version"]), bool(desc.get("commit", False))
+            pause = desc.get("pause")
+            mode = None if not pause else str(pause["mode"])
+            scope = None if not pause else str(pause.get("scope", "commit"))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise WeightRequestError(f"bad asyncrl_ipc descriptor: {exc!r}") from None
+        self._update = None  # a new push drops whatever was staged
+        try:
+            if scope == "transfer":
+                await asyncio.to_thread(self.engine.pause, mode)
+            try:
+                switch_pause = mode if scope == "commit" else None
+                ready = await asyncio.to_thread(
+                    self._ipc_apply, desc, version, commit, switch_pause
+                )
+            finally:
+                if scope == "transfer":
+                    self.engine.resume()
+        except (ValueError, RuntimeError, KeyError, TypeError) as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            log.error(
+                "weight update v%d failed, keeping v%s: %s",
+                version,
+                self.engine.weight_version,
+                error,
+            )
+            return {"success": False, "message": error}
+        if not commit:
+            self._update = _Update(version, 1, ready=ready, ipc=True)
+            return {"success": True, "message": f"v{version} staged"}
+        return {"success": True, "message": f"switched to v{version}"}
 
-        def receive(flat: torch.Tensor) -> None:
-            read_ipc_bucket(str(tensors[0]), flat)
+    def _ipc_apply(
+        self, desc: dict[str, Any], version: int, commit: bool, pause_mode: str | None
+    ) -> list[tuple[str, torch.Tensor]]:
+        """Copy the sender's tensors into the standby set (and switch to it when ``commit``)."""
+        from asyncrl.transports.weights.cuda_ipc import IpcLayouts
 
-        return await self._stage(m, receive)
+        if self._ipc is None:
+            if self.engine.device.type != "cuda":
+                raise ValueError("cuda-ipc needs the engine on a CUDA device (--device cuda)")
+            self._ipc = IpcLayouts(self.engine.device)
+            self._copy_stream = torch.cuda.Stream(self.engine.device)
+        known = self._ipc.layout_id
+        names, sources = self._ipc.sources_for(desc)
+        if self._ipc.layout_id != known:  # a new layout: check it against the model once
+            self.engine.check_weights(list(zip(names, sources, strict=True)))
+        params = dict(self.engine.model.named_parameters())
+        standby = []
+        for n in names:
+            t = self._standby.get(n)
+            if t is None:
+                t = self._standby[n] = torch.empty_like(params[n])
+            standby.append(t)
+        stream = self._copy_stream
+        with torch.cuda.stream(stream), torch.no_grad():
+            if self._released is not None:
+                stream.wait_event(self._released)  # the scheduler is done reading these
+            event = self._ipc.event(desc.get("event"))
+            if event is not None:
+                stream.wait_event(event)  # the trainer's writes of these weights are done
+            torch._foreach_copy_(standby, sources)
+        stream.synchronize()
+        fault = self._faults.get((0, version))
+        if fault == "corrupt":
+            standby[0].view(-1).view(torch.uint8)[0] ^= 0xFF
+        elif fault == "fail":
+            raise RuntimeError(f"injected failure copying v{version}")
+        if desc.get("verify") is not None:
+            self._ipc_verify(names, standby, list(desc["verify"]))
+        ready = list(zip(names, standby, strict=True))
+        if commit:
+            self._ipc_switch(ready, str(version), pause_mode)
+        return ready
+
+    def _ipc_verify(self, names: list[str], copies: list[torch.Tensor], want: list[int]) -> None:
+        if len(want) != len(copies):
+            raise ValueError(f"{len(want)} checksums for {len(copies)} tensors")
+        for n, t, w in zip(names, copies, want, strict=True):
+            got = checksum(t)
+            if got != int(w):
+                raise ValueError(f"checksum mismatch on {n}: got {got}, sender sent {w}")
+
+    def _ipc_switch(
+        self, ready: list[tuple[str, torch.Tensor]], version: str, pause_mode: str | None
+    ) -> None:
+        """Make the standby set the model's parameters; the old ones become the standby set."""
+        params = dict(self.engine.model.named_parameters())
+        old = {n: params[n].data for n, _ in ready}
+        if pause_mode is not None:
+            self.engine.pause(pause_mode)
+        try:
+            self.engine.load_weights(ready, version, True)
+        finally:
+            if pause_mode is not None:
+                self.engine.resume()
+        self._standby = old
+        self._released = torch.cuda.Event()
+        self._released.record(torch.cuda.current_stream(self.engine.device))
 
     async def _turn_of(self, m: BucketManifest) -> _Update:
         """Wait until bucket ``m.index`` is next (buckets may be announced before their turn)."""
@@ -341,8 +438,12 @@ class WeightReceiver:
             reason = up.error or f"staged v{up.version} is incomplete"
             return {"success": False, "message": f"cannot commit v{version}: {reason}"}
         self._update = None
+        if up.ipc:
+            await asyncio.to_thread(self._ipc_switch, up.ready, version, None)
+            return {"success": True, "message": f"switched to v{version}"}
         await asyncio.to_thread(self.engine.load_weights, up.ready, version, True)
         self._live = {flat.data_ptr() for _, flat in up.buckets.values()}
+        self._standby = {}  # cuda-ipc standby tensors may be the parameters just replaced
         return {"success": True, "message": f"switched to v{version}"}
 
     def weights_checksum(self) -> dict[str, Any]:
