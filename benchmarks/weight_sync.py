@@ -193,10 +193,10 @@ def _ours(sender: Any, weights: dict[str, Any], version: int, train_s: float) ->
     handle.add_done_callback(lambda _: done_at.append(time.perf_counter()))
     time.sleep(train_s)  # the trainer's next forward/backward
     wait_s = handle.wait_snapshot()  # its optimizer step waits for the sender to read the weights
-    handle.wait()
+    stats = handle.wait()
     while not done_at:
         time.sleep(0.001)
-    return {"total_s": done_at[0] - t0, "stall_s": push_s + wait_s, "push_s": push_s}
+    return {"total_s": done_at[0] - t0, "stall_s": push_s + wait_s, "push_s": push_s, **stats}
 
 
 async def _naive_async(sender: Any, weights: dict[str, Any], version: int) -> None:
@@ -281,6 +281,7 @@ def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 snapshot=mode == "snapshot",
                 timeout_s=600.0,
                 ipc_verify=args.ipc_verify,
+                ipc_copy=args.ipc_copy,
             )
             sender = make_weight_transport(cfg, urls, device)
             try:
@@ -331,10 +332,16 @@ def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
                     "total_over_floor": total_s / floor_s,
                     "floor_over_total": floor_s / total_s,
                     "ipc_verify": args.ipc_verify,
+                    "ipc_copy": args.ipc_copy,
                     "naive_over_total": None if naive_s is None else naive_s / total_s,
                     "stall_over_total": stall_s / total_s,
                     "floor_runs_s": floors,
                     "total_runs_s": [r["total_s"] for r in ours],
+                    "sender_stats_ms": {  # the sender's own phases (medians), e.g. engine_copy_s
+                        k: 1e3 * statistics.median(r[k] for r in ours)
+                        for k in ours[0]
+                        if k.endswith("_s") and all(k in r for r in ours)
+                    },
                 }
             )
     finally:
@@ -373,6 +380,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--modes", default="overlap,snapshot", help="overlap and/or snapshot")
     p.add_argument("--no-naive", dest="naive", action="store_false", help="skip the naive baseline")
     p.add_argument("--ipc-verify", action="store_true", help="weights.ipc_verify (cuda-ipc)")
+    p.add_argument("--ipc-copy", default="foreach", choices=["foreach", "graph"])
     p.add_argument("--threads", type=int, default=1, help="torch threads of the sender")
     p.add_argument("--json", default=None, help="write the rows here")
     p.add_argument("--_engine", action="store_true", help=argparse.SUPPRESS)
@@ -386,6 +394,9 @@ def main(argv: list[str] | None = None) -> None:
         return _floor_peer(args)
     rows = _run(args)
     print(_table(rows))
+    for r in rows:
+        phases = ", ".join(f"{k} {v:.3f}" for k, v in r["sender_stats_ms"].items())
+        print(f"{r['backend']} {r['mode']} phases (ms, medians): {phases}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
         print(f"wrote {args.json}", file=sys.stderr)

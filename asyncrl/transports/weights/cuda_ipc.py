@@ -16,7 +16,7 @@ the engine's standby parameters; nothing is staged on the sender.
   has not mapped it yet), the sender's interprocess CUDA event, recorded in
   ``push`` on the trainer's current stream (the engine's copy waits for it, so
   the trainer never synchronizes), and ``commit``.
-- **Engine side** (:class:`IpcLayouts`): opens each segment once
+- **Engine side** (:class:`IpcReceiver`): opens each segment once
   (``cudaIpcOpenMemHandle`` is slow) and keeps the mapped tensors while the
   layout is current; a sync is one ``torch._foreach_copy_`` from the trainer's
   tensors into the engine's standby parameter set on a side stream, then the
@@ -58,7 +58,7 @@ from asyncrl.transports.weights.base import PushHandle, WeightSyncError
 from asyncrl.transports.weights.bucket import checksum
 from asyncrl.transports.weights.sender import BucketSender
 
-__all__ = ["LOAD_FORMAT", "CudaIpcWeightSender", "IpcExport", "IpcLayouts"]
+__all__ = ["LOAD_FORMAT", "CudaIpcWeightSender", "IpcExport", "IpcReceiver"]
 
 LOAD_FORMAT = "asyncrl_ipc"
 """``load_format`` of asyncrl's CUDA IPC requests (the descriptor is in ``asyncrl_ipc``)."""
@@ -143,26 +143,61 @@ def _share(storage: torch.UntypedStorage) -> dict[str, Any]:
     }
 
 
-class IpcLayouts:
-    """Engine side: the sender's tensors mapped through CUDA IPC, for the current layout.
+_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bitwise(dst: torch.Tensor, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Integer views of a same-dtype pair, so the copy moves bits (a float copy may rewrite
+    NaN payloads): flat and as wide as alignment allows when both are contiguous (fewer,
+    wider loads); a pair that needs a cast stays as it is."""
+    if src.dtype != dst.dtype or dst.is_complex() or dst.element_size() not in _BITS:
+        return dst, src
+    if dst.is_contiguous() and src.is_contiguous():
+        nbytes = dst.numel() * dst.element_size()
+        for width in (8, 4, 2, 1):
+            if nbytes % width == 0 and (dst.data_ptr() | src.data_ptr()) % width == 0:
+                bits = _BITS[width]
+                return (
+                    dst.reshape(-1).view(torch.uint8).view(bits),
+                    src.reshape(-1).view(torch.uint8).view(bits),
+                )
+    bits = _BITS[dst.element_size()]
+    return dst.view(bits), src.view(bits)
+
+
+class IpcReceiver:
+    """Engine side: the sender's tensors mapped through CUDA IPC, copied into a standby set.
 
     Keeps one layout (the last one sent); a new one is mapped before the old one is
     dropped, so segments that stay in it are not re-opened (torch caches opened
-    handles while a storage of that segment lives).
+    handles while a storage of that segment lives). Two parameter sets alternate:
+    the live one (the model's) and the standby one that the next update is copied
+    into; the first standby set is allocated, the second is the model's original
+    parameters. The standby set is never the model's (only :meth:`switched` swaps).
     """
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, params: dict[str, torch.nn.Parameter]):
+        if device.type != "cuda":
+            raise ValueError("cuda-ipc needs the engine on a CUDA device (--device cuda)")
         self.device = device
+        self.params = params
         self.layout_id: str | None = None
         self.names: list[str] = []
         self.sources: list[torch.Tensor] = []
+        self._sets: list[dict[str, torch.Tensor]] = []  # [allocated, original parameters]
+        self._standby = 0
+        self._pairs: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.last: dict[str, float] = {}
         self._events: dict[str, torch.cuda.Event] = {}
+        self._released: torch.cuda.Event | None = None  # last read of the standby set
+        self._stream = torch.cuda.Stream(device)
 
-    def sources_for(self, desc: dict[str, Any]) -> tuple[list[str], list[torch.Tensor]]:
-        """The names and mapped source tensors of ``desc``'s layout (mapping it when new)."""
+    def map(self, desc: dict[str, Any]) -> bool:
+        """Map ``desc``'s layout unless it is the current one; True when newly mapped."""
         layout_id = str(desc.get("layout"))
         if layout_id == self.layout_id:
-            return self.names, self.sources
+            return False
         if desc.get("tensors") is None or desc.get("segments") is None:
             raise ValueError(f"unknown IPC layout {layout_id}: the sender must send it again")
         index = self.device.index if self.device.index is not None else 0
@@ -178,8 +213,62 @@ class IpcLayouts:
             t = torch.empty(0, dtype=_dtype(dtype), device=self.device)
             sources.append(t.set_(storages[int(seg)], int(offset), tuple(shape), tuple(stride)))
             names.append(str(name))
+        if names != self.names:  # other parameters: start over with two fresh sets
+            self._sets, self._standby = [], 0
         self.layout_id, self.names, self.sources = layout_id, names, sources
-        return names, sources
+        self._pairs, self._graphs = {}, {}
+        return True
+
+    def copy(self, event: str | None, how: str = "foreach") -> list[tuple[str, torch.Tensor]]:
+        """Copy the mapped tensors into the standby set (after the sender's ``event``).
+
+        ``how``: ``foreach`` (one multi-tensor copy) or ``graph`` (the per-tensor copies
+        captured once per layout and set as a CUDA graph, then replayed).
+        """
+        if not self._sets:  # the standby set and the model's current parameters
+            live = {n: self.params[n].data for n in self.names}
+            self._sets = [{n: torch.empty_like(t) for n, t in live.items()}, live]
+        standby = self._sets[self._standby]
+        if self._standby not in self._pairs:  # per layout and set: the bitwise views, once
+            pairs = [_bitwise(standby[n], s) for n, s in zip(self.names, self.sources, strict=True)]
+            self._pairs[self._standby] = ([d for d, _ in pairs], [s for _, s in pairs])
+        stream, pairs = self._stream, self._pairs[self._standby]
+        graph = None
+        if how == "graph":
+            graph = self._graphs.get(self._standby) or self._capture(pairs)
+            self._graphs[self._standby] = graph
+        t0 = time.perf_counter()
+        with torch.cuda.stream(stream), torch.no_grad():
+            if self._released is not None:
+                stream.wait_event(self._released)  # the model's last reads of these are done
+            sender = self.event(event)
+            if sender is not None:
+                stream.wait_event(sender)  # the trainer's writes of these weights are done
+            if graph is not None:
+                graph.replay()
+            else:
+                torch._foreach_copy_(*pairs)
+        t1 = time.perf_counter()
+        stream.synchronize()
+        self.last = {"launch_s": t1 - t0, "gpu_wait_s": time.perf_counter() - t1}
+        return [(n, standby[n]) for n in self.names]
+
+    def _capture(self, pairs: tuple[list[torch.Tensor], list[torch.Tensor]]) -> Any:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(self._stream), torch.no_grad():
+            graph.capture_begin(capture_error_mode="thread_local")  # other threads may run
+            try:
+                for dst, src in zip(*pairs, strict=True):
+                    dst.copy_(src)
+            finally:
+                graph.capture_end()
+        return graph
+
+    def switched(self) -> None:
+        """The model now holds the standby set: the other set becomes the standby set."""
+        self._standby = 1 - self._standby
+        self._released = torch.cuda.Event()
+        self._released.record(torch.cuda.current_stream(self.device))
 
     def event(self, handle: str | None) -> torch.cuda.Event | None:
         """The sender's interprocess event (opened once per handle)."""
@@ -190,9 +279,6 @@ class IpcLayouts:
             assert raw is not None
             self._events[handle] = torch.cuda.Event.from_ipc_handle(self.device, raw)
         return self._events[handle]
-
-    def clear(self) -> None:
-        self.layout_id, self.names, self.sources = None, [], []
 
 
 class CudaIpcWeightSender(BucketSender):
@@ -247,11 +333,13 @@ class CudaIpcWeightSender(BucketSender):
                     await self._reform_locked()
                 if self._export.update(items):
                     self._mapped = set()
+                t2 = time.perf_counter()
                 verify = None
                 if self.cfg.ipc_verify:  # after the trainer's writes, on this thread's stream
                     torch.cuda.current_stream(self.device).wait_event(self._event)
                     verify = [checksum(t.contiguous()) for _, t in items]
-                await self._deliver(version, verify)
+                t3 = time.perf_counter()
+                timing = await self._deliver(version, verify)
                 self._snap_at = time.perf_counter()
             except BaseException:
                 self._mapped = set()  # re-send the layout next time
@@ -264,9 +352,15 @@ class CudaIpcWeightSender(BucketSender):
                 "snapshot_s": self._snap_at - t0,
                 "bytes": float(self._export.nbytes),
                 "buckets": 1.0,
+                "export_s": t2 - t1,
+                "checksum_s": t3 - t2,
+                "deliver_s": self._snap_at - t3,
+                **{f"engine_{k}": v for k, v in timing.items()},
             }
 
-    async def _deliver(self, version: int, verify: list[int] | None) -> None:
+    async def _deliver(self, version: int, verify: list[int] | None) -> dict[str, float]:
+        """One call per engine (plus the commit with several engines); the slowest engine's
+        timing (seconds by phase, as it reported them)."""
         single = len(self.clients) == 1
         scope = self.cfg.pause_scope
         pause = {"mode": self.pause_mode, "scope": scope} if single else None
@@ -277,6 +371,7 @@ class CudaIpcWeightSender(BucketSender):
             "commit": single,
             "pause": pause,
             "verify": verify,
+            "copy": self.cfg.ipc_copy,
         }
         full = {**base, **self._export.layout, "layout": self._export.layout_id}
         paused = not single and scope == "transfer"
@@ -312,3 +407,6 @@ class CudaIpcWeightSender(BucketSender):
         finally:
             if paused:
                 await self._resume_all()
+        timings = [r.get("timing") or {} for r in results if isinstance(r, dict)]
+        keys = {k for t in timings for k in t}
+        return {k: max(float(t.get(k, 0.0)) for t in timings) for k in keys}

@@ -67,9 +67,11 @@ def weights_like(model_dir: Path, seed: int) -> dict[str, torch.Tensor]:
 
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    return {
+    out = {
         n: torch.randn(p.shape, generator=gen, device="cuda") for n, p in model.named_parameters()
     }
+    next(iter(out.values())).view(-1)[:3].view(torch.int32).fill_(0x7FA00001 + seed)  # NaN bits
+    return out
 
 
 def sums(weights: dict[str, torch.Tensor]) -> dict[str, int]:
@@ -97,16 +99,17 @@ def push_all(
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("how", ["foreach", "graph"])
 def test_cuda_ipc_delivers_bit_exact_and_remaps_a_new_layout(
-    tiny_model_dir: Path, tmp_path: Path
+    tiny_model_dir: Path, tmp_path: Path, how: str
 ) -> None:
     a, b = weights_like(tiny_model_dir, 1), weights_like(tiny_model_dir, 2)
     with gpu_engines(tiny_model_dir, tmp_path, [""]) as urls:
-        out = push_all(urls, [(a, 1)])
+        out = push_all(urls, [(a, 1)], ipc_copy=how)
         assert isinstance(out[0], dict), out
         assert state(urls[0]) == ("1", sums(a))
         a2 = {n: t.mul_(-1) for n, t in a.items()}  # same storages: the layout is reused
-        out = push_all(urls, [(a2, 2), (b, 3), (a2, 4)])  # b: new storages, a new layout
+        out = push_all(urls, [(a2, 2), (b, 3), (a2, 4)], ipc_copy=how)  # b: a new layout
         assert all(isinstance(o, dict) for o in out), out
         assert state(urls[0]) == ("4", sums(a2))
 

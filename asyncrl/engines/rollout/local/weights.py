@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -116,10 +117,7 @@ class WeightReceiver:
         self._live: set[int] = set()
         self._turn = asyncio.Condition()
         self.turn_timeout_s = 120.0  # longest wait for the previous bucket to start arriving
-        self._ipc: Any = None  # cuda-ipc: the sender's mapped tensors (IpcLayouts), lazily
-        self._standby: dict[str, torch.Tensor] = {}  # cuda-ipc: the next update's parameters
-        self._released: Any = None  # CUDA event: the scheduler's last read of the standby set
-        self._copy_stream: Any = None  # cuda-ipc: the side stream of the copies
+        self._ipc: Any = None  # cuda-ipc: IpcReceiver (mapped sender tensors, standby set)
         self._faults = {
             (int(k), int(v)): kind
             for kind, _, at in (
@@ -186,6 +184,7 @@ class WeightReceiver:
         return await self._stage(m, receive)
 
     async def update_from_tensor(self, body: dict[str, Any]) -> dict[str, Any]:
+        t0 = time.perf_counter()
         desc = body.get("asyncrl_ipc")
         if body.get("load_format") != "asyncrl_ipc" or not isinstance(desc, dict):
             raise WeightRequestError(
@@ -205,7 +204,7 @@ class WeightReceiver:
                 await asyncio.to_thread(self.engine.pause, mode)
             try:
                 switch_pause = mode if scope == "commit" else None
-                ready = await asyncio.to_thread(
+                ready, timing = await asyncio.to_thread(
                     self._ipc_apply, desc, version, commit, switch_pause
                 )
             finally:
@@ -220,58 +219,51 @@ class WeightReceiver:
                 error,
             )
             return {"success": False, "message": error}
+        timing["handler_s"] = time.perf_counter() - t0
         if not commit:
             self._update = _Update(version, 1, ready=ready, ipc=True)
-            return {"success": True, "message": f"v{version} staged"}
-        return {"success": True, "message": f"switched to v{version}"}
+            return {"success": True, "message": f"v{version} staged", "timing": timing}
+        return {"success": True, "message": f"switched to v{version}", "timing": timing}
 
     def _ipc_apply(
         self, desc: dict[str, Any], version: int, commit: bool, pause_mode: str | None
-    ) -> list[tuple[str, torch.Tensor]]:
+    ) -> tuple[list[tuple[str, torch.Tensor]], dict[str, float]]:
         """Copy the sender's tensors into the standby set (and switch to it when ``commit``)."""
-        from asyncrl.transports.weights.cuda_ipc import IpcLayouts
+        from asyncrl.transports.weights.cuda_ipc import IpcReceiver
 
+        t0 = time.perf_counter()
         if self._ipc is None:
-            if self.engine.device.type != "cuda":
-                raise ValueError("cuda-ipc needs the engine on a CUDA device (--device cuda)")
-            self._ipc = IpcLayouts(self.engine.device)
-            self._copy_stream = torch.cuda.Stream(self.engine.device)
-        known = self._ipc.layout_id
-        names, sources = self._ipc.sources_for(desc)
-        if self._ipc.layout_id != known:  # a new layout: check it against the model once
-            self.engine.check_weights(list(zip(names, sources, strict=True)))
-        params = dict(self.engine.model.named_parameters())
-        standby = []
-        for n in names:
-            t = self._standby.get(n)
-            if t is None:
-                t = self._standby[n] = torch.empty_like(params[n])
-            standby.append(t)
-        stream = self._copy_stream
-        with torch.cuda.stream(stream), torch.no_grad():
-            if self._released is not None:
-                stream.wait_event(self._released)  # the scheduler is done reading these
-            event = self._ipc.event(desc.get("event"))
-            if event is not None:
-                stream.wait_event(event)  # the trainer's writes of these weights are done
-            torch._foreach_copy_(standby, sources)
-        stream.synchronize()
+            params = dict(self.engine.model.named_parameters())
+            self._ipc = IpcReceiver(self.engine.device, params)
+        if self._ipc.map(desc):  # a new layout: check it against the model once
+            try:
+                self.engine.check_weights(
+                    list(zip(self._ipc.names, self._ipc.sources, strict=True))
+                )
+            except (KeyError, ValueError):
+                self._ipc.layout_id = None
+                raise
+        t1 = time.perf_counter()
+        ready = self._ipc.copy(desc.get("event"), str(desc.get("copy", "foreach")))
+        t2 = time.perf_counter()
         fault = self._faults.get((0, version))
         if fault == "corrupt":
-            standby[0].view(-1).view(torch.uint8)[0] ^= 0xFF
+            ready[0][1].view(-1).view(torch.uint8)[0] ^= 0xFF
         elif fault == "fail":
             raise RuntimeError(f"injected failure copying v{version}")
         if desc.get("verify") is not None:
-            self._ipc_verify(names, standby, list(desc["verify"]))
-        ready = list(zip(names, standby, strict=True))
+            self._ipc_verify(ready, list(desc["verify"]))
+        t3 = time.perf_counter()
         if commit:
             self._ipc_switch(ready, str(version), pause_mode)
-        return ready
+        t4 = time.perf_counter()
+        timing = {"map_s": t1 - t0, "copy_s": t2 - t1, "verify_s": t3 - t2, "switch_s": t4 - t3}
+        return ready, {**timing, **self._ipc.last}
 
-    def _ipc_verify(self, names: list[str], copies: list[torch.Tensor], want: list[int]) -> None:
-        if len(want) != len(copies):
-            raise ValueError(f"{len(want)} checksums for {len(copies)} tensors")
-        for n, t, w in zip(names, copies, want, strict=True):
+    def _ipc_verify(self, ready: list[tuple[str, torch.Tensor]], want: list[int]) -> None:
+        if len(want) != len(ready):
+            raise ValueError(f"{len(want)} checksums for {len(ready)} tensors")
+        for (n, t), w in zip(ready, want, strict=True):
             got = checksum(t)
             if got != int(w):
                 raise ValueError(f"checksum mismatch on {n}: got {got}, sender sent {w}")
@@ -280,8 +272,6 @@ class WeightReceiver:
         self, ready: list[tuple[str, torch.Tensor]], version: str, pause_mode: str | None
     ) -> None:
         """Make the standby set the model's parameters; the old ones become the standby set."""
-        params = dict(self.engine.model.named_parameters())
-        old = {n: params[n].data for n, _ in ready}
         if pause_mode is not None:
             self.engine.pause(pause_mode)
         try:
@@ -289,9 +279,7 @@ class WeightReceiver:
         finally:
             if pause_mode is not None:
                 self.engine.resume()
-        self._standby = old
-        self._released = torch.cuda.Event()
-        self._released.record(torch.cuda.current_stream(self.engine.device))
+        self._ipc.switched()
 
     async def _turn_of(self, m: BucketManifest) -> _Update:
         """Wait until bucket ``m.index`` is next (buckets may be announced before their turn)."""
@@ -443,7 +431,6 @@ class WeightReceiver:
             return {"success": True, "message": f"switched to v{version}"}
         await asyncio.to_thread(self.engine.load_weights, up.ready, version, True)
         self._live = {flat.data_ptr() for _, flat in up.buckets.values()}
-        self._standby = {}  # cuda-ipc standby tensors may be the parameters just replaced
         return {"success": True, "message": f"switched to v{version}"}
 
     def weights_checksum(self) -> dict[str, Any]:
