@@ -78,6 +78,7 @@ def _serve_engine(args: argparse.Namespace) -> None:
 
     from asyncrl.engines.rollout.local.engine import LocalEngine
     from asyncrl.engines.rollout.local.server import EngineServer, build_app
+    from asyncrl.transports.weights.sender import new_event_loop
 
     torch.set_num_threads(1)
     with torch.device("meta"):
@@ -87,7 +88,8 @@ def _serve_engine(args: argparse.Namespace) -> None:
     model.tie_weights()  # to_empty unties: the served model must have the sender's parameters
     engine = LocalEngine(model, {0}, device=device)
     app = build_app(EngineServer(engine, f"{args.model}-shapes"))
-    web.run_app(app, host="127.0.0.1", port=args.port, print=None, access_log=None)
+    loop = new_event_loop()  # as the engine server's main does
+    web.run_app(app, host="127.0.0.1", port=args.port, print=None, access_log=None, loop=loop)
 
 
 def _floor_peer(args: argparse.Namespace) -> None:

@@ -83,7 +83,7 @@ class IpcExport:
     """Sender side: the exported storages and the layout of the pushed tensors."""
 
     def __init__(self) -> None:
-        self._key: tuple[Any, ...] = ()
+        self._key: list[Any] = []
         self._held: dict[int, tuple[torch.UntypedStorage, dict[str, Any]]] = {}
         self.layout: dict[str, Any] = {}
         self.nbytes = 0
@@ -97,7 +97,7 @@ class IpcExport:
 
         Raises ValueError for a tensor that is not on a CUDA device.
         """
-        key = tuple((n, t.data_ptr(), t.dtype, t.shape, t.stride()) for n, t in items)
+        key = [(n, t.data_ptr(), t.dtype, t.shape, t.stride()) for n, t in items]
         if key == self._key:
             return False
         held: dict[int, tuple[torch.UntypedStorage, dict[str, Any]]] = {}
@@ -126,7 +126,7 @@ class IpcExport:
         return True
 
     def clear(self) -> None:
-        self._key, self._held, self.layout = (), {}, {}
+        self._key, self._held, self.layout = [], {}, {}
 
 
 def _share(storage: torch.UntypedStorage) -> dict[str, Any]:
@@ -188,10 +188,10 @@ class IpcReceiver:
         self._standby = 0
         self._pairs: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.last: dict[str, float] = {}
         self._events: dict[str, torch.cuda.Event] = {}
         self._released: torch.cuda.Event | None = None  # last read of the standby set
         self._stream = torch.cuda.Stream(device)
+        self._copied = torch.cuda.Event()
 
     def map(self, desc: dict[str, Any]) -> bool:
         """Map ``desc``'s layout unless it is the current one; True when newly mapped."""
@@ -219,8 +219,10 @@ class IpcReceiver:
         self._pairs, self._graphs = {}, {}
         return True
 
-    def copy(self, event: str | None, how: str = "foreach") -> list[tuple[str, torch.Tensor]]:
-        """Copy the mapped tensors into the standby set (after the sender's ``event``).
+    def launch(self, event: str | None, how: str = "foreach") -> list[tuple[str, torch.Tensor]]:
+        """Start copying the mapped tensors into the standby set on the side stream, after
+        the sender's ``event``; returns the standby set (complete once :meth:`wait` returns,
+        or for kernels queued behind :meth:`order_after_copy`).
 
         ``how``: ``foreach`` (one multi-tensor copy) or ``graph`` (the per-tensor copies
         captured once per layout and set as a CUDA graph, then replayed).
@@ -237,7 +239,6 @@ class IpcReceiver:
         if how == "graph":
             graph = self._graphs.get(self._standby) or self._capture(pairs)
             self._graphs[self._standby] = graph
-        t0 = time.perf_counter()
         with torch.cuda.stream(stream), torch.no_grad():
             if self._released is not None:
                 stream.wait_event(self._released)  # the model's last reads of these are done
@@ -248,10 +249,16 @@ class IpcReceiver:
                 graph.replay()
             else:
                 torch._foreach_copy_(*pairs)
-        t1 = time.perf_counter()
-        stream.synchronize()
-        self.last = {"launch_s": t1 - t0, "gpu_wait_s": time.perf_counter() - t1}
+            self._copied.record(stream)
         return [(n, standby[n]) for n in self.names]
+
+    def order_after_copy(self) -> None:
+        """Make the engine's (current) stream run later kernels only after the copy."""
+        torch.cuda.current_stream(self.device).wait_event(self._copied)
+
+    def wait(self) -> None:
+        """Block until the copy is done (the sender may then write its tensors again)."""
+        self._copied.synchronize()
 
     def _capture(self, pairs: tuple[list[torch.Tensor], list[torch.Tensor]]) -> Any:
         graph = torch.cuda.CUDAGraph()

@@ -244,21 +244,30 @@ class WeightReceiver:
                 self._ipc.layout_id = None
                 raise
         t1 = time.perf_counter()
-        ready = self._ipc.copy(desc.get("event"), str(desc.get("copy", "foreach")))
+        fault, verify = self._faults.get((0, version)), desc.get("verify")
+        if fault == "fail":
+            raise RuntimeError(f"injected failure copying v{version}")
+        ready = self._ipc.launch(desc.get("event"), str(desc.get("copy", "foreach")))
         t2 = time.perf_counter()
-        fault = self._faults.get((0, version))
+        if commit and verify is None and fault is None:
+            # switch while the GPU copies: the model's next kernels wait for the copy
+            self._ipc_switch(ready, str(version), pause_mode, self._ipc.order_after_copy)
+            t3 = time.perf_counter()
+            self._ipc.wait()  # answer once the trainer's tensors are read
+            t4 = time.perf_counter()
+            return ready, {"map_s": t1 - t0, "launch_s": t2 - t1, "switch_s": t3 - t2,
+                           "gpu_wait_s": t4 - t3}  # fmt: skip
+        self._ipc.wait()
+        t3 = time.perf_counter()
         if fault == "corrupt":
             ready[0][1].view(-1).view(torch.uint8)[0] ^= 0xFF
-        elif fault == "fail":
-            raise RuntimeError(f"injected failure copying v{version}")
-        if desc.get("verify") is not None:
-            self._ipc_verify(ready, list(desc["verify"]))
-        t3 = time.perf_counter()
+        if verify is not None:
+            self._ipc_verify(ready, list(verify))
+        t4 = time.perf_counter()
         if commit:
             self._ipc_switch(ready, str(version), pause_mode)
-        t4 = time.perf_counter()
-        timing = {"map_s": t1 - t0, "copy_s": t2 - t1, "verify_s": t3 - t2, "switch_s": t4 - t3}
-        return ready, {**timing, **self._ipc.last}
+        return ready, {"map_s": t1 - t0, "launch_s": t2 - t1, "gpu_wait_s": t3 - t2,
+                       "verify_s": t4 - t3, "switch_s": time.perf_counter() - t4}  # fmt: skip
 
     def _ipc_verify(self, ready: list[tuple[str, torch.Tensor]], want: list[int]) -> None:
         if len(want) != len(ready):
@@ -269,12 +278,19 @@ class WeightReceiver:
                 raise ValueError(f"checksum mismatch on {n}: got {got}, sender sent {w}")
 
     def _ipc_switch(
-        self, ready: list[tuple[str, torch.Tensor]], version: str, pause_mode: str | None
+        self,
+        ready: list[tuple[str, torch.Tensor]],
+        version: str,
+        pause_mode: str | None,
+        before: Any = None,
     ) -> None:
-        """Make the standby set the model's parameters; the old ones become the standby set."""
+        """Make the standby set the model's parameters; the old ones become the standby set.
+        ``before()`` runs just before the switch (with the engine paused, when it pauses)."""
         if pause_mode is not None:
             self.engine.pause(pause_mode)
         try:
+            if before is not None:
+                before()
             self.engine.load_weights(ready, version, True)
         finally:
             if pause_mode is not None:
