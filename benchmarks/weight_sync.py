@@ -382,7 +382,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--modes", default="overlap,snapshot", help="overlap and/or snapshot")
     p.add_argument("--no-naive", dest="naive", action="store_false", help="skip the naive baseline")
     p.add_argument("--ipc-verify", action="store_true", help="weights.ipc_verify (cuda-ipc)")
-    p.add_argument("--ipc-copy", default="foreach", choices=["foreach", "graph"])
+    p.add_argument("--ipc-copy", default="graph", choices=["graph", "foreach"])
     p.add_argument("--threads", type=int, default=1, help="torch threads of the sender")
     p.add_argument("--json", default=None, help="write the rows here")
     p.add_argument("--_engine", action="store_true", help=argparse.SUPPRESS)

@@ -219,7 +219,7 @@ class IpcReceiver:
         self._pairs, self._graphs = {}, {}
         return True
 
-    def launch(self, event: str | None, how: str = "foreach") -> list[tuple[str, torch.Tensor]]:
+    def launch(self, event: str | None, how: str = "graph") -> list[tuple[str, torch.Tensor]]:
         """Start copying the mapped tensors into the standby set on the side stream, after
         the sender's ``event``; returns the standby set (complete once :meth:`wait` returns,
         or for kernels queued behind :meth:`order_after_copy`).

@@ -204,9 +204,7 @@ class WeightReceiver:
                 await asyncio.to_thread(self.engine.pause, mode)
             try:
                 switch_pause = mode if scope == "commit" else None
-                ready, timing = await asyncio.to_thread(
-                    self._ipc_apply, desc, version, commit, switch_pause
-                )
+                ready, timing = await self._ipc_update(desc, version, commit, switch_pause)
             finally:
                 if scope == "transfer":
                     self.engine.resume()
@@ -225,13 +223,46 @@ class WeightReceiver:
             return {"success": True, "message": f"v{version} staged", "timing": timing}
         return {"success": True, "message": f"switched to v{version}", "timing": timing}
 
-    def _ipc_apply(
+    async def _ipc_update(
         self, desc: dict[str, Any], version: int, commit: bool, pause_mode: str | None
     ) -> tuple[list[tuple[str, torch.Tensor]], dict[str, float]]:
-        """Copy the sender's tensors into the standby set (and switch to it when ``commit``)."""
+        """Copy the sender's tensors into the standby set (and switch to it when ``commit``).
+
+        A new layout is mapped in a worker thread (opening IPC handles is slow); the copy
+        is enqueued from the event loop (it only launches GPU work); the switch, which
+        waits for the model lock, and the wait for the copy run in a worker thread.
+        """
+        t0 = time.perf_counter()
+        if self._ipc is None or self._ipc.layout_id != str(desc.get("layout")):
+            await asyncio.to_thread(self._ipc_map, desc)
+        t1 = time.perf_counter()
+        fault, verify = self._faults.get((0, version)), desc.get("verify")
+        if fault == "fail":
+            raise RuntimeError(f"injected failure copying v{version}")
+        ready = self._ipc.launch(desc.get("event"), str(desc.get("copy", "graph")))
+        t2 = time.perf_counter()
+        timing = {"map_s": t1 - t0, "launch_s": t2 - t1}
+        if commit and verify is None and fault is None:
+            # switch while the GPU copies: the model's next kernels wait for the copy
+            timing |= await asyncio.to_thread(
+                self._ipc_switch_during_copy, ready, version, pause_mode
+            )
+            return ready, timing
+        await asyncio.to_thread(self._ipc.wait)
+        t3 = time.perf_counter()
+        if fault == "corrupt":
+            ready[0][1].view(-1).view(torch.uint8)[0] ^= 0xFF
+        if verify is not None:
+            await asyncio.to_thread(self._ipc_verify, ready, list(verify))
+        t4 = time.perf_counter()
+        if commit:
+            await asyncio.to_thread(self._ipc_switch, ready, str(version), pause_mode)
+        timing |= {"gpu_wait_s": t3 - t2, "verify_s": t4 - t3, "switch_s": time.perf_counter() - t4}
+        return ready, timing
+
+    def _ipc_map(self, desc: dict[str, Any]) -> None:
         from asyncrl.transports.weights.cuda_ipc import IpcReceiver
 
-        t0 = time.perf_counter()
         if self._ipc is None:
             params = dict(self.engine.model.named_parameters())
             self._ipc = IpcReceiver(self.engine.device, params)
@@ -243,31 +274,15 @@ class WeightReceiver:
             except (KeyError, ValueError):
                 self._ipc.layout_id = None
                 raise
+
+    def _ipc_switch_during_copy(
+        self, ready: list[tuple[str, torch.Tensor]], version: int, pause_mode: str | None
+    ) -> dict[str, float]:
+        t0 = time.perf_counter()
+        self._ipc_switch(ready, str(version), pause_mode, self._ipc.order_after_copy)
         t1 = time.perf_counter()
-        fault, verify = self._faults.get((0, version)), desc.get("verify")
-        if fault == "fail":
-            raise RuntimeError(f"injected failure copying v{version}")
-        ready = self._ipc.launch(desc.get("event"), str(desc.get("copy", "foreach")))
-        t2 = time.perf_counter()
-        if commit and verify is None and fault is None:
-            # switch while the GPU copies: the model's next kernels wait for the copy
-            self._ipc_switch(ready, str(version), pause_mode, self._ipc.order_after_copy)
-            t3 = time.perf_counter()
-            self._ipc.wait()  # answer once the trainer's tensors are read
-            t4 = time.perf_counter()
-            return ready, {"map_s": t1 - t0, "launch_s": t2 - t1, "switch_s": t3 - t2,
-                           "gpu_wait_s": t4 - t3}  # fmt: skip
-        self._ipc.wait()
-        t3 = time.perf_counter()
-        if fault == "corrupt":
-            ready[0][1].view(-1).view(torch.uint8)[0] ^= 0xFF
-        if verify is not None:
-            self._ipc_verify(ready, list(verify))
-        t4 = time.perf_counter()
-        if commit:
-            self._ipc_switch(ready, str(version), pause_mode)
-        return ready, {"map_s": t1 - t0, "launch_s": t2 - t1, "gpu_wait_s": t3 - t2,
-                       "verify_s": t4 - t3, "switch_s": time.perf_counter() - t4}  # fmt: skip
+        self._ipc.wait()  # answer once the trainer's tensors are read
+        return {"switch_s": t1 - t0, "gpu_wait_s": time.perf_counter() - t1}
 
     def _ipc_verify(self, ready: list[tuple[str, torch.Tensor]], want: list[int]) -> None:
         if len(want) != len(ready):
