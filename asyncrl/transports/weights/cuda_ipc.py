@@ -277,6 +277,11 @@ class IpcReceiver:
         self._released = torch.cuda.Event()
         self._released.record(torch.cuda.current_stream(self.device))
 
+    def release(self) -> None:
+        """Drop the sender's mapped tensors and events (the sender closes); keep both sets."""
+        self.layout_id, self.sources = None, []  # names stay: the sets fit the next layout
+        self._pairs, self._graphs, self._events = {}, {}, {}
+
     def event(self, handle: str | None) -> torch.cuda.Event | None:
         """The sender's interprocess event (opened once per handle)."""
         if handle is None:
@@ -305,7 +310,18 @@ class CudaIpcWeightSender(BucketSender):
         self._mapped = set()
 
     async def _teardown(self) -> None:
+        """Engines drop what they mapped of this sender (best effort: they may be gone)."""
         self._mapped = set()
+        release = {"release": True}
+        await asyncio.gather(
+            *(
+                c.update_weights_from_tensor(
+                    [], load_format=LOAD_FORMAT, extra={"asyncrl_ipc": release}
+                )
+                for c in self.clients
+            ),
+            return_exceptions=True,
+        )
 
     def close(self) -> None:
         super().close()

@@ -15,9 +15,10 @@ Protocol (SGLang's endpoints and field names, plus an ``asyncrl_bucket`` field):
 - ``/update_weights_from_tensor`` (``load_format="asyncrl_ipc"``, a JSON
   descriptor in ``asyncrl_ipc``, see ``transports.weights.cuda_ipc``): copy the
   sender's CUDA tensors, mapped through CUDA IPC once per layout, into the
-  standby parameter set with one multi-tensor copy on a side stream; with
-  ``commit`` switch to it at once (one call per sync), else stage it for
-  ``/update_weight_version``.
+  standby parameter set on a side stream (a CUDA graph of per-tensor copies or
+  one multi-tensor copy); with ``commit`` switch to it at once (one call per
+  sync), else stage it for ``/update_weight_version``. ``{"release": true}``
+  unmaps the sender's tensors (it closes).
 - ``/update_weight_version`` {new_version}: the commit. When a verified update
   of that version is staged, the model switches to it between two decoding
   steps and only then reports the new version; otherwise only the label
@@ -191,6 +192,10 @@ class WeightReceiver:
                 "update_weights_from_tensor needs load_format='asyncrl_ipc' and an asyncrl_ipc "
                 "descriptor (asyncrl's JSON CUDA IPC layout; pickled tensors are not accepted)"
             )
+        if desc.get("release"):  # the sender closes: unmap its tensors
+            if self._ipc is not None:
+                self._ipc.release()
+            return {"success": True, "message": "released"}
         try:
             version, commit = int(desc["version"]), bool(desc.get("commit", False))
             pause = desc.get("pause")
