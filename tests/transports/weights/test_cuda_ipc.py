@@ -142,3 +142,21 @@ def test_ipc_config_and_cpu_tensors_are_refused_with_clear_errors() -> None:
     assert load_config(overrides=["--weights.ipc_verify=true"]).weights.ipc_verify
     with pytest.raises(ValueError, match=r"cuda-ipc pushes CUDA tensors; w is on cpu"):
         IpcExport().update([("w", torch.zeros(2))])
+
+
+def test_bitwise_views_copy_bits_as_wide_as_alignment_allows() -> None:
+    from asyncrl.transports.weights.cuda_ipc import _bitwise
+
+    src = torch.empty(4, 6, dtype=torch.bfloat16)
+    src.view(torch.int16).copy_(torch.arange(0x7F81, 0x7F81 + 24, dtype=torch.int16).view(4, 6))
+    dst = torch.zeros_like(src)  # NaN payloads that a float copy would canonicalize
+    d, s = _bitwise(dst, src)
+    assert d.dtype == s.dtype == torch.int64 and d.shape == (6,)
+    torch._foreach_copy_([d], [s])
+    assert torch.equal(dst.view(torch.int16), src.view(torch.int16))
+    odd = torch.empty(3, dtype=torch.bfloat16)  # 6 bytes: 2-byte words
+    assert _bitwise(odd, odd.clone())[0].dtype == torch.int16
+    cast = _bitwise(torch.empty(2), torch.empty(2, dtype=torch.bfloat16))  # a cast stays
+    assert (cast[0].dtype, cast[1].dtype) == (torch.float32, torch.bfloat16)
+    strided = torch.empty(4, 4, dtype=torch.float16).t()  # not contiguous: same-size view
+    assert _bitwise(strided, strided.clone())[0].shape == (4, 4)
