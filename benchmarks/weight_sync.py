@@ -19,7 +19,13 @@ Per repeat, in the same run and on the same link:
   floor (this process + its peer) and our push (this process + the engines)
   used, from ``/proc`` (Linux): the profile of what a push costs beyond the link.
 
-Reported figures are medians over ``--repeats`` after one warm-up push.
+For ``cuda-ipc`` the sender's tensors are separate CUDA allocations (as a
+trainer's parameters are: the engine maps and copies each one), and the bench
+also prints the sender's phases (medians, ms; ``engine_*`` as the engine
+reported them). ``--ipc-copy`` and ``--ipc-verify`` set ``weights.ipc_copy`` /
+``weights.ipc_verify``.
+
+Reported figures are medians over ``--repeats`` after two warm-up pushes.
 """
 
 from __future__ import annotations
