@@ -265,6 +265,14 @@ class WeightSyncConfig(_Section):
     """When engines pause generation: ``commit`` only around the switch to the new weights (the
     embedded engine stages buckets aside); ``transfer`` for the whole stream (SGLang, which
     loads each bucket as it arrives)."""
+    ipc_verify: bool = False
+    """``cuda-ipc`` only: the sender sends a checksum per tensor and engines check their copies
+    before switching. Off by default: the bytes never leave the GPU's memory, and the checksums
+    cost a full extra read of the weights on each side (as much as the copy itself)."""
+    ipc_copy: Literal["graph", "foreach"] = "graph"
+    """``cuda-ipc`` only, how engines copy the trainer's tensors: ``graph`` (the per-tensor
+    copies captured once per layout as a CUDA graph, then replayed: full-width copy kernels
+    back to back; measured faster on an H100) or ``foreach`` (one multi-tensor copy)."""
 
 
 class ExperienceConfig(_Section):

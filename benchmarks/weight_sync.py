@@ -19,7 +19,13 @@ Per repeat, in the same run and on the same link:
   floor (this process + its peer) and our push (this process + the engines)
   used, from ``/proc`` (Linux): the profile of what a push costs beyond the link.
 
-Reported figures are medians over ``--repeats`` after one warm-up push.
+For ``cuda-ipc`` the sender's tensors are separate CUDA allocations (as a
+trainer's parameters are: the engine maps and copies each one), and the bench
+also prints the sender's phases (medians, ms; ``engine_*`` as the engine
+reported them). ``--ipc-copy`` and ``--ipc-verify`` set ``weights.ipc_copy`` /
+``weights.ipc_verify``.
+
+Reported figures are medians over ``--repeats`` after two warm-up pushes.
 """
 
 from __future__ import annotations
@@ -78,6 +84,7 @@ def _serve_engine(args: argparse.Namespace) -> None:
 
     from asyncrl.engines.rollout.local.engine import LocalEngine
     from asyncrl.engines.rollout.local.server import EngineServer, build_app
+    from asyncrl.transports.weights.sender import new_event_loop
 
     torch.set_num_threads(1)
     with torch.device("meta"):
@@ -87,7 +94,8 @@ def _serve_engine(args: argparse.Namespace) -> None:
     model.tie_weights()  # to_empty unties: the served model must have the sender's parameters
     engine = LocalEngine(model, {0}, device=device)
     app = build_app(EngineServer(engine, f"{args.model}-shapes"))
-    web.run_app(app, host="127.0.0.1", port=args.port, print=None, access_log=None)
+    loop = new_event_loop()  # as the engine server's main does
+    web.run_app(app, host="127.0.0.1", port=args.port, print=None, access_log=None, loop=loop)
 
 
 def _floor_peer(args: argparse.Namespace) -> None:
@@ -104,7 +112,9 @@ def _floor_peer(args: argparse.Namespace) -> None:
 
 
 # -- measurements ---------------------------------------------------------------------
-def _weights(model: str, dtype: str, device: str) -> dict[str, Any]:
+def _weights(model: str, dtype: str, device: str, separate: bool = False) -> dict[str, Any]:
+    """Random bits in the model's shapes: views of one flat tensor, or (``separate``) one
+    allocation per tensor, like a trainer's parameters (what cuda-ipc must map)."""
     import torch
 
     shapes = _shapes(model)
@@ -117,6 +127,8 @@ def _weights(model: str, dtype: str, device: str) -> dict[str, Any]:
     for name, shape in shapes:
         n = torch.Size(shape).numel()
         out[name] = flat[off : off + n].view(shape)
+        if separate:
+            out[name] = out[name].clone()
         off += n
     return out
 
@@ -189,10 +201,10 @@ def _ours(sender: Any, weights: dict[str, Any], version: int, train_s: float) ->
     handle.add_done_callback(lambda _: done_at.append(time.perf_counter()))
     time.sleep(train_s)  # the trainer's next forward/backward
     wait_s = handle.wait_snapshot()  # its optimizer step waits for the sender to read the weights
-    handle.wait()
+    stats = handle.wait()
     while not done_at:
         time.sleep(0.001)
-    return {"total_s": done_at[0] - t0, "stall_s": push_s + wait_s, "push_s": push_s}
+    return {"total_s": done_at[0] - t0, "stall_s": push_s + wait_s, "push_s": push_s, **stats}
 
 
 async def _naive_async(sender: Any, weights: dict[str, Any], version: int) -> None:
@@ -263,7 +275,7 @@ def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
     floor = None
     try:
         device = DEVICE[args.backend]
-        weights = _weights(args.model, args.dtype, device)
+        weights = _weights(args.model, args.dtype, device, separate=args.backend == "cuda-ipc")
         nbytes = sum(t.numel() * t.element_size() for t in weights.values())
         floor = _Floor(args.backend, nbytes, spawn_child)
         for mode in args.modes.split(","):
@@ -276,6 +288,8 @@ def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 staging_buckets=args.staging_buckets,
                 snapshot=mode == "snapshot",
                 timeout_s=600.0,
+                ipc_verify=args.ipc_verify,
+                ipc_copy=args.ipc_copy,
             )
             sender = make_weight_transport(cfg, urls, device)
             try:
@@ -324,10 +338,18 @@ def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
                     "cpu_s": statistics.median(cpu_ours),
                     "verified": verified,
                     "total_over_floor": total_s / floor_s,
+                    "floor_over_total": floor_s / total_s,
+                    "ipc_verify": args.ipc_verify,
+                    "ipc_copy": args.ipc_copy,
                     "naive_over_total": None if naive_s is None else naive_s / total_s,
                     "stall_over_total": stall_s / total_s,
                     "floor_runs_s": floors,
                     "total_runs_s": [r["total_s"] for r in ours],
+                    "sender_stats_ms": {  # the sender's own phases (medians), e.g. engine_copy_s
+                        k: 1e3 * statistics.median(r[k] for r in ours)
+                        for k in ours[0]
+                        if k.endswith("_s") and all(k in r for r in ours)
+                    },
                 }
             )
     finally:
@@ -339,9 +361,15 @@ def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def _table(rows: list[dict[str, Any]]) -> str:
     cols = ["backend", "mode", "bytes", "num_tensors", "floor_s", "naive_s", "total_s", "stall_s"]
-    cols += ["total_over_floor", "naive_over_total", "stall_over_total", "verified"]
+    cols += [
+        "total_over_floor",
+        "floor_over_total",
+        "naive_over_total",
+        "stall_over_total",
+        "verified",
+    ]
     cols += ["floor_cpu_s", "cpu_s"]
-    fmt = lambda v: f"{v:.4f}" if isinstance(v, float) else str(v)  # noqa: E731
+    fmt = lambda v: f"{v:.5f}" if isinstance(v, float) else str(v)  # noqa: E731
     lines = [" | ".join(cols)]
     lines += [" | ".join(fmt(r[c]) for c in cols) for r in rows]
     return "\n".join(lines)
@@ -359,6 +387,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--staging-buckets", type=int, default=0, help="weights.staging_buckets")
     p.add_argument("--modes", default="overlap,snapshot", help="overlap and/or snapshot")
     p.add_argument("--no-naive", dest="naive", action="store_false", help="skip the naive baseline")
+    p.add_argument("--ipc-verify", action="store_true", help="weights.ipc_verify (cuda-ipc)")
+    p.add_argument("--ipc-copy", default="graph", choices=["graph", "foreach"])
     p.add_argument("--threads", type=int, default=1, help="torch threads of the sender")
     p.add_argument("--json", default=None, help="write the rows here")
     p.add_argument("--_engine", action="store_true", help=argparse.SUPPRESS)
@@ -372,6 +402,9 @@ def main(argv: list[str] | None = None) -> None:
         return _floor_peer(args)
     rows = _run(args)
     print(_table(rows))
+    for r in rows:
+        phases = ", ".join(f"{k} {v:.3f}" for k, v in r["sender_stats_ms"].items())
+        print(f"{r['backend']} {r['mode']} phases (ms, medians): {phases}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
         print(f"wrote {args.json}", file=sys.stderr)

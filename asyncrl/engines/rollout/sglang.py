@@ -192,16 +192,16 @@ class SGLangClient:
         flush_cache: bool = True,
         weight_version: str | None = None,
         extra: dict[str, Any] | None = None,
-    ) -> None:
+    ) -> Any:
         """Load tensors handed over in-host (CUDA IPC handles), one base64 string per TP rank.
-        ``extra`` adds fields SGLang ignores (asyncrl's bucket manifest)."""
+        ``extra`` adds fields SGLang ignores (asyncrl's IPC descriptor); returns the answer."""
         body: dict[str, Any] = {
             "serialized_named_tensors": [str(s) for s in serialized_named_tensors],
             "flush_cache": bool(flush_cache),
             "abort_all_requests": False,
         }
         _set_optional(body, weight_version, load_format, extra)
-        await self._call("POST", "/update_weights_from_tensor", body)
+        return await self._call("POST", "/update_weights_from_tensor", body)
 
     async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
         """Leave the weight-sync process group ``group_name``."""

@@ -31,6 +31,7 @@ from aiohttp import web
 
 from asyncrl.engines.rollout.local.engine import LocalEngine, Request, SamplingParams
 from asyncrl.engines.rollout.local.weights import WeightReceiver, WeightRequestError
+from asyncrl.transports.weights.sender import new_event_loop
 
 __all__ = ["build_app", "main"]
 
@@ -280,7 +281,8 @@ def main(argv: list[str] | None = None) -> None:
         args.max_prefill_tokens,
     )
     app = build_app(EngineServer(engine, args.model_path))
-    web.run_app(app, host=args.host, port=args.port, print=None, access_log=None)
+    loop = new_event_loop()  # uvloop when installed: lower latency of every control call
+    web.run_app(app, host=args.host, port=args.port, print=None, access_log=None, loop=loop)
     # Shutdown was orderly (engine stopped, sockets closed); skip the interpreter's slow
     # teardown of torch/transformers, which takes seconds on a loaded machine.
     logging.shutdown()

@@ -12,9 +12,13 @@ Protocol (SGLang's endpoints and field names, plus an ``asyncrl_bucket`` field):
   receiving the buckets still announced so the group stays in step.
   Without ``asyncrl_bucket`` (a plain SGLang sender): receive and load at
   once (``flattened_bucket`` or one broadcast per tensor), SGLang's semantics.
-- ``/update_weights_from_tensor`` (``load_format="flattened_bucket"``): the
-  same staging, with the bucket read from the sender's GPU buffer through a
-  CUDA IPC handle (JSON descriptor, see ``transports.weights.cuda_ipc``).
+- ``/update_weights_from_tensor`` (``load_format="asyncrl_ipc"``, a JSON
+  descriptor in ``asyncrl_ipc``, see ``transports.weights.cuda_ipc``): copy the
+  sender's CUDA tensors, mapped through CUDA IPC once per layout, into the
+  standby parameter set on a side stream (a CUDA graph of per-tensor copies or
+  one multi-tensor copy); with ``commit`` switch to it at once (one call per
+  sync), else stage it for ``/update_weight_version``. ``{"release": true}``
+  unmaps the sender's tensors (it closes).
 - ``/update_weight_version`` {new_version}: the commit. When a verified update
   of that version is staged, the model switches to it between two decoding
   steps and only then reports the new version; otherwise only the label
@@ -30,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -63,6 +68,7 @@ class _Update:
     verified: dict[int, asyncio.Future[None]] = field(default_factory=dict)
     error: str | None = None
     ready: list[tuple[str, torch.Tensor]] | None = None
+    ipc: bool = False
 
 
 def _manifest(body: dict[str, Any], extra: dict[str, Any]) -> BucketManifest:
@@ -112,6 +118,7 @@ class WeightReceiver:
         self._live: set[int] = set()
         self._turn = asyncio.Condition()
         self.turn_timeout_s = 120.0  # longest wait for the previous bucket to start arriving
+        self._ipc: Any = None  # cuda-ipc: IpcReceiver (mapped sender tensors, standby set)
         self._faults = {
             (int(k), int(v)): kind
             for kind, _, at in (
@@ -178,23 +185,137 @@ class WeightReceiver:
         return await self._stage(m, receive)
 
     async def update_from_tensor(self, body: dict[str, Any]) -> dict[str, Any]:
-        from asyncrl.transports.weights.cuda_ipc import read_ipc_bucket
-
-        extra = body.get("asyncrl_bucket")
-        if body.get("load_format") != "flattened_bucket" or extra is None:
+        t0 = time.perf_counter()
+        desc = body.get("asyncrl_ipc")
+        if body.get("load_format") != "asyncrl_ipc" or not isinstance(desc, dict):
             raise WeightRequestError(
-                "update_weights_from_tensor needs load_format='flattened_bucket' "
-                "and an asyncrl_bucket field (asyncrl's JSON IPC descriptors)"
+                "update_weights_from_tensor needs load_format='asyncrl_ipc' and an asyncrl_ipc "
+                "descriptor (asyncrl's JSON CUDA IPC layout; pickled tensors are not accepted)"
             )
-        m = _manifest(body, extra)
-        tensors = body.get("serialized_named_tensors") or []
-        if len(tensors) != 1:
-            raise WeightRequestError("expected one serialized IPC descriptor per bucket")
+        if desc.get("release"):  # the sender closes: unmap its tensors
+            if self._ipc is not None:
+                self._ipc.release()
+            return {"success": True, "message": "released"}
+        try:
+            version, commit = int(desc["version"]), bool(desc.get("commit", False))
+            pause = desc.get("pause")
+            mode = None if not pause else str(pause["mode"])
+            scope = None if not pause else str(pause.get("scope", "commit"))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise WeightRequestError(f"bad asyncrl_ipc descriptor: {exc!r}") from None
+        self._update = None  # a new push drops whatever was staged
+        try:
+            if scope == "transfer":
+                await asyncio.to_thread(self.engine.pause, mode)
+            try:
+                switch_pause = mode if scope == "commit" else None
+                ready, timing = await self._ipc_update(desc, version, commit, switch_pause)
+            finally:
+                if scope == "transfer":
+                    self.engine.resume()
+        except (ValueError, RuntimeError, KeyError, TypeError) as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            log.error(
+                "weight update v%d failed, keeping v%s: %s",
+                version,
+                self.engine.weight_version,
+                error,
+            )
+            return {"success": False, "message": error}
+        timing["handler_s"] = time.perf_counter() - t0
+        if not commit:
+            self._update = _Update(version, 1, ready=ready, ipc=True)
+            return {"success": True, "message": f"v{version} staged", "timing": timing}
+        return {"success": True, "message": f"switched to v{version}", "timing": timing}
 
-        def receive(flat: torch.Tensor) -> None:
-            read_ipc_bucket(str(tensors[0]), flat)
+    async def _ipc_update(
+        self, desc: dict[str, Any], version: int, commit: bool, pause_mode: str | None
+    ) -> tuple[list[tuple[str, torch.Tensor]], dict[str, float]]:
+        """Copy the sender's tensors into the standby set (and switch to it when ``commit``).
 
-        return await self._stage(m, receive)
+        A new layout is mapped in a worker thread (opening IPC handles is slow); the copy
+        is enqueued from the event loop (it only launches GPU work); the switch, which
+        waits for the model lock, and the wait for the copy run in a worker thread.
+        """
+        t0 = time.perf_counter()
+        if self._ipc is None or self._ipc.layout_id != str(desc.get("layout")):
+            await asyncio.to_thread(self._ipc_map, desc)
+        t1 = time.perf_counter()
+        fault, verify = self._faults.get((0, version)), desc.get("verify")
+        if fault == "fail":
+            raise RuntimeError(f"injected failure copying v{version}")
+        ready = self._ipc.launch(desc.get("event"), str(desc.get("copy", "graph")))
+        t2 = time.perf_counter()
+        timing = {"map_s": t1 - t0, "launch_s": t2 - t1}
+        if commit and verify is None and fault is None:
+            # switch while the GPU copies: the model's next kernels wait for the copy
+            timing |= await asyncio.to_thread(
+                self._ipc_switch_during_copy, ready, version, pause_mode
+            )
+            return ready, timing
+        await asyncio.to_thread(self._ipc.wait)
+        t3 = time.perf_counter()
+        if fault == "corrupt":
+            ready[0][1].view(-1).view(torch.uint8)[0] ^= 0xFF
+        if verify is not None:
+            await asyncio.to_thread(self._ipc_verify, ready, list(verify))
+        t4 = time.perf_counter()
+        if commit:
+            await asyncio.to_thread(self._ipc_switch, ready, str(version), pause_mode)
+        timing |= {"gpu_wait_s": t3 - t2, "verify_s": t4 - t3, "switch_s": time.perf_counter() - t4}
+        return ready, timing
+
+    def _ipc_map(self, desc: dict[str, Any]) -> None:
+        from asyncrl.transports.weights.cuda_ipc import IpcReceiver
+
+        if self._ipc is None:
+            params = dict(self.engine.model.named_parameters())
+            self._ipc = IpcReceiver(self.engine.device, params)
+        if self._ipc.map(desc):  # a new layout: check it against the model once
+            try:
+                self.engine.check_weights(
+                    list(zip(self._ipc.names, self._ipc.sources, strict=True))
+                )
+            except (KeyError, ValueError):
+                self._ipc.layout_id = None
+                raise
+
+    def _ipc_switch_during_copy(
+        self, ready: list[tuple[str, torch.Tensor]], version: int, pause_mode: str | None
+    ) -> dict[str, float]:
+        t0 = time.perf_counter()
+        self._ipc_switch(ready, str(version), pause_mode, self._ipc.order_after_copy)
+        t1 = time.perf_counter()
+        self._ipc.wait()  # answer once the trainer's tensors are read
+        return {"switch_s": t1 - t0, "gpu_wait_s": time.perf_counter() - t1}
+
+    def _ipc_verify(self, ready: list[tuple[str, torch.Tensor]], want: list[int]) -> None:
+        if len(want) != len(ready):
+            raise ValueError(f"{len(want)} checksums for {len(ready)} tensors")
+        for (n, t), w in zip(ready, want, strict=True):
+            got = checksum(t)
+            if got != int(w):
+                raise ValueError(f"checksum mismatch on {n}: got {got}, sender sent {w}")
+
+    def _ipc_switch(
+        self,
+        ready: list[tuple[str, torch.Tensor]],
+        version: str,
+        pause_mode: str | None,
+        before: Any = None,
+    ) -> None:
+        """Make the standby set the model's parameters; the old ones become the standby set.
+        ``before()`` runs just before the switch (with the engine paused, when it pauses)."""
+        if pause_mode is not None:
+            self.engine.pause(pause_mode)
+        try:
+            if before is not None:
+                before()
+            self.engine.load_weights(ready, version, True)
+        finally:
+            if pause_mode is not None:
+                self.engine.resume()
+        self._ipc.switched()
 
     async def _turn_of(self, m: BucketManifest) -> _Update:
         """Wait until bucket ``m.index`` is next (buckets may be announced before their turn)."""
@@ -341,6 +462,9 @@ class WeightReceiver:
             reason = up.error or f"staged v{up.version} is incomplete"
             return {"success": False, "message": f"cannot commit v{version}: {reason}"}
         self._update = None
+        if up.ipc:
+            await asyncio.to_thread(self._ipc_switch, up.ready, version, None)
+            return {"success": True, "message": f"switched to v{version}"}
         await asyncio.to_thread(self.engine.load_weights, up.ready, version, True)
         self._live = {flat.data_ptr() for _, flat in up.buckets.values()}
         return {"success": True, "message": f"switched to v{version}"}
