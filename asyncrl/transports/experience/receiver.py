@@ -245,15 +245,12 @@ class ExperienceReceiver:
             raise MalformedMessage("shm", f"ring {msg.name!r} announced, but shm is off here")
         try:
             reader = RingReader(msg.name, msg.nbytes)
-        except ValueError as exc:
-            log.error(
-                "rank %d cannot map the experience ring of %s: %s; its batches will be "
-                "rejected (set experience.shm = 'off' if it is on another host or container)",
-                self.rank,
-                self.endpoints[producer],
-                exc,
-            )
-            raise MalformedMessage("shm", str(exc)) from None
+        except ValueError as exc:  # logged by the reject log; its batches will be rejected
+            raise MalformedMessage(
+                "shm",
+                f"cannot map the announced ring: {exc} (set experience.shm = 'off' if the "
+                f"producer is on another host or in another container)",
+            ) from None
         if old is not None:
             self._old_rings.append(old)
         rings[msg.ring] = reader
