@@ -291,8 +291,9 @@ class ExperienceConfig(_Section):
     balanced, per step) or ``modulo`` (group_id mod world size, stateless)."""
     shm: Literal["auto", "on", "off"] = "auto"
     """Same-host fast path: batch payloads go through a shared-memory ring per trainer rank
-    (``/dev/shm``) and ZeroMQ carries only headers. ``auto``: on ``ipc`` endpoints; ``on``:
-    also on loopback tcp (error where impossible); ``off``: always frames."""
+    (``/dev/shm``) and ZeroMQ carries only headers. ``auto``: for every trainer rank that
+    shares the controller's ``/dev/shm`` (same host; frames for the others); ``on``: the
+    same, but an error where ``/dev/shm`` is missing; ``off``: always frames."""
     shm_mb: int = 64
     """Size of each shared-memory ring (one per producer and trainer rank), MiB; a message
     that finds no room in it goes as frames."""

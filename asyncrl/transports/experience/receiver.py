@@ -19,7 +19,7 @@ import msgspec
 import zmq
 
 from asyncrl.transports.experience.codec import MalformedMessage, RejectLog, decode, encode
-from asyncrl.transports.experience.shm import RingReader, shm_available
+from asyncrl.transports.experience.shm import RingReader, host_token
 from asyncrl.transports.experience.types import (
     Credit,
     Hello,
@@ -84,7 +84,7 @@ class ExperienceReceiver:
         self._ready: collections.deque[Delivery] = collections.deque()
         self._window = [credits] * len(self.endpoints)  # credit each producer holds
         self._acks: list[list[int]] = [[] for _ in self.endpoints]  # acked, not yet sent
-        self._shm, self._copy = shm and shm_available(), copy
+        self._shm, self._copy = host_token() if shm else "", copy
         self._rings: list[dict[int, RingReader]] = [{} for _ in self.endpoints]
         self._old_rings: list[RingReader] = []  # replaced ones: closed with the receiver
         self._next_reap = 0.0
@@ -187,7 +187,7 @@ class ExperienceReceiver:
             incarnation=self.incarnation,
             credit=0 if control else self.credits,
             control=control,
-            shm=self._shm and not control,
+            shm="" if control else self._shm,
         )
         s.send_multipart(encode(hello))
         return s

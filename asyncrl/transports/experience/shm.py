@@ -48,6 +48,7 @@ __all__ = [
     "SHM_DIR",
     "RingReader",
     "RingWriter",
+    "host_token",
     "shm_available",
     "sweep_orphans",
 ]
@@ -67,6 +68,22 @@ _NAMES = list(ARRAY_FIELDS)
 def shm_available() -> bool:
     """True where the ring can be used: Linux with a writable ``/dev/shm``."""
     return sys.platform.startswith("linux") and os.access(SHM_DIR, os.W_OK | os.X_OK)
+
+
+def host_token() -> str:
+    """Who can share rings with us: boot id, device and inode of ``/dev/shm``, user id.
+
+    Two processes with the same token see the same shared-memory files as the same user
+    (same machine, same boot, same tmpfs mount; not two containers with private
+    ``/dev/shm``), so one can map the other's rings. Empty where rings cannot be used."""
+    if not shm_available():
+        return ""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        st = os.stat(SHM_DIR)
+    except OSError:
+        return ""
+    return f"{boot}:{st.st_dev}:{st.st_ino}:{os.getuid()}"
 
 
 def _lock_free(fd: int) -> bool:

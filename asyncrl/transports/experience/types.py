@@ -152,7 +152,7 @@ class Hello(msgspec.Struct, tag="hello", array_like=True, gc=False, omit_default
     credit: int = 0
     control: bool = False
     schema: int = SCHEMA_VERSION
-    shm: bool = False  # the consumer maps shared-memory rings (it is on the producer's host)
+    shm: str = ""  # the consumer's shm.host_token(): it maps rings of producers with the same
 
 
 class Ring(msgspec.Struct, tag="ring", array_like=True, gc=False, omit_defaults=True):

@@ -20,10 +20,12 @@ sides at ``credits`` messages per (producer, rank). If a rank falls silent for
 Hello again (a new incarnation) they are redelivered first, in order. Delivery
 is at-least-once: a consumer acks after it has used a message.
 
-Same-host fast path (``shm``): on ``ipc://`` endpoints (``shm="auto"``) the producer
-creates one shared-memory ring per rank whose consumer offered it (``Hello.shm``),
-announces it (a :class:`Ring` message) and writes each batch's arrays into it (one
-copy); only the header goes through ZeroMQ. Ring space of a message is freed when it
+Same-host fast path (``shm``): the producer creates one shared-memory ring per rank
+whose consumer shares its ``/dev/shm`` (``Hello.shm`` carries the consumer's
+:func:`~asyncrl.transports.experience.shm.host_token`; equal tokens mean same boot,
+same tmpfs, same user: one host, whatever the endpoint), announces it (a
+:class:`Ring` message) and writes each batch's arrays into it (one copy); only the
+header goes through ZeroMQ. Ring space of a message is freed when it
 is acked, so credits bound ring use as they bound frames; a message that finds no room
 (or an empty one) goes as frames. Unacked messages stay in the ring: a restarted
 consumer is told the ring again and maps it, and redelivery resends just the headers.
@@ -60,7 +62,7 @@ from asyncrl.transports.experience.codec import (
     payload_size,
 )
 from asyncrl.transports.experience.receiver import Delivery, ExperienceReceiver
-from asyncrl.transports.experience.shm import RingWriter, shm_available, sweep_orphans
+from asyncrl.transports.experience.shm import RingWriter, host_token, sweep_orphans
 from asyncrl.transports.experience.types import (
     ConsumerLost,
     Credit,
@@ -73,7 +75,7 @@ from asyncrl.transports.experience.types import (
     Trajectory,
 )
 
-__all__ = ["Delivery", "ExperienceReceiver", "ExperienceSender", "bind_endpoint", "use_shm"]
+__all__ = ["Delivery", "ExperienceReceiver", "ExperienceSender", "bind_endpoint", "shm_token"]
 
 log = logging.getLogger(__name__)
 
@@ -90,25 +92,18 @@ def bind_endpoint(cfg: ExperienceConfig, run_dir: Path | None = None) -> str:
     return f"tcp://{cfg.host}:*"
 
 
-def use_shm(mode: str, endpoint: str) -> bool:
-    """Whether a producer bound at ``endpoint`` uses shared-memory rings (``experience.shm``).
+def shm_token(mode: str) -> str:
+    """The host token a producer offers rings to (``experience.shm``); empty: no rings.
 
-    ``auto``: on ``ipc://`` endpoints (one host by construction) where ``/dev/shm`` works;
-    ``on``: also on loopback tcp, and a ValueError where it cannot work; ``off``: never."""
+    ``auto``: rings for every consumer that shares this host's ``/dev/shm`` (frames for the
+    others, e.g. over tcp from another host); ``on``: the same, but a ValueError where this
+    host cannot have rings; ``off``: frames only."""
     if mode not in ("auto", "on", "off"):
         raise ValueError(f"experience.shm must be 'auto', 'on' or 'off', got {mode!r}")
-    if mode == "off":
-        return False
-    local = endpoint.startswith("ipc://")
-    if mode == "auto":
-        return local and shm_available()
-    local = local or endpoint.startswith(("tcp://127.", "tcp://localhost:", "tcp://[::1]:"))
-    if not (local and shm_available()):
-        raise ValueError(
-            f"experience.shm='on' needs an ipc:// or loopback endpoint and /dev/shm (got "
-            f"{endpoint!r}): use 'auto' to fall back to frames"
-        )
-    return True
+    token = host_token() if mode != "off" else ""
+    if mode == "on" and not token:
+        raise ValueError("experience.shm='on' needs Linux with /dev/shm: use 'auto' or 'off'")
+    return token
 
 
 class _Pending(msgspec.Struct, gc=False):
@@ -139,8 +134,8 @@ class ExperienceSender:
 
     Create inside a running event loop; ``await close()`` when done. ``endpoint``
     is the bound address (with the real port) to give to the consumers. ``shm``
-    (``auto``/``on``/``off``, see :func:`use_shm`) and ``shm_bytes`` (per rank) set the
-    shared-memory rings; ``uses_shm`` says whether they are on.
+    (``auto``/``on``/``off``, see :func:`shm_token`) and ``shm_bytes`` (per rank) set the
+    shared-memory rings; ``uses_shm`` says whether consumers on this host get them.
     """
 
     def __init__(
@@ -161,6 +156,8 @@ class ExperienceSender:
         # A plain (blocking-API) socket driven by the event loop: sends never block (SNDHWM 0,
         # credits bound the queue), so they skip zmq.asyncio's per-call future machinery
         # (about 8 us per message); the loop watches the socket's FD for incoming messages.
+        self._token = shm_token(shm)  # first: it may raise
+        self.uses_shm = bool(self._token)
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -169,12 +166,6 @@ class ExperienceSender:
         self._sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         self._sock.bind(endpoint)
         self.endpoint: str = self._sock.getsockopt(zmq.LAST_ENDPOINT).decode()
-        try:
-            self.uses_shm = use_shm(shm, self.endpoint)
-        except ValueError:
-            self._sock.close(linger=0)
-            self._ctx.term()
-            raise
         self._shm_bytes = shm_bytes
         if self.uses_shm:
             sweep_orphans()  # rings left behind by producers that died
@@ -425,7 +416,7 @@ class ExperienceSender:
         peer.alive, peer.last_seen = True, time.monotonic()
         peer.resend = collections.deque(peer.pending)
         self.counters["redelivered"] += len(peer.resend)
-        peer.shm = self.uses_shm and msg.shm
+        peer.shm = self.uses_shm and msg.shm == self._token
         if peer.shm:
             if peer.ring is None:
                 peer.ring = RingWriter(self._shm_bytes)

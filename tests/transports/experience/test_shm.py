@@ -27,6 +27,7 @@ from asyncrl.transports.experience.shm import (
     SHM_DIR,
     RingReader,
     RingWriter,
+    host_token,
     shm_available,
     sweep_orphans,
 )
@@ -38,7 +39,7 @@ from asyncrl.transports.experience.types import (
     Trajectory,
     TrajMeta,
 )
-from asyncrl.transports.experience.zmq import ExperienceReceiver, ExperienceSender, use_shm
+from asyncrl.transports.experience.zmq import ExperienceReceiver, ExperienceSender, shm_token
 
 sys.path.insert(0, str(Path(__file__).parent))
 from peers import crc, make_traj
@@ -359,15 +360,11 @@ async def test_no_segment_leaks_after_close_or_sigkill(tmp_path: Path) -> None:
     assert not _segments(orphan.pid) and not _segments(os.getpid())
 
 
-def test_shm_mode_by_endpoint_and_config() -> None:
-    assert use_shm("auto", "ipc:///tmp/x.ipc")
-    assert not use_shm("auto", "tcp://127.0.0.1:5555")
-    assert not use_shm("off", "ipc:///tmp/x.ipc")
-    assert use_shm("on", "tcp://127.0.0.1:5555")
-    with pytest.raises(ValueError, match="loopback"):
-        use_shm("on", "tcp://10.0.0.5:5555")
+def test_shm_mode_and_config() -> None:
+    assert shm_token("auto") == shm_token("on") == host_token() != ""
+    assert shm_token("off") == ""
     with pytest.raises(ValueError, match="'auto', 'on' or 'off'"):
-        use_shm("yes", "ipc:///tmp/x.ipc")
+        shm_token("yes")
     assert ExperienceConfig().shm == "auto" and ExperienceConfig().shm_mb == 64
     with pytest.raises(ValueError, match="shm_mb"):
         ExperienceConfig(shm_mb=0)
@@ -375,15 +372,20 @@ def test_shm_mode_by_endpoint_and_config() -> None:
         msgspec.convert({"shm": "maybe"}, ExperienceConfig)
 
 
-async def test_tcp_and_shm_off_use_frames(tmp_path: Path) -> None:
-    for ep, mode in [("tcp://127.0.0.1:*", "auto"), (f"ipc://{tmp_path}/x.ipc", "off")]:
+async def test_rings_for_same_host_consumers_on_any_endpoint_else_frames(tmp_path: Path) -> None:
+    cases = [  # (endpoint, producer shm mode, consumer maps rings, rings used)
+        ("tcp://127.0.0.1:*", "auto", True, True),  # loopback tcp: one host, rings
+        (f"ipc://{tmp_path}/a.ipc", "off", True, False),
+        (f"ipc://{tmp_path}/b.ipc", "auto", False, False),  # e.g. a consumer on another host
+    ]
+    for ep, mode, maps, rings in cases:
         tx = ExperienceSender(1, ep, shm=mode)
-        rx = ExperienceReceiver([tx.endpoint], 0, 1, credits=2)
+        rx = ExperienceReceiver([tx.endpoint], 0, 1, credits=2, shm=maps)
         try:
             await tx.send([make_traj(3, 1)], rank=0)
             d = await _recv(rx)
-            assert d.msg.ring == -1 and d.trajs[0].episode_id == 3
-            assert not tx.uses_shm and tx.counters["sent_shm"] == 0
+            assert (d.msg.ring == 0) == rings and d.trajs[0].episode_id == 3
+            assert tx.counters["sent_shm"] == int(rings) and rx.rejected == 0
         finally:
             rx.close()
             await tx.close()
