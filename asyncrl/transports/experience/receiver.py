@@ -254,6 +254,9 @@ class ExperienceReceiver:
         if old is not None:
             self._old_rings.append(old)
         rings[msg.ring] = reader
+        log.info(
+            "rank %d maps experience ring %s of %s", self.rank, msg.name, self.endpoints[producer]
+        )
 
 
 def _send(sock: zmq.Socket, frames: list[bytes]) -> bool:

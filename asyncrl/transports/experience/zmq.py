@@ -420,6 +420,8 @@ class ExperienceSender:
         if peer.shm:
             if peer.ring is None:
                 peer.ring = RingWriter(self._shm_bytes)
+                log.info("trainer rank %d shares this host: batches via ring %s (%d MiB)",
+                         msg.rank, peer.ring.name, self._shm_bytes >> 20)  # fmt: skip
             ring = Ring(ring=msg.rank, name=peer.ring.name, nbytes=peer.ring.nbytes)
             await self._transmit(msg.rank, encode(ring))  # before any batch that uses it
         await self._pump(msg.rank)
