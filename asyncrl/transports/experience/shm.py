@@ -38,6 +38,7 @@ import re
 import secrets
 import stat
 import sys
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -109,6 +110,11 @@ def _unlink_if_same(name: str, fd: int) -> bool:
     return True
 
 
+def _release(name: str, fd: int) -> None:
+    _unlink_if_same(name, fd)
+    os.close(fd)
+
+
 def sweep_orphans() -> list[str]:
     """Unlink ring segments of this user whose producer died (nobody holds their lock).
 
@@ -159,6 +165,8 @@ class RingWriter:
             tmp.unlink(missing_ok=True)
             raise
         self._fd = fd
+        # unlinks at close(), when garbage collected, or when the interpreter exits
+        self._finalizer = weakref.finalize(self, _release, self.name, fd)
         # live allocations in allocation order: seq -> [start, end, freed]
         self._live: collections.OrderedDict[int, list] = collections.OrderedDict()
         self._head = 0  # where the next allocation starts (if it fits)
@@ -206,8 +214,7 @@ class RingWriter:
         """Unlink the segment and unmap it (views the producer may still hold stay valid)."""
         if self._fd < 0:
             return
-        _unlink_if_same(self.name, self._fd)
-        os.close(self._fd)
+        self._finalizer()
         self._fd = -1
         try:
             self._mm.close()

@@ -336,7 +336,13 @@ async def test_no_segment_leaks_after_close_or_sigkill(tmp_path: Path) -> None:
         stop([consumer])
         await tx.close()
     assert not _segments(os.getpid())
-    # 3. both dead: the next producer sweeps the orphan; live rings are left alone
+    # 3. a producer that exits without closing: unlinked at interpreter exit
+    code = "from asyncrl.transports.experience.shm import RingWriter; "
+    code += "r = RingWriter(4096); print(r.name, flush=True)"
+    out = subprocess.run([sys.executable, "-c", code], env=python_env(), capture_output=True)
+    assert out.returncode == 0 and out.stdout.strip()
+    assert not (SHM_DIR / out.stdout.decode().strip()).exists()
+    # 4. both dead: the next producer sweeps the orphan; live rings are left alone
     code = "from asyncrl.transports.experience.shm import RingWriter; import time; "
     code += "r = RingWriter(4096); print(r.name, flush=True); time.sleep(60)"
     orphan = subprocess.Popen(
