@@ -152,7 +152,7 @@ class Hello(msgspec.Struct, tag="hello", array_like=True, gc=False, omit_default
     credit: int = 0
     control: bool = False
     schema: int = SCHEMA_VERSION
-    shm: str = ""  # the consumer's shm.host_token(): it maps rings of producers with the same
+    shm: str = ""  # the consumer's shm.host_token() ("": no rings); rings if equal to ours
 
 
 class Ring(msgspec.Struct, tag="ring", array_like=True, gc=False, omit_defaults=True):

@@ -300,6 +300,33 @@ async def test_redelivery_after_a_killed_consumer_maps_the_ring_again(tmp_path: 
     assert not _segments(os.getpid())
 
 
+async def test_redelivery_to_a_rank_without_rings_goes_as_frames(tmp_path: Path) -> None:
+    tx = ExperienceSender(1, f"ipc://{tmp_path}/x.ipc", shm_bytes=1 << 16)
+    first = ExperienceReceiver([tx.endpoint], 0, 1, credits=3, heartbeat_s=0.2)
+    second = None
+    try:
+        trajs = [make_traj(i, i, n_resp=100) for i in range(3)]
+        for t in trajs:
+            await tx.send([t], rank=0)
+        assert (await _recv(first)).msg.ring == 0  # received, never acked
+        first.close()  # gone with 3 messages unacked, all in the ring
+        second = ExperienceReceiver([tx.endpoint], 0, 1, credits=3, shm=False)
+        for t in trajs:
+            d = await _recv(second)
+            assert d.msg.ring == -1 and crc(d.trajs[0]) == crc(t)  # copied out of the ring
+            second.ack(d, flush=True)
+        for _ in range(100):
+            if tx.pending(0) == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert tx.pending(0) == 0 and tx.counters["redelivered"] == 3
+        assert tx._peers[0].ring.used == 0
+    finally:
+        if second is not None:
+            second.close()
+        await tx.close()
+
+
 async def test_no_segment_leaks_after_close_or_sigkill(tmp_path: Path) -> None:
     # 1. a SIGKILLed producer: the consumer unlinks its ring when idle (and on close)
     ep = f"ipc://{tmp_path}/p.ipc"
