@@ -198,19 +198,32 @@ class RingWriter:
     def write(self, seq: int, trajs: Sequence[Trajectory], size: int) -> int | None:
         """Copy the payload (``size`` bytes, codec layout) of ``trajs`` into the ring.
 
-        Returns its offset, or None if ``size`` bytes are not free now. ``size > 0``."""
+        Returns its offset, or None if ``size`` bytes are not free now. ``size > 0``. Raises
+        TypeError (and leaves the ring as it was) if the arrays do not add up to ``size``
+        bytes (an array replaced by one of another dtype after construction)."""
+        head = self._head
         off = self._alloc(size)
         if off is None:
             return None
-        self._live[seq] = [off, off + size, False]
-        mm, pos = self._mm, off
-        for name in _NAMES:
-            for t in trajs:
-                a = getattr(t, name)
-                n = a.nbytes
-                mm[pos : pos + n] = a
-                pos += n
-        assert pos == off + size, (pos, off, size)
+        mm, pos, end = self._mm, off, off + size
+        try:
+            for name in _NAMES:
+                for t in trajs:
+                    a = getattr(t, name)
+                    n = a.nbytes
+                    if pos + n > end:
+                        break
+                    mm[pos : pos + n] = a
+                    pos += n
+            if pos != end:
+                raise TypeError(
+                    f"trajectory arrays hold {pos - off}+ bytes, their lengths imply {size}: "
+                    f"each must be 1-D, C-contiguous, of dtype {dict(ARRAY_FIELDS)}"
+                )
+        except BaseException:
+            self._head = head  # nothing was allocated
+            raise
+        self._live[seq] = [off, end, False]
         return off
 
     def read(self, offset: int, size: int) -> bytes:

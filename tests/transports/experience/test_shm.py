@@ -111,6 +111,21 @@ def test_allocator_never_overlaps_live_messages_and_wraps_early() -> None:
     assert not (SHM_DIR / ring.name).exists()
 
 
+def test_write_refuses_arrays_that_do_not_match_their_lengths() -> None:
+    ring = RingWriter(1 << 16)
+    try:
+        ok = make_traj(1, 0, n_resp=8)
+        bad = make_traj(2, 0, n_resp=8)
+        bad.versions = bad.versions.astype(np.int64)  # replaced after construction
+        size = payload_size([bad])
+        with pytest.raises(TypeError, match="lengths imply"):
+            ring.write(0, [ok, bad], payload_size([ok]) + size)
+        assert ring.used == 0
+        assert ring.write(1, [ok], payload_size([ok])) == 0  # the ring is as it was
+    finally:
+        ring.close()
+
+
 async def _recv(rx: ExperienceReceiver, timeout_s: float = 10.0):
     d = await asyncio.to_thread(rx.recv, timeout_s)
     assert d is not None, "nothing received in time"
