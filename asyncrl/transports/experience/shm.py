@@ -13,9 +13,9 @@ Ownership and lifetime:
   when the consumer acks that seq; the bytes of a message are never overwritten
   before its ack, so a delivered trajectory's arrays stay valid until the
   consumer acks its delivery (and may change at any time after that).
-- Allocation is FIFO first-fit that wraps to the start of the ring as soon as the
-  message fits there, so the bytes in use stay the in-flight window (hot in the
-  CPU caches) rather than cycling through the whole segment.
+- Allocation is a FIFO ring that wraps to the start as soon as the free prefix
+  holds the live bytes plus the new message, so the bytes in use cycle over about
+  twice the in-flight window (hot in the CPU caches) rather than the whole segment.
 - Liveness is an ``flock``: the producer holds a shared lock on its segment for
   as long as it lives (the kernel drops it when the process dies, even by
   SIGKILL). Anyone who gets an exclusive lock knows the owner is gone and may
@@ -251,7 +251,7 @@ class RingWriter:
             pass
 
     def _alloc(self, size: int) -> int | None:
-        """Start of ``size`` free bytes (FIFO ring, wrap to 0 as early as possible)."""
+        """Start of ``size`` free bytes (FIFO ring that wraps to 0 early, see below)."""
         assert size > 0, "empty payloads do not use the ring"
         size = -(-size // ALIGN) * ALIGN
         if not self._live:
@@ -259,10 +259,14 @@ class RingWriter:
         if self._live:
             tail = next(iter(self._live.values()))[0]
             if self._head > tail:
-                # live bytes are [tail, head): free space is [head, end) and [0, tail)
-                if size <= tail:
+                # live bytes are [tail, head): free space is [head, end) and [0, tail).
+                # Wrap as soon as the free prefix holds the live bytes plus this message:
+                # the bytes in use then cycle over about twice the in-flight window (hot in
+                # the caches), not the whole ring, and the wrapped ring still has room.
+                fits_end = size <= self.nbytes - self._head
+                if size <= tail and (tail >= self._head - tail + size or not fits_end):
                     return self._take(0, size)
-                if size > self.nbytes - self._head:
+                if not fits_end:
                     return None
             elif size > tail - self._head:  # wrapped: free space is [head, tail)
                 return None
