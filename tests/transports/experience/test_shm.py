@@ -111,6 +111,31 @@ def test_allocator_never_overlaps_live_messages_and_wraps_early() -> None:
     assert not (SHM_DIR / ring.name).exists()
 
 
+@pytest.mark.parametrize("ack_batch", [1, 2])
+def test_allocator_has_room_for_the_credit_window_when_acks_come_in_bursts(ack_batch: int) -> None:
+    credits, traj = 8, make_traj(0, 0, n_resp=300)
+    size = payload_size([traj])
+    ring = RingWriter(4 * credits * (size + ALIGN))
+    try:
+        rng = random.Random(ack_batch)
+        live: list[int] = []
+        done = 0  # live[:done] are used by the consumer, acked in batches
+        for seq in range(3000):
+            while done < len(live) and (len(live) >= credits or rng.random() < 0.6):
+                done += 1
+                if done >= ack_batch:
+                    for s in live[:done]:
+                        ring.free(s)
+                    live, done = live[done:], 0
+                if len(live) < credits:
+                    break
+            assert ring.write(seq, [traj], size) is not None, f"no room at seq {seq}"
+            live.append(seq)
+        assert ring.used <= ring.nbytes
+    finally:
+        ring.close()
+
+
 def test_write_refuses_arrays_that_do_not_match_their_lengths() -> None:
     ring = RingWriter(1 << 16)
     try:
