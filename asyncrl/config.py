@@ -297,9 +297,17 @@ class ExperienceConfig(_Section):
     assignment: Literal["balanced", "modulo"] = "balanced"
     """How whole GRPO groups map to trainer ranks: ``balanced`` (equal group counts, token-
     balanced, per step) or ``modulo`` (group_id mod world size, stateless)."""
+    shm: Literal["auto", "on", "off"] = "auto"
+    """Same-host fast path: batch payloads go through a shared-memory ring per trainer rank
+    (``/dev/shm``) and ZeroMQ carries only headers. ``auto``: for every trainer rank that
+    shares the controller's ``/dev/shm`` (same host; frames for the others); ``on``: the
+    same, but an error where ``/dev/shm`` is missing; ``off``: always frames."""
+    shm_mb: int = 64
+    """Size of each shared-memory ring (one per producer and trainer rank), MiB; a message
+    that finds no room in it goes as frames."""
 
     def __post_init__(self) -> None:
-        for key in ("credits", "heartbeat_s", "peer_timeout_s"):
+        for key in ("credits", "heartbeat_s", "peer_timeout_s", "shm_mb"):
             if getattr(self, key) <= 0:
                 raise ValueError(f"experience.{key} must be > 0, got {getattr(self, key)!r}")
         if self.peer_timeout_s <= 2 * self.heartbeat_s:

@@ -242,6 +242,8 @@ async def run_job(
         max_message_bytes=xc.max_message_mb << 20,
         peer_timeout_s=xc.peer_timeout_s,
         assigner=make_assigner(xc.assignment),
+        shm=xc.shm,
+        shm_bytes=xc.shm_mb << 20,
     )
     clients: list[SGLangClient] = []
     pin = pin or {}

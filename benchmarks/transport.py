@@ -1,4 +1,4 @@
-"""Experience transport throughput: our msgspec + zero-copy ZeroMQ channel vs pickle over ZeroMQ.
+"""Experience transport throughput: our msgspec + ZeroMQ (+ shared-memory ring) channel vs pickle.
 
 ``asyncrl bench transport [--json PATH] [--trajectories N] [--group-sizes 8,1] ...``
 
@@ -7,14 +7,22 @@ One producer process (this one) sends trajectories of a 512-token prompt and a
 uint8 loss mask, reward, ids, timings, a small metadata map) to one consumer
 process, which decodes every message into ``Trajectory`` objects and acks.
 
-- ours: ``ExperienceSender`` -> ``ExperienceReceiver`` (credit flow control, acks,
-  a header frame + one payload frame, ``np.frombuffer`` views on receipt).
+- ours (``msgspec_zmq``, the default channel): ``ExperienceSender`` ->
+  ``ExperienceReceiver`` with their defaults (credit flow control, acks). Producer
+  and consumer share this host's ``/dev/shm``, so that is the shared-memory ring
+  (``experience.shm = "auto"``): the arrays are written once into the ring, ZeroMQ
+  carries the header, the consumer gets ``np.frombuffer`` views of the ring.
+- ours, frames only (``frames``, ``shm = "off"``, what a consumer on another host
+  gets): a header frame + one payload frame through the socket, ``np.frombuffer``
+  views of the frame on receipt.
 - baseline: ``pickle.dumps(list_of_trajectories, protocol=5)`` over a PUSH/PULL
   pair, the same trajectories per message, sent with ``copy=True`` (measured: less
   CPU than pyzmq's zero-copy send), received without copying the frame, then
   ``pickle.loads`` (high-water mark = credits on both ends).
 
-Both are timed from the first send until the consumer reports it has everything;
+Every consumer does the same work per trajectory: it turns each message into
+``Trajectory`` objects with numpy arrays (ours then acks; pickle has no acks).
+All are timed from the first send until the consumer reports it has everything;
 each row is the median of ``--repeats`` interleaved runs (the machine may be shared).
 Each side's CPU time (all threads, ``time.process_time``) is reported per trajectory,
 with the throughput it would allow if each side had a free core (``cpu eps``).
@@ -118,11 +126,15 @@ def _endpoint(transport: str, tmp: Path, name: str) -> str:
 
 
 async def _run_ours(
-    args: argparse.Namespace, trajs: list[Trajectory], group: int
+    args: argparse.Namespace, trajs: list[Trajectory], group: int, shm: str = "auto"
 ) -> tuple[float, float, float]:
     """(wall seconds, producer CPU seconds, consumer CPU seconds) of the timed messages."""
     tx = ExperienceSender(
-        1, _endpoint(args.transport, args.tmp, "ours.ipc"), max_message_bytes=1 << 30
+        1,
+        _endpoint(args.transport, args.tmp, f"ours-{shm}.ipc"),
+        max_message_bytes=1 << 30,
+        shm=shm,
+        shm_bytes=args.shm_mb << 20,
     )
     child = spawn(_child_args(args, "ours", tx.endpoint, "", group))
     try:
@@ -134,6 +146,9 @@ async def _run_ours(
         report = await asyncio.wait_for(tx.recv_report(), 120)
         dt, cpu = time.perf_counter() - t0, time.process_time() - c0
         assert isinstance(report, StepDone) and report.version == len(trajs), report
+        args.paths[shm].add("shm" if tx.counters["sent_shm"] == len(msgs) else "frames")
+        if 0 < tx.counters["sent_shm"] < len(msgs):
+            args.paths[shm].add(f"{tx.counters['ring_full']} of {len(msgs)} as frames")
         return dt, cpu, report.metrics["cpu_s"]
     finally:
         await tx.close()
@@ -192,8 +207,10 @@ async def _bench(args: argparse.Namespace) -> list[dict]:
         per_traj = nbytes(encode_batch(0, -1, trajs[:group])) / group
         timed = n - group  # the first message is not timed
         res: dict[str, list[tuple[float, float, float]]] = {"msgspec_zmq": [], "pickle_zmq": []}
-        for _ in range(args.repeats):  # interleaved, so both see the same machine load
+        res["frames"] = []
+        for _ in range(args.repeats):  # interleaved, so all see the same machine load
             res["msgspec_zmq"].append(await _run_ours(args, trajs, group))
+            res["frames"].append(await _run_ours(args, trajs, group, shm="off"))
             res["pickle_zmq"].append(await _run_pickle(args, trajs, group))
         for impl, triples in res.items():
             runs = [r[0] for r in triples]
@@ -223,10 +240,11 @@ async def _bench(args: argparse.Namespace) -> list[dict]:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", default=None, help="write results to this JSON file")
-    p.add_argument("--trajectories", type=int, default=4000, help="per run (default 4000)")
+    p.add_argument("--trajectories", type=int, default=16000, help="per run (default 16000)")
     p.add_argument("--group-sizes", default="8,1", help="trajectories per message, comma list")
     p.add_argument("--credits", type=int, default=16, help="credits (ours) = HWM (pickle)")
     p.add_argument("--transport", choices=("ipc", "tcp"), default="ipc")
+    p.add_argument("--shm-mb", type=int, default=64, help="ring size per rank (ours)")
     p.add_argument("--repeats", type=int, default=5, help="runs per row; the median is shown")
     p.add_argument("--role", choices=("ours", "pickle"), help=argparse.SUPPRESS)
     p.add_argument("--endpoint", help=argparse.SUPPRESS)
@@ -240,6 +258,7 @@ def main(argv: list[str] | None = None) -> None:
     args.group_sizes = [int(g) for g in args.group_sizes.split(",")]
     import tempfile
 
+    args.paths = {"auto": set(), "off": set()}
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="xport-") as tmp:
         args.tmp = Path(tmp)
@@ -247,14 +266,12 @@ def main(argv: list[str] | None = None) -> None:
     load = (load_before + os.getloadavg()[0]) / 2
     _print(rows, args)
     print(f"machine: {os.cpu_count()} CPUs, 1-min load average during the run ~{load:.1f}")
-    head = next(
-        r for r in rows if r["group_size"] == args.group_sizes[0] and r["impl"] == "msgspec_zmq"
-    )
-    base = next(
-        r for r in rows if r["group_size"] == args.group_sizes[0] and r["impl"] == "pickle_zmq"
-    )
+    first = {r["impl"]: r for r in rows if r["group_size"] == args.group_sizes[0]}
+    head, base = first["msgspec_zmq"], first["pickle_zmq"]
+    channel = ", ".join(sorted(args.paths["auto"]))
     result = {
         "msgspec_zmq_eps": head["eps"],
+        "channel": channel,  # the path that produced msgspec_zmq_eps: shm or frames
         "pickle_baseline_eps": base["eps"],
         "speedup": head["eps"] / base["eps"],
         "cpu_bound_speedup": head["cpu_bound_eps"] / base["cpu_bound_eps"],
@@ -269,9 +286,17 @@ def main(argv: list[str] | None = None) -> None:
         "response_tokens": RESPONSE,
         "runs": rows,
     }
+    frames = first["frames"]
+    result.update(
+        frames_eps=frames["eps"],
+        frames_speedup=frames["eps"] / base["eps"],
+        frames_payload_gbps=frames["gbps"],
+    )
     print(
-        f"\nheadline (group {args.group_sizes[0]}): ours {head['eps']:.0f} eps, pickle "
-        f"{base['eps']:.0f} eps, x{result['speedup']:.2f}, payload {head['gbps']:.2f} GB/s"
+        f"\nheadline (group {args.group_sizes[0]}): ours ({channel}) {head['eps']:.0f} eps, "
+        f"pickle {base['eps']:.0f} eps, x{result['speedup']:.2f}, payload "
+        f"{head['gbps']:.2f} GB/s"
+        + f"; frames only {frames['eps']:.0f} eps (x{result['frames_speedup']:.2f})"
     )
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
@@ -281,7 +306,8 @@ def main(argv: list[str] | None = None) -> None:
 def _print(rows: list[dict], args: argparse.Namespace) -> None:
     print(
         f"experience transport, {PROMPT}+{RESPONSE} tokens/trajectory, {args.transport}, "
-        f"credits/HWM {args.credits}"
+        f"credits/HWM {args.credits}; msgspec_zmq = ours, default channel "
+        f"({', '.join(sorted(args.paths['auto']))}); frames = ours with shm off"
     )
     print(
         f"{'impl':<12} {'group':>5} {'traj':>6} {'seconds':>8} {'eps':>9} {'GB/s':>6} "

@@ -86,6 +86,7 @@ def run(args: argparse.Namespace) -> None:
         credits=cfg.experience.credits,
         max_message_bytes=cfg.experience.max_message_mb << 20,
         heartbeat_s=cfg.experience.heartbeat_s,
+        shm=cfg.experience.shm != "off",  # ring arrays stay valid until ack (after training)
     )
     sender = None
     if args.rank == 0:

@@ -1,8 +1,8 @@
-"""Codec of experience messages: a msgspec header frame plus ONE payload frame.
+"""Codec of experience messages: a msgspec header frame plus ONE payload frame (or a ring).
 
-Frame layout of a :class:`TrainBatch` of n trajectories (always 2 frames)::
+Frame layout of a :class:`TrainBatch` of n trajectories (2 frames, or 1 with a ring)::
 
-    [header, payload]
+    [header, payload]           or   [header(ring, offset)]   payload in the shared ring
     payload = prompt_ids* | response_ids* | behav_logprobs* | versions* | loss_mask*
 
 The payload holds each field of every trajectory of the message back to back,
@@ -12,25 +12,28 @@ buffer (``bytes.join``: one memcpy of the payload, microseconds, far cheaper
 than pyzmq's cost per extra frame and per zero-copy frame). The receiver never
 copies: arrays are ``np.frombuffer`` views of the received payload frame, sliced
 per trajectory. Control messages are a single
-header frame.
+header frame. With a shared-memory ring (``shm.py``) the producer writes the same
+payload layout into the ring at ``offset`` and the receiver views it there.
 
 Decoding validates everything a peer controls and raises :class:`MalformedMessage`
 with a ``kind`` (one of :data:`REJECT_KINDS`) and a readable reason: total size
 over the limit, undecodable header, unknown message type, schema version,
 frame count, negative lengths, byte size of the payload frame (a truncated
-buffer or a wrong dtype/shape shows up here), and the trajectory invariants.
+buffer or a wrong dtype/shape shows up here), and the trajectory invariants; for a
+ring payload: a ring this producer announced, an aligned range inside it.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import msgspec
 import numpy as np
 
+from asyncrl.transports.experience.shm import RingReader
 from asyncrl.transports.experience.types import (
     ARRAY_FIELDS,
     SCHEMA_VERSION,
@@ -48,7 +51,9 @@ __all__ = [
     "decode",
     "encode",
     "encode_batch",
+    "encode_header",
     "nbytes",
+    "payload_size",
 ]
 
 log = logging.getLogger("asyncrl.transports.experience")
@@ -63,6 +68,7 @@ REJECT_KINDS = (
     "shape",
     "size",
     "protocol",
+    "shm",
 )
 """Reasons a message is rejected (keys of the receivers' ``rejected_by`` counters)."""
 
@@ -91,8 +97,24 @@ def encode(msg: Message) -> list[bytes]:
     return [_encoder.encode(msg)]
 
 
+def payload_size(trajs: Sequence[Trajectory]) -> int:
+    """Bytes of the payload of ``trajs`` (every array, codec layout)."""
+    n_prompt = n_resp = 0
+    for t in trajs:
+        n_prompt += len(t.prompt_ids)
+        n_resp += len(t.response_ids)
+    return n_prompt * _PROMPT_ITEMSIZE + n_resp * _RESP_ITEMSIZE
+
+
 def encode_batch(seq: int, step: int, trajs: Sequence[Trajectory]) -> list[Any]:
     """Frames ``[header, payload]`` of one experience message (the payload is a new buffer)."""
+    return [encode_header(seq, step, trajs), _gather(trajs)]
+
+
+def encode_header(
+    seq: int, step: int, trajs: Sequence[Trajectory], ring: int = -1, offset: int = 0
+) -> bytes:
+    """The header frame of a batch; ``ring``/``offset``: where its payload lies in a ring."""
     metas = [
         TrajMeta(
             lengths=(len(t.prompt_ids), len(t.response_ids)),
@@ -106,14 +128,14 @@ def encode_batch(seq: int, step: int, trajs: Sequence[Trajectory]) -> list[Any]:
         for t in trajs
     ]
     try:
-        frames: list[Any] = [_encoder.encode(TrainBatch(seq=seq, step=step, trajs=metas))]
+        return _encoder.encode(
+            TrainBatch(seq=seq, step=step, trajs=metas, ring=ring, offset=offset)
+        )
     except (TypeError, OverflowError) as exc:
         raise TypeError(
             f"trajectory rewards/timings/metadata must be msgpack-able JSON-like values "
             f"(str keys; int within 64 bits; float, str, bool, None, list, dict): {exc}"
         ) from None
-    frames.append(_gather(trajs))
-    return frames
 
 
 def _gather(trajs: Sequence[Trajectory]) -> bytes:
@@ -129,9 +151,17 @@ def nbytes(frames: Sequence[Any]) -> int:
     return sum(memoryview(f).nbytes for f in frames)
 
 
-def decode(frames: Sequence[Any], max_bytes: int = 1 << 62) -> tuple[Message, list[Trajectory]]:
+def decode(
+    frames: Sequence[Any],
+    max_bytes: int = 1 << 62,
+    rings: Mapping[int, RingReader] | None = None,
+    copy: bool = False,
+) -> tuple[Message, list[Trajectory]]:
     """Decode frames into (message, trajectories); trajectories are empty for control messages.
 
+    ``rings`` are the rings the sending producer announced (by id): a batch whose payload
+    lies in one of them gets arrays that view the ring (valid until the batch is acked),
+    unless ``copy`` (then, as always with frames, they view a buffer of their own).
     Raises MalformedMessage (with a ``kind``) for anything not exactly on schema.
     """
     if not frames:
@@ -147,8 +177,8 @@ def decode(frames: Sequence[Any], max_bytes: int = 1 << 62) -> tuple[Message, li
         if len(views) != 1:
             raise MalformedMessage("frame_count", f"{type(msg).__name__} has {len(views)} frames")
         return msg, []
-    if len(views) != 2:
-        raise MalformedMessage("frame_count", f"batch needs 2 frames, got {len(views)}")
+    if len(views) != (1 if msg.ring >= 0 else 2):
+        raise MalformedMessage("frame_count", f"batch (ring {msg.ring}) has {len(views)} frames")
     n_prompt = n_resp = 0
     for m in msg.trajs:
         p, r = m.lengths
@@ -156,8 +186,10 @@ def decode(frames: Sequence[Any], max_bytes: int = 1 << 62) -> tuple[Message, li
             raise MalformedMessage("shape", "negative array length in header")
         n_prompt += p
         n_resp += r
-    payload = views[1]
     want = n_prompt * _PROMPT_ITEMSIZE + n_resp * _RESP_ITEMSIZE
+    payload = views[1] if msg.ring < 0 else _ring_payload(msg, want, max_bytes, rings)
+    if copy and msg.ring >= 0:
+        payload = memoryview(bytes(payload))
     if payload.nbytes != want:
         raise MalformedMessage(
             "size",
@@ -171,6 +203,20 @@ def decode(frames: Sequence[Any], max_bytes: int = 1 << 62) -> tuple[Message, li
         arrays.append(np.frombuffer(payload, dtype=dtype, count=count, offset=off))
         off += count * _ITEMSIZE[k]
     return msg, _split(msg.trajs, arrays)
+
+
+def _ring_payload(
+    msg: TrainBatch, want: int, max_bytes: int, rings: Mapping[int, RingReader] | None
+) -> memoryview:
+    if want > max_bytes:
+        raise MalformedMessage("oversized", f"ring payload of {want} bytes > limit {max_bytes}")
+    ring = rings.get(msg.ring) if rings else None
+    if ring is None:
+        raise MalformedMessage("shm", f"batch {msg.seq} names ring {msg.ring}, not announced")
+    try:
+        return ring.view(msg.offset, want)
+    except ValueError as exc:
+        raise MalformedMessage("shm", f"batch {msg.seq}: {exc}") from None
 
 
 def _decode_header(view: memoryview) -> Message:

@@ -3,6 +3,7 @@
 See ``zmq.py`` for the protocol. The receiver connects a data DEALER (batches
 in, credits out; used by the consumer's own thread) and a control DEALER
 (heartbeats from a small thread, reports from any thread) to every producer.
+On the producer's host it maps the shared-memory rings producers announce (``shm.py``).
 """
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ import msgspec
 import zmq
 
 from asyncrl.transports.experience.codec import MalformedMessage, RejectLog, decode, encode
+from asyncrl.transports.experience.shm import RingReader, host_token
 from asyncrl.transports.experience.types import (
     Credit,
     Hello,
     Message,
+    Ring,
     Shutdown,
     TrainBatch,
     Trajectory,
@@ -48,8 +51,15 @@ class ExperienceReceiver:
     returns credit to their producer: call both from one thread (the consumer's
     loop). ``report`` sends to every producer over separate control connections
     and may be called from any thread; a small thread heartbeats on those, so a
-    rank busy training is not taken for dead. Arrays of delivered trajectories
-    are read-only views of the received frames.
+    rank busy training is not taken for dead.
+
+    Arrays of delivered trajectories are read-only views, either of the received
+    frames (valid as long as they are referenced) or, on the producer's host, of
+    the producer's shared-memory ring: those stay valid and unchanged until
+    ``ack`` is called for their delivery, and may be overwritten at any time
+    after that. So ack a delivery only once its arrays are copied or no longer
+    used (the trainer acks after its train step built its tensors), or pass
+    ``copy=True`` to get arrays of their own. ``shm=False`` never maps rings.
     """
 
     def __init__(
@@ -61,6 +71,8 @@ class ExperienceReceiver:
         credits: int = 4,
         max_message_bytes: int = 256 << 20,
         heartbeat_s: float = 1.0,
+        shm: bool = True,
+        copy: bool = False,
     ):
         if credits <= 0:
             raise ValueError(f"credits must be > 0, got {credits}")
@@ -72,6 +84,10 @@ class ExperienceReceiver:
         self._ready: collections.deque[Delivery] = collections.deque()
         self._window = [credits] * len(self.endpoints)  # credit each producer holds
         self._acks: list[list[int]] = [[] for _ in self.endpoints]  # acked, not yet sent
+        self._shm, self._copy = host_token() if shm else "", copy
+        self._rings: list[dict[int, RingReader]] = [{} for _ in self.endpoints]
+        self._old_rings: list[RingReader] = []  # replaced ones: closed with the receiver
+        self._next_reap = 0.0
         self._ack_batch = max(1, credits // 2)
         self._ctx = zmq.Context()
         self._data = [self._connect(ep, control=False) for ep in self.endpoints]
@@ -102,15 +118,20 @@ class ExperienceReceiver:
         deadline = time.monotonic() + timeout_s
         while not self._ready:
             self._send_acks(low_only=True)  # never wait while a producer runs low on credit
-            left = deadline - time.monotonic()
+            now = time.monotonic()
+            left = deadline - now
             if left < 0:
                 return None
+            if now >= self._next_reap:  # idle: unlink the rings of producers that died
+                self._reap()
+                self._next_reap = now + 1.0
             for sock, _ in self._poller.poll(max(0, int(left * 1000))):
                 self._drain(sock, self._index[sock])
         return self._ready.popleft()
 
     def ack(self, delivery: Delivery, flush: bool = False) -> None:
-        """The delivery is used: its producer may forget it and send one more.
+        """The delivery is used: its producer may forget it and send one more. Its arrays
+        may be overwritten from now on if they view a shared-memory ring (see the class).
 
         Acks go out in batches of ``credits // 2``, or before ``recv`` waits once the
         producer's remaining credit is down to half the window; ``flush`` sends at once
@@ -135,7 +156,8 @@ class ExperienceReceiver:
                     )
 
     def close(self) -> None:
-        """Stop heartbeats; close the sockets (sent acks and reports get up to 1 s to flush)."""
+        """Stop heartbeats; close the sockets (sent acks and reports get up to 1 s to flush);
+        unmap the rings (unlinking those whose producer is gone)."""
         self._send_acks()
         self._stop.set()
         self._beat.join(5.0)
@@ -143,6 +165,13 @@ class ExperienceReceiver:
             for s in [*self._data, *self._ctl]:
                 s.close(linger=1000)
         self._ctx.term()
+        for ring in [*self._old_rings, *(r for rings in self._rings for r in rings.values())]:
+            ring.close()
+
+    def _reap(self) -> None:
+        for rings in self._rings:
+            for ring in rings.values():
+                ring.reap()
 
     # -- internals -----------------------------------------------------------------------
     def _connect(self, endpoint: str, control: bool) -> zmq.Socket:
@@ -158,6 +187,7 @@ class ExperienceReceiver:
             incarnation=self.incarnation,
             credit=0 if control else self.credits,
             control=control,
+            shm="" if control else self._shm,
         )
         s.send_multipart(encode(hello))
         return s
@@ -188,7 +218,10 @@ class ExperienceReceiver:
             except zmq.Again:
                 return
             try:
-                msg, trajs = decode(frames, self._max_bytes)
+                msg, trajs = decode(frames, self._max_bytes, self._rings[producer], self._copy)
+                if isinstance(msg, Ring):
+                    self._map(msg, producer)
+                    continue
                 if isinstance(msg, TrainBatch):
                     if self._window[producer] <= 0:
                         raise MalformedMessage("protocol", f"seq {msg.seq} sent without credit")
@@ -201,6 +234,29 @@ class ExperienceReceiver:
                 self._reject(exc, self.endpoints[producer])
                 continue
             self._ready.append(Delivery(msg, trajs, producer))
+
+    def _map(self, msg: Ring, producer: int) -> None:
+        """Map a ring the producer announced (MalformedMessage if it is not acceptable)."""
+        rings = self._rings[producer]
+        old = rings.get(msg.ring)
+        if old is not None and (old.name, old.nbytes) == (msg.name, msg.nbytes):
+            return
+        if not self._shm:
+            raise MalformedMessage("shm", f"ring {msg.name!r} announced, but shm is off here")
+        try:
+            reader = RingReader(msg.name, msg.nbytes)
+        except ValueError as exc:  # logged by the reject log; its batches will be rejected
+            raise MalformedMessage(
+                "shm",
+                f"cannot map the announced ring: {exc} (set experience.shm = 'off' if the "
+                f"producer is on another host or in another container)",
+            ) from None
+        if old is not None:
+            self._old_rings.append(old)
+        rings[msg.ring] = reader
+        log.info(
+            "rank %d maps experience ring %s of %s", self.rank, msg.name, self.endpoints[producer]
+        )
 
 
 def _send(sock: zmq.Socket, frames: list[bytes]) -> bool:

@@ -8,7 +8,8 @@ Everything else is a tagged, array-like msgspec Struct (no pickle anywhere).
 Messages and who sends them (see ``zmq.py`` for the protocol)::
 
     consumer -> producer   Hello (once per connection), Credit (acks + new credit, heartbeat)
-    producer -> consumer   TrainBatch (+ one payload frame), Shutdown
+    producer -> consumer   Ring (a shared-memory ring, same host), TrainBatch (+ one payload
+                           frame, or none when the payload is in the ring), Shutdown
     consumer -> producer   StepDone (the version announcement of the trainer), Shutdown
 """
 
@@ -26,6 +27,7 @@ __all__ = [
     "Credit",
     "Hello",
     "Message",
+    "Ring",
     "Shutdown",
     "StepDone",
     "TrainBatch",
@@ -33,7 +35,7 @@ __all__ = [
     "Trajectory",
 ]
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 """Bumped on any change of the wire layout; peers with another schema are rejected."""
 
 # name -> dtype of every per-trajectory array; the codec relies on this order.
@@ -120,14 +122,18 @@ class TrainBatch(msgspec.Struct, tag="batch", array_like=True, gc=False, omit_de
 
     ``seq`` numbers the messages of one producer to one rank (acked by the
     consumer); ``step`` is the train step they belong to (-1: not tied to a
-    step). One payload frame follows: each field of every trajectory, back to back, field
-    after field in ``ARRAY_FIELDS`` order.
+    step). The payload is each field of every trajectory, back to back, field
+    after field in ``ARRAY_FIELDS`` order. With ``ring == -1`` it follows as one
+    payload frame; otherwise it lies at byte ``offset`` of the shared-memory ring
+    ``ring`` that this producer announced (a :class:`Ring`) and no frame follows.
     """
 
     seq: int
     step: int
     trajs: list[TrajMeta]
     schema: int = SCHEMA_VERSION
+    ring: int = -1
+    offset: int = 0
 
 
 class Hello(msgspec.Struct, tag="hello", array_like=True, gc=False, omit_defaults=True):
@@ -146,6 +152,17 @@ class Hello(msgspec.Struct, tag="hello", array_like=True, gc=False, omit_default
     credit: int = 0
     control: bool = False
     schema: int = SCHEMA_VERSION
+    shm: str = ""  # the consumer's shm.host_token() ("": no rings); rings if equal to ours
+
+
+class Ring(msgspec.Struct, tag="ring", array_like=True, gc=False, omit_defaults=True):
+    """Producer -> consumer (data connection, before any batch that uses it): payloads may
+    lie in the shared-memory segment ``name`` (in ``/dev/shm``) of ``nbytes`` bytes, called
+    ``ring`` in batch headers. Sent after every data Hello that offered ``shm``."""
+
+    ring: int
+    name: str
+    nbytes: int
 
 
 class Credit(msgspec.Struct, tag="credit", array_like=True, gc=False, omit_defaults=True):
@@ -186,4 +203,4 @@ class ConsumerLost(msgspec.Struct, tag="lost", array_like=True, gc=False, omit_d
     episode_ids: list[int]
 
 
-Message = TrainBatch | Hello | Credit | StepDone | Shutdown | ConsumerLost
+Message = TrainBatch | Hello | Ring | Credit | StepDone | Shutdown | ConsumerLost

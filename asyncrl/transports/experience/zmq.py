@@ -20,6 +20,16 @@ sides at ``credits`` messages per (producer, rank). If a rank falls silent for
 Hello again (a new incarnation) they are redelivered first, in order. Delivery
 is at-least-once: a consumer acks after it has used a message.
 
+Same-host fast path (``shm``): the producer creates one shared-memory ring per rank
+whose consumer shares its ``/dev/shm`` (``Hello.shm`` carries the consumer's
+:func:`~asyncrl.transports.experience.shm.host_token`; equal tokens mean same boot,
+same tmpfs, same user: one host, whatever the endpoint), announces it (a
+:class:`Ring` message) and writes each batch's arrays into it (one copy); only the
+header goes through ZeroMQ. Ring space of a message is freed when it
+is acked, so credits bound ring use as they bound frames; a message that finds no room
+(or an empty one) goes as frames. Unacked messages stay in the ring: a restarted
+consumer is told the ring again and maps it, and redelivery resends just the headers.
+
 Hardening: every received message goes through :func:`codec.decode` with the
 configured size limit; a malformed one is logged (rate-limited), counted in
 ``rejected`` / ``rejected_by[kind]`` and dropped, and the socket keeps serving.
@@ -48,20 +58,24 @@ from asyncrl.transports.experience.codec import (
     decode,
     encode,
     encode_batch,
-    nbytes,
+    encode_header,
+    payload_size,
 )
 from asyncrl.transports.experience.receiver import Delivery, ExperienceReceiver
+from asyncrl.transports.experience.shm import RingWriter, host_token, sweep_orphans
 from asyncrl.transports.experience.types import (
     ConsumerLost,
     Credit,
     Hello,
     Message,
+    Ring,
     Shutdown,
     StepDone,
+    TrainBatch,
     Trajectory,
 )
 
-__all__ = ["Delivery", "ExperienceReceiver", "ExperienceSender", "bind_endpoint"]
+__all__ = ["Delivery", "ExperienceReceiver", "ExperienceSender", "bind_endpoint", "shm_token"]
 
 log = logging.getLogger(__name__)
 
@@ -78,10 +92,25 @@ def bind_endpoint(cfg: ExperienceConfig, run_dir: Path | None = None) -> str:
     return f"tcp://{cfg.host}:*"
 
 
+def shm_token(mode: str) -> str:
+    """The host token a producer offers rings to (``experience.shm``); empty: no rings.
+
+    ``auto``: rings for every consumer that shares this host's ``/dev/shm`` (frames for the
+    others, e.g. over tcp from another host); ``on``: the same, but a ValueError where this
+    host cannot have rings; ``off``: frames only."""
+    if mode not in ("auto", "on", "off"):
+        raise ValueError(f"experience.shm must be 'auto', 'on' or 'off', got {mode!r}")
+    token = host_token() if mode != "off" else ""
+    if mode == "on" and not token:
+        raise ValueError("experience.shm='on' needs Linux with /dev/shm: use 'auto' or 'off'")
+    return token
+
+
 class _Pending(msgspec.Struct, gc=False):
-    frames: list[Any]
+    frames: list[Any]  # [header] only when the payload is in the ring
     episode_ids: list[int]
     nbytes: int
+    in_ring: bool = False
 
 
 class _Peer:
@@ -96,13 +125,17 @@ class _Peer:
         self.next_seq = 0
         self.pending: dict[int, _Pending] = {}  # insertion order == seq order
         self.resend: collections.deque[int] = collections.deque()
+        self.ring: RingWriter | None = None
+        self.shm = False  # the current incarnation maps our ring
 
 
 class ExperienceSender:
     """Producer side (asyncio): binds a ROUTER; trainer ranks connect and pull by credit.
 
     Create inside a running event loop; ``await close()`` when done. ``endpoint``
-    is the bound address (with the real port) to give to the consumers.
+    is the bound address (with the real port) to give to the consumers. ``shm``
+    (``auto``/``on``/``off``, see :func:`shm_token`) and ``shm_bytes`` (per rank) set the
+    shared-memory rings; ``uses_shm`` says whether consumers on this host get them.
     """
 
     def __init__(
@@ -113,6 +146,8 @@ class ExperienceSender:
         max_message_bytes: int = 256 << 20,
         peer_timeout_s: float = 30.0,
         assigner: Assigner | None = None,
+        shm: str = "auto",
+        shm_bytes: int = 64 << 20,
     ):
         self.world_size = world_size
         self._max_bytes = max_message_bytes
@@ -121,6 +156,8 @@ class ExperienceSender:
         # A plain (blocking-API) socket driven by the event loop: sends never block (SNDHWM 0,
         # credits bound the queue), so they skip zmq.asyncio's per-call future machinery
         # (about 8 us per message); the loop watches the socket's FD for incoming messages.
+        self._token = shm_token(shm)  # first: it may raise
+        self.uses_shm = bool(self._token)
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -129,6 +166,9 @@ class ExperienceSender:
         self._sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         self._sock.bind(endpoint)
         self.endpoint: str = self._sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self._shm_bytes = shm_bytes
+        if self.uses_shm:
+            sweep_orphans()  # rings left behind by producers that died
         self._peers = [_Peer() for _ in range(world_size)]
         self._by_ident: dict[bytes, tuple[int, int]] = {}  # -> (rank, incarnation)
         self._reports: asyncio.Queue[Message | None] = asyncio.Queue()  # None: failed
@@ -139,8 +179,9 @@ class ExperienceSender:
         self._fd = self._sock.getsockopt(zmq.FD)
         asyncio.get_running_loop().add_reader(self._fd, self._readable.set)
         self.counters = collections.Counter(
-            {"sent": 0, "acked": 0, "redelivered": 0, "lost_reported": 0}
+            {"sent": 0, "sent_shm": 0, "ring_full": 0, "acked": 0, "redelivered": 0}
         )
+        self.counters["lost_reported"] = 0
         self._tasks = [
             asyncio.get_running_loop().create_task(self._recv_loop(), name="xport-recv"),
             asyncio.get_running_loop().create_task(self._liveness_loop(), name="xport-live"),
@@ -173,19 +214,38 @@ class ExperienceSender:
             self._changed.clear()
             await self._changed.wait()
         self._raise_if_failed()
-        seq, peer.next_seq = peer.next_seq, peer.next_seq + 1
-        frames = encode_batch(seq, step, trajs)
-        size = nbytes(frames)
+        seq = peer.next_seq
+        size = payload_size(trajs)
+        self._check_size(size)
+        offset = None
+        if peer.shm and size > 0:
+            assert peer.ring is not None
+            offset = peer.ring.write(seq, trajs, size)
+            self.counters["ring_full"] += offset is None
+        if offset is None:
+            frames = encode_batch(seq, step, trajs)
+        else:
+            frames = [encode_header(seq, step, trajs, ring=rank, offset=offset)]
+            self.counters["sent_shm"] += 1
+        total = size + len(frames[0])
+        if total > self._max_bytes:
+            if offset is not None:
+                peer.ring.free(seq)
+            self._check_size(total)
+        peer.next_seq += 1
+        eids = [t.episode_id for t in trajs]
+        peer.pending[seq] = _Pending(frames, eids, total, offset is not None)
+        peer.credit -= 1
+        await self._transmit(rank, frames)
+        self.counters["sent"] += 1
+        return seq
+
+    def _check_size(self, size: int) -> None:
         if size > self._max_bytes:
             raise ValueError(
                 f"experience message of {size} bytes exceeds experience.max_message_mb "
                 f"({self._max_bytes >> 20} MiB): raise it or send fewer groups per message"
             )
-        peer.pending[seq] = _Pending(frames, [t.episode_id for t in trajs], size)
-        peer.credit -= 1
-        await self._transmit(rank, frames)
-        self.counters["sent"] += 1
-        return seq
 
     async def send_groups(
         self, groups: Sequence[Sequence[Trajectory]], step: int = -1
@@ -238,6 +298,9 @@ class ExperienceSender:
                 )
         self._sock.close(linger=0)
         self._ctx.term()
+        for peer in self._peers:
+            if peer.ring is not None:
+                peer.ring.close()
         if self.endpoint.startswith("ipc://"):
             Path(self.endpoint.removeprefix("ipc://")).unlink(missing_ok=True)
 
@@ -317,8 +380,12 @@ class ExperienceSender:
             if ident != peer.ident:
                 return  # credit of a dead incarnation: its messages are pending for redelivery
             for seq in msg.acked:
-                if peer.pending.pop(seq, None) is not None:
+                item = peer.pending.pop(seq, None)
+                if item is not None:
                     self.counters["acked"] += 1
+                    if item.in_ring:
+                        assert peer.ring is not None
+                        peer.ring.free(seq)
             peer.credit += max(0, msg.grant)
             await self._pump(rank)
         elif isinstance(msg, StepDone | Shutdown):
@@ -349,6 +416,14 @@ class ExperienceSender:
         peer.alive, peer.last_seen = True, time.monotonic()
         peer.resend = collections.deque(peer.pending)
         self.counters["redelivered"] += len(peer.resend)
+        peer.shm = self.uses_shm and msg.shm == self._token
+        if peer.shm:
+            if peer.ring is None:
+                peer.ring = RingWriter(self._shm_bytes)
+                log.info("trainer rank %d shares this host: batches via ring %s (%d MiB)",
+                         msg.rank, peer.ring.name, self._shm_bytes >> 20)  # fmt: skip
+            ring = Ring(ring=msg.rank, name=peer.ring.name, nbytes=peer.ring.nbytes)
+            await self._transmit(msg.rank, encode(ring))  # before any batch that uses it
         await self._pump(msg.rank)
 
     async def _pump(self, rank: int) -> None:
@@ -359,8 +434,21 @@ class ExperienceSender:
             item = peer.pending.get(seq)
             if item is None:
                 continue
+            if item.in_ring and not peer.shm:  # this incarnation does not map the ring
+                item = self._unring(peer, item)
+                peer.pending[seq] = item
             peer.credit -= 1
             await self._transmit(rank, item.frames)
+
+    @staticmethod
+    def _unring(peer: _Peer, item: _Pending) -> _Pending:
+        """The message as frames: its payload copied out of the ring, which it leaves."""
+        assert peer.ring is not None
+        batch = msgspec.msgpack.decode(item.frames[0], type=TrainBatch)
+        payload = peer.ring.read(batch.offset, item.nbytes - len(item.frames[0]))
+        peer.ring.free(batch.seq)
+        header = msgspec.msgpack.encode(msgspec.structs.replace(batch, ring=-1, offset=0))
+        return _Pending([header, payload], item.episode_ids, len(header) + len(payload))
 
     def _lose(self, rank: int, why: str) -> None:
         peer = self._peers[rank]

@@ -4,7 +4,8 @@
 ExperienceSender, writes its endpoint to ``--endpoint-file`` and streams
 trajectories (one per message, ``modulo`` assignment) until all are acked.
 ``... consumer ...`` connects a receiver, and per message appends a JSON line
-``{"eid", "seq", "producer", "group"}`` to ``--out`` *before* acking it.
+``{"eid", "seq", "producer", "group", "crc"}`` to ``--out`` *before* acking it
+(``crc``: of every array of the trajectory, see ``crc``).
 """
 
 from __future__ import annotations
@@ -14,12 +15,13 @@ import asyncio
 import json
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import numpy as np
 
 from asyncrl.transports.experience.assign import make_assigner
-from asyncrl.transports.experience.types import Shutdown, Trajectory
+from asyncrl.transports.experience.types import ARRAY_FIELDS, Shutdown, Trajectory
 from asyncrl.transports.experience.zmq import ExperienceReceiver, ExperienceSender
 
 
@@ -35,6 +37,14 @@ def make_traj(eid: int, group: int, n_resp: int = 16) -> Trajectory:
         group_id=group,
         episode_id=eid,
     )
+
+
+def crc(t: Trajectory) -> int:
+    """Checksum of every array of ``t`` (to compare content across processes)."""
+    c = 0
+    for name in ARRAY_FIELDS:
+        c = zlib.crc32(getattr(t, name), c)
+    return c
 
 
 async def _produce(args: argparse.Namespace) -> None:
@@ -66,7 +76,7 @@ def _consume(args: argparse.Namespace) -> None:
                     break
                 for t in d.trajs:
                     row = {"eid": t.episode_id, "seq": d.msg.seq, "producer": d.producer}
-                    out.write(json.dumps({**row, "group": t.group_id}) + "\n")
+                    out.write(json.dumps({**row, "group": t.group_id, "crc": crc(t)}) + "\n")
                     got += 1
                 out.flush()
                 time.sleep(args.ack_delay)

@@ -18,13 +18,15 @@ import pytest
 import zmq
 
 from asyncrl.procs import spawn, stop
-from asyncrl.transports.experience.codec import decode, encode, encode_batch
+from asyncrl.transports.experience.codec import decode, encode, encode_batch, encode_header
+from asyncrl.transports.experience.shm import ALIGN, RingWriter
 from asyncrl.transports.experience.types import (
     ARRAY_FIELDS,
     SCHEMA_VERSION,
     ConsumerLost,
     Credit,
     Hello,
+    Ring,
     Shutdown,
     StepDone,
     TrainBatch,
@@ -218,6 +220,29 @@ async def test_killed_consumer_is_reported_and_redelivered(tmp_path: Path) -> No
         await tx.close()
 
 
+def _fuzz_ring(rng: random.Random, ring_header: bytes, ring_bytes: int) -> list[bytes]:
+    """A shared-memory message that is invalid by construction (the receiver mapped ring 0)."""
+    head = msgspec.msgpack.decode(ring_header, type=TrainBatch)
+    rep = msgspec.structs.replace
+    kind = rng.randrange(6)
+    if kind == 0:  # a ring never announced
+        head = rep(head, ring=rng.randrange(1, 1 << 40))
+    elif kind == 1:  # misaligned
+        head = rep(head, offset=head.offset + rng.randrange(1, ALIGN))
+    elif kind == 2:  # out of bounds, before or past the end
+        off = rng.choice([-ALIGN * rng.randrange(1, 99), ring_bytes - ALIGN * rng.randrange(0, 2)])
+        head = rep(head, offset=off)
+    elif kind == 3:  # lengths that run past the end of the ring
+        meta = rep(head.trajs[0], lengths=(rng.randrange(0, 9), ring_bytes // 9 + 1))
+        head = rep(head, trajs=[meta])
+    elif kind == 4:  # a ring batch with a payload frame
+        return [ring_header, rng.randbytes(rng.randrange(0, 99))]
+    else:  # an announcement of something that is not a ring
+        name = rng.choice(["../x", "asyncrl-xp-1-0123456789abcdef", "", "asyncrl-xp-\n"])
+        return encode(Ring(ring=rng.randrange(1, 9), name=name, nbytes=rng.randrange(-9, 1 << 20)))
+    return [msgspec.msgpack.encode(head)]
+
+
 def _fuzz_frames(rng: random.Random, valid: list[bytes], big: int) -> list[bytes]:
     """One message that is invalid by construction: random, truncated or mutated."""
     kind = rng.randrange(10)
@@ -255,8 +280,11 @@ def test_fuzz_10k_bad_messages_then_a_valid_one(tmp_path: Path) -> None:
     ctx = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
     router.setsockopt(zmq.SNDHWM, 0)
-    port = router.bind_to_random_port("tcp://127.0.0.1")
-    rx = ExperienceReceiver([f"tcp://127.0.0.1:{port}"], 0, 1, credits=2, max_message_bytes=limit)
+    router.bind(f"ipc://{tmp_path}/fuzz.ipc")
+    rx = ExperienceReceiver(
+        [f"ipc://{tmp_path}/fuzz.ipc"], 0, 1, credits=2, max_message_bytes=limit
+    )
+    ring = RingWriter(1 << 14)
     try:
         data_ident = None
         while data_ident is None:
@@ -267,22 +295,33 @@ def test_fuzz_10k_bad_messages_then_a_valid_one(tmp_path: Path) -> None:
                 data_ident = ident
         good = make_traj(7, 3, n_resp=64)
         valid = [bytes(f) for f in encode_batch(0, 5, [good])]
+        in_ring = encode_header(1, 5, [good], ring=0, offset=ring.write(1, [good], len(valid[1])))
+        router.send_multipart([data_ident, *encode(Ring(0, ring.name, ring.nbytes))])
         rng = random.Random(1234)
         n_bad = 10_000
         for _ in range(n_bad):
-            router.send_multipart([data_ident, *_fuzz_frames(rng, valid, limit)])
+            if rng.random() < 0.2:  # shared-memory headers and announcements
+                frames = _fuzz_ring(rng, in_ring, ring.nbytes)
+            else:
+                frames = _fuzz_frames(rng, valid, limit)
+            router.send_multipart([data_ident, *frames])
         router.send_multipart([data_ident, *valid])
-        d = rx.recv(30.0)
-        assert d is not None and isinstance(d.msg, TrainBatch), rx.rejected_by
+        router.send_multipart([data_ident, in_ring])
+        got = [rx.recv(30.0), rx.recv(10.0)]
+        assert all(d is not None and isinstance(d.msg, TrainBatch) for d in got), rx.rejected_by
         assert rx.rejected == n_bad, rx.rejected_by
-        (t,) = d.trajs
-        assert t.episode_id == 7 and np.array_equal(t.behav_logprobs, good.behav_logprobs)
+        assert [d.msg.ring for d in got] == [-1, 0]
+        for d in got:
+            (t,) = d.trajs
+            assert t.episode_id == 7 and np.array_equal(t.behav_logprobs, good.behav_logprobs)
         assert rx.recv(0.1) is None
-        assert set(rx.rejected_by) >= {"bad_header", "frame_count", "size", "schema", "oversized"}
+        kinds = {"bad_header", "frame_count", "size", "schema", "oversized", "shm"}
+        assert set(rx.rejected_by) >= kinds
     finally:
         rx.close()
         router.close(linger=0)
         ctx.term()
+        ring.close()
 
 
 async def test_sender_rejects_garbage_and_keeps_serving(tmp_path: Path) -> None:
