@@ -60,6 +60,17 @@ def spawn(
             out.close()
 
 
+def wait_exit(procs: Sequence[subprocess.Popen], timeout_s: float) -> bool:
+    """Wait up to ``timeout_s`` for every process to exit on its own; True when all did."""
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            return False
+    return True
+
+
 def stop(procs: Sequence[subprocess.Popen], timeout_s: float = 5.0) -> None:
     """SIGTERM each process group, wait up to ``timeout_s``, then SIGKILL the rest."""
     for p in procs:

@@ -35,7 +35,7 @@ from asyncrl.controllers.controller import Batch, Controller
 from asyncrl.controllers.episode import single_turn
 from asyncrl.engines.rollout.launcher import start_engines
 from asyncrl.engines.rollout.sglang import SGLangClient
-from asyncrl.procs import free_port, python_env, spawn, stop
+from asyncrl.procs import free_port, python_env, spawn, stop, wait_exit
 from asyncrl.tasks import make_task
 from asyncrl.transports.experience.assign import make_assigner
 from asyncrl.transports.experience.types import ConsumerLost, Shutdown, StepDone
@@ -270,10 +270,15 @@ async def run_job(
             await _first(job.report(ctl, chan), job.dispatch(ctl, chan), job.watchdog())
         return job.rows
     finally:
+        told = False
         try:
             await asyncio.wait_for(chan.broadcast(Shutdown(reason="run finished")), 1.0)
+            told = True
         except (asyncio.TimeoutError, OSError):
             pass
         await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
+        trainers = [p for name, p in job.procs.items() if name.startswith("trainer")]
+        if told and trainers:  # trainers leave the weight group while the engines still answer
+            await asyncio.to_thread(wait_exit, trainers, 10.0)
         await asyncio.to_thread(stop, list(job.procs.values()), 5.0)
         await chan.close()
