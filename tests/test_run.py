@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from asyncrl.procs import python_env
 
 
@@ -39,6 +41,26 @@ def test_short_run_end_to_end(tmp_path: Path, tiny_model_dir: Path) -> None:
         "--controller.batch_size=4",
         "--controller.max_staleness=1",
     )
+    _check_finished_run(tmp_path, proc, steps=6)
+
+
+@pytest.mark.gpu
+def test_short_run_on_cuda_with_cuda_ipc(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """Trainer (FSDP2/NCCL) and engine colocated on one GPU, weights over CUDA IPC."""
+    proc = _run_cli(
+        tmp_path,
+        tiny_model_dir,
+        "--controller.total_steps=6",
+        "--controller.batch_size=4",
+        "--controller.max_staleness=1",
+        "--trainer.device=cuda",
+        "--rollout.device=cuda",
+        "--weights.backend=cuda-ipc",
+    )
+    _check_finished_run(tmp_path, proc, steps=6)
+
+
+def _check_finished_run(tmp_path: Path, proc: subprocess.Popen, steps: int) -> None:
     try:
         out, _ = proc.communicate(timeout=240)
     finally:
@@ -48,7 +70,7 @@ def test_short_run_end_to_end(tmp_path: Path, tiny_model_dir: Path) -> None:
     assert proc.returncode == 0, text
     run = tmp_path / "run"
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(6))
+    assert [r["step"] for r in rows] == list(range(steps))
     for r in rows:
         assert {"reward_mean", "staleness_max", "weight_version", "num_samples", "wall_s"} <= set(r)
         assert 0 <= r["staleness_max"] <= 1
@@ -58,7 +80,7 @@ def test_short_run_end_to_end(tmp_path: Path, tiny_model_dir: Path) -> None:
         assert all(r[k] >= 0.0 for r in rows for k in keys)
         assert all(rows[-1][k] >= rows[0][k] for k in keys)
     versions = {r["weight_version"] for r in rows}
-    assert len(versions) >= 3 and max(versions) == 6
+    assert len(versions) >= 3 and max(versions) == steps
     pids = json.loads((run / "processes.json").read_text())
     assert set(pids) == {"engine0", "trainer0"}
     assert not [name for name, pid in pids.items() if _alive(pid)]
