@@ -51,7 +51,7 @@ class TokenMeanLoss:
         return seq.fields["mask"]
 
     def __call__(self, out: torch.Tensor, mb: Sequence[Seq]):
-        adv = torch.cat([s.fields["adv"] for s in mb])
+        adv = torch.cat([s.fields["adv"] for s in mb]).to(out.device)
         return -adv * out + 0.1 * out**2, {"tokens": torch.tensor(float(len(out)))}
 
 
@@ -80,9 +80,9 @@ class ValueLoss:
         return seq.fields["mask"]
 
     def __call__(self, out: torch.Tensor, mb: Sequence[Seq]):
-        ret = torch.cat([s.fields["ret"] for s in mb])
+        ret = torch.cat([s.fields["ret"] for s in mb]).to(out.device)
         err = (out - ret) ** 2
-        mask = torch.cat([s.fields["mask"] for s in mb])
+        mask = torch.cat([s.fields["mask"] for s in mb]).to(out.device)
         return err, {"mse_sum": (err.detach() * mask).sum(), "tokens": mask.sum()}
 
 

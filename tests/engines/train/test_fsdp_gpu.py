@@ -40,7 +40,9 @@ def test_fsdp_on_cuda_matches_cpu_engine(tiny_model_dir: Path, free_port: int) -
         assert weights.keys() == ref_weights.keys()
         for name, t in weights.items():
             assert t.device.type == "cuda"
-            torch.testing.assert_close(t.cpu(), ref_weights[name], atol=1e-4, rtol=1e-4)
+            # one AdamW step of lr 0.01: a near-zero gradient's update is ~sign(g) * lr, so
+            # float rounding between devices may move such an element by a fraction of lr
+            torch.testing.assert_close(t.cpu(), ref_weights[name], atol=1e-3, rtol=1e-3)
         held = torch.cuda.memory_allocated()
         gpu.offload()
         assert torch.cuda.memory_allocated() < held  # parameters and optimizer state left
