@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import math
 import os
@@ -54,21 +55,43 @@ def length_stream(seed: int, min_len: int, alpha: float, max_len: int) -> Iterat
         yield min(max_len, math.ceil(min_len * (1.0 - u) ** (-1.0 / alpha)))
 
 
+class Lengths:
+    """The generation lengths of one group's episodes, handed out in turn (the same multiset
+    every time the group runs, also when it is regenerated)."""
+
+    def __init__(self, lengths: list[int]):
+        self.lengths = lengths
+        self._next = itertools.count()
+
+    def take(self) -> int:
+        return self.lengths[next(self._next) % len(self.lengths)]
+
+
 def samples(
-    model_path: str, seed: int, min_len: int, alpha: float, max_len: int
+    model_path: str,
+    seed: int,
+    min_len: int,
+    alpha: float,
+    max_len: int,
+    group_size: int,
+    per_episode: bool = True,
 ) -> Iterator[Sample]:
+    """The reverse task's prompts, each carrying its group's lengths: ``group_size`` draws
+    (``per_episode``: one per episode, as sampled completions of one prompt differ) or one
+    draw shared by the whole group."""
     from asyncrl.tasks.reverse import ReverseTask
 
     task = ReverseTask.from_tokenizer_dir(model_path, 3, seed)
     lengths = length_stream(seed + 1, min_len, alpha, max_len)
-    for s, n in zip(task.samples(), lengths):  # noqa: B905 - both infinite
-        yield Sample(prompt_ids=s.prompt_ids, answer=(s.answer, n), id=s.id)
+    for s in task.samples():
+        ns = [next(lengths) for _ in range(group_size if per_episode else 1)]
+        yield Sample(prompt_ids=s.prompt_ids, answer=(s.answer, Lengths(ns)), id=s.id)
 
 
 async def episode(ctx: EpisodeContext, sample: Sample) -> Trajectory:
-    """Generate exactly the sample's length; reward: the reverse task's partial credit."""
-    answer, n = sample.answer
-    gen = await ctx.generate(sample.prompt_ids, max_new_tokens=n, ignore_eos=True)
+    """Generate exactly the episode's length; reward: the reverse task's partial credit."""
+    answer, lengths = sample.answer
+    gen = await ctx.generate(sample.prompt_ids, max_new_tokens=lengths.take(), ignore_eos=True)
     hits = sum(1 for a, b in zip(gen.output_ids, answer) if a == b)  # noqa: B905
     return ctx.trajectory(sample.prompt_ids, [gen], hits / len(answer))
 
@@ -123,7 +146,9 @@ def run_once(staleness: int, a: argparse.Namespace, model_path: str, out: Path) 
     ]
     cfg = load_config(None, overrides)
     load_before = machine_load()
-    stream = samples(model_path, a.seed, a.min_len, a.alpha, a.max_len)
+    stream = samples(
+        model_path, a.seed, a.min_len, a.alpha, a.max_len, a.group_size, a.lengths == "episode"
+    )
     pin = {"engine": {a.engine_core}, "trainer": {a.trainer_core}} if a.pin else None
     run_dir = out / f"staleness{staleness}"
 
@@ -162,6 +187,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--min-len", type=int, default=4, help="Pareto scale of generation lengths")
     p.add_argument("--alpha", type=float, default=1.0, help="Pareto shape (smaller: longer tail)")
     p.add_argument("--max-len", type=int, default=64, help="cap of generation lengths")
+    p.add_argument(
+        "--lengths",
+        default="episode",
+        choices=["episode", "group"],
+        help="one length draw per episode, or one shared by a group's episodes",
+    )
     p.add_argument(
         "--engine-batch", type=int, default=256, help="engine max_batch_size (product default)"
     )
