@@ -142,6 +142,7 @@ def run_once(staleness: int, a: argparse.Namespace, model_path: str, out: Path) 
         f"--rollout.max_new_tokens={a.max_len}",
         f"--rollout.max_batch_size={a.engine_batch}",
         f"--rollout.pause_mode={a.pause_mode}",
+        f"--rollout.kv_after_update={a.kv_after_update}",
         "--trainer.threads=1",
     ]
     cfg = load_config(None, overrides)
@@ -197,6 +198,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--engine-batch", type=int, default=256, help="engine max_batch_size (product default)"
     )
     p.add_argument("--pause-mode", default="in_place", choices=["abort", "in_place"])
+    p.add_argument(
+        "--kv-after-update",
+        default="keep",
+        choices=["recompute", "keep"],
+        help="rollout.kv_after_update: re-prefill requests in flight after each weight update",
+    )
     p.add_argument("--async-staleness", type=int, default=2)
     p.add_argument("--engine-core", type=int, default=0)
     p.add_argument("--trainer-core", type=int, default=1)
