@@ -26,9 +26,10 @@ def model(tiny_model_dir: Path) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
 
 
-@pytest.fixture
-def engine(model: torch.nn.Module) -> Iterator[LocalEngine]:
-    eng = LocalEngine(model, {EOS}, max_batch_size=6, max_prefill_tokens=64)
+@pytest.fixture(params=[6, 48])
+def engine(model: torch.nn.Module, request: pytest.FixtureRequest) -> Iterator[LocalEngine]:
+    """Small batches (one attention call per step) and large ones (bucketed attention)."""
+    eng = LocalEngine(model, {EOS}, max_batch_size=request.param, max_prefill_tokens=256)
     try:
         yield eng
     finally:
@@ -51,19 +52,22 @@ def _submit(engine: LocalEngine, rid: str, prompt: list[int], n: int) -> Request
 
 async def test_churn_keeps_every_logprob_exact(engine: LocalEngine, model: torch.nn.Module) -> None:
     """Rows of very different lengths join (some wider than the batch), grow past the
-    buffers' spare room and leave in every order; each token is scored as without a cache."""
+    buffers' spare room, leave in every order and are re-sorted for bucketed attention;
+    each token is scored as without a cache."""
     rng = random.Random(0)
     vocab = model.config.vocab_size
     reqs, prompts = [], []
-    for i in range(30):
+    for i in range(80):
         plen = rng.choice([2, 3, 5, 9, 40, 2 * ROOM + 7])  # wide joiners widen the window
         prompts.append([1] + [rng.randrange(3, vocab) for _ in range(plen - 1)])
         n = rng.choice([1, 2, 3, 8, 20, ROOM + 30])  # long ones outgrow the spare columns
         reqs.append(_submit(engine, f"r{i}", prompts[-1], n))
-        if i % 7 == 6:
+        if i % 13 == 12:
             await asyncio.sleep(0.01)  # later requests join a running batch
     done = await asyncio.gather(*(r.future for r in reqs))
     assert engine.stats["prefill_steps"] > 5 and engine.stats["decode_steps"] > ROOM
+    if engine.max_batch_size > 16:
+        assert engine.stats["bucketed_steps"] > 10 and engine.stats["sorts"] > 0
     for p, r in zip(prompts, done, strict=True):
         assert len(r.output_ids) == r.sampling.max_new_tokens
         torch.testing.assert_close(

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from asyncrl.engines.rollout.local import attention
 from asyncrl.engines.rollout.local.kv import BatchCache
 from asyncrl.engines.rollout.local.sampling import SamplingParams, sample
 
@@ -53,6 +54,8 @@ STATS = (
     "decode_cells",
     "leave_s",
     "retracted",
+    "sorts",
+    "bucketed_steps",
 )
 
 
@@ -108,6 +111,7 @@ class LocalEngine:
         # rows x cache width summed over decode steps (mean batch, padded attention work)
         self.stats: dict[str, float] = dict.fromkeys(STATS, 0)
         self._params = dict(self.model.named_parameters())
+        self._bucketed = attention.enable(self.model)
         self._thread = threading.Thread(target=self._run, name="engine-scheduler", daemon=True)
         self._thread.start()
 
@@ -294,8 +298,13 @@ class LocalEngine:
         t0 = time.perf_counter()
         kv = self._kv
         assert kv is not None and kv.rows == len(self._running)
+        extra: dict[str, Any] = {}
+        cells = kv.rows * (kv.width + 1)
+        if self._bucketed:
+            extra["decode_plan"], cells = self._plan(kv)
+            self.stats["bucketed_steps"] += extra["decode_plan"] is not None
         self.stats["decode_rows"] += kv.rows
-        self.stats["decode_cells"] += kv.rows * kv.width
+        self.stats["decode_cells"] += cells
         ids = torch.tensor([[r.output_ids[-1]] for r in self._running], device=self.device)
         out = self.model(
             input_ids=ids,
@@ -303,12 +312,30 @@ class LocalEngine:
             position_ids=kv.positions(self.device),
             past_key_values=kv.cache,
             use_cache=True,
+            **extra,
         )
         kv.cache = out.past_key_values
         kv.advance()
         self.stats["decode_steps"] += 1
         self.stats["decode_s"] += time.perf_counter() - t0
         self._emit(0, out.logits[:, -1].float())
+
+    def _plan(self, kv: BatchCache) -> tuple[attention.Plan | None, int]:
+        """Decode attention buckets; the rows are re-sorted longest first when joins and
+        leaves have shuffled them enough to read a quarter more columns than sorted rows."""
+        plan, cells = attention.plan(kv.lens, kv.width)
+        if plan is None and kv.rows < attention.MIN_ROWS:
+            return plan, cells
+        ideal = sorted(kv.lens, reverse=True)
+        if ideal != kv.lens:
+            best, best_cells = attention.plan(ideal, kv.width)
+            if best_cells * 4 < cells * 3:
+                order = kv.sort()
+                with self._cv:
+                    self._running = [self._running[i] for i in order]
+                self.stats["sorts"] += 1
+                return best, best_cells
+        return plan, cells
 
     def _emit(self, first: int, logits: torch.Tensor) -> None:
         """Sample the next token of running rows ``first:``; finished rows leave the batch."""

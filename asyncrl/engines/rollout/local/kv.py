@@ -116,6 +116,12 @@ class GrowingLayer(DynamicLayer):
         self._kbuf[dst, :, self._start : self._end] = self._kbuf[src, :, self._start : self._end]
         self._vbuf[dst, :, self._start : self._end] = self._vbuf[src, :, self._start : self._end]
 
+    def permute_rows(self, index: torch.Tensor) -> None:
+        """Row ``i`` becomes old row ``index[i]`` (one copy of the window)."""
+        for buf in (self._kbuf, self._vbuf):
+            win = buf[: self._rows, :, self._start : self._end]
+            win.copy_(win.index_select(0, index))
+
     def narrow(self, rows: int, trim: int) -> None:
         """Keep the first ``rows`` rows; drop ``trim`` leading columns of the window."""
         self._rows = rows
@@ -184,6 +190,16 @@ class BatchCache:
         trim = self.width - max(self.lens)
         for layer in self._glayers:
             layer.narrow(len(order), trim)
+        return order
+
+    def sort(self) -> list[int]:
+        """Reorder the rows longest first (what bucketed decode attention wants); returns
+        the new order as old row indices."""
+        order = sorted(range(self.rows), key=lambda i: -self.lens[i])
+        index = torch.tensor(order, device=self._glayers[0].device)
+        for layer in self._glayers:
+            layer.permute_rows(index)
+        self.lens = [self.lens[i] for i in order]
         return order
 
     def extend(self, other: BatchCache) -> None:
