@@ -111,8 +111,14 @@ def measure(rows: list[dict[str, Any]], warmup: int, staleness: int) -> dict[str
         if k.startswith("cpu_") and k in rows[warmup - 1]
     }
     trainer_cpu = sum(v for k, v in cpu.items() if k.startswith("trainer"))
+    engine_cpu = sum(v for k, v in cpu.items() if k.startswith("engine"))
     return {
         "seconds": span,
+        # per measured step: wall time, trainer busy time (T) and engine CPU time (the
+        # engine's work per batch: its core is its own, so this is its busy time, ~G)
+        "step_s": span / len(window),
+        "train_s_per_step": busy / len(window),
+        "engine_s_per_step": engine_cpu / len(window),
         "cpu_s": cpu,  # CPU seconds each process used in the window (runner's cpu_* metrics)
         # the share of its core the trainer got while it was busy: 1.0 on a dedicated core
         "trainer_cpu_share": trainer_cpu / busy if busy > 0 else 0.0,
@@ -245,6 +251,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "pinned": bool(a.pin),
         "repeats": a.repeats,
         "speedups_each": [s["seconds"] / x["seconds"] for s, x in zip(syncs, asyns)],  # noqa: B905
+        "step_s_sync": sync["step_s"],
+        "step_s_async": asyn["step_s"],
+        "train_s_per_step_sync": sync["train_s_per_step"],
+        "train_s_per_step_async": asyn["train_s_per_step"],
+        "engine_s_per_step_sync": sync["engine_s_per_step"],
+        "engine_s_per_step_async": asyn["engine_s_per_step"],
+        "engine_batch": a.engine_batch,
+        "kv_after_update": a.kv_after_update,
+        "lengths_per": a.lengths,
         "trainer_cpu_share_sync": sync["trainer_cpu_share"],
         "trainer_cpu_share_async": asyn["trainer_cpu_share"],
         "cpu_s_sync": sync["cpu_s"],
@@ -254,16 +269,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "runs": str(out),
     }
     print(
-        f"{'mode':<22} {'window s':>9} {'total s':>8} {'trainer idle':>13} {'max stale':>10}"
-        f" {'trainer cpu share':>18}"
+        f"{'mode':<22} {'window s':>9} {'total s':>8} {'s/step':>7} {'train s/step':>13}"
+        f" {'engine s/step':>14} {'trainer idle':>13} {'max stale':>10} {'trainer cpu share':>18}"
     )
     for name, r in (
         ("sync  (staleness 0)", sync),
         (f"async (staleness {a.async_staleness})", asyn),
     ):
         print(
-            f"{name:<22} {r['seconds']:>9.2f} {r['total_s']:>8.2f} {r['trainer_idle_frac']:>13.2f}"
-            f" {r['staleness_max']:>10d} {r['trainer_cpu_share']:>18.2f}"
+            f"{name:<22} {r['seconds']:>9.2f} {r['total_s']:>8.2f} {r['step_s']:>7.3f}"
+            f" {r['train_s_per_step']:>13.3f} {r['engine_s_per_step']:>14.3f}"
+            f" {r['trainer_idle_frac']:>13.2f} {r['staleness_max']:>10d}"
+            f" {r['trainer_cpu_share']:>18.2f}"
         )
     print(
         f"speedup {res['speedup']:.2f}x (whole run {res['speedup_total']:.2f}x; ceiling for this "
