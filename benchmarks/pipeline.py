@@ -75,17 +75,24 @@ def samples(
     max_len: int,
     group_size: int,
     per_episode: bool = True,
+    prompt_len: int = 0,
 ) -> Iterator[Sample]:
     """The reverse task's prompts, each carrying its group's lengths: ``group_size`` draws
     (``per_episode``: one per episode, as sampled completions of one prompt differ) or one
-    draw shared by the whole group."""
+    draw shared by the whole group. ``prompt_len``: prompts are lengthened to this many
+    tokens by a random digit context before the task (real RL prompts — a system prompt,
+    a problem statement — are tens to hundreds of tokens, not the task's 5)."""
     from asyncrl.tasks.reverse import ReverseTask
 
     task = ReverseTask.from_tokenizer_dir(model_path, 3, seed)
+    digits = [task.vocab[str(d)] for d in range(10)]
     lengths = length_stream(seed + 1, min_len, alpha, max_len)
+    rng = random.Random(seed + 2)
     for s in task.samples():
         ns = [next(lengths) for _ in range(group_size if per_episode else 1)]
-        yield Sample(prompt_ids=s.prompt_ids, answer=(s.answer, Lengths(ns)), id=s.id)
+        pad = [rng.choice(digits) for _ in range(prompt_len - len(s.prompt_ids))]
+        ids = s.prompt_ids[:1] + pad + s.prompt_ids[1:]
+        yield Sample(prompt_ids=ids, answer=(s.answer, Lengths(ns)), id=s.id)
 
 
 async def episode(ctx: EpisodeContext, sample: Sample) -> Trajectory:
@@ -154,7 +161,14 @@ def run_once(staleness: int, a: argparse.Namespace, model_path: str, out: Path) 
     cfg = load_config(None, overrides)
     load_before = machine_load()
     stream = samples(
-        model_path, a.seed, a.min_len, a.alpha, a.max_len, a.group_size, a.lengths == "episode"
+        model_path,
+        a.seed,
+        a.min_len,
+        a.alpha,
+        a.max_len,
+        a.group_size,
+        a.lengths == "episode",
+        a.prompt_len,
     )
     pin = {"engine": {a.engine_core}, "trainer": {a.trainer_core}} if a.pin else None
     run_dir = out / f"staleness{staleness}"
@@ -187,13 +201,16 @@ def machine_load() -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=16, help="measured train steps per run")
+    p.add_argument("--steps", type=int, default=12, help="measured train steps per run")
     p.add_argument("--warmup", type=int, default=2, help="steps before the measured window")
-    p.add_argument("--batch-size", type=int, default=32, help="groups per step")
+    p.add_argument("--batch-size", type=int, default=20, help="groups per step")
     p.add_argument("--group-size", type=int, default=8, help="samples per group")
     p.add_argument("--min-len", type=int, default=4, help="Pareto scale of generation lengths")
     p.add_argument("--alpha", type=float, default=1.0, help="Pareto shape (smaller: longer tail)")
-    p.add_argument("--max-len", type=int, default=64, help="cap of generation lengths")
+    p.add_argument("--max-len", type=int, default=512, help="cap of generation lengths")
+    p.add_argument(
+        "--prompt-len", type=int, default=56, help="prompt tokens (0: the task's own, 5)"
+    )
     p.add_argument(
         "--lengths",
         default="episode",
@@ -248,6 +265,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "samples_per_step": a.batch_size * a.group_size,
         "max_staleness_async": a.async_staleness,
         "lengths": {"pareto_alpha": a.alpha, "min": a.min_len, "max": a.max_len},
+        "prompt_len": a.prompt_len,
         "pinned": bool(a.pin),
         "repeats": a.repeats,
         "speedups_each": [s["seconds"] / x["seconds"] for s, x in zip(syncs, asyns)],  # noqa: B905
