@@ -8,12 +8,33 @@ process pinned to the other core (as rollout and training get their own GPUs in 
 disaggregated deployment), Gloo weight sync after every step, the controller in
 this process. Only ``controller.max_staleness`` differs.
 
-The workload: prompts of the built-in reverse task, each with a generation length
-drawn from a Pareto distribution (``--min-len``, ``--alpha``, capped at
-``--max-len``; ``ignore_eos``) — the long tail of real reasoning/agent rollouts,
-where a synchronous step waits for its slowest sequence while the engine decodes
-a nearly empty batch and the trainer idles. The sample stream (prompts and
-lengths) is identical in both runs.
+The workload (defaults): 20 prompts x 8 samples per step; prompts of 32 tokens
+(the reverse task's 5 behind a random digit context, ``--prompt-len``); each
+episode's generation length drawn on its own from a Pareto distribution (scale
+``--min-len`` 4, shape ``--alpha`` 1.0, capped at ``--max-len`` 512;
+``ignore_eos``): half the completions are 8 tokens or fewer, 1 in 128 hits the cap,
+so nearly every step has a sequence at or near 512 tokens. The sample stream
+(prompts and every episode's length) is identical in both runs. Engine
+``max_batch_size`` is the product default (256) in both runs;
+``rollout.pause_mode = in_place`` and ``rollout.kv_after_update = keep`` in both
+(only the asynchronous run has requests in flight across an update).
+
+Why this workload: it is the *long-tail regime* of reasoning RL, where synchronous
+training spends most of each step generating (here the trainer idles ~55-80 % of a
+synchronous step): the batch waits for its longest sequence while the engine
+decodes a nearly empty batch. Per step, ``sync = G_sync + T`` and
+``async ~ max(T, G_async, straggler)`` with ``T`` the train step, ``G_sync`` the
+engine's time for one batch alone (tail-bound: ~max length x the cost of a decode
+step), ``G_async`` its time per batch when up to ``max_staleness + 1`` batches share
+the running batch, and ``straggler`` ~ half the time a capped sequence takes (at
+``max_staleness = 2`` a group admitted at version v must finish while steps v and
+v+1 train). So the speedup is bounded by ``1 / (1 - sync trainer idle)`` (printed as
+the ceiling) and needs ``T`` close to ``G_async`` — longer prompts add training work
+(the trainer runs forward+backward over them) but little generation work, which
+balances the two as in real RL. With the old default (5-token prompts, 32 x 8
+samples, lengths capped at 64, one length per group) generation was only ~30 % of a
+synchronous step and the ceiling 1.4x: the speedup depends on the workload's
+generation/training ratio, see docs/controller.md for measurements of both.
 
 Measured over a steady-state window: from the report of step ``--warmup - 1``
 to the report of the last step (process start-up and the first pipeline fill
@@ -209,7 +230,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--alpha", type=float, default=1.0, help="Pareto shape (smaller: longer tail)")
     p.add_argument("--max-len", type=int, default=512, help="cap of generation lengths")
     p.add_argument(
-        "--prompt-len", type=int, default=56, help="prompt tokens (0: the task's own, 5)"
+        "--prompt-len", type=int, default=32, help="prompt tokens (0: the task's own, 5)"
     )
     p.add_argument(
         "--lengths",
