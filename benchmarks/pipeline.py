@@ -20,7 +20,7 @@ so nearly every step has a sequence at or near 512 tokens. The sample stream
 (only the asynchronous run has requests in flight across an update).
 
 Why this workload: it is the *long-tail regime* of reasoning RL, where synchronous
-training spends most of each step generating (here the trainer idles ~55-80 % of a
+training spends most of each step generating (here the trainer idles ~55 % of a
 synchronous step): the batch waits for its longest sequence while the engine
 decodes a nearly empty batch. Per step, ``sync = G_sync + T`` and
 ``async ~ max(T, G_async, straggler)`` with ``T`` the train step, ``G_sync`` the
