@@ -108,10 +108,10 @@ class LocalEngine:
         self._paused = False
         self._stopped = False
         # counters; *_s: seconds of the scheduler thread; decode_rows / decode_cells: rows and
-        # rows x cache width summed over decode steps (mean batch, padded attention work)
+        # cache columns attention read (rows x width, less with buckets) summed over steps
         self.stats: dict[str, float] = dict.fromkeys(STATS, 0)
         self._params = dict(self.model.named_parameters())
-        self._bucketed = attention.enable(self.model)
+        self._bucketed = attention.enable(self.model)  # switches the model's attention function
         self._thread = threading.Thread(target=self._run, name="engine-scheduler", daemon=True)
         self._thread.start()
 
