@@ -101,6 +101,13 @@ class RolloutConfig(_Section):
     extra_args: tuple[str, ...] = ()
     """Extra command-line arguments of every launched engine server, passed through as they
     are (e.g. ``["--skip-tokenizer-init"]`` for SGLang, ``["--threads", "2"]`` locally)."""
+    kv_after_update: Literal["recompute", "keep"] = "recompute"
+    """Embedded engine, ``pause_mode = "in_place"``: the KV cache of requests in flight across
+    a weight update is ``recompute``d under the new weights before their next token (exact;
+    costs a prefill of every running sequence per update), or ``keep``t (their prefix keeps
+    the old weights' keys/values, as vLLM's ``pause_generation(clear_cache=False)``; no
+    re-prefill). Either way the behaviour log-probs are those sampled and a trajectory's
+    version is its oldest token's."""
 
 
 class TrainerConfig(_Section):

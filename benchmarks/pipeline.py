@@ -8,12 +8,33 @@ process pinned to the other core (as rollout and training get their own GPUs in 
 disaggregated deployment), Gloo weight sync after every step, the controller in
 this process. Only ``controller.max_staleness`` differs.
 
-The workload: prompts of the built-in reverse task, each with a generation length
-drawn from a Pareto distribution (``--min-len``, ``--alpha``, capped at
-``--max-len``; ``ignore_eos``) — the long tail of real reasoning/agent rollouts,
-where a synchronous step waits for its slowest sequence while the engine decodes
-a nearly empty batch and the trainer idles. The sample stream (prompts and
-lengths) is identical in both runs.
+The workload (defaults): 20 prompts x 8 samples per step; prompts of 32 tokens
+(the reverse task's 5 behind a random digit context, ``--prompt-len``); each
+episode's generation length drawn on its own from a Pareto distribution (scale
+``--min-len`` 4, shape ``--alpha`` 1.0, capped at ``--max-len`` 512;
+``ignore_eos``): half the completions are 8 tokens or fewer, 1 in 128 hits the cap,
+so nearly every step has a sequence at or near 512 tokens. The sample stream
+(prompts and every episode's length) is identical in both runs. Engine
+``max_batch_size`` is the product default (256) in both runs;
+``rollout.pause_mode = in_place`` and ``rollout.kv_after_update = keep`` in both
+(only the asynchronous run has requests in flight across an update).
+
+Why this workload: it is the *long-tail regime* of reasoning RL, where synchronous
+training spends most of each step generating (here the trainer idles ~55 % of a
+synchronous step): the batch waits for its longest sequence while the engine
+decodes a nearly empty batch. Per step, ``sync = G_sync + T`` and
+``async ~ max(T, G_async, straggler)`` with ``T`` the train step, ``G_sync`` the
+engine's time for one batch alone (tail-bound: ~max length x the cost of a decode
+step), ``G_async`` its time per batch when up to ``max_staleness + 1`` batches share
+the running batch, and ``straggler`` ~ half the time a capped sequence takes (at
+``max_staleness = 2`` a group admitted at version v must finish while steps v and
+v+1 train). So the speedup is bounded by ``1 / (1 - sync trainer idle)`` (printed as
+the ceiling) and needs ``T`` close to ``G_async`` — longer prompts add training work
+(the trainer runs forward+backward over them) but little generation work, which
+balances the two as in real RL. With the old default (5-token prompts, 32 x 8
+samples, lengths capped at 64, one length per group) generation was only ~30 % of a
+synchronous step and the ceiling 1.4x: the speedup depends on the workload's
+generation/training ratio, see docs/controller.md for measurements of both.
 
 Measured over a steady-state window: from the report of step ``--warmup - 1``
 to the report of the last step (process start-up and the first pipeline fill
@@ -32,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import math
 import os
@@ -54,21 +76,50 @@ def length_stream(seed: int, min_len: int, alpha: float, max_len: int) -> Iterat
         yield min(max_len, math.ceil(min_len * (1.0 - u) ** (-1.0 / alpha)))
 
 
+class Lengths:
+    """The generation lengths of one group's episodes, handed out in turn (the same multiset
+    every time the group runs, also when it is regenerated)."""
+
+    def __init__(self, lengths: list[int]):
+        self.lengths = lengths
+        self._next = itertools.count()
+
+    def take(self) -> int:
+        return self.lengths[next(self._next) % len(self.lengths)]
+
+
 def samples(
-    model_path: str, seed: int, min_len: int, alpha: float, max_len: int
+    model_path: str,
+    seed: int,
+    min_len: int,
+    alpha: float,
+    max_len: int,
+    group_size: int,
+    per_episode: bool = True,
+    prompt_len: int = 0,
 ) -> Iterator[Sample]:
+    """The reverse task's prompts, each carrying its group's lengths: ``group_size`` draws
+    (``per_episode``: one per episode, as sampled completions of one prompt differ) or one
+    draw shared by the whole group. ``prompt_len``: prompts are lengthened to this many
+    tokens by a random digit context before the task (real RL prompts — a system prompt,
+    a problem statement — are tens to hundreds of tokens, not the task's 5)."""
     from asyncrl.tasks.reverse import ReverseTask
 
     task = ReverseTask.from_tokenizer_dir(model_path, 3, seed)
+    digits = [task.vocab[str(d)] for d in range(10)]
     lengths = length_stream(seed + 1, min_len, alpha, max_len)
-    for s, n in zip(task.samples(), lengths):  # noqa: B905 - both infinite
-        yield Sample(prompt_ids=s.prompt_ids, answer=(s.answer, n), id=s.id)
+    rng = random.Random(seed + 2)
+    for s in task.samples():
+        ns = [next(lengths) for _ in range(group_size if per_episode else 1)]
+        pad = [rng.choice(digits) for _ in range(prompt_len - len(s.prompt_ids))]
+        ids = s.prompt_ids[:1] + pad + s.prompt_ids[1:]
+        yield Sample(prompt_ids=ids, answer=(s.answer, Lengths(ns)), id=s.id)
 
 
 async def episode(ctx: EpisodeContext, sample: Sample) -> Trajectory:
-    """Generate exactly the sample's length; reward: the reverse task's partial credit."""
-    answer, n = sample.answer
-    gen = await ctx.generate(sample.prompt_ids, max_new_tokens=n, ignore_eos=True)
+    """Generate exactly the episode's length; reward: the reverse task's partial credit."""
+    answer, lengths = sample.answer
+    gen = await ctx.generate(sample.prompt_ids, max_new_tokens=lengths.take(), ignore_eos=True)
     hits = sum(1 for a, b in zip(gen.output_ids, answer) if a == b)  # noqa: B905
     return ctx.trajectory(sample.prompt_ids, [gen], hits / len(answer))
 
@@ -88,8 +139,14 @@ def measure(rows: list[dict[str, Any]], warmup: int, staleness: int) -> dict[str
         if k.startswith("cpu_") and k in rows[warmup - 1]
     }
     trainer_cpu = sum(v for k, v in cpu.items() if k.startswith("trainer"))
+    engine_cpu = sum(v for k, v in cpu.items() if k.startswith("engine"))
     return {
         "seconds": span,
+        # per measured step: wall time, trainer busy time (T) and engine CPU time (the
+        # engine's work per batch: its core is its own, so this is its busy time, ~G)
+        "step_s": span / len(window),
+        "train_s_per_step": busy / len(window),
+        "engine_s_per_step": engine_cpu / len(window),
         "cpu_s": cpu,  # CPU seconds each process used in the window (runner's cpu_* metrics)
         # the share of its core the trainer got while it was busy: 1.0 on a dedicated core
         "trainer_cpu_share": trainer_cpu / busy if busy > 0 else 0.0,
@@ -119,11 +176,21 @@ def run_once(staleness: int, a: argparse.Namespace, model_path: str, out: Path) 
         f"--rollout.max_new_tokens={a.max_len}",
         f"--rollout.max_batch_size={a.engine_batch}",
         f"--rollout.pause_mode={a.pause_mode}",
+        f"--rollout.kv_after_update={a.kv_after_update}",
         "--trainer.threads=1",
     ]
     cfg = load_config(None, overrides)
     load_before = machine_load()
-    stream = samples(model_path, a.seed, a.min_len, a.alpha, a.max_len)
+    stream = samples(
+        model_path,
+        a.seed,
+        a.min_len,
+        a.alpha,
+        a.max_len,
+        a.group_size,
+        a.lengths == "episode",
+        a.prompt_len,
+    )
     pin = {"engine": {a.engine_core}, "trainer": {a.trainer_core}} if a.pin else None
     run_dir = out / f"staleness{staleness}"
 
@@ -155,17 +222,32 @@ def machine_load() -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=16, help="measured train steps per run")
+    p.add_argument("--steps", type=int, default=12, help="measured train steps per run")
     p.add_argument("--warmup", type=int, default=2, help="steps before the measured window")
-    p.add_argument("--batch-size", type=int, default=32, help="groups per step")
+    p.add_argument("--batch-size", type=int, default=20, help="groups per step")
     p.add_argument("--group-size", type=int, default=8, help="samples per group")
     p.add_argument("--min-len", type=int, default=4, help="Pareto scale of generation lengths")
     p.add_argument("--alpha", type=float, default=1.0, help="Pareto shape (smaller: longer tail)")
-    p.add_argument("--max-len", type=int, default=64, help="cap of generation lengths")
+    p.add_argument("--max-len", type=int, default=512, help="cap of generation lengths")
+    p.add_argument(
+        "--prompt-len", type=int, default=32, help="prompt tokens (0: the task's own, 5)"
+    )
+    p.add_argument(
+        "--lengths",
+        default="episode",
+        choices=["episode", "group"],
+        help="one length draw per episode, or one shared by a group's episodes",
+    )
     p.add_argument(
         "--engine-batch", type=int, default=256, help="engine max_batch_size (product default)"
     )
     p.add_argument("--pause-mode", default="in_place", choices=["abort", "in_place"])
+    p.add_argument(
+        "--kv-after-update",
+        default="keep",
+        choices=["recompute", "keep"],
+        help="rollout.kv_after_update: re-prefill requests in flight after each weight update",
+    )
     p.add_argument("--async-staleness", type=int, default=2)
     p.add_argument("--engine-core", type=int, default=0)
     p.add_argument("--trainer-core", type=int, default=1)
@@ -204,9 +286,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "samples_per_step": a.batch_size * a.group_size,
         "max_staleness_async": a.async_staleness,
         "lengths": {"pareto_alpha": a.alpha, "min": a.min_len, "max": a.max_len},
+        "prompt_len": a.prompt_len,
         "pinned": bool(a.pin),
         "repeats": a.repeats,
         "speedups_each": [s["seconds"] / x["seconds"] for s, x in zip(syncs, asyns)],  # noqa: B905
+        "step_s_sync": sync["step_s"],
+        "step_s_async": asyn["step_s"],
+        "train_s_per_step_sync": sync["train_s_per_step"],
+        "train_s_per_step_async": asyn["train_s_per_step"],
+        "engine_s_per_step_sync": sync["engine_s_per_step"],
+        "engine_s_per_step_async": asyn["engine_s_per_step"],
+        "engine_batch": a.engine_batch,
+        "kv_after_update": a.kv_after_update,
+        "lengths_per": a.lengths,
         "trainer_cpu_share_sync": sync["trainer_cpu_share"],
         "trainer_cpu_share_async": asyn["trainer_cpu_share"],
         "cpu_s_sync": sync["cpu_s"],
@@ -216,16 +308,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "runs": str(out),
     }
     print(
-        f"{'mode':<22} {'window s':>9} {'total s':>8} {'trainer idle':>13} {'max stale':>10}"
-        f" {'trainer cpu share':>18}"
+        f"{'mode':<22} {'window s':>9} {'total s':>8} {'s/step':>7} {'train s/step':>13}"
+        f" {'engine s/step':>14} {'trainer idle':>13} {'max stale':>10} {'trainer cpu share':>18}"
     )
     for name, r in (
         ("sync  (staleness 0)", sync),
         (f"async (staleness {a.async_staleness})", asyn),
     ):
         print(
-            f"{name:<22} {r['seconds']:>9.2f} {r['total_s']:>8.2f} {r['trainer_idle_frac']:>13.2f}"
-            f" {r['staleness_max']:>10d} {r['trainer_cpu_share']:>18.2f}"
+            f"{name:<22} {r['seconds']:>9.2f} {r['total_s']:>8.2f} {r['step_s']:>7.3f}"
+            f" {r['train_s_per_step']:>13.3f} {r['engine_s_per_step']:>14.3f}"
+            f" {r['trainer_idle_frac']:>13.2f} {r['staleness_max']:>10d}"
+            f" {r['trainer_cpu_share']:>18.2f}"
         )
     print(
         f"speedup {res['speedup']:.2f}x (whole run {res['speedup_total']:.2f}x; ceiling for this "

@@ -186,6 +186,7 @@ def _spec(rc: RolloutConfig, model_path: str, i: int, dtype: str, seed: int) -> 
     if rc.backend == "local":
         extra = ["--device", rc.device, "--dtype", dtype, "--seed", str(seed + 1000 + i)]
         extra += ["--max-batch-size", str(rc.max_batch_size)]
+        extra += ["--kv-after-update", rc.kv_after_update]
         return LaunchSpec(
             model_path, port, rc.host, 1, None, (*extra, *rc.extra_args), LOCAL_SERVER
         )

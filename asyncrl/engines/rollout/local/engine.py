@@ -14,8 +14,9 @@ Pause modes (SGLang's): ``abort`` returns every request (running and waiting)
 at once with its partial output; ``in_place`` keeps them and their cache;
 ``retract`` moves running requests back to the queue and frees their cache
 (recomputed on continue). Weights loaded while requests are in flight make
-their cache stale: they are re-prefilled under the new weights before their
-next token.
+their cache stale: with ``kv_after_update="recompute"`` (default) they are
+re-prefilled under the new weights before their next token; with ``"keep"``
+they go on with the old weights' keys/values for their prefix (no re-prefill).
 
 Reported ``weight_version`` of a request is the *oldest* version that produced
 any of its tokens (conservative for staleness accounting).
@@ -26,12 +27,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from asyncrl.engines.rollout.local import attention
 from asyncrl.engines.rollout.local.kv import BatchCache
 from asyncrl.engines.rollout.local.sampling import SamplingParams, sample
 
@@ -40,6 +43,20 @@ __all__ = ["LocalEngine", "Request", "SamplingParams"]
 log = logging.getLogger(__name__)
 
 PAUSE_MODES = ("abort", "in_place", "retract")
+STATS = (
+    "prefill_steps",
+    "decode_steps",
+    "tokens",
+    "prefill_tokens",
+    "prefill_s",
+    "decode_s",
+    "decode_rows",
+    "decode_cells",
+    "leave_s",
+    "retracted",
+    "sorts",
+    "bucketed_steps",
+)
 
 
 @dataclass(eq=False)
@@ -67,12 +84,18 @@ class LocalEngine:
         seed: int = 0,
         weight_version: str = "0",
         max_prefill_tokens: int = 8192,
+        kv_after_update: str = "recompute",
     ):
+        if kv_after_update not in ("recompute", "keep"):
+            raise ValueError(
+                f"kv_after_update must be 'recompute' or 'keep', got {kv_after_update!r}"
+            )
         self.model = model.to(device).eval()
         self.device = torch.device(device)
         self.eos_token_ids = set(eos_token_ids)
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
+        self.recompute_kv = kv_after_update == "recompute"
         self.weight_version = weight_version
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self._gen = torch.Generator(device=self.device).manual_seed(seed)
@@ -84,8 +107,11 @@ class LocalEngine:
         self._stale = False
         self._paused = False
         self._stopped = False
-        self.stats = {"prefill_steps": 0, "decode_steps": 0, "tokens": 0}
+        # counters; *_s: seconds of the scheduler thread; decode_rows / decode_cells: rows and
+        # cache columns attention read (rows x width, less with buckets) summed over steps
+        self.stats: dict[str, float] = dict.fromkeys(STATS, 0)
         self._params = dict(self.model.named_parameters())
+        self._bucketed = attention.enable(self.model)  # switches the model's attention function
         self._thread = threading.Thread(target=self._run, name="engine-scheduler", daemon=True)
         self._thread.start()
 
@@ -167,7 +193,8 @@ class LocalEngine:
         ``zero_copy``: parameters whose dtype and device match become the given
         tensors (the caller must not write them afterwards); others are copied.
         Sequences in flight keep their tokens; their KV cache, computed by the old
-        weights, is recomputed under the new ones before their next token.
+        weights, is recomputed under the new ones before their next token (unless the
+        engine keeps it: ``kv_after_update="keep"``).
         """
         self.check_weights(named)
         with self._model_lock, torch.no_grad():
@@ -179,7 +206,7 @@ class LocalEngine:
                     p.copy_(t)
             if version is not None:
                 self.weight_version = version
-            self._stale = self._kv is not None
+            self._stale = self._kv is not None and self.recompute_kv
 
     # -- scheduler -----------------------------------------------------------------------
     def _run(self) -> None:
@@ -219,19 +246,27 @@ class LocalEngine:
 
     def _retract(self) -> None:
         """Running requests back to the head of the queue; their cache is dropped."""
+        self.stats["retracted"] += len(self._running)
         self._waiting.extendleft(reversed(self._running))
         self._running = []
         self._kv = None
         self._stale = False
 
     def _keep_running(self, rows: list[int]) -> None:
-        self._running = [self._running[i] for i in rows]
+        """Keep running rows ``rows``; the cache may reorder them (row i is _running[i])."""
+        if len(rows) == len(self._running):
+            return
         if not rows:
-            self._kv = None
-        elif self._kv is not None:
-            self._kv.keep(rows)
+            self._running, self._kv = [], None
+            return
+        order = rows
+        if self._kv is not None:
+            keep = set(rows)
+            order = self._kv.drop([i for i in range(len(self._running)) if i not in keep])
+        self._running = [self._running[i] for i in order]
 
     def _prefill(self, reqs: list[Request]) -> None:
+        t0 = time.perf_counter()
         seqs = [r.input_ids + r.output_ids for r in reqs]
         width = max(len(s) for s in seqs)
         ids = torch.zeros(len(seqs), width, dtype=torch.long)
@@ -255,11 +290,21 @@ class LocalEngine:
         with self._cv:
             self._running += reqs
         self.stats["prefill_steps"] += 1
+        self.stats["prefill_tokens"] += sum(len(s) for s in seqs)
+        self.stats["prefill_s"] += time.perf_counter() - t0
         self._emit(len(self._running) - len(reqs), out.logits[:, -1].float())
 
     def _decode(self) -> None:
+        t0 = time.perf_counter()
         kv = self._kv
         assert kv is not None and kv.rows == len(self._running)
+        extra: dict[str, Any] = {}
+        cells = kv.rows * (kv.width + 1)
+        if self._bucketed:
+            extra["decode_plan"], cells = self._plan(kv)
+            self.stats["bucketed_steps"] += extra["decode_plan"] is not None
+        self.stats["decode_rows"] += kv.rows
+        self.stats["decode_cells"] += cells
         ids = torch.tensor([[r.output_ids[-1]] for r in self._running], device=self.device)
         out = self.model(
             input_ids=ids,
@@ -267,11 +312,30 @@ class LocalEngine:
             position_ids=kv.positions(self.device),
             past_key_values=kv.cache,
             use_cache=True,
+            **extra,
         )
         kv.cache = out.past_key_values
         kv.advance()
         self.stats["decode_steps"] += 1
+        self.stats["decode_s"] += time.perf_counter() - t0
         self._emit(0, out.logits[:, -1].float())
+
+    def _plan(self, kv: BatchCache) -> tuple[attention.Plan | None, int]:
+        """Decode attention buckets; the rows are re-sorted longest first when joins and
+        leaves have shuffled them enough to read a quarter more columns than sorted rows."""
+        plan, cells = attention.plan(kv.lens, kv.width)
+        if plan is None and kv.rows < attention.MIN_ROWS:
+            return plan, cells
+        ideal = sorted(kv.lens, reverse=True)
+        if ideal != kv.lens:
+            best, best_cells = attention.plan(ideal, kv.width)
+            if best_cells * 4 < cells * 3:
+                order = kv.sort()
+                with self._cv:
+                    self._running = [self._running[i] for i in order]
+                self.stats["sorts"] += 1
+                return best, best_cells
+        return plan, cells
 
     def _emit(self, first: int, logits: torch.Tensor) -> None:
         """Sample the next token of running rows ``first:``; finished rows leave the batch."""
@@ -293,8 +357,10 @@ class LocalEngine:
         if not done:
             return
         finished = {id(r) for r, _ in done}
+        t0 = time.perf_counter()
         with self._cv:
             self._keep_running([i for i, r in enumerate(self._running) if id(r) not in finished])
+        self.stats["leave_s"] += time.perf_counter() - t0
         for r, reason in done:
             self._finish(r, reason)
 

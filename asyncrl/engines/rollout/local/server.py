@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import sys
@@ -219,6 +220,7 @@ def build_app(server: EngineServer) -> web.Application:
 
     async def _on_shutdown(_: web.Application) -> None:
         server.engine.stop()
+        log.info("engine stats: %s", json.dumps(server.engine.stats))
         server.weights.close()
 
     app.on_shutdown.append(_on_shutdown)
@@ -232,6 +234,7 @@ def load_engine(
     max_batch_size: int,
     seed: int,
     max_prefill_tokens: int = 8192,
+    kv_after_update: str = "recompute",
 ) -> LocalEngine:
     """The model at ``model_path`` (a Hugging Face folder) behind a LocalEngine."""
     from transformers import AutoModelForCausalLM
@@ -246,6 +249,7 @@ def load_engine(
         max_batch_size=max_batch_size,
         seed=seed,
         max_prefill_tokens=max_prefill_tokens,
+        kv_after_update=kv_after_update,
     )
 
 
@@ -258,6 +262,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--max-batch-size", type=int, default=256)
     p.add_argument("--max-prefill-tokens", type=int, default=8192)
+    p.add_argument(
+        "--kv-after-update",
+        default="recompute",
+        choices=["recompute", "keep"],
+        help="KV cache of requests in flight across a weight update (see LocalEngine)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
     # SGLang launch_server flags, so the SGLang launcher can start this server too.
@@ -279,6 +289,7 @@ def main(argv: list[str] | None = None) -> None:
         args.max_batch_size,
         args.seed,
         args.max_prefill_tokens,
+        args.kv_after_update,
     )
     app = build_app(EngineServer(engine, args.model_path))
     loop = new_event_loop()  # uvloop when installed: lower latency of every control call
