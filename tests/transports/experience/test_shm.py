@@ -32,14 +32,13 @@ from asyncrl.transports.experience.shm import (
     sweep_orphans,
 )
 from asyncrl.transports.experience.types import (
-    ARRAY_FIELDS,
     Hello,
     Ring,
     TrainBatch,
-    Trajectory,
     TrajMeta,
 )
 from asyncrl.transports.experience.zmq import ExperienceReceiver, ExperienceSender, shm_token
+from tests.transports.experience.test_codec import assert_same, traj
 
 sys.path.insert(0, str(Path(__file__).parent))
 from peers import crc, make_traj
@@ -51,31 +50,6 @@ PEERS = str(Path(__file__).with_name("peers.py"))
 def _segments(pid: int) -> list[str]:
     """Ring segments (visible or being created) of process ``pid``."""
     return sorted(p.name for p in SHM_DIR.iterdir() if f"asyncrl-xp-{pid}-" in p.name)
-
-
-def _full_traj(eid: int, n_prompt: int, n_resp: int) -> Trajectory:
-    rng = np.random.default_rng(eid)
-    return Trajectory(
-        prompt_ids=rng.integers(-(2**31), 2**31 - 1, n_prompt, dtype=np.int32),
-        response_ids=rng.integers(0, 2**31 - 1, n_resp, dtype=np.int32),
-        behav_logprobs=-rng.random(n_resp, dtype=np.float32),
-        versions=rng.integers(0, 1000, n_resp, dtype=np.int32),
-        loss_mask=rng.integers(0, 2, n_resp, dtype=np.uint8),
-        reward=float(rng.random()),
-        group_id=eid // 3,
-        episode_id=eid,
-        rewards={"format": 0.5, "answer": -1.0},
-        timings={"gen_s": 1.25},
-        metadata={"task": "x", "turns": 3, "tags": ["a", None], "nested": {"k": 1.5}},
-    )
-
-
-def _assert_same(a: Trajectory, b: Trajectory) -> None:
-    for name, dtype in ARRAY_FIELDS.items():
-        assert getattr(b, name).dtype == dtype, name
-        np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
-    for name in ("reward", "group_id", "episode_id", "rewards", "timings", "metadata"):
-        assert getattr(a, name) == getattr(b, name), name
 
 
 def test_allocator_never_overlaps_live_messages_and_wraps_early() -> None:
@@ -162,14 +136,16 @@ async def test_round_trip_every_field_through_the_ring(tmp_path: Path) -> None:
     rx = ExperienceReceiver([tx.endpoint], 0, 1, credits=4, heartbeat_s=0.2)
     try:
         assert tx.uses_shm
-        msgs = [[_full_traj(10 * m + k, k + 1, 3 * k) for k in range(4)] for m in range(4)]
+        msgs = [
+            [traj(10 * m + k, n_prompt=k + 1, n_resp=3 * k) for k in range(4)] for m in range(4)
+        ]
         for m in msgs:  # as many as the credits
             await asyncio.wait_for(tx.send(m, rank=0, step=1), 10)
         for m in msgs:
             d = await _recv(rx)
             assert isinstance(d.msg, TrainBatch) and d.msg.ring == 0 and d.msg.step == 1
             for a, b in zip(m, d.trajs, strict=True):
-                _assert_same(a, b)
+                assert_same(a, b)
                 assert not b.response_ids.flags.writeable  # views of the read-only mapping
             rx.ack(d, flush=True)
         assert tx.counters["sent_shm"] == len(msgs) and tx.counters["ring_full"] == 0
@@ -292,7 +268,7 @@ def test_bad_ring_headers_are_rejected_and_counted(tmp_path: Path) -> None:
         router.send_multipart([ident, header])
         d = rx.recv(10.0)
         assert d is not None and isinstance(d.msg, TrainBatch), rx.rejected_by
-        _assert_same(good, d.trajs[0])
+        assert_same(good, d.trajs[0])
         assert rx.rejected == len(bad), rx.rejected_by
         assert rx.rejected_by == {"shm": len(bad) - 1, "frame_count": 1}
         assert rx.recv(0.1) is None

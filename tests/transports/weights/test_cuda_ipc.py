@@ -13,12 +13,12 @@ import torch
 
 from asyncrl.config import WeightSyncConfig, load_config
 from asyncrl.engines.rollout.local.weights import FAULT_ENV
-from asyncrl.engines.rollout.sglang import SGLangClient
 from asyncrl.procs import free_port, python_env, spawn, stop
 from asyncrl.transports.weights import make_weight_transport
 from asyncrl.transports.weights.base import WeightSyncError
 from asyncrl.transports.weights.bucket import checksum
 from asyncrl.transports.weights.cuda_ipc import IpcExport
+from tests.transports.weights.test_collective import _healthy, state
 
 
 @contextlib.contextmanager
@@ -38,27 +38,6 @@ def gpu_engines(model_dir: Path, tmp: Path, faults: list[str]) -> Iterator[list[
         yield urls
     finally:
         stop(procs)
-
-
-async def _healthy(urls: list[str]) -> None:
-    clients = [SGLangClient(u) for u in urls]
-    try:
-        await asyncio.gather(*(c.wait_healthy(180) for c in clients))
-    finally:
-        await asyncio.gather(*(c.close() for c in clients))
-
-
-async def _state(url: str) -> tuple[str, dict[str, int]]:
-    client = SGLangClient(url)
-    try:
-        out = await client._call("GET", "/get_weights_checksum")
-    finally:
-        await client.close()
-    return out["weight_version"], out["checksums"]
-
-
-def state(url: str) -> tuple[str, dict[str, int]]:
-    return asyncio.run(_state(url))
 
 
 def weights_like(model_dir: Path, seed: int) -> dict[str, torch.Tensor]:
