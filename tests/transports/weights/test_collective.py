@@ -52,7 +52,9 @@ def _model_weights(model_dir: Path, seed: int) -> dict[str, torch.Tensor]:
 
 
 @contextlib.contextmanager
-def engines(model_dir: Path, tmp: Path, faults: list[str]) -> Iterator[list[str]]:
+def engines(
+    model_dir: Path, tmp: Path, faults: list[str], device: str = "cpu"
+) -> Iterator[list[str]]:
     """Start one engine process per entry of ``faults`` ("" = healthy); stop them by pid."""
     procs: list[subprocess.Popen] = []
     urls = []
@@ -61,7 +63,8 @@ def engines(model_dir: Path, tmp: Path, faults: list[str]) -> Iterator[list[str]
             port = free_port()
             args = ["-m", "asyncrl.engines.rollout.local.server", "--model-path", str(model_dir)]
             env = python_env({FAULT_ENV: fault} if fault else None)
-            procs.append(spawn([*args, "--port", str(port)], tmp / f"engine{i}_{port}.log", env))
+            args += ["--port", str(port), "--device", device]
+            procs.append(spawn(args, tmp / f"engine{i}_{port}.log", env))
             urls.append(f"http://127.0.0.1:{port}")
         asyncio.run(_healthy(urls))
         yield urls

@@ -2,42 +2,23 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
 from asyncrl.config import WeightSyncConfig, load_config
-from asyncrl.engines.rollout.local.weights import FAULT_ENV
-from asyncrl.procs import free_port, python_env, spawn, stop
 from asyncrl.transports.weights import make_weight_transport
 from asyncrl.transports.weights.base import WeightSyncError
 from asyncrl.transports.weights.bucket import checksum
 from asyncrl.transports.weights.cuda_ipc import IpcExport
-from tests.transports.weights.test_collective import _healthy, state
+from tests.transports.weights.test_collective import engines, state
 
 
-@contextlib.contextmanager
-def gpu_engines(model_dir: Path, tmp: Path, faults: list[str]) -> Iterator[list[str]]:
+def gpu_engines(model_dir: Path, tmp: Path, faults: list[str]) -> contextlib.AbstractContextManager:
     """One engine process on the GPU per entry of ``faults`` ("" = healthy); stopped by pid."""
-    procs: list[subprocess.Popen] = []
-    urls = []
-    try:
-        for i, fault in enumerate(faults):
-            port = free_port()
-            args = ["-m", "asyncrl.engines.rollout.local.server", "--model-path", str(model_dir)]
-            args += ["--port", str(port), "--device", "cuda"]
-            env = python_env({FAULT_ENV: fault} if fault else None)
-            procs.append(spawn(args, tmp / f"engine{i}.log", env))
-            urls.append(f"http://127.0.0.1:{port}")
-        asyncio.run(_healthy(urls))
-        yield urls
-    finally:
-        stop(procs)
+    return engines(model_dir, tmp, faults, device="cuda")
 
 
 def weights_like(model_dir: Path, seed: int) -> dict[str, torch.Tensor]:
