@@ -21,7 +21,8 @@ from pathlib import Path
 import numpy as np
 
 from asyncrl.transports.experience.assign import make_assigner
-from asyncrl.transports.experience.types import ARRAY_FIELDS, Shutdown, Trajectory
+from asyncrl.transports.experience.codec import decode
+from asyncrl.transports.experience.types import ARRAY_FIELDS, Hello, Shutdown, Trajectory
 from asyncrl.transports.experience.zmq import ExperienceReceiver, ExperienceSender
 
 
@@ -37,6 +38,16 @@ def make_traj(eid: int, group: int, n_resp: int = 16) -> Trajectory:
         group_id=group,
         episode_id=eid,
     )
+
+
+def await_data_hello(router) -> tuple[bytes, Hello]:
+    """On a bare ROUTER posing as a producer: identity and Hello of the consumer's data socket."""
+    while True:
+        assert router.poll(10_000), "no hello"
+        ident, frame = router.recv_multipart()
+        hello, _ = decode([frame])
+        if isinstance(hello, Hello) and not hello.control:
+            return ident, hello
 
 
 def crc(t: Trajectory) -> int:

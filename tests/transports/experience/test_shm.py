@@ -21,7 +21,7 @@ import zmq
 
 from asyncrl.config import ExperienceConfig
 from asyncrl.procs import python_env, spawn, stop
-from asyncrl.transports.experience.codec import decode, encode, encode_header, payload_size
+from asyncrl.transports.experience.codec import encode, encode_header, payload_size
 from asyncrl.transports.experience.shm import (
     ALIGN,
     SHM_DIR,
@@ -32,7 +32,6 @@ from asyncrl.transports.experience.shm import (
     sweep_orphans,
 )
 from asyncrl.transports.experience.types import (
-    Hello,
     Ring,
     TrainBatch,
     TrajMeta,
@@ -41,7 +40,7 @@ from asyncrl.transports.experience.zmq import ExperienceReceiver, ExperienceSend
 from tests.transports.experience.test_codec import assert_same, traj
 
 sys.path.insert(0, str(Path(__file__).parent))
-from peers import crc, make_traj
+from peers import await_data_hello, crc, make_traj
 
 pytestmark = pytest.mark.skipif(not shm_available(), reason="needs Linux /dev/shm")
 PEERS = str(Path(__file__).with_name("peers.py"))
@@ -247,14 +246,8 @@ def test_bad_ring_headers_are_rejected_and_counted(tmp_path: Path) -> None:
     rx = ExperienceReceiver([f"ipc://{tmp_path}/fake.ipc"], 0, 1, credits=2)
     ring = RingWriter(1 << 16)
     try:
-        ident = None
-        while ident is None:
-            assert router.poll(10_000), "no hello"
-            who, frame = router.recv_multipart()
-            hello, _ = decode([frame])
-            if isinstance(hello, Hello) and not hello.control:
-                assert hello.shm
-                ident = who
+        ident, hello = await_data_hello(router)
+        assert hello.shm
         good = make_traj(7, 3, n_resp=64)
         size = payload_size([good])
         off = ring.write(0, [good], size)

@@ -40,7 +40,7 @@ from asyncrl.transports.experience.zmq import (
 )
 
 sys.path.insert(0, str(Path(__file__).parent))
-from peers import make_traj
+from peers import await_data_hello, make_traj
 
 PEERS = str(Path(__file__).with_name("peers.py"))
 
@@ -286,13 +286,7 @@ def test_fuzz_10k_bad_messages_then_a_valid_one(tmp_path: Path) -> None:
     )
     ring = RingWriter(1 << 14)
     try:
-        data_ident = None
-        while data_ident is None:
-            assert router.poll(10_000), "no hello"
-            ident, frame = router.recv_multipart()
-            hello, _ = decode([frame])
-            if isinstance(hello, Hello) and not hello.control:
-                data_ident = ident
+        data_ident, _ = await_data_hello(router)
         good = make_traj(7, 3, n_resp=64)
         valid = [bytes(f) for f in encode_batch(0, 5, [good])]
         in_ring = encode_header(1, 5, [good], ring=0, offset=ring.write(1, [good], len(valid[1])))
