@@ -276,10 +276,27 @@ class WeightSyncConfig(_Section):
     """``cuda-ipc`` only: the sender sends a checksum per tensor and engines check their copies
     before switching. Off by default: the bytes never leave the GPU's memory, and the checksums
     cost a full extra read of the weights on each side (as much as the copy itself)."""
+    zero_copy_frac: float = 0.75
+    """Collectives, ``snapshot = false``: buckets within this leading fraction of a sync's bytes
+    whose tensors already lie back to back in memory (one tensor per bucket, or a trainer with
+    flat parameters) are broadcast from the tensors themselves instead of a staging copy; the
+    trainer's next optimizer step waits until they have left. 0: always stage."""
     ipc_copy: Literal["graph", "foreach"] = "graph"
     """``cuda-ipc`` only, how engines copy the trainer's tensors: ``graph`` (the per-tensor
     copies captured once per layout as a CUDA graph, then replayed: full-width copy kernels
     back to back; measured faster on an H100) or ``foreach`` (one multi-tensor copy)."""
+
+    verify: bool = True
+    """Collectives: the sender checksums every bucket (fused into its staging copy when it
+    copies) and each engine checks every bucket it received before staging it; a mismatch
+    fails the push and keeps the old weights. Costs one extra read of the weights per side:
+    free next to an NCCL transfer on GPUs, but on a CPU box where the Gloo transfer itself
+    keeps the cores busy it adds ~0.4x of the transfer (see docs/weight-sync.md). ``false``:
+    buckets travel without checksums (TCP and NCCL already protect the bytes on the wire)."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.zero_copy_frac <= 1.0:
+            raise ValueError(f"weights.zero_copy_frac must be in [0, 1], got {self.zero_copy_frac}")
 
 
 class ExperienceConfig(_Section):

@@ -144,7 +144,9 @@ class _Floor:
         from asyncrl.transports.weights.collective import new_weight_group
 
         self.backend, self.peer, self.group = backend, None, None
-        self.buf = torch.empty(nbytes, dtype=torch.uint8, device=DEVICE[backend])
+        # Real bytes: a never-written buffer reads as the kernel's shared zero page (always
+        # in cache), which would make the floor faster than any transfer of real weights.
+        self.buf = torch.empty(nbytes, dtype=torch.uint8, device=DEVICE[backend]).random_(0, 256)
         if backend == "cuda-ipc":
             self.dst = torch.empty_like(self.buf)
             return
@@ -286,7 +288,9 @@ def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 bucket_mb=args.bucket_mb,
                 min_buckets=args.min_buckets,
                 staging_buckets=args.staging_buckets,
+                zero_copy_frac=args.zero_copy_frac,
                 snapshot=mode == "snapshot",
+                verify=mode != "unverified",
                 timeout_s=600.0,
                 ipc_verify=args.ipc_verify,
                 ipc_copy=args.ipc_copy,
@@ -329,6 +333,7 @@ def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
                     "bucket_mb": args.bucket_mb,
                     "min_buckets": args.min_buckets,
                     "staging_buckets": args.staging_buckets,
+                    "zero_copy_frac": args.zero_copy_frac,
                     "floor_s": floor_s,
                     "naive_s": naive_s,
                     "total_s": total_s,
@@ -385,7 +390,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--bucket-mb", type=int, default=512, help="weights.bucket_mb")
     p.add_argument("--min-buckets", type=int, default=8, help="weights.min_buckets")
     p.add_argument("--staging-buckets", type=int, default=0, help="weights.staging_buckets")
-    p.add_argument("--modes", default="overlap,snapshot", help="overlap and/or snapshot")
+    p.add_argument("--zero-copy-frac", type=float, default=0.75, help="weights.zero_copy_frac")
+    p.add_argument(
+        "--modes",
+        default="overlap,unverified,snapshot",
+        help="overlap (the default config), unverified (overlap with weights.verify=false), "
+        "snapshot (weights.snapshot=true)",
+    )
     p.add_argument("--no-naive", dest="naive", action="store_false", help="skip the naive baseline")
     p.add_argument("--ipc-verify", action="store_true", help="weights.ipc_verify (cuda-ipc)")
     p.add_argument("--ipc-copy", default="graph", choices=["graph", "foreach"])

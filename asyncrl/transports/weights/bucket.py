@@ -28,6 +28,7 @@ __all__ = [
     "pack_checksum",
     "pack_into",
     "plan_buckets",
+    "span_of",
     "spec_of",
 ]
 
@@ -80,7 +81,7 @@ class BucketManifest(msgspec.Struct, frozen=True):
     index: int
     count: int
     version: int = -1
-    checksum: int = 0
+    checksum: int | None = None  # None: sent without a checksum (``weights.verify = false``)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -144,6 +145,31 @@ def plan_buckets(
         open_by_dtype[spec.dtype] = (entries, used)
     n = len(groups)
     return [BucketManifest(d, tuple(e), i, n) for i, (d, e) in enumerate(groups)]
+
+
+def span_of(
+    manifest: BucketManifest, tensors: Mapping[str, torch.Tensor], device: torch.device
+) -> torch.Tensor | None:
+    """The bucket as one flat view of the tensors' own memory, or None when it is not one.
+
+    It is one when its entries (whole tensors or element ranges of them) are
+    contiguous, on ``device``, of the bucket's dtype, and lie back to back in one
+    storage in manifest order: then the packed bucket would equal these bytes.
+    """
+    storage, start, end = None, 0, 0
+    for e in manifest.entries:
+        t = tensors[e.name]
+        if not t.is_contiguous() or t.device != device or t.dtype != manifest.torch_dtype:
+            return None
+        offset = t.storage_offset() + (0 if e.whole else e.start)
+        if storage is None:
+            storage, start, end = t.untyped_storage(), offset, offset
+        elif t.untyped_storage().data_ptr() != storage.data_ptr() or offset != end:
+            return None
+        end = offset + e.size
+    assert storage is not None
+    flat = torch.empty(0, dtype=manifest.torch_dtype, device=device)
+    return flat.set_(storage, start, (end - start,), (1,))
 
 
 def pack_into(

@@ -25,7 +25,14 @@ from asyncrl.procs import free_port
 from asyncrl.transports.weights.bucket import BucketManifest
 from asyncrl.transports.weights.sender import Acks, BucketSender, bucket_extra
 
-__all__ = ["CollectiveWeightSender", "broadcast", "new_weight_group", "resolve_backend"]
+__all__ = [
+    "CollectiveWeightSender",
+    "broadcast",
+    "finish_broadcast",
+    "new_weight_group",
+    "post_broadcast",
+    "resolve_backend",
+]
 
 _INSTALL = {
     "nccl": "a CUDA device and a CUDA build of torch (pip install torch --index-url "
@@ -86,13 +93,28 @@ def new_weight_group(
     raise ValueError(f"unknown weight-sync backend {backend!r} (allowed: gloo, nccl, hccl)")
 
 
-def broadcast(group: dist.ProcessGroup, tensor: torch.Tensor, src: int = 0) -> None:
-    """One broadcast on ``group``; returns once ``tensor`` may be reused (device synced)."""
+def post_broadcast(group: dist.ProcessGroup, tensor: torch.Tensor, src: int = 0) -> dist.Work:
+    """Start one broadcast on ``group`` and return at once (see :func:`finish_broadcast`).
+
+    Every rank must post the group's broadcasts in the same order. Posting the next
+    one before the last finished keeps the link busy across buckets: the backend
+    moves them back to back, with no round trip or thread wake-up in between.
+    """
     opts = dist.BroadcastOptions()
     opts.rootRank = src
-    group.broadcast([tensor], opts).wait()
+    return group.broadcast([tensor], opts)
+
+
+def finish_broadcast(work: dist.Work, tensor: torch.Tensor) -> None:
+    """Block until a posted broadcast is done and ``tensor`` may be reused (device synced)."""
+    work.wait()
     if tensor.device.type == "cuda":
         torch.cuda.current_stream(tensor.device).synchronize()
+
+
+def broadcast(group: dist.ProcessGroup, tensor: torch.Tensor, src: int = 0) -> None:
+    """One broadcast on ``group``; returns once ``tensor`` may be reused (device synced)."""
+    finish_broadcast(post_broadcast(group, tensor, src), tensor)
 
 
 def _refused(task: asyncio.Task[Any]) -> bool:
@@ -180,11 +202,20 @@ class CollectiveWeightSender(BucketSender):
             for c in self.clients
         ]
 
-    async def _transfer(self, m: BucketManifest, flat: torch.Tensor, acks: Acks) -> None:
-        """Broadcast the bucket; fail fast when an engine refused it (it will not receive)."""
+    async def _transfer(
+        self, m: BucketManifest, flat: torch.Tensor, acks: Acks
+    ) -> asyncio.Future[None]:
+        """Post the bucket's broadcast; the result completes once ``flat`` may be reused.
+
+        It fails fast when an engine refused the bucket (it will never receive it).
+        """
         assert self._group is not None, "connect() first"
         loop = asyncio.get_running_loop()
-        sent = loop.run_in_executor(self._bcast, broadcast, self._group, flat)
+        work = post_broadcast(self._group, flat)
+        sent = loop.run_in_executor(self._bcast, finish_broadcast, work, flat)
+        return asyncio.ensure_future(self._watch(m, sent, acks))
+
+    async def _watch(self, m: BucketManifest, sent: asyncio.Future[None], acks: Acks) -> None:
         while not sent.done():
             await asyncio.wait([sent, *(t for _, t in acks)], return_when=asyncio.FIRST_COMPLETED)
             refused = [(u, t) for u, t in acks if t.done() and _refused(t)]
@@ -198,7 +229,7 @@ class CollectiveWeightSender(BucketSender):
     async def _send_bucket(self, m: BucketManifest, flat: torch.Tensor) -> Acks:
         acks = self._announce(m)
         try:
-            await self._transfer(m, flat, acks)
+            await (await self._transfer(m, flat, acks))
         except RuntimeError:
             for _, t in acks:
                 t.cancel()

@@ -12,8 +12,9 @@ asyncio loop does the rest, one push at a time, in order:
    concurrent) are announced as soon as a bucket is packed, ahead of its
    broadcast, so engines queue the receives in order and no handshake sits
    between two broadcasts; acks are gathered at the end, so verifying on the
-   engines overlaps sending. A one-tensor bucket in the first half of the
-   sync is sent from the tensor itself (no staging copy);
+   engines overlaps sending. A bucket within the first ``zero_copy_frac`` of
+   the bytes whose tensors already lie back to back in memory (one tensor, or
+   a flat parameter buffer) is sent from the tensors themselves (no staging copy);
 3. once the last bucket is packed, the snapshot event is set: the trainer may
    step its optimizer (``PushHandle.wait_snapshot``);
 4. when every engine acked every bucket (received + checksum verified + names
@@ -47,7 +48,9 @@ from asyncrl.transports.weights.bucket import (
     TensorSpec,
     checksum,
     pack_checksum,
+    pack_into,
     plan_buckets,
+    span_of,
     spec_of,
 )
 
@@ -84,12 +87,9 @@ def bucket_extra(m: BucketManifest) -> dict[str, Any]:
 class BucketSender:
     """Base of the weight senders: planning, staged packing, acks, commit."""
 
-    early_announce = False
-    """Whether ``_announce`` / ``_transfer`` split a bucket's send, so control calls may run
-    ahead of the data (engines queue them in bucket order)."""
     zero_copy_ok = False
-    """A transport whose ``_send_bucket``/``_transfer`` is done with ``flat`` when it returns may
-    send a single-tensor bucket straight from the caller's tensor (see ``_zero_copy``)."""
+    """A transport that is done with ``flat`` once its ``_transfer`` result completes may send
+    a bucket straight from the caller's memory (see ``_zero_copy``)."""
 
     def __init__(
         self,
@@ -115,6 +115,7 @@ class BucketSender:
         self._plan_key: tuple[TensorSpec, ...] = ()
         self._plan: list[BucketManifest] = []
         self._slots: list[torch.Tensor] = []
+        self._zero_copy_upto = 0  # buckets [0, upto) may be sent from the caller's memory
         self._last: PushHandle | None = None
         self._snap_at = 0.0
 
@@ -127,16 +128,16 @@ class BucketSender:
         """Undo ``_form`` (best effort: engines may be gone)."""
         raise NotImplementedError
 
-    async def _send_bucket(self, m: BucketManifest, flat: torch.Tensor) -> Acks:
-        """Send one bucket; return once ``flat`` may be overwritten, with one ack per engine."""
-        raise NotImplementedError
-
     def _announce(self, m: BucketManifest) -> Acks:
-        """Start bucket ``m``'s control call to every engine (``early_announce`` only)."""
+        """Start bucket ``m``'s control call to every engine; it may run ahead of the data
+        (engines queue announced buckets and receive them in bucket order)."""
         raise NotImplementedError
 
-    async def _transfer(self, m: BucketManifest, flat: torch.Tensor, acks: Acks) -> None:
-        """Move bucket ``m``'s data; return once ``flat`` may be overwritten."""
+    async def _transfer(
+        self, m: BucketManifest, flat: torch.Tensor, acks: Acks
+    ) -> asyncio.Future[None]:
+        """Start moving bucket ``m``'s data and return at once (the next bucket may start right
+        behind it); the result completes once ``flat`` may be overwritten."""
         raise NotImplementedError
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -209,6 +210,13 @@ class BucketSender:
             if depth == 0 or self.cfg.snapshot:
                 depth = len(self._plan)
             depth = max(1, min(depth, len(self._plan)))
+            total, upto = sum(m.nbytes for m in self._plan), 0
+            while (
+                upto < len(self._plan)
+                and sum(m.nbytes for m in self._plan[: upto + 1]) <= self.cfg.zero_copy_frac * total
+            ):
+                upto += 1
+            self._zero_copy_upto = upto
             sizes = [max(m.nbytes for m in self._plan[j::depth]) for j in range(depth)]
             self._slots = [torch.empty(b, dtype=torch.uint8, device=self.device) for b in sizes]
         return self._plan
@@ -217,32 +225,33 @@ class BucketSender:
         self, k: int, tensors: dict[str, torch.Tensor], version: int
     ) -> tuple[BucketManifest, torch.Tensor]:
         m = self._plan[k]
-        src = tensors[m.entries[0].name]
-        if self._zero_copy(k, m, src):  # send straight from the tensor: nothing to copy
-            flat = src.view(-1)
-        else:
-            flat = self._slots[k % len(self._slots)][: m.nbytes].view(m.torch_dtype)
+        verify = self.cfg.verify
+        span = self._zero_copy(k, tensors)
+        if span is not None:  # send straight from the caller's memory: nothing to copy
             return msgspec.structs.replace(
-                m, version=version, checksum=pack_checksum(flat, m, tensors)
-            ), flat
-        return msgspec.structs.replace(m, version=version, checksum=checksum(flat)), flat
+                m, version=version, checksum=checksum(span) if verify else None
+            ), span
+        flat = self._slots[k % len(self._slots)][: m.nbytes].view(m.torch_dtype)
+        if not verify:
+            pack_into(flat, m, tensors)
+            return msgspec.structs.replace(m, version=version, checksum=None), flat
+        value = pack_checksum(flat, m, tensors)
+        return msgspec.structs.replace(m, version=version, checksum=value), flat
 
-    def _zero_copy(self, k: int, m: BucketManifest, src: torch.Tensor) -> bool:
-        """Whether bucket k is sent from the caller's tensor itself (collectives only).
+    def _zero_copy(self, k: int, tensors: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """Bucket k as one view of the caller's memory, when it may be sent from there.
 
-        Only a bucket that is one whole contiguous tensor, in the first half of the
-        sync (sent early, so releasing the trainer waits little for it), and not in
-        snapshot mode (there the caller may write its tensors once ``push`` returns).
+        Only for transports done with a buffer when its send returns (collectives),
+        not in snapshot mode (there the caller may write its tensors once ``push``
+        returns), for buckets within the first ``zero_copy_frac`` of the sync's bytes
+        (sent early, so the trainer's next optimizer step waits little for them), and
+        only when the bucket's entries already lie back to back in one storage in
+        manifest order (one whole tensor; or a trainer whose parameters live in one
+        flat buffer, see ``trainer.flat_params``). Everything else is staged.
         """
-        return (
-            self.zero_copy_ok
-            and not self.cfg.snapshot
-            and k < len(self._plan) // 2
-            and len(m.entries) == 1
-            and m.entries[0].whole
-            and src.is_contiguous()
-            and src.device == self.device
-        )
+        if not self.zero_copy_ok or self.cfg.snapshot or k >= self._zero_copy_upto:
+            return None
+        return span_of(self._plan[k], tensors, self.device)
 
     async def _push(
         self,
@@ -311,7 +320,7 @@ class BucketSender:
                     return
                 packed[k].set_result(item)
             for k in range(n):  # buckets sent from the tensors themselves must have left
-                if self._zero_copy(k, plan[k], tensors[plan[k].entries[0].name]):
+                if self._zero_copy(k, tensors) is not None:
                     await sent[k]
             self._snap_at = time.perf_counter()
             snap.set()  # every tensor read: the trainer may step its optimizer
@@ -324,39 +333,45 @@ class BucketSender:
                 announced[k].set_result(self._announce(m))
 
         producer = asyncio.ensure_future(produce())
-        announcer = asyncio.ensure_future(announce()) if self.early_announce else None
+        announcer = asyncio.ensure_future(announce())
         acks: Acks = []
+        moving: list[asyncio.Future[None]] = []
         paused = self.cfg.pause_scope == "transfer"
+
+        def failed(k: int, exc: BaseException) -> WeightSyncError:
+            self._formed = False  # the group may be out of step: re-form next time
+            return WeightSyncError(f"v{version} bucket {k} (kept old weights): {exc}")
+
         try:
             if paused:
                 await self._all("/pause_generation", lambda c: c.pause_generation(self.pause_mode))
             for k in range(n):
                 m, flat = await packed[k]
+                acks += await announced[k]
+                bad = next((f for f in moving if f.done() and f.exception() is not None), None)
+                if bad is not None:
+                    break  # a bucket failed: stop posting (its error is raised below)
                 try:
-                    if announcer is None:
-                        acks += await self._send_bucket(m, flat)
-                    else:
-                        acks += await announced[k]
-                        await self._transfer(m, flat, acks[-len(self.clients) :])
+                    done = await self._transfer(m, flat, acks[-len(self.clients) :])
                 except (EngineError, EngineUnavailable, RuntimeError, OSError) as exc:
-                    self._formed = False  # the group may be out of step: re-form next time
-                    raise WeightSyncError(
-                        f"v{version} bucket {k} (kept old weights): {exc}"
-                    ) from exc
-                sent[k].set_result(None)
-                failed = any(t.done() and t.exception() is not None for _, t in acks)
-                if failed and announcer is None:
-                    break  # an engine failed: stop sending (announced buckets are always sent)
+                    raise failed(k, exc) from exc
+                done.add_done_callback(lambda _, k=k: sent[k].done() or sent[k].set_result(None))
+                moving.append(done)
+            for k, done in enumerate(moving):  # in order: the first failure is reported
+                try:
+                    await done
+                except (EngineError, EngineUnavailable, RuntimeError, OSError) as exc:
+                    raise failed(k, exc) from exc
         finally:
             for f in sent:  # wake the producer; it stops at its next bucket
                 if not f.done():
                     f.set_result(None)
-            for task in (producer, announcer):
-                if task is not None and not task.done():
+            for task in (producer, announcer, *moving):
+                if not task.done():
                     task.cancel()  # the pack in progress finishes in its thread first
-            await asyncio.gather(*(t for t in (producer, announcer) if t), return_exceptions=True)
+            await asyncio.gather(producer, announcer, *moving, return_exceptions=True)
             pending = [t for f in announced if f.done() for _, t in f.result() if not t.done()]
-            if pending and not all(f.done() for f in sent):
+            if pending and len(moving) < n:
                 for t in pending:
                     t.cancel()
                 await asyncio.gather(*pending, return_exceptions=True)

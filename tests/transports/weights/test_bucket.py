@@ -9,6 +9,7 @@ from asyncrl.transports.weights.bucket import (
     checksum,
     pack_into,
     plan_buckets,
+    span_of,
     spec_of,
 )
 
@@ -82,3 +83,32 @@ def test_cpu_checksum_equals_the_device_formula_and_fused_packing() -> None:
         pack_into(plain, m, tensors)
         assert torch.equal(fused.view(torch.int16), plain.view(torch.int16))
         assert value == checksum(plain) == _checksum_torch(plain)
+
+
+def test_span_of_sends_back_to_back_tensors_in_place_and_nothing_else() -> None:
+    flat = torch.randn(6000)
+    shapes = {"a": (10, 100), "b": (3000,), "c": (2000,)}
+    views, off = {}, 0
+    for n, shape in shapes.items():
+        views[n] = flat[off : off + torch.Size(shape).numel()].view(shape)
+        off += torch.Size(shape).numel()
+    plan = plan_buckets([spec_of(n, t) for n, t in views.items()], 8000, 1)
+    assert [[(e.name, e.whole) for e in m.entries] for m in plan] == [
+        [("a", True), ("b", False)],  # b is chunked over two buckets
+        [("b", False)],
+        [("c", True)],
+    ]
+    for m in plan:
+        span = span_of(m, views, torch.device("cpu"))
+        packed = torch.empty(m.numel)
+        pack_into(packed, m, views)
+        assert span is not None and torch.equal(span, packed)
+        assert span.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+    copies = {n: t.clone() for n, t in views.items()}  # separate allocations: only buckets
+    spans = [span_of(m, copies, torch.device("cpu")) for m in plan]  # of one tensor are spans
+    assert [s is None for s in spans] == [True, False, False]
+    assert spans[1] is not None and torch.equal(spans[1], views["b"][1000:])
+    swapped = {"a": views["b"], "b": views["a"], "c": views["c"]}  # wrong order in memory
+    assert span_of(plan[0], dict(swapped), torch.device("cpu")) is None
+    halves = {n: t.half() for n, t in views.items()}
+    assert span_of(plan[0], halves, torch.device("cpu")) is None  # not the bucket's dtype

@@ -8,6 +8,7 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 
@@ -106,9 +107,13 @@ def pair(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         yield urls
 
 
-def push(urls: list[str], pushes: list[tuple[dict[str, torch.Tensor], int]]) -> list:
+def push(
+    urls: list[str],
+    pushes: list[tuple[dict[str, torch.Tensor], int]],
+    cfg: WeightSyncConfig = CFG,
+) -> list:
     """Connect a sender to ``urls``, push each (weights, version), return stats or errors."""
-    sender = make_weight_transport(CFG, urls, "cpu")
+    sender = make_weight_transport(cfg, urls, "cpu")
     out: list = []
     try:
         sender.connect()
@@ -137,6 +142,31 @@ def test_push_to_several_engines_with_chunks_and_mixed_dtypes(
     assert all(s["chunked"] for s in stats)  # the 1.5 MB embedding spans two 1 MiB buckets
     for url in pair:
         assert state(url) == ("2", expected(ws[1]))
+
+
+def test_flat_trainer_weights_go_without_staging_copies_or_checksums(
+    pair: list[str], model_dir: Path
+) -> None:
+    """Weights that are views of one flat buffer are broadcast from it (weights.zero_copy_frac)
+    and, with weights.verify = false, travel without checksums; delivery stays bit-exact."""
+    w = _model_weights(model_dir, seed=5)
+    flat = torch.cat([t.reshape(-1) for t in w.values()])
+    views, off = {}, 0
+    for n, t in w.items():
+        views[n] = flat[off : off + t.numel()].view(t.shape)
+        off += t.numel()
+    cfg = msgspec.structs.replace(CFG, zero_copy_frac=1.0, verify=False)
+    sender = make_weight_transport(cfg, pair, "cpu")
+    try:
+        sender.connect()
+        sender.push(views.items(), 5).wait(60)
+        plan = sender._plan
+        assert len(plan) == 2 and any(not e.whole for m in plan for e in m.entries)  # chunked
+        assert all(sender._zero_copy(k, views) is not None for k in range(len(plan)))
+    finally:
+        sender.close()
+    for url in pair:
+        assert state(url) == ("5", expected(w))
 
 
 def test_checksum_mismatch_keeps_old_weights_then_next_push_succeeds(

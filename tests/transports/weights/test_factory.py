@@ -37,5 +37,8 @@ def test_config_rejects_unknown_backend_and_bad_sizes() -> None:
         load_config(overrides=["--weights.backend=mpi"])
     with pytest.raises(ValueError, match=r"weights.min_buckets"):
         load_config(overrides=["--weights.min_buckets=0"])
+    with pytest.raises(ValueError, match=r"weights.zero_copy_frac must be in \[0, 1\]"):
+        load_config(overrides=["--weights.zero_copy_frac=1.5"])
     cfg = load_config(overrides=["--weights.bucket_mb=64", "--weights.snapshot=true"])
     assert cfg.weights.bucket_mb == 64 and cfg.weights.snapshot
+    assert not load_config(overrides=["--weights.verify=false"]).weights.verify

@@ -35,6 +35,7 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -96,7 +97,7 @@ def _manifest(body: dict[str, Any], extra: dict[str, Any]) -> BucketManifest:
             int(extra["index"]),
             int(extra["count"]),
             int(extra["version"]),
-            int(extra["checksum"]),
+            None if extra.get("checksum") is None else int(extra["checksum"]),
         )
     except (KeyError, TypeError, ValueError, IndexError) as exc:
         if isinstance(exc, WeightRequestError):
@@ -164,7 +165,7 @@ class WeightReceiver:
 
     # -- buckets -----------------------------------------------------------------------
     async def update_from_distributed(self, body: dict[str, Any]) -> dict[str, Any]:
-        from asyncrl.transports.weights.collective import broadcast
+        from asyncrl.transports.weights.collective import finish_broadcast, post_broadcast
 
         group = self.groups.get(str(body.get("group_name", "weight_update_group")))
         if group is None:
@@ -179,8 +180,9 @@ class WeightReceiver:
             return await self._load_plain(body, group, fmt == "flattened_bucket")
         m = _manifest(body, extra)
 
-        def receive(flat: torch.Tensor) -> None:
-            broadcast(group, flat, src=0)
+        def receive(flat: torch.Tensor) -> Callable[[], None]:
+            work = post_broadcast(group, flat, src=0)
+            return lambda: finish_broadcast(work, flat)
 
         return await self._stage(m, receive)
 
@@ -350,17 +352,28 @@ class WeightReceiver:
         assert len(pair) <= 2, "receive buffers: at most one live and one arriving set"
         return buf
 
-    async def _stage(self, m: BucketManifest, receive: Any) -> dict[str, Any]:
+    async def _stage(
+        self, m: BucketManifest, receive: Callable[[torch.Tensor], Callable[[], None]]
+    ) -> dict[str, Any]:
+        """Receive bucket ``m`` in its turn, verify it, keep it for the commit.
+
+        ``receive(flat)`` posts the bucket's receive (called in bucket order, from
+        the loop) and returns the blocking wait for it (run on the io thread), so the
+        next bucket's receive is posted while this one still arrives.
+        """
         loop = asyncio.get_running_loop()
         up = await self._turn_of(m)
-        up.next_index += 1
-        async with self._turn:
-            self._turn.notify_all()  # the next bucket may queue its receive right behind this one
         flat = self._buffer(m)
         done: asyncio.Future[None] = loop.create_future()
         up.verified[m.index] = done
         try:
-            await loop.run_in_executor(self._io, receive, flat)  # always drain what was announced
+            try:
+                wait = receive(flat)  # always drain what was announced
+            finally:
+                up.next_index += 1
+                async with self._turn:
+                    self._turn.notify_all()  # the next bucket may post its receive now
+            await loop.run_in_executor(self._io, wait)
             await asyncio.to_thread(self._verify, m, flat)
             up.buckets[m.index] = (m, flat)
             done.set_result(None)
@@ -390,6 +403,8 @@ class WeightReceiver:
             flat.view(torch.uint8)[flat.numel() // 2] ^= 0xFF
         elif fault == "fail":
             raise RuntimeError(f"injected failure loading bucket {m.index}")
+        if m.checksum is None:  # the sender runs with weights.verify = false
+            return
         got = checksum(flat)
         if got != m.checksum:
             raise ValueError(
