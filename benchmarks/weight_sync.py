@@ -277,7 +277,8 @@ def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
     floor = None
     try:
         device = DEVICE[args.backend]
-        weights = _weights(args.model, args.dtype, device, separate=args.backend == "cuda-ipc")
+        separate = args.layout == "separate" or args.backend == "cuda-ipc"
+        weights = _weights(args.model, args.dtype, device, separate=separate)
         nbytes = sum(t.numel() * t.element_size() for t in weights.values())
         floor = _Floor(args.backend, nbytes, spawn_child)
         for mode in args.modes.split(","):
@@ -334,6 +335,7 @@ def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
                     "min_buckets": args.min_buckets,
                     "staging_buckets": args.staging_buckets,
                     "zero_copy_frac": args.zero_copy_frac,
+                    "layout": "separate" if separate else "flat",
                     "floor_s": floor_s,
                     "naive_s": naive_s,
                     "total_s": total_s,
@@ -390,6 +392,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--bucket-mb", type=int, default=512, help="weights.bucket_mb")
     p.add_argument("--min-buckets", type=int, default=8, help="weights.min_buckets")
     p.add_argument("--staging-buckets", type=int, default=0, help="weights.staging_buckets")
+    p.add_argument(
+        "--layout",
+        default="flat",
+        choices=["flat", "separate"],
+        help="the sender's tensors: views of one buffer (a trainer with flat parameters) or "
+        "one allocation each (FSDP2's parameters; always for cuda-ipc)",
+    )
     p.add_argument("--zero-copy-frac", type=float, default=0.75, help="weights.zero_copy_frac")
     p.add_argument(
         "--modes",
