@@ -142,7 +142,10 @@ class CollectiveWeightSender(BucketSender):
         super().__init__(engine_urls, cfg, device=device, pause_mode=pause_mode)
         self.backend = backend
         self._group: dist.ProcessGroup | None = None
-        self._bcast = ThreadPoolExecutor(1, thread_name_prefix="weight-bcast")
+        self._bcast = ThreadPoolExecutor(1, thread_name_prefix="weight-bcast")  # waits, in order
+        # posts, in order, off the event loop: NCCL/HCCL set up their communicator on the
+        # group's first collective, which blocks until every rank joins it
+        self._poster = ThreadPoolExecutor(1, thread_name_prefix="weight-post")
 
     async def _form(self) -> None:
         port = free_port(self.cfg.master_address)
@@ -173,8 +176,10 @@ class CollectiveWeightSender(BucketSender):
 
     async def _teardown(self) -> None:
         self._group = None  # our ranks' sockets close with the group object
-        self._bcast.shutdown(wait=False)  # a broadcast stuck on a dead peer times out alone
+        for pool in (self._bcast, self._poster):
+            pool.shutdown(wait=False)  # a broadcast stuck on a dead peer times out alone
         self._bcast = ThreadPoolExecutor(1, thread_name_prefix="weight-bcast")
+        self._poster = ThreadPoolExecutor(1, thread_name_prefix="weight-post")
         await asyncio.gather(
             *(c.destroy_weights_update_group(self.cfg.group_name) for c in self.clients),
             return_exceptions=True,
@@ -211,7 +216,7 @@ class CollectiveWeightSender(BucketSender):
         """
         assert self._group is not None, "connect() first"
         loop = asyncio.get_running_loop()
-        work = post_broadcast(self._group, flat)
+        work = await loop.run_in_executor(self._poster, post_broadcast, self._group, flat)
         sent = loop.run_in_executor(self._bcast, finish_broadcast, work, flat)
         return asyncio.ensure_future(self._watch(m, sent, acks))
 

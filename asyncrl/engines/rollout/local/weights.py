@@ -114,6 +114,7 @@ class WeightReceiver:
         self.engine = engine
         self.groups: dict[str, Any] = {}
         self._io = ThreadPoolExecutor(1, thread_name_prefix="weights-io")  # receives, in order
+        self._poster = ThreadPoolExecutor(1, thread_name_prefix="weights-post")
         self._update: _Update | None = None
         self._pool: dict[tuple[int, str, int], list[torch.Tensor]] = {}
         self._live: set[int] = set()
@@ -148,8 +149,10 @@ class WeightReceiver:
             ) from None
         self.groups.pop(args[5], None)
         self._update = None
-        self._io.shutdown(wait=False)  # a receive stuck on a dead sender times out on its own
+        for pool in (self._io, self._poster):  # a receive stuck on a dead sender times out alone
+            pool.shutdown(wait=False)
         self._io = ThreadPoolExecutor(1, thread_name_prefix="weights-io")
+        self._poster = ThreadPoolExecutor(1, thread_name_prefix="weights-post")
         loop = asyncio.get_running_loop()
         try:
             group = await loop.run_in_executor(self._io, lambda: new_weight_group(*args))
@@ -357,9 +360,11 @@ class WeightReceiver:
     ) -> dict[str, Any]:
         """Receive bucket ``m`` in its turn, verify it, keep it for the commit.
 
-        ``receive(flat)`` posts the bucket's receive (called in bucket order, from
-        the loop) and returns the blocking wait for it (run on the io thread), so the
-        next bucket's receive is posted while this one still arrives.
+        ``receive(flat)`` posts the bucket's receive (called in bucket order, on the
+        poster thread: NCCL/HCCL set up their communicator on the first collective,
+        which blocks until every rank joins) and returns the blocking wait for it
+        (run on the io thread), so the next bucket's receive is posted while this
+        one still arrives.
         """
         loop = asyncio.get_running_loop()
         up = await self._turn_of(m)
@@ -368,7 +373,7 @@ class WeightReceiver:
         up.verified[m.index] = done
         try:
             try:
-                wait = receive(flat)  # always drain what was announced
+                wait = await loop.run_in_executor(self._poster, receive, flat)  # drain it all
             finally:
                 up.next_index += 1
                 async with self._turn:
@@ -495,3 +500,4 @@ class WeightReceiver:
     def close(self) -> None:
         self.groups.clear()
         self._io.shutdown(wait=False)
+        self._poster.shutdown(wait=False)
