@@ -48,6 +48,7 @@ STATS = (
     "decode_steps",
     "tokens",
     "prefill_tokens",
+    "prefill_shared",
     "prefill_s",
     "decode_s",
     "decode_rows",
@@ -266,8 +267,17 @@ class LocalEngine:
         self._running = [self._running[i] for i in order]
 
     def _prefill(self, reqs: list[Request]) -> None:
+        """Prefill the joiners as new rows of the running batch and sample their first token.
+
+        Joiners with identical token sequences (a GRPO group's ``n`` samples of one prompt
+        arrive together) are computed once and their keys/values and logits copied to every
+        one of them: each row's cache and first-token distribution are exactly what its own
+        prefill would give, only the prefill's work is not repeated.
+        """
         t0 = time.perf_counter()
-        seqs = [r.input_ids + r.output_ids for r in reqs]
+        unique: dict[tuple[int, ...], int] = {}
+        index = [unique.setdefault(tuple(r.input_ids + r.output_ids), len(unique)) for r in reqs]
+        seqs = [list(k) for k in unique]
         width = max(len(s) for s in seqs)
         ids = torch.zeros(len(seqs), width, dtype=torch.long)
         mask = torch.zeros(len(seqs), width, dtype=torch.long)
@@ -282,7 +292,15 @@ class LocalEngine:
             use_cache=True,
             logits_to_keep=1,
         )
-        joined = BatchCache(out.past_key_values, [len(s) for s in seqs])
+        logits = out.logits[:, -1].float()
+        if len(seqs) < len(reqs):  # shared sequences: one computed row per distinct one
+            rows = torch.tensor(index, device=self.device)
+            for layer in out.past_key_values.layers:
+                layer.keys = layer.keys.index_select(0, rows)
+                layer.values = layer.values.index_select(0, rows)
+            logits = logits.index_select(0, rows)
+            self.stats["prefill_shared"] += len(reqs) - len(seqs)
+        joined = BatchCache(out.past_key_values, [len(seqs[i]) for i in index])
         if self._kv is None:
             self._kv = joined
         else:
@@ -292,7 +310,7 @@ class LocalEngine:
         self.stats["prefill_steps"] += 1
         self.stats["prefill_tokens"] += sum(len(s) for s in seqs)
         self.stats["prefill_s"] += time.perf_counter() - t0
-        self._emit(len(self._running) - len(reqs), out.logits[:, -1].float())
+        self._emit(len(self._running) - len(reqs), logits)
 
     def _decode(self) -> None:
         t0 = time.perf_counter()

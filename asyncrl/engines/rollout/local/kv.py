@@ -12,7 +12,9 @@ reallocation when it is full (capacity doubles: amortised O(1) per token):
 
 - a decode step writes its new column in place (``DynamicLayer`` concatenates,
   i.e. copies the whole cache every step: 77 % of a step at 128 rows x 300
-  columns, ~4x slower);
+  columns, ~4x slower); when the window reaches the buffer's right end it is
+  moved back to column 0 of the same buffers if at least ``ROOM`` columns stay
+  free (trimming keeps sliding it right), else the buffers grow;
 - joining rows (prefilled on their own) are written into spare rows,
   right-aligned, their padding zeroed; a wider joiner widens the window to the
   left when there is room;
@@ -84,12 +86,26 @@ class GrowingLayer(DynamicLayer):
         """Append ``key_states.shape[-2]`` columns to every row (the model's cache write)."""
         n = key_states.shape[-2]
         if self._end + n > self._kbuf.shape[-2]:
-            self._realloc(self._rows, self.width + n)
+            if self.width + n + ROOM <= self._kbuf.shape[-2]:
+                self._shift_left()
+            else:
+                self._realloc(self._rows, self.width + n + ROOM)
         self._kbuf[: self._rows, :, self._end : self._end + n] = key_states
         self._vbuf[: self._rows, :, self._end : self._end + n] = value_states
         self._end += n
         self._views()
         return self.keys, self.values
+
+    def _shift_left(self) -> None:
+        """Move the window to column 0 of the same buffers (trimming slides it right as rows
+        leave): copies only the window's rows and columns, where a reallocation would zero
+        and copy whole new buffers (their spare rows included) each time it reaches the end."""
+        w = self.width
+        for buf in (self._kbuf, self._vbuf):
+            win = buf[: self._rows, :, self._start : self._end]
+            buf[: self._rows, :, :w] = win if self._start >= w else win.clone()
+        self._start, self._end = 0, w
+        self._views()
 
     def get_seq_length(self) -> int:
         return self.width
