@@ -326,7 +326,7 @@ class LocalEngine:
         ids = torch.tensor([[r.output_ids[-1]] for r in self._running], device=self.device)
         out = self.model(
             input_ids=ids,
-            attention_mask=kv.decode_mask(self.device),
+            attention_mask=kv.decode_mask(self.device, sdpa=self._bucketed),
             position_ids=kv.positions(self.device),
             past_key_values=kv.cache,
             use_cache=True,

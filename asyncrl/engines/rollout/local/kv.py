@@ -67,9 +67,12 @@ class GrowingLayer(DynamicLayer):
 
     def _realloc(self, rows: int, width: int, left: int = 0) -> None:
         """Buffers for at least ``rows`` x ``width`` (capacity doubles); the window is copied
-        to columns ``[left, left + width)``. New room is zero."""
+        to columns ``[left, left + width)``. New room is zero. Row capacity also shrinks back
+        when it is over four times what ``rows`` needs (a wave of joiners has left): the new
+        buffers are zeroed whole, so spare rows would cost every later reallocation."""
         rcap, wcap = self._kbuf.shape[0], self._kbuf.shape[-2]
-        rcap = rcap if rows <= rcap else max(2 * rows, rows + ROOM)
+        want = max(2 * rows, rows + ROOM)
+        rcap = rcap if rows <= rcap and rcap <= 4 * want else want
         wcap = wcap if width <= wcap else max(2 * width, width + ROOM)
         _, heads, w, dim = self.keys.shape
         kbuf = self.keys.new_zeros(rcap, heads, wcap, dim)
@@ -172,11 +175,15 @@ class BatchCache:
     def width(self) -> int:
         return self.cache.get_seq_length()
 
-    def decode_mask(self, device: torch.device) -> torch.Tensor:
-        """Attention mask (rows, width + 1) for one new token per row."""
-        width = self.width + 1
-        lens = torch.tensor(self.lens, device=device)[:, None] + 1
-        return (torch.arange(width, device=device)[None, :] >= width - lens).long()
+    def decode_mask(self, device: torch.device, sdpa: bool = False) -> torch.Tensor:
+        """Attention mask for one new token per row: the 2D padding mask ``(rows, width + 1)``
+        (1: attend), or with ``sdpa`` already in SDPA's 4D boolean form ``(rows, 1, 1,
+        width + 1)`` (True: attend), which transformers hands to attention as it is —
+        expanding the 2D mask costs more per step than the attention itself at small batches."""
+        width = self.width
+        first = torch.tensor([width - n for n in self.lens], device=device)
+        attend = torch.arange(width + 1, device=device) >= first[:, None]
+        return attend[:, None, None, :] if sdpa else attend.long()
 
     def positions(self, device: torch.device) -> torch.Tensor:
         """Position id of each row's next token, (rows, 1)."""
