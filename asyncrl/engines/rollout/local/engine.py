@@ -119,14 +119,23 @@ class LocalEngine:
     # -- requests ------------------------------------------------------------------------
     def submit(self, req: Request) -> None:
         """Queue ``req``; its future resolves (to ``req``) when it finishes or is aborted."""
-        if req.sampling.max_new_tokens == 0:
-            self._finish(req, {"type": "length", "length": 0})
-            return
+        self.submit_all([req])
+
+    def submit_all(self, reqs: list[Request]) -> None:
+        """Queue ``reqs`` at once: they join the running batch in the same prefill (so
+        identical sequences among them are prefilled once) unless it is full."""
+        queued = []
+        for req in reqs:
+            if req.sampling.max_new_tokens == 0:
+                self._finish(req, {"type": "length", "length": 0})
+            else:
+                queued.append(req)
         with self._cv:
             if self._stopped:
-                self._finish(req, {"type": "abort", "message": "engine stopped"})
+                for req in queued:
+                    self._finish(req, {"type": "abort", "message": "engine stopped"})
                 return
-            self._waiting.append(req)
+            self._waiting.extend(queued)
             self._cv.notify()
 
     def abort(self, rid: str = "", abort_all: bool = False) -> int:
