@@ -325,7 +325,15 @@ def main(argv: list[str] | None = None) -> None:
     )
     app = build_app(EngineServer(engine, args.model_path))
     loop = new_event_loop()  # uvloop when installed: lower latency of every control call
-    web.run_app(app, host=args.host, port=args.port, print=None, access_log=None, loop=loop)
+    web.run_app(  # handler_cancellation: a client that hangs up aborts its requests
+        app,
+        host=args.host,
+        port=args.port,
+        print=None,
+        access_log=None,
+        loop=loop,
+        handler_cancellation=True,
+    )
     # Shutdown was orderly (engine stopped, sockets closed); skip the interpreter's slow
     # teardown of torch/transformers, which takes seconds on a loaded machine.
     logging.shutdown()
