@@ -167,21 +167,30 @@ class EngineServer:
         self.engine.resume()
         return web.json_response({"success": True})
 
-    # weight sync: the logic lives in local/weights.py (WeightReceiver)
+    # weight sync: the logic lives in local/weights.py (WeightReceiver). Shielded: a sender
+    # that hangs up (the server cancels handlers then) never interrupts an update half-way.
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
-        return web.json_response(await self.weights.init_group(await _body(request)))
+        return web.json_response(
+            await asyncio.shield(self.weights.init_group(await _body(request)))
+        )
 
     async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
-        return web.json_response(await self.weights.destroy_group(await _body(request)))
+        return web.json_response(
+            await asyncio.shield(self.weights.destroy_group(await _body(request)))
+        )
 
     async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
-        return web.json_response(await self.weights.update_from_distributed(await _body(request)))
+        return web.json_response(
+            await asyncio.shield(self.weights.update_from_distributed(await _body(request)))
+        )
 
     async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
-        return web.json_response(await self.weights.update_from_tensor(await _body(request)))
+        return web.json_response(
+            await asyncio.shield(self.weights.update_from_tensor(await _body(request)))
+        )
 
     async def update_weight_version(self, request: web.Request) -> web.Response:
-        return web.json_response(await self.weights.commit(await _body(request)))
+        return web.json_response(await asyncio.shield(self.weights.commit(await _body(request))))
 
     async def get_weights_checksum(self, request: web.Request) -> web.Response:
         return web.json_response(await asyncio.to_thread(self.weights.weights_checksum))
