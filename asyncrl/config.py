@@ -234,6 +234,12 @@ class ControllerConfig(_Section):
     inline_reward_s: float = 0.0002
     """A sync reward function whose calls take less than this runs on the event loop (no
     thread hop); slower ones run in a worker thread. 0: always a thread."""
+    batch_requests: bool = True
+    """Generation requests to one engine with identical ``input_ids`` started in the same
+    event-loop turn (a GRPO group's samples of one prompt) travel as one batched
+    ``/generate``: one HTTP round trip and one prefill instead of ``group_size``. Each waits
+    for the slowest of its batch (a group finishes with its slowest sample anyway; a
+    multi-turn episode's first turn waits for its group's). False: one request each."""
 
     def __post_init__(self) -> None:
         for key in ("max_retries", "retry_backoff_s", "retry_backoff_max_s", "inline_reward_s"):

@@ -8,7 +8,7 @@ process pinned to the other core (as rollout and training get their own GPUs in 
 disaggregated deployment), Gloo weight sync after every step, the controller in
 this process. Only ``controller.max_staleness`` differs.
 
-The workload (defaults): 20 prompts x 8 samples per step; prompts of 32 tokens
+The workload (defaults): 20 prompts x 8 samples per step; prompts of 20 tokens
 (the reverse task's 5 behind a random digit context, ``--prompt-len``); each
 episode's generation length drawn on its own from a Pareto distribution (scale
 ``--min-len`` 4, shape ``--alpha`` 1.0, capped at ``--max-len`` 512;
@@ -31,7 +31,10 @@ the running batch, and ``straggler`` ~ half the time a capped sequence takes (at
 v+1 train). So the speedup is bounded by ``1 / (1 - sync trainer idle)`` (printed as
 the ceiling) and needs ``T`` close to ``G_async`` — longer prompts add training work
 (the trainer runs forward+backward over them) but little generation work, which
-balances the two as in real RL. With the old default (5-token prompts, 32 x 8
+balances the two as in real RL. (The default was 32 tokens until the engine learnt to
+prefill a GRPO group's prompt once and to take the group in one request: the engine
+then kept up with a shorter train step, and 20 tokens restore ``T ~ G_async``; the
+numbers for both are in docs/controller.md.) With the old default (5-token prompts, 32 x 8
 samples, lengths capped at 64, one length per group) generation was only ~30 % of a
 synchronous step and the ceiling 1.4x: the speedup depends on the workload's
 generation/training ratio, see docs/controller.md for measurements of both.
@@ -230,7 +233,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--alpha", type=float, default=1.0, help="Pareto shape (smaller: longer tail)")
     p.add_argument("--max-len", type=int, default=512, help="cap of generation lengths")
     p.add_argument(
-        "--prompt-len", type=int, default=32, help="prompt tokens (0: the task's own, 5)"
+        "--prompt-len", type=int, default=20, help="prompt tokens (0: the task's own, 5)"
     )
     p.add_argument(
         "--lengths",

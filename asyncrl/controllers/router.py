@@ -15,12 +15,20 @@ Contract:
   Keys stuck to an engine out of rotation are released.
 - :meth:`Router.probe` (the controller runs it periodically) puts engines that
   answer ``/health`` back into rotation.
+- With ``batch_identical``, calls to one engine with equal ``input_ids`` made in
+  the same event-loop turn (a GRPO group's ``n`` samples of one prompt start
+  together) travel as one batched ``/generate`` (SGLang's list form;
+  ``generate_batch``): one HTTP round trip instead of ``n``, and the engine
+  prefills the prompt once. Each call still gets its own result, or the batch's
+  error (which counts once towards the engine's failure streak); each waits for
+  the slowest of its batch. Engines without ``generate_batch`` get single calls.
 
 All methods run on the controller's event loop; none blocks.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 from collections.abc import Hashable, Sequence
@@ -42,7 +50,12 @@ log = logging.getLogger(__name__)
 class Router:
     """Spreads requests over ``engines`` (see the module docstring for the contract)."""
 
-    def __init__(self, engines: Sequence[RolloutEngine], max_consecutive_errors: int = 3):
+    def __init__(
+        self,
+        engines: Sequence[RolloutEngine],
+        max_consecutive_errors: int = 3,
+        batch_identical: bool = False,
+    ):
         if not engines:
             raise ValueError("at least one rollout engine is needed")
         if max_consecutive_errors < 1:
@@ -56,6 +69,10 @@ class Router:
         self._streak = {id(e): 0 for e in self.engines}
         self._sticky: dict[Hashable, RolloutEngine] = {}
         self._turn = itertools.count()
+        self.batch_identical = batch_identical
+        self._pending: dict[tuple[int, tuple[int, ...]], list[_Call]] = {}
+        self._sends: set[asyncio.Task] = set()
+        self._last_failure: dict[int, Exception] = {}
 
     # -- choosing ----------------------------------------------------------------------
     def healthy(self) -> list[RolloutEngine]:
@@ -88,12 +105,45 @@ class Router:
         """``engine.generate`` counted as outstanding while it runs."""
         self.outstanding[id(engine)] += 1
         try:
-            res = await engine.generate(input_ids, params, rid=rid)
+            if self.batch_identical and hasattr(engine, "generate_batch"):
+                res = await self._join(engine, input_ids, params, rid)
+            else:
+                res = await engine.generate(input_ids, params, rid=rid)
         finally:
             self.outstanding[id(engine)] -= 1
         self._streak[id(engine)] = 0
+        self._last_failure.pop(id(engine), None)
         self.served[id(engine)] += 1
         return res
+
+    def _join(
+        self, engine: Any, input_ids: list[int], params: dict[str, Any], rid: str
+    ) -> asyncio.Future:
+        """Queue the call with the other calls of this turn to ``engine`` with these ids."""
+        loop = asyncio.get_running_loop()
+        key = (id(engine), tuple(input_ids))
+        calls = self._pending.get(key)
+        if calls is None:
+            calls = self._pending[key] = []
+            loop.call_soon(self._flush, key, engine)
+        fut = loop.create_future()
+        calls.append(_Call(input_ids, dict(params), rid, fut))
+        return fut
+
+    def _flush(self, key: tuple[int, tuple[int, ...]], engine: Any) -> None:
+        calls = [c for c in self._pending.pop(key) if not c.future.done()]  # not cancelled
+        if not calls:
+            return
+        task = asyncio.ensure_future(_send(engine, calls))
+        self._sends.add(task)
+        task.add_done_callback(self._sends.discard)
+
+        def abandoned(_: asyncio.Future) -> None:  # every caller gone: drop the request
+            if all(c.future.done() for c in calls) and not task.done():
+                task.cancel()
+
+        for c in calls:
+            c.future.add_done_callback(abandoned)
 
     # -- health ------------------------------------------------------------------------
     def report_failure(self, engine: RolloutEngine | None, exc: Exception) -> None:
@@ -103,6 +153,9 @@ class Router:
             return
         if isinstance(exc, EngineBadRequest):
             return  # the request was wrong, not the engine
+        if self._last_failure.get(id(engine)) is exc:
+            return  # the same failed batch, reported by another of its calls
+        self._last_failure[id(engine)] = exc
         self._streak[id(engine)] += 1
         if isinstance(exc, EngineUnavailable) or (
             isinstance(exc, EngineError) and self._streak[id(engine)] >= self.max_consecutive_errors
@@ -133,3 +186,34 @@ class Router:
             }
             for i, e in enumerate(self.engines)
         }
+
+
+class _Call:
+    __slots__ = ("future", "input_ids", "params", "rid")
+
+    def __init__(self, input_ids: list[int], params: dict[str, Any], rid: str, future: Any):
+        self.input_ids, self.params, self.rid, self.future = input_ids, params, rid, future
+
+
+async def _send(engine: Any, calls: list[_Call]) -> None:
+    """One request for ``calls`` (batched when several); results or the error to each."""
+    try:
+        if len(calls) == 1:
+            c = calls[0]
+            results = [await engine.generate(c.input_ids, c.params, rid=c.rid)]
+        else:
+            results = await engine.generate_batch(
+                [c.input_ids for c in calls], [c.params for c in calls], [c.rid for c in calls]
+            )
+    except asyncio.CancelledError:
+        for c in calls:
+            c.future.cancel()
+        raise
+    except Exception as exc:  # not handled here: handed to every caller, each deals with it
+        for c in calls:
+            if not c.future.done():
+                c.future.set_exception(exc)
+        return
+    for c, res in zip(calls, results, strict=True):
+        if not c.future.done():
+            c.future.set_result(res)

@@ -8,7 +8,6 @@ import asyncio
 import importlib.util
 import sys
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
@@ -19,34 +18,9 @@ from asyncrl.controllers.controller import Controller, NoMoreSamples
 from asyncrl.controllers.episode import EpisodeContext, Gate, RewardRunner
 from asyncrl.controllers.router import Router
 from asyncrl.engines.rollout.sglang import SGLangClient
-from asyncrl.procs import spawn, stop
 from tests.controllers.fakes import FakeEngine, VirtualTimeLoop
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def engine_url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    from asyncrl.procs import free_port
-
-    port = free_port()
-    log = tmp_path_factory.mktemp("engine") / "engine.log"
-    args = ["-m", "asyncrl.engines.rollout.local.server", "--model-path", str(tiny_model_dir)]
-    proc = spawn([*args, "--port", str(port), "--seed", "1"], log)
-    url = f"http://127.0.0.1:{port}"
-    try:
-
-        async def up() -> None:
-            c = SGLangClient(url)
-            try:
-                await c.wait_healthy(120)
-            finally:
-                await c.close()
-
-        asyncio.run(up())
-        yield url
-    finally:
-        stop([proc])
 
 
 def _example():

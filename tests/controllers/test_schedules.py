@@ -3,8 +3,9 @@
 Each example builds a controller over 1-3 in-process engines on a virtual-time
 loop, with random generation speeds, engine failures and outages, rejected
 samples, multi-turn episodes, random train/update times and pause modes
-(abort / in_place / wait, some updates failing), and trains until every sample
-is accounted for.
+(abort / in_place / wait, some updates failing), a group's identical requests
+batched into one call or not (``controller.batch_requests``; a batch fails
+whole), and trains until every sample is accounted for.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ schedules = st.fixed_dictionaries(
         "token_s": st.floats(0.01, 0.5),
         "update_fail_p": st.sampled_from([0.0, 0.3]),
         "retries": st.integers(0, 3),
+        "batch": st.booleans(),
     }
 )
 
@@ -50,6 +52,7 @@ async def _drive(p: dict) -> None:
             max_retries=p["retries"],
             retry_backoff_s=0.1,
             health_interval_s=0.5,
+            batch_requests=p["batch"],
         ),
         algo=AlgoConfig(group_size=p["group_size"]),
         rollout=RolloutConfig(max_new_tokens=6),

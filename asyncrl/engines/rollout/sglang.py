@@ -122,6 +122,27 @@ class SGLangClient:
             body["rid"] = str(rid)
         return GenerateResult.from_sglang(await self._call("POST", "/generate", body))
 
+    async def generate_batch(
+        self,
+        input_ids: list[list[int]],
+        sampling_params: list[dict[str, Any]],
+        rids: list[str] | None = None,
+    ) -> list[GenerateResult]:
+        """Several completions in one ``/generate`` (SGLang's list form), answered in order
+        once all finished; as :meth:`generate` per item."""
+        body: dict[str, Any] = {
+            "input_ids": [[int(t) for t in ids] for ids in input_ids],
+            "sampling_params": [dict(sp) for sp in sampling_params],
+            "return_logprob": True,
+        }
+        if rids is not None:
+            body["rid"] = [str(r) for r in rids]
+        out = await self._call("POST", "/generate", body)
+        if not isinstance(out, list) or len(out) != len(input_ids):
+            got = f"{len(out)} answers" if isinstance(out, list) else type(out).__name__
+            raise EngineError("/generate", 200, f"batch of {len(input_ids)}: got {got}")
+        return [GenerateResult.from_sglang(o) for o in out]
+
     async def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
         """Abort request ``rid`` (or every request): its /generate returns the partial output."""
         await self._call("POST", "/abort_request", {"rid": str(rid), "abort_all": bool(abort_all)})

@@ -39,6 +39,31 @@ async def test_generate_with_logprobs_and_version(engine_server: LaunchedServer)
         await client.close()
 
 
+async def test_batched_generate_answers_each_item_in_order(engine_server: LaunchedServer) -> None:
+    """SGLang's list form: per-item sampling params and rids, answers in order, each equal to
+    the item sent alone (greedy); malformed batches are rejected with HTTP 400."""
+    client = SGLangClient(engine_server.url)
+    try:
+        greedy = {"temperature": 0, "ignore_eos": True}
+        prompts = [[1, 3, 4, 5], [1, 3, 4, 5], [1, 9], [1, 3, 4, 5]]
+        params = [{**greedy, "max_new_tokens": n} for n in (7, 3, 5, 1)]
+        batch = await client.generate_batch(prompts, params, ["i0", "i1", "i2", "i3"])
+        alone = [await client.generate(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        assert [len(b.output_ids) for b in batch] == [7, 3, 5, 1]
+        for b, a in zip(batch, alone, strict=True):
+            assert b.output_ids == a.output_ids and b.finish_reason == "length"
+            assert b.logprobs == pytest.approx(a.logprobs, abs=1e-5)
+        shared = await client._call(
+            "POST", "/generate", {"input_ids": prompts[:2], "sampling_params": params[0]}
+        )
+        assert [len(x["output_ids"]) for x in shared] == [7, 7]
+        for bad in ({"rid": "one"}, {"rid": ["a"]}, {"sampling_params": [params[0]]}):
+            with pytest.raises(EngineBadRequest):
+                await client._call("POST", "/generate", {"input_ids": prompts[:2], **bad})
+    finally:
+        await client.close()
+
+
 async def test_abort_one_and_all(engine_server: LaunchedServer) -> None:
     client = SGLangClient(engine_server.url)
     try:

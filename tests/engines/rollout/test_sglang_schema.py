@@ -201,8 +201,9 @@ def violations(method: str, path: str, body: dict[str, Any] | None) -> list[str]
         elif not conforms(value, fields[key]):
             out.append(f"{path}: {cls}.{key}={value!r} is not {fields[key]}")
     out += [f"{path}: {cls}.{k} is required" for k in sorted(required - set(body))]
-    if path == "/generate" and isinstance(body.get("sampling_params"), dict):
-        for key, value in body["sampling_params"].items():
+    sps = body.get("sampling_params") if path == "/generate" else None
+    for sp in [sps] if isinstance(sps, dict) else sps or []:  # one, or one per batch item
+        for key, value in sp.items():
             if key not in SAMPLING:
                 out.append(f"sampling_params has no field {key!r}")
             elif not conforms(value, SAMPLING[key]):
@@ -217,6 +218,7 @@ def test_checker_catches_drift() -> None:
     assert violations("POST", "/generate", {"prompt_ids": [1]})
     assert violations("POST", "/generate", {"sampling_params": {"max_tokens": 3}})
     assert violations("POST", "/generate", {"sampling_params": {"top_k": True}})
+    assert violations("POST", "/generate", {"sampling_params": [{"max_new_tokens": 1}, {"n": "2"}]})
     assert violations("GET", "/pause_generation", {"mode": "abort"})
     assert violations("POST", "/pause_generation", {"mode": "hold"})
     assert violations("POST", "/init_weights_update_group", {"master_address": "h"})
@@ -236,6 +238,8 @@ async def test_every_request_the_client_sends_matches_sglang(
         sp = {"max_new_tokens": 3, "temperature": 0.7, "top_p": 0.9, "top_k": 5}
         await client.generate([1, 3, 4], {**sp, "stop_token_ids": [2], "ignore_eos": False})
         await client.generate([1, 3], {"max_new_tokens": 2}, rid="r1")
+        batch = [{"max_new_tokens": 2}, {"max_new_tokens": 3, "temperature": 0}]
+        await client.generate_batch([[1, 3, 4], [1, 3, 4]], batch, ["b1", "b2"])
         await client.abort_request("r1")
         await client.abort_request(abort_all=True)
         for mode in PAUSE_MODES:

@@ -48,6 +48,7 @@ STATS = (
     "decode_steps",
     "tokens",
     "prefill_tokens",
+    "prefill_shared",
     "prefill_s",
     "decode_s",
     "decode_rows",
@@ -118,14 +119,23 @@ class LocalEngine:
     # -- requests ------------------------------------------------------------------------
     def submit(self, req: Request) -> None:
         """Queue ``req``; its future resolves (to ``req``) when it finishes or is aborted."""
-        if req.sampling.max_new_tokens == 0:
-            self._finish(req, {"type": "length", "length": 0})
-            return
+        self.submit_all([req])
+
+    def submit_all(self, reqs: list[Request]) -> None:
+        """Queue ``reqs`` at once: they join the running batch in the same prefill (so
+        identical sequences among them are prefilled once) unless it is full."""
+        queued = []
+        for req in reqs:
+            if req.sampling.max_new_tokens == 0:
+                self._finish(req, {"type": "length", "length": 0})
+            else:
+                queued.append(req)
         with self._cv:
             if self._stopped:
-                self._finish(req, {"type": "abort", "message": "engine stopped"})
+                for req in queued:
+                    self._finish(req, {"type": "abort", "message": "engine stopped"})
                 return
-            self._waiting.append(req)
+            self._waiting.extend(queued)
             self._cv.notify()
 
     def abort(self, rid: str = "", abort_all: bool = False) -> int:
@@ -266,8 +276,17 @@ class LocalEngine:
         self._running = [self._running[i] for i in order]
 
     def _prefill(self, reqs: list[Request]) -> None:
+        """Prefill the joiners as new rows of the running batch and sample their first token.
+
+        Joiners with identical token sequences (a GRPO group's ``n`` samples of one prompt
+        arrive together) are computed once and their keys/values and logits copied to every
+        one of them: each row's cache and first-token distribution are exactly what its own
+        prefill would give, only the prefill's work is not repeated.
+        """
         t0 = time.perf_counter()
-        seqs = [r.input_ids + r.output_ids for r in reqs]
+        unique: dict[tuple[int, ...], int] = {}
+        index = [unique.setdefault(tuple(r.input_ids + r.output_ids), len(unique)) for r in reqs]
+        seqs = [list(k) for k in unique]
         width = max(len(s) for s in seqs)
         ids = torch.zeros(len(seqs), width, dtype=torch.long)
         mask = torch.zeros(len(seqs), width, dtype=torch.long)
@@ -282,7 +301,15 @@ class LocalEngine:
             use_cache=True,
             logits_to_keep=1,
         )
-        joined = BatchCache(out.past_key_values, [len(s) for s in seqs])
+        logits = out.logits[:, -1].float()
+        if len(seqs) < len(reqs):  # shared sequences: one computed row per distinct one
+            rows = torch.tensor(index, device=self.device)
+            for layer in out.past_key_values.layers:
+                layer.keys = layer.keys.index_select(0, rows)
+                layer.values = layer.values.index_select(0, rows)
+            logits = logits.index_select(0, rows)
+            self.stats["prefill_shared"] += len(reqs) - len(seqs)
+        joined = BatchCache(out.past_key_values, [len(seqs[i]) for i in index])
         if self._kv is None:
             self._kv = joined
         else:
@@ -292,7 +319,7 @@ class LocalEngine:
         self.stats["prefill_steps"] += 1
         self.stats["prefill_tokens"] += sum(len(s) for s in seqs)
         self.stats["prefill_s"] += time.perf_counter() - t0
-        self._emit(len(self._running) - len(reqs), out.logits[:, -1].float())
+        self._emit(len(self._running) - len(reqs), logits)
 
     def _decode(self) -> None:
         t0 = time.perf_counter()
@@ -308,7 +335,7 @@ class LocalEngine:
         ids = torch.tensor([[r.output_ids[-1]] for r in self._running], device=self.device)
         out = self.model(
             input_ids=ids,
-            attention_mask=kv.decode_mask(self.device),
+            attention_mask=kv.decode_mask(self.device, sdpa=self._bucketed),
             position_ids=kv.positions(self.device),
             past_key_values=kv.cache,
             use_cache=True,

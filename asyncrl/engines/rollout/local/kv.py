@@ -12,7 +12,9 @@ reallocation when it is full (capacity doubles: amortised O(1) per token):
 
 - a decode step writes its new column in place (``DynamicLayer`` concatenates,
   i.e. copies the whole cache every step: 77 % of a step at 128 rows x 300
-  columns, ~4x slower);
+  columns, ~4x slower); when the window reaches the buffer's right end it is
+  moved back to column 0 of the same buffers if at least ``ROOM`` columns stay
+  free (trimming keeps sliding it right), else the buffers grow;
 - joining rows (prefilled on their own) are written into spare rows,
   right-aligned, their padding zeroed; a wider joiner widens the window to the
   left when there is room;
@@ -65,9 +67,12 @@ class GrowingLayer(DynamicLayer):
 
     def _realloc(self, rows: int, width: int, left: int = 0) -> None:
         """Buffers for at least ``rows`` x ``width`` (capacity doubles); the window is copied
-        to columns ``[left, left + width)``. New room is zero."""
+        to columns ``[left, left + width)``. New room is zero. Row capacity also shrinks back
+        when it is over four times what ``rows`` needs (a wave of joiners has left): the new
+        buffers are zeroed whole, so spare rows would cost every later reallocation."""
         rcap, wcap = self._kbuf.shape[0], self._kbuf.shape[-2]
-        rcap = rcap if rows <= rcap else max(2 * rows, rows + ROOM)
+        want = max(2 * rows, rows + ROOM)
+        rcap = rcap if rows <= rcap and rcap <= 4 * want else want
         wcap = wcap if width <= wcap else max(2 * width, width + ROOM)
         _, heads, w, dim = self.keys.shape
         kbuf = self.keys.new_zeros(rcap, heads, wcap, dim)
@@ -84,12 +89,26 @@ class GrowingLayer(DynamicLayer):
         """Append ``key_states.shape[-2]`` columns to every row (the model's cache write)."""
         n = key_states.shape[-2]
         if self._end + n > self._kbuf.shape[-2]:
-            self._realloc(self._rows, self.width + n)
+            if self.width + n + ROOM <= self._kbuf.shape[-2]:
+                self._shift_left()
+            else:
+                self._realloc(self._rows, self.width + n + ROOM)
         self._kbuf[: self._rows, :, self._end : self._end + n] = key_states
         self._vbuf[: self._rows, :, self._end : self._end + n] = value_states
         self._end += n
         self._views()
         return self.keys, self.values
+
+    def _shift_left(self) -> None:
+        """Move the window to column 0 of the same buffers (trimming slides it right as rows
+        leave): copies only the window's rows and columns, where a reallocation would zero
+        and copy whole new buffers (their spare rows included) each time it reaches the end."""
+        w = self.width
+        for buf in (self._kbuf, self._vbuf):
+            win = buf[: self._rows, :, self._start : self._end]
+            buf[: self._rows, :, :w] = win if self._start >= w else win.clone()
+        self._start, self._end = 0, w
+        self._views()
 
     def get_seq_length(self) -> int:
         return self.width
@@ -156,11 +175,15 @@ class BatchCache:
     def width(self) -> int:
         return self.cache.get_seq_length()
 
-    def decode_mask(self, device: torch.device) -> torch.Tensor:
-        """Attention mask (rows, width + 1) for one new token per row."""
-        width = self.width + 1
-        lens = torch.tensor(self.lens, device=device)[:, None] + 1
-        return (torch.arange(width, device=device)[None, :] >= width - lens).long()
+    def decode_mask(self, device: torch.device, sdpa: bool = False) -> torch.Tensor:
+        """Attention mask for one new token per row: the 2D padding mask ``(rows, width + 1)``
+        (1: attend), or with ``sdpa`` already in SDPA's 4D boolean form ``(rows, 1, 1,
+        width + 1)`` (True: attend), which transformers hands to attention as it is —
+        expanding the 2D mask costs more per step than the attention itself at small batches."""
+        width = self.width
+        first = torch.tensor([width - n for n in self.lens], device=device)
+        attend = torch.arange(width + 1, device=device) >= first[:, None]
+        return attend[:, None, None, :] if sdpa else attend.long()
 
     def positions(self, device: torch.device) -> torch.Tensor:
         """Position id of each row's next token, (rows, 1)."""

@@ -43,6 +43,35 @@ class _BadRequest(ValueError):
     pass
 
 
+def _item(body: dict[str, Any], key: str, i: int, n: int, batch: bool) -> Any:
+    """Field ``key`` of batch item ``i`` (of ``n``): a per-item list or one shared value."""
+    value = body.get(key)
+    if batch and isinstance(value, list):
+        if len(value) != n:
+            raise _BadRequest(f"{key} has {len(value)} entries for {n} input_ids")
+        return value[i]
+    if batch and key == "rid" and value is not None:
+        raise _BadRequest("rid of a batch must be a list (one per input_ids entry)")
+    return value
+
+
+def _answer(req: Request, logprobs: bool) -> dict[str, Any]:
+    """SGLang's /generate answer for one finished request."""
+    meta: dict[str, Any] = {
+        "id": req.rid,
+        "finish_reason": req.finish,
+        "prompt_tokens": len(req.input_ids),
+        "completion_tokens": len(req.output_ids),
+        "cached_tokens": 0,
+        "weight_version": req.min_version,
+    }
+    if logprobs:
+        meta["output_token_logprobs"] = [
+            [lp, tok, None] for lp, tok in zip(req.logprobs, req.output_ids, strict=True)
+        ]
+    return {"text": "", "output_ids": req.output_ids, "meta_info": meta}
+
+
 def _json_error(status: int, message: str) -> web.Response:
     return web.json_response({"error": {"message": message}, "success": False}, status=status)
 
@@ -68,48 +97,51 @@ class EngineServer:
         self.weights = WeightReceiver(engine)
 
     async def generate(self, request: web.Request) -> web.Response:
+        """One request, or a batch (SGLang's list form: ``input_ids`` a list of lists, with
+        ``sampling_params`` / ``rid`` / ``return_logprob`` shared or one per item). A batch's
+        items are queued together, so they join one prefill (identical prompts — a GRPO
+        group — are prefilled once); the answer is a list, in order, once all finished."""
         body = await _body(request)
-        req = self._parse_generate(body, asyncio.get_running_loop())
-        self.engine.submit(req)
-        try:
-            await req.future
-        except asyncio.CancelledError:  # client went away
-            await asyncio.shield(asyncio.to_thread(self.engine.abort, req.rid))
-            raise
-        meta: dict[str, Any] = {
-            "id": req.rid,
-            "finish_reason": req.finish,
-            "prompt_tokens": len(req.input_ids),
-            "completion_tokens": len(req.output_ids),
-            "cached_tokens": 0,
-            "weight_version": req.min_version,
-        }
-        if body.get("return_logprob"):
-            meta["output_token_logprobs"] = [
-                [lp, tok, None] for lp, tok in zip(req.logprobs, req.output_ids, strict=True)
-            ]
-        return web.json_response({"text": "", "output_ids": req.output_ids, "meta_info": meta})
-
-    def _parse_generate(self, body: dict[str, Any], loop: asyncio.AbstractEventLoop) -> Request:
-        ids = body.get("input_ids")
         if body.get("text") is not None:
             raise _BadRequest("text prompts are unsupported: send input_ids (token ids)")
+        if body.get("stream"):
+            raise _BadRequest("stream=true is unsupported by the embedded engine")
+        loop = asyncio.get_running_loop()
+        ids = body.get("input_ids")
+        batch = isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
+        n = len(ids) if batch else 1
+        sps = [_item(body, "sampling_params", i, n, batch) for i in range(n)]
+        rids = [_item(body, "rid", i, n, batch) for i in range(n)]
+        lps = [_item(body, "return_logprob", i, n, batch) for i in range(n)]
+        reqs = [self._request(ids[i] if batch else ids, sps[i], rids[i], loop) for i in range(n)]
+        self.engine.submit_all(reqs)
+        try:
+            await asyncio.gather(*(r.future for r in reqs))
+        except asyncio.CancelledError:  # client went away
+            await asyncio.shield(asyncio.to_thread(self._abort_each, [r.rid for r in reqs]))
+            raise
+        out = [_answer(r, bool(lp)) for r, lp in zip(reqs, lps, strict=True)]
+        return web.json_response(out if batch else out[0])
+
+    def _abort_each(self, rids: list[str]) -> None:
+        for rid in rids:
+            self.engine.abort(rid)
+
+    def _request(self, ids: Any, sp: Any, rid: Any, loop: asyncio.AbstractEventLoop) -> Request:
         if not isinstance(ids, list) or not ids or not all(type(t) is int for t in ids):
-            raise _BadRequest("input_ids must be a non-empty list of ints (no batched input)")
+            raise _BadRequest("input_ids must be a non-empty list of ints or a list of such lists")
         vocab = self.engine.vocab_size
         if min(ids) < 0 or max(ids) >= vocab:
             raise _BadRequest(f"input_ids must be in [0, {vocab})")
-        sp = body.get("sampling_params") or {}
+        sp = sp or {}
         if not isinstance(sp, dict):
-            raise _BadRequest("sampling_params must be an object")
+            raise _BadRequest("sampling_params must be an object (or a list of them)")
         try:
             sampling = SamplingParams.from_dict(sp)
         except (TypeError, ValueError) as exc:
             raise _BadRequest(f"sampling_params: {exc}") from None
-        if body.get("stream"):
-            raise _BadRequest("stream=true is unsupported by the embedded engine")
         return Request(
-            rid=str(body.get("rid") or uuid.uuid4().hex),
+            rid=str(rid or uuid.uuid4().hex),
             input_ids=ids,
             sampling=sampling,
             loop=loop,
@@ -135,21 +167,30 @@ class EngineServer:
         self.engine.resume()
         return web.json_response({"success": True})
 
-    # weight sync: the logic lives in local/weights.py (WeightReceiver)
+    # weight sync: the logic lives in local/weights.py (WeightReceiver). Shielded: a sender
+    # that hangs up (the server cancels handlers then) never interrupts an update half-way.
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
-        return web.json_response(await self.weights.init_group(await _body(request)))
+        return web.json_response(
+            await asyncio.shield(self.weights.init_group(await _body(request)))
+        )
 
     async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
-        return web.json_response(await self.weights.destroy_group(await _body(request)))
+        return web.json_response(
+            await asyncio.shield(self.weights.destroy_group(await _body(request)))
+        )
 
     async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
-        return web.json_response(await self.weights.update_from_distributed(await _body(request)))
+        return web.json_response(
+            await asyncio.shield(self.weights.update_from_distributed(await _body(request)))
+        )
 
     async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
-        return web.json_response(await self.weights.update_from_tensor(await _body(request)))
+        return web.json_response(
+            await asyncio.shield(self.weights.update_from_tensor(await _body(request)))
+        )
 
     async def update_weight_version(self, request: web.Request) -> web.Response:
-        return web.json_response(await self.weights.commit(await _body(request)))
+        return web.json_response(await asyncio.shield(self.weights.commit(await _body(request))))
 
     async def get_weights_checksum(self, request: web.Request) -> web.Response:
         return web.json_response(await asyncio.to_thread(self.weights.weights_checksum))
@@ -293,7 +334,15 @@ def main(argv: list[str] | None = None) -> None:
     )
     app = build_app(EngineServer(engine, args.model_path))
     loop = new_event_loop()  # uvloop when installed: lower latency of every control call
-    web.run_app(app, host=args.host, port=args.port, print=None, access_log=None, loop=loop)
+    web.run_app(  # handler_cancellation: a client that hangs up aborts its requests
+        app,
+        host=args.host,
+        port=args.port,
+        print=None,
+        access_log=None,
+        loop=loop,
+        handler_cancellation=True,
+    )
     # Shutdown was orderly (engine stopped, sockets closed); skip the interpreter's slow
     # teardown of torch/transformers, which takes seconds on a loaded machine.
     logging.shutdown()

@@ -1,0 +1,35 @@
+"""Fixtures of the controller tests."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from asyncrl.engines.rollout.sglang import SGLangClient
+from asyncrl.procs import free_port, spawn, stop
+
+
+@pytest.fixture(scope="module")
+def engine_url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """An embedded engine server process (tiny model), one per test module."""
+    port = free_port()
+    log = tmp_path_factory.mktemp("engine") / "engine.log"
+    args = ["-m", "asyncrl.engines.rollout.local.server", "--model-path", str(tiny_model_dir)]
+    proc = spawn([*args, "--port", str(port), "--seed", "1"], log)
+    url = f"http://127.0.0.1:{port}"
+    try:
+
+        async def up() -> None:
+            c = SGLangClient(url)
+            try:
+                await c.wait_healthy(120)
+            finally:
+                await c.close()
+
+        asyncio.run(up())
+        yield url
+    finally:
+        stop([proc])
