@@ -114,7 +114,8 @@ class BucketSender:
         self._formed = False
         self._plan_key: tuple[TensorSpec, ...] = ()
         self._plan: list[BucketManifest] = []
-        self._slots: list[torch.Tensor] = []
+        self._slot_bytes: list[int] = []  # staging slot sizes; a slot is allocated on first use
+        self._slots: dict[int, torch.Tensor] = {}
         self._zero_copy_upto = 0  # buckets [0, upto) may be sent from the caller's memory
         self._last: PushHandle | None = None
         self._snap_at = 0.0
@@ -218,7 +219,7 @@ class BucketSender:
                 upto += 1
             self._zero_copy_upto = upto
             sizes = [max(m.nbytes for m in self._plan[j::depth]) for j in range(depth)]
-            self._slots = [torch.empty(b, dtype=torch.uint8, device=self.device) for b in sizes]
+            self._slot_bytes, self._slots = sizes, {}
         return self._plan
 
     def _pack(
@@ -231,12 +232,22 @@ class BucketSender:
             return msgspec.structs.replace(
                 m, version=version, checksum=checksum(span) if verify else None
             ), span
-        flat = self._slots[k % len(self._slots)][: m.nbytes].view(m.torch_dtype)
+        flat = self._slot(k % len(self._slot_bytes))[: m.nbytes].view(m.torch_dtype)
         if not verify:
             pack_into(flat, m, tensors)
             return msgspec.structs.replace(m, version=version, checksum=None), flat
         value = pack_checksum(flat, m, tensors)
         return msgspec.structs.replace(m, version=version, checksum=value), flat
+
+    def _slot(self, j: int) -> torch.Tensor:
+        """Staging slot ``j``, allocated when a bucket is first staged in it: buckets sent in
+        place never cost the sender memory (on a GPU the allocator would hold it at once)."""
+        slot = self._slots.get(j)
+        if slot is None:
+            slot = self._slots[j] = torch.empty(
+                self._slot_bytes[j], dtype=torch.uint8, device=self.device
+            )
+        return slot
 
     def _zero_copy(self, k: int, tensors: dict[str, torch.Tensor]) -> torch.Tensor | None:
         """Bucket k as one view of the caller's memory, when it may be sent from there.
@@ -300,7 +311,7 @@ class BucketSender:
         prepacked: list[tuple[BucketManifest, torch.Tensor]] | None = None,
     ) -> Acks:
         loop = asyncio.get_running_loop()
-        n, depth = len(plan), len(self._slots)
+        n, depth = len(plan), len(self._slot_bytes)
         packed: list[asyncio.Future[Any]] = [loop.create_future() for _ in plan]
         sent: list[asyncio.Future[None]] = [loop.create_future() for _ in plan]
 

@@ -163,6 +163,7 @@ def test_flat_trainer_weights_go_without_staging_copies_or_checksums(
         plan = sender._plan
         assert len(plan) == 2 and any(not e.whole for m in plan for e in m.entries)  # chunked
         assert all(sender._zero_copy(k, views) is not None for k in range(len(plan)))
+        assert sender._slots == {}  # nothing staged: no staging memory allocated either
     finally:
         sender.close()
     for url in pair:
