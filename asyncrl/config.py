@@ -296,8 +296,9 @@ class WeightSyncConfig(_Section):
     """Collectives: the sender checksums every bucket (fused into its staging copy when it
     copies) and each engine checks every bucket it received before staging it; a mismatch
     fails the push and keeps the old weights. Costs one extra read of the weights per side:
-    free next to an NCCL transfer on GPUs, but on a CPU box where the Gloo transfer itself
-    keeps the cores busy it adds ~0.4x of the transfer (see docs/weight-sync.md). ``false``:
+    on a GPU a few device reductions per bucket, small next to an NCCL transfer; on a CPU box
+    where the Gloo transfer itself keeps the cores busy ~0.25x of the transfer (see
+    docs/weight-sync.md). ``false``:
     buckets travel without checksums (TCP and NCCL already protect the bytes on the wire)."""
 
     def __post_init__(self) -> None:
