@@ -82,24 +82,23 @@ async def test_failed_batch_counts_once_and_each_episode_retries(engine_url: str
     assert router.unhealthy == {id(live)}
 
 
+async def _running(engine_url: str, n: int) -> bool:
+    """Whether the engine reaches ``n`` requests in flight within ~5 s."""
+    for _ in range(500):
+        if (await _server_info(engine_url))["num_requests"] == n:
+            return True
+        await asyncio.sleep(0.01)
+    return False
+
+
 async def test_abandoned_batch_is_aborted_on_the_engine(engine_url: str) -> None:
     client = SGLangClient(engine_url)
     router = Router([client], batch_identical=True)
     try:
         task = asyncio.ensure_future(_group(router, [100_000] * 3))
-        for _ in range(500):
-            if (await _server_info(engine_url))["num_requests"] == 3:
-                break
-            await asyncio.sleep(0.01)
-        else:
-            raise AssertionError("the batch never reached the engine")
+        assert await _running(engine_url, 3), "the batch never reached the engine"
         task.cancel()
-        for _ in range(500):
-            if (await _server_info(engine_url))["num_requests"] == 0:
-                break
-            await asyncio.sleep(0.01)
-        else:
-            raise AssertionError("the abandoned batch kept generating")
+        assert await _running(engine_url, 0), "the abandoned batch kept generating"
         assert task.cancelled()
     finally:
         await client.close()

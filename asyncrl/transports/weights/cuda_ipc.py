@@ -53,8 +53,7 @@ from typing import Any
 
 import torch
 
-from asyncrl.engines.rollout.base import EngineError
-from asyncrl.transports.weights.base import PushHandle, WeightSyncError
+from asyncrl.transports.weights.base import PushHandle
 from asyncrl.transports.weights.bucket import checksum
 from asyncrl.transports.weights.sender import BucketSender
 
@@ -411,19 +410,8 @@ class CudaIpcWeightSender(BucketSender):
                 for c in self.clients
             ]
             results = await asyncio.gather(*calls, return_exceptions=True)
-            errors = [
-                (c.url, r)
-                for c, r in zip(self.clients, results, strict=True)
-                if isinstance(r, BaseException)
-            ]
-            if errors:
-                if any(not isinstance(e, EngineError) for _, e in errors):
-                    self._formed = False
-                detail = "; ".join(f"{u}: {e}" for u, e in errors[:4])
-                raise WeightSyncError(
-                    f"v{version}: {len(errors)} engine(s) failed the update (kept old weights): "
-                    f"{detail}"
-                )
+            urls = [c.url for c in self.clients]
+            self._raise_failed(list(zip(urls, results, strict=True)), prefix=f"v{version}: ")
             self._mapped = {c.url for c in self.clients}
             if not single:
                 await self._commit(version)

@@ -117,6 +117,7 @@ class BucketSender:
         self._slot_bytes: list[int] = []  # staging slot sizes; a slot is allocated on first use
         self._slots: dict[int, torch.Tensor] = {}
         self._zero_copy_upto = 0  # buckets [0, upto) may be sent from the caller's memory
+        self._in_place: set[int] = set()  # buckets of the current push sent from it (packer)
         self._last: PushHandle | None = None
         self._snap_at = 0.0
 
@@ -229,6 +230,7 @@ class BucketSender:
         verify = self.cfg.verify
         span = self._zero_copy(k, tensors)
         if span is not None:  # send straight from the caller's memory: nothing to copy
+            self._in_place.add(k)
             return msgspec.structs.replace(
                 m, version=version, checksum=checksum(span) if verify else None
             ), span
@@ -312,6 +314,7 @@ class BucketSender:
     ) -> Acks:
         loop = asyncio.get_running_loop()
         n, depth = len(plan), len(self._slot_bytes)
+        self._in_place = set()
         packed: list[asyncio.Future[Any]] = [loop.create_future() for _ in plan]
         sent: list[asyncio.Future[None]] = [loop.create_future() for _ in plan]
 
@@ -330,9 +333,8 @@ class BucketSender:
                     packed[k].set_exception(exc)
                     return
                 packed[k].set_result(item)
-            for k in range(n):  # buckets sent from the tensors themselves must have left
-                if self._zero_copy(k, tensors) is not None:
-                    await sent[k]
+            for k in sorted(self._in_place):  # buckets sent from the tensors must have left
+                await sent[k]
             self._snap_at = time.perf_counter()
             snap.set()  # every tensor read: the trainer may step its optimizer
 
@@ -393,15 +395,18 @@ class BucketSender:
 
     async def _check_acks(self, acks: Acks) -> None:
         results = await asyncio.gather(*(t for _, t in acks), return_exceptions=True)
-        errors = [
-            (u, r) for (u, _), r in zip(acks, results, strict=True) if isinstance(r, BaseException)
-        ]
+        self._raise_failed([(u, r) for (u, _), r in zip(acks, results, strict=True)])
+
+    def _raise_failed(self, results: list[tuple[str, Any]], prefix: str = "") -> None:
+        """Raise WeightSyncError naming the engines whose result is an exception, if any;
+        anything but an engine's own answer (unreachable, group error) breaks the group."""
+        errors = [(u, r) for u, r in results if isinstance(r, BaseException)]
         if errors:
             if any(not isinstance(e, EngineError) for _, e in errors):
                 self._formed = False
             detail = "; ".join(f"{u}: {e}" for u, e in errors[:4])
             raise WeightSyncError(
-                f"{len(errors)} engine(s) failed the update (kept old weights): {detail}"
+                f"{prefix}{len(errors)} engine(s) failed the update (kept old weights): {detail}"
             )
 
     async def _commit(self, version: int) -> None:
