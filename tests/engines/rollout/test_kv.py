@@ -14,6 +14,7 @@ import torch
 from asyncrl.engines.rollout.local.engine import LocalEngine, Request
 from asyncrl.engines.rollout.local.kv import ROOM
 from asyncrl.engines.rollout.local.sampling import SamplingParams
+from tests.engines.rollout._pausing import pause_in_flight
 
 EOS = 2
 
@@ -75,11 +76,6 @@ async def test_churn_keeps_every_logprob_exact(engine: LocalEngine, model: torch
         )
 
 
-async def _wait_tokens(reqs: list[Request], n: int) -> None:
-    while min(len(r.output_ids) for r in reqs) < n:
-        await asyncio.sleep(0.002)
-
-
 @pytest.mark.parametrize("mode", ["recompute", "keep"])
 async def test_kv_after_update(model: torch.nn.Module, mode: str) -> None:
     """``recompute``: tokens after a mid-flight update are scored by the new weights over
@@ -90,9 +86,12 @@ async def test_kv_after_update(model: torch.nn.Module, mode: str) -> None:
     new = [(n, p.detach() * 1.05) for n, p in model.named_parameters()]
     prompts = [[1, 3, 4], [1, 5, 6, 7, 8]]
     try:
-        reqs = [_submit(engine, f"k{i}", p, 600) for i, p in enumerate(prompts)]
-        await _wait_tokens(reqs, 3)
-        engine.pause("in_place")
+        reqs = await pause_in_flight(
+            engine,
+            lambda: [_submit(engine, f"k{i}", p, 600) for i, p in enumerate(prompts)],
+            3,
+            "in_place",
+        )
         before = [len(r.output_ids) for r in reqs]
         engine.load_weights(new, "1")
         engine.resume()

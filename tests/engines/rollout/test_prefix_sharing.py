@@ -13,6 +13,7 @@ import torch
 
 from asyncrl.engines.rollout.local.engine import LocalEngine, Request
 from asyncrl.engines.rollout.local.sampling import SamplingParams
+from tests.engines.rollout._pausing import pause_in_flight
 
 EOS = 2
 PROMPT = [1, 5, 3, 9, 4, 4, 7, 3, 10, 6, 8, 3]
@@ -46,14 +47,6 @@ async def _together(engine: LocalEngine, specs: list[tuple[list[int], dict[str, 
     reqs = [_submit(engine, f"t{i}", ids, **sp) for i, (ids, sp) in enumerate(specs)]
     engine.resume()
     return reqs
-
-
-async def _wait_tokens(reqs: list[Request], n: int) -> None:
-    for _ in range(4000):
-        if min(len(r.output_ids) for r in reqs) >= n:
-            return
-        await asyncio.sleep(0.002)
-    raise AssertionError("no progress")
 
 
 async def test_shared_rows_match_separate_prefills(model: torch.nn.Module) -> None:
@@ -99,9 +92,9 @@ async def test_shared_rows_across_weight_update_and_abort_resume(model: torch.nn
     new = [(n, p.detach() * 1.03) for n, p in model.named_parameters()]
     greedy = {"max_new_tokens": 600, "temperature": 0, "ignore_eos": True}
     try:
-        reqs = await _together(engine, [(PROMPT, greedy)] * 4)
-        await _wait_tokens(reqs, 5)
-        engine.pause("in_place")
+        reqs = await pause_in_flight(
+            engine, lambda: _together(engine, [(PROMPT, greedy)] * 4), 5, "in_place"
+        )
         assert engine.abort("t3") == 1
         cut = await reqs[3].future
         before = [len(r.output_ids) for r in reqs[:3]]
