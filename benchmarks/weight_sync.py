@@ -15,6 +15,9 @@ Per repeat, in the same run and on the same link:
   with a simulated train step (a sleep as long as ``floor_s``) in between;
 - ``naive_s``: one control call + one broadcast per tensor (older RL stacks);
 - ``verified``: every engine parameter's checksum equals the sender's;
+- ``checksum_s``: one checksum pass over the same bytes in this process (what
+  each side's verification of a push reads; with ``weights.verify`` on, the
+  sender and every engine each make one such pass);
 - ``floor_cpu_s`` / ``cpu_s``: CPU seconds (user + system, all threads) that the
   floor (this process + its peer) and our push (this process + the engines)
   used, from ``/proc`` (Linux): the profile of what a push costs beyond the link.
@@ -195,6 +198,20 @@ def _cpu_s(*children: Any) -> float:
     return total
 
 
+def _checksum_s(weights: dict[str, Any]) -> float:
+    """One checksum pass over every tensor (the read each side's verification makes)."""
+    import torch
+
+    from asyncrl.transports.weights.bucket import checksum
+
+    t0 = time.perf_counter()
+    for t in weights.values():
+        checksum(t)
+    if any(t.is_cuda for t in weights.values()):
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
 def _ours(sender: Any, weights: dict[str, Any], version: int, train_s: float) -> dict[str, float]:
     done_at: list[float] = []
     t0 = time.perf_counter()
@@ -303,11 +320,12 @@ def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 for _ in range(2):  # warm-up: plans, both receive-buffer sets, connections
                     _ours(sender, weights, version, floor_s)
                     version += 1
-                ours, naive, cpu_floor, cpu_ours = [], [], [], []
+                ours, naive, cpu_floor, cpu_ours, sums = [], [], [], [], []
                 for _ in range(args.repeats):
                     c0 = _cpu_s(floor.peer)
                     floors.append(floor.once())  # the floor, interleaved with ours
                     cpu_floor.append(_cpu_s(floor.peer) - c0)
+                    sums.append(_checksum_s(weights))
                     floor_s = statistics.median(floors)
                     version += 1
                     weights[next(iter(weights))].view(-1)[:1024].random_()  # new bits every version
@@ -341,6 +359,7 @@ def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
                     "total_s": total_s,
                     "stall_s": stall_s,
                     "push_s": statistics.median(r["push_s"] for r in ours),
+                    "checksum_s": statistics.median(sums),
                     "floor_cpu_s": statistics.median(cpu_floor),
                     "cpu_s": statistics.median(cpu_ours),
                     "verified": verified,
@@ -375,7 +394,7 @@ def _table(rows: list[dict[str, Any]]) -> str:
         "stall_over_total",
         "verified",
     ]
-    cols += ["floor_cpu_s", "cpu_s"]
+    cols += ["checksum_s", "floor_cpu_s", "cpu_s"]
     fmt = lambda v: f"{v:.5f}" if isinstance(v, float) else str(v)  # noqa: E731
     lines = [" | ".join(cols)]
     lines += [" | ".join(fmt(r[c]) for c in cols) for r in rows]
