@@ -27,6 +27,13 @@ def _alive(pid: int) -> bool:
         return False
 
 
+_SHORT_RUN = (
+    "--controller.total_steps=6",
+    "--controller.batch_size=4",
+    "--controller.max_staleness=1",
+)
+
+
 def _run_cli(tmp_path: Path, model_dir: Path, *extra: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "asyncrl.cli", "run", "--run-dir", str(tmp_path / "run")]
     cmd += [f"--model.path={model_dir}", "--quiet", *extra]
@@ -34,13 +41,7 @@ def _run_cli(tmp_path: Path, model_dir: Path, *extra: str) -> subprocess.Popen:
 
 
 def test_short_run_end_to_end(tmp_path: Path, tiny_model_dir: Path) -> None:
-    proc = _run_cli(
-        tmp_path,
-        tiny_model_dir,
-        "--controller.total_steps=6",
-        "--controller.batch_size=4",
-        "--controller.max_staleness=1",
-    )
+    proc = _run_cli(tmp_path, tiny_model_dir, *_SHORT_RUN)
     _check_finished_run(tmp_path, proc, steps=6)
 
 
@@ -50,9 +51,7 @@ def test_short_run_on_cuda_with_cuda_ipc(tmp_path: Path, tiny_model_dir: Path) -
     proc = _run_cli(
         tmp_path,
         tiny_model_dir,
-        "--controller.total_steps=6",
-        "--controller.batch_size=4",
-        "--controller.max_staleness=1",
+        *_SHORT_RUN,
         "--trainer.device=cuda",
         "--rollout.device=cuda",
         "--weights.backend=cuda-ipc",
