@@ -17,6 +17,7 @@ import msgspec
 
 __all__ = [
     "AlgoConfig",
+    "ClusterConfig",
     "ControllerConfig",
     "ExperienceConfig",
     "ModelConfig",
@@ -348,6 +349,37 @@ class ExperienceConfig(_Section):
             )
 
 
+class ClusterConfig(_Section):
+    backend: Literal["local", "ray"] = "local"
+    """Where the run's processes live. ``local``: child processes of ``asyncrl run`` on this
+    host. ``ray``: the same processes inside Ray actors placed on a Ray cluster (install
+    ``asyncrl[ray]``); every address is discovered on the node a process runs on."""
+    address: str = ""
+    """``ray``: the cluster to join (``ray.init(address=...)``); empty: ``RAY_ADDRESS`` or the
+    cluster this node belongs to (``"auto"``)."""
+    trainer_resources: dict[str, float] = msgspec.field(default_factory=dict)
+    """``ray``: extra custom resources each trainer rank's actor requires (e.g. ``{"trainer" =
+    1}`` to keep trainers on nodes that offer that resource)."""
+    engine_resources: dict[str, float] = msgspec.field(default_factory=dict)
+    """``ray``: extra custom resources each engine's actor requires."""
+    cpus_per_trainer: float = 1.0
+    """``ray``: CPUs reserved per trainer rank."""
+    cpus_per_engine: float = 1.0
+    """``ray``: CPUs reserved per engine."""
+    colocate: bool = False
+    """``ray``: place engine i on the GPU(s) of trainer rank i (needed by
+    ``weights.backend = "cuda-ipc"``, which works only within one GPU)."""
+    start_timeout_s: float = 300.0
+    """``ray``: how long the run waits for the cluster to place an actor."""
+
+    def __post_init__(self) -> None:
+        for key in ("cpus_per_trainer", "cpus_per_engine"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"cluster.{key} must be >= 0, got {getattr(self, key)!r}")
+        if self.start_timeout_s <= 0:
+            raise ValueError(f"cluster.start_timeout_s must be > 0, got {self.start_timeout_s}")
+
+
 class RunConfig(_Section):
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     task: TaskConfig = msgspec.field(default_factory=TaskConfig)
@@ -357,6 +389,7 @@ class RunConfig(_Section):
     controller: ControllerConfig = msgspec.field(default_factory=ControllerConfig)
     weights: WeightSyncConfig = msgspec.field(default_factory=WeightSyncConfig)
     experience: ExperienceConfig = msgspec.field(default_factory=ExperienceConfig)
+    cluster: ClusterConfig = msgspec.field(default_factory=ClusterConfig)
     run_dir: str = ""
     """Output folder (metrics.jsonl, config.json, logs). Empty: a new folder under ``runs/``."""
     seed: int = 0

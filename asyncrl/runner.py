@@ -16,14 +16,13 @@ that exits early fails the run with the tail of its log).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
 import subprocess
 import sys
 import time
-from collections.abc import Coroutine, Iterable, Iterator
+from collections.abc import Coroutine, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -33,9 +32,9 @@ from asyncrl.config import RunConfig, to_dict
 from asyncrl.controllers import episode as episode_api
 from asyncrl.controllers.controller import Batch, Controller
 from asyncrl.controllers.episode import single_turn
-from asyncrl.engines.rollout.launcher import start_engines
 from asyncrl.engines.rollout.sglang import SGLangClient
-from asyncrl.procs import free_port, python_env, spawn, stop, wait_exit
+from asyncrl.launchers import Launcher, TrainerArgs, make_launcher
+from asyncrl.procs import python_env
 from asyncrl.tasks import make_task
 from asyncrl.transports.experience.assign import make_assigner
 from asyncrl.transports.experience.types import ConsumerLost, Shutdown, StepDone
@@ -79,38 +78,25 @@ def resolve_model(cfg: RunConfig) -> str:
 
 
 class _Run:
-    def __init__(self, cfg: RunConfig, run_dir: Path, quiet: bool):
+    def __init__(self, cfg: RunConfig, run_dir: Path, quiet: bool, launcher: Launcher):
         self.cfg = cfg
         self.run_dir = run_dir
         self.quiet = quiet
-        self.procs: dict[str, subprocess.Popen] = {}
+        self.launcher = launcher
         self.batches: dict[int, Batch] = {}
         self.t0 = time.perf_counter()
         self.t_controller = self.t0
         self.rows: list[dict[str, Any]] = []
 
-    def start_engines(self, model_path: str) -> list[str]:
-        urls, servers = start_engines(
-            self.cfg.rollout, model_path, self.run_dir, self.cfg.model.dtype, self.cfg.seed
-        )
-        for i, server in enumerate(servers):
-            self.procs[f"engine{i}"] = server.proc
-        return urls
-
     def start_trainers(self, model_path: str, chan: ExperienceSender, urls: list[str]) -> None:
-        world = self.cfg.trainer.world_size
-        dist_port = free_port()
-        for r in range(world):
-            args = [
-                "-m",
-                "asyncrl.engines.train.worker",
-                "--config",
-                str(self.run_dir / "config.json"),
-            ]
-            args += ["--model-path", model_path, "--rank", str(r), "--world-size", str(world)]
-            args += ["--dist-port", str(dist_port), "--batch-endpoint", chan.endpoint]
-            args += ["--engine-urls", ",".join(urls)]
-            self.procs[f"trainer{r}"] = spawn(args, self.run_dir / f"trainer{r}.log")
+        args = TrainerArgs(
+            config_path=self.run_dir / "config.json",
+            model_path=model_path,
+            world_size=self.cfg.trainer.world_size,
+            batch_endpoint=chan.endpoint,
+            engine_urls=tuple(urls),
+        )
+        self.launcher.start_trainers(args)
 
     async def dispatch(self, ctl: Controller, chan: ExperienceSender) -> None:
         for _ in range(self.cfg.controller.total_steps):
@@ -166,9 +152,9 @@ class _Run:
         """CPU seconds used so far by this process and each child (Linux /proc; else empty)."""
         out = {"cpu_controller_s": time.process_time()}
         tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-        for name, p in self.procs.items():
+        for name, pid in self.launcher.pids().items():
             try:
-                with open(f"/proc/{p.pid}/stat") as f:
+                with open(f"/proc/{pid}/stat") as f:
                     fields = f.read().rsplit(")", 1)[1].split()
             except OSError:
                 continue
@@ -177,18 +163,10 @@ class _Run:
 
     async def watchdog(self) -> None:
         while True:
-            for name, p in self.procs.items():
-                if p.poll() is not None:
-                    tail = _tail(self.run_dir / f"{name}.log")
-                    raise RuntimeError(f"{name} (pid {p.pid}) exited with {p.returncode}:\n{tail}")
+            dead = self.launcher.deaths()
+            if dead:
+                raise RuntimeError("; ".join(d.describe() for d in dead))
             await asyncio.sleep(0.5)
-
-
-def _tail(path: Path, lines: int = 20) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
 
 
 async def _first(*coros: Coroutine[Any, Any, Any]) -> None:
@@ -202,20 +180,6 @@ async def _first(*coros: Coroutine[Any, Any, Any]) -> None:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-
-
-@contextlib.contextmanager
-def _pinned(cores: set[int] | None) -> Iterator[None]:
-    """Children started inside inherit this thread's CPU affinity ``cores`` (Linux)."""
-    if not cores or not hasattr(os, "sched_setaffinity"):
-        yield
-        return
-    before = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, cores)
-    try:
-        yield
-    finally:
-        os.sched_setaffinity(0, before)
 
 
 async def run_job(
@@ -234,11 +198,12 @@ async def run_job(
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_bytes(msgspec.json.encode(to_dict(cfg)))
     model_path = resolve_model(cfg)
-    job = _Run(cfg, run_dir, quiet)
+    launcher = make_launcher(cfg, run_dir, pin)
+    job = _Run(cfg, run_dir, quiet, launcher)
     xc = cfg.experience
     chan = ExperienceSender(
         cfg.trainer.world_size,
-        bind_endpoint(xc, run_dir),
+        bind_endpoint(xc, run_dir, launcher.advertise_host()),
         max_message_bytes=xc.max_message_mb << 20,
         peer_timeout_s=xc.peer_timeout_s,
         assigner=make_assigner(xc.assignment),
@@ -246,14 +211,10 @@ async def run_job(
         shm_bytes=xc.shm_mb << 20,
     )
     clients: list[SGLangClient] = []
-    pin = pin or {}
     try:
-        with _pinned(pin.get("engine")):
-            urls = job.start_engines(model_path)
-        with _pinned(pin.get("trainer")):
-            job.start_trainers(model_path, chan, urls)
-        pids = {name: p.pid for name, p in job.procs.items()}
-        (run_dir / "processes.json").write_text(json.dumps(pids))
+        urls = list(cfg.rollout.urls) or launcher.start_engines(model_path)
+        job.start_trainers(model_path, chan, urls)
+        (run_dir / "processes.json").write_text(json.dumps(launcher.pids()))
         clients = [SGLangClient(u, timeout_s=cfg.rollout.request_timeout_s) for u in urls]
         await _first(
             asyncio.gather(*(c.wait_healthy(cfg.rollout.startup_timeout_s) for c in clients)),
@@ -277,8 +238,6 @@ async def run_job(
         except (asyncio.TimeoutError, OSError):
             pass
         await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
-        trainers = [p for name, p in job.procs.items() if name.startswith("trainer")]
-        if told and trainers:  # trainers leave the weight group while the engines still answer
-            await asyncio.to_thread(wait_exit, trainers, 10.0)
-        await asyncio.to_thread(stop, list(job.procs.values()), 5.0)
+        # told: trainers leave the weight group while the engines still answer
+        await asyncio.to_thread(launcher.stop, 10.0 if told else 0.0)
         await chan.close()

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from asyncrl.algorithms.base import make_algorithm
 from asyncrl.config import RunConfig
 from asyncrl.engines.train.fsdp import FSDPEngine
+from asyncrl.net import pin_socket_ifname
 from asyncrl.transports.experience.types import Shutdown, StepDone, TrainBatch
 from asyncrl.transports.experience.zmq import ExperienceReceiver
 from asyncrl.transports.weights import make_weight_transport
@@ -66,12 +67,17 @@ def _reporter(
 
 def run(args: argparse.Namespace) -> None:
     cfg = msgspec.json.decode(open(args.config, "rb").read(), type=RunConfig)
+    if args.host:  # this rank's routable address: the weight-sync master on rank 0
+        cfg = msgspec.structs.replace(
+            cfg, weights=msgspec.structs.replace(cfg.weights, master_address=args.host)
+        )
     torch.manual_seed(cfg.seed + args.rank)
     torch.set_num_threads(cfg.trainer.threads)
     backend = "nccl" if cfg.trainer.device.startswith("cuda") else "gloo"
+    pin_socket_ifname(cfg.weights.master_address)  # Gloo/NCCL bind where this rank advertises
     dist.init_process_group(
         backend,
-        init_method=f"tcp://127.0.0.1:{args.dist_port}",
+        init_method=f"tcp://{args.dist_addr}:{args.dist_port}",
         rank=args.rank,
         world_size=args.world_size,
         timeout=datetime.timedelta(minutes=10),
@@ -144,6 +150,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model-path", required=True)
     p.add_argument("--rank", type=int, default=0)
     p.add_argument("--world-size", type=int, default=1)
+    p.add_argument("--host", default="", help="address this rank advertises (default: config)")
+    p.add_argument("--dist-addr", default="127.0.0.1", help="rank 0's rendezvous address")
     p.add_argument("--dist-port", type=int, required=True)
     p.add_argument("--batch-endpoint", required=True)
     p.add_argument("--engine-urls", default="")

@@ -80,16 +80,19 @@ __all__ = ["Delivery", "ExperienceReceiver", "ExperienceSender", "bind_endpoint"
 log = logging.getLogger(__name__)
 
 
-def bind_endpoint(cfg: ExperienceConfig, run_dir: Path | None = None) -> str:
-    """The endpoint a producer binds: ``cfg.endpoint``, else tcp on ``cfg.host`` (any port) or
-    an ipc socket in ``run_dir``."""
+def bind_endpoint(
+    cfg: ExperienceConfig, run_dir: Path | None = None, host: str | None = None
+) -> str:
+    """The endpoint a producer binds: ``cfg.endpoint``, else tcp on ``host`` (default
+    ``cfg.host``; a launcher passes the node's address on a cluster) at any port, or an ipc
+    socket in ``run_dir``."""
     if cfg.endpoint:
         return cfg.endpoint
     if cfg.transport == "ipc":
         if run_dir is None:
             raise ValueError("experience.transport='ipc' needs a run folder for the socket file")
         return f"ipc://{Path(run_dir).resolve() / 'experience.ipc'}"
-    return f"tcp://{cfg.host}:*"
+    return f"tcp://{host or cfg.host}:*"
 
 
 def shm_token(mode: str) -> str:

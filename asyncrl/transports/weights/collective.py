@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.engines.rollout.base import EngineError
+from asyncrl.net import gloo_options
 from asyncrl.procs import free_port
 from asyncrl.transports.weights.bucket import BucketManifest
 from asyncrl.transports.weights.sender import Acks, BucketSender, bucket_extra
@@ -75,14 +76,23 @@ def new_weight_group(
     world_size: int,
     group_name: str,
     timeout_s: float = 300.0,
+    bind_address: str = "",
 ) -> dist.ProcessGroup:
-    """Join the dedicated weight-sync group (blocks until every rank joined)."""
+    """Join the dedicated weight-sync group (blocks until every rank joined).
+
+    ``bind_address``: the address this rank advertises to its peers (Gloo binds there,
+    unless ``GLOO_SOCKET_IFNAME`` says otherwise); empty: Gloo's default (the hostname's).
+    """
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(
         master_address, master_port, world_size, is_master=rank == 0, timeout=timeout
     )
     store = dist.PrefixStore(group_name, store)
     if backend == "gloo":
+        if bind_address:
+            return dist.ProcessGroupGloo(
+                store, rank, world_size, gloo_options(bind_address, timeout_s)
+            )
         return dist.ProcessGroupGloo(store, rank, world_size, timeout)
     if backend == "nccl":
         return dist.ProcessGroupNCCL(store, rank, world_size)
@@ -170,6 +180,7 @@ class CollectiveWeightSender(BucketSender):
             world,
             self.cfg.group_name,
             self.cfg.timeout_s,
+            self.cfg.master_address,
         )
         results = await asyncio.gather(own, *calls)
         self._group = results[0]

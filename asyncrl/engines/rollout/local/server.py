@@ -91,10 +91,11 @@ async def _body(request: web.Request) -> dict[str, Any]:
 class EngineServer:
     """Binds a LocalEngine to HTTP handlers and owns the weight-sync group."""
 
-    def __init__(self, engine: LocalEngine, model_path: str):
+    def __init__(self, engine: LocalEngine, model_path: str, host: str = ""):
         self.engine = engine
         self.model_path = model_path
-        self.weights = WeightReceiver(engine)
+        bind = "" if host in ("", "0.0.0.0", "::") else host  # weight-group ranks bind here
+        self.weights = WeightReceiver(engine, bind)
 
     async def generate(self, request: web.Request) -> web.Response:
         """One request, or a batch (SGLang's list form: ``input_ids`` a list of lists, with
@@ -332,7 +333,7 @@ def main(argv: list[str] | None = None) -> None:
         args.max_prefill_tokens,
         args.kv_after_update,
     )
-    app = build_app(EngineServer(engine, args.model_path))
+    app = build_app(EngineServer(engine, args.model_path, args.host))
     loop = new_event_loop()  # uvloop when installed: lower latency of every control call
     web.run_app(  # handler_cancellation: a client that hangs up aborts its requests
         app,

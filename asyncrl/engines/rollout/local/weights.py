@@ -110,8 +110,9 @@ def _manifest(body: dict[str, Any], extra: dict[str, Any]) -> BucketManifest:
 class WeightReceiver:
     """Owns the engine's weight groups, the staged update and the receive buffers."""
 
-    def __init__(self, engine: LocalEngine):
+    def __init__(self, engine: LocalEngine, host: str = ""):
         self.engine = engine
+        self.host = host  # the address this engine advertises: its weight-group ranks bind there
         self.groups: dict[str, Any] = {}
         self._io = ThreadPoolExecutor(1, thread_name_prefix="weights-io")  # receives, in order
         self._poster = ThreadPoolExecutor(1, thread_name_prefix="weights-post")
@@ -142,6 +143,7 @@ class WeightReceiver:
                 int(body["world_size"]),
                 str(body.get("group_name", "weight_update_group")),
                 float(body.get("timeout_s", 300.0)),
+                self.host,
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise WeightRequestError(

@@ -1,0 +1,113 @@
+"""``cluster.backend = "local"``: every process of the run is a child of ``asyncrl run``.
+
+Each child starts in its own session (stopping it by pid ends its tree) with its
+output in ``run_dir/<name>.log``. Addresses are the configured ones (loopback by
+default): engines bind ``rollout.host``, trainer rank 0 advertises
+``weights.master_address`` for the rendezvous and the weight-sync group, the
+driver binds ``experience.host``. A restarted process gets the very same command
+line (an engine keeps its port, so its URL is unchanged).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+from asyncrl.config import RunConfig
+from asyncrl.engines.rollout.launcher import launch_command
+from asyncrl.engines.rollout.launcher import start_engines as launch_engines
+from asyncrl.launchers.base import Death, TrainerArgs, log_tail, trainer_command
+from asyncrl.procs import free_port, python_env, spawn, stop, wait_exit
+
+__all__ = ["LocalLauncher"]
+
+
+class LocalLauncher:
+    """The :class:`~asyncrl.launchers.base.Launcher` of child processes on this host.
+
+    ``pin`` maps ``"engine"`` / ``"trainer"`` to the CPU cores their processes get (Linux).
+    """
+
+    def __init__(self, cfg: RunConfig, run_dir: Path, pin: dict[str, set[int]] | None = None):
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.pin = pin or {}
+        self.procs: dict[str, subprocess.Popen] = {}
+        self._cmds: dict[str, tuple[list[str], dict[str, str]]] = {}
+        self._urls: dict[str, str] = {}
+        self._reported: set[str] = set()
+
+    def advertise_host(self) -> str:
+        return self.cfg.experience.host
+
+    def start_engines(self, model_path: str) -> list[str]:
+        cfg = self.cfg
+        with _pinned(self.pin.get("engine")):
+            urls, servers = launch_engines(
+                cfg.rollout, model_path, self.run_dir, cfg.model.dtype, cfg.seed
+            )
+        for i, server in enumerate(servers):
+            name = f"engine{i}"
+            self.procs[name] = server.proc
+            self._cmds[name] = (launch_command(server.spec), python_env(server.spec.env))
+            self._urls[name] = server.url
+        return urls
+
+    def start_trainers(self, args: TrainerArgs) -> None:
+        host = self.cfg.weights.master_address
+        port = free_port(host)
+        for r in range(args.world_size):
+            name = f"trainer{r}"
+            self._cmds[name] = (trainer_command(args, r, host, host, port), python_env())
+            self._spawn(name)
+
+    def deaths(self) -> list[Death]:
+        out = []
+        for name, p in self.procs.items():
+            if name not in self._reported and p.poll() is not None:
+                self._reported.add(name)
+                out.append(Death(name, p.returncode, log_tail(self.run_dir / f"{name}.log")))
+        return out
+
+    def restart(self, name: str) -> str:
+        if name not in self._cmds:
+            raise ValueError(f"no process named {name!r} in this run ({sorted(self._cmds)})")
+        old = self.procs.get(name)
+        if old is not None:
+            stop([old], 5.0)
+        self._spawn(name)
+        self._reported.discard(name)
+        return self._urls.get(name, "")
+
+    def pids(self) -> dict[str, int]:
+        return {name: p.pid for name, p in self.procs.items() if p.poll() is None}
+
+    def stop(self, trainer_grace_s: float = 0.0) -> None:
+        self._reported.update(self.procs)  # exits from here on are ours
+        trainers = [p for name, p in self.procs.items() if name.startswith("trainer")]
+        if trainer_grace_s > 0 and trainers:
+            wait_exit(trainers, trainer_grace_s)
+        stop(list(self.procs.values()), 5.0)
+
+    def _spawn(self, name: str) -> None:
+        args, env = self._cmds[name]
+        role = "engine" if name.startswith("engine") else "trainer"
+        with _pinned(self.pin.get(role)):
+            self.procs[name] = spawn(args, self.run_dir / f"{name}.log", env=env)
+
+
+@contextlib.contextmanager
+def _pinned(cores: set[int] | None) -> Iterator[None]:
+    """Children started inside inherit this thread's CPU affinity ``cores`` (Linux)."""
+    if not cores or not hasattr(os, "sched_setaffinity"):
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cores)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)

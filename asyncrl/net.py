@@ -1,0 +1,80 @@
+"""Addresses of this host: which interface owns an address, and binding Gloo to it.
+
+Gloo picks its address from the hostname unless told otherwise; on hosts whose
+name maps to a loopback address (Debian's ``127.0.1.1``) every rank then
+advertises loopback and cross-host connections fail. A process that knows the
+address it advertises binds Gloo there: explicitly for groups it builds itself
+(:func:`gloo_options`), through ``GLOO_SOCKET_IFNAME`` (and
+``NCCL_SOCKET_IFNAME``) for groups ``torch.distributed`` builds
+(:func:`pin_socket_ifname`). A user's own ``*_SOCKET_IFNAME`` always wins.
+This module imports torch only inside :func:`gloo_options`.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import sys
+from datetime import timedelta
+from typing import Any
+
+__all__ = ["gloo_options", "iface_of", "pin_socket_ifname"]
+
+_SIOCGIFADDR = 0x8915
+
+
+def iface_of(address: str) -> str | None:
+    """The network interface whose (primary IPv4) address is ``address`` (Linux); else None.
+
+    A loopback alias such as ``127.0.0.2`` maps to ``lo``, whose address is 127.0.0.1.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        target = socket.gethostbyname(address)
+    except OSError:
+        return None
+    if target.startswith("127."):
+        return "lo"
+    import fcntl
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                req = struct.pack("256s", name.encode()[:15])
+                addr = socket.inet_ntoa(fcntl.ioctl(s.fileno(), _SIOCGIFADDR, req)[20:24])
+            except OSError:
+                continue
+            if addr == target:
+                return name
+    return None
+
+
+def pin_socket_ifname(address: str, env: dict[str, str] | None = None) -> str | None:
+    """Set ``GLOO_SOCKET_IFNAME`` and ``NCCL_SOCKET_IFNAME`` in ``env`` (default: this
+    process's) to the interface of ``address``, unless the user set them; the name, or None.
+
+    Call it before the process's first process group exists.
+    """
+    env = os.environ if env is None else env
+    name = iface_of(address)
+    if name is not None:
+        env.setdefault("GLOO_SOCKET_IFNAME", name)
+        env.setdefault("NCCL_SOCKET_IFNAME", name)
+    return name
+
+
+def gloo_options(address: str, timeout_s: float) -> Any:
+    """``ProcessGroupGloo`` options whose one device is bound to ``address`` (or to the
+    interfaces of ``GLOO_SOCKET_IFNAME`` when the user set it)."""
+    import torch.distributed as dist
+
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = timedelta(seconds=timeout_s)
+    names = [n for n in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if n]
+    if names:
+        opts._devices = [dist.ProcessGroupGloo.create_device(interface=n) for n in names]
+    else:
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
+    return opts
