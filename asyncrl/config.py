@@ -350,10 +350,9 @@ class ExperienceConfig(_Section):
 
 
 class ClusterConfig(_Section):
-    backend: Literal["local", "ray"] = "local"
+    backend: Literal["local"] = "local"
     """Where the run's processes live. ``local``: child processes of ``asyncrl run`` on this
-    host. ``ray``: the same processes inside Ray actors placed on a Ray cluster (install
-    ``asyncrl[ray]``); every address is discovered on the node a process runs on."""
+    host."""
     address: str = ""
     """``ray``: the cluster to join (``ray.init(address=...)``); empty: ``RAY_ADDRESS`` or the
     cluster this node belongs to (``"auto"``)."""

@@ -1,7 +1,6 @@
-"""Where the processes of a run live: ``local`` child processes or ``ray`` actors.
+"""Where the processes of a run live (``local`` child processes).
 
 :func:`make_launcher` is the one factory of the seam (see ``base`` for the contract).
-Nothing here imports ray unless ``cluster.backend = "ray"``.
 """
 
 from __future__ import annotations
@@ -20,12 +19,8 @@ def make_launcher(
     """The launcher ``cfg.cluster.backend`` names.
 
     ``pin`` (local only) maps ``"engine"`` / ``"trainer"`` to the CPU cores their processes
-    get. Raises ValueError naming what to install when ``ray`` is chosen without Ray.
+    get.
     """
-    if cfg.cluster.backend == "ray":
-        from asyncrl.launchers.ray import RayLauncher
-
-        return RayLauncher(cfg, run_dir)
     from asyncrl.launchers.local import LocalLauncher
 
     return LocalLauncher(cfg, run_dir, pin)
