@@ -233,3 +233,70 @@ def test_malformed_requests_get_400_and_closed_groups_are_gone(pair: list[str]) 
     body = {"group_name": CFG.group_name, "names": ["x"], "dtypes": ["float32"], "shapes": [[1]]}
     status, out = asyncio.run(_post(pair[1], path, body))
     assert status == 400 and "no weight update group" in out["error"]["message"]
+
+
+async def _greedy(url: str, prompt: list[int]) -> list[int]:
+    client = SGLangClient(url)
+    try:
+        out = await client.generate(prompt, {"max_new_tokens": 12, "temperature": 0.0})
+    finally:
+        await client.close()
+    return list(out.output_ids)
+
+
+def _served(url: str) -> tuple[tuple[str, dict[str, int]], list[int]]:
+    """Every served tensor's checksum, the version, and a greedy generation."""
+    return state(url), asyncio.run(_greedy(url, [3, 5, 7, 9, 11]))
+
+
+@pytest.fixture
+def fresh(model_dir: Path, tmp_path: Path) -> Iterator[str]:
+    with engines(model_dir, tmp_path, [""]) as urls:
+        yield urls[0]
+
+
+def test_failed_push_after_mixed_dtype_push_changes_nothing_served(
+    fresh: str, model_dir: Path
+) -> None:
+    """Receive buffers never alias served parameters: v2 converts the norms (bf16 -> fp32),
+    then an all-fp32 push laid out like v1 (its buckets fit v1's receive buffers, which the
+    norms were views of) that fails its final check (one tensor transposed: same size,
+    wrong shape) leaves every served tensor and the greedy output exactly as v2 left them."""
+    v1, v2, v3 = (_model_weights(model_dir, seed=s) for s in (41, 42, 43))
+    v2 = {n: t.bfloat16() if "norm" in n else t for n, t in v2.items()}
+    name = "model.layers.0.mlp.down_proj.weight"
+    v3[name] = v3[name].t().contiguous()  # same number of elements, wrong shape
+    ok1, ok2 = push([fresh], [(v1, 1), (v2, 2)])
+    assert isinstance(ok1, dict) and isinstance(ok2, dict), (ok1, ok2)
+    before = _served(fresh)
+    assert before[0] == ("2", expected(v2))
+    failed = push([fresh], [(v3, 3)])[0]
+    assert isinstance(failed, WeightSyncError) and name in str(failed), failed
+    assert _served(fresh) == before
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        ("int32", "int32"),
+        ("float64", "float64"),
+        ("subset", "missing"),
+    ],
+)
+def test_push_of_wrong_dtype_or_a_subset_is_refused(
+    fresh: str, model_dir: Path, change: str, reason: str
+) -> None:
+    """Integer or float64 data is never cast into float32 parameters, and a push of only
+    some parameters never bumps the version: both fail with the reason, nothing changes."""
+    w1 = _model_weights(model_dir, seed=51)
+    assert isinstance(push([fresh], [(w1, 1)])[0], dict)
+    before = state(fresh)
+    w2 = _model_weights(model_dir, seed=52)
+    if change == "subset":
+        w2 = dict(list(w2.items())[:2])
+    else:
+        name = "model.norm.weight"
+        w2[name] = w2[name].to(getattr(torch, change))
+    failed = push([fresh], [(w2, 2)])[0]
+    assert isinstance(failed, WeightSyncError) and reason in str(failed), failed
+    assert state(fresh) == before

@@ -43,6 +43,8 @@ __all__ = ["LocalEngine", "Request", "SamplingParams"]
 log = logging.getLogger(__name__)
 
 PAUSE_MODES = ("abort", "in_place", "retract")
+_HALF_OR_FULL = (torch.float32, torch.bfloat16, torch.float16)
+"""Dtypes a pushed tensor may have for a parameter of another of them (converted on load)."""
 STATS = (
     "prefill_steps",
     "decode_steps",
@@ -186,14 +188,35 @@ class LocalEngine:
         return len(self._waiting) + len(self._running)
 
     # -- weights -------------------------------------------------------------------------
-    def check_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
-        """Raise KeyError/ValueError unless every tensor names a parameter of its shape."""
-        missing = [n for n, _ in named if n not in self._params]
+    def check_weights(self, named: list[tuple[str, torch.Tensor]], complete: bool = False) -> None:
+        """Raise KeyError/ValueError unless every tensor names a parameter of its shape, once,
+        in a dtype that converts to the parameter's without changing its kind (the same
+        dtype, or among float32/bfloat16/float16: never integers or float64 into floats).
+        ``complete``: every parameter must be there (a push replaces the whole model)."""
+        names = [n for n, _ in named]
+        missing = [n for n in names if n not in self._params]
         if missing:
             raise KeyError(f"unknown parameter names: {missing[:5]}")
+        if len(set(names)) != len(names):
+            raise ValueError(
+                f"a parameter sent twice: {sorted({n for n in names if names.count(n) > 1})[:5]}"
+            )
         for n, t in named:
-            if tuple(t.shape) != tuple(self._params[n].shape):
-                raise ValueError(f"{n}: shape {tuple(t.shape)} != {tuple(self._params[n].shape)}")
+            p = self._params[n]
+            if tuple(t.shape) != tuple(p.shape):
+                raise ValueError(f"{n}: shape {tuple(t.shape)} != {tuple(p.shape)}")
+            if t.dtype != p.dtype and not (t.dtype in _HALF_OR_FULL and p.dtype in _HALF_OR_FULL):
+                raise ValueError(
+                    f"{n}: dtype {str(t.dtype).removeprefix('torch.')} cannot be loaded into a "
+                    f"{str(p.dtype).removeprefix('torch.')} parameter (send "
+                    f"{', '.join(sorted(str(d).removeprefix('torch.') for d in _HALF_OR_FULL))})"
+                )
+        if complete and len(names) != len(self._params):
+            absent = [n for n in self._params if n not in set(names)]
+            raise ValueError(
+                f"a push must hold every parameter: {len(absent)} of {len(self._params)} "
+                f"missing ({', '.join(absent[:5])})"
+            )
 
     def load_weights(
         self, named: list[tuple[str, torch.Tensor]], version: str | None, zero_copy: bool = False
@@ -201,7 +224,10 @@ class LocalEngine:
         """Switch to ``named`` between two steps, then the version (all or nothing).
 
         ``zero_copy``: parameters whose dtype and device match become the given
-        tensors (the caller must not write them afterwards); others are copied.
+        tensors (the caller must not write them afterwards); the others get memory of
+        their own (a converted copy), so no parameter keeps pointing into memory that
+        the caller owned before (a receive buffer it may reuse). Without ``zero_copy``
+        the values are copied into the parameters' current memory.
         Sequences in flight keep their tokens; their KV cache, computed by the old
         weights, is recomputed under the new ones before their next token (unless the
         engine keeps it: ``kv_after_update="keep"``).
@@ -210,10 +236,12 @@ class LocalEngine:
         with self._model_lock, torch.no_grad():
             for n, t in named:
                 p = self._params[n]
-                if zero_copy and t.dtype == p.dtype and t.device == p.device:
+                if not zero_copy:
+                    p.copy_(t)
+                elif t.dtype == p.dtype and t.device == p.device:
                     p.data = t
                 else:
-                    p.copy_(t)
+                    p.data = t.to(device=p.device, dtype=p.dtype, copy=True)
             if version is not None:
                 self.weight_version = version
             self._stale = self._kv is not None and self.recompute_kv

@@ -26,7 +26,13 @@ Protocol (SGLang's endpoints and field names, plus an ``asyncrl_bucket`` field):
 
 Received buckets live in receive buffers, two per bucket slot: the committed
 model's parameters become views into one set (no copy when dtypes match) while
-the next update arrives into the other.
+the next update arrives into the other. A receive buffer never aliases a served
+parameter: a parameter of another dtype than its bucket gets a converted copy
+of its own, and a buffer any parameter still points into is never received
+into. A staged push must hold every parameter, each in the parameter's dtype
+or, between float32/bfloat16/float16, one it converts from (never integers or
+float64); otherwise it fails and nothing changes. A plain SGLang push (no
+``asyncrl_bucket``) loads what it names, SGLang's semantics.
 """
 
 from __future__ import annotations
@@ -422,7 +428,7 @@ class WeightReceiver:
         if len(up.buckets) != up.count:
             raise ValueError(f"{len(up.buckets)} of {up.count} buckets arrived")
         named = assemble([up.buckets[i] for i in range(up.count)])
-        self.engine.check_weights(named)
+        self.engine.check_weights(named, complete=True)
         return named
 
     async def _load_plain(
@@ -488,7 +494,8 @@ class WeightReceiver:
             await asyncio.to_thread(self._ipc_switch, up.ready, version, None)
             return {"success": True, "message": f"switched to v{version}"}
         await asyncio.to_thread(self.engine.load_weights, up.ready, version, True)
-        self._live = {flat.data_ptr() for _, flat in up.buckets.values()}
+        # the buffers served parameters are views of now; converted ones own their memory
+        self._live = {p.untyped_storage().data_ptr() for p in self.engine.model.parameters()}
         return {"success": True, "message": f"switched to v{version}"}
 
     def weights_checksum(self) -> dict[str, Any]:
