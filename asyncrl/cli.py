@@ -12,9 +12,9 @@ import signal
 import sys
 from pathlib import Path
 
-__all__ = ["main"]
+from asyncrl.bench import BENCHES
 
-BENCHES = ("weight-sync", "transport", "pipeline", "generation", "controller", "train", "learning")
+__all__ = ["main"]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -32,9 +32,15 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--algo", choices=("grpo", "ppo"), help="shorthand of --algo.name=...")
     serve = sub.add_parser("serve", help="start the embedded engine (SGLang HTTP protocol)")
     serve.add_argument("args", nargs=argparse.REMAINDER, help="--model-path DIR --port N ...")
-    bench = sub.add_parser("bench", help="benchmarks: " + ", ".join(BENCHES))
-    bench.add_argument("name", choices=BENCHES)
-    bench.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the benchmark")
+    bench = sub.add_parser(
+        "bench",
+        help="benchmarks shipped with the package (asyncrl bench NAME --help)",
+        description="Each benchmark prints a table next to its baseline; --json PATH writes JSON.",
+    )
+    names = bench.add_subparsers(dest="bench", required=True, metavar="NAME")
+    for name, (_, summary) in BENCHES.items():
+        one = names.add_parser(name, help=summary, add_help=False)
+        one.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the benchmark")
     plot = sub.add_parser("plot", help="print a run's reward curve from metrics.jsonl")
     plot.add_argument("run_dir")
     return p
@@ -117,22 +123,6 @@ def _plot(run_dir: str) -> int:
     return 0
 
 
-def _bench(name: str, args: list[str]) -> int:
-    import runpy
-
-    root = Path(__file__).resolve().parents[1] / "benchmarks"
-    script = root / f"{name.replace('-', '_')}.py"
-    if not script.is_file():
-        print(
-            f"asyncrl bench: {script} not found (benchmarks ship with the source tree)",
-            file=sys.stderr,
-        )
-        return 2
-    sys.argv = [str(script), *args]
-    runpy.run_path(str(script), run_name="__main__")
-    return 0
-
-
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _parser()
@@ -141,13 +131,15 @@ def main(argv: list[str] | None = None) -> None:
         overrides = [a for a in argv if a not in known]
         ns = parser.parse_args(known)
         sys.exit(_run(ns, overrides))
+    if argv[:1] == ["bench"] and argv[1:2] and argv[1] in BENCHES:  # its own parser takes the rest
+        from asyncrl.bench import run_bench
+
+        sys.exit(run_bench(argv[1], argv[2:]))
     ns = parser.parse_args(argv)
     if ns.cmd == "serve":
         from asyncrl.engines.rollout.local.server import main as serve_main
 
         serve_main(ns.args)
-    elif ns.cmd == "bench":
-        sys.exit(_bench(ns.name, ns.args))
     elif ns.cmd == "plot":
         sys.exit(_plot(ns.run_dir))
 

@@ -163,7 +163,7 @@ def _bench_budget(args: argparse.Namespace, model_path: str, seqs: list, budget:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="asyncrl bench train", description=__doc__.split("\n")[0])
     p.add_argument("--budgets", default="512,2048", help="micro-batch token budgets")
     p.add_argument("--steps", type=int, default=3, help="timed steps per side and budget")
     p.add_argument("--model-path", default="", help="HF folder (default: a random Qwen2)")

@@ -45,9 +45,6 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
-if __name__ == "__main__":  # `python benchmarks/transport.py` uses the asyncrl next to it
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from asyncrl.procs import spawn, stop
 from asyncrl.transports.experience.codec import encode_batch, nbytes
 from asyncrl.transports.experience.types import StepDone, TrainBatch, Trajectory
@@ -189,7 +186,7 @@ def _child_args(
     args: argparse.Namespace, role: str, ep: str, done_ep: str, group: int
 ) -> list[str]:
     return [
-        str(Path(__file__).resolve()),
+        "-m", "asyncrl.bench.transport",
         "--role", role,
         "--endpoint", ep,
         "--done-endpoint", done_ep,
@@ -238,7 +235,9 @@ async def _bench(args: argparse.Namespace) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="asyncrl bench transport", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("--json", default=None, help="write results to this JSON file")
     p.add_argument("--trajectories", type=int, default=16000, help="per run (default 16000)")
     p.add_argument("--group-sizes", default="8,1", help="trajectories per message, comma list")

@@ -171,7 +171,9 @@ def _sync(device: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="asyncrl bench generation", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--model-path", default=None, help="HF model folder (default: random Qwen2)")
     p.add_argument("--device", default="cpu")

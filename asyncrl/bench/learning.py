@@ -14,7 +14,7 @@ wall time = the run's time to its last step (``wall_s``, start-up included) and
 averaged over the seeds.
 Target: decoupled >= 0.95 x sync, and decoupled faster than sync.
 
-``python benchmarks/learning.py --json out.json`` (or ``asyncrl bench learning ...``).
+``asyncrl bench learning --json out.json``.
 Arms run one after another (never in parallel), so wall times compare.
 """
 
@@ -121,7 +121,11 @@ def print_table(results: list[dict[str, Any]], summary: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="asyncrl bench learning",
+        description=__doc__,
+        formatter_class=argparse.RawTextHelpFormatter,
+    )
     p.add_argument("--seeds", default="0,1", help="comma-separated seeds (>= 2 for the claim)")
     p.add_argument("--steps", type=int, default=30, help="train steps per run")
     p.add_argument("--batch-size", type=int, default=0, help="groups per step (0: run default)")

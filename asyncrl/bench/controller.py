@@ -169,7 +169,9 @@ def _loop_run(coro: Any) -> Any:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="asyncrl bench controller", description=__doc__.splitlines()[0]
+    )
     p.add_argument("--episodes", type=int, default=200_000, help="episodes per measured run")
     p.add_argument("--batch-size", type=int, default=64, help="groups per batch")
     p.add_argument("--group-size", type=int, default=8, help="episodes per group")

@@ -44,9 +44,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the asyncrl this script ships with
-
 MODELS = {
+    "tiny": dict(  # a smoke run (the wheel test), not a measurement
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=1024,
+        tie_word_embeddings=True,
+    ),
     "qwen2-0.5b": dict(
         hidden_size=896,
         intermediate_size=4864,
@@ -124,7 +131,8 @@ def _weights(model: str, dtype: str, device: str, separate: bool = False) -> dic
     total = sum(torch.Size(s).numel() for _, s in shapes)
     period = (1 << 24) + 7  # random bits, repeated with a period that no tensor size shares
     base = torch.empty(period, dtype=torch.int16).random_(-(1 << 15), (1 << 15) - 1)
-    flat = base.repeat(-(-total // period))[:total].clone()
+    words = total * getattr(torch, dtype).itemsize // 2  # int16 words of random bits
+    flat = base.repeat(-(-words // period))[:words].clone()
     flat = flat.view(getattr(torch, dtype)).to(device)
     out, off = {}, 0
     for name, shape in shapes:
@@ -281,7 +289,7 @@ def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     torch.set_num_threads(args.threads)
     logs = Path(tempfile.mkdtemp(prefix="asyncrl-bench-ws-"))
-    me = [str(Path(__file__).resolve()), "--backend", args.backend, "--model", args.model]
+    me = ["-m", "asyncrl.bench.weight_sync", "--backend", args.backend, "--model", args.model]
     me += ["--dtype", args.dtype, "--repeats", str(args.repeats)]
 
     def spawn_child(extra: list[str]) -> Any:
@@ -402,7 +410,9 @@ def _table(rows: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description="asyncrl weight-sync benchmark")
+    p = argparse.ArgumentParser(
+        prog="asyncrl bench weight-sync", description="asyncrl weight-sync benchmark"
+    )
     p.add_argument("--backend", default="gloo", choices=sorted(DEVICE))
     p.add_argument("--model", default="qwen2-0.5b", choices=sorted(MODELS))
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])

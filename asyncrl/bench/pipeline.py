@@ -224,7 +224,7 @@ def machine_load() -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="asyncrl bench pipeline", description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=12, help="measured train steps per run")
     p.add_argument("--warmup", type=int, default=2, help="steps before the measured window")
     p.add_argument("--batch-size", type=int, default=20, help="groups per step")
