@@ -20,4 +20,30 @@ if ! python -c "import torch" >/dev/null 2>&1; then
     pip_install "torch==2.13.0"
   fi
 fi
-pip_install -e ".[test]"
+# sglang-wire: what SGLang's weight-sync modules need to import here (skipped where SGLang
+# itself is installed, e.g. a GPU machine, which brings its own, possibly other, versions)
+extras=test
+python -c "import sglang" >/dev/null 2>&1 || extras=test,sglang-wire
+pip_install -e ".[$extras]"
+# SGLang's own source for the tests that play SGLang's side with SGLang's code (the weight
+# group's receiving ranks, its flattened-bucket class): each covered version's wheel is
+# unpacked, Python files only, under .cache/sglang/VERSION (not installed: one venv cannot
+# hold three versions, and SGLang's GPU dependencies are not needed for these modules).
+# Without a package registry the download fails and those tests skip, naming this step.
+for v in 0.5.10 0.5.22 0.5.23; do
+  dest=.cache/sglang/$v
+  [ -f "$dest/sglang/__init__.py" ] && continue
+  tmp=$(mktemp -d)
+  if python -m pip download -q --no-deps "sglang==$v" -d "$tmp" 2>&1 \
+      | { grep -v "^WARNING: Location 'file:" || true; }; then
+    mkdir -p "$dest" && python - "$tmp" "$dest" <<'PY'
+import pathlib, sys, zipfile
+src, dest = pathlib.Path(sys.argv[1]), sys.argv[2]
+with zipfile.ZipFile(next(src.glob("sglang-*.whl"))) as z:
+    z.extractall(dest, [n for n in z.namelist() if n.startswith("sglang/") and n.endswith(".py")])
+PY
+  else
+    echo "setup: could not download sglang==$v; tests against SGLang's code will skip" >&2
+  fi
+  rm -rf "$tmp"
+done

@@ -101,7 +101,7 @@ def spec_of(name: str, tensor: torch.Tensor) -> TensorSpec:
 
 
 def plan_buckets(
-    specs: Sequence[TensorSpec], bucket_bytes: int, min_buckets: int = 1
+    specs: Sequence[TensorSpec], bucket_bytes: int, min_buckets: int = 1, whole_only: bool = False
 ) -> list[BucketManifest]:
     """Cut ``specs`` into buckets of one dtype each, bounded by ``bucket_bytes``.
 
@@ -110,7 +110,9 @@ def plan_buckets(
     1 MiB) so a sync has enough buckets for packing, sending and verifying to
     overlap; a tensor that alone exceeds the target but not ``bucket_bytes``
     gets a bucket of its own. Only a tensor larger than ``bucket_bytes`` is
-    chunked, into element ranges that fill buckets up to ``bucket_bytes``.
+    chunked, into element ranges that fill buckets up to ``bucket_bytes``;
+    with ``whole_only`` (SGLang, which loads every entry as the whole named
+    tensor and cannot load a chunk) it gets a bucket of its own instead.
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
@@ -129,7 +131,12 @@ def plan_buckets(
         item = getattr(torch, spec.dtype).itemsize
         cap, fill = max(bucket_bytes // item, 1), max(target // item, 1)  # elements
         entries, used = open_by_dtype.get(spec.dtype) or new_bucket(spec.dtype)
-        if spec.numel <= cap:  # whole: in the open bucket while it stays under the fill target
+        if spec.numel > cap and whole_only:  # a bucket of its own, over the bound
+            if used > 0:
+                entries, used = new_bucket(spec.dtype)
+            entries.append(BucketEntry(spec.name, spec.shape))
+            used = cap
+        elif spec.numel <= cap:  # whole: in the open bucket while it stays under the fill target
             if used > 0 and used + spec.numel > fill:
                 entries, used = new_bucket(spec.dtype)
             entries.append(BucketEntry(spec.name, spec.shape))

@@ -12,8 +12,10 @@ that SGLang ignores. The commit is ``/update_weight_version`` (see ``sender``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import importlib.util
+import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -29,11 +31,14 @@ from asyncrl.transports.weights.sender import Acks, BucketSender, bucket_extra
 __all__ = [
     "CollectiveWeightSender",
     "broadcast",
+    "destroy_weight_group",
     "finish_broadcast",
     "new_weight_group",
     "post_broadcast",
     "resolve_backend",
 ]
+
+log = logging.getLogger("asyncrl.weights")
 
 _INSTALL = {
     "nccl": "a CUDA device and a CUDA build of torch (pip install torch --index-url "
@@ -80,27 +85,64 @@ def new_weight_group(
 ) -> dist.ProcessGroup:
     """Join the dedicated weight-sync group (blocks until every rank joined).
 
+    Formed exactly as SGLang's receiving ranks form it (``init_custom_process_group``,
+    sglang 0.5.23 ``srt/utils/common.py:2859-2927``, the same since 0.5.10
+    ``common.py:1698``): a ``tcp://`` rendezvous (rank 0 hosts the store), wrapped in
+    ``PrefixStore(group_name)``, then torch's ``_new_process_group_helper`` with
+    ``group_name``, which adds its own key prefixes. A group built any other way waits on
+    other store keys: Gloo times out, NCCL hangs on the first broadcast. The group is
+    registered under ``group_name`` in this process: :func:`destroy_weight_group` releases
+    the name (a group of the same name cannot be formed again before). The trainer's
+    default group is never touched.
+
     ``bind_address``: the address this rank advertises to its peers (Gloo binds there,
     unless ``GLOO_SOCKET_IFNAME`` says otherwise); empty: Gloo's default (the hostname's).
+    Only the Gloo device changes (SGLang's ranks pass no options and bind per
+    ``GLOO_SOCKET_IFNAME``); the store keys stay the same.
     """
-    timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(
-        master_address, master_port, world_size, is_master=rank == 0, timeout=timeout
-    )
-    store = dist.PrefixStore(group_name, store)
-    if backend == "gloo":
-        if bind_address:
-            return dist.ProcessGroupGloo(
-                store, rank, world_size, gloo_options(bind_address, timeout_s)
-            )
-        return dist.ProcessGroupGloo(store, rank, world_size, timeout)
-    if backend == "nccl":
-        return dist.ProcessGroupNCCL(store, rank, world_size)
-    if backend == "hccl":  # the one difference from NCCL: torch_npu's process group class
-        import torch_npu
+    from torch.distributed import distributed_c10d as c10d
 
-        return torch_npu._C._distributed_c10d.ProcessGroupHCCL(store, rank, world_size)
-    raise ValueError(f"unknown weight-sync backend {backend!r} (allowed: gloo, nccl, hccl)")
+    if backend not in ("gloo", "nccl", "hccl"):
+        raise ValueError(f"unknown weight-sync backend {backend!r} (allowed: gloo, nccl, hccl)")
+    if backend == "hccl":
+        import torch_npu  # noqa: F401  (registers the hccl backend with torch.distributed)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    url = f"tcp://{_host(master_address)}:{int(master_port)}"
+    store, rank, world_size = next(c10d.rendezvous(url, rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    store = c10d.PrefixStore(group_name, store)
+    stale = [pg for pg, name in c10d._world.pg_names.items() if name == group_name]
+    for pg in stale:  # a group of ours left behind by a failed form or push
+        destroy_weight_group(pg)
+    pg, _ = c10d._new_process_group_helper(
+        world_size,
+        rank,
+        [],
+        c10d.Backend(backend),
+        store,
+        group_name=group_name,
+        backend_options=gloo_options(bind_address, timeout_s)
+        if backend == "gloo" and bind_address
+        else None,
+        timeout=timeout,
+    )
+    c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
+
+
+def destroy_weight_group(group: dist.ProcessGroup | None) -> None:
+    """Leave a group made by :func:`new_weight_group` and release its name (best effort)."""
+    if group is None:
+        return
+    try:
+        dist.destroy_process_group(group)
+    except (RuntimeError, ValueError, KeyError) as exc:
+        log.warning("destroying the weight group: %s", exc)
+
+
+def _host(address: str) -> str:
+    """An address as a ``tcp://`` URL's host (IPv6 in brackets)."""
+    return f"[{address}]" if ":" in address and not address.startswith("[") else address
 
 
 def post_broadcast(group: dist.ProcessGroup, tensor: torch.Tensor, src: int = 0) -> dist.Work:
@@ -186,7 +228,10 @@ class CollectiveWeightSender(BucketSender):
         self._group = results[0]
 
     async def _teardown(self) -> None:
-        self._group = None  # our ranks' sockets close with the group object
+        group, self._group = self._group, None
+        if group is not None:  # release the group's name (a stuck one is retried when re-formed)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.to_thread(destroy_weight_group, group), 10.0)
         for pool in (self._bcast, self._poster):
             pool.shutdown(wait=False)  # a broadcast stuck on a dead peer times out alone
         self._bcast = ThreadPoolExecutor(1, thread_name_prefix="weight-bcast")
@@ -227,7 +272,8 @@ class CollectiveWeightSender(BucketSender):
         """
         assert self._group is not None, "connect() first"
         loop = asyncio.get_running_loop()
-        work = await loop.run_in_executor(self._poster, post_broadcast, self._group, flat)
+        wire = flat.view(torch.uint8)  # bytes: what SGLang receives into (FlattenedTensorBucket)
+        work = await loop.run_in_executor(self._poster, post_broadcast, self._group, wire)
         sent = loop.run_in_executor(self._bcast, finish_broadcast, work, flat)
         return asyncio.ensure_future(self._watch(m, sent, acks))
 

@@ -138,7 +138,7 @@ class WeightReceiver:
 
     # -- group -------------------------------------------------------------------------
     async def init_group(self, body: dict[str, Any]) -> dict[str, Any]:
-        from asyncrl.transports.weights.collective import new_weight_group
+        from asyncrl.transports.weights.collective import destroy_weight_group, new_weight_group
 
         try:
             args = (
@@ -155,7 +155,7 @@ class WeightReceiver:
             raise WeightRequestError(
                 f"init_weights_update_group: missing or bad field {exc}"
             ) from None
-        self.groups.pop(args[5], None)
+        destroy_weight_group(self.groups.pop(args[5], None))
         self._update = None
         for pool in (self._io, self._poster):  # a receive stuck on a dead sender times out alone
             pool.shutdown(wait=False)
@@ -170,8 +170,11 @@ class WeightReceiver:
         return {"success": True, "message": "weight update group ready"}
 
     async def destroy_group(self, body: dict[str, Any]) -> dict[str, Any]:
+        from asyncrl.transports.weights.collective import destroy_weight_group
+
         found = self.groups.pop(str(body.get("group_name", "weight_update_group")), None)
         self._update = None
+        await asyncio.to_thread(destroy_weight_group, found)
         return {"success": found is not None, "message": "destroyed" if found else "no such group"}
 
     # -- buckets -----------------------------------------------------------------------
@@ -191,8 +194,8 @@ class WeightReceiver:
             return await self._load_plain(body, group, fmt == "flattened_bucket")
         m = _manifest(body, extra)
 
-        def receive(flat: torch.Tensor) -> Callable[[], None]:
-            work = post_broadcast(group, flat, src=0)
+        def receive(flat: torch.Tensor) -> Callable[[], None]:  # bytes, as SGLang receives them
+            work = post_broadcast(group, flat.view(torch.uint8), src=0)
             return lambda: finish_broadcast(work, flat)
 
         return await self._stage(m, receive)
@@ -447,16 +450,16 @@ class WeightReceiver:
         device = self.engine.device
 
         def receive() -> list[tuple[str, torch.Tensor]]:
-            if flattened:
-                if len(set(dtypes)) != 1:
-                    raise ValueError("a flattened bucket holds one dtype")
-                total = sum(torch.Size(s).numel() for s in shapes)
-                flat = torch.empty(total, dtype=dtypes[0], device=device)
+            if flattened:  # one uint8 buffer, tensors back to back (FlattenedTensorBucket)
+                sizes = [
+                    torch.Size(s).numel() * d.itemsize for s, d in zip(shapes, dtypes, strict=True)
+                ]
+                flat = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
                 broadcast(group, flat)
                 views, off = [], 0
-                for n, s in zip(names, shapes, strict=True):
-                    views.append((n, flat[off : off + torch.Size(s).numel()].view(s)))
-                    off += torch.Size(s).numel()
+                for n, d, s, size in zip(names, dtypes, shapes, sizes, strict=True):
+                    views.append((n, flat[off : off + size].view(d).reshape(s)))
+                    off += size
                 return views
             out = []
             for n, d, s in zip(names, dtypes, shapes, strict=True):
