@@ -20,6 +20,14 @@ they go on with the old weights' keys/values for their prefix (no re-prefill).
 
 Reported ``weight_version`` of a request is the *oldest* version that produced
 any of its tokens (conservative for staleness accounting).
+
+Every queued request is answered: whatever fails in a step (a prefill out of
+memory, a model error) finishes the requests of that step with an ``abort``
+finish reason naming the error; a prefill failure leaves the running batch
+alone. Aborting every request of a prefill in progress (a client hung up, an
+abort-all pause, ``stop``) cancels the prefill at the next decoder layer
+instead of waiting for it. :meth:`LocalEngine.health` reports a scheduler
+whose step has run longer than ``stall_s``, or whose thread died.
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -41,6 +49,11 @@ from asyncrl.engines.rollout.local.sampling import SamplingParams, sample
 __all__ = ["LocalEngine", "Request", "SamplingParams"]
 
 log = logging.getLogger(__name__)
+
+
+class _Cancelled(Exception):
+    """Raised inside the model by a decoder-layer hook: every joiner of the prefill aborted."""
+
 
 PAUSE_MODES = ("abort", "in_place", "retract")
 _HALF_OR_FULL = (torch.float32, torch.bfloat16, torch.float16)
@@ -59,6 +72,7 @@ STATS = (
     "retracted",
     "sorts",
     "bucketed_steps",
+    "kv_bytes_peak",
 )
 
 
@@ -88,6 +102,9 @@ class LocalEngine:
         weight_version: str = "0",
         max_prefill_tokens: int = 8192,
         kv_after_update: str = "recompute",
+        stall_s: float = 60.0,
+        context_length: int | None = None,
+        max_prompt_tokens: int | None = None,
     ):
         if kv_after_update not in ("recompute", "keep"):
             raise ValueError(
@@ -101,6 +118,11 @@ class LocalEngine:
         self.recompute_kv = kv_after_update == "recompute"
         self.weight_version = weight_version
         self.vocab_size = model.get_input_embeddings().num_embeddings
+        model_ctx = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+        self.context_length = int(context_length or model_ctx or 1 << 62)
+        self.max_prompt_tokens = int(max_prompt_tokens or self.context_length)
+        if self.context_length < 1 or self.max_prompt_tokens < 1:
+            raise ValueError("context_length and max_prompt_tokens must be >= 1")
         self._gen = torch.Generator(device=self.device).manual_seed(seed)
         self._cv = threading.Condition()
         self._model_lock = threading.Lock()  # order: _model_lock, then _cv
@@ -113,12 +135,44 @@ class LocalEngine:
         # counters; *_s: seconds of the scheduler thread; decode_rows / decode_cells: rows and
         # cache columns attention read (rows x width, less with buckets) summed over steps
         self.stats: dict[str, float] = dict.fromkeys(STATS, 0)
+        self.stall_s = stall_s
+        self._step_t0: float | None = None  # start of the step in progress
+        self._joining: list[Request] = []  # the prefill in progress
+        self._cancel = False  # set when every joiner of the prefill in progress aborted
+        self._hooks = [
+            m.register_forward_pre_hook(self._check_cancel)
+            for m in self.model.modules()
+            if type(m).__name__.endswith("DecoderLayer")
+        ]
         self._params = dict(self.model.named_parameters())
         self._bucketed = attention.enable(self.model)  # switches the model's attention function
         self._thread = threading.Thread(target=self._run, name="engine-scheduler", daemon=True)
         self._thread.start()
 
     # -- requests ------------------------------------------------------------------------
+    def admit(
+        self, prompt_len: int, sampling: SamplingParams, max_new_given: bool
+    ) -> SamplingParams:
+        """The sampling of a ``prompt_len``-token request, checked against the limits before
+        it is queued: ValueError (HTTP 400) when the prompt is over ``max_prompt_tokens`` or
+        prompt + ``max_new_tokens`` over ``context_length``. A ``max_new_tokens`` the client
+        did not give is clipped to the room the context leaves (SGLang does the same)."""
+        if prompt_len > self.max_prompt_tokens:
+            raise ValueError(
+                f"the prompt has {prompt_len} tokens, over this engine's max_prompt_tokens "
+                f"({self.max_prompt_tokens})"
+            )
+        room = self.context_length - prompt_len
+        if not max_new_given:
+            return replace(sampling, max_new_tokens=max(0, min(sampling.max_new_tokens, room)))
+        if sampling.max_new_tokens > room:
+            raise ValueError(
+                f"requested {prompt_len} prompt + {sampling.max_new_tokens} new tokens, over the "
+                f"model's context length of {self.context_length} tokens: reduce max_new_tokens "
+                "or the prompt"
+            )
+        return sampling
+
     def submit(self, req: Request) -> None:
         """Queue ``req``; its future resolves (to ``req``) when it finishes or is aborted."""
         self.submit_all([req])
@@ -143,23 +197,39 @@ class LocalEngine:
     def abort(self, rid: str = "", abort_all: bool = False) -> int:
         """Finish matching requests now with their partial output; returns how many.
 
-        Waits for the step in progress, so a returned output never grows afterwards.
+        Waits for the step in progress, so a returned output never grows afterwards; a
+        prefill whose every request is aborted is cancelled at its next decoder layer.
         """
+        cancelled = self._cancel_prefill(lambda r: abort_all or r.rid == rid)
         with self._model_lock, self._cv:
             victims = [r for r in (*self._waiting, *self._running) if abort_all or r.rid == rid]
             if not victims:
-                return 0
+                return cancelled
             gone = {id(r) for r in victims}
             self._waiting = deque(r for r in self._waiting if id(r) not in gone)
             self._keep_running([i for i, r in enumerate(self._running) if id(r) not in gone])
         for r in victims:
             self._finish(r, {"type": "abort", "message": "aborted by request"})
-        return len(victims)
+        return len(victims) + cancelled
+
+    def _cancel_prefill(self, match: Any) -> int:
+        """Cancel the prefill in progress when ``match`` holds for each of its requests."""
+        with self._cv:
+            if self._joining and all(match(r) for r in self._joining):
+                self._cancel = True
+                return len(self._joining)
+        return 0
+
+    def _check_cancel(self, *_: Any) -> None:
+        if self._cancel:
+            raise _Cancelled
 
     def pause(self, mode: str) -> None:
         """Stop scheduling between two steps (see the module docstring for the modes)."""
         if mode not in PAUSE_MODES:
             raise ValueError(f"pause mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
+        if mode == "abort":
+            self._cancel_prefill(lambda r: True)
         with self._model_lock, self._cv:
             self._paused = True
             if mode == "retract":
@@ -179,13 +249,27 @@ class LocalEngine:
     def stop(self) -> None:
         with self._cv:
             self._stopped = True
+            self._cancel = bool(self._joining)
             self._cv.notify()
         self._thread.join(timeout=10)
         self.abort(abort_all=True)
 
     @property
     def num_requests(self) -> int:
-        return len(self._waiting) + len(self._running)
+        return len(self._waiting) + len(self._running) + len(self._joining)
+
+    def health(self) -> str | None:
+        """None when the scheduler is alive and no step has run longer than ``stall_s``; else
+        the reason (the server answers ``/health`` with 503 and it)."""
+        if not self._thread.is_alive():
+            return "the engine's scheduler thread is not running"
+        t0 = self._step_t0
+        if t0 is not None and time.monotonic() - t0 > self.stall_s:
+            return (
+                f"one scheduler step has run {time.monotonic() - t0:.0f} s "
+                f"(longer than stall_s={self.stall_s:g}) with {self.num_requests} requests"
+            )
+        return None
 
     # -- weights -------------------------------------------------------------------------
     def check_weights(self, named: list[tuple[str, torch.Tensor]], complete: bool = False) -> None:
@@ -255,11 +339,14 @@ class LocalEngine:
                 if self._stopped:
                     return
             with self._model_lock:
+                self._step_t0 = time.monotonic()
                 try:
                     self._iteration()
                 except Exception as exc:  # a broken step must not hang its callers
                     log.exception("engine step failed")
                     self._fail_all(exc)
+                finally:
+                    self._step_t0 = None
 
     def _iteration(self) -> None:
         """One token boundary: prefill the joiners, or one decode step of the batch."""
@@ -276,9 +363,14 @@ class LocalEngine:
                     break
                 joining.append(self._waiting.popleft())
                 budget -= n
+            self._joining, self._cancel = joining, False
         with torch.no_grad():
             if joining:
-                self._prefill(joining)
+                try:
+                    self._prefill(joining)
+                finally:
+                    with self._cv:
+                        self._joining, self._cancel = [], False
             elif self._running:
                 self._decode()
 
@@ -322,13 +414,23 @@ class LocalEngine:
             ids[i, width - len(s) :] = torch.tensor(s)
             mask[i, width - len(s) :] = 1
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        out = self.model(
-            input_ids=ids.to(self.device),
-            attention_mask=mask.to(self.device),
-            position_ids=pos.to(self.device),
-            use_cache=True,
-            logits_to_keep=1,
-        )
+        try:
+            out = self.model(
+                input_ids=ids.to(self.device),
+                attention_mask=mask.to(self.device),
+                position_ids=pos.to(self.device),
+                use_cache=True,
+                logits_to_keep=1,
+            )
+        except _Cancelled:
+            for r in reqs:
+                self._finish(r, {"type": "abort", "message": "aborted by request"})
+            return
+        except Exception as exc:  # out of memory on a long prompt: the joiners fail, alone
+            log.exception("prefill of %d requests failed", len(reqs))
+            for r in reqs:
+                self._finish(r, {"type": "abort", "message": f"engine error in prefill: {exc}"})
+            return
         logits = out.logits[:, -1].float()
         if len(seqs) < len(reqs):  # shared sequences: one computed row per distinct one
             rows = torch.tensor(index, device=self.device)
@@ -337,11 +439,14 @@ class LocalEngine:
                 layer.values = layer.values.index_select(0, rows)
             logits = logits.index_select(0, rows)
             self.stats["prefill_shared"] += len(reqs) - len(seqs)
-        joined = BatchCache(out.past_key_values, [len(seqs[i]) for i in index])
+        lens = [len(seqs[i]) for i in index]
         if self._kv is None:
-            self._kv = joined
+            self._kv = BatchCache(
+                out.past_key_values, lens, self.max_batch_size, self.context_length
+            )
         else:
-            self._kv.extend(joined)
+            self._kv.extend(out.past_key_values, lens)
+        self.stats["kv_bytes_peak"] = max(self.stats["kv_bytes_peak"], self._kv.nbytes)
         with self._cv:
             self._running += reqs
         self.stats["prefill_steps"] += 1
@@ -371,6 +476,7 @@ class LocalEngine:
         )
         kv.cache = out.past_key_values
         kv.advance()
+        self.stats["kv_bytes_peak"] = max(self.stats["kv_bytes_peak"], kv.nbytes)
         self.stats["decode_steps"] += 1
         self.stats["decode_s"] += time.perf_counter() - t0
         self._emit(0, out.logits[:, -1].float())
@@ -421,7 +527,7 @@ class LocalEngine:
 
     def _fail_all(self, exc: Exception) -> None:
         with self._cv:
-            victims = list(self._running)
+            victims = [*self._running, *self._joining]
             self._running, self._kv = [], None
         for r in victims:
             self._finish(r, {"type": "abort", "message": f"engine error: {exc}"})

@@ -8,7 +8,11 @@ one forward pass of one token per row — the past is never recomputed.
 
 The window lives in a larger buffer with spare rows and columns
 (:class:`GrowingLayer`), so no operation copies the whole cache except a
-reallocation when it is full (capacity doubles: amortised O(1) per token):
+reallocation when it is full (capacity doubles: amortised O(1) per token).
+Capacity is sized to need: a new buffer gets ``ROOM`` spare columns and as
+many spare rows as it has rows (at most ``max_rows`` rows, the engine's batch
+limit, and ``max_width`` columns, its context length), so one long prompt costs
+at most about twice its own keys/values:
 
 - a decode step writes its new column in place (``DynamicLayer`` concatenates,
   i.e. copies the whole cache every step: 77 % of a step at 128 rows x 300
@@ -48,14 +52,21 @@ class GrowingLayer(DynamicLayer):
     when they run out of rows or columns.
     """
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor):
+    def __init__(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        max_rows: int | None = None,
+        max_width: int | None = None,
+    ):
         super().__init__()
+        self.max_rows, self.max_width = max_rows or 1 << 62, max_width or 1 << 62
         self.dtype, self.device = keys.dtype, keys.device
         self.is_initialized = True
         self._kbuf = self._vbuf = keys[:0, :, :0]  # no capacity yet: _realloc sizes them
         self.keys, self.values = keys, values
         self._rows, self._start, self._end = keys.shape[0], 0, keys.shape[-2]
-        self._realloc(keys.shape[0], keys.shape[-2])
+        self._realloc(keys.shape[0], keys.shape[-2], fresh=True)
 
     @property
     def width(self) -> int:
@@ -65,15 +76,18 @@ class GrowingLayer(DynamicLayer):
         self.keys = self._kbuf[: self._rows, :, self._start : self._end]
         self.values = self._vbuf[: self._rows, :, self._start : self._end]
 
-    def _realloc(self, rows: int, width: int, left: int = 0) -> None:
-        """Buffers for at least ``rows`` x ``width`` (capacity doubles); the window is copied
+    def _realloc(self, rows: int, width: int, left: int = 0, fresh: bool = False) -> None:
+        """Buffers for at least ``rows`` x ``width`` (capacity doubles, up to ``max_rows`` x
+        ``max_width``; a ``fresh`` buffer gets ``ROOM`` spare columns); the window is copied
         to columns ``[left, left + width)``. New room is zero. Row capacity also shrinks back
         when it is over four times what ``rows`` needs (a wave of joiners has left): the new
         buffers are zeroed whole, so spare rows would cost every later reallocation."""
         rcap, wcap = self._kbuf.shape[0], self._kbuf.shape[-2]
-        want = max(2 * rows, rows + ROOM)
+        want = max(rows, min(2 * rows, self.max_rows))
         rcap = rcap if rows <= rcap and rcap <= 4 * want else want
-        wcap = wcap if width <= wcap else max(2 * width, width + ROOM)
+        if width > wcap:
+            grown = width + ROOM if fresh else max(2 * width, width + ROOM)
+            wcap = max(width, min(grown, self.max_width))
         _, heads, w, dim = self.keys.shape
         kbuf = self.keys.new_zeros(rcap, heads, wcap, dim)
         vbuf = self.values.new_zeros(rcap, heads, wcap, dim)
@@ -155,10 +169,18 @@ def _layers(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
 class BatchCache:
     """Per-sequence KV cache of the running batch (see module docstring)."""
 
-    def __init__(self, cache: DynamicCache, lens: Sequence[int]):
+    def __init__(
+        self,
+        cache: DynamicCache,
+        lens: Sequence[int],
+        max_rows: int | None = None,
+        max_width: int | None = None,
+    ):
+        """``max_rows`` / ``max_width``: the most rows and columns the cache will ever need
+        (capacity never grows beyond them)."""
         if not all(isinstance(layer, GrowingLayer) for layer in cache.layers):
             grown = DynamicCache()
-            grown.layers = [GrowingLayer(k, v) for k, v in _layers(cache)]
+            grown.layers = [GrowingLayer(k, v, max_rows, max_width) for k, v in _layers(cache)]
             cache = grown
         self.cache = cache
         self.lens = list(lens)
@@ -225,8 +247,13 @@ class BatchCache:
         self.lens = [self.lens[i] for i in order]
         return order
 
-    def extend(self, other: BatchCache) -> None:
-        """Append ``other``'s rows after this cache's rows."""
-        for layer, (k, v) in zip(self._glayers, _layers(other.cache), strict=True):
+    def extend(self, cache: DynamicCache, lens: Sequence[int]) -> None:
+        """Append the rows of ``cache`` (right-aligned, lengths ``lens``) after this cache's."""
+        for layer, (k, v) in zip(self._glayers, _layers(cache), strict=True):
             layer.add_rows(k, v)
-        self.lens += other.lens
+        self.lens += list(lens)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the buffers (keys and values, spare rows and columns included)."""
+        return sum(2 * layer._kbuf.nbytes for layer in self._glayers)

@@ -49,6 +49,24 @@ _IGNORED = {
 }
 
 
+def _convert(key: str, value: Any, kind: type) -> Any:
+    """``value`` as ``kind``: ints must be whole numbers that fit 64 bits, floats finite or
+    not, booleans real booleans; ValueError names the key otherwise."""
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"{key} must be true or false, got {value!r}")
+        return value
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{key} must be a number, got {value!r}")
+    if kind is int:
+        if isinstance(value, float) and not (math.isfinite(value) and value.is_integer()):
+            raise ValueError(f"{key} must be an integer, got {value!r}")
+        if not -(1 << 63) <= value < 1 << 63:
+            raise ValueError(f"{key} is out of range: {value!r}")
+        return int(value)
+    return float(value)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """The SGLang ``sampling_params`` the embedded engine honours."""
@@ -74,9 +92,11 @@ class SamplingParams:
         for key, value in d.items():
             if key in known:
                 if value is not None:
-                    kwargs[key] = known[key](value)
+                    kwargs[key] = _convert(key, value, known[key])
             elif key == "stop_token_ids":
-                kwargs[key] = tuple(int(t) for t in value or ())
+                if value is not None and not isinstance(value, list):
+                    raise ValueError(f"stop_token_ids must be a list of ints, got {value!r}")
+                kwargs[key] = tuple(_convert(key, t, int) for t in value or ())
             elif key in _INERT_DEFAULTS:
                 if value is not None and value != _INERT_DEFAULTS[key]:
                     raise ValueError(f"{key}={value!r} is not supported by the embedded engine")

@@ -139,7 +139,8 @@ class EngineServer:
             raise _BadRequest("sampling_params must be an object (or a list of them)")
         try:
             sampling = SamplingParams.from_dict(sp)
-        except (TypeError, ValueError) as exc:
+            sampling = self.engine.admit(len(ids), sampling, sp.get("max_new_tokens") is not None)
+        except (TypeError, ValueError, OverflowError) as exc:
             raise _BadRequest(f"sampling_params: {exc}") from None
         return Request(
             rid=str(rid or uuid.uuid4().hex),
@@ -221,6 +222,10 @@ class EngineServer:
         )
 
     async def health(self, request: web.Request) -> web.Response:
+        """200 ``ok``; 503 with the reason when the scheduler is stuck or dead."""
+        problem = self.engine.health()
+        if problem is not None:
+            return web.Response(status=503, text=problem)
         return web.Response(text="ok")
 
 
@@ -277,6 +282,9 @@ def load_engine(
     seed: int,
     max_prefill_tokens: int = 8192,
     kv_after_update: str = "recompute",
+    context_length: int | None = None,
+    max_prompt_tokens: int | None = None,
+    stall_s: float = 60.0,
 ) -> LocalEngine:
     """The model at ``model_path`` (a Hugging Face folder) behind a LocalEngine."""
     from transformers import AutoModelForCausalLM
@@ -292,6 +300,9 @@ def load_engine(
         seed=seed,
         max_prefill_tokens=max_prefill_tokens,
         kv_after_update=kv_after_update,
+        context_length=context_length,
+        max_prompt_tokens=max_prompt_tokens,
+        stall_s=stall_s,
     )
 
 
@@ -309,6 +320,24 @@ def _parser() -> argparse.ArgumentParser:
         default="recompute",
         choices=["recompute", "keep"],
         help="KV cache of requests in flight across a weight update (see LocalEngine)",
+    )
+    p.add_argument(
+        "--context-length",
+        type=int,
+        default=None,
+        help="most prompt + new tokens of a request (default: the model's max_position_embeddings)",
+    )
+    p.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=None,
+        help="longest prompt admitted (default: the context length); longer ones get HTTP 400",
+    )
+    p.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=60.0,
+        help="/health answers 503 while one scheduler step has run longer than this (seconds)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
@@ -332,6 +361,9 @@ def main(argv: list[str] | None = None) -> None:
         args.seed,
         args.max_prefill_tokens,
         args.kv_after_update,
+        args.context_length,
+        args.max_prompt_tokens,
+        args.stall_timeout,
     )
     app = build_app(EngineServer(engine, args.model_path, args.host))
     loop = new_event_loop()  # uvloop when installed: lower latency of every control call
