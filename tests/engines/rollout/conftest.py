@@ -30,7 +30,8 @@ def engine_server(
     spec = LaunchSpec(
         str(tiny_model_dir),
         free_port(),
-        extra_args=("--max-batch-size", "8", "--threads", "1"),
+        # tests run requests that only an abort ends: a context far beyond the model's 64
+        extra_args=("--max-batch-size", "8", "--threads", "1", "--context-length", "1000000"),
         module=LOCAL_SERVER,
     )
     server = launch(spec, log)

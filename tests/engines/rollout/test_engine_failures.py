@@ -14,9 +14,16 @@ import aiohttp
 import pytest
 import torch
 
-from asyncrl.engines.rollout.launcher import LaunchedServer
+from asyncrl.engines.rollout.launcher import (
+    LOCAL_SERVER,
+    LaunchSpec,
+    launch,
+    stop_servers,
+    wait_healthy,
+)
 from asyncrl.engines.rollout.local.engine import LocalEngine, Request
 from asyncrl.engines.rollout.local.sampling import SamplingParams
+from asyncrl.procs import free_port
 
 EOS = 2
 
@@ -35,6 +42,21 @@ def _model(layers: int = 2, positions: int = 64) -> torch.nn.Module:
     )
     torch.manual_seed(0)
     return Qwen2ForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def limited(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """An engine server with the default limits (the tiny model's 64 positions)."""
+    log = tmp_path_factory.mktemp("engine") / "engine.log"
+    spec = LaunchSpec(
+        str(tiny_model_dir), free_port(), extra_args=("--threads", "1"), module=LOCAL_SERVER
+    )
+    server = launch(spec, log)
+    try:
+        asyncio.run(wait_healthy([server], timeout_s=120))
+        yield server.url
+    finally:
+        stop_servers([server])
 
 
 @pytest.fixture
@@ -168,26 +190,26 @@ async def _post(url: str, path: str, body: Any) -> tuple[int, Any]:
     ],
 )
 def test_requests_over_the_context_get_400_before_admission(
-    engine_server: LaunchedServer, prompt: int, sampling: dict, reason: str
+    limited: str, prompt: int, sampling: dict, reason: str
 ) -> None:
     """The tiny model has 64 positions: a request that cannot fit is refused with the reason."""
     body = {"input_ids": [3] * prompt, "sampling_params": sampling}
-    status, out = asyncio.run(_post(engine_server.url, "/generate", body))
+    status, out = asyncio.run(_post(limited, "/generate", body))
     assert status == 400 and reason in out["error"]["message"], (status, out)
 
 
-def test_unset_max_new_tokens_is_clipped_to_the_context(engine_server: LaunchedServer) -> None:
+def test_unset_max_new_tokens_is_clipped_to_the_context(limited: str) -> None:
     body = {"input_ids": [3] * 60, "sampling_params": {"temperature": 0, "ignore_eos": True}}
-    status, out = asyncio.run(_post(engine_server.url, "/generate", body))
+    status, out = asyncio.run(_post(limited, "/generate", body))
     assert status == 200 and out["meta_info"]["completion_tokens"] == 4, out
     body["sampling_params"]["max_new_tokens"] = 4  # exactly the context: allowed
-    status, out = asyncio.run(_post(engine_server.url, "/generate", body))
+    status, out = asyncio.run(_post(limited, "/generate", body))
     assert status == 200 and out["meta_info"]["completion_tokens"] == 4, out
 
 
-def test_server_health_is_200_when_idle(engine_server: LaunchedServer, tmp_path: Path) -> None:
+def test_server_health_is_200_when_idle(limited: str) -> None:
     async def get() -> tuple[int, str]:
-        async with aiohttp.ClientSession() as http, http.get(engine_server.url + "/health") as r:
+        async with aiohttp.ClientSession() as http, http.get(limited + "/health") as r:
             return r.status, await r.text()
 
     assert asyncio.run(get()) == (200, "ok")
