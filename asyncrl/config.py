@@ -350,12 +350,16 @@ class ExperienceConfig(_Section):
 
 
 class ClusterConfig(_Section):
-    backend: Literal["local"] = "local"
+    backend: Literal["local", "ray"] = "local"
     """Where the run's processes live. ``local``: child processes of ``asyncrl run`` on this
-    host."""
+    host. ``ray``: the same processes inside Ray actors placed on a Ray cluster (install
+    ``asyncrl[ray]``); every address is discovered on the node a process runs on."""
     address: str = ""
     """``ray``: the cluster to join (``ray.init(address=...)``); empty: ``RAY_ADDRESS`` or the
     cluster this node belongs to (``"auto"``)."""
+    node_address: str = ""
+    """``ray``: this (the driver's) node's address as the cluster knows it (Ray's
+    ``_node_ip_address``); empty: Ray finds it."""
     trainer_resources: dict[str, float] = msgspec.field(default_factory=dict)
     """``ray``: extra custom resources each trainer rank's actor requires (e.g. ``{"trainer" =
     1}`` to keep trainers on nodes that offer that resource)."""

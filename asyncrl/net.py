@@ -6,8 +6,10 @@ advertises loopback and cross-host connections fail. A process that knows the
 address it advertises binds Gloo there: explicitly for groups it builds itself
 (:func:`gloo_options`), through ``GLOO_SOCKET_IFNAME`` (and
 ``NCCL_SOCKET_IFNAME``) for groups ``torch.distributed`` builds
-(:func:`pin_socket_ifname`). A user's own ``*_SOCKET_IFNAME`` always wins.
-This module imports torch only inside :func:`gloo_options`.
+(:func:`pin_socket_ifname`; a user's own ``*_SOCKET_IFNAME`` wins there).
+:func:`tcp_store` makes a ``TCPStore`` whose server listens on the given address only
+(torch's own listens on every interface). This module imports torch only inside
+functions.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import sys
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["gloo_options", "iface_of", "pin_socket_ifname"]
+__all__ = ["gloo_options", "iface_of", "pin_socket_ifname", "tcp_store"]
 
 _SIOCGIFADDR = 0x8915
 
@@ -66,15 +68,38 @@ def pin_socket_ifname(address: str, env: dict[str, str] | None = None) -> str | 
 
 
 def gloo_options(address: str, timeout_s: float) -> Any:
-    """``ProcessGroupGloo`` options whose one device is bound to ``address`` (or to the
-    interfaces of ``GLOO_SOCKET_IFNAME`` when the user set it)."""
+    """``ProcessGroupGloo`` options whose one device is bound to ``address`` exactly (an
+    interface name would not do: ``lo`` carries every ``127.x`` alias as 127.0.0.1)."""
     import torch.distributed as dist
 
     opts = dist.ProcessGroupGloo._Options()
     opts._timeout = timedelta(seconds=timeout_s)
-    names = [n for n in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if n]
-    if names:
-        opts._devices = [dist.ProcessGroupGloo.create_device(interface=n) for n in names]
-    else:
-        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
     return opts
+
+
+def tcp_store(host: str, port: int, world_size: int, is_master: bool, timeout_s: float) -> Any:
+    """A ``torch.distributed.TCPStore`` at ``host:port``; on the master its server listens on
+    ``host`` only (a socket bound here and handed over), never on all interfaces."""
+    import torch.distributed as dist
+
+    timeout = timedelta(seconds=timeout_s)
+    if not is_master:
+        return dist.TCPStore(host, port, world_size, False, timeout)
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(1024)
+    except OSError:
+        sock.close()
+        raise
+    return dist.TCPStore(
+        host,
+        port,
+        world_size,
+        True,
+        timeout,
+        wait_for_workers=False,
+        master_listen_fd=sock.detach(),
+    )

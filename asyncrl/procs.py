@@ -43,8 +43,13 @@ def spawn(
     args: Sequence[str],
     log_path: Path | None = None,
     env: dict[str, str] | None = None,
+    die_with_parent: bool = False,
 ) -> subprocess.Popen:
-    """Start ``python -m ...``-style args in a new session; output to ``log_path`` (or inherit)."""
+    """Start ``python -m ...``-style args in a new session; output to ``log_path`` (or inherit).
+
+    ``die_with_parent`` (Linux): the child is SIGKILLed when this process dies, however it
+    dies (a Ray actor killed with its node's raylet leaves no orphan behind).
+    """
     out = open(log_path, "ab") if log_path is not None else None
     try:
         return subprocess.Popen(
@@ -54,10 +59,18 @@ def spawn(
             stdin=subprocess.DEVNULL,
             env=env or python_env(),
             start_new_session=True,
+            preexec_fn=_die_with_parent if die_with_parent else None,
         )
     finally:
         if out is not None:
             out.close()
+
+
+def _die_with_parent() -> None:
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
 
 
 def wait_exit(procs: Sequence[subprocess.Popen], timeout_s: float) -> bool:

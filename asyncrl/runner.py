@@ -152,9 +152,11 @@ class _Run:
         """CPU seconds used so far by this process and each child (Linux /proc; else empty)."""
         out = {"cpu_controller_s": time.process_time()}
         tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-        for name, pid in self.launcher.pids().items():
+        for name, placed in self.launcher.processes().items():
+            if not placed.here:
+                continue
             try:
-                with open(f"/proc/{pid}/stat") as f:
+                with open(f"/proc/{placed.pid}/stat") as f:
                     fields = f.read().rsplit(")", 1)[1].split()
             except OSError:
                 continue
@@ -163,7 +165,7 @@ class _Run:
 
     async def watchdog(self) -> None:
         while True:
-            dead = self.launcher.deaths()
+            dead = await asyncio.to_thread(self.launcher.deaths)  # remote calls on a cluster
             if dead:
                 raise RuntimeError("; ".join(d.describe() for d in dead))
             await asyncio.sleep(0.5)
@@ -214,7 +216,11 @@ async def run_job(
     try:
         urls = list(cfg.rollout.urls) or launcher.start_engines(model_path)
         job.start_trainers(model_path, chan, urls)
-        (run_dir / "processes.json").write_text(json.dumps(launcher.pids()))
+        placed = launcher.processes()
+        (run_dir / "processes.json").write_text(json.dumps({n: p.pid for n, p in placed.items()}))
+        (run_dir / "placement.json").write_text(
+            json.dumps({n: p.address for n, p in placed.items()})
+        )
         clients = [SGLangClient(u, timeout_s=cfg.rollout.request_timeout_s) for u in urls]
         await _first(
             asyncio.gather(*(c.wait_healthy(cfg.rollout.startup_timeout_s) for c in clients)),

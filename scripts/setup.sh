@@ -47,3 +47,6 @@ PY
   fi
   rm -rf "$tmp"
 done
+# Ray (the optional extra asyncrl[ray]) for the two-node cluster tests, pinned; ~8 s from a
+# warm pip cache. Nothing in asyncrl imports it unless cluster.backend = "ray".
+pip_install "ray==2.60.0"

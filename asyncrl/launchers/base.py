@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-__all__ = ["Death", "Launcher", "TrainerArgs", "log_tail", "trainer_command"]
+__all__ = ["Death", "Launcher", "Placed", "TrainerArgs", "log_tail", "trainer_command"]
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,18 @@ class Death:
 
     def describe(self) -> str:
         return f"{self.name} exited with {self.code}:\n{self.log_tail}"
+
+
+@dataclass(frozen=True)
+class Placed:
+    """Where a live process of the run is."""
+
+    pid: int
+    """Its process id on its node."""
+    address: str
+    """The address of its node (what it binds and advertises)."""
+    here: bool
+    """It runs on the driver's host (its pid means something in this /proc)."""
 
 
 @dataclass(frozen=True)
@@ -82,8 +94,8 @@ class Launcher(Protocol):
         """Start process ``name`` again; its new URL (engines) or ``""`` (trainers)."""
         ...
 
-    def pids(self) -> dict[str, int]:
-        """Process id of every live process by name (ids on this host's /proc for local)."""
+    def processes(self) -> dict[str, Placed]:
+        """Every live process by name: its pid and node."""
         ...
 
     def stop(self, trainer_grace_s: float = 0.0) -> None:

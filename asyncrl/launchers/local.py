@@ -19,7 +19,7 @@ from pathlib import Path
 from asyncrl.config import RunConfig
 from asyncrl.engines.rollout.launcher import launch_command
 from asyncrl.engines.rollout.launcher import start_engines as launch_engines
-from asyncrl.launchers.base import Death, TrainerArgs, log_tail, trainer_command
+from asyncrl.launchers.base import Death, Placed, TrainerArgs, log_tail, trainer_command
 from asyncrl.procs import free_port, python_env, spawn, stop, wait_exit
 
 __all__ = ["LocalLauncher"]
@@ -38,6 +38,7 @@ class LocalLauncher:
         self.procs: dict[str, subprocess.Popen] = {}
         self._cmds: dict[str, tuple[list[str], dict[str, str]]] = {}
         self._urls: dict[str, str] = {}
+        self._hosts: dict[str, str] = {}
         self._reported: set[str] = set()
 
     def advertise_host(self) -> str:
@@ -54,6 +55,7 @@ class LocalLauncher:
             self.procs[name] = server.proc
             self._cmds[name] = (launch_command(server.spec), python_env(server.spec.env))
             self._urls[name] = server.url
+            self._hosts[name] = server.spec.host
         return urls
 
     def start_trainers(self, args: TrainerArgs) -> None:
@@ -62,6 +64,7 @@ class LocalLauncher:
         for r in range(args.world_size):
             name = f"trainer{r}"
             self._cmds[name] = (trainer_command(args, r, host, host, port), python_env())
+            self._hosts[name] = host
             self._spawn(name)
 
     def deaths(self) -> list[Death]:
@@ -82,8 +85,12 @@ class LocalLauncher:
         self._reported.discard(name)
         return self._urls.get(name, "")
 
-    def pids(self) -> dict[str, int]:
-        return {name: p.pid for name, p in self.procs.items() if p.poll() is None}
+    def processes(self) -> dict[str, Placed]:
+        return {
+            name: Placed(p.pid, self._hosts[name], True)
+            for name, p in self.procs.items()
+            if p.poll() is None
+        }
 
     def stop(self, trainer_grace_s: float = 0.0) -> None:
         self._reported.update(self.procs)  # exits from here on are ours

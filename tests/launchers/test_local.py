@@ -53,14 +53,14 @@ async def test_engine_killed_is_reported_once_and_restarts_at_the_same_url(
         (url,) = launcher.start_engines(str(tiny_model_dir))
         await _healthy(url)
         assert launcher.deaths() == []
-        pid = launcher.pids()["engine0"]
+        pid = launcher.processes()["engine0"].pid
         os.kill(pid, signal.SIGKILL)
         (death,) = _deaths(launcher)
         assert death.name == "engine0" and death.code == -signal.SIGKILL
         assert launcher.deaths() == []  # reported once
-        assert "engine0" not in launcher.pids()
+        assert "engine0" not in launcher.processes()
         assert launcher.restart("engine0") == url
-        new_pid = launcher.pids()["engine0"]
+        new_pid = launcher.processes()["engine0"].pid
         assert new_pid != pid
         await _healthy(url)
         with pytest.raises(ValueError, match="no process named"):

@@ -37,6 +37,7 @@ __all__ = [
     "SGLANG_SERVER",
     "LaunchSpec",
     "LaunchedServer",
+    "engine_spec",
     "launch",
     "launch_command",
     "start_engines",
@@ -173,7 +174,7 @@ def start_engines(
     servers: list[LaunchedServer] = []
     try:
         for i in range(rc.num_engines):
-            spec = _spec(rc, model_path, i, dtype, seed)
+            spec = engine_spec(rc, model_path, i, dtype, seed)
             servers.append(launch(spec, log_dir / f"engine{i}.log"))
     except BaseException:
         stop_servers(servers)
@@ -181,21 +182,32 @@ def start_engines(
     return [s.url for s in servers], servers
 
 
-def _spec(rc: RolloutConfig, model_path: str, i: int, dtype: str, seed: int) -> LaunchSpec:
-    port = free_port(rc.host)
+def engine_spec(
+    rc: RolloutConfig,
+    model_path: str,
+    i: int,
+    dtype: str = "float32",
+    seed: int = 0,
+    host: str | None = None,
+    port: int | None = None,
+    base_gpu: int | None = None,
+) -> LaunchSpec:
+    """Engine ``i``'s server of a run: on ``host`` (default ``rc.host``) at ``port`` (default a
+    free one there); an SGLang server uses GPUs from ``base_gpu`` (default ``i * tp_size``, the
+    engines of one host side by side; 0 where the launcher already narrowed the visible GPUs)."""
+    host = host or rc.host
+    port = port or free_port(host)
     if rc.backend == "local":
         extra = ["--device", rc.device, "--dtype", dtype, "--seed", str(seed + 1000 + i)]
         extra += ["--max-batch-size", str(rc.max_batch_size)]
         extra += ["--kv-after-update", rc.kv_after_update]
-        return LaunchSpec(
-            model_path, port, rc.host, 1, None, (*extra, *rc.extra_args), LOCAL_SERVER
-        )
+        return LaunchSpec(model_path, port, host, 1, None, (*extra, *rc.extra_args), LOCAL_SERVER)
     extra = ["--dtype", dtype, "--random-seed", str(seed + 1000 + i)]
-    extra += ["--base-gpu-id", str(i * rc.tp_size)]
+    extra += ["--base-gpu-id", str(i * rc.tp_size if base_gpu is None else base_gpu)]
     return LaunchSpec(
         model_path,
         port,
-        rc.host,
+        host,
         rc.tp_size,
         rc.mem_fraction_static or None,
         (*extra, *rc.extra_args),

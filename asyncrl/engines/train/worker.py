@@ -25,7 +25,7 @@ import torch.distributed as dist
 from asyncrl.algorithms.base import make_algorithm
 from asyncrl.config import RunConfig
 from asyncrl.engines.train.fsdp import FSDPEngine
-from asyncrl.net import pin_socket_ifname
+from asyncrl.net import pin_socket_ifname, tcp_store
 from asyncrl.transports.experience.types import Shutdown, StepDone, TrainBatch
 from asyncrl.transports.experience.zmq import ExperienceReceiver
 from asyncrl.transports.weights import make_weight_transport
@@ -75,9 +75,11 @@ def run(args: argparse.Namespace) -> None:
     torch.set_num_threads(cfg.trainer.threads)
     backend = "nccl" if cfg.trainer.device.startswith("cuda") else "gloo"
     pin_socket_ifname(cfg.weights.master_address)  # Gloo/NCCL bind where this rank advertises
+    # rank 0's store listens on its advertised address only (torch's own: every interface)
+    store = tcp_store(args.dist_addr, args.dist_port, args.world_size, args.rank == 0, 600.0)
     dist.init_process_group(
         backend,
-        init_method=f"tcp://{args.dist_addr}:{args.dist_port}",
+        store=store,
         rank=args.rank,
         world_size=args.world_size,
         timeout=datetime.timedelta(minutes=10),

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.engines.rollout.base import EngineError
-from asyncrl.net import gloo_options
+from asyncrl.net import gloo_options, tcp_store
 from asyncrl.procs import free_port
 from asyncrl.transports.weights.bucket import BucketManifest
 from asyncrl.transports.weights.sender import Acks, BucketSender, bucket_extra
@@ -107,8 +107,11 @@ def new_weight_group(
     if backend == "hccl":
         import torch_npu  # noqa: F401  (registers the hccl backend with torch.distributed)
     timeout = datetime.timedelta(seconds=timeout_s)
-    url = f"tcp://{_host(master_address)}:{int(master_port)}"
-    store, rank, world_size = next(c10d.rendezvous(url, rank, world_size, timeout=timeout))
+    if rank == 0:  # the store's server listens on master_address only (rendezvous': on all)
+        store = tcp_store(master_address, master_port, world_size, True, timeout_s)
+    else:
+        url = f"tcp://{_host(master_address)}:{int(master_port)}"
+        store, rank, world_size = next(c10d.rendezvous(url, rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
     store = c10d.PrefixStore(group_name, store)
     stale = [pg for pg, name in c10d._world.pg_names.items() if name == group_name]

@@ -1,0 +1,333 @@
+"""``cluster.backend = "ray"``: the run's processes inside thin Ray actors on a Ray cluster.
+
+The driver (``asyncrl run``: the controller, no torch) joins the cluster and places
+one :class:`~asyncrl.launchers.ray_actor.ProcActor` per process; each actor starts
+the very ``python -m`` command a local run uses, on its node, so logs, signals and
+data paths (HTTP to engines, ZeroMQ to trainers, the weight-sync group) are the
+same. Ray is used for placement and for finding addresses:
+
+- engines: one placement group per engine with ``rollout.tp_size`` GPUs (CPU
+  engines: ``cluster.cpus_per_engine`` CPUs), plus ``cluster.engine_resources``;
+- trainers: one placement group of ``trainer.world_size`` bundles, packed per node
+  (``PACK``); ranks are given in the order of (node address, GPU id), so rank 0 and
+  neighbouring ranks share a node;
+- ``cluster.colocate``: engine i shares trainer bundle i (and its GPU);
+- every address is discovered: each actor reports its node's address and binds
+  free ports there. Trainer rank 0's address is the rendezvous and the weight-sync
+  master; engines bind their node's address; the driver binds the experience
+  channel on its own node's address. Nothing binds ``0.0.0.0``.
+
+Restarts are asyncrl's decision, never Ray's: actors are created with
+``max_restarts=0``; a process that exits, or an actor lost with its node, is a
+:class:`~asyncrl.launchers.base.Death` for the driver, and ``restart`` starts the
+process again in its actor (same node, same port) or, when the actor is gone, in
+a new actor wherever the cluster places it (a new URL).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from asyncrl.config import RunConfig
+from asyncrl.engines.rollout.launcher import engine_spec, launch_command
+from asyncrl.launchers.base import Death, Placed, TrainerArgs, trainer_command
+
+try:
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+except ImportError as exc:  # pragma: no cover - the extra is installed for the tests
+    raise ValueError(
+        "cluster.backend='ray' needs Ray on the driver and every node: pip install 'asyncrl[ray]'"
+    ) from exc
+
+from asyncrl.launchers.ray_actor import ProcActor
+
+__all__ = ["RayLauncher"]
+
+log = logging.getLogger("asyncrl.launchers.ray")
+
+_CALL_TIMEOUT_S = 60.0  # one control call to an actor (start, poll, stop)
+
+
+@dataclass
+class _Proc:
+    """One process of the run: its actor, placement and command line."""
+
+    name: str
+    actor: Any
+    pg: Any  # the placement group it was placed in (owned when ``owns_pg``)
+    bundle: int
+    options: dict[str, Any]
+    address: str = ""
+    gpus: list[str] = field(default_factory=list)
+    args: list[str] = field(default_factory=list)
+    files: dict[str, bytes] = field(default_factory=dict)
+    url: str = ""
+    pid: int | None = None
+    owns_pg: bool = True
+    dead: bool = False
+
+
+class RayLauncher:
+    """The :class:`~asyncrl.launchers.base.Launcher` of Ray actors (see module docstring)."""
+
+    def __init__(self, cfg: RunConfig, run_dir: Path):
+        self.cfg = cfg
+        self.run_dir = Path(run_dir).resolve()
+        cc = cfg.cluster
+        address = cc.address or os.environ.get("RAY_ADDRESS") or "auto"
+        try:
+            ray.init(
+                address=address,
+                _node_ip_address=cc.node_address or None,
+                namespace="asyncrl",
+                log_to_driver=False,
+                logging_level=logging.WARNING,
+            )
+        except ConnectionError as exc:
+            raise ValueError(
+                f"cluster.backend='ray': no Ray cluster at {address!r} ({exc}); start one "
+                "(`ray start --head`) or set cluster.address / RAY_ADDRESS"
+            ) from None
+        self._driver = ray.util.get_node_ip_address()
+        self._remote = ray.remote(ProcActor)
+        self.procs: dict[str, _Proc] = {}
+        self._trainer_pg: Any = None
+        self._models: dict[str, str] = {}  # node address -> model folder there
+        self._reported: set[str] = set()
+        self._dist: tuple[str, int] | None = None  # trainer rank 0's rendezvous
+
+    # -- placement -----------------------------------------------------------------------
+    def _gpu(self, device: str) -> bool:
+        return device.startswith("cuda")
+
+    def _place(self, bundles: list[dict[str, float]], strategy: str, what: str) -> Any:
+        pg = placement_group(bundles, strategy=strategy)
+        timeout = self.cfg.cluster.start_timeout_s
+        try:
+            ray.get(pg.ready(), timeout=timeout)
+        except ray.exceptions.GetTimeoutError:
+            remove_placement_group(pg)
+            raise RuntimeError(
+                f"the Ray cluster could not place {what} (bundles {bundles}) within "
+                f"{timeout:.0f}s; `ray status` shows what the nodes offer"
+            ) from None
+        return pg
+
+    def _actor(self, pg: Any, bundle: int, options: dict[str, Any]) -> Any:
+        strategy = PlacementGroupSchedulingStrategy(
+            placement_group=pg, placement_group_bundle_index=bundle
+        )
+        return self._remote.options(
+            scheduling_strategy=strategy, max_restarts=0, max_concurrency=1, **options
+        ).remote(str(self.run_dir))
+
+    def _call(self, ref: Any, what: str, timeout_s: float = _CALL_TIMEOUT_S) -> Any:
+        try:
+            return ray.get(ref, timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise RuntimeError(f"Ray actor did not answer {what} within {timeout_s:.0f}s") from None
+
+    def _locate(self, proc: _Proc) -> None:
+        info = self._call(proc.actor.node.remote(), f"{proc.name}.node()")
+        proc.address, proc.gpus = info["address"], info["gpus"]
+
+    def _model_on(self, proc: _Proc) -> str:
+        """The model folder on ``proc``'s node (``model.path``; empty: the tiny default,
+        built once on each node)."""
+        if proc.address not in self._models:
+            ref = proc.actor.model.remote(self.cfg.model.path)
+            self._models[proc.address] = self._call(ref, f"{proc.name}.model()", 600.0)
+        return self._models[proc.address]
+
+    def _start(self, proc: _Proc) -> None:
+        ref = proc.actor.start.remote(proc.name, proc.args, proc.files, {})
+        proc.pid = self._call(ref, f"{proc.name}.start()")
+        proc.dead = False
+        self._reported.discard(proc.name)
+
+    # -- Launcher ------------------------------------------------------------------------
+    def advertise_host(self) -> str:
+        return self._driver
+
+    def start_engines(self, model_path: str) -> list[str]:
+        del model_path  # the model is found (or built) on each node: see _model_on
+        cc, rc = self.cfg.cluster, self.cfg.rollout
+        gpu = rc.backend == "sglang" or self._gpu(rc.device)
+        for i in range(rc.num_engines):
+            name = f"engine{i}"
+            if cc.colocate:
+                pg, bundle, owns = self._trainers_pg(), i % self.cfg.trainer.world_size, False
+                opts = {"num_cpus": cc.cpus_per_engine, "num_gpus": 0.5 if gpu else 0}
+            else:
+                b = {"CPU": cc.cpus_per_engine, **cc.engine_resources}
+                if gpu:
+                    b["GPU"] = float(rc.tp_size)
+                pg, bundle, owns = self._place([b], "STRICT_PACK", name), 0, True
+                opts = {"num_cpus": cc.cpus_per_engine, "num_gpus": b.get("GPU", 0)}
+                opts["resources"] = dict(cc.engine_resources)
+            proc = _Proc(name, self._actor(pg, bundle, opts), pg, bundle, opts, owns_pg=owns)
+            self.procs[name] = proc
+            self._launch_engine(i, proc)
+        return [self.procs[f"engine{i}"].url for i in range(rc.num_engines)]
+
+    def _launch_engine(self, i: int, proc: _Proc) -> None:
+        cfg = self.cfg
+        self._locate(proc)
+        port = self._call(proc.actor.free_port.remote(), f"{proc.name}.free_port()")
+        path = self._model_on(proc)
+        spec = engine_spec(
+            cfg.rollout, path, i, cfg.model.dtype, cfg.seed, proc.address, port, base_gpu=0
+        )
+        proc.args, proc.url = launch_command(spec), spec.url
+        self._start(proc)
+        log.info("%s on %s (%s)", proc.name, proc.address, proc.url)
+
+    def _trainers_pg(self) -> Any:
+        if self._trainer_pg is None:
+            cc, tc = self.cfg.cluster, self.cfg.trainer
+            b = {"CPU": cc.cpus_per_trainer + (cc.cpus_per_engine if cc.colocate else 0.0)}
+            b.update(cc.trainer_resources)
+            if self._gpu(tc.device):
+                b["GPU"] = 1.0
+            self._trainer_pg = self._place([dict(b)] * tc.world_size, "PACK", "the trainer ranks")
+        return self._trainer_pg
+
+    def start_trainers(self, args: TrainerArgs) -> None:
+        cc, tc = self.cfg.cluster, self.cfg.trainer
+        pg = self._trainers_pg()
+        gpu = 1.0 if self._gpu(tc.device) else 0.0
+        opts: dict[str, Any] = {
+            "num_cpus": cc.cpus_per_trainer,
+            "num_gpus": gpu / 2 if cc.colocate and gpu else gpu,
+        }
+        if cc.trainer_resources:
+            opts["resources"] = dict(cc.trainer_resources)
+        placed = [
+            _Proc(f"bundle{b}", self._actor(pg, b, opts), pg, b, opts, owns_pg=False)
+            for b in range(args.world_size)
+        ]
+        for p in placed:
+            self._locate(p)
+        placed.sort(key=lambda p: (p.address, [int(g) for g in p.gpus if g.isdigit()], p.bundle))
+        for rank, p in enumerate(placed):  # ranks in (node, GPU) order: rank 0 first
+            p.name = f"trainer{rank}"
+            self.procs[p.name] = p
+        rank0 = self.procs["trainer0"]
+        port = self._call(rank0.actor.free_port.remote(), "trainer0.free_port()")
+        self._dist = (rank0.address, port)
+        config = Path(args.config_path).resolve()
+        files = {str(config): config.read_bytes()}
+        for rank in range(args.world_size):
+            p = self.procs[f"trainer{rank}"]
+            path = self._model_on(p)
+            a = TrainerArgs(config, path, args.world_size, args.batch_endpoint, args.engine_urls)
+            p.args = trainer_command(a, rank, p.address, rank0.address, port)
+            p.files = files
+            self._start(p)
+            log.info("%s on %s", p.name, p.address)
+
+    def deaths(self) -> list[Death]:
+        live = [p for p in self.procs.values() if not p.dead and p.name not in self._reported]
+        refs = [p.actor.poll.remote() for p in live]
+        out = []
+        for p, ref in zip(live, refs, strict=True):
+            try:
+                code = ray.get(ref, timeout=_CALL_TIMEOUT_S)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
+                p.dead = True
+                self._reported.add(p.name)
+                out.append(Death(p.name, None, f"its Ray actor on {p.address} is lost: {exc}"))
+                continue
+            if code is not None:
+                p.dead = True
+                self._reported.add(p.name)
+                tail = self._tail(p)
+                out.append(Death(p.name, code, tail))
+        return out
+
+    def _tail(self, p: _Proc) -> str:
+        try:
+            return ray.get(p.actor.log_tail.remote(), timeout=10)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            return "(log unreachable)"
+
+    def restart(self, name: str) -> str:
+        proc = self.procs.get(name)
+        if proc is None:
+            raise ValueError(f"no process named {name!r} in this run ({sorted(self.procs)})")
+        try:
+            self._start(proc)  # the actor is alive: same node, same command, same URL
+            return proc.url
+        except ray.exceptions.RayActorError:
+            log.warning("%s: its actor is gone; placing a new one", name)
+        if proc.owns_pg:  # let the cluster place a replacement (maybe on another node)
+            remove_placement_group(proc.pg)
+            b = [self._bundle(proc)]
+            proc.pg = self._place(b, "STRICT_PACK", name)
+        proc.actor = self._actor(proc.pg, proc.bundle, proc.options)
+        if name.startswith("engine"):
+            self._launch_engine(int(name.removeprefix("engine")), proc)
+            return proc.url
+        self._locate(proc)
+        self._relaunch_trainer(proc)
+        return ""
+
+    def _bundle(self, proc: _Proc) -> dict[str, float]:
+        b = {"CPU": float(proc.options.get("num_cpus", 1))}
+        if proc.options.get("num_gpus"):
+            b["GPU"] = float(proc.options["num_gpus"])
+        b.update(proc.options.get("resources", {}))
+        return b
+
+    def _relaunch_trainer(self, proc: _Proc) -> None:
+        """A trainer rank in a new actor: its own address is new (rank 0's too, if it is 0)."""
+        assert self._dist is not None
+        args = proc.args
+        i = args.index("--host")
+        args[i + 1] = proc.address
+        if proc.name == "trainer0":
+            port = self._call(proc.actor.free_port.remote(), "trainer0.free_port()")
+            self._dist = (proc.address, port)
+            for p in self.procs.values():  # every rank meets rank 0 at its new address
+                if p.name.startswith("trainer"):
+                    j = p.args.index("--dist-addr")
+                    p.args[j + 1], p.args[j + 3] = proc.address, str(port)
+        self._start(proc)
+
+    def processes(self) -> dict[str, Placed]:
+        """``here``: on the driver's node (simulated nodes on one host count as apart)."""
+        return {
+            n: Placed(p.pid, p.address, p.address == self._driver)
+            for n, p in self.procs.items()
+            if p.pid is not None and not p.dead
+        }
+
+    def stop(self, trainer_grace_s: float = 0.0) -> None:
+        self._reported.update(self.procs)
+        trainers = [p for n, p in self.procs.items() if n.startswith("trainer") and not p.dead]
+        if trainer_grace_s > 0 and trainers:
+            _wait([p.actor.wait.remote(trainer_grace_s) for p in trainers], trainer_grace_s + 5)
+        _wait([p.actor.stop.remote(5.0) for p in self.procs.values()], 15.0)
+        for p in self.procs.values():
+            with contextlib.suppress(ray.exceptions.RayError, ValueError):
+                ray.kill(p.actor, no_restart=True)  # its process dies with it (parent-death)
+        pgs = {id(p.pg): p.pg for p in self.procs.values() if p.owns_pg}
+        if self._trainer_pg is not None:
+            pgs[id(self._trainer_pg)] = self._trainer_pg
+        for pg in pgs.values():
+            remove_placement_group(pg)
+        self.procs.clear()
+        ray.shutdown()
+
+
+def _wait(refs: list[Any], timeout_s: float) -> None:
+    """Wait up to ``timeout_s`` for every call in ``refs`` (their errors are ignored)."""
+    if refs:
+        ray.wait(refs, num_returns=len(refs), timeout=timeout_s)

@@ -1,0 +1,91 @@
+"""``cluster.backend = "ray"`` on a two-node local Ray cluster (head 127.0.0.2, worker 127.0.0.3).
+
+Every process binds only its own node's address, so an address mix-up fails with
+"connection refused". The engine lives on the head (with the driver), the trainer
+on the worker: the experience channel (frames, ``shm = "off"``) and the weight push
+cross nodes.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from asyncrl.procs import python_env
+from tests.launchers.cluster import (
+    HEAD,
+    WORKER,
+    Cluster,
+    descendants,
+    listeners,
+    listening,
+    read_json,
+)
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
+
+
+def _wildcard(addr: str) -> bool:
+    return ipaddress.ip_address(addr).is_unspecified
+
+
+def _sockets(cluster: Cluster, run: Path, driver: int) -> dict[str, set[tuple[str, int]]]:
+    """Who of the run listens where, asyncrl's sockets only (Ray's own gRPC server in the
+    driver, which Ray binds to every interface, is named by Ray's log and left out)."""
+    table = listeners()
+    out = {
+        "driver": listening(driver, table)
+        - {(a, p) for a, p in listening(driver, table) if p in cluster.ray_ports(driver)}
+    }
+    for name, pid in read_json(run / "processes.json").items():
+        out[name] = set().union(*(listening(p, table) for p in descendants(pid)))
+    return out
+
+
+def test_default_job_runs_across_two_nodes_and_learns(
+    ray_cluster: Cluster, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "asyncrl.cli", "run", "--run-dir", str(run), "--quiet"]
+    cmd += [f"--model.path={tiny_model_dir}", "--controller.total_steps=40"]
+    cmd += ["--experience.shm=off", *ray_cluster.run_flags()]
+    proc = subprocess.Popen(
+        cmd, env=python_env(ray_cluster.env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    seen: dict[str, set[tuple[str, int]]] = {}
+    try:
+        deadline = time.monotonic() + 300
+        while proc.poll() is None and time.monotonic() < deadline:
+            metrics = run / "metrics.jsonl"
+            if not seen and metrics.is_file() and len(metrics.read_text().splitlines()) >= 3:
+                seen = _sockets(ray_cluster, run, proc.pid)  # mid-run: every socket is open
+            time.sleep(0.2)
+        out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = out.decode(errors="replace")
+    assert proc.returncode == 0, text
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(40))
+    first = sum(r["reward_mean"] for r in rows[:10]) / 10
+    last = sum(r["reward_mean"] for r in rows[-10:]) / 10
+    assert last > first + 0.1, (first, last)  # it learns (README: 0.085 -> ~0.3 by step 40)
+    assert rows[-1]["weight_version"] == 40
+
+    assert read_json(run / "placement.json") == {"engine0": HEAD, "trainer0": WORKER}
+    assert seen, "the run ended before its sockets could be read"
+    assert not [s for ss in seen.values() for s in ss if _wildcard(s[0])], seen
+    assert {a for a, _ in seen["driver"]} == {HEAD}  # the experience channel
+    assert {a for a, _ in seen["engine0"]} == {HEAD}  # HTTP and its weight-group rank
+    # the trainer's weight-group store and rank, its rendezvous store; its own Gloo group
+    # binds lo's address (an interface name cannot tell loopback aliases apart)
+    assert {a for a, _ in seen["trainer0"]} <= {WORKER, "127.0.0.1"}
+    assert WORKER in {a for a, _ in seen["trainer0"]}
