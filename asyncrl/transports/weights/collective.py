@@ -16,6 +16,8 @@ import contextlib
 import datetime
 import importlib.util
 import logging
+import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -97,7 +99,7 @@ def new_weight_group(
 
     ``bind_address``: the address this rank advertises to its peers (Gloo binds there,
     unless ``GLOO_SOCKET_IFNAME`` says otherwise); empty: Gloo's default (the hostname's).
-    Only the Gloo device changes (SGLang's ranks pass no options and bind per
+    Only the Gloo device changes (see :func:`_gloo_bound`; SGLang's ranks bind per
     ``GLOO_SOCKET_IFNAME``); the store keys stay the same.
     """
     from torch.distributed import distributed_c10d as c10d
@@ -117,20 +119,62 @@ def new_weight_group(
     stale = [pg for pg, name in c10d._world.pg_names.items() if name == group_name]
     for pg in stale:  # a group of ours left behind by a failed form or push
         destroy_weight_group(pg)
-    pg, _ = c10d._new_process_group_helper(
-        world_size,
-        rank,
-        [],
-        c10d.Backend(backend),
-        store,
-        group_name=group_name,
-        backend_options=gloo_options(bind_address, timeout_s)
-        if backend == "gloo" and bind_address
-        else None,
-        timeout=timeout,
-    )
+    with _gloo_bound(c10d, bind_address if backend == "gloo" else "", timeout_s):
+        pg, _ = c10d._new_process_group_helper(
+            world_size,
+            rank,
+            [],
+            c10d.Backend(backend),
+            store,
+            group_name=group_name,
+            timeout=timeout,
+        )
     c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
+
+
+_BIND = threading.local()  # .address: where Gloo backends made by this thread bind
+
+
+@contextlib.contextmanager
+def _gloo_bound(c10d: Any, address: str, timeout_s: float) -> Iterator[None]:
+    """Gloo backends this thread makes inside bind their device to ``address`` exactly.
+
+    torch's ``_new_process_group_helper`` builds each Gloo backend as
+    ``ProcessGroupGloo(store, rank, size, timeout=...)`` and ignores backend options
+    (torch 2.13 ``distributed_c10d.py:2163-2175``: "GLOO options not supported"), so the
+    device comes from the hostname or ``GLOO_SOCKET_IFNAME``; an interface name cannot
+    tell loopback aliases apart, and a hostname mapped to 127.0.1.1 advertises loopback
+    to other hosts. So the class the helper calls becomes (once per process) a subclass
+    that passes explicit options when the calling thread asked for an address, and is
+    the plain constructor otherwise (same store keys either way; a subclass because the
+    helper checks ``isinstance(.., ProcessGroupGloo)``; per thread because constructing
+    blocks until every rank joined, and ranks of one group may share a process).
+    """
+    if not address:
+        yield
+        return
+    if not getattr(c10d.ProcessGroupGloo, "_asyncrl_bound", False):
+        real = c10d.ProcessGroupGloo
+
+        class Bound(real):
+            _asyncrl_bound = True
+
+            def __init__(self, store: Any, rank: int, size: int, timeout: Any = None) -> None:
+                addr, secs = getattr(_BIND, "target", ("", 0.0))
+                if addr:
+                    super().__init__(store, rank, size, gloo_options(addr, secs))
+                elif timeout is None:
+                    super().__init__(store, rank, size)
+                else:
+                    super().__init__(store, rank, size, timeout)
+
+        c10d.ProcessGroupGloo = Bound
+    _BIND.target = (address, timeout_s)
+    try:
+        yield
+    finally:
+        _BIND.target = ("", 0.0)
 
 
 def destroy_weight_group(group: dist.ProcessGroup | None) -> None:
