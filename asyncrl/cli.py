@@ -28,6 +28,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     run.add_argument("config", nargs="?", help="TOML config file (default: built-in defaults)")
     run.add_argument("--run-dir", default=None, help="output folder (default: a new runs/<time>)")
+    run.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        default=None,
+        help="continue a run from its newest complete checkpoint ('latest': the newest run "
+        "under runs/); its recorded config is used, overrides only where safe",
+    )
     run.add_argument("--quiet", action="store_true", help="no per-step progress lines")
     run.add_argument("--algo", choices=("grpo", "ppo"), help="shorthand of --algo.name=...")
     serve = sub.add_parser("serve", help="start the embedded engine (SGLang HTTP protocol)")
@@ -46,40 +53,66 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _run(ns: argparse.Namespace, overrides: list[str]) -> int:
+def _load(ns: argparse.Namespace, overrides: list[str]):  # -> (RunConfig, Path | None)
     from asyncrl.config import load_config
 
     if ns.algo:
         overrides = [f"--algo.name={ns.algo}", *overrides]
+    if ns.resume is None:
+        return load_config(ns.config, overrides), None
+    from asyncrl.controllers.checkpoints import find_run_dir, resume_config
+
+    if ns.config or ns.run_dir:
+        raise ValueError("--resume takes the run's own config and folder (no CONFIG/--run-dir)")
+    run_dir = find_run_dir(ns.resume)
+    return resume_config(run_dir, overrides), run_dir
+
+
+def _run(ns: argparse.Namespace, overrides: list[str]) -> int:
     try:
-        cfg = load_config(ns.config, overrides)
+        cfg, resume_dir = _load(ns, overrides)
     except ValueError as exc:
         print(f"asyncrl run: {exc}", file=sys.stderr)
         return 2
     import asyncio
     import logging
 
-    from asyncrl.runner import new_run_dir, run_job
+    from asyncrl.runner import RunStopped, new_run_dir, run_job
 
     logging.basicConfig(
         level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
-    run_dir = Path(ns.run_dir or cfg.run_dir or new_run_dir())
-    print(f"asyncrl run: writing to {run_dir}", flush=True)
+    run_dir = resume_dir or Path(ns.run_dir or cfg.run_dir or new_run_dir())
+    print(f"asyncrl run: {'resuming' if resume_dir else 'writing to'} {run_dir}", flush=True)
+    got: list[int] = []
 
     async def _main() -> list[dict]:
         loop = asyncio.get_running_loop()
         task = asyncio.current_task()
         assert task is not None
+        stop = asyncio.Event()
+
+        def on_signal(sig: int) -> None:  # first: checkpoint and stop; second: stop now
+            got.append(sig)
+            if len(got) == 1 and cfg.checkpoint.on_signal:
+                stop.set()
+            else:
+                task.cancel()
+
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, task.cancel)
-        return await run_job(cfg, run_dir, quiet=ns.quiet)
+            loop.add_signal_handler(sig, on_signal, sig)
+        return await run_job(
+            cfg, run_dir, quiet=ns.quiet, resume=resume_dir is not None, stop_event=stop
+        )
 
     try:
         rows = _event_loop_run(_main())
+    except RunStopped as exc:
+        print(f"asyncrl run: {exc}; continue with: asyncrl run --resume {run_dir}", file=sys.stderr)
+        return 128 + got[0]
     except asyncio.CancelledError:
         print("asyncrl run: stopped; every process of the run has ended", file=sys.stderr)
-        return 130
+        return 128 + (got[0] if got else signal.SIGINT)
     except (RuntimeError, ValueError) as exc:
         print(f"asyncrl run: failed: {exc}", file=sys.stderr)
         return 1

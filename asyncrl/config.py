@@ -17,6 +17,7 @@ import msgspec
 
 __all__ = [
     "AlgoConfig",
+    "CheckpointConfig",
     "ClusterConfig",
     "ControllerConfig",
     "ExperienceConfig",
@@ -383,6 +384,30 @@ class ClusterConfig(_Section):
             raise ValueError(f"cluster.start_timeout_s must be > 0, got {self.start_timeout_s}")
 
 
+class CheckpointConfig(_Section):
+    every_steps: int = 20
+    """Checkpoint the whole run (trainer + controller) into ``RUN_DIR/checkpoints/step-N``
+    every this many train steps (also on SIGTERM/SIGINT and at the end); 0: only at those."""
+    keep: int = 2
+    """Complete checkpoints kept (the oldest are deleted once a newer one is complete)."""
+    export_hf: bool = False
+    """Also export the actor as a Hugging Face folder inside every checkpoint (``hf/``); the
+    final policy is always exported to ``RUN_DIR/final``."""
+    on_signal: bool = True
+    """SIGTERM / first SIGINT: checkpoint the run before stopping (a second signal stops at
+    once)."""
+    timeout_s: float = 600.0
+    """How long the run waits for the trainer to finish writing one checkpoint."""
+
+    def __post_init__(self) -> None:
+        if self.every_steps < 0 or self.keep < 1 or self.timeout_s <= 0:
+            raise ValueError(
+                "checkpoint.every_steps must be >= 0, checkpoint.keep >= 1 and "
+                f"checkpoint.timeout_s > 0 (got {self.every_steps}, {self.keep}, "
+                f"{self.timeout_s})"
+            )
+
+
 class RunConfig(_Section):
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     task: TaskConfig = msgspec.field(default_factory=TaskConfig)
@@ -393,6 +418,7 @@ class RunConfig(_Section):
     weights: WeightSyncConfig = msgspec.field(default_factory=WeightSyncConfig)
     experience: ExperienceConfig = msgspec.field(default_factory=ExperienceConfig)
     cluster: ClusterConfig = msgspec.field(default_factory=ClusterConfig)
+    checkpoint: CheckpointConfig = msgspec.field(default_factory=CheckpointConfig)
     run_dir: str = ""
     """Output folder (metrics.jsonl, config.json, logs). Empty: a new folder under ``runs/``."""
     seed: int = 0
@@ -513,13 +539,18 @@ def _convert(tree: dict[str, Any]) -> RunConfig:
         ) from None
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
-    """Build a RunConfig from an optional TOML file and ``section.key=value`` overrides.
+def load_config(
+    path: str | Path | None = None,
+    overrides: list[str] | None = None,
+    base: dict[str, Any] | None = None,
+) -> RunConfig:
+    """Build a RunConfig from an optional TOML file (or a ``base`` tree, e.g. a run's
+    config.json) and ``section.key=value`` overrides.
 
     Raises ValueError naming the offending key for unknown keys, wrong types,
     out-of-range values and disallowed choices.
     """
-    tree: dict[str, Any] = {}
+    tree: dict[str, Any] = dict(base or {})
     if path is not None:
         p = Path(path)
         if not p.is_file():

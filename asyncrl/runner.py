@@ -11,6 +11,14 @@ the dispatcher (``next_batch`` -> whole groups assigned to trainer ranks ->
 ZeroMQ, credit flow control), the reporter (``StepDone`` -> ``set_version`` + one
 metrics line; a lost trainer rank fails the run) and the watchdog (a child
 that exits early fails the run with the tail of its log).
+Checkpoints (``checkpoint.every_steps``, on a stop request, at the end): right after
+the batch of step N-1 is sent, the dispatcher snapshots the controller (a consistent
+cut: every step before N is with the trainer) into ``checkpoints/step-N`` and sends
+``Save(N)`` behind that batch; every trainer rank saves after training step N-1;
+when the trainer reports ``Saved`` the manifest commits the checkpoint and old ones
+are pruned. ``resume=True`` starts from the newest complete checkpoint: the trainer
+restores it and pushes its weights to the engines (``Synced``) before the controller
+continues from its state. The final policy goes to ``RUN_DIR/final`` (HF format).
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ import asyncio
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -29,18 +38,28 @@ from typing import Any
 import msgspec
 
 from asyncrl.config import RunConfig, to_dict
+from asyncrl.controllers import checkpoints as ckpts
 from asyncrl.controllers import episode as episode_api
 from asyncrl.controllers.controller import Batch, Controller
-from asyncrl.controllers.episode import single_turn
+from asyncrl.controllers.episode import Sample, single_turn
+from asyncrl.controllers.state import ControllerState
 from asyncrl.engines.rollout.sglang import SGLangClient
+from asyncrl.guard import proc_start_time, release_guard, start_guard
 from asyncrl.launchers import Launcher, TrainerArgs, make_launcher
 from asyncrl.procs import python_env
 from asyncrl.tasks import make_task
 from asyncrl.transports.experience.assign import make_assigner
-from asyncrl.transports.experience.types import ConsumerLost, Shutdown, StepDone
+from asyncrl.transports.experience.types import (
+    ConsumerLost,
+    Save,
+    Saved,
+    Shutdown,
+    StepDone,
+    Synced,
+)
 from asyncrl.transports.experience.zmq import ExperienceSender, bind_endpoint
 
-__all__ = ["new_run_dir", "run_job"]
+__all__ = ["RunStopped", "new_run_dir", "run_job"]
 
 log = logging.getLogger("asyncrl.run")
 
@@ -77,6 +96,14 @@ def resolve_model(cfg: RunConfig) -> str:
     return str(path)
 
 
+class RunStopped(Exception):
+    """The run stopped on request (a signal) after checkpointing step ``step``."""
+
+    def __init__(self, step: int):
+        super().__init__(f"stopped on request; checkpoint of step {step} written")
+        self.step = step
+
+
 class _Run:
     def __init__(self, cfg: RunConfig, run_dir: Path, quiet: bool, launcher: Launcher):
         self.cfg = cfg
@@ -87,6 +114,31 @@ class _Run:
         self.t0 = time.perf_counter()
         self.t_controller = self.t0
         self.rows: list[dict[str, Any]] = []
+        self.resume_from: Path | None = None  # the checkpoint a resumed run starts from
+        self.resumed_step = -1
+        self.saves: dict[int, tuple[Path, asyncio.Future]] = {}  # pending: step -> (dir, done)
+        self.save_futures: dict[int, asyncio.Future] = {}  # every checkpoint asked for
+        self.save_stats: list[dict[str, float]] = []
+
+    def record_pids(self) -> None:
+        """processes.json (name -> pid), placement.json (name -> node address) and pids.json
+        (this host's processes with their start times, for the guardian)."""
+        placed = self.launcher.processes()
+        pids = {n: p.pid for n, p in placed.items()}
+        (self.run_dir / "processes.json").write_text(json.dumps(pids))
+        (self.run_dir / "placement.json").write_text(
+            json.dumps({n: p.address for n, p in placed.items()})
+        )
+        here = {n: p.pid for n, p in placed.items() if p.here}
+        guarded = {name: [pid, proc_start_time(pid)] for name, pid in here.items()}
+        ckpts.write_atomic(self.run_dir / "pids.json", json.dumps(guarded).encode())
+
+    def write_resume_file(self, checkpoint: Path | None) -> Path:
+        """What a trainer rank restores when it (re)starts: ``checkpoint`` or nothing."""
+        path = self.run_dir / "resume.json"
+        trainer = str(checkpoint / "trainer") if checkpoint is not None else ""
+        ckpts.write_atomic(path, json.dumps({"trainer": trainer}).encode())
+        return path
 
     def start_trainers(self, model_path: str, chan: ExperienceSender, urls: list[str]) -> None:
         args = TrainerArgs(
@@ -95,20 +147,90 @@ class _Run:
             world_size=self.cfg.trainer.world_size,
             batch_endpoint=chan.endpoint,
             engine_urls=tuple(urls),
+            resume_file=str(self.write_resume_file(self.resume_from)),
         )
         self.launcher.start_trainers(args)
 
-    async def dispatch(self, ctl: Controller, chan: ExperienceSender) -> None:
-        for _ in range(self.cfg.controller.total_steps):
-            batch = await ctl.next_batch()
+    async def dispatch(
+        self, ctl: Controller, chan: ExperienceSender, stop_event: asyncio.Event | None = None
+    ) -> None:
+        total, every = self.cfg.controller.total_steps, self.cfg.checkpoint.every_steps
+        while ctl.step < total:
+            batch = await _unless(ctl.next_batch(), stop_event)
+            if batch is None:  # stop requested: checkpoint what was handed out, then stop
+                await self.checkpoint(ctl, chan, wait=True)
+                raise RunStopped(ctl.step)
             self.batches[batch.step] = batch
             await chan.send_groups(batch.groups, step=batch.step)  # a group never splits
-        await asyncio.Future()  # all sent: the run ends when the reporter has every step
+            if every and ctl.step % every == 0 and ctl.step < total:
+                await self.checkpoint(ctl, chan)
+        await self.checkpoint(ctl, chan, final=True)
+        # all sent: the run ends when the reporter has every step (a stop waits for the end)
+        await _unless(asyncio.get_running_loop().create_future(), stop_event)
+        await asyncio.wait_for(self.save_futures[total], self.cfg.checkpoint.timeout_s)
+        raise RunStopped(total)
+
+    async def checkpoint(
+        self, ctl: Controller, chan: ExperienceSender, wait: bool = False, final: bool = False
+    ) -> None:
+        """Checkpoint the run at ``ctl.step`` (every earlier step handed to the trainer)."""
+        step = ctl.step
+        if step in self.save_futures or step == self.resumed_step:
+            if wait and step in self.save_futures:  # a stop right after a periodic checkpoint
+                await asyncio.wait_for(
+                    asyncio.shield(self.save_futures[step]), self.cfg.checkpoint.timeout_s
+                )
+            return
+        folder = ckpts.checkpoint_dir(self.run_dir, step)
+        data = msgspec.msgpack.encode(ctl.snapshot())  # one instant: no await before this
+        done: asyncio.Future = asyncio.get_running_loop().create_future()
+        self.saves[step] = (folder, done)
+        self.save_futures[step] = done
+        if folder.exists():  # an unfinished checkpoint of a run that died: start clean
+            await asyncio.to_thread(shutil.rmtree, folder)
+        (folder / "trainer").mkdir(parents=True)
+        await asyncio.to_thread(ckpts.write_atomic, folder / ckpts.CONTROLLER_FILE, data)
+        export = ""
+        if final:
+            export = str(self.run_dir / "final")
+        elif self.cfg.checkpoint.export_hf:
+            export = str(folder / "hf")
+        await chan.broadcast(Save(step=step, checkpoint=str(folder / "trainer"), export=export))
+        if wait:
+            await asyncio.wait_for(done, self.cfg.checkpoint.timeout_s)
+
+    async def saved(self, msg: Saved) -> None:
+        """The trainer's part of checkpoint ``msg.step`` is written: commit and prune."""
+        folder, done = self.saves.pop(msg.step)
+        if msg.error:
+            done.set_exception(RuntimeError(f"trainer failed checkpoint {folder}: {msg.error}"))
+            raise RuntimeError(f"trainer failed to write checkpoint {folder}: {msg.error}")
+        t0 = time.perf_counter()
+        await asyncio.to_thread(ckpts.write_manifest, folder, msg.step)
+        await asyncio.to_thread(ckpts.prune, self.run_dir, self.cfg.checkpoint.keep)
+        stats = {"step": msg.step, "stall_s": msg.stall_s, "save_s": msg.save_s}
+        stats["manifest_s"] = time.perf_counter() - t0
+        self.save_stats.append(stats)
+        with open(self.run_dir / "checkpoints.jsonl", "a") as f:
+            f.write(json.dumps(stats) + "\n")
+        if not self.quiet:
+            print(
+                f"checkpoint {folder} (trainer stall {msg.stall_s:.3f}s, {msg.save_s:.2f}s)",
+                flush=True,
+            )
+        done.set_result(stats)
 
     async def report(self, ctl: Controller, chan: ExperienceSender) -> None:
-        done = 0
-        while done < self.cfg.controller.total_steps:
-            msg = await chan.recv_report()
+        total = self.cfg.controller.total_steps
+        while ctl.staleness.version < total or self.saves:
+            timeout = self.cfg.checkpoint.timeout_s if ctl.staleness.version >= total else None
+            try:
+                msg = await asyncio.wait_for(chan.recv_report(), timeout)
+            except asyncio.TimeoutError:
+                raise RuntimeError(
+                    f"trainer did not report checkpoint(s) {sorted(self.saves)} within "
+                    f"checkpoint.timeout_s={timeout}s"
+                ) from None
             if isinstance(msg, Shutdown):
                 raise RuntimeError(f"trainer stopped the run: {msg.reason}")
             if isinstance(msg, ConsumerLost):
@@ -116,11 +238,28 @@ class _Run:
                     f"trainer rank {msg.rank} went silent with {len(msg.seqs)} batch(es) "
                     f"unacknowledged (episodes {msg.episode_ids[:20]})"
                 )
+            if isinstance(msg, Saved):
+                await self.saved(msg)
+                continue
             if not isinstance(msg, StepDone):
                 continue
             await ctl.set_version(msg.version)
             self.log_step(msg, ctl)
-            done += 1
+
+    async def wait_synced(self, chan: ExperienceSender, step: int) -> None:
+        """A resumed trainer restored ``step`` and put its weights on the engines."""
+        timeout = self.cfg.rollout.startup_timeout_s + self.cfg.weights.timeout_s
+        try:
+            msg = await asyncio.wait_for(chan.recv_report(), timeout)
+        except asyncio.TimeoutError:
+            raise RuntimeError(
+                f"trainer rank 0 did not restore checkpoint step {step} and sync the engines "
+                f"within {timeout:.0f}s"
+            ) from None
+        if isinstance(msg, Shutdown):
+            raise RuntimeError(f"trainer stopped the run while resuming: {msg.reason}")
+        if not (isinstance(msg, Synced) and msg.step == step):
+            raise RuntimeError(f"expected the trainer's Synced(step={step}), got {msg!r}")
 
     def log_step(self, msg: StepDone, ctl: Controller) -> None:
         batch = self.batches.pop(msg.step)
@@ -131,6 +270,7 @@ class _Run:
             "staleness_max": batch.staleness_max,
             "weight_version": msg.version,
             "num_samples": len(batch.trajectories),
+            "sample_ids": [getattr(x, "id", None) for x in batch.samples],
             "wall_s": time.perf_counter() - self.t0,
             "controller_s": time.perf_counter() - self.t_controller,
             **{k: v for k, v in m.items() if k not in ("num_samples",)},
@@ -171,6 +311,23 @@ class _Run:
             await asyncio.sleep(0.5)
 
 
+async def _unless(coro: Coroutine[Any, Any, Any], stop_event: asyncio.Event | None) -> Any:
+    """``await coro``, unless ``stop_event`` is set first (then the coroutine is cancelled and
+    None returned; a result it produced meanwhile is still returned)."""
+    if stop_event is None:
+        return await coro
+    task = asyncio.ensure_future(coro)
+    stopper = asyncio.ensure_future(stop_event.wait())
+    try:
+        await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopper.cancel()
+        if not task.done():
+            task.cancel()
+        await asyncio.gather(task, stopper, return_exceptions=True)
+    return None if task.cancelled() else task.result()
+
+
 async def _first(*coros: Coroutine[Any, Any, Any]) -> None:
     """Run until the first coroutine finishes; re-raise its error; cancel the rest."""
     tasks = [asyncio.ensure_future(c) for c in coros]
@@ -191,17 +348,25 @@ async def run_job(
     episode: episode_api.Episode | None = None,
     samples: Iterable[Any] | None = None,
     pin: dict[str, set[int]] | None = None,
+    resume: bool = False,
+    stop_event: asyncio.Event | None = None,
 ) -> list[dict[str, Any]]:
     """Run a whole training job; returns the metrics rows (also in ``run_dir/metrics.jsonl``).
 
     ``episode`` and ``samples`` replace the built-in task's single-turn episode and prompt
-    stream; ``pin`` maps ``"engine"`` / ``"trainer"`` to the CPU cores their processes get.
+    stream (``samples`` must then be the same deterministic stream on resume); ``pin``
+    maps ``"engine"`` / ``"trainer"`` to the CPU cores their processes get. ``resume``:
+    continue from the newest complete checkpoint in ``run_dir``. ``stop_event`` set:
+    checkpoint and raise :class:`RunStopped`.
     """
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_bytes(msgspec.json.encode(to_dict(cfg)))
-    model_path = resolve_model(cfg)
     launcher = make_launcher(cfg, run_dir, pin)
     job = _Run(cfg, run_dir, quiet, launcher)
+    state = _resume_state(job) if resume else None
+    (run_dir / "config.json").write_bytes(msgspec.json.encode(to_dict(cfg)))
+    model_path = resolve_model(cfg)
+    (run_dir / "pids.json").write_text("{}")
+    guard = start_guard(run_dir / "pids.json")  # ends the children if this process dies
     xc = cfg.experience
     chan = ExperienceSender(
         cfg.trainer.world_size,
@@ -216,16 +381,14 @@ async def run_job(
     try:
         urls = list(cfg.rollout.urls) or launcher.start_engines(model_path)
         job.start_trainers(model_path, chan, urls)
-        placed = launcher.processes()
-        (run_dir / "processes.json").write_text(json.dumps({n: p.pid for n, p in placed.items()}))
-        (run_dir / "placement.json").write_text(
-            json.dumps({n: p.address for n, p in placed.items()})
-        )
+        job.record_pids()
         clients = [SGLangClient(u, timeout_s=cfg.rollout.request_timeout_s) for u in urls]
         await _first(
             asyncio.gather(*(c.wait_healthy(cfg.rollout.startup_timeout_s) for c in clients)),
             job.watchdog(),
         )
+        if state is not None:
+            await _first(job.wait_synced(chan, state.step), job.watchdog())
         sampling: dict[str, Any] = {}
         if episode is None:
             task = make_task(cfg.task, model_path)
@@ -233,8 +396,12 @@ async def run_job(
             episode = single_turn(task.reward, cfg.controller.inline_reward_s)
             samples = task.samples()
         job.t_controller = time.perf_counter()
-        async with Controller(cfg, episode, clients, samples, sampling) as ctl:
-            await _first(job.report(ctl, chan), job.dispatch(ctl, chan), job.watchdog())
+        start = state.step if state is not None else 0
+        ctl = Controller(cfg, episode, clients, samples, sampling, start, state, Sample)
+        async with ctl:
+            if state is not None and not quiet:
+                print(f"resumed: {ctl.resumed}", flush=True)
+            await _first(job.report(ctl, chan), job.dispatch(ctl, chan, stop_event), job.watchdog())
         return job.rows
     finally:
         told = False
@@ -247,3 +414,22 @@ async def run_job(
         # told: trainers leave the weight group while the engines still answer
         await asyncio.to_thread(launcher.stop, 10.0 if told else 0.0)
         await chan.close()
+        await asyncio.to_thread(release_guard, guard)
+
+
+def _resume_state(job: _Run) -> ControllerState:
+    """Find the newest complete checkpoint of the run; drop the metrics rows after it."""
+    found = ckpts.latest_checkpoint(job.run_dir)
+    if found is None:
+        raise ValueError(f"--resume {job.run_dir}: no complete checkpoint in its checkpoints/")
+    job.resumed_step, job.resume_from = found
+    state = ckpts.load_controller_state(job.resume_from)
+    dropped = ckpts.truncate_metrics(job.run_dir / "metrics.jsonl", state.step)
+    if not job.quiet:
+        print(
+            f"resuming from {job.resume_from}: step {state.step}, {len(state.ready)} ready "
+            f"and {len(state.running)} running groups ({state.kept_tokens} tokens kept); "
+            f"{dropped} metrics rows after it dropped",
+            flush=True,
+        )
+    return state

@@ -30,6 +30,11 @@ Data flow (one asyncio loop — uvloop when the CLI runs it; nothing here import
 - Every background task is supervised: the first exception is re-raised by the
   next ``next_batch`` / ``set_version`` call; ``close()`` cancels everything.
 
+Checkpoints: ``snapshot()`` (taken right after ``next_batch`` handed out step t - 1)
+is the controller's part of a run checkpoint; ``Controller(..., resume=state)``
+continues from one: counters, data position, ready groups, and running groups whose
+episodes replay their generate journals (kept tokens are not generated again).
+
 Accounting (``stats()``): every admitted group ends in exactly one of trained,
 rejected, failed, stale_dropped, stale_regenerated (re-queued as a new group), or
 is still running / ready — ``admitted == trained + ready + running + rejected +
@@ -51,6 +56,17 @@ from asyncrl.config import RunConfig
 from asyncrl.controllers.episode import Episode, EpisodeContext, EpisodeFailed, Gate
 from asyncrl.controllers.router import Router
 from asyncrl.controllers.staleness import Staleness
+from asyncrl.controllers.state import (
+    ControllerState,
+    EpisodeState,
+    GroupState,
+    ReadyState,
+    decode_sample,
+    encode_sample,
+    journal_of,
+    traj_from_state,
+    traj_state,
+)
 from asyncrl.engines.rollout.base import EngineError, EngineUnavailable, RolloutEngine
 from asyncrl.transports.experience.types import Trajectory
 
@@ -92,6 +108,8 @@ class Batch(msgspec.Struct, gc=False):
         return sum(t.reward for t in ts) / len(ts)
 
 
+_END = object()
+
 _COUNTERS = (
     "groups_admitted",
     "trained",
@@ -112,6 +130,9 @@ class Controller:
     loading them). ``engines`` default to SGLang-protocol clients of
     ``config.rollout.urls``; ``source`` is an optional iterable of samples pulled
     lazily; ``start_version`` resumes a run (the admission counters restart from it).
+    ``resume`` continues from a checkpointed :class:`ControllerState` (``source`` must
+    be the same stream from its start; ``sample_type`` decodes its samples) at
+    ``start_version``, the version of the checkpoint's weights.
     """
 
     def __init__(
@@ -122,6 +143,8 @@ class Controller:
         source: Iterable[Any] | None = None,
         sampling: dict[str, Any] | None = None,
         start_version: int = 0,
+        resume: ControllerState | None = None,
+        sample_type: Any = Any,
     ):
         if not callable(episode):
             raise TypeError(f"episode must be an async function (ctx, sample), got {episode!r}")
@@ -164,9 +187,19 @@ class Controller:
         self._closing = False
         self._error: BaseException | None = None
         self.counters = dict.fromkeys(_COUNTERS, 0)
+        self._drawn = 0  # samples taken from the source (the data stream's position)
+        self._ctxs: dict[int, list[EpisodeContext]] = {}  # running group -> its episodes
+        self._group_samples: dict[int, Any] = {}  # running group -> its sample
+        self._resumed: list[tuple[int, Any, int, list[EpisodeState]]] = []
+        self.resumed = {"groups": 0, "episodes": 0, "kept_tokens": 0}
+        if resume is not None:
+            self._restore(resume, sample_type)
 
     # -- lifecycle ---------------------------------------------------------------------
     async def __aenter__(self) -> Controller:
+        for gid, sample, admitted_at, episodes in self._resumed:  # before any new admission
+            self._start_group(gid, sample, admitted_at, episodes)
+        self._resumed = []
         self._spawn(self._admission_loop(), "admission")
         self._spawn(self._health_loop(), "health")
         return self
@@ -301,7 +334,9 @@ class Controller:
             return True, self._samples.popleft()
         if self._source is not None:
             try:
-                return True, next(self._source)
+                sample = next(self._source)
+                self._drawn += 1
+                return True, sample
             except StopIteration:
                 self._source = None
         return False, None
@@ -316,7 +351,6 @@ class Controller:
         )
 
     async def _admission_loop(self) -> None:
-        loop = asyncio.get_running_loop()
         staleness = self.staleness
         counters = self.counters
         while True:
@@ -330,12 +364,23 @@ class Controller:
                 counters["groups_admitted"] += 1
                 gid = self._gid
                 self._gid += 1
-                task = loop.create_task(self._run_group(gid, sample))
-                self._groups[gid] = task
-                self._admitted_at[gid] = staleness.version
-                task.add_done_callback(self._group_done)
+                self._start_group(gid, sample, staleness.version)
             self._changed.clear()
             await self._changed.wait()
+
+    def _start_group(
+        self, gid: int, sample: Any, admitted_at: int, replay: list[EpisodeState] | None = None
+    ) -> None:
+        n = self._group_size
+        ctxs = (
+            [self._context(gid) for _ in range(n)] if replay is None else self._replay(gid, replay)
+        )
+        self._ctxs[gid] = ctxs
+        self._group_samples[gid] = sample
+        task = asyncio.get_running_loop().create_task(self._run_group(gid, sample, ctxs))
+        self._groups[gid] = task
+        self._admitted_at[gid] = admitted_at
+        task.add_done_callback(self._group_done)
 
     def _group_done(self, task: asyncio.Task) -> None:
         if task.cancelled():
@@ -350,16 +395,17 @@ class Controller:
         self._changed.set()
         self._ready_changed.set()  # next_batch may be waiting for this very group
 
-    async def _run_group(self, gid: int, sample: Any) -> None:
+    async def _run_group(self, gid: int, sample: Any, ctxs: list[EpisodeContext]) -> None:
         try:
-            await self._group_body(gid, sample)
+            await self._group_body(gid, sample, ctxs)
         finally:
             del self._groups[gid]
             del self._admitted_at[gid]
+            del self._ctxs[gid]
+            del self._group_samples[gid]
 
-    async def _group_body(self, gid: int, sample: Any) -> None:
+    async def _group_body(self, gid: int, sample: Any, ctxs: list[EpisodeContext]) -> None:
         n = self._group_size
-        ctxs = [self._context(gid) for _ in range(n)]
         if n == 1:
             try:
                 results: list[Any] = [await self._episode(ctxs[0], sample)]
@@ -396,10 +442,86 @@ class Controller:
         if len(self._ready) >= self._batch_size or self._input_ended:
             self._ready_changed.set()
 
-    def _context(self, gid: int) -> EpisodeContext:
-        eid = self._eid
-        self._eid += 1
+    def _context(self, gid: int, eid: int | None = None) -> EpisodeContext:
+        if eid is None:
+            eid = self._eid
+            self._eid += 1
         return EpisodeContext(self.router, gid, eid, self._sampling, self._max_retries, self._gate)
+
+    def _replay(self, gid: int, episodes: list[EpisodeState]) -> list[EpisodeContext]:
+        if len(episodes) != self._group_size:
+            raise ValueError(
+                f"checkpointed group {gid} has {len(episodes)} episodes, algo.group_size is "
+                f"{self._group_size}: resume with the run's own group size"
+            )
+        ctxs = []
+        for e in episodes:
+            ctx = self._context(gid, e.episode_id)
+            ctx.replay = list(e.calls)
+            ctx.next_rid = e.next_rid
+            ctxs.append(ctx)
+            self.resumed["episodes"] += 1
+            self.resumed["kept_tokens"] += sum(len(c.output_ids) for c in e.calls)
+        self.resumed["groups"] += 1
+        return ctxs
+
+    # -- checkpoints -------------------------------------------------------------------
+    def snapshot(self) -> ControllerState:
+        """The controller's state now (synchronous: one consistent instant; see state.py)."""
+        st = self.staleness
+        running = []
+        for gid in sorted(self._groups):
+            sample = self._group_samples[gid]
+            eps = [
+                EpisodeState(c.episode_id, journal_of(c.journal, c.current), c.next_rid)
+                for c in self._ctxs[gid]
+            ]
+            running.append(GroupState(gid, encode_sample(sample), self._admitted_at[gid], eps))
+        ready = [
+            ReadyState(
+                g.gid,
+                encode_sample(g.sample),
+                [traj_state(t) for t in g.trajs],
+                g.min_version,
+                g.admitted_at,
+            )
+            for g in self._ready
+        ]
+        return ControllerState(
+            step=self.step,
+            version=st.version,
+            admitted=st.admitted,
+            released=st.released,
+            counters=dict(self.counters),
+            next_gid=self._gid,
+            next_eid=self._eid,
+            drawn=self._drawn,
+            queued=[encode_sample(x) for x in self._samples],
+            ready=ready,
+            running=running,
+        )
+
+    def _restore(self, state: ControllerState, sample_type: Any) -> None:
+        st = self.staleness
+        st.admitted, st.released = state.admitted, state.released
+        self.step = state.step
+        self.counters.update(state.counters)
+        self._gid, self._eid = state.next_gid, state.next_eid
+        self._samples.extend(decode_sample(r, sample_type) for r in state.queued)
+        if self._source is not None:
+            for _ in range(state.drawn):  # the same stream, continued where it stopped
+                if next(self._source, _END) is _END:
+                    self._source = None
+                    break
+        self._drawn = state.drawn
+        for g in state.ready:
+            sample = decode_sample(g.sample, sample_type)
+            trajs = [traj_from_state(t) for t in g.trajs]
+            self._ready.append(Group(g.gid, sample, trajs, g.min_version, g.admitted_at))
+        self._resumed = [
+            (g.gid, decode_sample(g.sample, sample_type), g.admitted_at, g.episodes)
+            for g in state.running
+        ]
 
     async def _health_loop(self) -> None:
         while True:

@@ -17,6 +17,15 @@ None to reject the sample (its group then never trains).
   after a bounded exponential back-off (``controller.retry_backoff_s`` doubling
   up to ``retry_backoff_max_s``); after ``controller.max_retries`` retries the
   episode raises :class:`EpisodeFailed` and its group is reported failed.
+
+Every context keeps a journal of its ``generate`` calls (the call in progress
+included, with the tokens received so far). A run checkpoint stores it; on resume
+the episode runs again from its start and each ``generate`` call is answered from
+the journal (a finished call at once, the interrupted one continued from its kept
+tokens), so nothing that was generated is generated again. This asks of an episode
+what any resumable agent loop needs: given the same generations it makes the same
+calls. A call whose input differs from the journal's ends the replay (logged); the
+episode then generates afresh from there.
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ import asyncio
 import inspect
 import logging
 import time
+import zlib
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -46,6 +56,7 @@ __all__ = [
     "RewardRunner",
     "Sample",
     "call_reward",
+    "input_crc",
     "single_turn",
 ]
 
@@ -72,6 +83,12 @@ class Generation(msgspec.Struct, gc=False):
     versions: list[int]
     finish_reason: str
     calls: int = 0
+    input_crc: int = 0  # set in checkpointed journals only: CRC-32 of the call's input ids
+
+
+def input_crc(ids: Sequence[int]) -> int:
+    """CRC-32 of token ids (int32 bytes): identifies a generate call's input in a journal."""
+    return zlib.crc32(np.asarray(ids, np.int32).tobytes())
 
 
 class EpisodeFailed(RuntimeError):
@@ -168,8 +185,8 @@ async def call_reward(fn: RewardFn, sample: Any, response_ids: list[int]) -> flo
 class EpisodeContext:
     """Handed to each episode: generation with exact versions, rewards, trajectory helpers."""
 
-    __slots__ = ("_engine", "_gate", "_max_retries", "_rids", "_router", "episode_id", "group_id")
-    __slots__ += ("made", "sampling")
+    __slots__ = ("_engine", "_gate", "_max_retries", "_router", "episode_id", "group_id")
+    __slots__ += ("current", "journal", "made", "next_rid", "replay", "sampling")
 
     def __init__(
         self,
@@ -187,8 +204,11 @@ class EpisodeContext:
         self._max_retries = max_retries
         self._gate = gate
         self._engine: Any = None  # sticky: every turn of an episode goes to one engine
-        self._rids = 0
+        self.next_rid = 0  # request ids are f"{episode_id}-{n}", n never reused
         self.made: list[tuple[Trajectory, int]] = []  # (trajectory, min generated version)
+        self.journal: list[tuple[list[int], Generation]] = []  # finished calls: (input, output)
+        self.current: tuple[list[int], Generation] | None = None  # the call in progress
+        self.replay: list[Generation] = []  # calls to answer from a checkpoint, in order
 
     async def generate(self, input_ids: Sequence[int], **sampling: Any) -> Generation:
         """Complete ``input_ids``; keyword args override the run's sampling params.
@@ -198,14 +218,45 @@ class EpisodeContext:
         params = {**self.sampling, **sampling} if sampling else dict(self.sampling)
         budget = int(params.get("max_new_tokens", 128))
         prefix = input_ids if isinstance(input_ids, list) else list(input_ids)
-        out = Generation([], [], [], "length")
+        out = self._replayed(prefix) if self.replay else None
+        if out is not None and out.finish_reason != "partial":
+            self.journal.append((prefix, out))
+            return out
+        out = out or Generation([], [], [], "length")
+        self.current = (prefix, out)
+        try:
+            out = await self._generate(prefix, out, params, budget)
+        finally:
+            self.current = None
+        self.journal.append((prefix, out))
+        return out
+
+    def _replayed(self, prefix: list[int]) -> Generation | None:
+        """The journal's answer to this call (finish_reason ``partial``: continue it), or None
+        when the call differs from the journal's (the replay ends there)."""
+        rec = self.replay.pop(0)
+        if rec.input_crc != input_crc(prefix):
+            log.warning(
+                "episode %d: call %d differs from its checkpointed journal; generating afresh",
+                self.episode_id,
+                len(self.journal),
+            )
+            self.replay.clear()
+            return None
+        gen = Generation(list(rec.output_ids), list(rec.logprobs), list(rec.versions), "")
+        gen.finish_reason, gen.calls = rec.finish_reason, rec.calls
+        return gen
+
+    async def _generate(
+        self, prefix: list[int], out: Generation, params: dict[str, Any], budget: int
+    ) -> Generation:
         failures = 0
         gate = self._gate
         while True:
             done = len(out.output_ids)
             params["max_new_tokens"] = budget - done
-            rid = f"{self.episode_id}-{self._rids}"
-            self._rids += 1
+            rid = f"{self.episode_id}-{self.next_rid}"
+            self.next_rid += 1
             if not gate.open.is_set():
                 await gate.open.wait()
             gate.inflight += 1
@@ -239,9 +290,9 @@ class EpisodeContext:
                 out.output_ids += res.output_ids
                 out.logprobs += res.logprobs
                 out.versions += [res.weight_version] * n
-            out.finish_reason = res.finish_reason
+            out.finish_reason = "partial" if res.finish_reason == "abort" else res.finish_reason
             if res.finish_reason != "abort" or len(out.output_ids) >= budget:
-                if out.finish_reason == "abort":
+                if out.finish_reason == "partial":
                     out.finish_reason = "length"
                 return out
             if not n:  # aborted before any progress: do not spin against a paused engine

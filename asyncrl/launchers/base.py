@@ -58,6 +58,9 @@ class TrainerArgs:
     world_size: int
     batch_endpoint: str
     engine_urls: tuple[str, ...]
+    resume_file: str = ""
+    """JSON ``{"trainer": DIR}`` each rank reads when it starts (a restart included): restore
+    that checkpoint first ("" or no file: start from the model)."""
 
 
 @runtime_checkable
@@ -118,6 +121,8 @@ def trainer_command(
     cmd += ["--world-size", str(args.world_size), "--host", host]
     cmd += ["--dist-addr", dist_addr, "--dist-port", str(dist_port)]
     cmd += ["--batch-endpoint", args.batch_endpoint, "--engine-urls", ",".join(args.engine_urls)]
+    if args.resume_file:
+        cmd += ["--resume-file", args.resume_file]
     return cmd
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -53,17 +54,28 @@ def _rng_state() -> dict[str, torch.Tensor]:
     return state
 
 
-def save(engine: FSDPEngine, path: str | Path) -> None:
-    """Write model, optimizer, schedule, step and RNG of every rank to ``path``."""
+def save(
+    engine: FSDPEngine, path: str | Path, async_group: dist.ProcessGroup | None = None
+) -> Future | None:
+    """Write model, optimizer, schedule, step and RNG of every rank to ``path``.
+
+    With ``async_group`` (a Gloo group of every trainer rank, kept for checkpoints only,
+    so the background writes never share a communicator with training) the shards are
+    staged into CPU memory here and written by a background thread
+    (``dcp.async_save``); the returned future completes when they are on disk on every
+    rank. The RNG and ``trainer_state.json`` are written before returning either way.
+    """
     from safetensors.torch import save_file
 
     path = Path(path)
     model_sd, optim_sd = get_state_dict(engine.model, engine.optimizer)
-    dcp.save(
-        {"model": model_sd, "optim": optim_sd},
-        checkpoint_id=str(path),
-        no_dist=not dist.is_initialized(),
-    )
+    sd = {"model": model_sd, "optim": optim_sd}
+    future: Future | None = None
+    if async_group is not None and dist.is_initialized():
+        got = dcp.async_save(sd, checkpoint_id=str(path), process_group=async_group)
+        future = got if isinstance(got, Future) else got.upload_completion
+    else:
+        dcp.save(sd, checkpoint_id=str(path), no_dist=not dist.is_initialized())
     rank = _rank()
     (path / "rng").mkdir(parents=True, exist_ok=True)
     save_file(_rng_state(), str(path / "rng" / f"rank{rank}.safetensors"))
@@ -83,6 +95,7 @@ def save(engine: FSDPEngine, path: str | Path) -> None:
         }
         (path / _STATE).write_text(json.dumps(state, indent=1))
     _barrier()
+    return future
 
 
 def load(engine: FSDPEngine, path: str | Path) -> None:

@@ -16,6 +16,7 @@ import datetime
 import math
 import warnings
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
 from typing import Literal
 
 import torch
@@ -265,8 +266,10 @@ class FSDPEngine:
             for name, t in full:
                 yield name, t.detach()
 
-    def save(self, path: str) -> None:
-        checkpoint.save(self, path)
+    def save(self, path: str, async_group: dist.ProcessGroup | None = None) -> Future | None:
+        """Collective; see :func:`asyncrl.engines.train.checkpoint.save` (``async_group``:
+        write in the background, the future completes when the files are complete)."""
+        return checkpoint.save(self, path, async_group)
 
     def load(self, path: str) -> None:
         checkpoint.load(self, path)

@@ -17,6 +17,7 @@ import logging
 import signal
 import time
 from collections.abc import Callable
+from typing import Any
 
 import msgspec
 import torch
@@ -25,8 +26,9 @@ import torch.distributed as dist
 from asyncrl.algorithms.base import make_algorithm
 from asyncrl.config import RunConfig
 from asyncrl.engines.train.fsdp import FSDPEngine
+from asyncrl.engines.train.run_state import RunState
 from asyncrl.net import pin_socket_ifname, tcp_store
-from asyncrl.transports.experience.types import Shutdown, StepDone, TrainBatch
+from asyncrl.transports.experience.types import Save, Shutdown, StepDone, Synced, TrainBatch
 from asyncrl.transports.experience.zmq import ExperienceReceiver
 from asyncrl.transports.weights import make_weight_transport
 from asyncrl.transports.weights.base import PushHandle, WeightSyncError
@@ -103,6 +105,10 @@ def run(args: argparse.Namespace) -> None:
             cfg.weights, urls, cfg.trainer.device, cfg.rollout.pause_mode
         )
         sender.connect()
+    state = RunState(algorithm, args.rank, chan.report)
+    resume_from = _resume_from(args.resume_file)
+    if resume_from:
+        _resume(resume_from, state, sender, chan)
     pending: list[PushHandle] = []  # the last push, until the sender has read the weights
     waits: list[float] = []
 
@@ -120,6 +126,10 @@ def run(args: argparse.Namespace) -> None:
             msg, trajs = got.msg, got.trajs
             if isinstance(msg, Shutdown):
                 break
+            if isinstance(msg, Save):
+                stall = state.save(msg)
+                log.info("rank %d: step %d saved (stall %.3fs)", args.rank, msg.step, stall)
+                continue
             if not isinstance(msg, TrainBatch):
                 continue
             t0 = time.perf_counter()
@@ -140,10 +150,36 @@ def run(args: argparse.Namespace) -> None:
     except _Stop as exc:
         log.info("trainer rank %d stopping: %s", args.rank, exc)
     finally:
+        state.wait()
         if sender is not None:
             sender.close()
         chan.close()
         dist.destroy_process_group()
+
+
+def _resume_from(path: str) -> str:
+    """The checkpoint folder named by the run's resume file (``{"trainer": DIR}``), or ""."""
+    if not path:
+        return ""
+    try:
+        with open(path, "rb") as f:
+            return str(msgspec.json.decode(f.read()).get("trainer", ""))
+    except FileNotFoundError:
+        return ""
+
+
+def _resume(path: str, state: RunState, sender: Any, chan: ExperienceReceiver) -> None:
+    """Restore a checkpoint, put its weights on the engines, announce :class:`Synced`."""
+    step = state.restore(path)
+    weights = state.engines["actor"].named_weights()
+    if sender is None:
+        for _ in weights:  # collective under sharding: every rank takes part
+            pass
+        return
+    t0 = time.perf_counter()
+    sender.push(weights, version=step).wait()
+    log.info("restored step %d; engines hold its weights (%.2fs)", step, time.perf_counter() - t0)
+    chan.report(Synced(step=step, version=step))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -157,6 +193,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dist-port", type=int, required=True)
     p.add_argument("--batch-endpoint", required=True)
     p.add_argument("--engine-urls", default="")
+    p.add_argument(
+        "--resume-file",
+        default="",
+        help='JSON {"trainer": DIR}: start from that checkpoint (read at every (re)start)',
+    )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s trainer %(levelname)s %(message)s")
     signal.signal(signal.SIGTERM, _on_signal)

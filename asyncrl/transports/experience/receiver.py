@@ -25,6 +25,7 @@ from asyncrl.transports.experience.types import (
     Hello,
     Message,
     Ring,
+    Save,
     Shutdown,
     TrainBatch,
     Trajectory,
@@ -37,7 +38,7 @@ _DRAIN = 64  # messages taken per readiness event, so a flood cannot starve time
 
 
 class Delivery(msgspec.Struct, gc=False):
-    """One received message: ``msg`` (TrainBatch or Shutdown), its trajectories, its source."""
+    """One received message: ``msg`` (TrainBatch, Save, Shutdown), its trajectories, source."""
 
     msg: Message
     trajs: list[Trajectory]
@@ -114,7 +115,7 @@ class ExperienceReceiver:
         return dict(self._reject.by_kind)
 
     def recv(self, timeout_s: float) -> Delivery | None:
-        """Next delivery (a TrainBatch or a Shutdown) within ``timeout_s``, else None."""
+        """Next delivery (a TrainBatch, a Save or a Shutdown) within ``timeout_s``, else None."""
         deadline = time.monotonic() + timeout_s
         while not self._ready:
             self._send_acks(low_only=True)  # never wait while a producer runs low on credit
@@ -226,7 +227,7 @@ class ExperienceReceiver:
                     if self._window[producer] <= 0:
                         raise MalformedMessage("protocol", f"seq {msg.seq} sent without credit")
                     self._window[producer] -= 1
-                elif not isinstance(msg, Shutdown):
+                elif not isinstance(msg, Shutdown | Save):
                     raise MalformedMessage(
                         "protocol", f"a producer may not send {type(msg).__name__}"
                     )

@@ -9,8 +9,9 @@ Messages and who sends them (see ``zmq.py`` for the protocol)::
 
     consumer -> producer   Hello (once per connection), Credit (acks + new credit, heartbeat)
     producer -> consumer   Ring (a shared-memory ring, same host), TrainBatch (+ one payload
-                           frame, or none when the payload is in the ring), Shutdown
-    consumer -> producer   StepDone (the version announcement of the trainer), Shutdown
+                           frame, or none when the payload is in the ring), Save, Shutdown
+    consumer -> producer   StepDone (the version announcement of the trainer), Saved,
+                           Synced, Shutdown
 """
 
 from __future__ import annotations
@@ -28,14 +29,17 @@ __all__ = [
     "Hello",
     "Message",
     "Ring",
+    "Save",
+    "Saved",
     "Shutdown",
     "StepDone",
+    "Synced",
     "TrainBatch",
     "TrajMeta",
     "Trajectory",
 ]
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 """Bumped on any change of the wire layout; peers with another schema are rejected."""
 
 # name -> dtype of every per-trajectory array; the codec relies on this order.
@@ -184,6 +188,35 @@ class StepDone(msgspec.Struct, tag="step_done", array_like=True, gc=False, omit_
     metrics: dict[str, float] = {}
 
 
+class Save(msgspec.Struct, tag="save", array_like=True, gc=False, omit_defaults=True):
+    """Producer -> every consumer, in order after the batch of step ``step - 1``: save the
+    trainer's state (every step before ``step`` trained) under ``checkpoint`` and/or export
+    the actor as a Hugging Face folder to ``export`` ("": not asked)."""
+
+    step: int
+    checkpoint: str = ""
+    export: str = ""
+
+
+class Saved(msgspec.Struct, tag="saved", array_like=True, gc=False, omit_defaults=True):
+    """Consumer rank 0 -> producers: what :class:`Save` asked for of ``step`` is on disk on
+    every rank. ``stall_s``: how long training stood still for it (the rest ran in the
+    background); ``save_s``: from the request to the files being complete."""
+
+    step: int
+    stall_s: float = 0.0
+    save_s: float = 0.0
+    error: str = ""
+
+
+class Synced(msgspec.Struct, tag="synced", array_like=True, gc=False, omit_defaults=True):
+    """Consumer rank 0 -> producers: a (re)started trainer restored step ``step`` from a
+    checkpoint and the engines now serve its weights as ``version``."""
+
+    step: int
+    version: int
+
+
 class Shutdown(msgspec.Struct, tag="shutdown", array_like=True, gc=False, omit_defaults=True):
     """Either side: stop after this message; ``reason`` says why."""
 
@@ -203,4 +236,6 @@ class ConsumerLost(msgspec.Struct, tag="lost", array_like=True, gc=False, omit_d
     episode_ids: list[int]
 
 
-Message = TrainBatch | Hello | Ring | Credit | StepDone | Shutdown | ConsumerLost
+Message = (
+    TrainBatch | Hello | Ring | Credit | StepDone | Save | Saved | Synced | Shutdown | ConsumerLost
+)

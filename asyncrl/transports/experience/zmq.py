@@ -8,8 +8,9 @@ consumer (trainer rank r) connects one DEALER to every producer. Protocol::
     producer ─ TrainBatch(seq, step, ...) + payload ─────▶ consumer   (only while credit > 0)
     consumer ─ Credit(acked=[seq...], grant=k) ───────────▶ producer   (after processing; heartbeat
                                                                         when empty)
-    consumer ─ StepDone / Shutdown ───────────────────────▶ producer   (reports, any thread)
-    producer ─ Shutdown ──────────────────────────────────▶ consumer
+    consumer ─ StepDone / Saved / Synced / Shutdown ──────▶ producer   (reports, any thread)
+    producer ─ Save / Shutdown ───────────────────────────▶ consumer   (broadcast, in order
+                                                                        after the batches sent)
 
 Back-pressure, not loss: a producer sends to rank r only while it holds credit
 from r; it keeps every sent message (its frames: references, no copy) until r
@@ -69,8 +70,10 @@ from asyncrl.transports.experience.types import (
     Hello,
     Message,
     Ring,
+    Saved,
     Shutdown,
     StepDone,
+    Synced,
     TrainBatch,
     Trajectory,
 )
@@ -391,7 +394,7 @@ class ExperienceSender:
                         peer.ring.free(seq)
             peer.credit += max(0, msg.grant)
             await self._pump(rank)
-        elif isinstance(msg, StepDone | Shutdown):
+        elif isinstance(msg, StepDone | Saved | Synced | Shutdown):
             self._reports.put_nowait(msg)
         else:
             raise MalformedMessage("protocol", f"a consumer may not send {type(msg).__name__}")

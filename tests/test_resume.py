@@ -1,0 +1,151 @@
+"""Long runs survive: checkpoints, the final policy, stop + resume, a killed `asyncrl run`.
+
+Every test drives the real `asyncrl run` CLI (controller, embedded engine, trainer
+processes) on the tiny default model and checks what a user would: files on disk,
+metrics rows, processes and shared-memory rings left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from asyncrl.controllers import checkpoints as ckpts
+from asyncrl.procs import python_env
+from tests.test_run import _alive
+
+_SMALL = ("--controller.batch_size=4", "--controller.max_staleness=2")
+
+
+def _cli(*args: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "asyncrl.cli", "run", "--quiet", *args]
+    return subprocess.Popen(
+        cmd, env=python_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def _finish(proc: subprocess.Popen, timeout_s: float = 300) -> tuple[int, str]:
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return proc.returncode, out
+
+
+def _rows(run: Path) -> list[dict]:
+    return [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines() if ln]
+
+
+def _wait_rows(run: Path, proc: subprocess.Popen, n: int, timeout_s: float = 240) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        if (run / "metrics.jsonl").is_file() and len(_rows(run)) >= n:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"no {n} metrics rows (rc {proc.poll()}): {_finish(proc, 5)[1][-3000:]}")
+
+
+def _check_exactly_once(rows: list[dict], steps: int, batch: int) -> None:
+    assert [r["step"] for r in rows] == list(range(steps))  # no step twice, none missing
+    ids = [i for r in rows for i in r["sample_ids"]]
+    assert len(ids) == len(set(ids)) == steps * batch  # no sample trained twice
+    assert max(ids) < steps * batch + 3 * batch  # none skipped beyond the staleness window
+
+
+def greedy_reward(model_dir: Path, n: int = 64) -> float:
+    """Mean task reward of the folder's greedy answers on the default task's prompts."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from asyncrl.config import TaskConfig
+    from asyncrl.tasks import make_task
+
+    AutoTokenizer.from_pretrained(str(model_dir))  # the tokenizer came along
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir)).eval()
+    task = make_task(TaskConfig(seed=12345), str(model_dir))
+    samples = [s for _, s in zip(range(n), task.samples(), strict=False)]
+    ids = torch.tensor([s.prompt_ids for s in samples])
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=task.max_new_tokens,
+            pad_token_id=0,
+        )
+    answers = out[:, ids.shape[1] :].tolist()
+    return sum(task.reward(s, a) for s, a in zip(samples, answers, strict=True)) / n
+
+
+def test_default_job_checkpoints_and_exports_a_policy_that_answers(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    rc, out = _finish(_cli("--run-dir", str(run), "--controller.total_steps=70"), 400)
+    assert rc == 0, out[-3000:]
+    done = ckpts.complete_checkpoints(run)
+    assert [s for s, _ in done] == [60, 70]  # every 20 steps + the end, checkpoint.keep = 2
+    assert ckpts.latest_checkpoint(run) == done[-1]  # checksums verified
+    stalls = [
+        json.loads(ln)["stall_s"] for ln in (run / "checkpoints.jsonl").read_text().splitlines()
+    ]
+    assert len(stalls) == 4 and all(s >= 0 for s in stalls)
+    last = sum(r["reward_mean"] for r in _rows(run)[-5:]) / 5
+    greedy = greedy_reward(run / "final")
+    assert last > 0.5, "the default job should have learned by step 70"
+    assert greedy >= last - 0.1, (greedy, last)  # greedy answers do what sampling did
+
+
+def test_sigterm_checkpoints_then_resume_continues_exactly(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    proc = _cli("--run-dir", str(run), "--controller.total_steps=1000", *_SMALL)
+    _wait_rows(run, proc, 4)
+    proc.send_signal(signal.SIGTERM)
+    rc, out = _finish(proc, 60)
+    assert rc == 143, out[-3000:]
+    assert "--resume" in out
+    stopped_at, _ = ckpts.latest_checkpoint(run)
+    assert stopped_at >= 4
+    steps = stopped_at + 5
+    rc, out = _finish(_cli("--resume", str(run), f"--controller.total_steps={steps}"))
+    assert rc == 0, out[-3000:]
+    _check_exactly_once(_rows(run), steps, 4)
+    refused = _finish(_cli("--resume", str(run), "--algo.group_size=4"), 60)
+    assert refused[0] == 2 and "algo.group_size" in refused[1]
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc")
+def test_sigkilled_run_leaves_nothing_and_resumes(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    proc = _cli(
+        "--run-dir",
+        str(run),
+        "--controller.total_steps=1000",
+        "--checkpoint.every_steps=3",
+        *_SMALL,
+    )
+    _wait_rows(run, proc, 7)  # at least two checkpoints asked for
+    pids = json.loads((run / "processes.json").read_text())
+    rings = [p for p in Path("/dev/shm").glob(f"asyncrl-xp-{proc.pid}-*")]
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        left = [n for n, pid in pids.items() if _alive(pid)]
+        left += [str(p) for p in Path("/dev/shm").glob(f"asyncrl-xp-{proc.pid}-*")]
+        if not left:
+            break
+        time.sleep(0.1)
+    assert not left, f"left after 10 s: {left}"
+    assert rings or not Path("/dev/shm").is_dir(), "the run should have used a ring"
+    resumed_from, _ = ckpts.latest_checkpoint(run)
+    steps = resumed_from + 4
+    rc, out = _finish(_cli("--resume", str(run), f"--controller.total_steps={steps}"))
+    assert rc == 0, out[-3000:]
+    _check_exactly_once(_rows(run), steps, 4)
