@@ -145,13 +145,19 @@ class TrainerConfig(_Section):
     packing: Literal["auto", "on", "off"] = "auto"
     """Padding-free micro-batches (sequences packed in one row, position ids restarting at 0).
     ``auto``: packed when the model's attention backend supports it, padded otherwise."""
+    max_restarts: int = 2
+    """A trainer rank that dies restarts every rank from the last checkpoint (the steps
+    after it are trained again, exactly once) at most this many times per run; 0: a trainer
+    death ends the run."""
     reshard_after_forward: bool | None = None
     """FSDP2: free gathered parameters after forward (ZeRO-3); False keeps them until backward.
     None: True when more than one rank shares the model, False at world size 1."""
 
     def __post_init__(self) -> None:
-        if self.warmup_steps < 0 or self.decay_steps < 0:
-            raise ValueError("trainer.warmup_steps and trainer.decay_steps must be >= 0")
+        if self.warmup_steps < 0 or self.decay_steps < 0 or self.max_restarts < 0:
+            raise ValueError(
+                "trainer.warmup_steps, trainer.decay_steps and trainer.max_restarts must be >= 0"
+            )
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"trainer.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if not all(0.0 <= b < 1.0 for b in self.adam_betas):

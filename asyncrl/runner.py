@@ -31,7 +31,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Coroutine, Iterable
+from collections.abc import Awaitable, Coroutine, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -119,6 +119,13 @@ class _Run:
         self.saves: dict[int, tuple[Path, asyncio.Future]] = {}  # pending: step -> (dir, done)
         self.save_futures: dict[int, asyncio.Future] = {}  # every checkpoint asked for
         self.save_stats: list[dict[str, float]] = []
+        self.sent: dict[int, Batch] = {}  # batches sent since the last committed checkpoint
+        self.committed = 0  # step of the newest complete checkpoint
+        self.trainer_failed = asyncio.Event()
+        self.trainer_restarts = 0
+        self.failed_at = 0.0
+        self.synced: asyncio.Future | None = None  # a restarted trainer's Synced
+        self.recoveries: list[dict[str, float]] = []
 
     def record_pids(self) -> None:
         """processes.json (name -> pid), placement.json (name -> node address) and pids.json
@@ -133,11 +140,12 @@ class _Run:
         guarded = {name: [pid, proc_start_time(pid)] for name, pid in here.items()}
         ckpts.write_atomic(self.run_dir / "pids.json", json.dumps(guarded).encode())
 
-    def write_resume_file(self, checkpoint: Path | None) -> Path:
-        """What a trainer rank restores when it (re)starts: ``checkpoint`` or nothing."""
+    def write_resume_file(self, checkpoint: Path | None, sync: bool) -> Path:
+        """What a trainer rank restores when it (re)starts: ``checkpoint`` (None: the model);
+        ``sync``: it pushes those weights to the engines and reports Synced first."""
         path = self.run_dir / "resume.json"
         trainer = str(checkpoint / "trainer") if checkpoint is not None else ""
-        ckpts.write_atomic(path, json.dumps({"trainer": trainer}).encode())
+        ckpts.write_atomic(path, json.dumps({"trainer": trainer, "sync": sync}).encode())
         return path
 
     def start_trainers(self, model_path: str, chan: ExperienceSender, urls: list[str]) -> None:
@@ -147,7 +155,7 @@ class _Run:
             world_size=self.cfg.trainer.world_size,
             batch_endpoint=chan.endpoint,
             engine_urls=tuple(urls),
-            resume_file=str(self.write_resume_file(self.resume_from)),
+            resume_file=str(self.write_resume_file(self.resume_from, self.resume_from is not None)),
         )
         self.launcher.start_trainers(args)
 
@@ -155,18 +163,31 @@ class _Run:
         self, ctl: Controller, chan: ExperienceSender, stop_event: asyncio.Event | None = None
     ) -> None:
         total, every = self.cfg.controller.total_steps, self.cfg.checkpoint.every_steps
+        failed = self.trainer_failed
         while ctl.step < total:
-            batch = await _unless(ctl.next_batch(), stop_event)
+            batch = await _unless(ctl.next_batch(), stop_event, failed)
+            if batch is None and failed.is_set() and not _is_set(stop_event):
+                await self.recover(chan)
+                continue
             if batch is None:  # stop requested: checkpoint what was handed out, then stop
+                if failed.is_set():
+                    raise RunStopped(self.committed)
                 await self.checkpoint(ctl, chan, wait=True)
                 raise RunStopped(ctl.step)
-            self.batches[batch.step] = batch
-            await chan.send_groups(batch.groups, step=batch.step)  # a group never splits
+            self.batches[batch.step] = self.sent[batch.step] = batch
+            # a group never splits; a trainer failure meanwhile: recover() sends it again
+            if not await _unless(chan.send_groups(batch.groups, step=batch.step), failed):
+                await self.recover(chan)
             if every and ctl.step % every == 0 and ctl.step < total:
                 await self.checkpoint(ctl, chan)
+        while failed.is_set():
+            await self.recover(chan)
         await self.checkpoint(ctl, chan, final=True)
         # all sent: the run ends when the reporter has every step (a stop waits for the end)
-        await _unless(asyncio.get_running_loop().create_future(), stop_event)
+        while await _unless(asyncio.get_running_loop().create_future(), stop_event, failed) is None:
+            if _is_set(stop_event):
+                break
+            await self.recover(chan)
         await asyncio.wait_for(self.save_futures[total], self.cfg.checkpoint.timeout_s)
         raise RunStopped(total)
 
@@ -201,6 +222,8 @@ class _Run:
 
     async def saved(self, msg: Saved) -> None:
         """The trainer's part of checkpoint ``msg.step`` is written: commit and prune."""
+        if msg.step not in self.saves:
+            return  # a report of a checkpoint already committed
         folder, done = self.saves.pop(msg.step)
         if msg.error:
             done.set_exception(RuntimeError(f"trainer failed checkpoint {folder}: {msg.error}"))
@@ -208,6 +231,9 @@ class _Run:
         t0 = time.perf_counter()
         await asyncio.to_thread(ckpts.write_manifest, folder, msg.step)
         await asyncio.to_thread(ckpts.prune, self.run_dir, self.cfg.checkpoint.keep)
+        self.committed = max(self.committed, msg.step)
+        for step in [s for s in self.sent if s < self.committed]:
+            del self.sent[step]  # never sent again: the checkpoint holds their training
         stats = {"step": msg.step, "stall_s": msg.stall_s, "save_s": msg.save_s}
         stats["manifest_s"] = time.perf_counter() - t0
         self.save_stats.append(stats)
@@ -222,8 +248,10 @@ class _Run:
 
     async def report(self, ctl: Controller, chan: ExperienceSender) -> None:
         total = self.cfg.controller.total_steps
-        while ctl.staleness.version < total or self.saves:
-            timeout = self.cfg.checkpoint.timeout_s if ctl.staleness.version >= total else None
+        while ctl.step < total or self.batches or self.saves:
+            timeout = None
+            if ctl.step >= total and not self.batches and not self.trainer_failed.is_set():
+                timeout = self.cfg.checkpoint.timeout_s  # only checkpoints are awaited
             try:
                 msg = await asyncio.wait_for(chan.recv_report(), timeout)
             except asyncio.TimeoutError:
@@ -232,19 +260,84 @@ class _Run:
                     f"checkpoint.timeout_s={timeout}s"
                 ) from None
             if isinstance(msg, Shutdown):
-                raise RuntimeError(f"trainer stopped the run: {msg.reason}")
-            if isinstance(msg, ConsumerLost):
-                raise RuntimeError(
+                self.trainer_failure(f"trainer stopped the run: {msg.reason}")
+            elif isinstance(msg, ConsumerLost):
+                self.trainer_failure(
                     f"trainer rank {msg.rank} went silent with {len(msg.seqs)} batch(es) "
                     f"unacknowledged (episodes {msg.episode_ids[:20]})"
                 )
-            if isinstance(msg, Saved):
+            elif isinstance(msg, Synced):
+                if self.synced is not None and not self.synced.done():
+                    self.synced.set_result(msg)
+            elif isinstance(msg, Saved):
                 await self.saved(msg)
-                continue
-            if not isinstance(msg, StepDone):
-                continue
-            await ctl.set_version(msg.version)
-            self.log_step(msg, ctl)
+            elif isinstance(msg, StepDone) and msg.step in self.batches:
+                if msg.version > ctl.staleness.version:  # a retrained step: already announced
+                    await ctl.set_version(msg.version)
+                self.log_step(msg, ctl)
+
+    def trainer_failure(self, why: str) -> None:
+        """A trainer rank died or failed: recover (restart every rank from the last
+        checkpoint) while restarts remain, else fail the run with ``why``."""
+        if self.trainer_restarts >= self.cfg.trainer.max_restarts:
+            raise RuntimeError(
+                f"{why} (trainer.max_restarts={self.cfg.trainer.max_restarts} used up)"
+            )
+        if not self.trainer_failed.is_set():
+            log.warning("%s: restarting the trainer from the last checkpoint", why)
+            self.failed_at = time.perf_counter()
+            self.trainer_failed.set()
+
+    async def recover(self, chan: ExperienceSender) -> None:
+        """Restart every trainer rank from the newest complete checkpoint (step n), then send
+        again, in order, every batch from step n on (and the Save requests among them): what
+        the lost steps had trained is trained once more from the restored state."""
+        self.trainer_failed.clear()
+        self.trainer_restarts += 1
+        t0 = time.perf_counter()
+        found = await asyncio.to_thread(ckpts.latest_checkpoint, self.run_dir)
+        n, folder = found if found is not None else (0, None)
+        for r in range(self.cfg.trainer.world_size):
+            chan.forget(r)
+        self.write_resume_file(folder, sync=True)
+        self.synced = asyncio.get_running_loop().create_future()
+        for r in range(self.cfg.trainer.world_size):
+            await asyncio.to_thread(self.launcher.restart, f"trainer{r}")
+        self.record_pids()
+        timeout = self.cfg.rollout.startup_timeout_s + self.cfg.weights.timeout_s
+        if await _unless(asyncio.wait_for(self.synced, timeout), self.trainer_failed) is None:
+            return  # it failed again: the caller recovers again (or gives up)
+        await chan.wait_peers(timeout)
+        self.committed = n
+        redo = sorted(step for step in self.sent if step >= n)
+        self.rows = [r for r in self.rows if r["step"] < n]
+        await asyncio.to_thread(ckpts.truncate_metrics, self.run_dir / "metrics.jsonl", n)
+        for step in redo:
+            batch = self.batches[step] = self.sent[step]
+            if not await _unless(chan.send_groups(batch.groups, step=step), self.trainer_failed):
+                return
+            if step + 1 in self.saves:
+                await self.resave(chan, step + 1)
+        self.recoveries.append(
+            {
+                "restart": self.trainer_restarts,
+                "from_step": n,
+                "steps_redone": len(redo),
+                "detect_to_sent_s": time.perf_counter() - self.failed_at,
+                "restart_s": time.perf_counter() - t0,
+            }
+        )
+        with open(self.run_dir / "recoveries.jsonl", "a") as f:
+            f.write(json.dumps(self.recoveries[-1]) + "\n")
+        log.warning("trainer restarted from step %d; %d step(s) sent again", n, len(redo))
+
+    async def resave(self, chan: ExperienceSender, step: int) -> None:
+        """Ask the restarted trainer again for checkpoint ``step`` (its old attempt died)."""
+        folder, _ = self.saves[step]
+        await asyncio.to_thread(shutil.rmtree, folder / "trainer", True)
+        (folder / "trainer").mkdir(parents=True)
+        export = str(self.run_dir / "final") if step == self.cfg.controller.total_steps else ""
+        await chan.broadcast(Save(step=step, checkpoint=str(folder / "trainer"), export=export))
 
     async def wait_synced(self, chan: ExperienceSender, step: int) -> None:
         """A resumed trainer restored ``step`` and put its weights on the engines."""
@@ -262,7 +355,7 @@ class _Run:
             raise RuntimeError(f"expected the trainer's Synced(step={step}), got {msg!r}")
 
     def log_step(self, msg: StepDone, ctl: Controller) -> None:
-        batch = self.batches.pop(msg.step)
+        batch = self.batches.pop(msg.step)  # the caller checked it is there
         m = msg.metrics
         row = {
             "step": msg.step,
@@ -305,27 +398,40 @@ class _Run:
 
     async def watchdog(self) -> None:
         while True:
-            dead = await asyncio.to_thread(self.launcher.deaths)  # remote calls on a cluster
-            if dead:
-                raise RuntimeError("; ".join(d.describe() for d in dead))
+            for d in await asyncio.to_thread(self.launcher.deaths):  # remote calls on a cluster
+                if not d.name.startswith("trainer"):
+                    raise RuntimeError(d.describe())
+                self.trainer_failure(d.describe())
             await asyncio.sleep(0.5)
 
 
-async def _unless(coro: Coroutine[Any, Any, Any], stop_event: asyncio.Event | None) -> Any:
-    """``await coro``, unless ``stop_event`` is set first (then the coroutine is cancelled and
-    None returned; a result it produced meanwhile is still returned)."""
-    if stop_event is None:
-        return await coro
+def _is_set(event: asyncio.Event | None) -> bool:
+    return event is not None and event.is_set()
+
+
+async def _unless(coro: Awaitable[Any], *events: asyncio.Event | None) -> Any:
+    """``await coro``, unless one of ``events`` is set first (then the coroutine is cancelled
+    and None returned; a result it produced meanwhile is still returned). A coroutine that
+    returns None itself reads as True, so callers can tell "done" from "interrupted"."""
+    watched = [e for e in events if e is not None]
+    if any(e.is_set() for e in watched):
+        if asyncio.iscoroutine(coro):
+            coro.close()
+        return None
     task = asyncio.ensure_future(coro)
-    stopper = asyncio.ensure_future(stop_event.wait())
+    stoppers = [asyncio.ensure_future(e.wait()) for e in watched]
     try:
-        await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({task, *stoppers}, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        stopper.cancel()
+        for t in stoppers:
+            t.cancel()
         if not task.done():
             task.cancel()
-        await asyncio.gather(task, stopper, return_exceptions=True)
-    return None if task.cancelled() else task.result()
+        await asyncio.gather(task, *stoppers, return_exceptions=True)
+    if task.cancelled():
+        return None
+    result = task.result()
+    return True if result is None else result
 
 
 async def _first(*coros: Coroutine[Any, Any, Any]) -> None:
@@ -423,6 +529,7 @@ def _resume_state(job: _Run) -> ControllerState:
     if found is None:
         raise ValueError(f"--resume {job.run_dir}: no complete checkpoint in its checkpoints/")
     job.resumed_step, job.resume_from = found
+    job.committed = job.resumed_step
     state = ckpts.load_controller_state(job.resume_from)
     dropped = ckpts.truncate_metrics(job.run_dir / "metrics.jsonl", state.step)
     if not job.quiet:

@@ -8,6 +8,7 @@ metrics rows, processes and shared-memory rings left behind.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -149,3 +150,23 @@ def test_sigkilled_run_leaves_nothing_and_resumes(tmp_path: Path) -> None:
     rc, out = _finish(_cli("--resume", str(run), f"--controller.total_steps={steps}"))
     assert rc == 0, out[-3000:]
     _check_exactly_once(_rows(run), steps, 4)
+
+
+def test_trainer_sigkilled_restarts_from_checkpoint_and_trains_each_sample_once(
+    tmp_path: Path,
+) -> None:
+    run = tmp_path / "run"
+    steps = 14
+    args = (f"--controller.total_steps={steps}", "--checkpoint.every_steps=4", *_SMALL)
+    proc = _cli("--run-dir", str(run), *args)
+    _wait_rows(run, proc, 6)  # the checkpoint of step 4 is asked for; steps past it trained
+    pids = json.loads((run / "processes.json").read_text())
+    os.kill(pids["trainer0"], signal.SIGKILL)
+    rc, out = _finish(proc)
+    assert rc == 0, out[-3000:]
+    rec = [json.loads(ln) for ln in (run / "recoveries.jsonl").read_text().splitlines()]
+    assert len(rec) == 1 and rec[0]["from_step"] >= 4 and rec[0]["steps_redone"] >= 1
+    rows = _rows(run)
+    _check_exactly_once(rows, steps, 4)
+    assert max(r["staleness_max"] for r in rows) <= 2
+    assert ckpts.latest_checkpoint(run)[0] == steps

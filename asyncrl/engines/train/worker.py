@@ -106,8 +106,8 @@ def run(args: argparse.Namespace) -> None:
         )
         sender.connect()
     state = RunState(algorithm, args.rank, chan.report)
-    resume_from = _resume_from(args.resume_file)
-    if resume_from:
+    resume_from, sync = _resume_from(args.resume_file)
+    if sync:
         _resume(resume_from, state, sender, chan)
     pending: list[PushHandle] = []  # the last push, until the sender has read the weights
     waits: list[float] = []
@@ -157,20 +157,23 @@ def run(args: argparse.Namespace) -> None:
         dist.destroy_process_group()
 
 
-def _resume_from(path: str) -> str:
-    """The checkpoint folder named by the run's resume file (``{"trainer": DIR}``), or ""."""
+def _resume_from(path: str) -> tuple[str, bool]:
+    """The run's resume file ``{"trainer": DIR, "sync": bool}``: the checkpoint to restore
+    ("": the model) and whether to push the starting weights and announce them."""
     if not path:
-        return ""
+        return "", False
     try:
         with open(path, "rb") as f:
-            return str(msgspec.json.decode(f.read()).get("trainer", ""))
+            got = msgspec.json.decode(f.read())
     except FileNotFoundError:
-        return ""
+        return "", False
+    return str(got.get("trainer", "")), bool(got.get("sync", False))
 
 
 def _resume(path: str, state: RunState, sender: Any, chan: ExperienceReceiver) -> None:
-    """Restore a checkpoint, put its weights on the engines, announce :class:`Synced`."""
-    step = state.restore(path)
+    """Restore checkpoint ``path`` (or keep the model's weights: step 0), put the weights on
+    the engines as that step's version, announce :class:`Synced`."""
+    step = state.restore(path) if path else 0
     weights = state.engines["actor"].named_weights()
     if sender is None:
         for _ in weights:  # collective under sharding: every rank takes part

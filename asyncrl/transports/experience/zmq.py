@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import time
 from collections.abc import Sequence
@@ -287,6 +288,33 @@ class ExperienceSender:
                     await self._transmit(rank, encode(msg))
                 except zmq.ZMQError as exc:
                     log.warning("could not send %s to rank %d: %s", type(msg).__name__, rank, exc)
+
+    def forget(self, rank: int) -> list[int]:
+        """Rank ``rank`` is being restarted from a checkpoint: drop what it had not acked (the
+        caller re-sends what the restored state needs) and send nothing to it until its new
+        incarnation says Hello. Returns the seqs dropped."""
+        peer = self._peers[rank]
+        seqs = list(peer.pending)
+        for seq, item in peer.pending.items():
+            if item.in_ring and peer.ring is not None:
+                peer.ring.free(seq)
+        peer.pending.clear()
+        peer.resend.clear()
+        peer.alive, peer.ident, peer.incarnation, peer.credit = False, None, None, 0
+        self._changed.set()
+        return seqs
+
+    async def wait_peers(self, timeout_s: float) -> None:
+        """Wait until every rank has said Hello (TimeoutError naming the missing ranks)."""
+        deadline = time.monotonic() + timeout_s
+        while missing := [r for r, p in enumerate(self._peers) if not p.alive]:
+            self._raise_if_failed()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"trainer rank(s) {missing} did not connect in {timeout_s}s")
+            self._changed.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), left)
 
     async def close(self) -> None:
         """Stop the loops and close the socket; unacked messages are logged as not delivered."""
