@@ -7,7 +7,6 @@ answers at once and config errors show before anything starts.
 from __future__ import annotations
 
 import argparse
-import json
 import signal
 import sys
 from pathlib import Path
@@ -48,8 +47,17 @@ def _parser() -> argparse.ArgumentParser:
     for name, (_, summary) in BENCHES.items():
         one = names.add_parser(name, help=summary, add_help=False)
         one.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the benchmark")
-    plot = sub.add_parser("plot", help="print a run's reward curve from metrics.jsonl")
-    plot.add_argument("run_dir")
+    plot = sub.add_parser(
+        "plot",
+        help="PNGs of runs (reward, staleness, throughput, time, timeline); several overlay",
+        description="Pictures of one or more runs from metrics.jsonl and trace.json "
+        "(matplotlib: the plot extra). Several run folders are overlaid, e.g. sync vs async.",
+    )
+    plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    plot.add_argument("--out", default=None, help="folder of the PNGs (default: RUN_DIR/plots)")
+    plot.add_argument("--text", action="store_true", help="a terminal view instead of PNGs")
+    plot.add_argument("--smooth", type=float, default=0.8, help="EMA weight in [0, 1)")
+    plot.add_argument("--window", type=int, default=4, help="steps in the timeline strip")
     return p
 
 
@@ -144,18 +152,6 @@ def _summary(rows: list[dict]) -> None:
     )
 
 
-def _plot(run_dir: str) -> int:
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.is_file():
-        print(f"asyncrl plot: {path} not found", file=sys.stderr)
-        return 2
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    for r in rows:
-        bar = "#" * round(40 * r["reward_mean"])
-        print(f"{r['step']:5d} {r['reward_mean']:.3f} {bar}")
-    return 0
-
-
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _parser()
@@ -174,7 +170,9 @@ def main(argv: list[str] | None = None) -> None:
 
         serve_main(ns.args)
     elif ns.cmd == "plot":
-        sys.exit(_plot(ns.run_dir))
+        from asyncrl.plot import main_plot
+
+        sys.exit(main_plot(ns.run_dirs, ns.out, ns.text, ns.smooth, ns.window))
 
 
 if __name__ == "__main__":

@@ -21,11 +21,15 @@ __all__ = [
     "ClusterConfig",
     "ControllerConfig",
     "ExperienceConfig",
+    "LoggingConfig",
     "ModelConfig",
     "RolloutConfig",
     "RunConfig",
     "TaskConfig",
+    "TensorBoardConfig",
+    "TraceConfig",
     "TrainerConfig",
+    "WandbConfig",
     "WeightSyncConfig",
     "load_config",
 ]
@@ -414,6 +418,46 @@ class CheckpointConfig(_Section):
             )
 
 
+class TraceConfig(_Section):
+    enabled: bool = True
+    """Write the run's timeline, ``RUN_DIR/trace.json`` (Chrome / Perfetto trace events)."""
+    every: int = 1
+    """Sampling for long runs: trace the work of every ``every``-th step (policy version)."""
+    max_mb: float = 512.0
+    """Each process stops tracing once its file holds this many MB (and marks where)."""
+
+
+class TensorBoardConfig(_Section):
+    enabled: bool = False
+    """Also log every metric to TensorBoard (the ``tensorboard`` extra)."""
+    log_dir: str = ""
+    """Event file folder; empty: ``RUN_DIR/tensorboard``."""
+
+
+class WandbConfig(_Section):
+    enabled: bool = False
+    """Also log every metric to Weights & Biases (the ``wandb`` extra)."""
+    project: str = "asyncrl"
+    name: str = ""
+    """The W&B run's name; empty: the run folder's name."""
+    mode: Literal["online", "offline"] = "online"
+    """``offline``: write the run under ``RUN_DIR/wandb`` only (``wandb sync`` uploads it)."""
+    entity: str = ""
+
+
+class LoggingConfig(_Section):
+    trace: TraceConfig = msgspec.field(default_factory=TraceConfig)
+    tensorboard: TensorBoardConfig = msgspec.field(default_factory=TensorBoardConfig)
+    wandb: WandbConfig = msgspec.field(default_factory=WandbConfig)
+
+    def __post_init__(self) -> None:
+        if self.trace.every < 1 or self.trace.max_mb <= 0:
+            raise ValueError(
+                f"logging.trace.every must be >= 1 and max_mb > 0, got {self.trace.every}, "
+                f"{self.trace.max_mb}"
+            )
+
+
 class RunConfig(_Section):
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     task: TaskConfig = msgspec.field(default_factory=TaskConfig)
@@ -425,6 +469,7 @@ class RunConfig(_Section):
     experience: ExperienceConfig = msgspec.field(default_factory=ExperienceConfig)
     cluster: ClusterConfig = msgspec.field(default_factory=ClusterConfig)
     checkpoint: CheckpointConfig = msgspec.field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)
     run_dir: str = ""
     """Output folder (metrics.jsonl, config.json, logs). Empty: a new folder under ``runs/``."""
     seed: int = 0

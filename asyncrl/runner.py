@@ -37,6 +37,7 @@ from typing import Any
 
 import msgspec
 
+from asyncrl import trace
 from asyncrl.config import RunConfig, to_dict
 from asyncrl.controllers import checkpoints as ckpts
 from asyncrl.controllers import episode as episode_api
@@ -47,6 +48,8 @@ from asyncrl.engines.rollout.sglang import SGLangClient
 from asyncrl.guard import proc_start_time, release_guard, start_guard
 from asyncrl.launchers import Launcher, TrainerArgs, make_launcher
 from asyncrl.procs import python_env
+from asyncrl.progress import Progress
+from asyncrl.sinks import close_sinks, log_row, make_sinks
 from asyncrl.tasks import make_task
 from asyncrl.transports.experience.assign import make_assigner
 from asyncrl.transports.experience.types import (
@@ -126,6 +129,8 @@ class _Run:
         self.failed_at = 0.0
         self.synced: asyncio.Future | None = None  # a restarted trainer's Synced
         self.recoveries: list[dict[str, float]] = []
+        self.sinks: list[Any] = []  # TensorBoard / W&B (asyncrl.sinks), when enabled
+        self.progress = None if quiet else Progress(cfg.controller.total_steps)
 
     def record_pids(self) -> None:
         """processes.json (name -> pid), placement.json (name -> node address) and pids.json
@@ -176,7 +181,9 @@ class _Run:
                 raise RunStopped(ctl.step)
             self.batches[batch.step] = self.sent[batch.step] = batch
             # a group never splits; a trainer failure meanwhile: recover() sends it again
-            if not await _unless(chan.send_groups(batch.groups, step=batch.step), failed):
+            with trace.get().span("send batch", "controller", {"step": batch.step}):
+                sent = await _unless(chan.send_groups(batch.groups, step=batch.step), failed)
+            if not sent:
                 await self.recover(chan)
             if every and ctl.step % every == 0 and ctl.step < total:
                 await self.checkpoint(ctl, chan)
@@ -272,6 +279,7 @@ class _Run:
             elif isinstance(msg, Saved):
                 await self.saved(msg)
             elif isinstance(msg, StepDone) and msg.step in self.batches:
+                trace.get().instant("step done", "controller", {"step": msg.step})
                 if msg.version > ctl.staleness.version:  # a retrained step: already announced
                     await ctl.set_version(msg.version)
                 self.log_step(msg, ctl)
@@ -357,10 +365,14 @@ class _Run:
     def log_step(self, msg: StepDone, ctl: Controller) -> None:
         batch = self.batches.pop(msg.step)  # the caller checked it is there
         m = msg.metrics
+        stale = [batch.step - t.min_version for t in batch.trajectories]
         row = {
             "step": msg.step,
             "reward_mean": batch.reward_mean,
             "staleness_max": batch.staleness_max,
+            "staleness_mean": sum(stale) / len(stale),
+            "staleness_hist": [stale.count(k) for k in range(max(stale) + 1)],
+            "response_tokens": sum(len(t.response_ids) for t in batch.trajectories),
             "weight_version": msg.version,
             "num_samples": len(batch.trajectories),
             "sample_ids": [getattr(x, "id", None) for x in batch.samples],
@@ -373,13 +385,9 @@ class _Run:
         self.rows.append(row)
         with open(self.run_dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
-        if not self.quiet:
-            print(
-                f"step {msg.step:4d} | reward {row['reward_mean']:.3f} | staleness "
-                f"{row['staleness_max']} | version {msg.version} | train {m.get('train_s', 0):.2f}s"
-                f" | sync {m.get('sync_s', 0):.3f}s | {row['wall_s']:.1f}s",
-                flush=True,
-            )
+        log_row(self.sinks, row)
+        if self.progress is not None:
+            self.progress.update(row)
 
     def cpu_times(self) -> dict[str, float]:
         """CPU seconds used so far by this process and each child (Linux /proc; else empty)."""
@@ -484,6 +492,9 @@ async def run_job(
         shm_bytes=xc.shm_mb << 20,
     )
     clients: list[SGLangClient] = []
+    tc = cfg.logging.trace
+    trace.start_run(run_dir, tc.enabled, tc.every, tc.max_mb)  # children started below trace too
+    job.sinks = make_sinks(cfg, run_dir)
     try:
         urls = list(cfg.rollout.urls) or launcher.start_engines(model_path)
         job.start_trainers(model_path, chan, urls)
@@ -520,6 +531,10 @@ async def run_job(
         # told: trainers leave the weight group while the engines still answer
         await asyncio.to_thread(launcher.stop, 10.0 if told else 0.0)
         await chan.close()
+        trace.end_run(run_dir)  # every process has ended: RUN_DIR/trace.json
+        close_sinks(job.sinks)
+        if job.progress is not None:
+            job.progress.close()
         await asyncio.to_thread(release_guard, guard)
 
 

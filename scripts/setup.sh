@@ -50,3 +50,14 @@ done
 # Ray (the optional extra asyncrl[ray]) for the two-node cluster tests, pinned; ~8 s from a
 # warm pip cache. Nothing in asyncrl imports it unless cluster.backend = "ray".
 pip_install "ray==2.60.0"
+# The optional extras the tests exercise (asyncrl itself never needs them): pinned, and
+# skipped when already there. A fresh install of the three takes ~10 s from a warm pip cache.
+EXTRAS="matplotlib==3.11.2 tensorboard==2.21.0 wandb==0.28.2"
+if ! python - $EXTRAS <<'PY' >/dev/null 2>&1
+import sys
+from importlib.metadata import version
+sys.exit(any(version(n) != v for n, v in (a.split("==") for a in sys.argv[1:])))
+PY
+then
+  pip_install $EXTRAS
+fi

@@ -14,6 +14,13 @@ wall time = the run's time to its last step (``wall_s``, start-up included) and
 averaged over the seeds.
 Target: decoupled >= 0.95 x sync, and decoupled faster than sync.
 
+Time to reward: a final reward hides how fast an arm got there, so per run and
+per arm (mean over the seeds; null unless every seed got there) the bench also
+reports ``time_to`` and ``samples_to``: for each level of ``--levels`` (fractions
+of ``--max-reward``, the task's maximum), the wall time (``wall_s``) and the
+samples trained until the smoothed reward curve (debiased EMA, ``--smooth``, as
+``asyncrl plot`` draws it) first reaches it; null where it never does.
+
 ``asyncrl bench learning --json out.json``.
 Arms run one after another (never in parallel), so wall times compare.
 """
@@ -63,6 +70,7 @@ def run_arm(arm: str, seed: int, args: argparse.Namespace, root: Path) -> dict[s
     total = time.perf_counter() - t0
     k = min(10, len(rows))
     rewards = [r["reward_mean"] for r in rows]
+    time_to, samples_to = reach(rows, args.levels, args.max_reward, args.smooth)
     return {
         "arm": arm,
         "seed": seed,
@@ -73,8 +81,32 @@ def run_arm(arm: str, seed: int, args: argparse.Namespace, root: Path) -> dict[s
         "total_s": total,
         "staleness_max": max(r["staleness_max"] for r in rows),
         "imp_weight_max": max(r.get("imp_weight_max", 1.0) for r in rows),
+        "time_to": time_to,
+        "samples_to": samples_to,
         "run_dir": str(run_dir),
     }
+
+
+def reach(
+    rows: list[dict[str, Any]], levels: list[float], max_reward: float, alpha: float
+) -> tuple[dict[str, float | None], dict[str, int | None]]:
+    """Wall time and samples until the smoothed reward first reaches ``level * max_reward``,
+    per level (key: the level as text); None where it never does."""
+    from asyncrl.plot import smooth
+
+    curve = smooth([r["reward_mean"] for r in rows], alpha)
+    time_to: dict[str, float | None] = {}
+    samples_to: dict[str, int | None] = {}
+    for level in levels:
+        hit = next((i for i, v in enumerate(curve) if v >= level * max_reward), None)
+        key = f"{level:g}"
+        time_to[key] = None if hit is None else rows[hit]["wall_s"]
+        samples_to[key] = None if hit is None else sum(r["num_samples"] for r in rows[: hit + 1])
+    return time_to, samples_to
+
+
+def _mean_or_none(xs: list[float | None]) -> float | None:
+    return None if not xs or any(x is None for x in xs) else _mean([x for x in xs if x is not None])
 
 
 def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
@@ -85,6 +117,10 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
             continue
         for key in ("final_reward", "first_reward", "wall_s", "steps_wall_s"):
             out[f"{arm}_{key}"] = _mean([r[key] for r in mine])
+        for key in ("time_to", "samples_to"):
+            out[f"{arm}_{key}"] = {
+                lvl: _mean_or_none([r[key][lvl] for r in mine]) for lvl in mine[0][key]
+            }
     if "sync_final_reward" in out and "async_decoupled_final_reward" in out:
         sync, dec = out["sync_final_reward"], out["async_decoupled_final_reward"]
         out["decoupled_vs_sync_reward"] = dec / sync if sync > 0 else float("nan")
@@ -112,12 +148,28 @@ def print_table(results: list[dict[str, Any]], summary: dict[str, Any]) -> None:
                 f" {summary[f'{arm}_final_reward']:>8.3f} {summary[f'{arm}_wall_s']:>7.1f}"
                 f" {summary[f'{arm}_steps_wall_s']:>7.1f}"
             )
+    print_reach(summary)
     if "decoupled_vs_sync_reward" in summary:
         print(
             f"decoupled / sync reward: {summary['decoupled_vs_sync_reward']:.3f} (target >= 0.95)"
             f" | speedup vs sync: {summary['decoupled_speedup']:.2f}x (target > 1),"
             f" steps only {summary['decoupled_steps_speedup']:.2f}x"
         )
+
+
+def print_reach(summary: dict[str, Any]) -> None:
+    """The time-to-reward table: per arm and level, seconds and samples (means over seeds)."""
+    arms = [a for a in ARMS if f"{a}_time_to" in summary]
+    if not arms:
+        return
+    fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
+    print(f"{'time to reward':<16} {'level':>6} {'wall_s':>8} {'samples':>8} {'vs sync':>8}")
+    for arm in arms:
+        for lvl, t in summary[f"{arm}_time_to"].items():
+            sync_t = summary.get("sync_time_to", {}).get(lvl)
+            ratio = sync_t / t if sync_t is not None and t else None
+            n = summary[f"{arm}_samples_to"][lvl]
+            print(f"{arm:<16} {lvl:>6} {fmt(t, '8.1f')} {fmt(n, '8.0f')} {fmt(ratio, '7.2f')}x")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -133,9 +185,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--staleness", type=int, default=4, help="max_staleness of the async arms")
     p.add_argument("--arms", default=",".join(ARMS), help="subset of: " + ", ".join(ARMS))
     p.add_argument("--override", action="append", default=[], help="extra --section.key=value")
+    p.add_argument("--levels", default="0.5,0.9", help="reward levels, fractions of the maximum")
+    p.add_argument("--max-reward", type=float, default=1.0, help="the task's maximum reward")
+    p.add_argument("--smooth", type=float, default=0.8, help="EMA weight of the reward curve")
     p.add_argument("--run-root", default=None, help="keep the runs here (default: a temp dir)")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
+    try:
+        args.levels = [float(x) for x in args.levels.split(",") if x]
+    except ValueError:
+        p.error(f"--levels must be comma-separated numbers, got {args.levels!r}")
     arms = [a for a in args.arms.split(",") if a]
     unknown = [a for a in arms if a not in ARMS]
     if unknown:

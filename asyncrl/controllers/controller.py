@@ -52,6 +52,7 @@ from typing import Any
 
 import msgspec
 
+from asyncrl import trace
 from asyncrl.config import RunConfig
 from asyncrl.controllers.episode import Episode, EpisodeContext, EpisodeFailed, Gate
 from asyncrl.controllers.router import Router
@@ -259,6 +260,9 @@ class Controller:
         """The engines now serve ``version``: admission may open further."""
         self._raise_if_failed()
         self.staleness.set_version(version)
+        tracer = trace.get()
+        tracer.set_step(version)
+        tracer.instant(f"version {version}", "controller")
         self._notify()
 
     @contextlib.asynccontextmanager
@@ -310,7 +314,8 @@ class Controller:
                 if self._exhausted():
                     raise NoMoreSamples(f"all samples done after step {self.step - 1}")
             self._ready_changed.clear()
-            await self._ready_changed.wait()
+            with trace.get().span("next_batch waits", "controller waits", {"step": self.step}):
+                await self._ready_changed.wait()
 
     def stats(self) -> dict[str, int]:
         """Counters and gauges (see the module docstring for the accounting identity)."""
@@ -366,7 +371,11 @@ class Controller:
                 self._gid += 1
                 self._start_group(gid, sample, staleness.version)
             self._changed.clear()
-            await self._changed.wait()
+            if staleness.can_admit():  # waiting for input (or the sample source ended)
+                await self._changed.wait()
+                continue
+            with trace.get().span("admission blocked (staleness)", "controller admission"):
+                await self._changed.wait()
 
     def _start_group(
         self, gid: int, sample: Any, admitted_at: int, replay: list[EpisodeState] | None = None

@@ -34,6 +34,7 @@ import logging
 from collections.abc import Hashable, Sequence
 from typing import Any
 
+from asyncrl import trace
 from asyncrl.engines.rollout.base import (
     EngineBadRequest,
     EngineError,
@@ -102,15 +103,27 @@ class Router:
     async def call(
         self, engine: RolloutEngine, input_ids: list[int], params: dict[str, Any], rid: str
     ) -> GenerateResult:
-        """``engine.generate`` counted as outstanding while it runs."""
+        """``engine.generate`` counted as outstanding while it runs (a trace span on a lane of
+        the engine's track, when traced)."""
         self.outstanding[id(engine)] += 1
+        tracer = trace.get()
+        sampled = tracer.sampled()
+        lane = tracer.take_lane(f"generate {getattr(engine, 'url', '?')}") if sampled else ""
+        t0 = trace.now_us()
+        outcome: GenerateResult | str = "cancelled"
         try:
             if self.batch_identical and hasattr(engine, "generate_batch"):
                 res = await self._join(engine, input_ids, params, rid)
             else:
                 res = await engine.generate(input_ids, params, rid=rid)
+            outcome = res
+        except Exception:
+            outcome = "error"
+            raise
         finally:
             self.outstanding[id(engine)] -= 1
+            if sampled:
+                _trace_call(tracer, lane, t0, rid, outcome)
         self._streak[id(engine)] = 0
         self._last_failure.pop(id(engine), None)
         self.served[id(engine)] += 1
@@ -186,6 +199,22 @@ class Router:
             }
             for i, e in enumerate(self.engines)
         }
+
+
+def _trace_call(
+    tracer: trace.Tracer, lane: str, t0: float, rid: str, outcome: GenerateResult | str
+) -> None:
+    """One generation request as a span of its lane (an abort also as a mark); frees the lane.
+    ``outcome``: the result, or ``"error"`` / ``"cancelled"`` (the caller gave up on it)."""
+    reason = outcome.finish_reason if isinstance(outcome, GenerateResult) else outcome
+    args: dict[str, Any] = {"rid": rid, "finish": reason}
+    if isinstance(outcome, GenerateResult):
+        args.update(tokens=len(outcome.output_ids), version=outcome.weight_version)
+    name = "generate" if reason in ("stop", "length") else f"generate ({reason})"
+    tracer.complete(name, lane, t0, trace.now_us(), args)
+    tracer.free_lane(lane)
+    if reason == "abort":
+        tracer.instant("abort", lane, {"rid": rid})
 
 
 class _Call:

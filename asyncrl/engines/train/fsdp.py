@@ -25,6 +25,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from asyncrl import trace
 from asyncrl.config import RunConfig
 from asyncrl.engines.train import checkpoint
 from asyncrl.engines.train.base import LossFn, Seq
@@ -230,13 +231,17 @@ class FSDPEngine:
         return self.model(**inputs).logits
 
     def train_batch(self, seqs: Sequence[Seq], loss_fn: LossFn) -> dict[str, float]:
+        tracer = trace.get()
         self.optimizer.zero_grad(set_to_none=True)
-        _, stats = self.forward_backward_batch(seqs, loss_fn)
-        stats.update(self.optimizer_step())
+        with tracer.span(f"{self.role} forward/backward", "trainer", {"seqs": len(seqs)}):
+            _, stats = self.forward_backward_batch(seqs, loss_fn)
+        with tracer.span(f"{self.role} optimizer step", "trainer"):
+            stats.update(self.optimizer_step())
         return stats
 
     def forward_batch(self, seqs: Sequence[Seq], output: Output = "logp") -> list[torch.Tensor]:
-        outputs, _ = self.forward_backward_batch(seqs, None, forward_only=True, output=output)
+        with trace.get().span(f"{self.role} forward ({output}, no grad)", "trainer"):
+            outputs, _ = self.forward_backward_batch(seqs, None, forward_only=True, output=output)
         return outputs
 
     def optimizer_step(self) -> dict[str, float]:

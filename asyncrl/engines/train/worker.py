@@ -23,6 +23,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
+from asyncrl import trace
 from asyncrl.algorithms.base import make_algorithm
 from asyncrl.config import RunConfig
 from asyncrl.engines.train.fsdp import FSDPEngine
@@ -73,6 +74,7 @@ def run(args: argparse.Namespace) -> None:
         cfg = msgspec.structs.replace(
             cfg, weights=msgspec.structs.replace(cfg.weights, master_address=args.host)
         )
+    tracer = trace.configure_from_env(f"trainer{args.rank}")
     torch.manual_seed(cfg.seed + args.rank)
     torch.set_num_threads(cfg.trainer.threads)
     backend = "nccl" if cfg.trainer.device.startswith("cuda") else "gloo"
@@ -114,10 +116,12 @@ def run(args: argparse.Namespace) -> None:
 
     def _before_step(*_: object) -> None:  # the only place the trainer waits for weight sync
         if pending:
-            waits.append(pending[-1].wait_snapshot())
+            with tracer.span("wait for weight snapshot", "trainer"):
+                waits.append(pending[-1].wait_snapshot())
             pending.clear()
 
     engine.optimizer.register_step_pre_hook(_before_step)
+    t_free = time.perf_counter()  # since when the trainer has had nothing to do
     try:
         while True:
             got = chan.recv(timeout_s=0.1)
@@ -127,19 +131,26 @@ def run(args: argparse.Namespace) -> None:
             if isinstance(msg, Shutdown):
                 break
             if isinstance(msg, Save):
-                stall = state.save(msg)
+                with tracer.span("checkpoint", "trainer", {"step": msg.step}):
+                    stall = state.save(msg)
                 log.info("rank %d: step %d saved (stall %.3fs)", args.rank, msg.step, stall)
+                t_free = time.perf_counter()  # saving is work, not idle time
                 continue
             if not isinstance(msg, TrainBatch):
                 continue
             t0 = time.perf_counter()
-            stats = algorithm.train_step(msg.step, trajs)
+            tracer.set_step(msg.step)
+            tracer.complete("wait for batch", "trainer", trace.us_of(t_free), trace.us_of(t0))
+            with tracer.span("train step", "trainer", {"step": msg.step, "samples": len(trajs)}):
+                stats = algorithm.train_step(msg.step, trajs)
             metrics = _metrics(stats, len(trajs), time.perf_counter() - t0)
+            metrics["idle_s"] = t0 - t_free
             chan.ack(got, flush=True)  # trained on: the controller may send another batch
             weights = engine.named_weights()
             if sender is not None:
                 t1 = time.perf_counter()
-                handle = sender.push(weights, version=msg.step + 1)
+                with tracer.span("push weights", "trainer", {"version": msg.step + 1}):
+                    handle = sender.push(weights, version=msg.step + 1)
                 metrics["push_call_s"] = time.perf_counter() - t1
                 metrics["push_wait_before_step_s"] = waits.pop() if waits else 0.0
                 pending.append(handle)
@@ -147,6 +158,7 @@ def run(args: argparse.Namespace) -> None:
             else:
                 for _ in weights:  # collective under sharding: every rank takes part
                     pass
+            t_free = time.perf_counter()
     except _Stop as exc:
         log.info("trainer rank %d stopping: %s", args.rank, exc)
     finally:
@@ -155,6 +167,7 @@ def run(args: argparse.Namespace) -> None:
             sender.close()
         chan.close()
         dist.destroy_process_group()
+        tracer.close()
 
 
 def _resume_from(path: str) -> tuple[str, bool]:

@@ -39,6 +39,7 @@ from typing import Any
 import msgspec
 import torch
 
+from asyncrl import trace
 from asyncrl.config import WeightSyncConfig
 from asyncrl.engines.rollout.base import EngineError, EngineUnavailable
 from asyncrl.engines.rollout.sglang import SGLangClient
@@ -241,6 +242,12 @@ class BucketSender:
         value = pack_checksum(flat, m, tensors)
         return msgspec.structs.replace(m, version=version, checksum=value), flat
 
+    def _pack_traced(
+        self, k: int, tensors: dict[str, torch.Tensor], version: int
+    ) -> tuple[BucketManifest, torch.Tensor]:
+        with trace.get().span(f"pack bucket {k}", "weight pack", {"bytes": self._plan[k].nbytes}):
+            return self._pack(k, tensors, version)
+
     def _slot(self, j: int) -> torch.Tensor:
         """Staging slot ``j``, allocated when a bucket is first staged in it: buckets sent in
         place never cost the sender memory (on a GPU the allocator would hold it at once)."""
@@ -289,6 +296,12 @@ class BucketSender:
             finally:
                 snap.set()
             nbytes = sum(m.nbytes for m in plan)
+            tracer = trace.get()
+            t_end = trace.now_us()
+            tracer.complete(f"push v{version}", "weight sync", trace.us_of(t0), t_end,
+                            {"bytes": nbytes, "buckets": len(plan)})  # fmt: skip
+            tracer.complete(f"snapshot v{version}", "weight snapshot", trace.us_of(t_push),
+                            trace.us_of(self._snap_at))  # fmt: skip
             return {
                 "sync_s": time.perf_counter() - t_push,
                 "push_wait_s": t0 - t_push,
@@ -327,7 +340,7 @@ class BucketSender:
                         item = prepacked[k]
                     else:
                         item = await loop.run_in_executor(
-                            self._packer, self._pack, k, tensors, version
+                            self._packer, self._pack_traced, k, tensors, version
                         )
                 except (RuntimeError, ValueError, KeyError) as exc:
                     packed[k].set_exception(exc)
@@ -350,6 +363,7 @@ class BucketSender:
         acks: Acks = []
         moving: list[asyncio.Future[None]] = []
         paused = self.cfg.pause_scope == "transfer"
+        tracer = trace.get()
 
         def failed(k: int, exc: BaseException) -> WeightSyncError:
             self._formed = False  # the group may be out of step: re-form next time
@@ -364,11 +378,16 @@ class BucketSender:
                 bad = next((f for f in moving if f.done() and f.exception() is not None), None)
                 if bad is not None:
                     break  # a bucket failed: stop posting (its error is raised below)
+                lane, t_send = tracer.take_lane("weight send"), trace.now_us()
                 try:
                     done = await self._transfer(m, flat, acks[-len(self.clients) :])
                 except (EngineError, EngineUnavailable, RuntimeError, OSError) as exc:
+                    tracer.free_lane(lane)
                     raise failed(k, exc) from exc
                 done.add_done_callback(lambda _, k=k: sent[k].done() or sent[k].set_result(None))
+                done.add_done_callback(
+                    lambda _, k=k, lane=lane, t=t_send: _traced_send(tracer, lane, k, t)
+                )
                 moving.append(done)
             for k, done in enumerate(moving):  # in order: the first failure is reported
                 try:
@@ -422,7 +441,9 @@ class BucketSender:
                 await self._resume_all()
 
     async def _all(self, what: str, call: Any) -> None:
-        results = await asyncio.gather(*(call(c) for c in self.clients), return_exceptions=True)
+        results = await asyncio.gather(
+            *(_traced(what, c.url, call(c)) for c in self.clients), return_exceptions=True
+        )
         errors = [
             (c.url, r)
             for c, r in zip(self.clients, results, strict=True)
@@ -434,8 +455,23 @@ class BucketSender:
 
     async def _resume_all(self) -> None:
         results = await asyncio.gather(
-            *(c.continue_generation() for c in self.clients), return_exceptions=True
+            *(
+                _traced("/continue_generation", c.url, c.continue_generation())
+                for c in self.clients
+            ),
+            return_exceptions=True,
         )
         for c, r in zip(self.clients, results, strict=True):
             if isinstance(r, BaseException):
                 log.warning("could not resume %s: %s", c.url, r)
+
+
+async def _traced(what: str, url: str, call: Coroutine[Any, Any, Any]) -> Any:
+    """``call`` to the engine at ``url`` as a span of that engine's track."""
+    with trace.get().span(what, f"engine {url}"):
+        return await call
+
+
+def _traced_send(tracer: trace.Tracer, lane: str, k: int, t0: float) -> None:
+    tracer.complete(f"send bucket {k}", lane, t0, trace.now_us())
+    tracer.free_lane(lane)

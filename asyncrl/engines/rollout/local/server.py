@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -30,6 +31,7 @@ from typing import Any
 import torch
 from aiohttp import web
 
+from asyncrl import trace
 from asyncrl.engines.rollout.local.engine import LocalEngine, Request, SamplingParams
 from asyncrl.engines.rollout.local.weights import WeightReceiver, WeightRequestError
 from asyncrl.transports.weights.sender import new_event_loop
@@ -238,8 +240,36 @@ async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
         return _json_error(400, str(exc))
 
 
+_SERVER = web.AppKey("server", EngineServer)
+
+
+@web.middleware
+async def _traced(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Every POST as a span on a lane of its path's track (no-op untraced); ``/generate``
+    spans carry the request ids (``rid``)."""
+    tracer = trace.get()
+    if not tracer.enabled or request.method != "POST":
+        return await handler(request)
+    lane = tracer.take_lane(f"serve {request.path}")
+    t0 = trace.now_us()
+    try:
+        return await handler(request)
+    finally:
+        t1 = trace.now_us()
+        args = None
+        if request.path == "/generate":
+            with contextlib.suppress(Exception):  # the body was read (and cached) by the handler
+                args = {"rid": (await request.json()).get("rid")}
+        tracer.complete(request.path, lane, t0, t1, args)
+        tracer.free_lane(lane)
+        if request.path == "/update_weight_version":
+            with contextlib.suppress(TypeError, ValueError):
+                tracer.set_step(int(request.app[_SERVER].engine.weight_version))
+
+
 def build_app(server: EngineServer) -> web.Application:
-    app = web.Application(middlewares=[_errors], client_max_size=64 << 20)
+    app = web.Application(middlewares=[_traced, _errors], client_max_size=64 << 20)
+    app[_SERVER] = server
     post = {
         "/generate": server.generate,
         "/abort_request": server.abort_request,
@@ -269,6 +299,7 @@ def build_app(server: EngineServer) -> web.Application:
         server.engine.stop()
         log.info("engine stats: %s", json.dumps(server.engine.stats))
         server.weights.close()
+        trace.get().close()
 
     app.on_shutdown.append(_on_shutdown)
     return app
@@ -353,6 +384,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("the embedded engine has no tensor parallelism: --tp-size must be 1")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s %(message)s")
     torch.set_num_threads(args.threads)
+    trace.configure_from_env(f"engine-{args.port}")  # on when started by a traced run
     engine = load_engine(
         args.model_path,
         args.device,

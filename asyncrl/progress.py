@@ -1,0 +1,70 @@
+"""The run's progress line: step, reward, tokens/s, ETA.
+
+On a terminal one line is rewritten in place (``\\r``); otherwise (CI logs,
+pipes, files) every step prints one plain line, so logs stay readable.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, TextIO
+
+__all__ = ["Progress"]
+
+
+class Progress:
+    """Reports steps of a run of ``total`` steps to ``out`` (default stdout)."""
+
+    def __init__(self, total: int, out: TextIO | None = None, live: bool | None = None):
+        self.total = total
+        self.out = out or sys.stdout
+        self.live = self.out.isatty() if live is None else live
+        self._ema: float | None = None
+        self._t_first: float | None = None
+        self._tokens = 0
+        self._width = 0
+
+    def line(self, row: dict[str, Any]) -> str:
+        """The text for a metrics row (also updates the running averages)."""
+        step, wall = int(row["step"]), float(row["wall_s"])
+        r = float(row["reward_mean"])
+        self._ema = r if self._ema is None else 0.9 * self._ema + 0.1 * r
+        tokens_s = eta = None
+        if self._t_first is None:
+            self._t_first = wall
+        else:
+            self._tokens += int(row.get("response_tokens", 0))
+            span = wall - self._t_first
+            done = step  # steps reported since the first one
+            if span > 0 and done > 0:
+                tokens_s = self._tokens / span
+                eta = span / done * (self.total - step - 1)
+        parts = [
+            f"step {step + 1}/{self.total}",
+            f"reward {r:.3f} (avg {self._ema:.3f})",
+            f"staleness {row.get('staleness_max', 0)}",
+            f"{tokens_s:,.0f} tok/s" if tokens_s is not None else "- tok/s",
+            f"train {float(row.get('train_s', 0.0)):.2f}s",
+            f"sync {float(row.get('sync_s', 0.0)):.3f}s",
+            f"{wall:.0f}s",
+            f"ETA {eta:.0f}s" if eta is not None else "ETA -",
+        ]
+        return " | ".join(parts)
+
+    def update(self, row: dict[str, Any]) -> None:
+        text = self.line(row)
+        if self.live:
+            pad = max(0, self._width - len(text))
+            self._width = len(text)
+            end = "\n" if int(row["step"]) + 1 >= self.total else ""
+            self.out.write("\r" + text + " " * pad + end)
+        else:
+            self.out.write(text + "\n")
+        self.out.flush()
+
+    def close(self) -> None:
+        """End a live line that is still open (a run that stopped early)."""
+        if self.live and self._width:
+            self.out.write("\n")
+            self.out.flush()
+            self._width = 0

@@ -1,0 +1,37 @@
+"""``asyncrl bench learning``'s time-to-reward: levels reached on the smoothed curve."""
+
+from __future__ import annotations
+
+from asyncrl.bench.learning import reach, summarize
+from asyncrl.plot import smooth
+
+
+def _rows(rewards: list[float], dt: float = 2.0, n: int = 32) -> list[dict]:
+    return [
+        {"reward_mean": r, "wall_s": dt * (i + 1), "num_samples": n} for i, r in enumerate(rewards)
+    ]
+
+
+def test_reach_uses_the_smoothed_curve() -> None:
+    rewards = [0.1, 0.2, 0.9, 0.1, 0.6, 0.7, 0.8, 0.95, 0.97]
+    rows = _rows(rewards)
+    time_to, samples_to = reach(rows, [0.5, 0.9], 1.0, 0.8)
+    curve = smooth(rewards, 0.8)
+    first = next(i for i, v in enumerate(curve) if v >= 0.5)
+    assert rewards[2] >= 0.5 and first > 2  # one lucky step does not count
+    assert time_to == {"0.5": rows[first]["wall_s"], "0.9": None}
+    assert samples_to == {"0.5": 32 * (first + 1), "0.9": None}
+    assert reach(rows, [0.4], 2.0, 0.0)[0] == {"0.4": rows[2]["wall_s"]}  # raw: 0.9 >= 0.4 * 2
+
+
+def test_summary_is_null_unless_every_seed_reached() -> None:
+    def run(arm: str, seed: int, rewards: list[float]) -> dict:
+        t, s = reach(_rows(rewards), [0.5], 1.0, 0.0)
+        return {"arm": arm, "seed": seed, "time_to": t, "samples_to": s, "final_reward": 0.0,
+                "first_reward": 0.0, "wall_s": 1.0, "steps_wall_s": 1.0}  # fmt: skip
+
+    runs = [run("sync", 0, [0.1, 0.6]), run("sync", 1, [0.6, 0.7])]
+    runs += [run("async_decoupled", 0, [0.1, 0.2]), run("async_decoupled", 1, [0.9])]
+    out = summarize(runs)
+    assert out["sync_time_to"] == {"0.5": 3.0} and out["sync_samples_to"] == {"0.5": 48.0}
+    assert out["async_decoupled_time_to"] == {"0.5": None}
