@@ -254,13 +254,13 @@ def _time(plt: Any, runs: list[Run], alpha: float, window: int) -> Any:
                 seen.add(k)
                 ax.barh(y, v / total, left=left, color=colors[k], label=label)
                 if v / total > 0.06:
-                    ax.text(left + v / total / 2, y, f"{v:.0f}s", ha="center", va="center")
+                    ax.text(left + v / total / 2, y, f"{v:.1f}s", ha="center", va="center")
                 left += v / total
             labels.append(f"{run.label}\n{who}")
             y += 1
     ax.set_yticks(range(len(labels)), labels, fontsize=8)
     ax.set(xlabel="share of the run", title="where time goes", xlim=(0, 1))
-    ax.legend(fontsize=8, ncol=6, loc="upper center", bbox_to_anchor=(0.5, -0.35))
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     return fig
 
