@@ -96,10 +96,12 @@ class RolloutConfig(_Section):
     """Timeout of one HTTP request to an engine."""
     startup_timeout_s: float = 120.0
     """How long the run waits for a started engine to become healthy."""
-    pause_mode: Literal["abort", "in_place"] = "abort"
+    pause_mode: Literal["abort", "retract", "in_place"] = "abort"
     """How engines pause for a weight update. ``abort``: in-flight requests return their
     partial output and the controller resumes them under the new weights (every token's
-    version stays exact)."""
+    version stays exact). ``retract`` (SGLang's mode): they go back to the engine's queue,
+    their KV cache dropped, and go on under the new weights, their tokens' versions read from
+    SGLang's per-request version spans (SGLang >= 0.5.22). ``in_place``: they stay put."""
     tp_size: int = 1
     """GPUs per launched SGLang server (``--tp-size``); the embedded engine needs 1."""
     mem_fraction_static: float = 0.0
@@ -286,10 +288,14 @@ class WeightSyncConfig(_Section):
     sends as far as they allow. 0: one per bucket (one copy of the weights; the trainer is
     released after a memcpy of the model); 2: double-buffered, least memory (the next optimizer
     step may wait for the tail of the stream)."""
+    repush_attempts: int = 2
+    """SGLang engines: how often a failed push is re-pushed (from the staged copy, engines
+    still paused) before the run stops saying the engines' weights are undefined (SGLang loads
+    buckets as they arrive). The embedded engine keeps its old weights instead."""
     pause_scope: Literal["commit", "transfer"] = "commit"
     """When engines pause generation: ``commit`` only around the switch to the new weights (the
     embedded engine stages buckets aside); ``transfer`` for the whole stream (SGLang, which
-    loads each bucket as it arrives)."""
+    loads each bucket as it arrives; always ``transfer`` with ``rollout.backend = "sglang"``)."""
     ipc_verify: bool = False
     """``cuda-ipc`` only: the sender sends a checksum per tensor and engines check their copies
     before switching. Off by default: the bytes never leave the GPU's memory, and the checksums
@@ -504,6 +510,14 @@ def _check_positive(cfg: RunConfig) -> None:
         value = getattr(getattr(cfg, section), field)
         if value <= 0:
             raise ValueError(f"{key} must be > 0, got {value!r}")
+    if cfg.rollout.backend == "sglang" and cfg.weights.backend == "cuda-ipc":
+        raise ValueError(
+            "weights.backend='cuda-ipc' works with rollout.backend='local' only: SGLang's "
+            "scheduler dies on asyncrl's CUDA IPC descriptor (load_format='asyncrl_ipc'); use "
+            "weights.backend='nccl' (or 'auto') with rollout.backend='sglang'"
+        )
+    if cfg.weights.repush_attempts < 0:
+        raise ValueError(f"weights.repush_attempts must be >= 0, got {cfg.weights.repush_attempts}")
     if cfg.controller.max_staleness < 0:
         raise ValueError(
             f"controller.max_staleness must be >= 0, got {cfg.controller.max_staleness}"

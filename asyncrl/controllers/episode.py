@@ -255,7 +255,9 @@ class EpisodeContext:
         while True:
             done = len(out.output_ids)
             params["max_new_tokens"] = budget - done
-            rid = f"{self.episode_id}-{self.next_rid}"
+            # prefix-free: SGLang aborts every rid that starts with the one named
+            # (0.5.23 scheduler.py:5688), so "7-1" would also abort "7-10"
+            rid = f"{self.episode_id}-{self.next_rid}."
             self.next_rid += 1
             if not gate.open.is_set():
                 await gate.open.wait()
@@ -289,7 +291,7 @@ class EpisodeContext:
             if n:
                 out.output_ids += res.output_ids
                 out.logprobs += res.logprobs
-                out.versions += [res.weight_version] * n
+                out.versions += res.token_versions()
             out.finish_reason = "partial" if res.finish_reason == "abort" else res.finish_reason
             if res.finish_reason != "abort" or len(out.output_ids) >= budget:
                 if out.finish_reason == "partial":

@@ -31,11 +31,16 @@ class EngineError(RuntimeError):
     JSON body, else the body text); ``status`` the HTTP status; ``path`` the endpoint.
     """
 
-    def __init__(self, path: str, status: int, message: str):
+    def __init__(self, path: str, status: int, message: str, answered: bool = True):
         super().__init__(f"{path} -> {status}: {message}")
         self.path = path
         self.status = status
         self.message = message
+        self.answered = answered
+        """The engine's own handler answered (a JSON object body, e.g. SGLang's
+        ``{"success": false, "message": ...}`` with HTTP 400): it ran, and for a weight update
+        it may have received and loaded data before failing. False: a proxy's or framework's
+        error page."""
 
 
 class EngineBadRequest(EngineError):
@@ -52,6 +57,15 @@ class GenerateResult(msgspec.Struct, frozen=True, gc=False):
     weight_version: int
     finish_reason: str
     prompt_tokens: int = 0
+    versions: list[int] | None = None
+    """The weight version of each output token, when the server reported spans (SGLang >=
+    0.5.22's ``meta_info.weight_versions``); None: every token has ``weight_version``."""
+
+    def token_versions(self) -> list[int]:
+        """The weight version of every output token."""
+        if self.versions is not None:
+            return self.versions
+        return [self.weight_version] * len(self.output_ids)
 
     @classmethod
     def from_sglang(cls, out: Any) -> GenerateResult:
@@ -65,13 +79,34 @@ class GenerateResult(msgspec.Struct, frozen=True, gc=False):
             raise EngineError("/generate", 200, f"{len(ids)} tokens but {len(lps)} log-probs")
         fr = meta.get("finish_reason") or {}
         reason = fr.get("type", "length") if isinstance(fr, dict) else str(fr)
+        version = _parse_version(meta.get("weight_version", "0"))
         return cls(
             output_ids=ids,
             logprobs=lps,
-            weight_version=_parse_version(meta.get("weight_version", "0")),
+            weight_version=version,
             finish_reason=reason,
             prompt_tokens=int(meta.get("prompt_tokens", 0)),
+            versions=_expand_spans(meta.get("weight_versions"), len(ids), version),
         )
+
+
+def _expand_spans(spans: Any, n: int, last: int) -> list[int] | None:
+    """SGLang's ``meta_info.weight_versions`` (``[{version, start, end}]``, output-token
+    ranges, 0.5.23 srt/utils/weight_versions.py:63-108) as one version per token; None when
+    absent or a single span (every token has ``last``). Tokens no span covers (none in
+    SGLang's output) get the version of the span before them."""
+    if not isinstance(spans, list) or len(spans) <= 1:
+        return None
+    out = [last] * n
+    try:
+        for span in spans:
+            v = _parse_version(span["version"])
+            start, end = max(0, int(span["start"])), min(n, int(span["end"]))
+            out[start:end] = [v] * max(0, end - start)
+            out[end:] = [v] * (n - end)  # until a later span says otherwise
+    except (KeyError, TypeError, ValueError) as exc:
+        raise EngineError("/generate", 200, f"malformed weight_versions {spans!r:.200}") from exc
+    return out
 
 
 def _parse_version(v: Any) -> int:

@@ -54,6 +54,13 @@ def _server_message(raw: bytes) -> str:
     return text[:2000]
 
 
+def _is_json_object(raw: bytes) -> bool:
+    try:
+        return isinstance(msgspec.json.decode(raw), dict)
+    except msgspec.DecodeError:
+        return False
+
+
 class SGLangClient:
     """One SGLang-protocol server at ``base_url``. Create and use it inside one event loop.
 
@@ -66,6 +73,8 @@ class SGLangClient:
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._session: aiohttp.ClientSession | None = None
         self.sent: list[tuple[str, str, dict[str, Any] | None]] | None = [] if record else None
+        self._routes: dict[tuple[str, ...], str] = {}  # routes wanted -> the one it answers
+        self.has_session: bool | None = None  # /begin_weight_update exists (SGLang >= 0.5.22)
 
     def __repr__(self) -> str:
         return f"SGLangClient({self.url!r})"
@@ -91,10 +100,10 @@ class SGLangClient:
                 status = resp.status
         except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
             raise EngineUnavailable(f"{self.url}{path}: {type(exc).__name__}: {exc}") from exc
-        if 400 <= status < 500:
-            raise EngineBadRequest(path, status, _server_message(raw))
         if status >= 400:
-            raise EngineError(path, status, _server_message(raw))
+            answered = _is_json_object(raw)
+            cls = EngineBadRequest if status < 500 else EngineError
+            raise cls(path, status, _server_message(raw), answered=answered)
         if not raw:
             return None
         try:
@@ -224,6 +233,29 @@ class SGLangClient:
         _set_optional(body, weight_version, load_format, extra)
         return await self._call("POST", "/update_weights_from_tensor", body)
 
+    async def begin_weight_update(self) -> bool:
+        """Open SGLang's weight-update session (0.5.22+: update calls outside one answer 400,
+        0.5.23 scheduler_components/weight_updater.py:192-198). False when the server has no
+        such route (404: SGLang 0.5.10, the embedded engine): go on without."""
+        return await self._session_call("/begin_weight_update")
+
+    async def end_weight_update(self) -> bool:
+        """Close the session :meth:`begin_weight_update` opened (False: no such route)."""
+        return await self._session_call("/end_weight_update")
+
+    async def _session_call(self, path: str) -> bool:
+        if self.has_session is False:
+            return False
+        try:
+            await self._call("POST", path, {})
+        except EngineBadRequest as exc:
+            if exc.status != 404:
+                raise
+            self.has_session = False
+            return False
+        self.has_session = True
+        return True
+
     async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
         """Leave the weight-sync process group ``group_name``."""
         await self._call("POST", "/destroy_weights_update_group", {"group_name": str(group_name)})
@@ -233,25 +265,51 @@ class SGLangClient:
         body = {"new_version": str(new_version), "abort_all_requests": False}
         await self._call("POST", "/update_weight_version", body)
 
+    async def _get_either(self, paths: tuple[str, ...]) -> Any:
+        """GET the first of ``paths`` this server has (a 404 tries the next; remembered)."""
+        known = self._routes.get(paths)
+        if known is not None:
+            return await self._call("GET", known)
+        for i, path in enumerate(paths):
+            try:
+                out = await self._call("GET", path)
+            except EngineBadRequest as exc:
+                if exc.status != 404 or i == len(paths) - 1:
+                    raise
+                continue
+            self._routes[paths] = path
+            return out
+        raise AssertionError("unreachable")
+
     async def get_weight_version(self) -> str:
-        out = await self._call("GET", "/get_weight_version")
+        """The served weights' version label: ``/model_info``'s ``weight_version``
+        (SGLang >= 0.5.10; its ``/get_weight_version`` answers 404, http_server.py:581-587 in
+        0.5.10, gone in 0.5.22), else ``/get_weight_version`` (the embedded engine)."""
+        out = await self._get_either(("/model_info", "/get_weight_version"))
         if not isinstance(out, dict) or "weight_version" not in out:
-            raise EngineError("/get_weight_version", 200, f"unexpected response: {out!r:.200}")
+            raise EngineError("/model_info", 200, f"unexpected response: {out!r:.200}")
         return str(out["weight_version"])
 
     async def get_server_info(self) -> dict[str, Any]:
-        """The server's ``/get_server_info`` (SGLang: server args and state; the embedded
-        engine: step and token counters)."""
-        out = await self._call("GET", "/get_server_info")
+        """The server's ``/server_info`` (``/get_server_info`` is SGLang's deprecated alias and
+        the embedded engine's route): SGLang: launch arguments (``tp_size``, ``version``) and
+        state; the embedded engine: step and token counters. Versions read from here are launch
+        values: the served version is :meth:`get_weight_version`."""
+        out = await self._get_either(("/server_info", "/get_server_info"))
         if not isinstance(out, dict):
-            raise EngineError("/get_server_info", 200, f"unexpected response: {out!r:.200}")
+            raise EngineError("/server_info", 200, f"unexpected response: {out!r:.200}")
         return out
 
     # -- liveness ----------------------------------------------------------------------
     async def health(self) -> bool:
-        """True when the server answers /health with 200; never raises."""
+        """True when the server answers ``/model_info`` (``/get_model_info``); never raises.
+
+        A liveness probe, cheap on every server. Not SGLang's ``/health``: that runs a
+        one-token generation (>= 1 s; 503 after 20 s while generation is paused;
+        0.5.23 http_server.py:721-799), so it fails during every long weight update.
+        """
         try:
-            await self._call("GET", "/health")
+            await self._get_either(("/model_info", "/get_model_info"))
         except (EngineError, EngineUnavailable):
             return False
         return True

@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> None:
     if args.rank == 0:
         urls = [u for u in args.engine_urls.split(",") if u]
         sender = make_weight_transport(
-            cfg.weights, urls, cfg.trainer.device, cfg.rollout.pause_mode
+            cfg.weights, urls, cfg.trainer.device, cfg.rollout.pause_mode, cfg.rollout.backend
         )
         sender.connect()
     state = RunState(algorithm, args.rank, chan.report)

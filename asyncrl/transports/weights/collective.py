@@ -17,14 +17,14 @@ import datetime
 import importlib.util
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from asyncrl.engines.rollout.base import EngineError
+from asyncrl.engines.rollout.base import EngineError, EngineUnavailable
 from asyncrl.net import gloo_options, tcp_store
 from asyncrl.procs import free_port
 from asyncrl.transports.weights.bucket import BucketManifest
@@ -216,12 +216,39 @@ def broadcast(group: dist.ProcessGroup, tensor: torch.Tensor, src: int = 0) -> N
     finish_broadcast(post_broadcast(group, tensor, src), tensor)
 
 
-def _refused(task: asyncio.Task[Any]) -> bool:
-    """The engine did not take part in the bucket's broadcast (HTTP error, unreachable)."""
+def _refused(task: asyncio.Task[Any], sglang: bool) -> bool:
+    """The engine did not take part in the bucket's broadcast (HTTP error, unreachable).
+
+    The embedded engine answers ``success: false`` with HTTP 200 once it received, 4xx only
+    before. SGLang answers 400 with its JSON body also after receiving and loading
+    (0.5.23 http_server.py:1488-1505): its handler ran, so the broadcast is waited for.
+    """
     if task.cancelled() or task.exception() is None:
         return False
     exc = task.exception()
-    return not (isinstance(exc, EngineError) and exc.status == 200)  # 200: received, then failed
+    if not isinstance(exc, EngineError):
+        return True
+    return not (exc.status == 200 or (sglang and exc.answered))
+
+
+def sglang_release(info: dict[str, Any]) -> tuple[int, ...]:
+    """The SGLang version in a ``/server_info`` answer (``version``); the embedded engine,
+    which has none, counts as the newest."""
+    text = str(info.get("version", ""))
+    parts = [int(p) for p in text.split(".")[:3] if p.isdigit()]
+    return tuple(parts) if len(parts) >= 2 else (99,)
+
+
+async def _after(prev: asyncio.Future[Any] | None, call: Coroutine[Any, Any, Any], k: int) -> Any:
+    """Send ``call`` once the engine answered the previous bucket's; not at all when that
+    one failed (SGLang would receive this bucket's broadcast in the wrong turn)."""
+    if prev is not None:
+        try:
+            await asyncio.shield(prev)
+        except (EngineError, EngineUnavailable, asyncio.CancelledError) as exc:
+            call.close()
+            raise RuntimeError(f"bucket {k} not sent: bucket {k - 1} failed ({exc})") from exc
+    return await call
 
 
 class CollectiveWeightSender(BucketSender):
@@ -237,9 +264,12 @@ class CollectiveWeightSender(BucketSender):
         backend: str,
         pause_mode: str = "abort",
         device: str = "cpu",
+        engine: str = "local",
     ):
-        super().__init__(engine_urls, cfg, device=device, pause_mode=pause_mode)
+        super().__init__(engine_urls, cfg, device=device, pause_mode=pause_mode, engine=engine)
         self.backend = backend
+        self._flush = True  # flush SGLang's prefix cache with the last bucket (see _form)
+        self._chain: dict[str, asyncio.Future[Any]] = {}  # SGLang: each engine's last call
         self._group: dist.ProcessGroup | None = None
         self._bcast = ThreadPoolExecutor(1, thread_name_prefix="weight-bcast")  # waits, in order
         # posts, in order, off the event loop: NCCL/HCCL set up their communicator on the
@@ -247,13 +277,20 @@ class CollectiveWeightSender(BucketSender):
         self._poster = ThreadPoolExecutor(1, thread_name_prefix="weight-post")
 
     async def _form(self) -> None:
+        """Rank 0 is ours; engine i's TP ranks are ``offset_i + tp_rank`` with ``offset_i = 1 +
+        sum(tp_j, j < i)`` (SGLang joins ``rank_offset + tp_rank``, 0.5.23
+        model_runner_components/weight_updater.py:124); world = 1 + sum(tp)."""
+        infos = await asyncio.gather(*(c.get_server_info() for c in self.clients))
+        tps = [max(1, int(info.get("tp_size", 1))) for info in infos]
+        self._check_sglang(infos)
         port = free_port(self.cfg.master_address)
-        world = 1 + len(self.clients)
+        world = 1 + sum(tps)
+        offsets = [1 + sum(tps[:i]) for i in range(len(tps))]
         calls = [
             c.init_weights_update_group(
                 master_address=self.cfg.master_address,
                 master_port=port,
-                rank_offset=1 + i,
+                rank_offset=offsets[i],
                 world_size=world,
                 group_name=self.cfg.group_name,
                 backend=self.backend,
@@ -274,6 +311,28 @@ class CollectiveWeightSender(BucketSender):
         results = await asyncio.gather(own, *calls)
         self._group = results[0]
 
+    def _check_sglang(self, infos: list[dict[str, Any]]) -> None:
+        """Refuse what an engine's SGLang version cannot do exactly; choose ``flush_cache``.
+
+        SGLang < 0.5.22 reports one version per request (no spans): only ``abort`` keeps
+        every token's version exact. ``flush_cache`` fails unless the engine is idle: with
+        ``in_place`` always (0.5.22+: 400 "weights updated, cache not flushed",
+        scheduler_components/weight_updater.py:120-133; 0.5.10: an assertion kills the
+        scheduler, scheduler_update_weights_mixin.py:80-82), with ``retract`` before 0.5.22
+        (retracted requests wait in the queue, scheduler.py:2900-2918 in 0.5.10).
+        """
+        if not self.sglang:
+            return
+        oldest = min(sglang_release(i) for i in infos)
+        if oldest < (0, 5, 22) and self.pause_mode != "abort":
+            raise ValueError(
+                f"rollout.pause_mode={self.pause_mode!r} needs SGLang >= 0.5.22 (per-token "
+                f"version spans); an engine runs {'.'.join(map(str, oldest))}: use 'abort'"
+            )
+        self._flush = self.pause_mode == "abort" or (
+            self.pause_mode == "retract" and oldest >= (0, 5, 22)
+        )
+
     async def _teardown(self) -> None:
         group, self._group = self._group, None
         if group is not None:  # release the group's name (a stuck one is retried when re-formed)
@@ -292,23 +351,29 @@ class CollectiveWeightSender(BucketSender):
         """Start the bucket's control call to every engine (it may run ahead of the data)."""
         names = [e.name for e in m.entries]
         extra = {"asyncrl_bucket": bucket_extra(m)}
-        return [
-            (
-                c.url,
-                asyncio.ensure_future(
-                    c.update_weights_from_distributed(
-                        names=names,
-                        dtypes=[m.dtype] * len(names),
-                        shapes=[e.wire_shape for e in m.entries],
-                        group_name=self.cfg.group_name,
-                        flush_cache=m.index == m.count - 1,
-                        load_format="flattened_bucket",
-                        extra=extra,
-                    )
-                ),
+        last = m.index == m.count - 1
+        if m.index == 0:
+            self._chain = {}
+        acks: Acks = []
+        for c in self.clients:
+            call = c.update_weights_from_distributed(
+                names=names,
+                dtypes=[m.dtype] * len(names),
+                shapes=[e.wire_shape for e in m.entries],
+                group_name=self.cfg.group_name,
+                flush_cache=last and self._flush,
+                # SGLang relabels with the last bucket's load
+                # (scheduler_components/weight_updater.py:224)
+                weight_version=str(m.version) if last and self.sglang else None,
+                load_format="flattened_bucket",
+                extra=extra,
             )
-            for c in self.clients
-        ]
+            if self.sglang:  # SGLang serves update calls in arrival order: one at a time
+                call = _after(self._chain.get(c.url), call, m.index)
+            task = asyncio.ensure_future(call)
+            self._chain[c.url] = task
+            acks.append((c.url, task))
+        return acks
 
     async def _transfer(
         self, m: BucketManifest, flat: torch.Tensor, acks: Acks
@@ -327,7 +392,7 @@ class CollectiveWeightSender(BucketSender):
     async def _watch(self, m: BucketManifest, sent: asyncio.Future[None], acks: Acks) -> None:
         while not sent.done():
             await asyncio.wait([sent, *(t for _, t in acks)], return_when=asyncio.FIRST_COMPLETED)
-            refused = [(u, t) for u, t in acks if t.done() and _refused(t)]
+            refused = [(u, t) for u, t in acks if t.done() and _refused(t, self.sglang)]
             if refused and not sent.done():
                 url, task = refused[0]
                 raise RuntimeError(f"{url} refused bucket {m.index}: {task.exception()}")

@@ -23,6 +23,16 @@ asyncio loop does the rest, one push at a time, in order:
 
 Any failure skips the commit: the engines drop what they staged and keep their
 weights and version; the push's handle raises :class:`WeightSyncError`.
+
+SGLang engines (``engine="sglang"``) load every bucket into the live model as it
+arrives (no staging) and cannot load a chunk of a tensor, so for them the sender
+plans whole tensors only, pauses generation for the whole transfer, opens
+SGLang's weight-update session around the buckets (0.5.22+), puts
+``weight_version`` on the last bucket (SGLang relabels with the load) and
+relabels before generation resumes. A failed push leaves their weights
+undefined: it is re-pushed from the staged copy (``weights.repush_attempts``
+times, engines still paused), and when that fails too the push raises, saying
+so, and the engines stay paused. See docs/weight-sync.md, "Per backend".
 """
 
 from __future__ import annotations
@@ -98,6 +108,7 @@ class BucketSender:
         cfg: WeightSyncConfig,
         device: str = "cpu",
         pause_mode: str = "abort",
+        engine: str = "local",
     ):
         if not engine_urls:
             raise ValueError("weight sync needs at least one engine URL")
@@ -105,7 +116,10 @@ class BucketSender:
         self.cfg = cfg
         self.device = torch.device(device)
         self.pause_mode = pause_mode
+        self.sglang = engine == "sglang"
+        self.pause_scope = "transfer" if self.sglang else cfg.pause_scope
         self.clients: list[SGLangClient] = []
+        self._packed: list[tuple[BucketManifest, torch.Tensor]] = []  # this push's, in order
         self._loop = new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="weight-sender", daemon=True
@@ -208,9 +222,11 @@ class BucketSender:
         specs = tuple(spec_of(n, t) for n, t in tensors.items())
         if specs != self._plan_key:
             self._plan_key = specs
-            self._plan = plan_buckets(specs, self.cfg.bucket_mb << 20, self.cfg.min_buckets)
+            self._plan = plan_buckets(
+                specs, self.cfg.bucket_mb << 20, self.cfg.min_buckets, whole_only=self.sglang
+            )
             depth = self.cfg.staging_buckets
-            if depth == 0 or self.cfg.snapshot:
+            if depth == 0 or self.cfg.snapshot or self.sglang:  # SGLang: kept for a re-push
                 depth = len(self._plan)
             depth = max(1, min(depth, len(self._plan)))
             total, upto = sum(m.nbytes for m in self._plan), 0
@@ -269,7 +285,7 @@ class BucketSender:
         manifest order (one whole tensor; or a trainer whose parameters live in one
         flat buffer, see ``trainer.flat_params``). Everything else is staged.
         """
-        if not self.zero_copy_ok or self.cfg.snapshot or k >= self._zero_copy_upto:
+        if not self.zero_copy_ok or self.cfg.snapshot or self.sglang or k >= self._zero_copy_upto:
             return None
         return span_of(self._plan[k], tensors, self.device)
 
@@ -284,15 +300,24 @@ class BucketSender:
         assert self._lock is not None, "connect() first"
         async with self._lock:
             t0 = time.perf_counter()
+            attempts = 1 + (self.cfg.repush_attempts if self.sglang else 0)
             try:
-                if not self._formed:  # a failed push broke the group: re-form it first
-                    await self._reform_locked()
-                plan = self._plan_for(tensors)
-                self._snap_at = t_push
-                acks = await self._stream(plan, tensors, version, snap, packed)
+                for attempt in range(attempts):
+                    try:
+                        if not self._formed:  # a failed push broke the group: re-form it
+                            await self._reform_locked()
+                        plan = self._plan_for(tensors)
+                        self._snap_at = t_push
+                        redo = self._packed if attempt and len(self._packed) == len(plan) else None
+                        await self._deliver(plan, tensors, version, snap, redo or packed)
+                        break
+                    except WeightSyncError as exc:
+                        if attempt == attempts - 1:
+                            if self.sglang:
+                                raise self._undefined(version, attempts, exc) from exc
+                            raise
+                        log.warning("v%d: re-pushing (SGLang weights undefined): %s", version, exc)
                 snap_s = self._snap_at - t_push
-                await self._check_acks(acks)
-                await self._commit(version)
             finally:
                 snap.set()
             nbytes = sum(m.nbytes for m in plan)
@@ -308,7 +333,56 @@ class BucketSender:
                 "snapshot_s": snap_s,
                 "bytes": float(nbytes),
                 "buckets": float(len(plan)),
+                "attempts": float(attempt + 1),
             }
+
+    async def _deliver(
+        self,
+        plan: list[BucketManifest],
+        tensors: dict[str, torch.Tensor],
+        version: int,
+        snap: threading.Event,
+        packed: list[tuple[BucketManifest, torch.Tensor]] | None,
+    ) -> None:
+        """One attempt: [pause] begin, buckets, end, relabel [resume]. SGLang engines stay
+        paused when it fails (their weights are undefined until a re-push lands)."""
+        paused = self.pause_scope == "transfer"
+        if paused:
+            await self._all("/pause_generation", lambda c: c.pause_generation(self.pause_mode))
+        ok = False
+        try:
+            try:
+                await self._all("/begin_weight_update", lambda c: c.begin_weight_update())
+            except WeightSyncError:  # e.g. a session a failed push left open: close, retry once
+                await self._end_sessions()
+                await self._all("/begin_weight_update", lambda c: c.begin_weight_update())
+            try:
+                acks = await self._stream(plan, tensors, version, snap, packed)
+                await self._check_acks(acks)
+            finally:
+                await self._end_sessions()
+            await self._commit(version)
+            ok = True
+        finally:
+            if paused and (ok or not self.sglang):
+                await self._resume_all()
+
+    async def _end_sessions(self) -> None:
+        results = await asyncio.gather(
+            *(c.end_weight_update() for c in self.clients), return_exceptions=True
+        )
+        for c, r in zip(self.clients, results, strict=True):
+            if isinstance(r, BaseException):
+                log.warning("could not end the weight-update session on %s: %s", c.url, r)
+
+    def _undefined(self, version: int, attempts: int, exc: BaseException) -> WeightSyncError:
+        urls = ", ".join(c.url for c in self.clients) or ", ".join(self.urls)
+        return WeightSyncError(
+            f"weight push v{version} failed {attempts} time(s); the weights of SGLang "
+            f"engine(s) {urls} are now UNDEFINED (SGLang loads each bucket into the live model "
+            f"as it arrives, so a push that fails part-way leaves a mix of versions); they are "
+            f"left paused. Last error: {exc}"
+        )
 
     async def _reform_locked(self) -> None:
         await self._shutdown()
@@ -328,6 +402,7 @@ class BucketSender:
         loop = asyncio.get_running_loop()
         n, depth = len(plan), len(self._slot_bytes)
         self._in_place = set()
+        self._packed = []
         packed: list[asyncio.Future[Any]] = [loop.create_future() for _ in plan]
         sent: list[asyncio.Future[None]] = [loop.create_future() for _ in plan]
 
@@ -337,7 +412,10 @@ class BucketSender:
                     await sent[k - depth]
                 try:
                     if prepacked is not None:
-                        item = prepacked[k]
+                        item = (
+                            msgspec.structs.replace(prepacked[k][0], version=version),
+                            (prepacked[k][1]),
+                        )
                     else:
                         item = await loop.run_in_executor(
                             self._packer, self._pack_traced, k, tensors, version
@@ -346,6 +424,7 @@ class BucketSender:
                     packed[k].set_exception(exc)
                     return
                 packed[k].set_result(item)
+                self._packed.append(item)
             for k in sorted(self._in_place):  # buckets sent from the tensors must have left
                 await sent[k]
             self._snap_at = time.perf_counter()
@@ -362,16 +441,14 @@ class BucketSender:
         announcer = asyncio.ensure_future(announce())
         acks: Acks = []
         moving: list[asyncio.Future[None]] = []
-        paused = self.cfg.pause_scope == "transfer"
         tracer = trace.get()
+        kept = "weights undefined" if self.sglang else "kept old weights"
 
         def failed(k: int, exc: BaseException) -> WeightSyncError:
             self._formed = False  # the group may be out of step: re-form next time
-            return WeightSyncError(f"v{version} bucket {k} (kept old weights): {exc}")
+            return WeightSyncError(f"v{version} bucket {k} ({kept}): {exc}")
 
         try:
-            if paused:
-                await self._all("/pause_generation", lambda c: c.pause_generation(self.pause_mode))
             for k in range(n):
                 m, flat = await packed[k]
                 acks += await announced[k]
@@ -408,8 +485,6 @@ class BucketSender:
                     t.cancel()
                 await asyncio.gather(*pending, return_exceptions=True)
             await loop.run_in_executor(self._packer, lambda: None)  # packer idle: tensors released
-            if paused:
-                await self._resume_all()
         return acks
 
     async def _check_acks(self, acks: Acks) -> None:
@@ -424,12 +499,14 @@ class BucketSender:
             if any(not isinstance(e, EngineError) for _, e in errors):
                 self._formed = False
             detail = "; ".join(f"{u}: {e}" for u, e in errors[:4])
+            kept = "weights undefined" if self.sglang else "kept old weights"
             raise WeightSyncError(
-                f"{prefix}{len(errors)} engine(s) failed the update (kept old weights): {detail}"
+                f"{prefix}{len(errors)} engine(s) failed the update ({kept}): {detail}"
             )
 
     async def _commit(self, version: int) -> None:
-        paused = self.cfg.pause_scope == "commit"
+        """Relabel every engine (the embedded engine: switch to the staged update)."""
+        paused = self.pause_scope == "commit"
         if paused:
             await self._all("/pause_generation", lambda c: c.pause_generation(self.pause_mode))
         try:

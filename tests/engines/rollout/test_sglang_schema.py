@@ -117,9 +117,12 @@ SCHEMA: dict[str, tuple[set[str], str, dict[str, str], set[str]]] = {
         {**BASE_REQ, "new_version": "str", "abort_all_requests": "bool"},
         {"new_version"},
     ),
+    # read routes: SGLang's, then the fallback a 404 sends the client to (the embedded engine)
+    "/model_info": ({"GET"}, "(no body)", {}, set()),
+    "/get_model_info": ({"GET"}, "(no body)", {}, set()),
     "/get_weight_version": ({"GET"}, "(no body)", {}, set()),
+    "/server_info": ({"GET"}, "(no body)", {}, set()),
     "/get_server_info": ({"GET"}, "(no body)", {}, set()),
-    "/health": ({"GET"}, "(no body)", {}, set()),
 }
 
 # sampling_params keys (sampling_params.py: SamplingParams API fields)
