@@ -38,6 +38,8 @@ from typing import Any
 
 import torch
 
+from asyncrl.transports.weights.bucket import checksum
+
 
 def load_sglang() -> tuple[Any, Any, str]:
     """SGLang's ``init_custom_process_group``, ``FlattenedTensorBucket`` and how they loaded."""
@@ -75,6 +77,7 @@ class Rank:
         self.init_group, self.Bucket, self.loaded_how = load_sglang()
         self.groups: dict[str, Any] = {}
         self.weights: dict[str, torch.Tensor] = {}
+        self.received: list[tuple[str, torch.Tensor]] = []
 
     def init(self, c: dict[str, Any]) -> dict[str, Any]:
         rank = int(c["rank_offset"]) + int(c["tp_rank"])
@@ -103,18 +106,26 @@ class Rank:
             flat = bucket.get_flattened_tensor()
             torch.distributed.broadcast(flat, src=0, group=group)
             named = bucket.reconstruct_tensors()
+            got = checksum(flat)  # of the bytes SGLang received, to compare with the sender's
         else:
+            got = None
             named = []
             for n, d, s in zip(names, dtypes, shapes, strict=True):
                 t = torch.empty(s, dtype=getattr(torch, d))
                 torch.distributed.broadcast(t, src=0, group=group)
                 named.append((n, t))
-        for n, t in named:  # load: whole named tensors only, as the model's load_weights
+        self.received = named
+        if c.get("load", True):
+            self.load(named)
+        return {"loaded": len(named), "checksum": got}
+
+    def load(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        """Whole named tensors into the live weights, as SGLang's ``load_weights`` does."""
+        for n, t in named:
             old = self.weights.get(n)
             if old is not None and old.shape != t.shape:
                 raise ValueError(f"{n}: shape {tuple(t.shape)} != loaded {tuple(old.shape)}")
             self.weights[n] = t.clone()
-        return {"loaded": len(named), "bytes": int(sum(t.nbytes for _, t in named))}
 
     def checksums(self, c: dict[str, Any]) -> dict[str, Any]:
         return {

@@ -1,0 +1,616 @@
+"""A protocol-faithful SGLang server for the tests, written from SGLang's source.
+
+Run as ``python -m tests.engines.rollout.sglang.standin --sglang-version V ...`` with
+SGLang ``V``'s source first on ``PYTHONPATH`` (``code.sglang_env``). It is not
+SGLang's scheduler (no GPU here); it plays what asyncrl's client meets on the
+wire, each behaviour cited from the version's source (``tm`` =
+``srt/managers/tokenizer_manager.py``, ``hs`` = ``srt/entrypoints/http_server.py``,
+``swu`` = ``srt/managers/scheduler_components/weight_updater.py``; 0.5.23 lines
+unless noted):
+
+- Weight-receiving side is SGLang's own code: TP rank 0 runs in this process,
+  ranks 1.. in child processes (``rank.py``), all joining with SGLang's
+  ``init_custom_process_group`` as ``rank_offset + tp_rank`` and rebuilding each
+  bucket with SGLang's ``FlattenedTensorBucket``.
+- Update calls are served one at a time in arrival order (the scheduler's
+  queue); unknown request fields are ignored (and logged here).
+- ``/update_weights_from_distributed``: outside a session -> 400 without
+  receiving (0.5.22+, swu:192-198); while not paused it waits for running
+  requests (``model_update_lock.writer_lock``, tokenizer_control_mixin.py:516-524);
+  receives on every TP rank, loads into the live model at once (no staging,
+  swu:199-220); a failed load answers 400 ``success: false`` after receiving
+  (hs:1488-1505); ``weight_version`` relabels with the load (swu:224,
+  tokenizer_control_mixin.py:529-531); ``flush_cache`` on a non-idle engine:
+  400 "Weights were updated, but the cache was not flushed" (swu:120-133);
+  0.5.10: an assertion kills the scheduler (scheduler_update_weights_mixin.py:80-82).
+- ``/begin_weight_update`` / ``/end_weight_update``: 0.5.22+ only (404 before);
+  one session at a time (swu:309-337).
+- ``/update_weight_version``: relabel only (hs:1527-1556); 0.5.22+ records a version
+  event on every live request with output (scheduler.py:5636-5655), reported as
+  ``meta_info.weight_versions`` spans computed by SGLang's own
+  ``srt/utils/weight_versions.py`` (0.5.10: one ``weight_version``, the label at
+  the answer, tm:1553 in 0.5.10).
+- ``/pause_generation``: ``abort`` aborts everything and polls every 1.0 s until no
+  request holds the lock (tm:2267-2280); ``retract`` returns running requests to
+  the queue, KV dropped (scheduler.py:5817-5931); ``in_place`` only stops
+  scheduling. New requests wait while paused (tm:938-939).
+- ``/abort_request``: ``rid`` is matched as a prefix (scheduler.py:5688), only when
+  that exact rid is known (tm:2241-2253).
+- ``/get_weight_version``: 404 (0.5.10: hs:581-587; gone after); ``/model_info``
+  has the served label; ``/server_info`` (alias ``/get_server_info``) the launch
+  arguments (``tp_size``, ``version``, launch ``weight_version``).
+- ``/health``: a one-token generation, >= 1 s (hs:721-799); while paused no
+  answer comes and it is 503 after 20 s.
+
+Test-only: ``GET /standin/state`` (ground truth: per rid, the version of the
+weights that produced each token and the label it carried; per push and TP rank,
+whether every received bucket's bytes match the checksum asyncrl sent).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from aiohttp import web
+
+from tests.engines.rollout.sglang.rank import Rank
+from tests.engines.rollout.sglang.ranks import SGLangRank
+
+KNOWN_UPDATE_FIELDS = {
+    "names",
+    "dtypes",
+    "shapes",
+    "group_name",
+    "flush_cache",
+    "abort_all_requests",
+    "weight_version",
+    "load_format",
+    "rid",
+    "http_worker_ipc",
+    "torch_empty_cache",
+    "selector",
+}  # (UpdateWeightsFromDistributedReqInput, io_struct.py)
+
+
+@dataclass
+class Req:
+    rid: str
+    input_ids: list[int]
+    max_new: int
+    temperature: float
+    stop: set[int]
+    ignore_eos: bool
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    output: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    truth: list[int | None] = field(default_factory=list)  # weights that made each token
+    labels: list[str] = field(default_factory=list)  # the label when each token was made
+    events: list[Any] = field(default_factory=list)  # SGLang's WeightVersionEvent list
+    finish: str | None = None
+
+
+class StandIn:
+    def __init__(self, args: argparse.Namespace):
+        from transformers import AutoModelForCausalLM
+
+        self.version = tuple(int(x) for x in args.sglang_version.split("."))
+        self.version_text = args.sglang_version
+        self.new = self.version >= (0, 5, 22)  # sessions, spans, non-fatal flush
+        self.tp = args.tp_size
+        self.step_s = args.step_s
+        self.model_path = args.model_path
+        self.model = AutoModelForCausalLM.from_pretrained(
+            args.model_path, torch_dtype=torch.float32
+        )
+        self.model.eval()
+        self.params = dict(self.model.named_parameters())
+        self.eos = self.model.config.eos_token_id
+        self.rank0 = Rank(args.sglang_version)
+        self.ranks = [SGLangRank(args.sglang_version) for _ in range(self.tp - 1)]
+        self.fail_calls = {int(x) for x in args.fail_calls.split(",") if x}
+        self.calls_log = open(args.calls, "a") if args.calls else None
+        self.label = "default"  # server_args.weight_version's default
+        self.loaded: dict[str, int] = {n: 0 for n in self.params}  # truth per parameter
+        self.reqs: dict[str, Req] = {}
+        self.running: list[Req] = []
+        self.waiting: list[Req] = []
+        self.inflight = 0  # /generate handlers holding the reader lock
+        self.writer = False
+        self.paused = False  # tokenizer_manager.is_pause
+        self.sched_paused = False  # scheduler._engine_paused
+        self.session = False
+        self.update_calls = 0
+        self.cond: asyncio.Condition | None = None
+        self.wake: asyncio.Event | None = None
+        self.weight_lock: asyncio.Lock | None = None
+        self.verified: dict[str, dict[str, int]] = {}  # push version -> {"ok", "bad"} per rank
+        self.label_errors = 0  # tokens whose label differed from the weights that made them
+        self.mixed_tokens = 0  # tokens made on half-loaded weights
+        self.spans_fn = self._load_spans_fn()
+
+    def _load_spans_fn(self) -> Any:
+        if not self.new:
+            return None
+        from sglang.srt.utils import weight_versions as wv
+
+        return wv
+
+    # -- ground truth --------------------------------------------------------------------
+    def truth(self) -> int | None:
+        versions = set(self.loaded.values())
+        return versions.pop() if len(versions) == 1 else None
+
+    # -- generation ----------------------------------------------------------------------
+    async def scheduler(self) -> None:
+        assert self.wake is not None
+        while True:
+            if self.sched_paused or not (self.running or self.waiting):
+                self.wake.clear()
+                await self.wake.wait()
+                continue
+            self.running += self.waiting
+            self.waiting = []
+            batch = [r for r in self.running if r.finish is None]
+            await asyncio.to_thread(self._step, batch)
+            if self.step_s:
+                await asyncio.sleep(self.step_s)  # test knob: decode slower, so pushes overlap
+            for r in batch:
+                if r.finish is not None:
+                    r.done.set()
+            self.running = [r for r in self.running if r.finish is None]
+            await asyncio.sleep(0)
+
+    def _step(self, batch: list[Req]) -> None:
+        if not batch:
+            return
+        seqs = [r.input_ids + r.output for r in batch]
+        width = max(len(s) for s in seqs)
+        ids = torch.zeros(len(seqs), width, dtype=torch.long)
+        mask = torch.zeros(len(seqs), width, dtype=torch.long)
+        for i, s in enumerate(seqs):
+            ids[i, width - len(s) :] = torch.tensor(s)
+            mask[i, width - len(s) :] = 1
+        pos = (mask.cumsum(1) - 1).clamp(min=0)
+        truth, label = self.truth(), self.label
+        with torch.no_grad():
+            logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -1]
+        for i, r in enumerate(batch):
+            t = max(r.temperature, 1e-5)
+            lp = torch.log_softmax(logits[i].float() / t, -1)
+            tok = int(lp.argmax()) if r.temperature == 0 else int(torch.multinomial(lp.exp(), 1))
+            r.output.append(tok)
+            r.logprobs.append(float(lp[tok]))
+            r.truth.append(truth)
+            r.labels.append(label)
+            if truth is None:
+                self.mixed_tokens += 1
+            elif str(truth) != label and not (truth == 0 and label == "default"):
+                self.label_errors += 1
+            if tok in r.stop or (tok == self.eos and not r.ignore_eos):
+                r.finish = "stop"
+            elif len(r.output) >= r.max_new:
+                r.finish = "length"
+
+    def record_version_change(self, new: str | None) -> None:
+        """scheduler.py:5636-5655 (0.5.22+: events on live requests with output)."""
+        if new is None or new == self.label:
+            return
+        if self.new:
+            for r in self.running + self.waiting:
+                if r.output and r.finish is None:
+                    r.events.append(self.spans_fn.WeightVersionEvent(self.label, len(r.output)))
+        self.label = new
+
+    def meta(self, r: Req) -> dict[str, Any]:
+        n = len(r.output)
+        reason: dict[str, Any] = {"type": r.finish or "abort"}
+        if r.finish == "length":
+            reason["length"] = n
+        meta: dict[str, Any] = {
+            "id": r.rid,
+            "finish_reason": reason,
+            "prompt_tokens": len(r.input_ids),
+            "completion_tokens": n,
+            "weight_version": self.label,
+            "output_token_logprobs": [
+                [lp, t, None] for lp, t in zip(r.logprobs, r.output, strict=True)
+            ],
+        }
+        if self.new:  # tm:2561-2566 with SGLang's own span functions
+            spans = self.spans_fn.compute_weight_version_spans(r.events, self.label, n)
+            self.spans_fn.add_weight_versions_to_meta_info(meta, spans, n)
+        return {"text": "", "output_ids": list(r.output), "meta_info": meta}
+
+    def abort(self, rid: str = "", abort_all: bool = False) -> None:
+        for r in self.running + self.waiting:
+            if r.finish is None and (abort_all or r.rid.startswith(rid)):
+                r.finish = "abort"
+                r.done.set()
+        self.running = [r for r in self.running if r.finish is None]
+        self.waiting = [r for r in self.waiting if r.finish is None]
+
+    # -- HTTP ----------------------------------------------------------------------------
+    def log_call(self, request: web.Request, body: Any, status: int, note: str = "") -> None:
+        if self.calls_log is None:
+            return
+        small = body
+        if isinstance(body, dict) and "names" in body:
+            small = {k: v for k, v in body.items() if k not in ("names", "shapes", "dtypes")}
+            small["n_names"] = len(body["names"])
+        self.calls_log.write(
+            json.dumps(
+                {
+                    "t": time.time(),
+                    "method": request.method,
+                    "path": request.path,
+                    "status": status,
+                    "body": small,
+                    "note": note,
+                }
+            )
+            + "\n"
+        )
+        self.calls_log.flush()
+
+    async def body(self, request: web.Request) -> Any:
+        raw = await request.read()
+        return json.loads(raw) if raw else {}
+
+    def answer(
+        self, request: web.Request, body: Any, content: Any, status: int = 200, note: str = ""
+    ) -> web.Response:
+        self.log_call(request, body, status, note)
+        return web.json_response(content, status=status)
+
+    async def generate(self, request: web.Request) -> web.Response:
+        body = await self.body(request)
+        assert self.cond is not None and self.wake is not None
+        single = isinstance(body["input_ids"][0], int)
+        ids = [body["input_ids"]] if single else body["input_ids"]
+        sps = body.get("sampling_params") or {}
+        sps = [sps] * len(ids) if isinstance(sps, dict) else sps
+        rids = body.get("rid")
+        rids = [rids] if single and rids is not None else rids
+        async with self.cond:  # tm:938-939
+            await self.cond.wait_for(lambda: not self.paused)
+        self.inflight += 1  # model_update_lock.reader_lock, tm:941
+        try:
+            reqs = []
+            for i, (x, sp) in enumerate(zip(ids, sps, strict=True)):
+                rid = rids[i] if rids else f"auto-{time.monotonic_ns()}-{i}"
+                stop = set(sp.get("stop_token_ids") or [])
+                r = Req(
+                    rid,
+                    list(x),
+                    int(sp.get("max_new_tokens", 128)),
+                    float(sp.get("temperature", 1.0)),
+                    stop,
+                    bool(sp.get("ignore_eos")),
+                )
+                self.reqs[rid] = r
+                reqs.append(r)
+                self.waiting.append(r)
+            self.wake.set()
+            await asyncio.gather(*(r.done.wait() for r in reqs))
+            out = [self.meta(r) for r in reqs]
+        finally:
+            self.inflight -= 1
+        return self.answer(request, {"n": len(ids)}, out[0] if single else out)
+
+    async def pause_generation(self, request: web.Request) -> web.Response:
+        body = await self.body(request)
+        mode = body.get("mode", "abort")
+        assert self.cond is not None
+        t0 = time.perf_counter()
+        async with self.cond:
+            self.paused = True
+            if mode != "abort":
+                self.sched_paused = True
+                if mode == "retract":  # back to the queue, KV dropped; resumed later
+                    self.waiting = [r for r in self.running if r.finish is None] + self.waiting
+                    self.running = []
+            else:
+                while True:  # tm:2274-2280
+                    self.abort(abort_all=True)
+                    await asyncio.sleep(0)
+                    if self.inflight == 0 and not self.writer:
+                        break
+                    await asyncio.sleep(1.0)
+        note = f"pause_s={time.perf_counter() - t0:.3f}"
+        return self.answer(
+            request, body, {"message": "Generation paused successfully.", "status": "ok"}, note=note
+        )
+
+    async def continue_generation(self, request: web.Request) -> web.Response:
+        body = await self.body(request)
+        assert self.cond is not None and self.wake is not None
+        async with self.cond:
+            self.paused = False
+            self.sched_paused = False
+            self.cond.notify_all()
+        self.wake.set()
+        return self.answer(
+            request, body, {"message": "Generation continued successfully.", "status": "ok"}
+        )
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        body = await self.body(request)
+        rid, abort_all = str(body.get("rid", "")), bool(body.get("abort_all", False))
+        if abort_all or (rid and rid in self.reqs):  # tm:2241-2253
+            self.abort(rid, abort_all)
+        self.log_call(request, body, 200)
+        return web.Response(status=200)
+
+    async def _with_writer(self, fn: Any) -> Any:
+        """tokenizer_control_mixin.py:516-524: paused -> at once; else wait for requests."""
+        assert self.weight_lock is not None
+        async with self.weight_lock:  # the scheduler serves them one at a time, in order
+            if self.paused:
+                return await fn()
+            self.writer = True
+            try:
+                while self.inflight:
+                    await asyncio.sleep(0.01)
+                return await fn()
+            finally:
+                self.writer = False
+
+    async def init_group(self, request: web.Request) -> web.Response:
+        body = await self.body(request)
+        fields = {
+            k: body[k]
+            for k in ("master_address", "master_port", "rank_offset", "world_size", "group_name")
+        }
+        fields["backend"] = body.get("backend", "nccl")
+        for i, r in enumerate(self.ranks, start=1):
+            r.send("init", tp_rank=i, **fields)
+        try:
+            await asyncio.to_thread(self.rank0.init, {"tp_rank": 0, **fields})
+            others = [await asyncio.to_thread(r.answer, 300) for r in self.ranks]
+            bad = [o["error"] for o in others if not o["ok"]]
+            if bad:
+                raise RuntimeError(bad[0])
+        except Exception as exc:  # hs:1404-1417: success false -> 400
+            msg = f"Failed to initialize custom process group: {exc}."
+            return self.answer(request, body, {"success": False, "message": msg}, 400)
+        return self.answer(
+            request,
+            body,
+            {"success": True, "message": "Succeeded to initialize custom process group."},
+        )
+
+    async def destroy_group(self, request: web.Request) -> web.Response:
+        body = await self.body(request)
+        name = body.get("group_name", "weight_update_group")
+        found = self.rank0.groups.get(name) is not None
+        for r in self.ranks:
+            r.send("destroy", group_name=name)
+        await asyncio.to_thread(self.rank0.destroy, {"group_name": name})
+        for r in self.ranks:
+            await asyncio.to_thread(r.answer, 60)
+        msg = "Succeeded to destroy custom process group." if found else "does not exist."
+        return self.answer(request, body, {"success": found, "message": msg}, 200 if found else 400)
+
+    async def session_call(self, request: web.Request) -> web.Response:
+        body = await self.body(request)
+        if not self.new:
+            return self.answer(request, body, {"detail": "Not Found"}, 404)
+        begin = request.path == "/begin_weight_update"
+
+        async def run() -> tuple[bool, str]:
+            if begin and self.session:
+                return False, "a weight-update session is already open; call end first"
+            if not begin and not self.session:
+                return False, "no weight-update session is open; call begin first"
+            self.session = begin
+            return True, "Success"
+
+        ok, msg = await self._with_writer(run)
+        return self.answer(request, body, {"success": ok, "message": msg}, 200 if ok else 400)
+
+    async def update_from_distributed(self, request: web.Request) -> web.Response:
+        body = await self.body(request)
+        ignored = sorted(set(body) - KNOWN_UPDATE_FIELDS)
+        if body.get("abort_all_requests"):
+            self.abort(abort_all=True)
+        ok, msg = await self._with_writer(lambda: self._update(body))
+        return self.answer(
+            request,
+            body,
+            {"success": ok, "message": msg},
+            200 if ok else 400,
+            note=f"ignored={ignored}",
+        )
+
+    async def _update(self, body: dict[str, Any]) -> tuple[bool, str]:
+        if self.new and not self.session:  # swu:192-198, nothing received
+            return False, (
+                "update_weights_from_distributed must run between "
+                "begin_weight_update() and end_weight_update()"
+            )
+        self.update_calls += 1
+        failing = self.update_calls in self.fail_calls  # a load failing after the receive
+        c = {k: body.get(k) for k in ("names", "dtypes", "shapes", "group_name", "load_format")}
+        c["group_name"] = c["group_name"] or "weight_update_group"
+        for r in self.ranks:
+            r.send("recv", load=not failing, **c)
+        try:
+            got0 = await asyncio.to_thread(self.rank0.recv, {**c, "load": False})
+            others = [await asyncio.to_thread(r.answer, 300) for r in self.ranks]
+        except Exception as exc:
+            return False, f"Failed to receive weights: {exc}"
+        meta = body.get("asyncrl_bucket") or {}  # ground truth only: SGLang ignores it
+        push = str(meta.get("version"))
+        counts = self.verified.setdefault(push, {})
+        for i, ans in enumerate([{"ok": True, **got0}, *others]):
+            good = ans["ok"] and meta.get("checksum") is not None
+            good = good and ans["checksum"] == meta["checksum"]
+            key = f"rank{i}:" + ("ok" if good else "bad")
+            counts[key] = counts.get(key, 0) + 1
+        if failing:
+            return False, (
+                "Failed to update parameter online: injected load failure. The full "
+                "weights of the ModelRunner are partially updated. Please discard "
+                "the whole weights."
+            )
+        try:
+            for name, t in self.rank0.received:  # the live model, no staging
+                self.params[name].data.copy_(t)
+                self.loaded[name] = int(meta.get("version", -1))
+            self.rank0.load(self.rank0.received)
+        except (KeyError, RuntimeError) as exc:
+            return False, (
+                f"Failed to update parameter online: {exc}. The full weights of the "
+                "ModelRunner are partially updated. Please discard the whole weights."
+            )
+        self.record_version_change(body.get("weight_version"))
+        if body.get("flush_cache", True) and not self.idle():
+            if not self.new:  # scheduler_update_weights_mixin.py:80-82 (0.5.10): the
+                os._exit(3)  # assertion kills the scheduler
+            return False, (
+                "Weights were updated, but the cache was not flushed because "
+                "requests are still running or queued."
+            )
+        return True, "Succeeded to update parameter online."
+
+    def idle(self) -> bool:
+        """is_fully_idle(ignore_waiting=self._engine_paused) (scheduler.py:5337, 5520)."""
+        running = any(r.finish is None for r in self.running)
+        waiting = bool(self.waiting) and not (self.new and self.sched_paused)
+        return not running and not waiting
+
+    async def update_weight_version(self, request: web.Request) -> web.Response:
+        body = await self.body(request)
+        if body.get("abort_all_requests", True):
+            self.abort(abort_all=True)
+        self.record_version_change(str(body["new_version"]))
+        return self.answer(
+            request,
+            body,
+            {
+                "success": True,
+                "new_version": body["new_version"],
+                "message": f"Weight version updated to {body['new_version']}",
+            },
+        )
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        return self.answer(
+            request,
+            None,
+            {"model_path": self.model_path, "is_generation": True, "weight_version": self.label},
+        )
+
+    async def get_weight_version(self, request: web.Request) -> web.Response:
+        if self.new:
+            return self.answer(request, None, {"detail": "Not Found"}, 404)
+        detail = "Endpoint '/get_weight_version' is deprecated. Please use '/model_info'."
+        return self.answer(request, None, {"detail": detail}, 404)
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        info = {
+            "tp_size": self.tp,
+            "version": self.version_text,
+            "weight_version": "default",
+            "model_path": self.model_path,
+        }
+        return self.answer(request, None, info)
+
+    async def health(self, request: web.Request) -> web.Response:
+        t0 = time.monotonic()
+        while self.paused and time.monotonic() - t0 < 20:  # no answer while paused
+            await asyncio.sleep(0.1)
+        if self.paused:
+            return self.answer(request, None, None, 503)
+        await asyncio.sleep(1.0)  # hs:772-774: the first check is after one second
+        return self.answer(request, None, None, 200)
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        ok = self.idle()
+        return self.answer(request, None, {"success": ok}, 200 if ok else 400)
+
+    async def state(self, request: web.Request) -> web.Response:
+        sums = {"rank0": self.rank0.checksums({})["sha256"]}
+        for i, r in enumerate(self.ranks, start=1):
+            sums[f"rank{i}"] = (await asyncio.to_thread(r.call, "checksums"))["sha256"]
+        return web.json_response(
+            {
+                "label": self.label,
+                "truth": self.truth(),
+                "verified": self.verified,
+                "label_errors": self.label_errors,
+                "mixed_tokens": self.mixed_tokens,
+                "update_calls": self.update_calls,
+                "sha256": sums,
+                "loaded_how": self.rank0.loaded_how,
+                "reqs": {
+                    rid: {"truth": r.truth, "labels": r.labels, "finish": r.finish}
+                    for rid, r in self.reqs.items()
+                },
+            }
+        )
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=1 << 30)
+        post = {
+            "/generate": self.generate,
+            "/pause_generation": self.pause_generation,
+            "/continue_generation": self.continue_generation,
+            "/abort_request": self.abort_request,
+            "/init_weights_update_group": self.init_group,
+            "/destroy_weights_update_group": self.destroy_group,
+            "/begin_weight_update": self.session_call,
+            "/end_weight_update": self.session_call,
+            "/update_weights_from_distributed": self.update_from_distributed,
+            "/update_weight_version": self.update_weight_version,
+            "/flush_cache": self.flush_cache,
+        }
+        for path, fn in post.items():
+            app.router.add_post(path, fn)
+        for path, fn in {
+            "/model_info": self.model_info,
+            "/get_model_info": self.model_info,
+            "/get_weight_version": self.get_weight_version,
+            "/server_info": self.server_info,
+            "/get_server_info": self.server_info,
+            "/health": self.health,
+            "/standin/state": self.state,
+        }.items():
+            app.router.add_get(path, fn)
+
+        async def start(_: web.Application) -> None:
+            self.cond, self.wake = asyncio.Condition(), asyncio.Event()
+            self.weight_lock = asyncio.Lock()
+            self._task = asyncio.ensure_future(self.scheduler())
+
+        app.on_startup.append(start)
+        return app
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--sglang-version", required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--model-path", required=True)
+    p.add_argument("--tp-size", type=int, default=1)
+    p.add_argument("--calls", default="", help="append every request here (JSON lines)")
+    p.add_argument("--fail-calls", default="", help="update calls (1-based) whose load fails")
+    p.add_argument("--step-s", type=float, default=0.0, help="sleep after each decode step")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    server = StandIn(args)
+    threading.current_thread().name = "standin"
+    web.run_app(server.app(), host=args.host, port=args.port, print=None)
+
+
+if __name__ == "__main__":
+    main()
