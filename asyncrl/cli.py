@@ -152,14 +152,31 @@ def _summary(rows: list[dict]) -> None:
     )
 
 
+_RUN_OPTIONS = ("--run-dir", "--resume", "--quiet", "--algo", "--help", "-h")
+
+
+def _is_override(arg: str) -> bool:
+    """A config override: ``--section.key=value``, or ``--key=value`` for a key that is not
+    one of ``asyncrl run``'s own options (``--seed=1``)."""
+    if not arg.startswith("--"):
+        return False
+    key = arg.split("=")[0]
+    return "." in key or ("=" in arg and key not in _RUN_OPTIONS)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _parser()
-    if argv[:1] == ["run"]:  # dotted overrides are not argparse options
-        known = [a for a in argv if not (a.startswith("--") and "." in a.split("=")[0])]
+    if argv[:1] == ["run"]:  # config overrides (--key=value, --section.key=value) go apart
+        known = [a for a in argv if not _is_override(a)]
         overrides = [a for a in argv if a not in known]
         ns = parser.parse_args(known)
         sys.exit(_run(ns, overrides))
+    if argv[:1] == ["serve"]:  # the engine's own parser takes the rest
+        from asyncrl.engines.rollout.local.server import main as serve_main
+
+        serve_main(argv[1:])
+        return
     if argv[:1] == ["bench"] and argv[1:2] and argv[1] in BENCHES:  # its own parser takes the rest
         from asyncrl.bench import run_bench
 

@@ -9,6 +9,7 @@ for choices, the allowed values. This module never imports torch.
 from __future__ import annotations
 
 import json
+import math
 import typing
 from pathlib import Path
 from typing import Any, Literal
@@ -504,7 +505,26 @@ _POSITIVE = {
 }
 
 
+def _check_numbers(node: msgspec.Struct, prefix: str = "") -> None:
+    """Every float of the config finite (NaN would reach config.json as null), and every
+    ``*timeout*`` / ``*interval*`` field > 0; ValueError names the key."""
+    for name in node.__struct_fields__:
+        value, key = getattr(node, name), f"{prefix}{name}"
+        if isinstance(value, msgspec.Struct):
+            _check_numbers(value, key + ".")
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{key} must be a finite number, got {value!r}")
+        elif (
+            isinstance(value, int | float)
+            and not isinstance(value, bool)
+            and ("timeout" in name or "interval" in name)
+            and value <= 0
+        ):
+            raise ValueError(f"{key} must be > 0, got {value!r}")
+
+
 def _check_positive(cfg: RunConfig) -> None:
+    _check_numbers(cfg)
     for key in sorted(_POSITIVE):
         section, field = key.split(".")
         value = getattr(getattr(cfg, section), field)

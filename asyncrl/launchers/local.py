@@ -48,7 +48,12 @@ class LocalLauncher:
         cfg = self.cfg
         with _pinned(self.pin.get("engine")):
             urls, servers = launch_engines(
-                cfg.rollout, model_path, self.run_dir, cfg.model.dtype, cfg.seed
+                cfg.rollout,
+                model_path,
+                self.run_dir,
+                cfg.model.dtype,
+                cfg.seed,
+                cfg.weights.master_address,
             )
         for i, server in enumerate(servers):
             name = f"engine{i}"

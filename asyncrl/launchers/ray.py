@@ -182,8 +182,16 @@ class RayLauncher:
         self._locate(proc)
         port = self._call(proc.actor.free_port.remote(), f"{proc.name}.free_port()")
         path = self._model_on(proc)
-        spec = engine_spec(
-            cfg.rollout, path, i, cfg.model.dtype, cfg.seed, proc.address, port, base_gpu=0
+        spec = engine_spec(  # trainer rank 0's node is not known yet: any weight-sync master
+            cfg.rollout,
+            path,
+            i,
+            cfg.model.dtype,
+            cfg.seed,
+            proc.address,
+            port,
+            base_gpu=0,
+            weight_master="0.0.0.0/0,::/0",
         )
         proc.args, proc.url = launch_command(spec), spec.url
         self._start(proc)

@@ -161,20 +161,22 @@ def start_engines(
     log_dir: Path,
     dtype: str = "float32",
     seed: int = 0,
+    weight_master: str = "127.0.0.1",
 ) -> tuple[list[str], list[LaunchedServer]]:
     """Engine URLs for a run, and the servers started for it (empty when ``rc.urls`` is set).
 
     ``backend="local"`` launches ``rc.num_engines`` embedded engines; ``"sglang"``
     launches ``rc.num_engines`` SGLang servers (``rc.tp_size`` GPUs each, on
-    consecutive GPUs via ``--base-gpu-id``). Callers wait with :func:`wait_healthy` and stop with
-    :func:`stop_servers`.
+    consecutive GPUs via ``--base-gpu-id``). Embedded engines may join weight groups on
+    loopback and at ``weight_master`` (the trainer's ``weights.master_address``). Callers
+    wait with :func:`wait_healthy` and stop with :func:`stop_servers`.
     """
     if rc.urls:
         return list(rc.urls), []
     servers: list[LaunchedServer] = []
     try:
         for i in range(rc.num_engines):
-            spec = engine_spec(rc, model_path, i, dtype, seed)
+            spec = engine_spec(rc, model_path, i, dtype, seed, weight_master=weight_master)
             servers.append(launch(spec, log_dir / f"engine{i}.log"))
     except BaseException:
         stop_servers(servers)
@@ -191,6 +193,7 @@ def engine_spec(
     host: str | None = None,
     port: int | None = None,
     base_gpu: int | None = None,
+    weight_master: str = "127.0.0.1",
 ) -> LaunchSpec:
     """Engine ``i``'s server of a run: on ``host`` (default ``rc.host``) at ``port`` (default a
     free one there); an SGLang server uses GPUs from ``base_gpu`` (default ``i * tp_size``, the
@@ -199,6 +202,7 @@ def engine_spec(
     port = port or free_port(host)
     if rc.backend == "local":
         extra = ["--device", rc.device, "--dtype", dtype, "--seed", str(seed + 1000 + i)]
+        extra += ["--weight-masters", f"loopback,{weight_master}"]
         extra += ["--max-batch-size", str(rc.max_batch_size)]
         extra += ["--kv-after-update", rc.kv_after_update]
         return LaunchSpec(model_path, port, host, 1, None, (*extra, *rc.extra_args), LOCAL_SERVER)

@@ -32,6 +32,7 @@ import torch
 from aiohttp import web
 
 from asyncrl import trace
+from asyncrl.engines.rollout.local.checks import BadRequest
 from asyncrl.engines.rollout.local.engine import LocalEngine, Request, SamplingParams
 from asyncrl.engines.rollout.local.weights import WeightReceiver, WeightRequestError
 from asyncrl.transports.weights.sender import new_event_loop
@@ -41,8 +42,7 @@ __all__ = ["build_app", "main"]
 log = logging.getLogger("asyncrl.engine")
 
 
-class _BadRequest(ValueError):
-    pass
+_BadRequest = BadRequest
 
 
 def _item(body: dict[str, Any], key: str, i: int, n: int, batch: bool) -> Any:
@@ -82,9 +82,9 @@ async def _body(request: web.Request) -> dict[str, Any]:
     if not request.can_read_body:
         return {}
     try:
-        body = await request.json()
-    except ValueError as exc:
-        raise _BadRequest(f"body is not JSON: {exc}") from None
+        body = json.loads(await request.read())
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep
+        raise _BadRequest(f"body is not JSON: {type(exc).__name__}: {str(exc)[:200]}") from None
     if not isinstance(body, dict):
         raise _BadRequest("body must be a JSON object")
     return body
@@ -93,11 +93,15 @@ async def _body(request: web.Request) -> dict[str, Any]:
 class EngineServer:
     """Binds a LocalEngine to HTTP handlers and owns the weight-sync group."""
 
-    def __init__(self, engine: LocalEngine, model_path: str, host: str = ""):
+    def __init__(
+        self, engine: LocalEngine, model_path: str, host: str = "", masters: str = "loopback"
+    ):
+        """``masters``: addresses/CIDRs where this engine may join a weight group (see
+        :mod:`~asyncrl.engines.rollout.local.checks`)."""
         self.engine = engine
         self.model_path = model_path
         bind = "" if host in ("", "0.0.0.0", "::") else host  # weight-group ranks bind here
-        self.weights = WeightReceiver(engine, bind)
+        self.weights = WeightReceiver(engine, bind, masters)
 
     async def generate(self, request: web.Request) -> web.Response:
         """One request, or a batch (SGLang's list form: ``input_ids`` a list of lists, with
@@ -144,6 +148,8 @@ class EngineServer:
             sampling = self.engine.admit(len(ids), sampling, sp.get("max_new_tokens") is not None)
         except (TypeError, ValueError, OverflowError) as exc:
             raise _BadRequest(f"sampling_params: {exc}") from None
+        if rid is not None and (isinstance(rid, bool) or not isinstance(rid, str | int)):
+            raise _BadRequest(f"rid must be a string, got {rid!r}"[:300])
         return Request(
             rid=str(rid or uuid.uuid4().hex),
             input_ids=ids,
@@ -154,13 +160,18 @@ class EngineServer:
 
     async def abort_request(self, request: web.Request) -> web.Response:
         body = await _body(request)
-        rid, abort_all = str(body.get("rid") or ""), bool(body.get("abort_all", False))
+        rid, abort_all = body.get("rid") or "", body.get("abort_all", False)
+        if not isinstance(rid, str | int) or not isinstance(abort_all, bool):
+            raise _BadRequest("abort_request takes rid (a string) and abort_all (true or false)")
+        rid = str(rid)
         n = await asyncio.to_thread(self.engine.abort, rid, abort_all)
         return web.json_response({"success": True, "aborted": n})
 
     async def pause_generation(self, request: web.Request) -> web.Response:
         body = await _body(request)
         mode = body.get("mode", "abort")
+        if not isinstance(mode, str):
+            raise _BadRequest(f"mode must be a string, got {mode!r}"[:300])
         try:
             await asyncio.to_thread(self.engine.pause, mode)
         except ValueError as exc:
@@ -370,6 +381,12 @@ def _parser() -> argparse.ArgumentParser:
         default=60.0,
         help="/health answers 503 while one scheduler step has run longer than this (seconds)",
     )
+    p.add_argument(
+        "--weight-masters",
+        default="loopback",
+        help="addresses or CIDRs (comma-separated; 'loopback' = 127.0.0.0/8 and ::1) where "
+        "/init_weights_update_group may make this engine join a weight group",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
     # SGLang launch_server flags, so the SGLang launcher can start this server too.
@@ -397,7 +414,7 @@ def main(argv: list[str] | None = None) -> None:
         args.max_prompt_tokens,
         args.stall_timeout,
     )
-    app = build_app(EngineServer(engine, args.model_path, args.host))
+    app = build_app(EngineServer(engine, args.model_path, args.host, args.weight_masters))
     loop = new_event_loop()  # uvloop when installed: lower latency of every control call
     web.run_app(  # handler_cancellation: a client that hangs up aborts its requests
         app,

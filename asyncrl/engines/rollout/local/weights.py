@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import time
 from collections.abc import Callable
@@ -48,6 +49,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from asyncrl.engines.rollout.local import checks
+from asyncrl.engines.rollout.local.checks import BadRequest
 from asyncrl.transports.weights.bucket import BucketEntry, BucketManifest, assemble, checksum
 
 if TYPE_CHECKING:
@@ -62,7 +65,7 @@ FAULT_ENV = "ASYNCRL_WEIGHT_FAULT"
 receiving it, ``fail:K@V`` fails staging bucket K of version V."""
 
 
-class WeightRequestError(ValueError):
+class WeightRequestError(BadRequest):
     """A malformed weight-sync request (answered with HTTP 400)."""
 
 
@@ -78,48 +81,73 @@ class _Update:
     ipc: bool = False
 
 
-def _manifest(body: dict[str, Any], extra: dict[str, Any]) -> BucketManifest:
-    try:
-        names, dtypes = list(body["names"]), [str(d).removeprefix("torch.") for d in body["dtypes"]]
-        shapes = [tuple(int(x) for x in s) for s in body["shapes"]]
-        chunks, full = extra.get("chunks"), extra.get("full_shapes")
-        if not (len(names) == len(dtypes) == len(shapes)) or not names:
-            raise WeightRequestError(
-                "names, dtypes and shapes must be non-empty and of equal length"
-            )
-        if len(set(dtypes)) != 1 or not isinstance(getattr(torch, dtypes[0], None), torch.dtype):
-            raise WeightRequestError(
-                f"a flattened bucket holds one torch dtype, got {sorted(set(dtypes))}"
-            )
-        entries = []
-        for i, (n, s) in enumerate(zip(names, shapes, strict=True)):
-            if chunks is None or chunks[i] is None:
-                entries.append(BucketEntry(n, s))
-            else:
-                entries.append(BucketEntry(n, tuple(full[i]), int(chunks[i][0]), int(chunks[i][1])))
-        return BucketManifest(
-            dtypes[0],
-            tuple(entries),
-            int(extra["index"]),
-            int(extra["count"]),
-            int(extra["version"]),
-            None if extra.get("checksum") is None else int(extra["checksum"]),
-        )
-    except (KeyError, TypeError, ValueError, IndexError) as exc:
-        if isinstance(exc, WeightRequestError):
-            raise
-        raise WeightRequestError(
-            f"bad weight update request: {type(exc).__name__}: {exc}"
-        ) from None
+def _tensor_specs(body: dict[str, Any]) -> tuple[list[str], list[str], list[tuple[int, ...]]]:
+    """Names, dtypes (torch names) and shapes of an update request, checked (BadRequest)."""
+    names = checks.strings(body.get("names"), "names")
+    dtypes = [str(d).removeprefix("torch.") for d in checks.strings(body.get("dtypes"), "dtypes")]
+    raw = body.get("shapes")
+    if not isinstance(raw, list):
+        raise BadRequest(f"shapes must be a list of shapes, got {raw!r}"[:300])
+    shapes = [checks.shape(s, "shapes") for s in raw]
+    if not len(names) == len(dtypes) == len(shapes):
+        raise BadRequest("names, dtypes and shapes must be of equal length")
+    for d in set(dtypes):
+        if not isinstance(getattr(torch, d, None), torch.dtype):
+            raise BadRequest(f"dtypes: {d!r} is not a torch dtype"[:300])
+    return names, dtypes, shapes
+
+
+def _manifest(body: dict[str, Any], extra: Any, limit: int) -> BucketManifest:
+    """The bucket announced by ``body`` (``extra``: its ``asyncrl_bucket`` field); at most
+    ``limit`` elements (the model's size) before anything is allocated for it."""
+    if not isinstance(extra, dict):
+        raise BadRequest(f"asyncrl_bucket must be an object, got {extra!r}"[:300])
+    names, dtypes, shapes = _tensor_specs(body)
+    if len(set(dtypes)) != 1:
+        raise BadRequest(f"a flattened bucket holds one torch dtype, got {sorted(set(dtypes))}")
+    chunks, full = extra.get("chunks"), extra.get("full_shapes")
+    if chunks is not None and not (
+        isinstance(chunks, list)
+        and isinstance(full, list)
+        and len(chunks) == len(full) == len(names)
+    ):
+        raise BadRequest("chunks and full_shapes must be lists with one entry per name")
+    entries = []
+    for i, (n, s) in enumerate(zip(names, shapes, strict=True)):
+        if chunks is None or chunks[i] is None:
+            entries.append(BucketEntry(n, s))
+            continue
+        whole, c = checks.shape(full[i], "full_shapes"), chunks[i]
+        if not (isinstance(c, list) and len(c) == 2 and all(type(x) is int for x in c)):
+            raise BadRequest(f"chunks[{i}] must be [start, numel], got {c!r}"[:300])
+        if not (0 <= c[0] and 0 <= c[1] and c[0] + c[1] <= math.prod(whole)):
+            raise BadRequest(f"chunks[{i}] = {c} lies outside {n} of shape {list(whole)}"[:300])
+        entries.append(BucketEntry(n, whole, c[0], c[1]))
+    count = checks.integer(extra, "count", 1, 1 << 20)
+    m = BucketManifest(
+        dtypes[0],
+        tuple(entries),
+        checks.integer(extra, "index", 0, count - 1),
+        count,
+        checks.integer(extra, "version", -(1 << 62), 1 << 62),
+        checks.integer(extra, "checksum", 0, (1 << 64) - 1, None)
+        if extra.get("checksum") is not None
+        else None,
+    )
+    if m.numel > limit:
+        raise BadRequest(f"a bucket of {m.numel} elements is larger than the model ({limit})")
+    return m
 
 
 class WeightReceiver:
     """Owns the engine's weight groups, the staged update and the receive buffers."""
 
-    def __init__(self, engine: LocalEngine, host: str = ""):
+    def __init__(self, engine: LocalEngine, host: str = "", masters: str = "loopback"):
         self.engine = engine
         self.host = host  # the address this engine advertises: its weight-group ranks bind there
         self.groups: dict[str, Any] = {}
+        self.masters = checks.allowed_networks(masters)  # where a weight group may be joined
+        self._model_numel = sum(p.numel() for p in engine.model.parameters())
         self._io = ThreadPoolExecutor(1, thread_name_prefix="weights-io")  # receives, in order
         self._poster = ThreadPoolExecutor(1, thread_name_prefix="weights-post")
         self._update: _Update | None = None
@@ -140,21 +168,18 @@ class WeightReceiver:
     async def init_group(self, body: dict[str, Any]) -> dict[str, Any]:
         from asyncrl.transports.weights.collective import destroy_weight_group, new_weight_group
 
-        try:
-            args = (
-                str(body.get("backend", "gloo")),
-                str(body["master_address"]),
-                int(body["master_port"]),
-                int(body["rank_offset"]),
-                int(body["world_size"]),
-                str(body.get("group_name", "weight_update_group")),
-                float(body.get("timeout_s", 300.0)),
-                self.host,
-            )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise WeightRequestError(
-                f"init_weights_update_group: missing or bad field {exc}"
-            ) from None
+        world = checks.integer(body, "world_size", 2, 1 << 16)
+        args = (
+            checks.text(body, "backend", "gloo", ("gloo", "nccl", "hccl")),
+            checks.text(body, "master_address"),
+            checks.integer(body, "master_port", 1, 65535),
+            checks.integer(body, "rank_offset", 1, world - 1),
+            world,
+            checks.text(body, "group_name", "weight_update_group"),
+            checks.number(body, "timeout_s", 0, 86400, 300.0),
+            self.host,
+        )
+        await asyncio.to_thread(checks.check_master, args[1], self.masters)
         destroy_weight_group(self.groups.pop(args[5], None))
         self._update = None
         for pool in (self._io, self._poster):  # a receive stuck on a dead sender times out alone
@@ -172,7 +197,7 @@ class WeightReceiver:
     async def destroy_group(self, body: dict[str, Any]) -> dict[str, Any]:
         from asyncrl.transports.weights.collective import destroy_weight_group
 
-        found = self.groups.pop(str(body.get("group_name", "weight_update_group")), None)
+        found = self.groups.pop(checks.text(body, "group_name", "weight_update_group"), None)
         self._update = None
         await asyncio.to_thread(destroy_weight_group, found)
         return {"success": found is not None, "message": "destroyed" if found else "no such group"}
@@ -181,18 +206,18 @@ class WeightReceiver:
     async def update_from_distributed(self, body: dict[str, Any]) -> dict[str, Any]:
         from asyncrl.transports.weights.collective import finish_broadcast, post_broadcast
 
-        group = self.groups.get(str(body.get("group_name", "weight_update_group")))
-        if group is None:
-            raise WeightRequestError(
-                "no weight update group: call /init_weights_update_group first"
-            )
         fmt = body.get("load_format")
         if fmt not in (None, "flattened_bucket", "direct"):
             raise WeightRequestError(f"load_format {fmt!r} unsupported (flattened_bucket or none)")
         extra = body.get("asyncrl_bucket")
-        if extra is None:
+        m = None if extra is None else _manifest(body, extra, self._model_numel)
+        group = self.groups.get(checks.text(body, "group_name", "weight_update_group"))
+        if group is None:
+            raise WeightRequestError(
+                "no weight update group: call /init_weights_update_group first"
+            )
+        if m is None:
             return await self._load_plain(body, group, fmt == "flattened_bucket")
-        m = _manifest(body, extra)
 
         def receive(flat: torch.Tensor) -> Callable[[], None]:  # bytes, as SGLang receives them
             work = post_broadcast(group, flat.view(torch.uint8), src=0)
@@ -208,6 +233,8 @@ class WeightReceiver:
                 "update_weights_from_tensor needs load_format='asyncrl_ipc' and an asyncrl_ipc "
                 "descriptor (asyncrl's JSON CUDA IPC layout; pickled tensors are not accepted)"
             )
+        if self.engine.device.type != "cuda":
+            raise WeightRequestError("update_weights_from_tensor (CUDA IPC) needs a CUDA engine")
         if desc.get("release"):  # the sender closes: unmap its tensors
             if self._ipc is not None:
                 self._ipc.release()
@@ -439,14 +466,10 @@ class WeightReceiver:
     ) -> dict[str, Any]:
         from asyncrl.transports.weights.collective import broadcast
 
-        names, shapes = list(body.get("names") or []), [tuple(s) for s in body.get("shapes") or []]
-        dtypes = [
-            getattr(torch, str(d).removeprefix("torch."), None) for d in body.get("dtypes") or []
-        ]
-        if not names or not (len(names) == len(shapes) == len(dtypes)) or None in dtypes:
-            raise WeightRequestError(
-                "names, dtypes and shapes must be non-empty, equal-length, torch dtypes"
-            )
+        names, raw_dtypes, shapes = _tensor_specs(body)
+        dtypes = [getattr(torch, d) for d in raw_dtypes]
+        if sum(math.prod(s) for s in shapes) > self._model_numel:
+            raise BadRequest(f"an update larger than the model ({self._model_numel} elements)")
         device = self.engine.device
 
         def receive() -> list[tuple[str, torch.Tensor]]:
@@ -481,9 +504,10 @@ class WeightReceiver:
 
     # -- commit ------------------------------------------------------------------------
     async def commit(self, body: dict[str, Any]) -> dict[str, Any]:
-        if "new_version" not in body:
-            raise WeightRequestError("new_version is required")
-        version = str(body["new_version"])
+        version = body.get("new_version")
+        if isinstance(version, bool) or not isinstance(version, str | int):
+            raise WeightRequestError(f"new_version must be a string or an integer, got {version!r}")
+        version = str(version)
         up = self._update
         if up is None:  # no staged update: SGLang's meaning, relabel only
             self.engine.weight_version = version
