@@ -120,7 +120,8 @@ def _manifest(body: dict[str, Any], extra: Any, limit: int) -> BucketManifest:
         whole, c = checks.shape(full[i], "full_shapes"), chunks[i]
         if not (isinstance(c, list) and len(c) == 2 and all(type(x) is int for x in c)):
             raise BadRequest(f"chunks[{i}] must be [start, numel], got {c!r}"[:300])
-        if not (0 <= c[0] and 0 <= c[1] and c[0] + c[1] <= math.prod(whole)):
+        whole_tensor = c == [0, -1]  # a whole tensor inside a chunked bucket
+        if not whole_tensor and not (0 <= c[0] and 0 <= c[1] and c[0] + c[1] <= math.prod(whole)):
             raise BadRequest(f"chunks[{i}] = {c} lies outside {n} of shape {list(whole)}"[:300])
         entries.append(BucketEntry(n, whole, c[0], c[1]))
     count = checks.integer(extra, "count", 1, 1 << 20)
