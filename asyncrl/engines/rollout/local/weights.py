@@ -131,7 +131,7 @@ def _manifest(body: dict[str, Any], extra: Any, limit: int) -> BucketManifest:
         checks.integer(extra, "index", 0, count - 1),
         count,
         checks.integer(extra, "version", -(1 << 62), 1 << 62),
-        checks.integer(extra, "checksum", 0, (1 << 64) - 1, None)
+        checks.integer(extra, "checksum", -(1 << 63), (1 << 63) - 1, None)  # signed int64
         if extra.get("checksum") is not None
         else None,
     )
