@@ -266,6 +266,8 @@ class _Run:
                     f"trainer did not report checkpoint(s) {sorted(self.saves)} within "
                     f"checkpoint.timeout_s={timeout}s"
                 ) from None
+            if isinstance(msg, Shutdown) and msg.fatal:  # no restart can repair it
+                raise RuntimeError(f"trainer stopped the run: {msg.reason}")
             if isinstance(msg, Shutdown):
                 self.trainer_failure(f"trainer stopped the run: {msg.reason}")
             elif isinstance(msg, ConsumerLost):

@@ -15,6 +15,7 @@ import argparse
 import datetime
 import logging
 import signal
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -32,7 +33,7 @@ from asyncrl.net import pin_socket_ifname, tcp_store
 from asyncrl.transports.experience.types import Save, Shutdown, StepDone, Synced, TrainBatch
 from asyncrl.transports.experience.zmq import ExperienceReceiver
 from asyncrl.transports.weights import make_weight_transport
-from asyncrl.transports.weights.base import PushHandle, WeightSyncError
+from asyncrl.transports.weights.base import PushHandle, WeightsUndefined, WeightSyncError
 
 log = logging.getLogger("asyncrl.trainer")
 
@@ -51,8 +52,18 @@ def _metrics(stats: dict[str, float], n_traj: int, train_s: float) -> dict[str, 
     return out
 
 
+def _push_failed(chan: ExperienceReceiver, exc: WeightSyncError, fatal: threading.Event) -> None:
+    """Tell the controller a push failed: restartable, or fatal when the engines' weights
+    are undefined (then ``fatal`` is set and this rank trains and pushes no more)."""
+    log.error("%s", exc)
+    undefined = isinstance(exc, WeightsUndefined)
+    if undefined:
+        fatal.set()
+    chan.report(Shutdown(reason=str(exc), error=True, fatal=undefined))
+
+
 def _reporter(
-    chan: ExperienceReceiver, step: int, metrics: dict[str, float]
+    chan: ExperienceReceiver, step: int, metrics: dict[str, float], fatal: threading.Event
 ) -> Callable[[PushHandle], None]:
     """Report step ``step`` to the controller once its weights are live (or failed)."""
 
@@ -60,8 +71,7 @@ def _reporter(
         try:
             metrics.update(handle.wait())
         except WeightSyncError as exc:
-            log.error("%s", exc)
-            chan.report(Shutdown(reason=str(exc), error=True))
+            _push_failed(chan, exc, fatal)
             return
         chan.report(StepDone(step=step, version=handle.version, metrics=metrics))
 
@@ -108,9 +118,10 @@ def run(args: argparse.Namespace) -> None:
         )
         sender.connect()
     state = RunState(algorithm, args.rank, chan.report)
+    fatal = threading.Event()  # set once a push left engines undefined: train no more
     resume_from, sync = _resume_from(args.resume_file)
     if sync:
-        _resume(resume_from, state, sender, chan)
+        _resume(resume_from, state, sender, chan, fatal)
     pending: list[PushHandle] = []  # the last push, until the sender has read the weights
     waits: list[float] = []
 
@@ -136,8 +147,8 @@ def run(args: argparse.Namespace) -> None:
                 log.info("rank %d: step %d saved (stall %.3fs)", args.rank, msg.step, stall)
                 t_free = time.perf_counter()  # saving is work, not idle time
                 continue
-            if not isinstance(msg, TrainBatch):
-                continue
+            if not isinstance(msg, TrainBatch) or fatal.is_set():
+                continue  # after a fatal push: wait for the controller's Shutdown
             t0 = time.perf_counter()
             tracer.set_step(msg.step)
             tracer.complete("wait for batch", "trainer", trace.us_of(t_free), trace.us_of(t0))
@@ -147,14 +158,14 @@ def run(args: argparse.Namespace) -> None:
             metrics["idle_s"] = t0 - t_free
             chan.ack(got, flush=True)  # trained on: the controller may send another batch
             weights = engine.named_weights()
-            if sender is not None:
+            if sender is not None and not fatal.is_set():
                 t1 = time.perf_counter()
                 with tracer.span("push weights", "trainer", {"version": msg.step + 1}):
                     handle = sender.push(weights, version=msg.step + 1)
                 metrics["push_call_s"] = time.perf_counter() - t1
                 metrics["push_wait_before_step_s"] = waits.pop() if waits else 0.0
                 pending.append(handle)
-                handle.add_done_callback(_reporter(chan, msg.step, metrics))
+                handle.add_done_callback(_reporter(chan, msg.step, metrics, fatal))
             else:
                 for _ in weights:  # collective under sharding: every rank takes part
                     pass
@@ -183,9 +194,11 @@ def _resume_from(path: str) -> tuple[str, bool]:
     return str(got.get("trainer", "")), bool(got.get("sync", False))
 
 
-def _resume(path: str, state: RunState, sender: Any, chan: ExperienceReceiver) -> None:
+def _resume(
+    path: str, state: RunState, sender: Any, chan: ExperienceReceiver, fatal: threading.Event
+) -> None:
     """Restore checkpoint ``path`` (or keep the model's weights: step 0), put the weights on
-    the engines as that step's version, announce :class:`Synced`."""
+    the engines as that step's version, announce :class:`Synced` (or the push's failure)."""
     step = state.restore(path) if path else 0
     weights = state.engines["actor"].named_weights()
     if sender is None:
@@ -193,7 +206,11 @@ def _resume(path: str, state: RunState, sender: Any, chan: ExperienceReceiver) -
             pass
         return
     t0 = time.perf_counter()
-    sender.push(weights, version=step).wait()
+    try:
+        sender.push(weights, version=step).wait()
+    except WeightsUndefined as exc:  # fatal: reported; any other failure ends this rank
+        _push_failed(chan, exc, fatal)
+        return
     log.info("restored step %d; engines hold its weights (%.2fs)", step, time.perf_counter() - t0)
     chan.report(Synced(step=step, version=step))
 

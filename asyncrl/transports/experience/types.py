@@ -218,10 +218,14 @@ class Synced(msgspec.Struct, tag="synced", array_like=True, gc=False, omit_defau
 
 
 class Shutdown(msgspec.Struct, tag="shutdown", array_like=True, gc=False, omit_defaults=True):
-    """Either side: stop after this message; ``reason`` says why."""
+    """Either side: stop after this message; ``reason`` says why. From the trainer,
+    ``error`` is a failure the run may survive by restarting the trainer; ``fatal`` one it
+    cannot (e.g. SGLang engines whose weights a failed push left undefined): the run stops
+    with ``reason``."""
 
     reason: str = ""
     error: bool = False
+    fatal: bool = False
 
 
 class ConsumerLost(msgspec.Struct, tag="lost", array_like=True, gc=False, omit_defaults=True):

@@ -20,7 +20,10 @@ Contract (sender, trainer rank 0):
   ``version``, or raises :class:`WeightSyncError` naming the engine and its
   error; then every engine kept its previous weights and version. Engines
   always resume generating, also after a failed push; the next push re-forms
-  a broken group.
+  a broken group. Exception: engines that load buckets as they arrive (SGLang)
+  cannot keep their previous weights; a push to them that fails on every
+  re-push raises :class:`WeightsUndefined` and leaves them paused. That error
+  is fatal to the run: no later push or restart can be trusted to repair it.
 - ``close()`` waits for the push in flight and tears the group down.
 """
 
@@ -35,11 +38,18 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["PushHandle", "WeightSyncError", "WeightTransport"]
+__all__ = ["PushHandle", "WeightSyncError", "WeightTransport", "WeightsUndefined"]
 
 
 class WeightSyncError(RuntimeError):
     """A push did not reach every engine; the engines kept their previous version."""
+
+
+class WeightsUndefined(WeightSyncError):
+    """A push failed part-way on engines without staging (SGLang) and every re-push failed
+    too: their weights are a mix of versions and they are left paused. Fatal to the run
+    (restarting the trainer would only push into the same engines again); the message
+    names the engines."""
 
 
 class PushHandle:

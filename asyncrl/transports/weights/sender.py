@@ -53,7 +53,7 @@ from asyncrl import trace
 from asyncrl.config import WeightSyncConfig
 from asyncrl.engines.rollout.base import EngineError, EngineUnavailable
 from asyncrl.engines.rollout.sglang import SGLangClient
-from asyncrl.transports.weights.base import PushHandle, WeightSyncError
+from asyncrl.transports.weights.base import PushHandle, WeightsUndefined, WeightSyncError
 from asyncrl.transports.weights.bucket import (
     BucketManifest,
     TensorSpec,
@@ -135,6 +135,7 @@ class BucketSender:
         self._in_place: set[int] = set()  # buckets of the current push sent from it (packer)
         self._last: PushHandle | None = None
         self._snap_at = 0.0
+        self._left_undefined: WeightsUndefined | None = None  # sticky: no push after it
 
     # -- hooks of a transport ------------------------------------------------------------
     async def _form(self) -> None:
@@ -302,6 +303,8 @@ class BucketSender:
             t0 = time.perf_counter()
             attempts = 1 + (self.cfg.repush_attempts if self.sglang else 0)
             try:
+                if self._left_undefined is not None:  # fatal: the engines stay as they are
+                    raise WeightsUndefined(f"v{version} not pushed: {self._left_undefined}")
                 for attempt in range(attempts):
                     try:
                         if not self._formed:  # a failed push broke the group: re-form it
@@ -314,7 +317,8 @@ class BucketSender:
                     except WeightSyncError as exc:
                         if attempt == attempts - 1:
                             if self.sglang:
-                                raise self._undefined(version, attempts, exc) from exc
+                                self._left_undefined = self._undefined(version, attempts, exc)
+                                raise self._left_undefined from exc
                             raise
                         log.warning("v%d: re-pushing (SGLang weights undefined): %s", version, exc)
                 snap_s = self._snap_at - t_push
@@ -375,9 +379,9 @@ class BucketSender:
             if isinstance(r, BaseException):
                 log.warning("could not end the weight-update session on %s: %s", c.url, r)
 
-    def _undefined(self, version: int, attempts: int, exc: BaseException) -> WeightSyncError:
+    def _undefined(self, version: int, attempts: int, exc: BaseException) -> WeightsUndefined:
         urls = ", ".join(c.url for c in self.clients) or ", ".join(self.urls)
-        return WeightSyncError(
+        return WeightsUndefined(
             f"weight push v{version} failed {attempts} time(s); the weights of SGLang "
             f"engine(s) {urls} are now UNDEFINED (SGLang loads each bucket into the live model "
             f"as it arrives, so a push that fails part-way leaves a mix of versions); they are "

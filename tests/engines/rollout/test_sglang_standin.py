@@ -173,6 +173,39 @@ def test_failed_push_is_repushed(tmp_path: Path, tiny_model_dir: Path) -> None:
         server.stop()
 
 
+@pytest.mark.slow
+def test_push_failing_every_time_stops_the_run(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """Every load fails: after the re-push the engine's weights are undefined, which no
+    trainer restart can repair, so the run stops at once with an error naming the engine
+    (exit code 1), and leaves none of its processes behind."""
+    sglang_src("0.5.23")
+    fail = ",".join(str(k) for k in range(1, 100))  # every update call's load fails
+    server = start_standin("0.5.23", tiny_model_dir, tmp_path / "sglang", fail_calls=fail)
+    try:
+        proc = _run(tmp_path, tiny_model_dir, [server.url], "--weights.repush_attempts=1")
+        rc, out = _finish(proc, timeout_s=180)
+        t_exit = time.time()
+        assert rc == 1, out
+        assert "UNDEFINED" in out and server.url in out and "kept old weights" not in out, out
+        updates = [c for c in server.wire() if c["path"] == "/update_weights_from_distributed"]
+        assert len(updates) == 2 and all(c["status"] == 400 for c in updates), updates
+        # promptly: from the re-push's failed load to the run's exit (trainer grace 10 s)
+        assert t_exit - updates[-1]["t"] < 30, t_exit - updates[-1]["t"]
+        assert "restarting the trainer" not in out, out  # fatal, not restartable
+        pids = json.loads((tmp_path / "run" / "processes.json").read_text())
+        assert pids and not [n for n, pid in pids.items() if _alive(pid)], pids
+    finally:
+        server.stop()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 @pytest.mark.parametrize("version", ["0.5.22", "0.5.23"])
 def test_spans_expand_to_exact_token_versions(
     version: str, tmp_path: Path, tiny_model_dir: Path

@@ -88,6 +88,7 @@ def test_payload_is_one_aligned_frame_and_decoding_never_copies(n: int) -> None:
     [
         StepDone(step=3, version=4, metrics={"loss": 0.5}),
         Shutdown(reason="bye", error=True),
+        Shutdown(reason="weights undefined", error=True, fatal=True),
         Shutdown(),
         Hello(rank=1, world_size=2, incarnation=2**61, credit=8),
         Hello(rank=0, world_size=1, incarnation=5, control=True),
