@@ -97,6 +97,9 @@ class RolloutConfig(_Section):
     """Timeout of one HTTP request to an engine."""
     startup_timeout_s: float = 120.0
     """How long the run waits for a started engine to become healthy."""
+    max_restarts: int = 3
+    """Times the run restarts each engine it started that died (re-synced with the current
+    weights before it takes requests again); one more death fails the run. 0: never."""
     pause_mode: Literal["abort", "retract", "in_place"] = "abort"
     """How engines pause for a weight update. ``abort``: in-flight requests return their
     partial output and the controller resumes them under the new weights (every token's
@@ -542,6 +545,8 @@ def _check_positive(cfg: RunConfig) -> None:
         raise ValueError(
             f"controller.max_staleness must be >= 0, got {cfg.controller.max_staleness}"
         )
+    if cfg.rollout.max_restarts < 0:
+        raise ValueError(f"rollout.max_restarts must be >= 0, got {cfg.rollout.max_restarts}")
     if not 0.0 < cfg.rollout.top_p <= 1.0:
         raise ValueError(f"rollout.top_p must be in (0, 1], got {cfg.rollout.top_p}")
     _check_algo(cfg.algo)

@@ -43,8 +43,8 @@ from asyncrl.controllers import checkpoints as ckpts
 from asyncrl.controllers import episode as episode_api
 from asyncrl.controllers.controller import Batch, Controller
 from asyncrl.controllers.episode import Sample, single_turn
+from asyncrl.controllers.membership import EngineSet
 from asyncrl.controllers.state import ControllerState
-from asyncrl.engines.rollout.sglang import SGLangClient
 from asyncrl.guard import proc_start_time, release_guard, start_guard
 from asyncrl.launchers import Launcher, TrainerArgs, make_launcher
 from asyncrl.procs import python_env
@@ -54,6 +54,7 @@ from asyncrl.tasks import make_task
 from asyncrl.transports.experience.assign import make_assigner
 from asyncrl.transports.experience.types import (
     ConsumerLost,
+    EnginesSynced,
     Save,
     Saved,
     Shutdown,
@@ -113,6 +114,7 @@ class _Run:
         self.run_dir = run_dir
         self.quiet = quiet
         self.launcher = launcher
+        self.engines = EngineSet(cfg, launcher, [])
         self.batches: dict[int, Batch] = {}
         self.t0 = time.perf_counter()
         self.t_controller = self.t0
@@ -182,7 +184,8 @@ class _Run:
             self.batches[batch.step] = self.sent[batch.step] = batch
             # a group never splits; a trainer failure meanwhile: recover() sends it again
             with trace.get().span("send batch", "controller", {"step": batch.step}):
-                sent = await _unless(chan.send_groups(batch.groups, step=batch.step), failed)
+                async with self.engines.send_lock:  # no Engines message inside one step's
+                    sent = await _unless(chan.send_groups(batch.groups, step=batch.step), failed)
             if not sent:
                 await self.recover(chan)
             if every and ctl.step % every == 0 and ctl.step < total:
@@ -223,7 +226,8 @@ class _Run:
             export = str(self.run_dir / "final")
         elif self.cfg.checkpoint.export_hf:
             export = str(folder / "hf")
-        await chan.broadcast(Save(step=step, checkpoint=str(folder / "trainer"), export=export))
+        async with self.engines.send_lock:  # every rank sees Save and Engines in one order
+            await chan.broadcast(Save(step=step, checkpoint=str(folder / "trainer"), export=export))
         if wait:
             await asyncio.wait_for(done, self.cfg.checkpoint.timeout_s)
 
@@ -280,6 +284,8 @@ class _Run:
                     self.synced.set_result(msg)
             elif isinstance(msg, Saved):
                 await self.saved(msg)
+            elif isinstance(msg, EnginesSynced):
+                self.engines.synced(msg, ctl.router)
             elif isinstance(msg, StepDone) and msg.step in self.batches:
                 trace.get().instant("step done", "controller", {"step": msg.step})
                 if msg.version > ctl.staleness.version:  # a retrained step: already announced
@@ -324,7 +330,9 @@ class _Run:
         await asyncio.to_thread(ckpts.truncate_metrics, self.run_dir / "metrics.jsonl", n)
         for step in redo:
             batch = self.batches[step] = self.sent[step]
-            if not await _unless(chan.send_groups(batch.groups, step=step), self.trainer_failed):
+            async with self.engines.send_lock:
+                sent = await _unless(chan.send_groups(batch.groups, step=step), self.trainer_failed)
+            if not sent:
                 return
             if step + 1 in self.saves:
                 await self.resave(chan, step + 1)
@@ -347,7 +355,8 @@ class _Run:
         await asyncio.to_thread(shutil.rmtree, folder / "trainer", True)
         (folder / "trainer").mkdir(parents=True)
         export = str(self.run_dir / "final") if step == self.cfg.controller.total_steps else ""
-        await chan.broadcast(Save(step=step, checkpoint=str(folder / "trainer"), export=export))
+        async with self.engines.send_lock:  # every rank sees Save and Engines in one order
+            await chan.broadcast(Save(step=step, checkpoint=str(folder / "trainer"), export=export))
 
     async def wait_synced(self, chan: ExperienceSender, step: int) -> None:
         """A resumed trainer restored ``step`` and put its weights on the engines."""
@@ -406,12 +415,18 @@ class _Run:
             out[f"cpu_{name}_s"] = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
         return out
 
-    async def watchdog(self) -> None:
+    async def watchdog(self, ctl: Controller | None = None, chan: Any = None) -> None:
+        """Trainer deaths start a recovery; with a running controller, a dead engine is
+        restarted and re-synced (``rollout.max_restarts``; see ``membership``); any other
+        death fails the run."""
         while True:
             for d in await asyncio.to_thread(self.launcher.deaths):  # remote calls on a cluster
-                if not d.name.startswith("trainer"):
+                if d.name.startswith("trainer"):
+                    self.trainer_failure(d.describe())
+                elif ctl is not None and d.name.startswith("engine"):
+                    await self.engines.revive(d, ctl.router, chan)
+                else:
                     raise RuntimeError(d.describe())
-                self.trainer_failure(d.describe())
             await asyncio.sleep(0.5)
 
 
@@ -493,7 +508,6 @@ async def run_job(
         shm=xc.shm,
         shm_bytes=xc.shm_mb << 20,
     )
-    clients: list[SGLangClient] = []
     tc = cfg.logging.trace
     trace.start_run(run_dir, tc.enabled, tc.every, tc.max_mb)  # children started below trace too
     job.sinks = make_sinks(cfg, run_dir)
@@ -501,7 +515,8 @@ async def run_job(
         urls = list(cfg.rollout.urls) or launcher.start_engines(model_path)
         job.start_trainers(model_path, chan, urls)
         job.record_pids()
-        clients = [SGLangClient(u, timeout_s=cfg.rollout.request_timeout_s) for u in urls]
+        job.engines = EngineSet(cfg, launcher, urls)
+        clients = list(job.engines.clients.values())
         await _first(
             asyncio.gather(*(c.wait_healthy(cfg.rollout.startup_timeout_s) for c in clients)),
             job.watchdog(),
@@ -520,7 +535,11 @@ async def run_job(
         async with ctl:
             if state is not None and not quiet:
                 print(f"resumed: {ctl.resumed}", flush=True)
-            await _first(job.report(ctl, chan), job.dispatch(ctl, chan, stop_event), job.watchdog())
+            await _first(
+                job.report(ctl, chan),
+                job.dispatch(ctl, chan, stop_event),
+                job.watchdog(ctl, chan),
+            )
         return job.rows
     finally:
         told = False
@@ -529,7 +548,7 @@ async def run_job(
             told = True
         except (asyncio.TimeoutError, OSError):
             pass
-        await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
+        await job.engines.close()
         # told: trainers leave the weight group while the engines still answer
         await asyncio.to_thread(launcher.stop, 10.0 if told else 0.0)
         await chan.close()

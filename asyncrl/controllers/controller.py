@@ -329,7 +329,7 @@ class Controller:
             "ready": len(self._ready),
             "queued": len(self._samples),
             "engine_failures": self.router.failures,
-            "engines_out": len(self.router.unhealthy),
+            "engines_out": len(self.router.unhealthy | self.router.held),
             **self.counters,
         }
 

@@ -365,7 +365,7 @@ def _ones(n: int) -> np.ndarray:
 
 def _other_engine(router: Router, failed: Any) -> Any:
     """The least-loaded engine in rotation other than ``failed`` (None: let pick() decide)."""
-    others = [e for e in router.engines if e is not failed and id(e) not in router.unhealthy]
+    others = [e for e in router.healthy() if e is not failed]
     if not others:
         return None  # only the failed one (or none) is left: pick again after the back-off
     return min(others, key=lambda e: router.outstanding[id(e)])

@@ -15,6 +15,11 @@ Contract:
   Keys stuck to an engine out of rotation are released.
 - :meth:`Router.probe` (the controller runs it periodically) puts engines that
   answer ``/health`` back into rotation.
+- Membership changes (an engine restarted elsewhere, a node joining or leaving):
+  :meth:`Router.add` (held out of rotation when ``held``), :meth:`Router.remove`,
+  :meth:`Router.hold` (out of rotation until :meth:`Router.admit`, whatever
+  ``/health`` says: an engine waiting for the current weights) and
+  :meth:`Router.admit`.
 - With ``batch_identical``, calls to one engine with equal ``input_ids`` made in
   the same event-loop turn (a GRPO group's ``n`` samples of one prompt start
   together) travel as one batched ``/generate`` (SGLang's list form;
@@ -66,6 +71,7 @@ class Router:
         self.outstanding = {id(e): 0 for e in self.engines}
         self.served = {id(e): 0 for e in self.engines}
         self.unhealthy: set[int] = set()
+        self.held: set[int] = set()  # out of rotation until admit() (e.g. not yet re-synced)
         self.failures = 0
         self._streak = {id(e): 0 for e in self.engines}
         self._sticky: dict[Hashable, RolloutEngine] = {}
@@ -77,13 +83,13 @@ class Router:
 
     # -- choosing ----------------------------------------------------------------------
     def healthy(self) -> list[RolloutEngine]:
-        return [e for e in self.engines if id(e) not in self.unhealthy]
+        return [e for e in self.engines if id(e) not in self.unhealthy and id(e) not in self.held]
 
     def pick(self, key: Hashable | None = None) -> RolloutEngine:
         """The engine for the next request (sticky per ``key``); EngineUnavailable if none."""
         if key is not None:
             engine = self._sticky.get(key)
-            if engine is not None and id(engine) not in self.unhealthy:
+            if engine is not None and id(engine) not in self.unhealthy | self.held:
                 return engine
         healthy = self.healthy()
         if not healthy:
@@ -121,12 +127,14 @@ class Router:
             outcome = "error"
             raise
         finally:
-            self.outstanding[id(engine)] -= 1
+            if id(engine) in self.outstanding:  # else it was removed meanwhile
+                self.outstanding[id(engine)] -= 1
             if sampled:
                 _trace_call(tracer, lane, t0, rid, outcome)
-        self._streak[id(engine)] = 0
-        self._last_failure.pop(id(engine), None)
-        self.served[id(engine)] += 1
+        if id(engine) in self.served:
+            self._streak[id(engine)] = 0
+            self._last_failure.pop(id(engine), None)
+            self.served[id(engine)] += 1
         return res
 
     def _join(
@@ -182,12 +190,54 @@ class Router:
         self._sticky = {k: e for k, e in self._sticky.items() if e is not engine}
 
     async def probe(self) -> None:
-        """Put engines that answer /health back into rotation."""
-        for e in self.engines:
-            if id(e) in self.unhealthy and await e.health():
+        """Put engines that answer /health back into rotation (held ones stay out)."""
+        for e in list(self.engines):
+            if id(e) in self.unhealthy and id(e) not in self.held and await e.health():
                 log.info("engine %s back in rotation", getattr(e, "url", "?"))
                 self.unhealthy.discard(id(e))
                 self._streak[id(e)] = 0
+
+    # -- membership --------------------------------------------------------------------
+    def add(self, engine: RolloutEngine, held: bool = False) -> None:
+        """A new engine joins; ``held``: out of rotation until :meth:`admit`."""
+        if id(engine) in self.outstanding:
+            raise ValueError(f"engine {getattr(engine, 'url', engine)!r} is already routed to")
+        self.engines.append(engine)
+        self.outstanding[id(engine)] = 0
+        self.served[id(engine)] = 0
+        self._streak[id(engine)] = 0
+        if held:
+            self.held.add(id(engine))
+
+    def remove(self, engine: RolloutEngine) -> None:
+        """``engine`` leaves: no new request goes to it (requests in flight run out)."""
+        if id(engine) not in self.outstanding:
+            raise ValueError(f"engine {getattr(engine, 'url', engine)!r} is not routed to")
+        self.engines = [e for e in self.engines if e is not engine]
+        self._sticky = {k: e for k, e in self._sticky.items() if e is not engine}
+        for table in (self.outstanding, self.served, self._streak, self._last_failure):
+            table.pop(id(engine), None)
+        self.unhealthy.discard(id(engine))
+        self.held.discard(id(engine))
+
+    def hold(self, engine: RolloutEngine) -> None:
+        """Keep ``engine`` out of rotation until :meth:`admit` (``/health`` alone won't do)."""
+        self.held.add(id(engine))
+        self._sticky = {k: e for k, e in self._sticky.items() if e is not engine}
+
+    def admit(self, engine: RolloutEngine) -> None:
+        """Put ``engine`` (back) into rotation."""
+        if id(engine) not in self.outstanding:
+            raise ValueError(f"engine {getattr(engine, 'url', engine)!r} is not routed to")
+        if id(engine) in self.held | self.unhealthy:
+            log.info("engine %s in rotation", getattr(engine, "url", "?"))
+        self.held.discard(id(engine))
+        self.unhealthy.discard(id(engine))
+        self._streak[id(engine)] = 0
+
+    def find(self, url: str) -> RolloutEngine | None:
+        """The engine routed to at ``url``, if any."""
+        return next((e for e in self.engines if getattr(e, "url", None) == url), None)
 
     def stats(self) -> dict[str, Any]:
         """Per-engine outstanding/served counts and health, keyed by URL."""
@@ -196,6 +246,7 @@ class Router:
                 "outstanding": self.outstanding[id(e)],
                 "served": self.served[id(e)],
                 "healthy": id(e) not in self.unhealthy,
+                "held": id(e) in self.held,
             }
             for i, e in enumerate(self.engines)
         }

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -14,6 +17,7 @@ from asyncrl.config import load_config
 from asyncrl.engines.rollout.sglang import SGLangClient
 from asyncrl.launchers import Launcher, make_launcher
 from asyncrl.launchers.base import TrainerArgs, trainer_command
+from asyncrl.procs import python_env
 
 
 def _alive(pid: int) -> bool:
@@ -81,3 +85,43 @@ def test_trainer_command_carries_the_advertised_addresses(tmp_path: Path) -> Non
     assert (flags["--dist-addr"], flags["--dist-port"]) == ("10.0.0.4", "29500")
     assert flags["--batch-endpoint"] == "tcp://10.0.0.1:5"
     assert flags["--engine-urls"] == "http://10.0.0.2:1"
+
+
+def test_engine_killed_mid_run_is_restarted_resynced_and_the_run_finishes(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    run = tmp_path / "run"
+    steps = 14
+    cmd = [sys.executable, "-m", "asyncrl.cli", "run", "--run-dir", str(run)]
+    cmd += [f"--model.path={tiny_model_dir}", "--quiet", f"--controller.total_steps={steps}"]
+    cmd += ["--controller.batch_size=4"]
+    out = _kill_engine_mid_run(cmd, python_env(), run, after_rows=3)
+    assert "engine0 exited with -9; restart 1 of 3" in out, out
+    assert "back in rotation at weight version" in out, out
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(steps))
+    assert all(r["staleness_max"] <= 1 for r in rows)
+    assert rows[-1]["ctl_engines_out"] == 0  # back in rotation
+
+
+def _kill_engine_mid_run(cmd: list[str], env: dict[str, str], run: Path, after_rows: int) -> str:
+    """Start ``asyncrl run``, SIGKILL engine0 once ``after_rows`` steps are logged, wait for
+    the end; its output (asserting it exited 0 and the engine came back as a new process)."""
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        metrics, deadline, killed = run / "metrics.jsonl", time.monotonic() + 300, 0
+        while proc.poll() is None and time.monotonic() < deadline and not killed:
+            if metrics.is_file() and len(metrics.read_text().splitlines()) >= after_rows:
+                killed = json.loads((run / "processes.json").read_text())["engine0"]
+                os.kill(killed, signal.SIGKILL)
+            time.sleep(0.1)
+        assert killed, "the run ended before the engine could be killed"
+        out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = out.decode(errors="replace")
+    assert proc.returncode == 0, text
+    assert not _alive(killed)
+    return text

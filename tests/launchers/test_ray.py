@@ -89,3 +89,22 @@ def test_default_job_runs_across_two_nodes_and_learns(
     # binds lo's address (an interface name cannot tell loopback aliases apart)
     assert {a for a, _ in seen["trainer0"]} <= {WORKER, "127.0.0.1"}
     assert WORKER in {a for a, _ in seen["trainer0"]}
+
+
+def test_engine_killed_on_its_node_is_restarted_resynced_and_back_in_rotation(
+    ray_cluster: Cluster, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    from tests.launchers.test_local import _kill_engine_mid_run
+
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "asyncrl.cli", "run", "--run-dir", str(run), "--quiet"]
+    cmd += [f"--model.path={tiny_model_dir}", "--controller.total_steps=14"]
+    cmd += ["--controller.batch_size=4", *ray_cluster.run_flags()]
+    out = _kill_engine_mid_run(cmd, python_env(ray_cluster.env), run, after_rows=3)
+    assert "engine0 exited with -9; restart 1 of 3" in out, out
+    assert "back in rotation at weight version" in out, out
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(14))
+    assert all(r["staleness_max"] <= 1 for r in rows)
+    assert rows[-1]["ctl_engines_out"] == 0
+    assert read_json(run / "placement.json")["engine0"] == HEAD

@@ -30,12 +30,29 @@ from asyncrl.config import RunConfig
 from asyncrl.engines.train.fsdp import FSDPEngine
 from asyncrl.engines.train.run_state import RunState
 from asyncrl.net import pin_socket_ifname, tcp_store
-from asyncrl.transports.experience.types import Save, Shutdown, StepDone, Synced, TrainBatch
+from asyncrl.transports.experience.types import (
+    Engines,
+    EnginesSynced,
+    Save,
+    Shutdown,
+    StepDone,
+    Synced,
+    TrainBatch,
+)
 from asyncrl.transports.experience.zmq import ExperienceReceiver
 from asyncrl.transports.weights import make_weight_transport
-from asyncrl.transports.weights.base import PushHandle, WeightsUndefined, WeightSyncError
+from asyncrl.transports.weights.base import (
+    PushHandle,
+    WeightsUndefined,
+    WeightSyncError,
+    WeightTransport,
+)
 
 log = logging.getLogger("asyncrl.trainer")
+
+
+MAX_FAILED_PUSHES = 3
+"""Failed weight pushes in a row the trainer survives (see ``_reporter``)."""
 
 
 class _Stop(Exception):
@@ -63,19 +80,68 @@ def _push_failed(chan: ExperienceReceiver, exc: WeightSyncError, fatal: threadin
 
 
 def _reporter(
-    chan: ExperienceReceiver, step: int, metrics: dict[str, float], fatal: threading.Event
+    chan: ExperienceReceiver,
+    step: int,
+    metrics: dict[str, float],
+    failed: list[int],
+    fatal: threading.Event,
 ) -> Callable[[PushHandle], None]:
-    """Report step ``step`` to the controller once its weights are live (or failed)."""
+    """Report step ``step`` to the controller once its weights are live (or failed).
+
+    A failed push (an engine died mid-push: the run restarts it and sends
+    :class:`Engines`) is survived ``MAX_FAILED_PUSHES`` times in a row: the step is
+    reported with ``push_failed = 1`` (the engines keep older weights, and every token
+    says which version made it); one more is reported as this trainer's failure (the
+    run restarts the trainer from its last checkpoint, ``trainer.max_restarts``). A push
+    that leaves SGLang weights undefined is fatal at once (``WeightsUndefined``).
+    """
 
     def report(handle: PushHandle) -> None:
         try:
             metrics.update(handle.wait())
+            failed[0] = 0
         except WeightSyncError as exc:
-            _push_failed(chan, exc, fatal)
-            return
+            if isinstance(exc, WeightsUndefined):  # fatal: the run stops
+                _push_failed(chan, exc, fatal)
+                return
+            failed[0] += 1
+            log.error("push of version %d failed (%d in a row): %s", handle.version, failed[0], exc)
+            if failed[0] > MAX_FAILED_PUSHES:  # not an engine death: the trainer restarts
+                _push_failed(chan, exc, fatal)
+                return
+            metrics["push_failed"] = 1.0
         chan.report(StepDone(step=step, version=handle.version, metrics=metrics))
 
     return report
+
+
+def _resync(
+    chan: ExperienceReceiver,
+    sender: WeightTransport | None,
+    weights: Any,
+    urls: list[str],
+    version: int,
+    fatal: threading.Event,
+) -> None:
+    """The engine set changed: re-form the weight group with ``urls`` and push the current
+    weights (``version``) to all of them; rank 0 answers :class:`EnginesSynced` (a push
+    that leaves SGLang weights undefined is fatal, as in any push)."""
+    if sender is None:
+        for _ in weights:  # collective under sharding: every rank takes part
+            pass
+        return
+    try:
+        sender.connect(urls)
+        sender.push(weights, version=version).wait()
+    except WeightsUndefined as exc:
+        _push_failed(chan, exc, fatal)
+        return
+    except (WeightSyncError, RuntimeError, ValueError, OSError) as exc:
+        log.error("re-sync of engines %s failed: %s", urls, exc)
+        chan.report(EnginesSynced(urls=urls, version=version, error=str(exc)))
+        return
+    log.info("engines %s re-synced at version %d", urls, version)
+    chan.report(EnginesSynced(urls=urls, version=version))
 
 
 def run(args: argparse.Namespace) -> None:
@@ -120,10 +186,12 @@ def run(args: argparse.Namespace) -> None:
     state = RunState(algorithm, args.rank, chan.report)
     fatal = threading.Event()  # set once a push left engines undefined: train no more
     resume_from, sync = _resume_from(args.resume_file)
+    version = 0  # of the weights this rank holds (step + 1 of the last step trained)
     if sync:
-        _resume(resume_from, state, sender, chan, fatal)
+        version = _resume(resume_from, state, sender, chan, fatal)
     pending: list[PushHandle] = []  # the last push, until the sender has read the weights
     waits: list[float] = []
+    failed = [0]  # failed pushes in a row
 
     def _before_step(*_: object) -> None:  # the only place the trainer waits for weight sync
         if pending:
@@ -147,6 +215,10 @@ def run(args: argparse.Namespace) -> None:
                 log.info("rank %d: step %d saved (stall %.3fs)", args.rank, msg.step, stall)
                 t_free = time.perf_counter()  # saving is work, not idle time
                 continue
+            if isinstance(msg, Engines):
+                if not fatal.is_set():
+                    _resync(chan, sender, engine.named_weights(), list(msg.urls), version, fatal)
+                continue
             if not isinstance(msg, TrainBatch) or fatal.is_set():
                 continue  # after a fatal push: wait for the controller's Shutdown
             t0 = time.perf_counter()
@@ -157,6 +229,7 @@ def run(args: argparse.Namespace) -> None:
             metrics = _metrics(stats, len(trajs), time.perf_counter() - t0)
             metrics["idle_s"] = t0 - t_free
             chan.ack(got, flush=True)  # trained on: the controller may send another batch
+            version = msg.step + 1
             weights = engine.named_weights()
             if sender is not None and not fatal.is_set():
                 t1 = time.perf_counter()
@@ -165,7 +238,7 @@ def run(args: argparse.Namespace) -> None:
                 metrics["push_call_s"] = time.perf_counter() - t1
                 metrics["push_wait_before_step_s"] = waits.pop() if waits else 0.0
                 pending.append(handle)
-                handle.add_done_callback(_reporter(chan, msg.step, metrics, fatal))
+                handle.add_done_callback(_reporter(chan, msg.step, metrics, failed, fatal))
             else:
                 for _ in weights:  # collective under sharding: every rank takes part
                     pass
@@ -196,23 +269,25 @@ def _resume_from(path: str) -> tuple[str, bool]:
 
 def _resume(
     path: str, state: RunState, sender: Any, chan: ExperienceReceiver, fatal: threading.Event
-) -> None:
+) -> int:
     """Restore checkpoint ``path`` (or keep the model's weights: step 0), put the weights on
-    the engines as that step's version, announce :class:`Synced` (or the push's failure)."""
+    the engines as that step's version, announce :class:`Synced` (or the push's failure);
+    the step."""
     step = state.restore(path) if path else 0
     weights = state.engines["actor"].named_weights()
     if sender is None:
         for _ in weights:  # collective under sharding: every rank takes part
             pass
-        return
+        return step
     t0 = time.perf_counter()
     try:
         sender.push(weights, version=step).wait()
     except WeightsUndefined as exc:  # fatal: reported; any other failure ends this rank
         _push_failed(chan, exc, fatal)
-        return
+        return step
     log.info("restored step %d; engines hold its weights (%.2fs)", step, time.perf_counter() - t0)
     chan.report(Synced(step=step, version=step))
+    return step
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -22,6 +22,7 @@ from asyncrl.transports.experience.codec import MalformedMessage, RejectLog, dec
 from asyncrl.transports.experience.shm import RingReader, host_token
 from asyncrl.transports.experience.types import (
     Credit,
+    Engines,
     Hello,
     Message,
     Ring,
@@ -227,7 +228,7 @@ class ExperienceReceiver:
                     if self._window[producer] <= 0:
                         raise MalformedMessage("protocol", f"seq {msg.seq} sent without credit")
                     self._window[producer] -= 1
-                elif not isinstance(msg, Shutdown | Save):
+                elif not isinstance(msg, Shutdown | Save | Engines):
                     raise MalformedMessage(
                         "protocol", f"a producer may not send {type(msg).__name__}"
                     )

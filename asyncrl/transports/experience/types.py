@@ -26,6 +26,8 @@ __all__ = [
     "SCHEMA_VERSION",
     "ConsumerLost",
     "Credit",
+    "Engines",
+    "EnginesSynced",
     "Hello",
     "Message",
     "Ring",
@@ -228,6 +230,26 @@ class Shutdown(msgspec.Struct, tag="shutdown", array_like=True, gc=False, omit_d
     fatal: bool = False
 
 
+class Engines(msgspec.Struct, tag="engines", array_like=True, gc=False, omit_defaults=True):
+    """Producer -> every trainer rank: the rollout engines are now ``urls`` (one restarted,
+    joined or left). Rank 0 re-forms the weight group with them and pushes the current
+    weights (the other ranks take part in gathering them), then answers
+    :class:`EnginesSynced`. Sent between steps (never inside one step's messages)."""
+
+    urls: list[str]
+
+
+class EnginesSynced(
+    msgspec.Struct, tag="engines_synced", array_like=True, gc=False, omit_defaults=True
+):
+    """Trainer rank 0 -> producers: every engine of ``urls`` holds weight ``version``;
+    ``error`` says why not (the engines keep their old weights)."""
+
+    urls: list[str]
+    version: int
+    error: str = ""
+
+
 class ConsumerLost(msgspec.Struct, tag="lost", array_like=True, gc=False, omit_defaults=True):
     """Producer-local report: consumer ``rank`` went silent with messages unacknowledged.
 
@@ -241,5 +263,16 @@ class ConsumerLost(msgspec.Struct, tag="lost", array_like=True, gc=False, omit_d
 
 
 Message = (
-    TrainBatch | Hello | Ring | Credit | StepDone | Save | Saved | Synced | Shutdown | ConsumerLost
+    TrainBatch
+    | Hello
+    | Ring
+    | Credit
+    | StepDone
+    | Save
+    | Saved
+    | Synced
+    | Shutdown
+    | ConsumerLost
+    | Engines
+    | EnginesSynced
 )

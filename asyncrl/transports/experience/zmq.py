@@ -68,6 +68,7 @@ from asyncrl.transports.experience.shm import RingWriter, host_token, sweep_orph
 from asyncrl.transports.experience.types import (
     ConsumerLost,
     Credit,
+    EnginesSynced,
     Hello,
     Message,
     Ring,
@@ -422,7 +423,7 @@ class ExperienceSender:
                         peer.ring.free(seq)
             peer.credit += max(0, msg.grant)
             await self._pump(rank)
-        elif isinstance(msg, StepDone | Saved | Synced | Shutdown):
+        elif isinstance(msg, StepDone | Saved | Synced | Shutdown | EnginesSynced):
             self._reports.put_nowait(msg)
         else:
             raise MalformedMessage("protocol", f"a consumer may not send {type(msg).__name__}")

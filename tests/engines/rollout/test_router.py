@@ -54,3 +54,34 @@ async def test_least_outstanding_stickiness_and_health(engine_server: LaunchedSe
         await asyncio.gather(live.close(), dead.close())
     with pytest.raises(ValueError, match="at least one"):
         Router([])
+
+
+async def test_membership_join_hold_admit_and_leave(engine_server: LaunchedServer) -> None:
+    """An engine that joins held (not yet re-synced) gets no request though /health answers;
+    admitted, it does; one that leaves mid-request gets no more and its request completes."""
+    first = SGLangClient(engine_server.url)
+    router = Router([first])
+    joined = SGLangClient(engine_server.url)  # the same server under a second client
+    try:
+        router.add(joined, held=True)
+        with pytest.raises(ValueError, match="already routed"):
+            router.add(joined)
+        await router.probe()
+        assert all(router.pick() is first for _ in range(4))  # held: /health is not enough
+        router.admit(joined)
+        assert {router.pick(), router.pick()} == {first, joined}
+        router.hold(first)
+        assert all(router.pick(key="k") is joined for _ in range(3))
+        router.admit(first)
+        busy = asyncio.create_task(router.call(first, [1, 3], {"max_new_tokens": 4}, "r1"))
+        await asyncio.sleep(0)
+        router.remove(first)  # leaves with a request in flight
+        assert all(router.pick() is joined for _ in range(4))
+        assert router.find(engine_server.url) is joined
+        assert len((await busy).output_ids) > 0  # ran out normally, accounting unharmed
+        assert set(router.outstanding) == {id(joined)}
+        with pytest.raises(ValueError, match="not routed"):
+            router.remove(first)
+    finally:
+        await first.close()
+        await joined.close()

@@ -1,0 +1,91 @@
+"""The run's rollout engines as a set that can change: an engine that dies is restarted,
+re-synced and put back in rotation, while the run goes on.
+
+Contract (driver side; no torch):
+
+- :meth:`EngineSet.revive` handles one engine's death: it takes the engine out of
+  rotation (held), has the launcher start it again (``rollout.max_restarts`` times
+  per engine, then the death fails the run), waits until it answers ``/health``,
+  swaps the router's client when the URL changed (Ray may place it on another node),
+  and tells every trainer rank the new engine set (:class:`Engines`), between two
+  steps' messages (``send_lock``).
+- Trainer rank 0 re-forms the weight group with that set before its next push and
+  pushes the current weights; its :class:`EnginesSynced` answer is handed to
+  :meth:`EngineSet.synced`, which puts the engines that were waiting for weights
+  back in rotation. A failed re-sync fails the run (the engine answers ``/health``
+  but cannot take weights: nothing left to retry).
+
+Restart decisions are made here, never by Ray (its actors are never restarted).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from asyncrl.config import RunConfig
+from asyncrl.controllers.router import Router
+from asyncrl.engines.rollout.sglang import SGLangClient
+from asyncrl.launchers.base import Death, Launcher
+from asyncrl.transports.experience.types import Engines, EnginesSynced
+
+__all__ = ["EngineSet"]
+
+log = logging.getLogger("asyncrl.membership")
+
+
+class EngineSet:
+    """Clients of the run's engines by process name (``engine{i}``), in order."""
+
+    def __init__(self, cfg: RunConfig, launcher: Launcher, urls: list[str]):
+        self.cfg = cfg
+        self.launcher = launcher
+        timeout = cfg.rollout.request_timeout_s
+        self.clients = {
+            f"engine{i}": SGLangClient(u, timeout_s=timeout) for i, u in enumerate(urls)
+        }
+        self.restarts: dict[str, int] = {}
+        self.waiting: dict[str, SGLangClient] = {}  # url -> client held until re-synced
+        self.send_lock = asyncio.Lock()  # one step's messages, or one Engines, at a time
+
+    def urls(self) -> list[str]:
+        return [c.url for c in self.clients.values()]
+
+    async def revive(self, death: Death, router: Router, chan: Any) -> None:
+        """Restart the engine of ``death`` and start its re-sync; raises RuntimeError when
+        it may not be restarted (again)."""
+        name = death.name
+        limit = self.cfg.rollout.max_restarts
+        count = self.restarts[name] = self.restarts.get(name, 0) + 1
+        if name not in self.clients or count > limit:
+            why = "not ours to restart" if name not in self.clients else f"restarted {limit} times"
+            raise RuntimeError(f"{death.describe()}\n({why})")
+        old = self.clients[name]
+        router.hold(old)
+        log.warning("%s exited with %s; restart %d of %d", name, death.code, count, limit)
+        url = await asyncio.to_thread(self.launcher.restart, name)
+        client = old if url == old.url else SGLangClient(url, self.cfg.rollout.request_timeout_s)
+        await client.wait_healthy(self.cfg.rollout.startup_timeout_s)
+        if client is not old:
+            router.remove(old)
+            router.add(client, held=True)
+            self.clients[name] = client
+            await old.close()
+        self.waiting[url] = client
+        async with self.send_lock:
+            await chan.broadcast(Engines(urls=self.urls()))
+
+    def synced(self, msg: EnginesSynced, router: Router) -> list[str]:
+        """Trainer rank 0 re-synced ``msg.urls``: engines waiting for it go back in rotation;
+        their URLs. Raises RuntimeError when the re-sync failed."""
+        if msg.error:
+            raise RuntimeError(f"re-sync of engines {msg.urls} failed: {msg.error}")
+        back = [u for u in msg.urls if u in self.waiting]
+        for url in back:
+            router.admit(self.waiting.pop(url))
+            log.warning("%s back in rotation at weight version %d", url, msg.version)
+        return back
+
+    async def close(self) -> None:
+        await asyncio.gather(*(c.close() for c in self.clients.values()), return_exceptions=True)
