@@ -29,6 +29,13 @@ reported them). ``--ipc-copy`` and ``--ipc-verify`` set ``weights.ipc_copy`` /
 ``weights.ipc_verify``.
 
 Reported figures are medians over ``--repeats`` after two warm-up pushes.
+
+Two nodes: ``--send-host A --recv-host B`` bind the sender (this process: the
+weight-sync master, the floor's rank 0) to ``A`` and the engines and the floor's
+peer to ``B``; with ``--ray ADDRESS`` those receiving processes run on the Ray
+node whose address is ``B`` (this process on ``A``), so the same columns measure a
+cluster's own link. CPU columns then count this process only where the
+receivers are on another node.
 """
 
 from __future__ import annotations
@@ -103,9 +110,9 @@ def _serve_engine(args: argparse.Namespace) -> None:
     model = model.to_empty(device=device).to(getattr(torch, args.dtype))
     model.tie_weights()  # to_empty unties: the served model must have the sender's parameters
     engine = LocalEngine(model, {0}, device=device)
-    app = build_app(EngineServer(engine, f"{args.model}-shapes"))
+    app = build_app(EngineServer(engine, f"{args.model}-shapes", args.recv_host))
     loop = new_event_loop()  # as the engine server's main does
-    web.run_app(app, host="127.0.0.1", port=args.port, print=None, access_log=None, loop=loop)
+    web.run_app(app, host=args.recv_host, port=args.port, print=None, access_log=None, loop=loop)
 
 
 def _floor_peer(args: argparse.Namespace) -> None:
@@ -115,7 +122,9 @@ def _floor_peer(args: argparse.Namespace) -> None:
     from asyncrl.transports.weights.collective import broadcast, new_weight_group
 
     torch.set_num_threads(1)
-    group = new_weight_group(args.backend, "127.0.0.1", args.port, 1, 2, "floor", 120.0)
+    group = new_weight_group(
+        args.backend, args.send_host, args.port, 1, 2, "floor", 120.0, args.recv_host
+    )
     buf = torch.empty(args.nbytes, dtype=torch.uint8, device=DEVICE[args.backend])
     while True:  # until the benchmark stops this process
         broadcast(group, buf)
@@ -148,7 +157,7 @@ class _Floor:
     """One flat transfer of ``nbytes`` on the same link: a broadcast to a peer process
     (for ``cuda-ipc``: a device-to-device copy), measured between our pushes."""
 
-    def __init__(self, backend: str, nbytes: int, spawn_peer: Any):
+    def __init__(self, backend: str, nbytes: int, children: _Children, send_host: str):
         import torch
 
         from asyncrl.procs import free_port
@@ -161,9 +170,11 @@ class _Floor:
         if backend == "cuda-ipc":
             self.dst = torch.empty_like(self.buf)
             return
-        port = free_port()
-        self.peer = spawn_peer(["--_peer", "--port", str(port), "--nbytes", str(nbytes)])
-        self.group = new_weight_group(backend, "127.0.0.1", port, 0, 2, "floor", 120.0)
+        port = free_port(send_host)  # the peer joins our store, on our address
+        self.peer = children.start(
+            "peer", ["--_peer", "--port", str(port), "--nbytes", str(nbytes)]
+        )
+        self.group = new_weight_group(backend, send_host, port, 0, 2, "floor", 120.0, send_host)
         self.once()  # warm-up
 
     def once(self) -> float:
@@ -181,11 +192,56 @@ class _Floor:
         broadcast(self.group, self.buf)
         return time.perf_counter() - t0
 
-    def close(self) -> None:
+
+class _Children:
+    """The receiving side's processes: children of this process on ``--recv-host``, or
+    (``--ray``) processes in Ray actors on the Ray node at ``--recv-host``."""
+
+    def __init__(self, args: argparse.Namespace, me: list[str], logs: Path):
+        self.args, self.me, self.logs = args, me, logs
+        self.procs: list[Any] = []
+        if args.ray:
+            import ray
+
+            ray.init(address=args.ray, _node_ip_address=args.send_host, log_to_driver=False)
+
+    def start(self, name: str, extra: list[str], port: int = 0) -> Any:
+        """Start ``extra`` (``{port}`` in it: a port free on the receiving node)."""
+        from asyncrl.procs import free_port, python_env, spawn
+
+        if self.args.ray:
+            from asyncrl.launchers.ray import NodeProcess
+
+            proc = NodeProcess(self.args.recv_host, self.logs)
+            port = proc.free_port()
+            proc.start(f"{name}-{len(self.procs)}", [*self.me, *_fill(extra, port)])
+        else:
+            port = free_port(self.args.recv_host)
+            log = self.logs / f"{name}-{len(self.procs)}.log"
+            proc = spawn([*self.me, *_fill(extra, port)], log, python_env())
+        self.procs.append(proc)
+        proc.bench_port = port
+        return proc
+
+    def local(self, *procs: Any) -> list[Any]:
+        """The ones whose pid means something in this /proc (for the CPU columns)."""
+        return [p for p in procs if p is not None and not hasattr(p, "address")]
+
+    def stop(self) -> None:
         from asyncrl.procs import stop
 
-        if self.peer is not None:
-            stop([self.peer])
+        stop(self.local(*self.procs))
+        for p in self.procs:
+            if hasattr(p, "address"):
+                p.stop()
+        if self.args.ray:
+            import ray
+
+            ray.shutdown()
+
+
+def _fill(extra: list[str], port: int) -> list[str]:
+    return [a.replace("{port}", str(port)) for a in extra]
 
 
 def _cpu_s(*children: Any) -> float:
@@ -284,7 +340,6 @@ def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
     import torch
 
     from asyncrl.config import WeightSyncConfig
-    from asyncrl.procs import free_port, python_env, spawn, stop
     from asyncrl.transports.weights import make_weight_transport
 
     torch.set_num_threads(args.threads)
@@ -292,12 +347,12 @@ def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
     me = ["-m", "asyncrl.bench.weight_sync", "--backend", args.backend, "--model", args.model]
     me += ["--dtype", args.dtype, "--repeats", str(args.repeats)]
 
-    def spawn_child(extra: list[str]) -> Any:
-        return spawn([*me, *extra], logs / f"{extra[0].strip('-')}-{extra[2]}.log", python_env())
-
-    ports = [free_port() for _ in range(args.engines)]
-    engines = [spawn_child(["--_engine", "--port", str(p)]) for p in ports]
-    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    me += ["--send-host", args.send_host, "--recv-host", args.recv_host]
+    children = _Children(args, me, logs)
+    engines = [
+        children.start("engine", ["--_engine", "--port", "{port}"]) for _ in range(args.engines)
+    ]
+    urls = [f"http://{args.recv_host}:{e.bench_port}" for e in engines]
     rows = []
     floor = None
     try:
@@ -305,7 +360,7 @@ def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
         separate = args.layout == "separate" or args.backend == "cuda-ipc"
         weights = _weights(args.model, args.dtype, device, separate=separate)
         nbytes = sum(t.numel() * t.element_size() for t in weights.values())
-        floor = _Floor(args.backend, nbytes, spawn_child)
+        floor = _Floor(args.backend, nbytes, children, args.send_host)
         for mode in args.modes.split(","):
             floors = [floor.once()]
             floor_s = floors[0]
@@ -320,6 +375,7 @@ def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 timeout_s=600.0,
                 ipc_verify=args.ipc_verify,
                 ipc_copy=args.ipc_copy,
+                master_address=args.send_host,
             )
             sender = make_weight_transport(cfg, urls, device)
             try:
@@ -330,16 +386,16 @@ def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
                     version += 1
                 ours, naive, cpu_floor, cpu_ours, sums = [], [], [], [], []
                 for _ in range(args.repeats):
-                    c0 = _cpu_s(floor.peer)
+                    c0 = _cpu_s(*children.local(floor.peer))
                     floors.append(floor.once())  # the floor, interleaved with ours
-                    cpu_floor.append(_cpu_s(floor.peer) - c0)
+                    cpu_floor.append(_cpu_s(*children.local(floor.peer)) - c0)
                     sums.append(_checksum_s(weights))
                     floor_s = statistics.median(floors)
                     version += 1
                     weights[next(iter(weights))].view(-1)[:1024].random_()  # new bits every version
-                    c0 = _cpu_s(*engines)
+                    c0 = _cpu_s(*children.local(*engines))
                     ours.append(_ours(sender, weights, version, floor_s))
-                    cpu_ours.append(_cpu_s(*engines) - c0)
+                    cpu_ours.append(_cpu_s(*children.local(*engines)) - c0)
                     if args.naive and args.backend != "cuda-ipc" and mode == "overlap":
                         version += 1
                         naive.append(_naive(sender, weights, version))
@@ -355,6 +411,8 @@ def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
                     "model": args.model,
                     "mode": mode,
                     "engines": args.engines,
+                    "send_host": args.send_host,
+                    "recv_host": args.recv_host,
                     "bytes": nbytes,
                     "num_tensors": len(weights),
                     "bucket_mb": args.bucket_mb,
@@ -387,9 +445,7 @@ def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 }
             )
     finally:
-        if floor is not None:
-            floor.close()
-        stop(engines)
+        children.stop()
     return rows
 
 
@@ -440,6 +496,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ipc-copy", default="graph", choices=["graph", "foreach"])
     p.add_argument("--threads", type=int, default=1, help="torch threads of the sender")
     p.add_argument("--json", default=None, help="write the rows here")
+    p.add_argument("--send-host", default="127.0.0.1", help="address of the sender (this node)")
+    p.add_argument("--recv-host", default="127.0.0.1", help="address of the engines' node")
+    p.add_argument(
+        "--ray", default="", help="Ray cluster address: engines on the Ray node at --recv-host"
+    )
     p.add_argument("--_engine", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--_peer", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)

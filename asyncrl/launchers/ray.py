@@ -339,3 +339,34 @@ def _wait(refs: list[Any], timeout_s: float) -> None:
     """Wait up to ``timeout_s`` for every call in ``refs`` (their errors are ignored)."""
     if refs:
         ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+
+
+class NodeProcess:
+    """One ``python -m`` process on the Ray node whose address is ``address`` (placed with
+    Ray's built-in ``node:<address>`` resource), for tools that measure a link between two
+    nodes (``asyncrl bench weight-sync --ray``). Ray must be initialised by the caller."""
+
+    def __init__(self, address: str, log_dir: Path):
+        self.address = address
+        self.pid: int | None = None  # on that node
+        self._actor = (
+            ray.remote(ProcActor)
+            .options(resources={f"node:{address}": 0.001}, num_cpus=0, max_restarts=0)
+            .remote(str(Path(log_dir).resolve()))
+        )
+
+    def free_port(self) -> int:
+        """A port free on the node's address a moment ago."""
+        return ray.get(self._actor.free_port.remote(), timeout=_CALL_TIMEOUT_S)
+
+    def start(self, name: str, args: list[str]) -> None:
+        """Start ``python args`` there (output in ``log_dir/name.log`` on that node)."""
+        ref = self._actor.start.remote(name, args, {}, {})
+        self.pid = ray.get(ref, timeout=_CALL_TIMEOUT_S)
+
+    def stop(self) -> None:
+        """End the process and its actor."""
+        with contextlib.suppress(ray.exceptions.RayError):
+            ray.get(self._actor.stop.remote(5.0), timeout=15)
+        with contextlib.suppress(ray.exceptions.RayError, ValueError):
+            ray.kill(self._actor, no_restart=True)

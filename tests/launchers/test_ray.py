@@ -108,3 +108,29 @@ def test_engine_killed_on_its_node_is_restarted_resynced_and_back_in_rotation(
     assert all(r["staleness_max"] <= 1 for r in rows)
     assert rows[-1]["ctl_engines_out"] == 0
     assert read_json(run / "placement.json")["engine0"] == HEAD
+
+
+def test_bench_weight_sync_measures_the_link_between_two_nodes(
+    ray_cluster: Cluster, tmp_path: Path
+) -> None:
+    """The engines and the floor's peer run on the head (via Ray), the sender on the worker's
+    address; the rows have the same columns as a one-host run and the push is bit-exact."""
+    rows = {}
+    for layout, extra in {
+        "one-host": [],
+        "two-node": ["--send-host", WORKER, "--recv-host", HEAD, "--ray", ray_cluster.address],
+    }.items():
+        out = tmp_path / f"{layout}.json"
+        cmd = [sys.executable, "-m", "asyncrl.cli", "bench", "weight-sync", "--model", "tiny"]
+        cmd += ["--dtype", "float32", "--repeats", "1", "--modes", "overlap", "--no-naive"]
+        cmd += ["--json", str(out), *extra]
+        done = subprocess.run(
+            cmd, env=python_env(ray_cluster.env), capture_output=True, timeout=240
+        )
+        assert done.returncode == 0, done.stdout.decode() + done.stderr.decode()
+        rows[layout] = json.loads(out.read_text())
+    (local,), (remote,) = rows["one-host"], rows["two-node"]
+    assert set(local) == set(remote)
+    assert remote["verified"] is True and local["verified"] is True
+    assert (remote["send_host"], remote["recv_host"]) == (WORKER, HEAD)
+    assert remote["floor_s"] > 0 and remote["total_s"] > 0
