@@ -425,6 +425,7 @@ class _Run:
                     self.trainer_failure(d.describe())
                 elif ctl is not None and d.name.startswith("engine"):
                     await self.engines.revive(d, ctl.router, chan)
+                    self.record_pids()  # the guardian watches the new process
                 else:
                     raise RuntimeError(d.describe())
             await asyncio.sleep(0.5)
