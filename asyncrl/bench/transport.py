@@ -27,6 +27,12 @@ each row is the median of ``--repeats`` interleaved runs (the machine may be sha
 Each side's CPU time (all threads, ``time.process_time``) is reported per trajectory,
 with the throughput it would allow if each side had a free core (``cpu eps``).
 ``payload_gbps`` counts the array bytes plus the inline scalars (header frame).
+
+Two nodes (``--transport tcp``): ``--send-host A`` binds the producer on ``A``;
+``--recv-host B`` runs the consumer on the Ray node at ``B`` with ``--ray ADDRESS``
+(this process on ``A``), else as a local child; the same rows then measure a
+cluster's link (the ``msgspec_zmq`` row goes through the ring only where the two
+share ``/dev/shm``: its ``channel`` says which).
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import zmq
@@ -118,8 +125,26 @@ def _consume_pickle(endpoint: str, done_endpoint: str, total: int, credits: int)
 
 
 # -- producers (this process) ---------------------------------------------------------------
-def _endpoint(transport: str, tmp: Path, name: str) -> str:
-    return f"ipc://{tmp / name}" if transport == "ipc" else "tcp://127.0.0.1:*"
+def _endpoint(args: argparse.Namespace, name: str) -> str:
+    return f"ipc://{args.tmp / name}" if args.transport == "ipc" else f"tcp://{args.send_host}:*"
+
+
+def _start(args: argparse.Namespace, child: list[str]) -> Any:
+    """The consumer: a local child, or (``--ray``) a process on the Ray node ``--recv-host``."""
+    if not args.ray:
+        return spawn(child)
+    from asyncrl.launchers.ray import NodeProcess
+
+    proc = NodeProcess(args.recv_host, args.tmp)
+    proc.start("consumer", child)
+    return proc
+
+
+def _end(proc: Any) -> None:
+    if hasattr(proc, "address"):
+        proc.stop()
+    else:
+        stop([proc])
 
 
 async def _run_ours(
@@ -128,12 +153,12 @@ async def _run_ours(
     """(wall seconds, producer CPU seconds, consumer CPU seconds) of the timed messages."""
     tx = ExperienceSender(
         1,
-        _endpoint(args.transport, args.tmp, f"ours-{shm}.ipc"),
+        _endpoint(args, f"ours-{shm}.ipc"),
         max_message_bytes=1 << 30,
         shm=shm,
         shm_bytes=args.shm_mb << 20,
     )
-    child = spawn(_child_args(args, "ours", tx.endpoint, "", group))
+    child = _start(args, _child_args(args, "ours", tx.endpoint, "", group))
     try:
         msgs = [trajs[i : i + group] for i in range(0, len(trajs), group)]
         await tx.send(msgs[0], rank=0)  # waits for the consumer's hello (not timed)
@@ -149,7 +174,7 @@ async def _run_ours(
         return dt, cpu, report.metrics["cpu_s"]
     finally:
         await tx.close()
-        stop([child])
+        _end(child)
 
 
 async def _run_pickle(
@@ -159,11 +184,11 @@ async def _run_pickle(
     ctx = zmq.asyncio.Context()
     push = ctx.socket(zmq.PUSH)
     push.setsockopt(zmq.SNDHWM, args.credits)
-    push.bind(_endpoint(args.transport, args.tmp, "pickle.ipc"))
+    push.bind(_endpoint(args, "pickle.ipc"))
     done = ctx.socket(zmq.PULL)
-    done.bind(_endpoint(args.transport, args.tmp, "done.ipc"))
+    done.bind(_endpoint(args, "done.ipc"))
     ep, done_ep = (s.getsockopt(zmq.LAST_ENDPOINT).decode() for s in (push, done))
-    child = spawn(_child_args(args, "pickle", ep, done_ep, group))
+    child = _start(args, _child_args(args, "pickle", ep, done_ep, group))
     try:
         msgs = [trajs[i : i + group] for i in range(0, len(trajs), group)]
         assert await asyncio.wait_for(done.recv(), 60) == b"ready"
@@ -176,7 +201,7 @@ async def _run_pickle(
         assert int(got) == len(trajs), got
         return dt, cpu, float(rx_cpu)
     finally:
-        stop([child])
+        _end(child)
         push.close(linger=0)
         done.close(linger=0)
         ctx.term()
@@ -245,6 +270,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--transport", choices=("ipc", "tcp"), default="ipc")
     p.add_argument("--shm-mb", type=int, default=64, help="ring size per rank (ours)")
     p.add_argument("--repeats", type=int, default=5, help="runs per row; the median is shown")
+    p.add_argument("--send-host", default="127.0.0.1", help="tcp: the producer's address")
+    p.add_argument("--recv-host", default="127.0.0.1", help="tcp: the consumer's node")
+    p.add_argument("--ray", default="", help="Ray cluster address: consumer on --recv-host")
     p.add_argument("--role", choices=("ours", "pickle"), help=argparse.SUPPRESS)
     p.add_argument("--endpoint", help=argparse.SUPPRESS)
     p.add_argument("--done-endpoint", help=argparse.SUPPRESS)
@@ -255,8 +283,16 @@ def main(argv: list[str] | None = None) -> None:
     if args.role == "pickle":
         return _consume_pickle(args.endpoint, args.done_endpoint, args.total, args.credits)
     args.group_sizes = [int(g) for g in args.group_sizes.split(",")]
+    if args.transport == "ipc" and (
+        args.ray or "127.0.0.1" not in (args.send_host, args.recv_host)
+    ):
+        p.error("--send-host/--recv-host/--ray need --transport tcp")
     import tempfile
 
+    if args.ray:
+        import ray
+
+        ray.init(address=args.ray, _node_ip_address=args.send_host, log_to_driver=False)
     args.paths = {"auto": set(), "off": set()}
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="xport-") as tmp:
@@ -277,6 +313,8 @@ def main(argv: list[str] | None = None) -> None:
         "payload_gbps": head["gbps"],
         "group_size": args.group_sizes[0],
         "transport": args.transport,
+        "send_host": args.send_host,
+        "recv_host": args.recv_host,
         "credits": args.credits,
         "repeats": args.repeats,
         "cpus": os.cpu_count(),

@@ -134,3 +134,28 @@ def test_bench_weight_sync_measures_the_link_between_two_nodes(
     assert remote["verified"] is True and local["verified"] is True
     assert (remote["send_host"], remote["recv_host"]) == (WORKER, HEAD)
     assert remote["floor_s"] > 0 and remote["total_s"] > 0
+
+
+def test_bench_transport_measures_the_link_between_two_nodes(
+    ray_cluster: Cluster, tmp_path: Path
+) -> None:
+    """The consumer runs on the head (via Ray), the producer binds the worker's address."""
+    results = {}
+    for layout, extra in {
+        "one-host": [],
+        "two-node": ["--send-host", WORKER, "--recv-host", HEAD, "--ray", ray_cluster.address],
+    }.items():
+        out = tmp_path / f"{layout}.json"
+        cmd = [sys.executable, "-m", "asyncrl.cli", "bench", "transport", "--transport", "tcp"]
+        cmd += ["--trajectories", "400", "--group-sizes", "8", "--repeats", "1"]
+        cmd += ["--json", str(out), *extra]
+        done = subprocess.run(
+            cmd, env=python_env(ray_cluster.env), capture_output=True, timeout=240
+        )
+        assert done.returncode == 0, done.stdout.decode() + done.stderr.decode()
+        results[layout] = json.loads(out.read_text())
+    local, remote = results["one-host"], results["two-node"]
+    assert set(local) == set(remote)
+    assert [set(r) for r in local["runs"]] == [set(r) for r in remote["runs"]]
+    assert (remote["send_host"], remote["recv_host"]) == (WORKER, HEAD)
+    assert all(r["eps"] > 0 for r in remote["runs"])
