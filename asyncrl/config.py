@@ -247,6 +247,9 @@ class ControllerConfig(_Section):
     """First back-off before retrying a failed request on another engine; doubles per retry."""
     retry_backoff_max_s: float = 2.0
     """Upper bound of one retry back-off."""
+    outage_timeout_s: float = 300.0
+    """How long a request waits while no engine is in rotation (every engine restarting,
+    re-syncing or not answering) before its episode fails; such a wait is no retry."""
     health_interval_s: float = 1.0
     """How often engines out of rotation are probed with ``/health``."""
     inline_reward_s: float = 0.0002

@@ -160,7 +160,9 @@ class Controller:
                 raise ValueError("rollout.urls is empty: pass engines= or name the engine URLs")
             timeout = config.rollout.request_timeout_s
             engines = [SGLangClient(u, timeout_s=timeout) for u in config.rollout.urls]
-        self.router = Router(engines, batch_identical=cc.batch_requests)
+        self.router = Router(
+            engines, batch_identical=cc.batch_requests, outage_timeout_s=cc.outage_timeout_s
+        )
         self.staleness = Staleness(cc.max_staleness, cc.batch_size, start_version)
         self.step = start_version
         self._batch_size = cc.batch_size

@@ -16,7 +16,11 @@ None to reject the sample (its group then never trains).
 - an engine error or timeout retries the request on another healthy engine
   after a bounded exponential back-off (``controller.retry_backoff_s`` doubling
   up to ``retry_backoff_max_s``); after ``controller.max_retries`` retries the
-  episode raises :class:`EpisodeFailed` and its group is reported failed.
+  episode raises :class:`EpisodeFailed` and its group is reported failed;
+- when no engine is in rotation (each restarting, re-syncing or not answering)
+  the request waits for one to come back (``Router.in_rotation``, at most
+  ``controller.outage_timeout_s``) and is then retried with its tokens kept: an
+  outage is no failure of the episode, so a dead engine loses no sample.
 
 Every context keeps a journal of its ``generate`` calls (the call in progress
 included, with the tokens received so far). A run checkpoint stores it; on resume
@@ -261,21 +265,28 @@ class EpisodeContext:
             self.next_rid += 1
             if not gate.open.is_set():
                 await gate.open.wait()
+            if self._engine is None and not self._router.healthy():
+                try:  # an outage: wait for an engine (not counted as a failure)
+                    await self._router.in_rotation()
+                except EngineUnavailable as exc:
+                    raise EpisodeFailed(f"episode {self.episode_id}: {exc}") from exc
             gate.inflight += 1
             gate.drained.clear()
             try:
                 if self._engine is None:
                     router = self._router
-                    if len(router.engines) == 1 and not router.unhealthy:
+                    if len(router.engines) == 1 and not router.unhealthy and not router.held:
                         self._engine = router.engines[0]  # the common case, without pick()
                     else:
                         self._engine = router.pick()
                 ids = prefix + out.output_ids if done else prefix
                 res = await self._router.call(self._engine, ids, params, rid)
             except (EngineError, EngineUnavailable) as exc:
-                failures += 1
                 failed, self._engine = self._engine, None
                 self._router.report_failure(failed, exc)
+                if not self._router.healthy():
+                    continue  # no engine left in rotation: wait for one (top of the loop)
+                failures += 1
                 if failures > self._max_retries:
                     raise EpisodeFailed(f"episode {self.episode_id}: {exc}") from exc
                 self._engine = _other_engine(self._router, failed)

@@ -5,7 +5,8 @@ Contract (driver side; no torch):
 
 - :meth:`EngineSet.revive` handles one engine's death: it takes the engine out of
   rotation (held), has the launcher start it again (``rollout.max_restarts`` times
-  per engine, then the death fails the run), waits until it answers ``/health``,
+  per engine; one more death takes it out of the run for good, and when no engine
+  is left the run stops with an error naming each), waits until it answers ``/health``,
   swaps the router's client when the URL changed (Ray may place it on another node),
   and tells every trainer rank the new engine set (:class:`Engines`), between two
   steps' messages (``send_lock``).
@@ -46,6 +47,7 @@ class EngineSet:
             f"engine{i}": SGLangClient(u, timeout_s=timeout) for i, u in enumerate(urls)
         }
         self.restarts: dict[str, int] = {}
+        self.gone: dict[str, str] = {}  # engines out of the run for good: why
         self.waiting: dict[str, SGLangClient] = {}  # url -> client held until re-synced
         self.send_lock = asyncio.Lock()  # one step's messages, or one Engines, at a time
 
@@ -58,9 +60,11 @@ class EngineSet:
         name = death.name
         limit = self.cfg.rollout.max_restarts
         count = self.restarts[name] = self.restarts.get(name, 0) + 1
-        if name not in self.clients or count > limit:
-            why = "not ours to restart" if name not in self.clients else f"restarted {limit} times"
-            raise RuntimeError(f"{death.describe()}\n({why})")
+        if name not in self.clients:
+            raise RuntimeError(f"{death.describe()}\n(not ours to restart)")
+        if count > limit:
+            await self.give_up(name, death, router, chan)
+            return
         old = self.clients[name]
         router.hold(old)
         log.warning("%s exited with %s; restart %d of %d", name, death.code, count, limit)
@@ -73,6 +77,27 @@ class EngineSet:
             self.clients[name] = client
             await old.close()
         self.waiting[url] = client
+        async with self.send_lock:
+            await chan.broadcast(Engines(urls=self.urls()))
+
+    async def give_up(self, name: str, death: Death, router: Router, chan: Any) -> None:
+        """``name`` died once more than ``rollout.max_restarts`` allows: it leaves the run
+        (router, weight group); RuntimeError when it was the last engine."""
+        limit = self.cfg.rollout.max_restarts
+        client = self.clients.pop(name)
+        self.gone[name] = f"{death.describe()} (restarted {limit} times)"
+        if not self.clients:
+            raise RuntimeError(
+                "no rollout engine left (each died more than rollout.max_restarts="
+                f"{limit} times):\n" + "\n".join(f"{n}: {w}" for n, w in self.gone.items())
+            )
+        log.error(
+            "%s exited with %s after %d restarts: out of the run; %d engine(s) left",
+            name, death.code, limit, len(self.clients),
+        )  # fmt: skip
+        router.remove(client)
+        self.waiting.pop(client.url, None)
+        await client.close()
         async with self.send_lock:
             await chan.broadcast(Engines(urls=self.urls()))
 

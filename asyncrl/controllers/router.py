@@ -15,6 +15,9 @@ Contract:
   Keys stuck to an engine out of rotation are released.
 - :meth:`Router.probe` (the controller runs it periodically) puts engines that
   answer ``/health`` back into rotation.
+- :meth:`Router.in_rotation` waits until some engine is in rotation again (every
+  engine restarting, re-syncing or not answering: an outage, not a failure of the
+  request), at most ``outage_timeout_s``, then raises :class:`EngineUnavailable`.
 - Membership changes (an engine restarted elsewhere, a node joining or leaving):
   :meth:`Router.add` (held out of rotation when ``held``), :meth:`Router.remove`,
   :meth:`Router.hold` (out of rotation until :meth:`Router.admit`, whatever
@@ -61,6 +64,7 @@ class Router:
         engines: Sequence[RolloutEngine],
         max_consecutive_errors: int = 3,
         batch_identical: bool = False,
+        outage_timeout_s: float = 300.0,
     ):
         if not engines:
             raise ValueError("at least one rollout engine is needed")
@@ -80,6 +84,8 @@ class Router:
         self._pending: dict[tuple[int, tuple[int, ...]], list[_Call]] = {}
         self._sends: set[asyncio.Task] = set()
         self._last_failure: dict[int, Exception] = {}
+        self.outage_timeout_s = outage_timeout_s
+        self._rotation = asyncio.Event()  # set when an engine may have come back
 
     # -- choosing ----------------------------------------------------------------------
     def healthy(self) -> list[RolloutEngine]:
@@ -100,6 +106,25 @@ class Router:
         if key is not None:
             self._sticky[key] = engine
         return engine
+
+    async def in_rotation(self) -> None:
+        """Return once some engine is in rotation; EngineUnavailable after
+        ``outage_timeout_s`` without one."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.outage_timeout_s
+        while not self.healthy():
+            left = deadline - loop.time()
+            if left <= 0:
+                raise EngineUnavailable(
+                    f"no rollout engine in rotation for {self.outage_timeout_s:.0f}s "
+                    f"({len(self.engines)} engine(s): {len(self.held)} held, "
+                    f"{len(self.unhealthy)} not answering)"
+                )
+            self._rotation.clear()
+            try:
+                await asyncio.wait_for(self._rotation.wait(), left)
+            except asyncio.TimeoutError:
+                pass
 
     def release(self, key: Hashable) -> None:
         """Forget ``key``'s engine (call when the episode or conversation ends)."""
@@ -196,6 +221,7 @@ class Router:
                 log.info("engine %s back in rotation", getattr(e, "url", "?"))
                 self.unhealthy.discard(id(e))
                 self._streak[id(e)] = 0
+                self._rotation.set()
 
     # -- membership --------------------------------------------------------------------
     def add(self, engine: RolloutEngine, held: bool = False) -> None:
@@ -208,6 +234,8 @@ class Router:
         self._streak[id(engine)] = 0
         if held:
             self.held.add(id(engine))
+        else:
+            self._rotation.set()
 
     def remove(self, engine: RolloutEngine) -> None:
         """``engine`` leaves: no new request goes to it (requests in flight run out)."""
@@ -234,6 +262,7 @@ class Router:
         self.held.discard(id(engine))
         self.unhealthy.discard(id(engine))
         self._streak[id(engine)] = 0
+        self._rotation.set()
 
     def find(self, url: str) -> RolloutEngine | None:
         """The engine routed to at ``url``, if any."""

@@ -15,7 +15,12 @@ same. Ray is used for placement and for finding addresses:
 - every address is discovered: each actor reports its node's address and binds
   free ports there. Trainer rank 0's address is the rendezvous and the weight-sync
   master; engines bind their node's address; the driver binds the experience
-  channel on its own node's address. Nothing binds ``0.0.0.0``.
+  channel on its own node's address. Nothing binds ``0.0.0.0``. The trainer ranks'
+  actors are placed before the engines start, so each engine accepts weight groups
+  only from trainer rank 0's node (``--weight-masters``, plus its own loopback);
+- tracing: the driver's ``logging.trace`` settings travel to every process (its
+  environment), each writes ``RUN_DIR/trace/`` on its node, and :meth:`stop` copies
+  the files of other nodes to the driver's run folder before the trace is merged.
 
 Restarts are asyncrl's decision, never Ray's: actors are created with
 ``max_restarts=0``; a process that exits, or an actor lost with its node, is a
@@ -36,6 +41,7 @@ from typing import Any
 from asyncrl.config import RunConfig
 from asyncrl.engines.rollout.launcher import engine_spec, launch_command
 from asyncrl.launchers.base import Death, Placed, TrainerArgs, trainer_command
+from asyncrl.trace import ENV_DIR, ENV_EVERY, ENV_MAX_MB
 
 try:
     import ray
@@ -53,6 +59,7 @@ __all__ = ["RayLauncher"]
 log = logging.getLogger("asyncrl.launchers.ray")
 
 _CALL_TIMEOUT_S = 60.0  # one control call to an actor (start, poll, stop)
+TRACE_ENV = (ENV_DIR, ENV_EVERY, ENV_MAX_MB)
 
 
 @dataclass
@@ -102,6 +109,7 @@ class RayLauncher:
         self._models: dict[str, str] = {}  # node address -> model folder there
         self._reported: set[str] = set()
         self._dist: tuple[str, int] | None = None  # trainer rank 0's rendezvous
+        self._master = ""  # trainer rank 0's node: the engines' only weight-sync master
 
     # -- placement -----------------------------------------------------------------------
     def _gpu(self, device: str) -> bool:
@@ -147,7 +155,8 @@ class RayLauncher:
         return self._models[proc.address]
 
     def _start(self, proc: _Proc) -> None:
-        ref = proc.actor.start.remote(proc.name, proc.args, proc.files, {})
+        env = {k: os.environ[k] for k in TRACE_ENV if k in os.environ}  # trace.start_run's
+        ref = proc.actor.start.remote(proc.name, proc.args, proc.files, env)
         proc.pid = self._call(ref, f"{proc.name}.start()")
         proc.dead = False
         self._reported.discard(proc.name)
@@ -159,6 +168,7 @@ class RayLauncher:
     def start_engines(self, model_path: str) -> list[str]:
         del model_path  # the model is found (or built) on each node: see _model_on
         cc, rc = self.cfg.cluster, self.cfg.rollout
+        self._place_trainers()  # rank 0's address: the only weight-sync master engines accept
         gpu = rc.backend == "sglang" or self._gpu(rc.device)
         for i in range(rc.num_engines):
             name = f"engine{i}"
@@ -182,7 +192,7 @@ class RayLauncher:
         self._locate(proc)
         port = self._call(proc.actor.free_port.remote(), f"{proc.name}.free_port()")
         path = self._model_on(proc)
-        spec = engine_spec(  # trainer rank 0's node is not known yet: any weight-sync master
+        spec = engine_spec(
             cfg.rollout,
             path,
             i,
@@ -191,7 +201,7 @@ class RayLauncher:
             proc.address,
             port,
             base_gpu=0,
-            weight_master="0.0.0.0/0,::/0",
+            weight_master=self.procs["trainer0"].address,
         )
         proc.args, proc.url = launch_command(spec), spec.url
         self._start(proc)
@@ -207,7 +217,10 @@ class RayLauncher:
             self._trainer_pg = self._place([dict(b)] * tc.world_size, "PACK", "the trainer ranks")
         return self._trainer_pg
 
-    def start_trainers(self, args: TrainerArgs) -> None:
+    def _place_trainers(self) -> None:
+        """Create the trainer ranks' actors (once) and name them by rank: (node, GPU) order."""
+        if "trainer0" in self.procs:
+            return
         cc, tc = self.cfg.cluster, self.cfg.trainer
         pg = self._trainers_pg()
         gpu = 1.0 if self._gpu(tc.device) else 0.0
@@ -219,7 +232,7 @@ class RayLauncher:
             opts["resources"] = dict(cc.trainer_resources)
         placed = [
             _Proc(f"bundle{b}", self._actor(pg, b, opts), pg, b, opts, owns_pg=False)
-            for b in range(args.world_size)
+            for b in range(tc.world_size)
         ]
         for p in placed:
             self._locate(p)
@@ -227,6 +240,10 @@ class RayLauncher:
         for rank, p in enumerate(placed):  # ranks in (node, GPU) order: rank 0 first
             p.name = f"trainer{rank}"
             self.procs[p.name] = p
+        self._master = placed[0].address
+
+    def start_trainers(self, args: TrainerArgs) -> None:
+        self._place_trainers()
         rank0 = self.procs["trainer0"]
         port = self._call(rank0.actor.free_port.remote(), "trainer0.free_port()")
         self._dist = (rank0.address, port)
@@ -301,6 +318,12 @@ class RayLauncher:
         i = args.index("--host")
         args[i + 1] = proc.address
         if proc.name == "trainer0":
+            if proc.address != self._master:
+                raise RuntimeError(
+                    f"trainer rank 0 was placed again on {proc.address} (its node "
+                    f"{self._master} is lost); the engines accept weight groups only from "
+                    f"{self._master}: resume the run (asyncrl run --resume RUN_DIR)"
+                )
             port = self._call(proc.actor.free_port.remote(), "trainer0.free_port()")
             self._dist = (proc.address, port)
             for p in self.procs.values():  # every rank meets rank 0 at its new address
@@ -308,6 +331,30 @@ class RayLauncher:
                     j = p.args.index("--dist-addr")
                     p.args[j + 1], p.args[j + 3] = proc.address, str(port)
         self._start(proc)
+
+    def _collect_traces(self) -> None:
+        """Copy the trace files the run's processes wrote on other nodes into the driver's
+        ``RUN_DIR/trace/`` (a file already here with the same size is the same file: a
+        shared folder, or simulated nodes on one host)."""
+        folder = os.environ.get(ENV_DIR)
+        if not folder:
+            return
+        here = Path(folder) / "trace"
+        refs = [p.actor.trace_files.remote() for p in self.procs.values()]
+        for ref in refs:
+            try:
+                files = ray.get(ref, timeout=_CALL_TIMEOUT_S)
+            except (ray.exceptions.RayError, ValueError) as exc:
+                log.warning("trace files of an actor not collected: %s", exc)
+                continue
+            for name, data in files.items():
+                out = here / Path(name).name
+                if out.is_file() and out.stat().st_size == len(data):
+                    continue
+                here.mkdir(parents=True, exist_ok=True)
+                tmp = out.with_suffix(".part")
+                tmp.write_bytes(data)
+                tmp.replace(out)
 
     def processes(self) -> dict[str, Placed]:
         """``here``: on the driver's node (simulated nodes on one host count as apart)."""
@@ -323,6 +370,7 @@ class RayLauncher:
         if trainer_grace_s > 0 and trainers:
             _wait([p.actor.wait.remote(trainer_grace_s) for p in trainers], trainer_grace_s + 5)
         _wait([p.actor.stop.remote(5.0) for p in self.procs.values()], 15.0)
+        self._collect_traces()
         for p in self.procs.values():
             with contextlib.suppress(ray.exceptions.RayError, ValueError):
                 ray.kill(p.actor, no_restart=True)  # its process dies with it (parent-death)

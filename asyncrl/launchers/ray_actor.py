@@ -16,6 +16,7 @@ from typing import Any
 
 from asyncrl.launchers.base import log_tail
 from asyncrl.procs import free_port, python_env, spawn, stop
+from asyncrl.trace import ENV_DIR
 
 __all__ = ["ProcActor"]
 
@@ -31,6 +32,8 @@ class ProcActor:
         self.address = ray.util.get_node_ip_address()
         self.gpus = [str(g) for g in ray.get_gpu_ids()]
         self.proc: subprocess.Popen | None = None
+        self.pids: list[int] = []  # every process this actor started
+        self.trace_dir = ""  # where they write trace files (ASYNCRL_TRACE_DIR), if they do
 
     def node(self) -> dict[str, Any]:
         """Where this actor runs: ``address`` (the node's IP as the cluster knows it), ``gpus``."""
@@ -68,7 +71,21 @@ class ProcActor:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         log = self.run_dir / f"{self.name}.log"
         self.proc = spawn(args, log, env=python_env(env), die_with_parent=True)
+        self.pids.append(self.proc.pid)
+        self.trace_dir = env.get(ENV_DIR, "")
         return self.proc.pid
+
+    def trace_files(self) -> dict[str, bytes]:
+        """The trace files (``trace/<process>-<pid>.jsonl``) of every process this actor
+        started, by file name; empty when they did not trace."""
+        if not self.trace_dir:
+            return {}
+        folder = Path(self.trace_dir) / "trace"
+        out = {}
+        for pid in self.pids:
+            for f in folder.glob(f"*-{pid}.jsonl"):
+                out[f.name] = f.read_bytes()
+        return out
 
     def poll(self) -> int | None:
         """The process's exit status, or None while it runs (or before it started)."""

@@ -15,9 +15,10 @@ import pytest
 
 from asyncrl.config import AlgoConfig, ControllerConfig, RolloutConfig, RunConfig
 from asyncrl.controllers.controller import Controller, NoMoreSamples
-from asyncrl.controllers.episode import EpisodeContext, Gate, RewardRunner
+from asyncrl.controllers.episode import EpisodeContext, EpisodeFailed, Gate, RewardRunner
 from asyncrl.controllers.router import Router
 from asyncrl.engines.rollout.sglang import SGLangClient
+from asyncrl.procs import free_port
 from tests.controllers.fakes import FakeEngine, VirtualTimeLoop
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -219,3 +220,37 @@ def test_failover_to_healthy_engine_and_back_into_rotation() -> None:
         assert b.requests > a.requests
 
     _run_virtual(go())
+
+
+async def test_an_outage_waits_for_an_engine_and_is_no_failure(engine_url: str) -> None:
+    """No engine in rotation (the only live one held: restarting or re-syncing; the other
+    dead): the request waits, uncounted (max_retries=0), and runs once one is admitted."""
+    live = SGLangClient(engine_url)
+    dead = SGLangClient(f"http://127.0.0.1:{free_port()}", timeout_s=5)
+    router = Router([dead, live])
+    router.hold(live)
+    ctx = EpisodeContext(router, 0, 9, {"max_new_tokens": 4}, 0, Gate())
+    try:
+        task = asyncio.ensure_future(ctx.generate([1, 5, 6, 7, 14], ignore_eos=True))
+        while id(dead) not in router.unhealthy:  # its request failed on the dead engine
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.3)
+        assert not task.done() and router.served[id(live)] == 0  # waiting, not failed
+        router.admit(live)
+        out = await asyncio.wait_for(task, 30)
+        assert len(out.output_ids) == 4 and router.served[id(live)] == 1
+    finally:
+        await asyncio.gather(live.close(), dead.close())
+
+
+async def test_an_outage_longer_than_its_timeout_fails_the_episode(engine_url: str) -> None:
+    live = SGLangClient(engine_url)
+    router = Router([live], outage_timeout_s=0.5)
+    router.hold(live)
+    ctx = EpisodeContext(router, 0, 10, {"max_new_tokens": 4}, 3, Gate())
+    try:
+        with pytest.raises(EpisodeFailed, match=r"no rollout engine in rotation for 0s \(1 engine"):
+            await asyncio.wait_for(ctx.generate([1, 5, 6, 7, 14]), 30)
+        assert router.served[id(live)] == 0
+    finally:
+        await live.close()

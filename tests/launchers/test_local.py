@@ -102,6 +102,36 @@ def test_engine_killed_mid_run_is_restarted_resynced_and_the_run_finishes(
     assert [r["step"] for r in rows] == list(range(steps))
     assert all(r["staleness_max"] <= 1 for r in rows)
     assert rows[-1]["ctl_engines_out"] == 0  # back in rotation
+    assert rows[-1]["ctl_failed"] == 0 and " failed: " not in out  # the outage lost no group
+
+
+def test_no_engine_left_stops_the_run_with_an_error(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The only engine dies with no restart allowed: the run stops, saying so, and leaves
+    no process behind."""
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "asyncrl.cli", "run", "--run-dir", str(run), "--quiet"]
+    cmd += [f"--model.path={tiny_model_dir}", "--controller.total_steps=40"]
+    cmd += ["--controller.batch_size=4", "--rollout.max_restarts=0"]
+    proc = subprocess.Popen(cmd, env=python_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        metrics, deadline, killed = run / "metrics.jsonl", time.monotonic() + 120, 0
+        while proc.poll() is None and time.monotonic() < deadline and not killed:
+            if metrics.is_file() and len(metrics.read_text().splitlines()) >= 2:
+                pids = json.loads((run / "processes.json").read_text())
+                killed = pids["engine0"]
+                os.kill(killed, signal.SIGKILL)
+            time.sleep(0.05)
+        assert killed, "the run ended before the engine could be killed"
+        out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = out.decode(errors="replace")
+    assert proc.returncode == 1, text
+    assert "no rollout engine left (each died more than rollout.max_restarts=0 times)" in text
+    assert "engine0: engine0 exited with -9" in text, text
+    assert not [p for p in pids.values() if _alive(p)], pids
 
 
 def _kill_engine_mid_run(cmd: list[str], env: dict[str, str], run: Path, after_rows: int) -> str:

@@ -59,12 +59,16 @@ def test_default_job_runs_across_two_nodes_and_learns(
         cmd, env=python_env(ray_cluster.env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
     )
     seen: dict[str, set[tuple[str, int]]] = {}
+    masters = ""
     try:
         deadline = time.monotonic() + 300
         while proc.poll() is None and time.monotonic() < deadline:
             metrics = run / "metrics.jsonl"
             if not seen and metrics.is_file() and len(metrics.read_text().splitlines()) >= 3:
                 seen = _sockets(ray_cluster, run, proc.pid)  # mid-run: every socket is open
+                engine = read_json(run / "processes.json")["engine0"]
+                argv = Path(f"/proc/{engine}/cmdline").read_bytes().split(b"\0")
+                masters = argv[argv.index(b"--weight-masters") + 1].decode()
             time.sleep(0.2)
         out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
     finally:
@@ -89,6 +93,11 @@ def test_default_job_runs_across_two_nodes_and_learns(
     # binds lo's address (an interface name cannot tell loopback aliases apart)
     assert {a for a, _ in seen["trainer0"]} <= {WORKER, "127.0.0.1"}
     assert WORKER in {a for a, _ in seen["trainer0"]}
+    assert masters == f"loopback,{WORKER}"  # weight groups only from trainer rank 0's node
+    # every process traced (the actors got the run's trace settings) and the files merged
+    events = json.loads((run / "trace.json").read_text())["traceEvents"]
+    names = {e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    assert {"controller", "trainer0"} <= names and any(n.startswith("engine") for n in names)
 
 
 def test_engine_killed_on_its_node_is_restarted_resynced_and_back_in_rotation(
