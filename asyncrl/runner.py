@@ -147,12 +147,18 @@ class _Run:
         guarded = {name: [pid, proc_start_time(pid)] for name, pid in here.items()}
         ckpts.write_atomic(self.run_dir / "pids.json", json.dumps(guarded).encode())
 
-    def write_resume_file(self, checkpoint: Path | None, sync: bool) -> Path:
+    def write_resume_file(
+        self, checkpoint: Path | None, sync: bool, engines: list[str] | None = None
+    ) -> Path:
         """What a trainer rank restores when it (re)starts: ``checkpoint`` (None: the model);
-        ``sync``: it pushes those weights to the engines and reports Synced first."""
+        ``sync``: it pushes those weights to the engines and reports Synced first;
+        ``engines``: the engine URLs now (default: the run's current set; an engine
+        restarted on another Ray node has a new URL)."""
         path = self.run_dir / "resume.json"
         trainer = str(checkpoint / "trainer") if checkpoint is not None else ""
-        ckpts.write_atomic(path, json.dumps({"trainer": trainer, "sync": sync}).encode())
+        urls = self.engines.urls() if engines is None else engines
+        got = {"trainer": trainer, "sync": sync, "engines": urls}
+        ckpts.write_atomic(path, json.dumps(got).encode())
         return path
 
     def start_trainers(self, model_path: str, chan: ExperienceSender, urls: list[str]) -> None:
@@ -162,7 +168,9 @@ class _Run:
             world_size=self.cfg.trainer.world_size,
             batch_endpoint=chan.endpoint,
             engine_urls=tuple(urls),
-            resume_file=str(self.write_resume_file(self.resume_from, self.resume_from is not None)),
+            resume_file=str(
+                self.write_resume_file(self.resume_from, self.resume_from is not None, urls)
+            ),
         )
         self.launcher.start_trainers(args)
 
@@ -345,9 +353,13 @@ class _Run:
                 "restart_s": time.perf_counter() - t0,
             }
         )
-        with open(self.run_dir / "recoveries.jsonl", "a") as f:
-            f.write(json.dumps(self.recoveries[-1]) + "\n")
+        self.record_recovery(self.recoveries[-1])
         log.warning("trainer restarted from step %d; %d step(s) sent again", n, len(redo))
+
+    def record_recovery(self, rec: dict[str, Any]) -> None:
+        """One recovery (a trainer restart, an engine back in rotation): recoveries.jsonl."""
+        with open(self.run_dir / "recoveries.jsonl", "a") as f:
+            f.write(json.dumps(rec) + "\n")
 
     async def resave(self, chan: ExperienceSender, step: int) -> None:
         """Ask the restarted trainer again for checkpoint ``step`` (its old attempt died)."""
@@ -516,7 +528,7 @@ async def run_job(
         urls = list(cfg.rollout.urls) or launcher.start_engines(model_path)
         job.start_trainers(model_path, chan, urls)
         job.record_pids()
-        job.engines = EngineSet(cfg, launcher, urls)
+        job.engines = EngineSet(cfg, launcher, urls, job.record_recovery)
         clients = list(job.engines.clients.values())
         await _first(
             asyncio.gather(*(c.wait_healthy(cfg.rollout.startup_timeout_s) for c in clients)),
@@ -534,8 +546,11 @@ async def run_job(
         start = state.step if state is not None else 0
         ctl = Controller(cfg, episode, clients, samples, sampling, start, state, Sample)
         async with ctl:
-            if state is not None and not quiet:
-                print(f"resumed: {ctl.resumed}", flush=True)
+            if state is not None:
+                resumed = {"from_step": state.step, **ctl.resumed}
+                (run_dir / "resumed.json").write_text(json.dumps(resumed))
+                if not quiet:
+                    print(f"resumed: {resumed}", flush=True)
             await _first(
                 job.report(ctl, chan),
                 job.dispatch(ctl, chan, stop_event),

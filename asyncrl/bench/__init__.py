@@ -22,6 +22,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "train": ("asyncrl.bench.train", "FSDP2 train_batch vs a plain PyTorch step"),
     "learning": ("asyncrl.bench.learning", "sync vs async learning: reward and time-to-reward"),
     "trace": ("asyncrl.bench.trace", "the timeline's cost: the default job traced vs not"),
+    "faults": ("asyncrl.bench.faults", "killed trainer / engines / run: recovery, nothing lost"),
 }
 
 

@@ -13,8 +13,9 @@ Contract (driver side; no torch):
 - Trainer rank 0 re-forms the weight group with that set before its next push and
   pushes the current weights; its :class:`EnginesSynced` answer is handed to
   :meth:`EngineSet.synced`, which puts the engines that were waiting for weights
-  back in rotation. A failed re-sync fails the run (the engine answers ``/health``
-  but cannot take weights: nothing left to retry).
+  back in rotation (each recorded: detection and admission times, the version it got).
+  A failed re-sync fails the run (the engine answers ``/health`` but cannot take
+  weights: nothing left to retry).
 
 Restart decisions are made here, never by Ray (its actors are never restarted).
 """
@@ -23,6 +24,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections.abc import Callable
 from typing import Any
 
 from asyncrl.config import RunConfig
@@ -39,9 +42,17 @@ log = logging.getLogger("asyncrl.membership")
 class EngineSet:
     """Clients of the run's engines by process name (``engine{i}``), in order."""
 
-    def __init__(self, cfg: RunConfig, launcher: Launcher, urls: list[str]):
+    def __init__(
+        self,
+        cfg: RunConfig,
+        launcher: Launcher,
+        urls: list[str],
+        record: Callable[[dict[str, Any]], None] | None = None,
+    ):
         self.cfg = cfg
         self.launcher = launcher
+        self.record = record  # each engine back in rotation (the run's recoveries.jsonl)
+        self.died_at: dict[str, tuple[str, int, float]] = {}  # url -> name, restart, wall time
         timeout = cfg.rollout.request_timeout_s
         self.clients = {
             f"engine{i}": SGLangClient(u, timeout_s=timeout) for i, u in enumerate(urls)
@@ -66,6 +77,7 @@ class EngineSet:
             await self.give_up(name, death, router, chan)
             return
         old = self.clients[name]
+        detected = time.time()
         router.hold(old)
         log.warning("%s exited with %s; restart %d of %d", name, death.code, count, limit)
         url = await asyncio.to_thread(self.launcher.restart, name)
@@ -77,6 +89,7 @@ class EngineSet:
             self.clients[name] = client
             await old.close()
         self.waiting[url] = client
+        self.died_at[url] = (name, count, detected)
         async with self.send_lock:
             await chan.broadcast(Engines(urls=self.urls()))
 
@@ -107,9 +120,22 @@ class EngineSet:
         if msg.error:
             raise RuntimeError(f"re-sync of engines {msg.urls} failed: {msg.error}")
         back = [u for u in msg.urls if u in self.waiting]
+        now = time.time()
         for url in back:
             router.admit(self.waiting.pop(url))
             log.warning("%s back in rotation at weight version %d", url, msg.version)
+            name, count, detected = self.died_at.pop(url, ("?", 0, now))
+            if self.record is not None:
+                self.record(
+                    {
+                        "engine": name,
+                        "restart": count,
+                        "version": msg.version,
+                        "detected_at": detected,
+                        "admitted_at": now,
+                        "detect_to_admitted_s": now - detected,
+                    }
+                )
         return back
 
     async def close(self) -> None:

@@ -155,6 +155,9 @@ class RayLauncher:
         return self._models[proc.address]
 
     def _start(self, proc: _Proc) -> None:
+        for path in proc.files:  # the driver's current copy (resume.json changes per restart)
+            with contextlib.suppress(OSError):
+                proc.files[path] = Path(path).read_bytes()
         env = {k: os.environ[k] for k in TRACE_ENV if k in os.environ}  # trace.start_run's
         ref = proc.actor.start.remote(proc.name, proc.args, proc.files, env)
         proc.pid = self._call(ref, f"{proc.name}.start()")
@@ -249,10 +252,20 @@ class RayLauncher:
         self._dist = (rank0.address, port)
         config = Path(args.config_path).resolve()
         files = {str(config): config.read_bytes()}
+        resume = Path(args.resume_file).resolve() if args.resume_file else None
+        if resume is not None:  # rewritten before each trainer restart: sent again then
+            files[str(resume)] = resume.read_bytes()
         for rank in range(args.world_size):
             p = self.procs[f"trainer{rank}"]
             path = self._model_on(p)
-            a = TrainerArgs(config, path, args.world_size, args.batch_endpoint, args.engine_urls)
+            a = TrainerArgs(
+                config,
+                path,
+                args.world_size,
+                args.batch_endpoint,
+                args.engine_urls,
+                str(resume or ""),
+            )
             p.args = trainer_command(a, rank, p.address, rank0.address, port)
             p.files = files
             self._start(p)

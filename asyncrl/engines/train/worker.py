@@ -177,15 +177,15 @@ def run(args: argparse.Namespace) -> None:
         shm=cfg.experience.shm != "off",  # ring arrays stay valid until ack (after training)
     )
     sender = None
+    resume_from, sync, now = _resume_from(args.resume_file)
     if args.rank == 0:
-        urls = [u for u in args.engine_urls.split(",") if u]
+        urls = now or [u for u in args.engine_urls.split(",") if u]
         sender = make_weight_transport(
             cfg.weights, urls, cfg.trainer.device, cfg.rollout.pause_mode, cfg.rollout.backend
         )
         sender.connect()
     state = RunState(algorithm, args.rank, chan.report)
     fatal = threading.Event()  # set once a push left engines undefined: train no more
-    resume_from, sync = _resume_from(args.resume_file)
     version = 0  # of the weights this rank holds (step + 1 of the last step trained)
     if sync:
         version = _resume(resume_from, state, sender, chan, fatal)
@@ -254,17 +254,19 @@ def run(args: argparse.Namespace) -> None:
         tracer.close()
 
 
-def _resume_from(path: str) -> tuple[str, bool]:
-    """The run's resume file ``{"trainer": DIR, "sync": bool}``: the checkpoint to restore
-    ("": the model) and whether to push the starting weights and announce them."""
+def _resume_from(path: str) -> tuple[str, bool, list[str]]:
+    """The run's resume file ``{"trainer": DIR, "sync": bool, "engines": [URL, ...]}``: the
+    checkpoint to restore ("": the model), whether to push the starting weights and
+    announce them, and the engines' URLs now (empty: those on the command line)."""
     if not path:
-        return "", False
+        return "", False, []
     try:
         with open(path, "rb") as f:
             got = msgspec.json.decode(f.read())
     except FileNotFoundError:
-        return "", False
-    return str(got.get("trainer", "")), bool(got.get("sync", False))
+        return "", False, []
+    urls = [str(u) for u in got.get("engines", [])]
+    return str(got.get("trainer", "")), bool(got.get("sync", False)), urls
 
 
 def _resume(

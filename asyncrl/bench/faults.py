@@ -1,0 +1,276 @@
+"""Faults survived: the default job with processes killed, next to the same job undisturbed.
+
+Each scenario runs the real ``asyncrl run`` CLI (a child process; checkpoints every
+``--every`` steps) and SIGKILLs something when the run's ``metrics.jsonl`` reaches a
+step:
+
+- ``baseline``: nothing killed;
+- ``trainer``: trainer rank 0 at ``--kill-at`` (the run restarts every rank from the
+  last checkpoint by itself);
+- ``engines``: two engines; engine 0 SIGKILLed at ``--kill-at``, engine 1 halfway from
+  there to the end. The run restarts each, holds it out of rotation, re-forms the
+  weight group from the running trainer with the current weights and puts it back
+  (``membership.EngineSet``): no trainer restart, no step redone;
+- ``run``: the ``asyncrl run`` process itself at ``--kill-at``; then ``asyncrl run
+  --resume RUN_DIR`` finishes the run. Also checked: 10 s after the kill, no process
+  of the run and no shared-memory ring of it is left.
+
+Reported per scenario (and written with ``--json PATH``): wall time, final reward
+(mean of the last 10 steps), ``recovery_s`` (trainer: from the death's detection to
+the lost steps sent again; engines: from the SIGKILL to the engine back in rotation
+with the current weights, the mean of both; run: from the kill to the resumed run's
+first new step), ``steps_redone`` (steps trained before the failure that were trained
+again from a checkpoint), ``samples_lost`` (samples trained twice plus samples
+skipped, from every step's ``sample_ids``: must be 0), ``groups_failed`` (groups whose
+episodes gave up: must be 0),
+``staleness_violations`` (steps whose oldest token is older than
+``controller.max_staleness``: must be 0), ``resumed_kept_tokens`` (run: in-flight
+tokens the checkpoint kept), ``left_after_kill`` (run: processes and rings found 10 s
+after the kill: must be 0) and the trainer's mean stall per checkpoint.
+
+``asyncrl bench faults --steps 80 --every 20 --kill-at 50``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from asyncrl.procs import python_env
+
+__all__ = ["main", "run_scenario"]
+
+SCENARIOS = ("baseline", "trainer", "engines", "run")
+
+
+def _cli(run_dir: Path, args: list[str], resume: bool = False) -> subprocess.Popen:
+    where = ["--resume", str(run_dir)] if resume else ["--run-dir", str(run_dir)]
+    cmd = [sys.executable, "-m", "asyncrl.cli", "run", "--quiet", *where, *args]
+    return subprocess.Popen(
+        cmd, env=python_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def _rows(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+
+
+def _wait_step(run_dir: Path, proc: subprocess.Popen, step: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        rows = _rows(run_dir / "metrics.jsonl")
+        if rows and rows[-1]["step"] >= step:
+            return
+        if proc.poll() is not None:
+            raise RuntimeError(f"the run ended before step {step}: {proc.stdout.read()[-2000:]}")
+        time.sleep(0.05)
+    raise TimeoutError(f"no step {step} within {timeout_s}s")
+
+
+def _finish(proc: subprocess.Popen, timeout_s: float) -> None:
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    if proc.returncode != 0:
+        raise RuntimeError(f"asyncrl run exited with {proc.returncode}:\n{out[-3000:]}")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _left(pids: dict[str, int], run_pid: int) -> list[str]:
+    left = [name for name, pid in pids.items() if _alive(pid)]
+    return left + [p.name for p in Path("/dev/shm").glob(f"asyncrl-xp-{run_pid}-*")]
+
+
+def _lost(rows: list[dict[str, Any]], window: int) -> int:
+    """Samples trained twice + samples skipped (not trained although later ones were, beyond
+    the ``window`` of groups that may still be in flight at the end)."""
+    ids = [i for r in rows for i in r.get("sample_ids", []) if i is not None]
+    if not ids:
+        return 0
+    twice = len(ids) - len(set(ids))
+    skipped = len(set(range(max(ids) + 1 - window)) - set(ids))
+    return twice + skipped
+
+
+def run_scenario(name: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
+    """One scenario, start to finish; returns its row of the table."""
+    run_dir = root / name
+    cfg = [
+        f"--controller.total_steps={args.steps}",
+        f"--checkpoint.every_steps={args.every}",
+        *args.override,
+    ]
+    if name == "engines":
+        cfg.append("--rollout.num_engines=2")
+    t0 = time.perf_counter()
+    proc = _cli(run_dir, cfg)
+    out: dict[str, Any] = {"scenario": name, "recovery_s": 0.0, "steps_redone": 0}
+    if name == "trainer":
+        _wait_step(run_dir, proc, args.kill_at, args.timeout)
+        pids = json.loads((run_dir / "processes.json").read_text())
+        os.kill(pids["trainer0"], signal.SIGKILL)
+    kills: dict[str, float] = {}  # engine -> wall time of its SIGKILL
+    if name == "engines":  # two engines: one killed at kill_at, the other halfway to the end
+        for engine, at in (
+            ("engine0", args.kill_at),
+            ("engine1", (args.kill_at + args.steps) // 2),
+        ):
+            _wait_step(run_dir, proc, at, args.timeout)
+            pids = json.loads((run_dir / "processes.json").read_text())
+            os.kill(pids[engine], signal.SIGKILL)
+            kills[engine] = time.time()
+    if name == "run":
+        _wait_step(run_dir, proc, args.kill_at, args.timeout)
+        pids = json.loads((run_dir / "processes.json").read_text())
+        before = _rows(run_dir / "metrics.jsonl")[-1]["step"]
+        proc.send_signal(signal.SIGKILL)
+        killed = time.perf_counter()
+        proc.wait()
+        while time.perf_counter() - killed < 10 and _left(pids, proc.pid):
+            time.sleep(0.05)
+        out["left_after_kill"] = len(_left(pids, proc.pid))
+        out["cleanup_s"] = time.perf_counter() - killed
+        proc = _cli(run_dir, [], resume=True)
+        out["recovery_s"] = _wait_resumed(run_dir, proc, killed, args.timeout)
+    _finish(proc, args.timeout)
+    total = time.perf_counter() - t0
+    rows = _rows(run_dir / "metrics.jsonl")
+    recs = _rows(run_dir / "recoveries.jsonl")
+    trainer_recs = [r for r in recs if "engine" not in r]
+    engine_recs = [r for r in recs if "engine" in r]
+    if name in ("trainer", "engines"):
+        out["steps_redone"] = sum(r.get("steps_redone", 0) for r in trainer_recs)
+        out["trainer_restarts"] = len(trainer_recs)
+    if name == "trainer" and trainer_recs:
+        out["recovery_s"] = sum(r.get("detect_to_sent_s", 0.0) for r in trainer_recs)
+    if name == "engines":
+        back = [r["admitted_at"] - kills[r["engine"]] for r in engine_recs if r["engine"] in kills]
+        out["engine_restarts"] = len(engine_recs)
+        out["recovery_s"] = sum(back) / len(back) if back else float("nan")
+        out["recovery_max_s"] = max(back, default=float("nan"))
+    if name == "run":
+        out["steps_redone"] = max(0, before + 1 - _resumed_from(run_dir))
+    saves = _rows(run_dir / "checkpoints.jsonl")
+    batch, stale = _config(run_dir)
+    failed = int(rows[-1].get("ctl_failed", 0)) if rows else 0
+    k = min(10, len(rows))
+    out.update(
+        steps=len(rows),
+        wall_s=total,
+        final_reward=sum(r["reward_mean"] for r in rows[-k:]) / max(1, k),
+        samples_lost=_lost(rows, (stale + 3) * batch),
+        groups_failed=failed,
+        staleness_violations=sum(1 for r in rows if r["staleness_max"] > stale),
+        stall_per_checkpoint_s=sum(s["stall_s"] for s in saves) / max(1, len(saves)),
+        checkpoints=len(saves),
+        resumed_kept_tokens=_kept_tokens(run_dir),
+    )
+    return out
+
+
+def _config(run_dir: Path) -> tuple[int, int]:
+    cfg = json.loads((run_dir / "config.json").read_text())
+    return cfg["controller"]["batch_size"], cfg["controller"]["max_staleness"]
+
+
+def _resumed_from(run_dir: Path) -> int:
+    """The checkpoint step the resumed run started from (its resume.json)."""
+    try:
+        got = json.loads((run_dir / "resume.json").read_text()).get("trainer", "")
+    except (OSError, ValueError):
+        return -1
+    m = re.search(r"step-(\d+)", got)
+    return int(m.group(1)) if m else 0
+
+
+def _wait_resumed(run_dir: Path, proc: subprocess.Popen, killed: float, timeout_s: float) -> float:
+    """Seconds from the kill until the resumed run logged its first step."""
+    resume = run_dir / "resume.json"
+    wall_killed = time.time() - (time.perf_counter() - killed)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        if resume.is_file() and resume.stat().st_mtime > wall_killed:
+            n = _resumed_from(run_dir)
+            if n >= 0 and len(_rows(run_dir / "metrics.jsonl")) > n:
+                return time.perf_counter() - killed
+        time.sleep(0.05)
+    return float("nan")
+
+
+def _kept_tokens(run_dir: Path) -> int:
+    path = run_dir / "resumed.json"
+    return int(json.loads(path.read_text()).get("kept_tokens", 0)) if path.is_file() else 0
+
+
+def _table(rows: list[dict[str, Any]]) -> str:
+    cols = [
+        ("scenario", "{}"),
+        ("steps", "{}"),
+        ("wall_s", "{:.1f}"),
+        ("final_reward", "{:.3f}"),
+        ("recovery_s", "{:.2f}"),
+        ("steps_redone", "{}"),
+        ("engine_restarts", "{}"),
+        ("trainer_restarts", "{}"),
+        ("samples_lost", "{}"),
+        ("groups_failed", "{}"),
+        ("staleness_violations", "{}"),
+        ("stall_per_checkpoint_s", "{:.3f}"),
+        ("resumed_kept_tokens", "{}"),
+        ("left_after_kill", "{}"),
+    ]
+    head = " | ".join(c for c, _ in cols)
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        cells = [fmt.format(r[c]) if c in r else "-" for c, fmt in cols]
+        lines.append(" | ".join(cells))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="asyncrl bench faults", description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=80)
+    p.add_argument("--every", type=int, default=20, help="checkpoint.every_steps")
+    p.add_argument("--kill-at", type=int, default=50, help="the step the kill waits for")
+    p.add_argument("--scenarios", default=",".join(SCENARIOS))
+    p.add_argument("--timeout", type=float, default=600.0, help="per run, seconds")
+    p.add_argument("--json", default="", help="write the results here")
+    p.add_argument("--root", default="", help="run folders here (default: a temporary one)")
+    p.add_argument("override", nargs="*", help="extra --section.key=value of every run")
+    args, extra = p.parse_known_args(argv)
+    args.override = [*args.override, *extra]
+    names = [s for s in args.scenarios.split(",") if s]
+    for s in names:
+        if s not in SCENARIOS:
+            p.error(f"unknown scenario {s!r} (allowed: {', '.join(SCENARIOS)})")
+    with tempfile.TemporaryDirectory(prefix="asyncrl-faults-") as tmp:
+        root = Path(args.root or tmp)
+        results = [run_scenario(s, args, root) for s in names]
+    print(_table(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,38 @@
+"""`asyncrl bench faults`, kept short: the trainer SIGKILLed, both engines SIGKILLed in turn
+and the run process SIGKILLed, each survived with nothing lost (real CLI runs of the tiny
+default job)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from asyncrl.bench.faults import main
+
+
+def test_bench_faults_nothing_lost(tmp_path: Path) -> None:
+    out = tmp_path / "faults.json"
+    main(
+        [
+            "--steps=12",
+            "--every=4",
+            "--kill-at=5",
+            "--scenarios=trainer,engines,run",
+            f"--json={out}",
+            f"--root={tmp_path}",
+            "--timeout=240",
+            "--controller.batch_size=4",
+            "--controller.max_staleness=2",
+        ]
+    )
+    results = {r["scenario"]: r for r in json.loads(out.read_text())["results"]}
+    for r in results.values():
+        assert r["steps"] == 12 and r["samples_lost"] == 0 and r["staleness_violations"] == 0
+        assert r["groups_failed"] == 0, r
+        assert r["checkpoints"] >= 1 and r["stall_per_checkpoint_s"] >= 0
+    assert results["trainer"]["steps_redone"] >= 1 and results["trainer"]["recovery_s"] > 0
+    # engine deaths: each engine restarted and re-synced by the running trainer, no step redone
+    engines = results["engines"]
+    assert engines["engine_restarts"] == 2 and engines["trainer_restarts"] == 0, engines
+    assert engines["steps_redone"] == 0 and engines["recovery_s"] > 0
+    assert results["run"]["left_after_kill"] == 0 and results["run"]["recovery_s"] > 0
