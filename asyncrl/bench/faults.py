@@ -8,9 +8,10 @@ step:
 - ``trainer``: trainer rank 0 at ``--kill-at`` (the run restarts every rank from the
   last checkpoint by itself);
 - ``engines``: two engines; engine 0 SIGKILLed at ``--kill-at``, engine 1 halfway from
-  there to the end. The run restarts each, holds it out of rotation, re-forms the
-  weight group from the running trainer with the current weights and puts it back
-  (``membership.EngineSet``): no trainer restart, no step redone;
+  there to the end (or at the steps of ``--engine-kills A,B``). The run restarts each,
+  holds it out of rotation, re-forms the weight group from the running trainer with
+  the current weights and puts it back (``membership.EngineSet``): no trainer
+  restart, no step redone;
 - ``run``: the ``asyncrl run`` process itself at ``--kill-at``; then ``asyncrl run
   --resume RUN_DIR`` finishes the run. Also checked: 10 s after the kill, no process
   of the run and no shared-memory ring of it is left.
@@ -28,7 +29,9 @@ episodes gave up: must be 0),
 tokens the checkpoint kept), ``left_after_kill`` (run: processes and rings found 10 s
 after the kill: must be 0) and the trainer's mean stall per checkpoint.
 
-``asyncrl bench faults --steps 80 --every 20 --kill-at 50``
+``asyncrl bench faults --steps 80 --every 20 --kill-at 50 --engine-kills 30,60`` (the
+issue's layout: checkpoints every 20 steps, trainer and run killed at step 50, the
+engines at steps 30 and 60).
 """
 
 from __future__ import annotations
@@ -131,11 +134,8 @@ def run_scenario(name: str, args: argparse.Namespace, root: Path) -> dict[str, A
         pids = json.loads((run_dir / "processes.json").read_text())
         os.kill(pids["trainer0"], signal.SIGKILL)
     kills: dict[str, float] = {}  # engine -> wall time of its SIGKILL
-    if name == "engines":  # two engines: one killed at kill_at, the other halfway to the end
-        for engine, at in (
-            ("engine0", args.kill_at),
-            ("engine1", (args.kill_at + args.steps) // 2),
-        ):
+    if name == "engines":  # two engines: engine 0 killed at the first step, engine 1 later
+        for engine, at in zip(("engine0", "engine1"), _engine_kills(args), strict=True):
             _wait_step(run_dir, proc, at, args.timeout)
             pids = json.loads((run_dir / "processes.json").read_text())
             os.kill(pids[engine], signal.SIGKILL)
@@ -187,6 +187,15 @@ def run_scenario(name: str, args: argparse.Namespace, root: Path) -> dict[str, A
         resumed_kept_tokens=_kept_tokens(run_dir),
     )
     return out
+
+
+def _engine_kills(args: argparse.Namespace) -> tuple[int, int]:
+    """The steps at which engine 0 and engine 1 are killed (``--engine-kills A,B``; default:
+    ``--kill-at`` and halfway from there to the end)."""
+    if not args.engine_kills:
+        return args.kill_at, (args.kill_at + args.steps) // 2
+    a, b = (int(x) for x in args.engine_kills.split(","))
+    return a, b
 
 
 def _config(run_dir: Path) -> tuple[int, int]:
@@ -253,6 +262,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=80)
     p.add_argument("--every", type=int, default=20, help="checkpoint.every_steps")
     p.add_argument("--kill-at", type=int, default=50, help="the step the kill waits for")
+    p.add_argument(
+        "--engine-kills",
+        default="",
+        help="A,B: steps at which engine 0 and engine 1 are killed (default: --kill-at and "
+        "halfway from there to the end)",
+    )
     p.add_argument("--scenarios", default=",".join(SCENARIOS))
     p.add_argument("--timeout", type=float, default=600.0, help="per run, seconds")
     p.add_argument("--json", default="", help="write the results here")
@@ -260,6 +275,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("override", nargs="*", help="extra --section.key=value of every run")
     args, extra = p.parse_known_args(argv)
     args.override = [*args.override, *extra]
+    if args.engine_kills and not re.fullmatch(r"\d+,\d+", args.engine_kills):
+        p.error(f"--engine-kills must be two steps A,B, got {args.engine_kills!r}")
     names = [s for s in args.scenarios.split(",") if s]
     for s in names:
         if s not in SCENARIOS:
