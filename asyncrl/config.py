@@ -95,8 +95,19 @@ class RolloutConfig(_Section):
     """Generation budget per episode; 0 lets the task choose."""
     request_timeout_s: float = 120.0
     """Timeout of one HTTP request to an engine."""
-    startup_timeout_s: float = 120.0
-    """How long the run waits for a started engine to become healthy."""
+    startup_timeout_s: float | None = None
+    """How long the run waits for an engine to become healthy. Unset: scaled to the model:
+    120 s for the embedded engine; SGLang 300 s + 20 s per GiB of weight files in the model
+    folder (900 s when none is found there, e.g. a hub id)."""
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    """``--dtype`` of launched SGLang servers. ``auto``: ``bfloat16`` for a checkpoint stored
+    in float32 or of unknown dtype (SGLang's own ``auto`` would serve it in float16), else
+    SGLang's ``auto`` (as stored). The embedded engine always uses ``model.dtype``."""
+    sglang_entrypoint: Literal["auto", "serve", "launch_server"] = "auto"
+    """How launched SGLang servers start: ``serve`` (``sglang serve``, SGLang's recommended
+    entry point), ``launch_server`` (``python -m sglang.launch_server``, deprecated where
+    ``serve`` exists). ``auto``: ``serve`` when the installed SGLang declares the ``sglang``
+    console script, else ``launch_server``."""
     max_restarts: int = 3
     """Times the run restarts each engine it started that died (re-synced with the current
     weights before it takes requests again); one more death fails the run. 0: never."""

@@ -45,6 +45,7 @@ from asyncrl.controllers.controller import Batch, Controller
 from asyncrl.controllers.episode import Sample, single_turn
 from asyncrl.controllers.membership import EngineSet
 from asyncrl.controllers.state import ControllerState
+from asyncrl.engines.rollout.launcher import startup_timeout
 from asyncrl.guard import proc_start_time, release_guard, start_guard
 from asyncrl.launchers import Launcher, TrainerArgs, make_launcher
 from asyncrl.procs import python_env
@@ -133,6 +134,7 @@ class _Run:
         self.recoveries: list[dict[str, float]] = []
         self.sinks: list[Any] = []  # TensorBoard / W&B (asyncrl.sinks), when enabled
         self.progress = None if quiet else Progress(cfg.controller.total_steps)
+        self.startup_s = cfg.rollout.startup_timeout_s or 120.0  # set from the model: run_job
 
     def record_pids(self) -> None:
         """processes.json (name -> pid), placement.json (name -> node address) and pids.json
@@ -328,7 +330,7 @@ class _Run:
         for r in range(self.cfg.trainer.world_size):
             await asyncio.to_thread(self.launcher.restart, f"trainer{r}")
         self.record_pids()
-        timeout = self.cfg.rollout.startup_timeout_s + self.cfg.weights.timeout_s
+        timeout = self.startup_s + self.cfg.weights.timeout_s
         if await _unless(asyncio.wait_for(self.synced, timeout), self.trainer_failed) is None:
             return  # it failed again: the caller recovers again (or gives up)
         await chan.wait_peers(timeout)
@@ -372,7 +374,7 @@ class _Run:
 
     async def wait_synced(self, chan: ExperienceSender, step: int) -> None:
         """A resumed trainer restored ``step`` and put its weights on the engines."""
-        timeout = self.cfg.rollout.startup_timeout_s + self.cfg.weights.timeout_s
+        timeout = self.startup_s + self.cfg.weights.timeout_s
         try:
             msg = await asyncio.wait_for(chan.recv_report(), timeout)
         except asyncio.TimeoutError:
@@ -509,6 +511,7 @@ async def run_job(
     state = _resume_state(job) if resume else None
     (run_dir / "config.json").write_bytes(msgspec.json.encode(to_dict(cfg)))
     model_path = resolve_model(cfg)
+    job.startup_s = startup_timeout(cfg.rollout, model_path)
     (run_dir / "pids.json").write_text("{}")
     guard = start_guard(run_dir / "pids.json")  # ends the children if this process dies
     xc = cfg.experience
@@ -529,9 +532,10 @@ async def run_job(
         job.start_trainers(model_path, chan, urls)
         job.record_pids()
         job.engines = EngineSet(cfg, launcher, urls, job.record_recovery)
+        job.engines.startup_s = job.startup_s
         clients = list(job.engines.clients.values())
         await _first(
-            asyncio.gather(*(c.wait_healthy(cfg.rollout.startup_timeout_s) for c in clients)),
+            asyncio.gather(*(c.wait_healthy(job.startup_s) for c in clients)),
             job.watchdog(),
         )
         if state is not None:

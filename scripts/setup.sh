@@ -28,11 +28,13 @@ pip_install -e ".[$extras]"
 # SGLang's own source for the tests that play SGLang's side with SGLang's code (the weight
 # group's receiving ranks, its flattened-bucket class): each covered version's wheel is
 # unpacked, Python files only, under .cache/sglang/VERSION (not installed: one venv cannot
-# hold three versions, and SGLang's GPU dependencies are not needed for these modules).
+# hold three versions, and SGLang's GPU dependencies are not needed for these modules), with
+# its dist-info's METADATA and entry_points.txt (importlib.metadata then sees that version's
+# console scripts when the folder is on the path: the launcher tests read them).
 # Without a package registry the download fails and those tests skip, naming this step.
 for v in 0.5.10 0.5.22 0.5.23; do
   dest=.cache/sglang/$v
-  [ -f "$dest/sglang/__init__.py" ] && continue
+  [ -f "$dest/sglang/__init__.py" ] && [ -f "$dest/sglang-$v.dist-info/entry_points.txt" ] && continue
   tmp=$(mktemp -d)
   if python -m pip download -q --no-deps "sglang==$v" -d "$tmp" 2>&1 \
       | { grep -v "^WARNING: Location 'file:" || true; }; then
@@ -40,7 +42,9 @@ for v in 0.5.10 0.5.22 0.5.23; do
 import pathlib, sys, zipfile
 src, dest = pathlib.Path(sys.argv[1]), sys.argv[2]
 with zipfile.ZipFile(next(src.glob("sglang-*.whl"))) as z:
-    z.extractall(dest, [n for n in z.namelist() if n.startswith("sglang/") and n.endswith(".py")])
+    meta = (".dist-info/METADATA", ".dist-info/entry_points.txt")
+    z.extractall(dest, [n for n in z.namelist() if n.startswith("sglang/") and n.endswith(".py")
+                        or n.startswith("sglang-") and n.endswith(meta)])
 PY
   else
     echo "setup: could not download sglang==$v; tests against SGLang's code will skip" >&2

@@ -53,6 +53,7 @@ class EngineSet:
         self.launcher = launcher
         self.record = record  # each engine back in rotation (the run's recoveries.jsonl)
         self.died_at: dict[str, tuple[str, int, float]] = {}  # url -> name, restart, wall time
+        self.startup_s = cfg.rollout.startup_timeout_s or 120.0  # the run sets the scaled one
         timeout = cfg.rollout.request_timeout_s
         self.clients = {
             f"engine{i}": SGLangClient(u, timeout_s=timeout) for i, u in enumerate(urls)
@@ -82,7 +83,7 @@ class EngineSet:
         log.warning("%s exited with %s; restart %d of %d", name, death.code, count, limit)
         url = await asyncio.to_thread(self.launcher.restart, name)
         client = old if url == old.url else SGLangClient(url, self.cfg.rollout.request_timeout_s)
-        await client.wait_healthy(self.cfg.rollout.startup_timeout_s)
+        await client.wait_healthy(self.startup_s)
         if client is not old:
             router.remove(old)
             router.add(client, held=True)

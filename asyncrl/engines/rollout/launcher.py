@@ -1,8 +1,9 @@
 """Start, health-wait and stop rollout-engine server processes; or take engines by URL.
 
-:func:`launch` runs ``python -m sglang.launch_server --model-path P --tp-size N
---host H --port P [--mem-fraction-static F] [extra args...]`` in its own
-session (so stopping it by pid ends its whole process tree, TP workers
+:func:`launch` runs ``sglang serve --model-path P --tp-size N --host H --port P
+[--mem-fraction-static F] [extra args...]`` (or ``python -m sglang.launch_server
+...`` where the installed SGLang has no ``sglang serve``: :func:`sglang_entry_point`)
+in its own session (so stopping it by pid ends its whole process tree, TP workers
 included) with output to a log file. :func:`wait_healthy` polls ``/health``
 until it answers, failing early (with the log's tail) if the process exits,
 or after a timeout. :func:`stop_servers` ends them by pid (SIGTERM, then
@@ -22,6 +23,9 @@ or freshly launched local or SGLang servers.
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
+import json
+import re
 import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -40,12 +44,17 @@ __all__ = [
     "engine_spec",
     "launch",
     "launch_command",
+    "sglang_dtype",
+    "sglang_entry_point",
     "start_engines",
+    "startup_timeout",
     "stop_servers",
     "wait_healthy",
 ]
 
 SGLANG_SERVER = "sglang.launch_server"
+SGLANG_CLI = "sglang.cli.main:main"
+"""SGLang's ``sglang`` console script (its wheels' entry_points.txt, 0.5.10 to 0.5.23)."""
 LOCAL_SERVER = "asyncrl.engines.rollout.local.server"
 
 
@@ -69,6 +78,9 @@ class LaunchSpec:
     """The ``python -m`` module to run (the hook: any server taking SGLang's flags)."""
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment variables (e.g. ``CUDA_VISIBLE_DEVICES``)."""
+    entry_point: tuple[str, ...] = ()
+    """``(module:function, *args)``: run this console-script entry point with ``args``
+    before the flags (``sglang serve``: ``(SGLANG_CLI, "serve")``) instead of ``-m module``."""
 
     @property
     def url(self) -> str:
@@ -104,11 +116,81 @@ def launch_command(spec: LaunchSpec) -> list[str]:
         raise ValueError(f"tp_size must be >= 1, got {spec.tp_size}")
     if spec.mem_fraction_static is not None and not 0 < spec.mem_fraction_static < 1:
         raise ValueError(f"mem_fraction_static must be in (0, 1), got {spec.mem_fraction_static}")
-    args = ["-m", spec.module, "--model-path", spec.model_path, "--tp-size", str(spec.tp_size)]
+    args = [*_head(spec), "--model-path", spec.model_path, "--tp-size", str(spec.tp_size)]
     args += ["--host", spec.host, "--port", str(spec.port)]
     if spec.mem_fraction_static is not None:
         args += ["--mem-fraction-static", str(spec.mem_fraction_static)]
     return [*args, *spec.extra_args]
+
+
+def _head(spec: LaunchSpec) -> list[str]:
+    """``-m module``, or ``-c`` code that calls the console-script entry point as the script
+    the package installs would (same interpreter, no PATH lookup), then its arguments."""
+    if not spec.entry_point:
+        return ["-m", spec.module]
+    target, *sub = spec.entry_point
+    mod, _, fn = target.partition(":")
+    if not re.fullmatch(r"[A-Za-z_][\w.]*", mod) or not re.fullmatch(r"[A-Za-z_]\w*", fn):
+        raise ValueError(f"entry point must be 'module:function', got {target!r}")
+    return ["-c", f"import sys; from {mod} import {fn}; sys.exit({fn}())", *sub]
+
+
+def sglang_entry_point(choice: str = "auto") -> tuple[str, ...]:
+    """How to start SGLang: ``(entry point, "serve")`` for ``sglang serve``, ``()`` for
+    ``python -m sglang.launch_server``.
+
+    ``auto``: ``serve`` when the installed SGLang distribution declares the ``sglang``
+    console script and ships ``sglang/cli/serve.py`` (0.5.10 to 0.5.23 do: cli/main.py
+    dispatches ``serve`` to cli/serve.py, which parses the flags with the same
+    ``prepare_server_args``; launch_server.py warns that ``sglang serve`` is the
+    recommended entrypoint), read from its metadata without importing it. No SGLang here
+    (e.g. it lives only on the engine's node): ``launch_server``, which every version has.
+    """
+    if choice == "launch_server":
+        return ()
+    try:
+        dist = importlib.metadata.distribution("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        return (SGLANG_CLI, "serve") if choice == "serve" else ()
+    for ep in dist.entry_points:
+        if ep.group == "console_scripts" and ep.name == "sglang":
+            if choice == "serve" or Path(str(dist.locate_file("sglang/cli/serve.py"))).is_file():
+                return (ep.value, "serve")
+    return (SGLANG_CLI, "serve") if choice == "serve" else ()
+
+
+def _stored_dtype(model_path: str) -> str:
+    """The dtype a Hugging Face checkpoint is stored in (``config.json``), or ""."""
+    try:
+        cfg = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return ""
+    got = cfg.get("torch_dtype") or cfg.get("dtype") or ""
+    return got if isinstance(got, str) else ""
+
+
+def sglang_dtype(rc: RolloutConfig, model_path: str) -> str:
+    """``--dtype`` of a launched SGLang server (see ``RolloutConfig.dtype``): SGLang's
+    ``auto`` serves a float32 checkpoint in float16 (srt/configs/model_config.py:2303-2319
+    in 0.5.23), which overflows where the trainer's bfloat16 does not; so ``auto`` here is
+    SGLang's ``auto`` only for checkpoints stored in bfloat16 or float16."""
+    if rc.dtype != "auto":
+        return rc.dtype
+    return "auto" if _stored_dtype(model_path) in ("bfloat16", "float16") else "bfloat16"
+
+
+def startup_timeout(rc: RolloutConfig, model_path: str) -> float:
+    """Seconds to wait for the engines to become healthy (see
+    ``RolloutConfig.startup_timeout_s``): the configured value, or scaled to the model."""
+    if rc.startup_timeout_s is not None:
+        return rc.startup_timeout_s
+    if rc.backend == "local":
+        return 120.0
+    folder = Path(model_path)
+    files = [p for p in folder.glob("*") if p.suffix in (".safetensors", ".bin", ".pt", ".pth")]
+    if not files:
+        return 900.0
+    return 300.0 + 20.0 * sum(p.stat().st_size for p in files) / 2**30
 
 
 def launch(spec: LaunchSpec, log_path: Path | None = None) -> LaunchedServer:
@@ -197,7 +279,8 @@ def engine_spec(
 ) -> LaunchSpec:
     """Engine ``i``'s server of a run: on ``host`` (default ``rc.host``) at ``port`` (default a
     free one there); an SGLang server uses GPUs from ``base_gpu`` (default ``i * tp_size``, the
-    engines of one host side by side; 0 where the launcher already narrowed the visible GPUs)."""
+    engines of one host side by side; 0 where the launcher already narrowed the visible GPUs).
+    ``dtype`` is the embedded engine's; SGLang's is :func:`sglang_dtype`'s."""
     host = host or rc.host
     port = port or free_port(host)
     if rc.backend == "local":
@@ -206,7 +289,7 @@ def engine_spec(
         extra += ["--max-batch-size", str(rc.max_batch_size)]
         extra += ["--kv-after-update", rc.kv_after_update]
         return LaunchSpec(model_path, port, host, 1, None, (*extra, *rc.extra_args), LOCAL_SERVER)
-    extra = ["--dtype", dtype, "--random-seed", str(seed + 1000 + i)]
+    extra = ["--dtype", sglang_dtype(rc, model_path), "--random-seed", str(seed + 1000 + i)]
     extra += ["--base-gpu-id", str(i * rc.tp_size if base_gpu is None else base_gpu)]
     return LaunchSpec(
         model_path,
@@ -216,4 +299,5 @@ def engine_spec(
         rc.mem_fraction_static or None,
         (*extra, *rc.extra_args),
         SGLANG_SERVER,
+        entry_point=sglang_entry_point(rc.sglang_entrypoint),
     )

@@ -65,7 +65,8 @@ class SGLangClient:
     """One SGLang-protocol server at ``base_url``. Create and use it inside one event loop.
 
     ``record=True`` keeps every request sent as ``(method, path, body)`` in
-    ``self.sent`` (the schema test reads it).
+    ``self.sent`` and every decoded answer as ``(path, answer)`` in ``self.answers``
+    (the schema test reads them).
     """
 
     def __init__(self, base_url: str, timeout_s: float = 120.0, record: bool = False):
@@ -73,6 +74,7 @@ class SGLangClient:
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._session: aiohttp.ClientSession | None = None
         self.sent: list[tuple[str, str, dict[str, Any] | None]] | None = [] if record else None
+        self.answers: list[tuple[str, Any]] | None = [] if record else None
         self._routes: dict[tuple[str, ...], str] = {}  # routes wanted -> the one it answers
         self.has_session: bool | None = None  # /begin_weight_update exists (SGLang >= 0.5.22)
 
@@ -110,6 +112,8 @@ class SGLangClient:
             out = msgspec.json.decode(raw)
         except msgspec.DecodeError:
             return raw.decode(errors="replace")
+        if self.answers is not None:
+            self.answers.append((path, out))
         if isinstance(out, dict) and out.get("success") is False:
             raise EngineError(path, status, str(out.get("message") or _server_message(raw)))
         return out

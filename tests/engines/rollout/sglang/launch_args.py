@@ -1,0 +1,93 @@
+"""Parse the command line asyncrl builds for an SGLang server with that version's own parser.
+
+Run as ``python -m tests.engines.rollout.sglang.launch_args`` with SGLang ``V``'s
+source (and its dist-info, so ``importlib.metadata`` sees V's console scripts)
+first on ``PYTHONPATH``; reads ``{"cases": [{"rollout": {...}, "model_path": P, "i": N}, ...]}``
+from stdin, writes one JSON report per case to stdout:
+
+- ``args``: what :func:`asyncrl.engines.rollout.launcher.launch_command` builds
+  here (the entry point chosen from V's metadata);
+- ``entry``: for ``-c`` (``sglang serve``), whether the entry point it names
+  imports and is callable in V (``sglang.cli.main:main``), and the flags after
+  ``serve`` as V's ``cli/serve.py`` passes them on (its own argv filters, where
+  the version has them); for ``-m``, whether the module exists in V;
+- ``parsed``: V's ``ServerArgs.add_cli_args`` parser (as ``prepare_server_args``
+  builds it, srt/server_args.py) applied to those flags: every destination's
+  value, or the parser's error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import importlib.util
+import io
+import json
+import sys
+from typing import Any
+
+import msgspec
+
+from asyncrl.config import RolloutConfig
+from asyncrl.engines.rollout.launcher import engine_spec, launch_command
+
+
+def _entry(args: list[str]) -> tuple[dict[str, Any], list[str]]:
+    """Where the command line enters SGLang, and the server flags it passes on."""
+    if args[0] == "-m":
+        found = importlib.util.find_spec(args[1]) is not None
+        return {"kind": "module", "module": args[1], "found": found}, args[2:]
+    code, sub, flags = args[1], args[2], args[3:]
+    target = code.split("from ", 1)[1].split(";", 1)[0]  # "MOD import FN"
+    mod, fn = (x.strip() for x in target.split(" import "))
+    main = getattr(importlib.import_module(mod), fn, None)
+    info = {"kind": "script", "target": f"{mod}:{fn}", "callable": callable(main), "sub": sub}
+    with contextlib.suppress(ImportError):  # cli/serve.py needs srt.utils (0.5.10: torchvision)
+        serve = importlib.import_module("sglang.cli.serve")
+        if hasattr(serve, "_extract_model_type_override"):
+            info["model_type"], flags = serve._extract_model_type_override(flags)
+        if hasattr(serve, "_normalize_positional_model_path"):
+            flags, _ = serve._normalize_positional_model_path(flags)
+        info["serve_filters"] = True
+    return info, flags
+
+
+def build_and_parse(case: dict[str, Any]) -> dict[str, Any]:
+    """One case: asyncrl's command line for ``case`` and what V's parser makes of it."""
+    rc = msgspec.convert(case["rollout"], RolloutConfig)
+    spec = engine_spec(rc, case["model_path"], case.get("i", 0), port=int(case.get("port", 30000)))
+    args = launch_command(spec)
+    entry, flags = _entry(args)
+    try:
+        from sglang.srt.server_args import ServerArgs
+    except ImportError as exc:  # 0.5.10: srt/utils/common.py:90 imports torchvision
+        return {"args": args, "entry": entry, "flags": flags, "parsed": None, "error": str(exc)}
+    parser = argparse.ArgumentParser(prog="sglang serve")  # as prepare_server_args builds it
+    ServerArgs.add_cli_args(parser)
+    err = io.StringIO()
+    parsed: dict[str, Any] | str
+    try:
+        with contextlib.redirect_stderr(err):
+            ns = parser.parse_args(flags)
+        parsed = {k: v for k, v in vars(ns).items() if _jsonable(v)}
+    except SystemExit:
+        parsed = err.getvalue()
+    return {"args": args, "entry": entry, "flags": flags, "parsed": parsed}
+
+
+def main() -> None:
+    cases = json.load(sys.stdin)["cases"]
+    json.dump([build_and_parse(c) for c in cases], sys.stdout)
+
+
+def _jsonable(v: Any) -> bool:
+    try:
+        json.dumps(v)
+    except TypeError:
+        return False
+    return True
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""The SGLang server command line, judged by each covered version's own code.
+
+``tests/engines/rollout/sglang/launch_args.py`` runs with SGLang V's source and
+dist-info first on the path (scripts/setup.sh unpacks both): asyncrl's launcher
+picks the entry point from V's metadata, and V's ``ServerArgs.add_cli_args``
+parser (the one ``prepare_server_args`` builds, srt/server_args.py) parses the
+flags. Without SGLang: the start-timeout and dtype rules, and the entry-point
+choice when no SGLang is installed here.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from asyncrl.config import RolloutConfig
+from asyncrl.engines.rollout.launcher import (
+    SGLANG_CLI,
+    engine_spec,
+    launch_command,
+    sglang_dtype,
+    sglang_entry_point,
+    startup_timeout,
+)
+from tests.engines.rollout.sglang.code import VERSIONS, sglang_env, sglang_src
+
+ROLLOUT = {
+    "backend": "sglang",
+    "tp_size": 2,
+    "mem_fraction_static": 0.8,
+    "extra_args": ["--skip-tokenizer-init"],
+}
+
+
+def _judge(version: str, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    sglang_src(version)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.engines.rollout.sglang.launch_args"],
+        input=json.dumps({"cases": cases}).encode(),
+        capture_output=True,
+        env=sglang_env(version),
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr.decode()[-4000:]
+    return json.loads(proc.stdout)
+
+
+def _bf16_model(tmp: Path) -> Path:
+    folder = tmp / "bf16"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"torch_dtype": "bfloat16"}))
+    return folder
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_command_line_parses_with_sglangs_parser(
+    version: str, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    model = str(tiny_model_dir)
+    cases = [
+        {"rollout": ROLLOUT, "model_path": model, "i": 1},
+        {"rollout": {**ROLLOUT, "sglang_entrypoint": "launch_server"}, "model_path": model},
+        {"rollout": {"backend": "sglang"}, "model_path": str(_bf16_model(tmp_path))},
+        {"rollout": {"backend": "sglang", "dtype": "float32"}, "model_path": model},
+        {"rollout": {"backend": "sglang", "extra_args": ["--no-such-flag"]}, "model_path": model},
+    ]
+    serve, module, bf16, fp32, bad = _judge(version, cases)
+    # V's wheel declares the `sglang` console script (entry_points.txt) and ships cli/serve.py
+    # (cli/main.py dispatches `serve` to it): asyncrl starts `sglang serve`
+    assert serve["entry"]["kind"] == "script", serve["entry"]
+    assert serve["entry"]["target"] == SGLANG_CLI and serve["entry"]["callable"]
+    assert serve["entry"]["sub"] == "serve" and serve["args"][2] == "serve"
+    # the fallback every version has: python -m sglang.launch_server, same flags
+    assert module["entry"] == {"kind": "module", "module": "sglang.launch_server", "found": True}
+    assert module["flags"][:10] == serve["flags"][:10]  # model, tp, host, port, mem fraction
+    p = serve["parsed"]
+    if p is None:  # V's parser module does not import on this machine
+        assert version == "0.5.10" and "torchvision" in serve["error"], serve
+        pytest.skip(
+            "SGLang 0.5.10's srt/server_args.py imports srt/utils/common.py, whose line 90 "
+            "imports torchvision (its PyPI build does not load beside a CPU torch): the entry "
+            "point is checked, the flags cannot be parsed by 0.5.10's parser here"
+        )
+    assert isinstance(p, dict), p
+    assert p["model_path"] == model and p["tp_size"] == 2 and p["mem_fraction_static"] == 0.8
+    assert p["host"] == "127.0.0.1" and p["port"] == 30000
+    assert p["dtype"] == "bfloat16"  # the tiny model is stored in float32
+    assert p["random_seed"] == 1001 and p["base_gpu_id"] == 2 and p["skip_tokenizer_init"] is True
+    assert isinstance(module["parsed"], dict) and module["parsed"]["tp_size"] == 2
+    assert bf16["parsed"]["dtype"] == "auto"  # stored in bf16: SGLang's auto keeps it
+    assert fp32["parsed"]["dtype"] == "float32"
+    assert isinstance(bad["parsed"], str) and "--no-such-flag" in bad["parsed"], bad["parsed"]
+
+
+def test_entry_point_without_sglang_installed_here() -> None:
+    """No SGLang distribution in this environment (the test venv): the module form, which
+    every version has; ``serve`` forced: SGLang's console-script target."""
+    try:
+        importlib.metadata.distribution("sglang")
+        pytest.skip("SGLang is installed in this environment")
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    assert sglang_entry_point("auto") == ()
+    assert sglang_entry_point("launch_server") == ()
+    assert sglang_entry_point("serve") == (SGLANG_CLI, "serve")
+    spec = engine_spec(RolloutConfig(backend="sglang", sglang_entrypoint="serve"), "/m", 0, port=1)
+    args = launch_command(spec)
+    assert args[:3] == [
+        "-c",
+        "import sys; from sglang.cli.main import main; sys.exit(main())",
+        "serve",
+    ]
+    assert args[3:7] == ["--model-path", "/m", "--tp-size", "1"]
+
+
+def test_dtype_default(tiny_model_dir: Path, tmp_path: Path) -> None:
+    rc = RolloutConfig(backend="sglang")
+    assert sglang_dtype(rc, str(tiny_model_dir)) == "bfloat16"  # stored in float32
+    assert sglang_dtype(rc, str(_bf16_model(tmp_path))) == "auto"
+    assert sglang_dtype(rc, "Qwen/Qwen2-7B") == "bfloat16"  # not a folder: dtype unknown
+    assert sglang_dtype(RolloutConfig(backend="sglang", dtype="float16"), "/x") == "float16"
+    local = engine_spec(RolloutConfig(), str(tiny_model_dir), 0, "float32", port=1)
+    assert local.extra_args[:4] == ("--device", "cpu", "--dtype", "float32")  # model.dtype
+
+
+def test_start_timeout_scales_with_the_model(tmp_path: Path) -> None:
+    big = tmp_path / "big"
+    big.mkdir()
+    for k in range(2):  # 2 x 7 GiB of weights (sparse: no disk used), a 7B model in bf16
+        with open(big / f"model-{k}.safetensors", "wb") as f:
+            os.truncate(f.fileno(), 7 << 30)
+    (big / "tokenizer.json").write_text("{}")  # not weights
+    sg = RolloutConfig(backend="sglang")
+    assert startup_timeout(sg, str(big)) == pytest.approx(300 + 20 * 14)
+    assert startup_timeout(sg, "Qwen/Qwen2-7B") == 900  # nothing found here
+    assert startup_timeout(RolloutConfig(), str(big)) == 120  # the embedded engine
+    assert startup_timeout(RolloutConfig(backend="sglang", startup_timeout_s=42), str(big)) == 42
+    with pytest.raises(ValueError, match=r"rollout\.startup_timeout_s"):
+        from asyncrl.config import load_config
+
+        load_config(None, ["--rollout.startup_timeout_s=-1"])
