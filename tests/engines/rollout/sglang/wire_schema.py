@@ -29,17 +29,17 @@ SGLang's schema: every judgment is SGLang's.
   and asyncrl's parse of each ``/generate`` answer must not change when the answer
   is first narrowed to SGLang's contract (``from_json_value(...).to_json_value()``):
   asyncrl reads nothing SGLang does not promise. Per-token versions are checked on
-  a response built from SGLang's own ``WeightVersionSpan`` type. Before 0.5.22:
+  a response built from SGLang's own ``WeightVersionSpan`` type (0.5.23+). Before 0.5.22:
   the keys asyncrl reads are looked up among the string constants of the code that
   builds them (``tokenizer_manager.py`` for ``meta_info``, the ``/model_info``
   handler, ``ServerArgs`` fields for ``/server_info``), read with ``ast``.
 
 torchvision's PyPI build does not load beside a CPU torch ("operator torchvision::nms
 does not exist"), and ``io_struct.py`` reaches it in every covered version. Its classes
-are then built by its own statements (:func:`load_io_struct`); the one that cannot be,
-``GenerateReqInput`` (its class body needs ``schedule_batch`` names), is reported as
-left out, and ``/generate`` bodies are judged by ``SamplingParams`` and, 0.5.22+, the
-contract gate.
+are then built by its own statements (:func:`load_io_struct`); the one that cannot be
+used, ``GenerateReqInput`` (it needs ``schedule_batch`` names), is reported as left out
+(``cls_left_out``), and ``/generate`` bodies are judged by its field names read from
+its source, by ``SamplingParams`` and, 0.5.22+, by the contract gate.
 """
 
 from __future__ import annotations
