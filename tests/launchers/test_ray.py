@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -168,3 +170,41 @@ def test_bench_transport_measures_the_link_between_two_nodes(
     assert [set(r) for r in local["runs"]] == [set(r) for r in remote["runs"]]
     assert (remote["send_host"], remote["recv_host"]) == (WORKER, HEAD)
     assert all(r["eps"] > 0 for r in remote["runs"])
+
+
+def test_trainer_killed_on_its_node_restarts_from_the_checkpoint(
+    ray_cluster: Cluster, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Trainer rank 0 SIGKILLed on the worker node: restarted in its actor from the last
+    checkpoint (resume.json shipped to its node), the run finishes, each sample once."""
+    run = tmp_path / "run"
+    steps = 14
+    cmd = [sys.executable, "-m", "asyncrl.cli", "run", "--run-dir", str(run), "--quiet"]
+    cmd += [f"--model.path={tiny_model_dir}", f"--controller.total_steps={steps}"]
+    cmd += ["--controller.batch_size=4", "--checkpoint.every_steps=4", *ray_cluster.run_flags()]
+    proc = subprocess.Popen(
+        cmd, env=python_env(ray_cluster.env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    try:
+        metrics, deadline, killed = run / "metrics.jsonl", time.monotonic() + 300, 0
+        while proc.poll() is None and time.monotonic() < deadline and not killed:
+            if metrics.is_file() and len(metrics.read_text().splitlines()) >= 6:
+                killed = read_json(run / "processes.json")["trainer0"]
+                os.kill(killed, signal.SIGKILL)
+            time.sleep(0.1)
+        assert killed, "the run ended before the trainer could be killed"
+        out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = out.decode(errors="replace")
+    assert proc.returncode == 0, text
+    recs = [json.loads(line) for line in (run / "recoveries.jsonl").read_text().splitlines()]
+    assert [r["restart"] for r in recs] == [1] and recs[0]["from_step"] >= 4, recs
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(steps))
+    ids = [i for r in rows for i in r["sample_ids"]]
+    assert len(ids) == len(set(ids))  # each sample trained once in the final history
+    urls = read_json(run / "resume.json")["engines"]  # what the restarted rank pushed to
+    assert len(urls) == 1 and urls[0].startswith(f"http://{HEAD}:"), urls
