@@ -6,12 +6,24 @@ answers at once and config errors show before anything starts.
 
 from __future__ import annotations
 
-import argparse
 import signal
 import sys
-from pathlib import Path
 
-from asyncrl.bench import BENCHES
+
+def _interrupted(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)  # before a job starts: exit quietly (130, 143)
+
+
+# Started as the ``asyncrl`` command (not imported by a host program): quiet until a
+# command installs its own handlers (asyncrl run: on its event loop).
+if sys.argv and sys.argv[0].replace("\\", "/").endswith(("/asyncrl", "asyncrl/cli.py")):
+    signal.signal(signal.SIGINT, _interrupted)
+    signal.signal(signal.SIGTERM, _interrupted)
+
+import argparse  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from asyncrl.bench import BENCHES  # noqa: E402
 
 __all__ = ["main"]
 
@@ -79,6 +91,9 @@ def _load(ns: argparse.Namespace, overrides: list[str]):  # -> (RunConfig, Path 
 def _run(ns: argparse.Namespace, overrides: list[str]) -> int:
     try:
         cfg, resume_dir = _load(ns, overrides)
+        from asyncrl.preflight import preflight
+
+        preflight(cfg)  # what this host lacks, before anything starts
     except ValueError as exc:
         print(f"asyncrl run: {exc}", file=sys.stderr)
         return 2
@@ -116,7 +131,8 @@ def _run(ns: argparse.Namespace, overrides: list[str]) -> int:
     try:
         rows = _event_loop_run(_main())
     except RunStopped as exc:
-        print(f"asyncrl run: {exc}; continue with: asyncrl run --resume {run_dir}", file=sys.stderr)
+        again = f"asyncrl run --resume {run_dir}" if exc.step is not None else "run it again"
+        print(f"asyncrl run: {exc}; continue with: {again}", file=sys.stderr)
         return 128 + got[0]
     except asyncio.CancelledError:
         print("asyncrl run: stopped; every process of the run has ended", file=sys.stderr)
@@ -166,6 +182,9 @@ def _is_override(arg: str) -> bool:
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] != ["run"] and signal.getsignal(signal.SIGINT) is _interrupted:
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # serve / bench / plot: Python's
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
     parser = _parser()
     if argv[:1] == ["run"]:  # config overrides (--key=value, --section.key=value) go apart
         known = [a for a in argv if not _is_override(a)]

@@ -611,6 +611,23 @@ def _parse_value(text: str) -> Any:
         return text
 
 
+def _as_list_if_listed(key: str, value: Any) -> Any:
+    """A plain string given for a list-valued key (``--rollout.urls=http://a:1,http://b:2``)
+    is its comma-separated items; anything else (JSON lists too) is kept."""
+    if not isinstance(value, str):
+        return value
+    tp: Any = RunConfig
+    for part in key.split("."):
+        if not (isinstance(tp, type) and issubclass(tp, msgspec.Struct)):
+            return value
+        if part not in tp.__struct_fields__:
+            return value  # msgspec names the unknown key
+        tp = _field_type(tp, part)
+    if typing.get_origin(tp) in (tuple, list):
+        return [item.strip() for item in value.split(",") if item.strip()]
+    return value
+
+
 def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
     parts = key.split(".")
     node = tree
@@ -667,7 +684,7 @@ def load_config(
         key, sep, value = item.removeprefix("--").partition("=")
         if not sep or not key:
             raise ValueError(f"override {item!r} must look like --section.key=value")
-        _set_dotted(tree, key, _parse_value(value))
+        _set_dotted(tree, key, _as_list_if_listed(key, _parse_value(value)))
     return _convert(tree)
 
 

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import zmq
 
 from asyncrl import trace
 from asyncrl.config import RunConfig, to_dict
@@ -48,6 +49,7 @@ from asyncrl.controllers.state import ControllerState
 from asyncrl.engines.rollout.launcher import startup_timeout
 from asyncrl.guard import proc_start_time, release_guard, start_guard
 from asyncrl.launchers import Launcher, TrainerArgs, make_launcher
+from asyncrl.preflight import preflight
 from asyncrl.procs import python_env
 from asyncrl.progress import Progress
 from asyncrl.sinks import close_sinks, log_row, make_sinks
@@ -102,10 +104,15 @@ def resolve_model(cfg: RunConfig) -> str:
 
 
 class RunStopped(Exception):
-    """The run stopped on request (a signal) after checkpointing step ``step``."""
+    """The run stopped on request (a signal) after checkpointing step ``step`` (None: it
+    stopped while starting, before any checkpoint of its own)."""
 
-    def __init__(self, step: int):
-        super().__init__(f"stopped on request; checkpoint of step {step} written")
+    def __init__(self, step: int | None):
+        super().__init__(
+            "stopped on request before the first step (nothing to checkpoint)"
+            if step is None
+            else f"stopped on request; checkpoint of step {step} written"
+        )
         self.step = step
 
 
@@ -505,6 +512,7 @@ async def run_job(
     continue from the newest complete checkpoint in ``run_dir``. ``stop_event`` set:
     checkpoint and raise :class:`RunStopped`.
     """
+    preflight(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     launcher = make_launcher(cfg, run_dir, pin)
     job = _Run(cfg, run_dir, quiet, launcher)
@@ -514,38 +522,42 @@ async def run_job(
     job.startup_s = startup_timeout(cfg.rollout, model_path)
     (run_dir / "pids.json").write_text("{}")
     guard = start_guard(run_dir / "pids.json")  # ends the children if this process dies
-    xc = cfg.experience
-    chan = ExperienceSender(
-        cfg.trainer.world_size,
-        bind_endpoint(xc, run_dir, launcher.advertise_host()),
-        max_message_bytes=xc.max_message_mb << 20,
-        peer_timeout_s=xc.peer_timeout_s,
-        assigner=make_assigner(xc.assignment),
-        shm=xc.shm,
-        shm_bytes=xc.shm_mb << 20,
-    )
+    try:
+        chan = _experience_sender(cfg, run_dir, launcher.advertise_host())
+    except BaseException:
+        await asyncio.to_thread(release_guard, guard)
+        raise
     tc = cfg.logging.trace
     trace.start_run(run_dir, tc.enabled, tc.every, tc.max_mb)  # children started below trace too
     job.sinks = make_sinks(cfg, run_dir)
     try:
-        urls = list(cfg.rollout.urls) or launcher.start_engines(model_path)
-        job.start_trainers(model_path, chan, urls)
-        job.record_pids()
-        job.engines = EngineSet(cfg, launcher, urls, job.record_recovery)
-        job.engines.startup_s = job.startup_s
-        clients = list(job.engines.clients.values())
-        await _first(
-            asyncio.gather(*(c.wait_healthy(job.startup_s) for c in clients)),
-            job.watchdog(),
-        )
-        if state is not None:
-            await _first(job.wait_synced(chan, state.step), job.watchdog())
         sampling: dict[str, Any] = {}
-        if episode is None:
+        if episode is None:  # built before any process starts: a bad task fails fast
             task = make_task(cfg.task, model_path)
             sampling = {"max_new_tokens": cfg.rollout.max_new_tokens or task.max_new_tokens}
             episode = single_turn(task.reward, cfg.controller.inline_reward_s)
             samples = task.samples()
+        urls = list(cfg.rollout.urls) or launcher.start_engines(model_path)
+        job.engines = EngineSet(cfg, launcher, urls, job.record_recovery)
+        job.engines.startup_s = job.startup_s
+        clients = list(job.engines.clients.values())
+        if cfg.rollout.urls:  # engines running elsewhere: reachable before anything starts
+            await _reachable(clients, job.startup_s)
+        job.start_trainers(model_path, chan, urls)
+        job.record_pids()
+        started = await _unless(
+            _first(
+                asyncio.gather(*(c.wait_healthy(job.startup_s) for c in clients)),
+                job.watchdog(),
+            ),
+            stop_event,
+        )
+        if started is not None and state is not None:
+            started = await _unless(
+                _first(job.wait_synced(chan, state.step), job.watchdog()), stop_event
+            )
+        if started is None:  # a stop while starting: nothing trained since the last checkpoint
+            raise RunStopped(None if state is None else state.step)
         job.t_controller = time.perf_counter()
         start = state.step if state is not None else 0
         ctl = Controller(cfg, episode, clients, samples, sampling, start, state, Sample)
@@ -564,8 +576,7 @@ async def run_job(
     finally:
         told = False
         try:
-            await asyncio.wait_for(chan.broadcast(Shutdown(reason="run finished")), 1.0)
-            told = True
+            told = await asyncio.wait_for(chan.broadcast(Shutdown(reason="run finished")), 1.0) > 0
         except (asyncio.TimeoutError, OSError):
             pass
         await job.engines.close()
@@ -577,6 +588,38 @@ async def run_job(
         if job.progress is not None:
             job.progress.close()
         await asyncio.to_thread(release_guard, guard)
+
+
+async def _reachable(clients: list[Any], timeout_s: float) -> None:
+    """Every engine of ``rollout.urls`` answers within ``timeout_s`` (else ValueError naming
+    the URLs that did not)."""
+    got = await asyncio.gather(
+        *(c.wait_healthy(timeout_s) for c in clients), return_exceptions=True
+    )
+    if bad := [str(e) for e in got if isinstance(e, BaseException)]:
+        raise ValueError(
+            f"rollout.urls (rollout.startup_timeout_s={timeout_s:g}): " + "; ".join(bad)
+        )
+
+
+def _experience_sender(cfg: RunConfig, run_dir: Path, host: str | None) -> ExperienceSender:
+    """The controller's end of the experience channel, bound; a bind failure is a
+    ValueError naming the key that chose the address."""
+    xc = cfg.experience
+    endpoint = bind_endpoint(xc, run_dir, host)
+    try:
+        return ExperienceSender(
+            cfg.trainer.world_size,
+            endpoint,
+            max_message_bytes=xc.max_message_mb << 20,
+            peer_timeout_s=xc.peer_timeout_s,
+            assigner=make_assigner(xc.assignment),
+            shm=xc.shm,
+            shm_bytes=xc.shm_mb << 20,
+        )
+    except zmq.ZMQError as exc:
+        key = "experience.endpoint" if xc.endpoint else f"experience.host ({endpoint})"
+        raise ValueError(f"{key}: cannot bind the experience channel there: {exc}") from None
 
 
 def _resume_state(job: _Run) -> ControllerState:

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from asyncrl.procs import python_env
+from tests.launchers.cluster import descendants, listeners, listening
 
 
 def _alive(pid: int) -> bool:
@@ -85,7 +86,12 @@ def _check_finished_run(tmp_path: Path, proc: subprocess.Popen, steps: int) -> N
     assert not [name for name, pid in pids.items() if _alive(pid)]
 
 
-def test_sigint_stops_every_process(tmp_path: Path, tiny_model_dir: Path) -> None:
+def test_sigint_stops_every_process_and_nothing_listened_beyond_loopback(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """A default run mid-way (after two steps: trainer rendezvous, weight group, engine HTTP,
+    experience channel all up): every socket any of its processes listens on is bound to
+    127.0.0.1, the configured address (never ``*`` / ``::``); then SIGINT ends them all."""
     proc = _run_cli(tmp_path, tiny_model_dir, "--controller.total_steps=10000")
     metrics = tmp_path / "run" / "metrics.jsonl"
     try:
@@ -96,11 +102,44 @@ def test_sigint_stops_every_process(tmp_path: Path, tiny_model_dir: Path) -> Non
             time.sleep(0.2)
         assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else ""
         pids = json.loads((tmp_path / "run" / "processes.json").read_text())
+        table = listeners()
+        bound = set().union(*(listening(p, table) for p in descendants(proc.pid)))
+        assert len(bound) >= 3, bound  # engine HTTP, experience ROUTER, trainer and weight stores
+        assert {addr for addr, _ in bound} == {"127.0.0.1"}, bound
         t0 = time.monotonic()
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=20)
         assert time.monotonic() - t0 < 15
         assert proc.returncode == 130
+        assert not [name for name, pid in pids.items() if _alive(pid)]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_sigint_while_starting_exits_at_once_leaving_no_process(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """Ctrl-C right after the engine and trainer were spawned (still loading): no
+    checkpoint to wait for, exit 130 within seconds, no traceback, every child ended."""
+    proc = _run_cli(tmp_path, tiny_model_dir, "--controller.total_steps=10000")
+    pids_file = tmp_path / "run" / "processes.json"
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None and not pids_file.is_file():
+            time.sleep(0.05)
+        assert pids_file.is_file(), proc.stdout.read().decode() if proc.stdout else ""
+        pids = json.loads(pids_file.read_text())
+        assert set(pids) == {"engine0", "trainer0"}
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=30)
+        took = time.monotonic() - t0
+        text = out.decode(errors="replace")
+        assert proc.returncode == 130, text
+        assert "Traceback" not in text and "before the first step" in text
+        assert took < 5, took
         assert not [name for name, pid in pids.items() if _alive(pid)]
     finally:
         if proc.poll() is None:

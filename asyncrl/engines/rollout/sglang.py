@@ -312,19 +312,25 @@ class SGLangClient:
         one-token generation (>= 1 s; 503 after 20 s while generation is paused;
         0.5.23 http_server.py:721-799), so it fails during every long weight update.
         """
+        return await self._why_unhealthy() is None
+
+    async def _why_unhealthy(self) -> str | None:
         try:
             await self._get_either(("/model_info", "/get_model_info"))
-        except (EngineError, EngineUnavailable):
-            return False
-        return True
+        except (EngineError, EngineUnavailable) as exc:
+            return str(exc) or type(exc).__name__
+        return None
 
     async def wait_healthy(self, timeout_s: float, interval_s: float = 0.2) -> None:
-        """Poll /health until it answers or ``timeout_s`` passes (then EngineUnavailable)."""
+        """Poll liveness until it answers or ``timeout_s`` passes: then EngineUnavailable
+        naming the URL, the timeout and the last failure."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        while not await self.health():
+        while (why := await self._why_unhealthy()) is not None:
             if loop.time() > deadline:
-                raise EngineUnavailable(f"{self.url} not healthy after {timeout_s:.0f}s")
+                raise EngineUnavailable(
+                    f"engine {self.url} did not answer within {timeout_s:g}s (last: {why})"[:500]
+                )
             await asyncio.sleep(interval_s)
 
 

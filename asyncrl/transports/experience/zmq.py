@@ -281,14 +281,18 @@ class ExperienceSender:
         assert msg is not None
         return msg
 
-    async def broadcast(self, msg: Message) -> None:
-        """Send a control message (e.g. Shutdown) to every rank that has said Hello."""
+    async def broadcast(self, msg: Message) -> int:
+        """Send a control message (e.g. Shutdown) to every rank that has said Hello; returns
+        how many ranks it was handed to."""
+        sent = 0
         for rank, peer in enumerate(self._peers):
             if peer.ident is not None:
                 try:
                     await self._transmit(rank, encode(msg))
+                    sent += 1
                 except zmq.ZMQError as exc:
                     log.warning("could not send %s to rank %d: %s", type(msg).__name__, rank, exc)
+        return sent
 
     def forget(self, rank: int) -> list[int]:
         """Rank ``rank`` is being restarted from a checkpoint: drop what it had not acked (the

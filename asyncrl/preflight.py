@@ -1,0 +1,81 @@
+"""Checks a run makes before it starts anything: what the config needs from this host.
+
+:func:`preflight` fails in well under a second, with one line naming the key,
+for mistakes that can be known on the host that runs ``asyncrl run``: a device
+this machine does not have (``rollout.device``/``trainer.device`` on CUDA, a
+CUDA-only weight backend) and a task file that does not exist. Without it these
+surface only after engines started, as a child's traceback (14 s for
+``rollout.device=cuda`` on a CPU machine).
+
+Device checks apply only to processes this host starts (``cluster.backend =
+"local"``; under Ray they run on other nodes). Nothing here imports torch (the
+controller is torch-free): torch's build is read from its ``version.py`` and the
+driver is asked through ``libcuda`` (``cuInit`` / ``cuDeviceGetCount``, which
+honour ``CUDA_VISIBLE_DEVICES``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import re
+from functools import cache
+from pathlib import Path
+
+from asyncrl.config import RunConfig
+
+__all__ = ["cuda_devices", "preflight"]
+
+
+@cache
+def cuda_devices() -> tuple[int, str]:
+    """(number of CUDA devices torch could use here, why 0 when it is 0)."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or spec.origin is None:
+        return 0, "torch is not installed"
+    version = Path(spec.origin).parent / "version.py"
+    try:
+        text = version.read_text()
+    except OSError:
+        text = ""
+    build = re.search(r"^cuda\b[^=\n]*=\s*(.+)$", text, re.M)
+    if build is None or build.group(1).strip() in ("None", "''", '""'):
+        found = re.search(r"^__version__\b[^=\n]*=\s*['\"]([^'\"]+)", text, re.M)
+        return 0, f"torch {found.group(1) if found else ''} here is a CPU build".replace("  ", " ")
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return 0, "no NVIDIA driver (libcuda.so.1 not found)"
+    count = ctypes.c_int(0)
+    if (rc := cuda.cuInit(0)) != 0:
+        return 0, f"the CUDA driver does not start (cuInit error {rc})"
+    if (rc := cuda.cuDeviceGetCount(ctypes.byref(count))) != 0 or count.value == 0:
+        return 0, "no CUDA device is visible (CUDA_VISIBLE_DEVICES?)"
+    return count.value, ""
+
+
+def _check_device(key: str, device: str) -> None:
+    if not device.startswith("cuda"):
+        return
+    count, why = cuda_devices()
+    if count == 0:
+        raise ValueError(f"{key}={device!r}, but this machine has no usable CUDA device: {why}")
+    index = device.partition(":")[2]
+    if index and (not index.isdigit() or int(index) >= count):
+        raise ValueError(f"{key}={device!r}: this machine has CUDA devices 0..{count - 1}")
+
+
+def preflight(cfg: RunConfig) -> None:
+    """Raise ValueError (one line, naming the key) if ``cfg`` cannot run from this host."""
+    if cfg.task.name == "math" and not Path(cfg.task.path).is_file():
+        raise ValueError(f"task.path {cfg.task.path!r} is not a file (task.name='math')")
+    if cfg.cluster.backend != "local":
+        return
+    _check_device("trainer.device", cfg.trainer.device)
+    if cfg.rollout.backend == "local" and not cfg.rollout.urls:
+        _check_device("rollout.device", cfg.rollout.device)
+    if cfg.weights.backend in ("nccl", "cuda-ipc") and not cuda_devices()[0]:
+        raise ValueError(
+            f"weights.backend={cfg.weights.backend!r} needs CUDA, but this machine has none: "
+            f"{cuda_devices()[1]} (use 'gloo' or 'auto')"
+        )
