@@ -292,7 +292,10 @@ class WeightSyncConfig(_Section):
     group_name: str = "asyncrl_weights"
     """Name of the weight-sync process group on the engines."""
     timeout_s: float = 300.0
-    """Timeout of one weight-sync collective."""
+    """Longest wait of weight sync on another process (a broadcast, an engine's HTTP answer, the
+    group's rendezvous), per GiB moved: a wait for ``b`` bytes ends after ``timeout_s * max(1,
+    b / 1 GiB)`` s with an error naming the engine(s) and the bucket. The engines keep their
+    previous weights; the next push re-forms the group."""
     min_buckets: int = 8
     """A sync is cut into at least this many buckets (each still <= ``bucket_mb``), so packing,
     sending and verifying overlap from the first bucket on. 1: fill every bucket up to
@@ -328,18 +331,36 @@ class WeightSyncConfig(_Section):
     copies captured once per layout as a CUDA graph, then replayed: full-width copy kernels
     back to back; measured faster on an H100) or ``foreach`` (one multi-tensor copy)."""
 
-    verify: bool = True
-    """Collectives: the sender checksums every bucket (fused into its staging copy when it
-    copies) and each engine checks every bucket it received before staging it; a mismatch
-    fails the push and keeps the old weights. Costs one extra read of the weights per side:
-    on a GPU a few device reductions per bucket, small next to an NCCL transfer; on a CPU box
-    where the Gloo transfer itself keeps the cores busy ~0.25x of the transfer (see
-    docs/weight-sync.md). ``false``:
-    buckets travel without checksums (TCP and NCCL already protect the bytes on the wire)."""
+    verify: Literal["full", "sampled", "off"] = "sampled"
+    """Collectives: what each engine checks of every bucket before staging it (a mismatch fails
+    the push and keeps the old weights). ``full``: a 64-bit checksum of every byte (one extra
+    read of the weights per side; on a 2-core CPU box ~0.3x of a Gloo transfer, see
+    docs/weight-sync.md). ``sampled``: the same checksum over a seeded subset of each bucket,
+    every tensor's first and last bytes plus evenly spread blocks (catches a misordered,
+    shifted, truncated or torn bucket, not a lone flipped bit; costs almost nothing). ``off``:
+    none (TCP and NCCL protect the bytes on the wire). A delta bucket's payload is always
+    checked in full (it is small), and the resulting bucket as this mode says."""
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    """Dtype floating-point weights travel in (and engines load): ``auto`` keeps each tensor's
+    own; ``bfloat16`` syncs fp32 master weights as bf16 (the cast is fused into the packing)."""
+    delta: Literal["off", "auto", "on"] = "off"
+    """Collectives into engines that accept deltas (the embedded engine; SGLang always gets full
+    pushes): the sender keeps the bytes it pushed last (one extra copy of the synced weights in
+    the sync dtype, on the trainer's device) and sends per bucket only the 8-byte words whose
+    bits changed (index + word), or the whole bucket when that is smaller (``auto``, per
+    bucket) or never (``on``: always the changed words). Bit-exact. A full push is forced on
+    the first push, after (re)connecting, after a failed push and every ``full_every``
+    pushes. With ``delta`` on every bucket is staged (none sent in place)."""
+    full_every: int = 50
+    """With ``delta``: every this many pushes one is full (0: only when forced)."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.zero_copy_frac <= 1.0:
             raise ValueError(f"weights.zero_copy_frac must be in [0, 1], got {self.zero_copy_frac}")
+        if self.full_every < 0:
+            raise ValueError(f"weights.full_every must be >= 0, got {self.full_every}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"weights.timeout_s must be > 0, got {self.timeout_s}")
 
 
 class ExperienceConfig(_Section):

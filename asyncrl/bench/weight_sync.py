@@ -371,7 +371,7 @@ def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 staging_buckets=args.staging_buckets,
                 zero_copy_frac=args.zero_copy_frac,
                 snapshot=mode == "snapshot",
-                verify=mode != "unverified",
+                verify={"unverified": "off", "full-verify": "full"}.get(mode, "sampled"),
                 timeout_s=600.0,
                 ipc_verify=args.ipc_verify,
                 ipc_copy=args.ipc_copy,
@@ -487,9 +487,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--zero-copy-frac", type=float, default=0.75, help="weights.zero_copy_frac")
     p.add_argument(
         "--modes",
-        default="overlap,unverified,snapshot",
-        help="overlap (the default config), unverified (overlap with weights.verify=false), "
-        "snapshot (weights.snapshot=true)",
+        default="overlap,full-verify,unverified,snapshot",
+        help="overlap (the default config: weights.verify=sampled), full-verify (overlap with "
+        "weights.verify=full), unverified (weights.verify=off), snapshot (weights.snapshot=true)",
     )
     p.add_argument("--no-naive", dest="naive", action="store_false", help="skip the naive baseline")
     p.add_argument("--ipc-verify", action="store_true", help="weights.ipc_verify (cuda-ipc)")

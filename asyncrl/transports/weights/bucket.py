@@ -19,6 +19,8 @@ import msgspec
 import numpy as np
 import torch
 
+from asyncrl.transports.weights.delta import DeltaInfo
+
 __all__ = [
     "BucketEntry",
     "BucketManifest",
@@ -81,7 +83,9 @@ class BucketManifest(msgspec.Struct, frozen=True):
     index: int
     count: int
     version: int = -1
-    checksum: int | None = None  # None: sent without a checksum (``weights.verify = false``)
+    checksum: int | None = None  # None: sent without a checksum (``weights.verify = off``)
+    verify: str = "full"  # what ``checksum`` covers: "full" or "sampled" (see ``integrity``)
+    delta: DeltaInfo | None = None  # sent as the changed words against an earlier version
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -255,6 +255,7 @@ class CollectiveWeightSender(BucketSender):
     """WeightTransport over a collective group (see module docstring)."""
 
     zero_copy_ok = True  # a broadcast has read its buffer when it returns
+    delta_ok = True  # a delta bucket is one broadcast of its payload
     early_announce = True  # engines queue announced buckets and receive them in order
 
     def __init__(

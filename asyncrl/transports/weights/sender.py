@@ -64,8 +64,10 @@ from asyncrl.transports.weights.bucket import (
     span_of,
     spec_of,
 )
+from asyncrl.transports.weights.delta import DeltaEncoder, DeltaInfo
+from asyncrl.transports.weights.integrity import bucket_checksum, full_checksum
 
-__all__ = ["BucketSender", "bucket_extra", "new_event_loop"]
+__all__ = ["DELTA_CAPABILITY", "BucketSender", "bucket_extra", "new_event_loop"]
 
 log = logging.getLogger("asyncrl.weights")
 
@@ -90,9 +92,16 @@ def bucket_extra(m: BucketManifest) -> dict[str, Any]:
         "count": m.count,
         "version": m.version,
         "checksum": m.checksum,
+        "verify": m.verify,
         "chunks": chunks,
         "full_shapes": full,
+        "delta": None if m.delta is None else msgspec.to_builtins(m.delta),
     }
+
+
+DELTA_CAPABILITY = "asyncrl_weight_delta"
+"""Key of ``/get_server_info`` by which an engine says it applies delta buckets (the embedded
+engine does; SGLang does not, so it always gets full pushes)."""
 
 
 class BucketSender:
@@ -101,6 +110,8 @@ class BucketSender:
     zero_copy_ok = False
     """A transport that is done with ``flat`` once its ``_transfer`` result completes may send
     a bucket straight from the caller's memory (see ``_zero_copy``)."""
+    delta_ok = False
+    """The transport can send delta buckets (``weights.delta``, see ``delta``)."""
 
     def __init__(
         self,
@@ -136,6 +147,16 @@ class BucketSender:
         self._last: PushHandle | None = None
         self._snap_at = 0.0
         self._left_undefined: WeightsUndefined | None = None  # sticky: no push after it
+        # weights.delta: bases on this side; engines' capability; the version they all hold
+        # SGLang loads what it receives (no deltas in 0.5.10-0.5.23): it always gets full pushes,
+        # so no base is kept for it
+        takes = cfg.delta != "off" and self.delta_ok and not self.sglang
+        self._delta = DeltaEncoder(cfg.delta) if takes else None
+        self._engines_delta = False
+        self._base_version: int | None = None
+        self._deltas_in_row = 0
+        self._delta_now = False  # the push in flight sends deltas against _base_version
+        self._stats: dict[str, float] = {}
 
     # -- hooks of a transport ------------------------------------------------------------
     async def _form(self) -> None:
@@ -213,6 +234,7 @@ class BucketSender:
                 with contextlib.suppress(WeightSyncError):
                     self._last.wait()  # the staging slots are free once the last push is done
             plan = self._plan_for(tensors)
+            self._decide_delta()
             packed = [self._pack(k, tensors, version) for k in range(len(plan))]
             snap.set()
         fut = self._run(self._push(tensors, version, snap, t0, packed))
@@ -220,14 +242,24 @@ class BucketSender:
         return self._last
 
     def _plan_for(self, tensors: dict[str, torch.Tensor]) -> list[BucketManifest]:
-        specs = tuple(spec_of(n, t) for n, t in tensors.items())
+        sync = self.cfg.dtype
+        specs = tuple(
+            spec_of(n, t)
+            if sync == "auto" or not t.is_floating_point()
+            else TensorSpec(n, sync, tuple(t.shape))
+            for n, t in tensors.items()
+        )
         if specs != self._plan_key:
             self._plan_key = specs
             self._plan = plan_buckets(
                 specs, self.cfg.bucket_mb << 20, self.cfg.min_buckets, whole_only=self.sglang
             )
+            if self._delta is not None:  # new buckets: no base any more, the next push is full
+                self._delta.reset()
+                self._base_version = None
             depth = self.cfg.staging_buckets
-            if depth == 0 or self.cfg.snapshot or self.sglang:  # SGLang: kept for a re-push
+            if depth == 0 or self.cfg.snapshot or self.sglang or self._delta is not None:
+                # SGLang: kept for a re-push; delta: every slot becomes a base
                 depth = len(self._plan)
             depth = max(1, min(depth, len(self._plan)))
             total, upto = sum(m.nbytes for m in self._plan), 0
@@ -244,20 +276,60 @@ class BucketSender:
     def _pack(
         self, k: int, tensors: dict[str, torch.Tensor], version: int
     ) -> tuple[BucketManifest, torch.Tensor]:
-        m = self._plan[k]
-        verify = self.cfg.verify
+        mode = self.cfg.verify
+        m = msgspec.structs.replace(self._plan[k], version=version, verify=mode)
         span = self._zero_copy(k, tensors)
         if span is not None:  # send straight from the caller's memory: nothing to copy
             self._in_place.add(k)
-            return msgspec.structs.replace(
-                m, version=version, checksum=checksum(span) if verify else None
-            ), span
-        flat = self._slot(k % len(self._slot_bytes))[: m.nbytes].view(m.torch_dtype)
-        if not verify:
+            return msgspec.structs.replace(m, checksum=bucket_checksum(span, m, mode)), span
+        slot = self._slot(k % len(self._slot_bytes))
+        flat = slot[: m.nbytes].view(m.torch_dtype)
+        if mode == "full":  # fused: each block summed right after its copy, while in cache
+            value = full_checksum(flat, m, pack_checksum(flat, m, tensors))
+        else:
             pack_into(flat, m, tensors)
-            return msgspec.structs.replace(m, version=version, checksum=None), flat
-        value = pack_checksum(flat, m, tensors)
-        return msgspec.structs.replace(m, version=version, checksum=value), flat
+            value = bucket_checksum(flat, m, mode)
+        m = msgspec.structs.replace(m, checksum=value)
+        if self._delta is None:
+            return m, flat
+        return self._delta_of(k, m, slot, flat)
+
+    def _delta_of(
+        self, k: int, m: BucketManifest, slot: torch.Tensor, flat: torch.Tensor
+    ) -> tuple[BucketManifest, torch.Tensor]:
+        """With ``weights.delta``: the packed slot becomes bucket k's base (the old base is the
+        next slot) and the bucket goes as a delta payload when this push sends deltas."""
+        assert self._delta is not None and slot.numel() == m.nbytes
+        old = self._delta.bases.get(k)
+        payload, changed = self._delta.take(k, slot, self._delta_now)
+        if old is None:
+            self._slots.pop(k, None)
+        else:
+            self._slots[k] = old
+        st = self._stats
+        st["changed_words"] = st.get("changed_words", 0.0) + max(changed, 0)
+        if payload is None:
+            st["wire_bytes"] = st.get("wire_bytes", 0.0) + m.nbytes
+            return m, flat
+        st["wire_bytes"] = st.get("wire_bytes", 0.0) + payload.numel()
+        st["delta_buckets"] = st.get("delta_buckets", 0.0) + 1
+        value = None if self.cfg.verify == "off" else checksum(payload)
+        assert self._base_version is not None
+        info = DeltaInfo(self._base_version, payload.numel(), value)
+        return msgspec.structs.replace(m, delta=info), payload
+
+    def _decide_delta(self) -> None:
+        """Whether this push sends deltas: only against a version every engine holds (not the
+        first push, nor after a (re)connect or a failed push) and not on every
+        ``full_every``-th push."""
+        every = self.cfg.full_every
+        self._delta_now = (
+            self._delta is not None
+            and self._engines_delta
+            and self._base_version is not None
+            and (every == 0 or self._deltas_in_row < every - 1)
+        )
+        self._stats = {}
 
     def _pack_traced(
         self, k: int, tensors: dict[str, torch.Tensor], version: int
@@ -288,6 +360,8 @@ class BucketSender:
         """
         if not self.zero_copy_ok or self.cfg.snapshot or self.sglang or k >= self._zero_copy_upto:
             return None
+        if self._delta is not None:  # the base must be a copy of its own
+            return None
         return span_of(self._plan[k], tensors, self.device)
 
     async def _push(
@@ -310,6 +384,8 @@ class BucketSender:
                         if not self._formed:  # a failed push broke the group: re-form it
                             await self._reform_locked()
                         plan = self._plan_for(tensors)
+                        if packed is None and not attempt:
+                            self._decide_delta()
                         self._snap_at = t_push
                         redo = self._packed if attempt and len(self._packed) == len(plan) else None
                         await self._deliver(plan, tensors, version, snap, redo or packed)
@@ -322,8 +398,14 @@ class BucketSender:
                             raise
                         log.warning("v%d: re-pushing (SGLang weights undefined): %s", version, exc)
                 snap_s = self._snap_at - t_push
+            except BaseException:
+                self._base_version = None  # engines may hold anything staged: next push is full
+                raise
             finally:
                 snap.set()
+            if self._delta is not None:
+                self._base_version = version
+                self._deltas_in_row = self._deltas_in_row + 1 if self._delta_now else 0
             nbytes = sum(m.nbytes for m in plan)
             tracer = trace.get()
             t_end = trace.now_us()
@@ -331,14 +413,17 @@ class BucketSender:
                             {"bytes": nbytes, "buckets": len(plan)})  # fmt: skip
             tracer.complete(f"snapshot v{version}", "weight snapshot", trace.us_of(t_push),
                             trace.us_of(self._snap_at))  # fmt: skip
-            return {
+            stats = {
                 "sync_s": time.perf_counter() - t_push,
                 "push_wait_s": t0 - t_push,
                 "snapshot_s": snap_s,
                 "bytes": float(nbytes),
                 "buckets": float(len(plan)),
                 "attempts": float(attempt + 1),
+                "wire_bytes": float(nbytes),
+                "delta": float(self._delta_now),
             }
+            return stats | self._stats
 
     async def _deliver(
         self,
@@ -392,6 +477,9 @@ class BucketSender:
         await self._shutdown()
         self.clients = [SGLangClient(u, timeout_s=self.cfg.timeout_s) for u in self.urls]
         await asyncio.gather(*(c.wait_healthy(self.cfg.timeout_s) for c in self.clients))
+        self._base_version = None  # an engine may have restarted or joined: next push is full
+        if self._delta is not None:
+            self._engines_delta = all(await asyncio.gather(*map(_takes_deltas, self.clients)))
         await self._form()
         self._formed = True
 
@@ -556,3 +644,12 @@ async def _traced(what: str, url: str, call: Coroutine[Any, Any, Any]) -> Any:
 def _traced_send(tracer: trace.Tracer, lane: str, k: int, t0: float) -> None:
     tracer.complete(f"send bucket {k}", lane, t0, trace.now_us())
     tracer.free_lane(lane)
+
+
+async def _takes_deltas(client: SGLangClient) -> bool:
+    """Whether the engine says (``/get_server_info``) that it applies delta buckets."""
+    try:
+        info = await client.get_server_info()
+    except (EngineError, EngineUnavailable):
+        return False
+    return bool(info.get(DELTA_CAPABILITY))

@@ -148,14 +148,14 @@ def test_flat_trainer_weights_go_without_staging_copies_or_checksums(
     pair: list[str], model_dir: Path
 ) -> None:
     """Weights that are views of one flat buffer are broadcast from it (weights.zero_copy_frac)
-    and, with weights.verify = false, travel without checksums; delivery stays bit-exact."""
+    and, with weights.verify = off, travel without checksums; delivery stays bit-exact."""
     w = _model_weights(model_dir, seed=5)
     flat = torch.cat([t.reshape(-1) for t in w.values()])
     views, off = {}, 0
     for n, t in w.items():
         views[n] = flat[off : off + t.numel()].view(t.shape)
         off += t.numel()
-    cfg = msgspec.structs.replace(CFG, zero_copy_frac=1.0, verify=False)
+    cfg = msgspec.structs.replace(CFG, zero_copy_frac=1.0, verify="off")
     sender = make_weight_transport(cfg, pair, "cpu")
     try:
         sender.connect()
@@ -173,9 +173,11 @@ def test_flat_trainer_weights_go_without_staging_copies_or_checksums(
 def test_checksum_mismatch_keeps_old_weights_then_next_push_succeeds(
     pair: list[str], model_dir: Path
 ) -> None:
+    """weights.verify = full catches a lone flipped byte (sampled need not: test_integrity)."""
     before = [state(u) for u in pair]
     w = _model_weights(model_dir, seed=12)
-    failed, ok = push(pair, [(_model_weights(model_dir, seed=11), 11), (w, 12)])
+    full = msgspec.structs.replace(CFG, verify="full")
+    failed, ok = push(pair, [(_model_weights(model_dir, seed=11), 11), (w, 12)], full)
     assert isinstance(failed, WeightSyncError) and "checksum mismatch on bucket 1" in str(failed)
     assert pair[1] in str(failed)
     assert isinstance(ok, dict)

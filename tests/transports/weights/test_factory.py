@@ -41,4 +41,11 @@ def test_config_rejects_unknown_backend_and_bad_sizes() -> None:
         load_config(overrides=["--weights.zero_copy_frac=1.5"])
     cfg = load_config(overrides=["--weights.bucket_mb=64", "--weights.snapshot=true"])
     assert cfg.weights.bucket_mb == 64 and cfg.weights.snapshot
-    assert not load_config(overrides=["--weights.verify=false"]).weights.verify
+    assert load_config(overrides=["--weights.verify=off"]).weights.verify == "off"
+    assert load_config().weights.verify == "sampled"
+    with pytest.raises(ValueError, match=r"weights.verify"):
+        load_config(overrides=["--weights.verify=false"])
+    with pytest.raises(ValueError, match=r"weights.full_every"):
+        load_config(overrides=["--weights.full_every=-1"])
+    with pytest.raises(ValueError, match=r"weights.delta"):
+        load_config(overrides=["--weights.delta=maybe"])

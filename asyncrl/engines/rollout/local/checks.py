@@ -19,7 +19,15 @@ import socket
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["BadRequest", "allowed_networks", "check_master", "integer", "number", "text"]
+__all__ = [
+    "BadRequest",
+    "allowed_networks",
+    "check_master",
+    "delta",
+    "integer",
+    "number",
+    "text",
+]
 
 LOOPBACK = ("127.0.0.0/8", "::1/128")
 MAX_DIMS = 8
@@ -118,3 +126,25 @@ def strings(value: Any, key: str) -> list[str]:
     if not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value):
         raise BadRequest(f"{key} must be a non-empty list of strings, got {value!r}"[:300])
     return value
+
+
+def delta(value: Any, nbytes: int) -> tuple[int, int, int | None] | None:
+    """A bucket's ``delta`` field (``weights.delta``): None, or ``[base, nbytes, checksum]``
+    whose payload size fits a bucket of ``nbytes`` bytes as ``12 * words + nbytes % 8`` with
+    at most every word changed (see ``transports/weights/delta.py``); checksum a signed int64
+    or null. Checked before the payload's buffer is allocated."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or len(value) not in (2, 3):
+        raise BadRequest(f"delta must be [base, nbytes, checksum], got {value!r}"[:300])
+    fields = dict(zip(("base", "nbytes", "checksum"), value, strict=False))
+    base = integer(fields, "base", -(1 << 62), 1 << 62)
+    tail = nbytes % 8
+    size = integer(fields, "nbytes", tail, 12 * (nbytes // 8) + tail)
+    if (size - tail) % 12:
+        raise BadRequest(
+            f"delta nbytes {size} is not 12 * words + {tail} for a {nbytes} B bucket"[:300]
+        )
+    value_ = fields.get("checksum")
+    sum_ = None if value_ is None else integer(fields, "checksum", -(1 << 63), (1 << 63) - 1)
+    return base, size, sum_

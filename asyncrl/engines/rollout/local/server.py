@@ -35,7 +35,7 @@ from asyncrl import trace
 from asyncrl.engines.rollout.local.checks import BadRequest
 from asyncrl.engines.rollout.local.engine import LocalEngine, Request, SamplingParams
 from asyncrl.engines.rollout.local.weights import WeightReceiver, WeightRequestError
-from asyncrl.transports.weights.sender import new_event_loop
+from asyncrl.transports.weights.sender import DELTA_CAPABILITY, new_event_loop
 
 __all__ = ["build_app", "main"]
 
@@ -224,6 +224,7 @@ class EngineServer:
         return web.json_response(
             {
                 "engine": "asyncrl-local",
+                DELTA_CAPABILITY: 1,  # applies delta buckets (weights.delta)
                 "model_path": self.model_path,
                 "device": str(e.device),
                 "max_batch_size": e.max_batch_size,

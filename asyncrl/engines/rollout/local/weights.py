@@ -47,11 +47,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import torch
 
 from asyncrl.engines.rollout.local import checks
 from asyncrl.engines.rollout.local.checks import BadRequest
 from asyncrl.transports.weights.bucket import BucketEntry, BucketManifest, assemble, checksum
+from asyncrl.transports.weights.delta import DeltaApplier, DeltaInfo
+from asyncrl.transports.weights.integrity import bucket_checksum
 
 if TYPE_CHECKING:
     from asyncrl.engines.rollout.local.engine import LocalEngine
@@ -134,9 +137,13 @@ def _manifest(body: dict[str, Any], extra: Any, limit: int) -> BucketManifest:
         checks.integer(extra, "checksum", -(1 << 63), (1 << 63) - 1, None)  # signed int64
         if extra.get("checksum") is not None
         else None,
+        checks.text(extra, "verify", "full", ("full", "sampled", "off")),
     )
     if m.numel > limit:
         raise BadRequest(f"a bucket of {m.numel} elements is larger than the model ({limit})")
+    delta = checks.delta(extra.get("delta"), m.nbytes)  # bounded by the bucket: checked above
+    if delta is not None:
+        m = msgspec.structs.replace(m, delta=DeltaInfo(*delta))
     return m
 
 
@@ -157,6 +164,7 @@ class WeightReceiver:
         self._turn = asyncio.Condition()
         self.turn_timeout_s = 120.0  # longest wait for the previous bucket to start arriving
         self._ipc: Any = None  # cuda-ipc: IpcReceiver (mapped sender tensors, standby set)
+        self._deltas = DeltaApplier()  # which version each receive buffer holds (delta pushes)
         self._faults = {
             (int(k), int(v)): kind
             for kind, _, at in (
@@ -183,6 +191,7 @@ class WeightReceiver:
         await asyncio.to_thread(checks.check_master, args[1], self.masters)
         destroy_weight_group(self.groups.pop(args[5], None))
         self._update = None
+        self._deltas.clear()  # a new group: the sender starts with a full push
         for pool in (self._io, self._poster):  # a receive stuck on a dead sender times out alone
             pool.shutdown(wait=False)
         self._io = ThreadPoolExecutor(1, thread_name_prefix="weights-io")
@@ -248,6 +257,7 @@ class WeightReceiver:
         except (KeyError, TypeError, ValueError) as exc:
             raise WeightRequestError(f"bad asyncrl_ipc descriptor: {exc!r}") from None
         self._update = None  # a new push drops whatever was staged
+        self._deltas.clear()  # the model switches to the IPC standby set, not the buffers
         try:
             if scope == "transfer":
                 await asyncio.to_thread(self.engine.pause, mode)
@@ -410,15 +420,20 @@ class WeightReceiver:
         flat = self._buffer(m)
         done: asyncio.Future[None] = loop.create_future()
         up.verified[m.index] = done
+        if m.delta is None:
+            self._deltas.received(flat, None)  # overwritten below
+            target = flat
+        else:  # the changed words travel; applied into flat once verified
+            target = torch.empty(m.delta.nbytes, dtype=torch.uint8, device=self.engine.device)
         try:
             try:
-                wait = await loop.run_in_executor(self._poster, receive, flat)  # drain it all
+                wait = await loop.run_in_executor(self._poster, receive, target)  # drain it all
             finally:
                 up.next_index += 1
                 async with self._turn:
                     self._turn.notify_all()  # the next bucket may post its receive now
             await loop.run_in_executor(self._io, wait)
-            await asyncio.to_thread(self._verify, m, flat)
+            await asyncio.to_thread(self._verify, m, flat, target)
             up.buckets[m.index] = (m, flat)
             done.set_result(None)
         except (ValueError, RuntimeError, KeyError, OSError) as exc:
@@ -441,19 +456,37 @@ class WeightReceiver:
             return {"success": False, "message": up.error}
         return {"success": True, "message": f"bucket {m.index + 1}/{m.count} staged"}
 
-    def _verify(self, m: BucketManifest, flat: torch.Tensor) -> None:
+    def _verify(self, m: BucketManifest, flat: torch.Tensor, received: torch.Tensor) -> None:
+        """Check what arrived (``received``: the bucket, or a delta payload applied into
+        ``flat`` here) against the sender's checksums; ``flat`` then holds ``m.version``."""
         fault = self._faults.get((m.index, m.version))
         if fault == "corrupt":
-            flat.view(torch.uint8)[flat.numel() // 2] ^= 0xFF
+            raw = received.view(-1).view(torch.uint8)
+            raw[raw.numel() // 2] ^= 0xFF
         elif fault == "fail":
             raise RuntimeError(f"injected failure loading bucket {m.index}")
-        if m.checksum is None:  # the sender runs with weights.verify = false
-            return
-        got = checksum(flat)
-        if got != m.checksum:
-            raise ValueError(
-                f"checksum mismatch on bucket {m.index}: got {got}, sender sent {m.checksum}"
-            )
+        raw = flat.view(-1).view(torch.uint8)
+        if m.delta is not None:
+            if m.delta.checksum is not None and checksum(received) != m.delta.checksum:
+                raise ValueError(f"checksum mismatch on bucket {m.index}'s delta payload")
+            live = self._live_buffer(m)
+            self._deltas.apply(m.index, raw, live, received, m.delta.base, m.version)
+        if m.checksum is not None:  # None: the sender runs with weights.verify = off
+            got = bucket_checksum(flat, m, "sampled" if m.verify == "sampled" else "full")
+            if got != m.checksum:
+                self._deltas.received(flat, None)
+                raise ValueError(
+                    f"checksum mismatch on bucket {m.index} ({m.verify}): got {got}, "
+                    f"sender sent {m.checksum}"
+                )
+        self._deltas.received(flat, m.version)
+
+    def _live_buffer(self, m: BucketManifest) -> torch.Tensor | None:
+        """Bucket ``m``'s receive buffer that the model serves from (None: none yet)."""
+        for buf in self._pool.get((m.index, m.dtype, m.numel), []):
+            if buf.data_ptr() in self._live:
+                return buf.view(-1).view(torch.uint8)
+        return None
 
     def _prepare(self, up: _Update) -> list[tuple[str, torch.Tensor]]:
         if len(up.buckets) != up.count:
@@ -494,6 +527,7 @@ class WeightReceiver:
 
         loop = asyncio.get_running_loop()
         version = body.get("weight_version")
+        self._deltas.clear()  # loaded around the receive buffers: no delta applies any more
         try:
             named = await loop.run_in_executor(self._io, receive)
             await asyncio.to_thread(

@@ -1,0 +1,188 @@
+"""Delta pushes (``weights.delta``): only the 8-byte words whose bits changed travel.
+
+Encoding of one bucket against the bytes the engine holds from the previous
+push (the *base*): the bucket's bytes are read as 8-byte words; the payload is
+
+    [changed words, int64 x c][their word indices, int32 x c][the bucket's last nbytes % 8 bytes]
+
+so it is ``12 c + nbytes % 8`` bytes against ``nbytes`` for the whole bucket;
+a bucket never exceeds 2**31 words (``bucket_mb`` <= 16 GiB). Comparing and
+applying words is bitwise (NaN payloads, signed zeros survive) and costs one
+vectorised compare where an element-wise encoding would need a cast per dtype;
+a bf16 word holds 4 elements, so the word fraction that changes is at most 4x
+the element fraction (measured in ``asyncrl bench weight-sync --delta``).
+
+Sender (:class:`DeltaEncoder`): keeps, per bucket, the bytes it pushed last in
+the sync dtype on the trainer's device (one extra copy of the synced weights):
+after a bucket is packed into its staging slot, the slot *becomes* the base and
+the old base is the next push's slot (a swap, no copy). ``auto`` first compares
+every 61st word and sends the bucket whole when the estimate says the payload
+would not be smaller; otherwise it compares all words and still sends it whole
+when the payload is not smaller.
+
+Engine (:class:`DeltaApplier`): knows which version of bucket k each receive
+buffer holds and the last delta it applied to bucket k. The buffer receiving
+version v+1 holds v-1 (the other one is live, serving v): it is brought to v
+by re-applying the last delta (v-1 -> v), or by a copy of the live buffer,
+then the new delta is applied. All-or-nothing stays the receiver's: the model
+switches to the buffers only at the commit.
+"""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+import numpy as np
+import torch
+
+__all__ = ["DeltaApplier", "DeltaEncoder", "DeltaInfo", "apply_payload", "payload_size"]
+
+SAMPLE_STRIDE = 61
+"""``auto``: words compared to estimate a bucket's changed fraction (every 61st)."""
+
+
+class DeltaInfo(msgspec.Struct, frozen=True, array_like=True):
+    """A bucket sent as a delta: against version ``base``, ``nbytes`` of payload, its checksum."""
+
+    base: int
+    nbytes: int
+    checksum: int | None = None
+
+
+def payload_size(changed_words: int, nbytes: int) -> int:
+    return 12 * changed_words + nbytes % 8
+
+
+def _words(raw: torch.Tensor) -> torch.Tensor:
+    """The whole 8-byte words of a flat uint8 buffer, as int64 (a view)."""
+    return raw[: raw.numel() // 8 * 8].view(torch.int64)
+
+
+def _changed(new: torch.Tensor, old: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Indices (int64) of the words where ``new`` and ``old`` differ."""
+    torch.ne(new, old, out=mask)
+    if mask.device.type == "cpu":  # numpy's flatnonzero is ~2x torch's nonzero on CPU
+        return torch.from_numpy(np.flatnonzero(mask.numpy()))
+    return mask.nonzero().squeeze(1)
+
+
+def encode(new: torch.Tensor, old: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """The payload of ``new`` (flat uint8) against ``old`` given the changed word indices."""
+    nw, c = new.numel() // 8, idx.numel()
+    out = torch.empty(payload_size(c, new.numel()), dtype=torch.uint8, device=new.device)
+    torch.index_select(_words(new), 0, idx.to(new.device), out=out[: 8 * c].view(torch.int64))
+    out[8 * c : 12 * c].view(torch.int32).copy_(idx)
+    out[12 * c :].copy_(new[nw * 8 :])
+    return out
+
+
+def apply_payload(dst: torch.Tensor, payload: torch.Tensor) -> int:
+    """Write a payload's words into ``dst`` (flat uint8); returns the changed word count."""
+    tail = dst.numel() % 8
+    c, rest = divmod(payload.numel() - tail, 12)
+    if rest or c < 0:
+        raise ValueError(f"a {payload.numel()} B delta does not fit a {dst.numel()} B bucket")
+    idx = payload[8 * c : 12 * c].view(torch.int32).to(torch.int64)
+    words = _words(dst)
+    if c and (int(idx.min()) < 0 or int(idx.max()) >= words.numel()):
+        raise ValueError(f"delta payload indexes words outside a {dst.numel()} B bucket")
+    words.index_copy_(0, idx, payload[: 8 * c].view(torch.int64))
+    if tail:
+        dst[dst.numel() - tail :].copy_(payload[12 * c :])
+    return c
+
+
+class DeltaEncoder:
+    """Sender side: the base of every bucket and the per-bucket choice (see module doc)."""
+
+    def __init__(self, mode: str):
+        assert mode in ("auto", "on"), mode
+        self.mode = mode
+        self.bases: dict[int, torch.Tensor] = {}  # bucket index -> uint8 bytes pushed last
+        self._mask: torch.Tensor | None = None
+        self.stats: dict[str, float] = {}
+
+    def reset(self) -> None:
+        """Forget every base (the plan changed): memory is freed, the next push is full."""
+        self.bases.clear()
+        self._mask = None
+
+    def memory_bytes(self) -> int:
+        return sum(b.numel() for b in self.bases.values())
+
+    def take(self, k: int, packed: torch.Tensor, delta: bool) -> tuple[torch.Tensor | None, int]:
+        """Bucket ``k`` was packed into ``packed`` (its whole staging slot, flat uint8): make it
+        the base and return ``(payload, changed words)``; payload None: send the bucket whole
+        (``delta`` false, no base yet, or not smaller). The caller reuses the previous base
+        (``bases[k]`` before this call) as bucket k's next staging slot.
+        """
+        old = self.bases.get(k)
+        self.bases[k] = packed
+        nbytes = packed.numel()
+        if not delta or old is None or old.numel() != nbytes:
+            return None, -1
+        new_w, old_w = _words(packed), _words(old)
+        full_c = math.ceil(nbytes / 12)  # a payload of this many words is no smaller
+        if self.mode == "auto" and new_w.numel() >= 64 * SAMPLE_STRIDE:
+            est = (new_w[::SAMPLE_STRIDE] != old_w[::SAMPLE_STRIDE]).sum().item()
+            if est * SAMPLE_STRIDE >= 0.9 * full_c:
+                return None, -1
+        if self._mask is None or self._mask.numel() < new_w.numel():
+            self._mask = torch.empty(new_w.numel(), dtype=torch.bool, device=packed.device)
+        idx = _changed(new_w, old_w, self._mask[: new_w.numel()])
+        if self.mode == "auto" and idx.numel() >= full_c:
+            return None, idx.numel()
+        return encode(packed, old, idx), idx.numel()
+
+
+class DeltaApplier:
+    """Engine side: the version each receive buffer holds and the last delta per bucket."""
+
+    def __init__(self) -> None:
+        self._held: dict[int, int] = {}  # buffer data_ptr -> version it holds
+        self._last: dict[int, tuple[int, int, torch.Tensor]] = {}  # bucket -> (from, to, payload)
+
+    def received(self, buf: torch.Tensor, version: int | None) -> None:
+        """``buf`` now holds ``version`` of its bucket (None: undefined, being overwritten)."""
+        if version is None:
+            self._held.pop(buf.data_ptr(), None)
+        else:
+            self._held[buf.data_ptr()] = version
+
+    def apply(
+        self,
+        index: int,
+        dst: torch.Tensor,
+        live: torch.Tensor | None,
+        payload: torch.Tensor,
+        base: int,
+        version: int,
+    ) -> int:
+        """Make ``dst`` (flat uint8) hold ``version`` = ``base`` + ``payload``; ``live`` is the
+        bucket's other buffer (serving, never written). Raises ValueError when neither buffer
+        can be brought to ``base`` (the sender must push in full)."""
+        held = self._held.get(dst.data_ptr())
+        if held != base:
+            last = self._last.get(index)
+            live_v = None if live is None else self._held.get(live.data_ptr())
+            if last is not None and held == last[0] and last[1] == base:
+                self.received(dst, None)
+                apply_payload(dst, last[2])
+            elif live is not None and live_v == base:
+                self.received(dst, None)
+                dst.copy_(live)
+            else:
+                raise ValueError(
+                    f"bucket {index}: a delta against v{base}, but this engine holds "
+                    f"v{live_v if live_v is not None else held} of it (a full push is needed)"
+                )
+        self.received(dst, None)
+        changed = apply_payload(dst, payload)
+        self.received(dst, version)
+        self._last[index] = (base, version, payload)
+        return changed
+
+    def clear(self) -> None:
+        self._held.clear()
+        self._last.clear()

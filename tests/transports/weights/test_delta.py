@@ -1,0 +1,156 @@
+"""Delta pushes (weights.delta): the encoding, the engine's bookkeeping, and real engines."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+
+from asyncrl.config import WeightSyncConfig
+from asyncrl.transports.weights import make_weight_transport
+from asyncrl.transports.weights.base import WeightSyncError
+from asyncrl.transports.weights.bucket import checksum
+from asyncrl.transports.weights.delta import DeltaApplier, DeltaEncoder, apply_payload
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_collective import engines, state  # the engine-process helpers
+
+CFG = WeightSyncConfig(
+    backend="gloo", bucket_mb=1, min_buckets=2, timeout_s=60.0, delta="auto", dtype="bfloat16"
+)
+
+
+def _bytes(n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+
+
+@pytest.mark.parametrize("nbytes", [8, 1003, 4096, 65541])
+@pytest.mark.parametrize("frac", [0.0, 0.01, 0.5, 1.0])
+def test_payload_round_trip_is_bit_exact(nbytes: int, frac: float) -> None:
+    old = _bytes(nbytes, 1)
+    new = old.clone()
+    flip = torch.rand(nbytes, generator=torch.Generator().manual_seed(2)) < frac
+    new[flip] ^= 0x5A
+    new[-1] ^= 0x01  # the tail (nbytes % 8 bytes) always travels
+    for mode in ("on", "auto"):
+        enc = DeltaEncoder(mode)
+        assert enc.take(0, old.clone(), True) == (None, -1)  # no base yet: the whole bucket
+        payload, changed = enc.take(0, new.clone(), True)
+        if payload is None:  # auto: not smaller than the bucket
+            assert mode == "auto" and (changed < 0 or 12 * changed >= nbytes)
+            continue
+        dst = old.clone()
+        assert apply_payload(dst, payload) == changed
+        assert torch.equal(dst, new)
+        assert payload.numel() == 12 * changed + nbytes % 8
+
+
+def test_nan_payloads_and_signed_zeros_survive() -> None:
+    old = torch.tensor([1.0, 0.0, 2.0, 3.0] * 4, dtype=torch.bfloat16)
+    new = old.clone()
+    new.view(torch.int16)[1] = -32768  # -0.0
+    new.view(torch.int16)[5] = 0x7FC1  # a NaN with a payload
+    enc = DeltaEncoder("on")
+    enc.take(0, old.view(torch.uint8).clone(), True)
+    payload, _ = enc.take(0, new.view(torch.uint8).clone(), True)
+    dst = old.view(torch.uint8).clone()
+    apply_payload(dst, payload)
+    assert torch.equal(dst, new.view(torch.uint8))
+
+
+def test_applier_catches_up_the_standby_buffer_or_refuses() -> None:
+    """The buffer receiving v3 holds v1 (v2 is live): it replays v1->v2, then applies v2->v3."""
+    v = [_bytes(800, 0)]
+    for i in range(1, 4):
+        nxt = v[-1].clone()
+        nxt[i * 100 : i * 100 + 9] += 1
+        v.append(nxt)
+    enc, app = DeltaEncoder("on"), DeltaApplier()
+    a, b = v[1].clone(), v[1].clone()  # v1 in both
+    enc.take(0, v[1].clone(), True)
+    app.received(a, 1)
+    app.received(b, 1)
+    p2, _ = enc.take(0, v[2].clone(), True)
+    app.apply(0, b, a, p2, base=1, version=2)  # b: v2 (live after the commit)
+    p3, _ = enc.take(0, v[3].clone(), True)
+    app.apply(0, a, b, p3, base=2, version=3)  # a held v1: catch up with p2, then p3
+    assert torch.equal(a, v[3]) and torch.equal(b, v[2])
+    fresh = torch.zeros(800, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="full push is needed"):
+        app.apply(0, fresh, None, p3, base=2, version=3)
+
+
+def _train_steps(model_dir: Path, lr: float, steps: int):
+    """The default job's model trained for real (AdamW on its LM loss over digit strings),
+    yielding its fp32 weights after every step."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    vocab = model.config.vocab_size
+    yield {n: p.detach() for n, p in model.named_parameters()}
+    for _ in range(steps):
+        ids = torch.randint(3, vocab, (8, 24))
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        yield {n: p.detach() for n, p in model.named_parameters()}
+
+
+def _bf16(weights: dict[str, torch.Tensor]) -> dict[str, int]:
+    """What the engine (float32 parameters) must hold after a bfloat16 sync, per parameter."""
+    return {n: checksum(t.bfloat16().float().contiguous()) for n, t in weights.items()}
+
+
+def test_fifty_delta_pushes_of_a_trained_model_stay_bit_identical(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """weights.delta = on, bf16 sync of fp32 master weights at the default job's lr (1.5e-3:
+    nearly every word changes, so the payloads are larger than the buckets; ``on`` sends them
+    anyway): after every one of 50 pushes the engine holds the trainer's weights bit for bit;
+    all but the first go as deltas."""
+    cfg = msgspec.structs.replace(CFG, delta="on", full_every=0, bucket_mb=16)
+    with engines(tiny_model_dir, tmp_path, [""]) as urls:
+        sender = make_weight_transport(cfg, urls, "cpu")
+        try:
+            sender.connect()
+            for version, w in enumerate(_train_steps(tiny_model_dir, 1.5e-3, 50), start=1):
+                stats = sender.push(w.items(), version).wait(60)
+                assert stats["delta"] == float(version > 1), stats
+                assert state(urls[0]) == (str(version), _bf16(w)), f"v{version}"
+        finally:
+            sender.close()
+
+
+def test_full_push_is_forced_first_every_n_after_a_failure_and_a_reconnect(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    cfg = msgspec.structs.replace(CFG, full_every=3)
+    with engines(tiny_model_dir, tmp_path, ["fail:0@5"]) as urls:
+        sender = make_weight_transport(cfg, urls, "cpu")
+        kinds = []
+        try:
+            sender.connect()
+            for version, w in enumerate(_train_steps(tiny_model_dir, 1e-6, 8), start=1):
+                if version == 8:
+                    sender.connect()  # an engine (re)joined: full
+                try:
+                    stats = sender.push(w.items(), version).wait(60)
+                except WeightSyncError as exc:
+                    assert "injected failure" in str(exc)
+                    kinds.append("failed")
+                    continue
+                kinds.append("delta" if stats["delta"] else "full")
+                if stats["delta"]:
+                    assert stats["delta_buckets"] >= 1 and stats["wire_bytes"] < stats["bytes"]
+                assert state(urls[0]) == (str(version), _bf16(w))
+        finally:
+            sender.close()
+    # v1 first, v4 the 3rd push since v1, v5 fails, v6 after the failure, v8 after reconnect
+    assert kinds == ["full", "delta", "delta", "full", "failed", "full", "delta", "full", "delta"]
