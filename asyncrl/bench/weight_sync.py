@@ -501,6 +501,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--ray", default="", help="Ray cluster address: engines on the Ray node at --recv-host"
     )
+    p.add_argument(
+        "--delta",
+        action="store_true",
+        help="delta pushes vs full pushes vs the floor: fp32 master weights synced as bf16 "
+        "after real AdamW steps at each --lrs (gloo, one engine; see weight_sync_delta)",
+    )
+    p.add_argument("--lrs", type=float, nargs="+", default=[1e-6, 1e-5, 1e-3])
+    p.add_argument("--delta-mode", default="auto", choices=["auto", "on"], help="weights.delta")
+    p.add_argument(
+        "--verify", default="sampled", choices=["full", "sampled", "off"], help="--delta only"
+    )
     p.add_argument("--_engine", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--_peer", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
@@ -510,6 +521,14 @@ def main(argv: list[str] | None = None) -> None:
         return _serve_engine(args)
     if args._peer:
         return _floor_peer(args)
+    if args.delta:
+        from asyncrl.bench.weight_sync_delta import run_delta, table_delta
+
+        rows = run_delta(args)
+        print(table_delta(rows))
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=2))
+        return None
     rows = _run(args)
     print(_table(rows))
     for r in rows:

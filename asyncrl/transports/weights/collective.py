@@ -391,8 +391,19 @@ class CollectiveWeightSender(BucketSender):
         return asyncio.ensure_future(self._watch(m, sent, acks))
 
     async def _watch(self, m: BucketManifest, sent: asyncio.Future[None], acks: Acks) -> None:
+        loop = asyncio.get_running_loop()
+        deadline, budget = self._deadline(m.index)
         while not sent.done():
-            await asyncio.wait([sent, *(t for _, t in acks)], return_when=asyncio.FIRST_COMPLETED)
+            left = deadline - loop.time()
+            if left <= 0:  # an engine stopped reading (hung, stopped, unreachable)
+                waiting = [u for u, t in acks if not t.done()] or ["none"]
+                raise RuntimeError(
+                    f"broadcast not done within {budget:.1f}s (weights.timeout_s per GiB so far); "
+                    f"engines not done with bucket {m.index}: {', '.join(waiting)}"
+                )
+            await asyncio.wait(
+                [sent, *(t for _, t in acks)], timeout=left, return_when=asyncio.FIRST_COMPLETED
+            )
             refused = [(u, t) for u, t in acks if t.done() and _refused(t, self.sglang)]
             if refused and not sent.done():
                 url, task = refused[0]

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import threading
 import time
@@ -157,6 +158,9 @@ class BucketSender:
         self._deltas_in_row = 0
         self._delta_now = False  # the push in flight sends deltas against _base_version
         self._stats: dict[str, float] = {}
+        # every wait ends (weights.timeout_s per GiB): bytes up to each bucket, stream start
+        self._upto: list[int] = []
+        self._t_stream = 0.0
 
     # -- hooks of a transport ------------------------------------------------------------
     async def _form(self) -> None:
@@ -269,6 +273,7 @@ class BucketSender:
             ):
                 upto += 1
             self._zero_copy_upto = upto
+            self._upto = list(itertools.accumulate(m.nbytes for m in self._plan))
             sizes = [max(m.nbytes for m in self._plan[j::depth]) for j in range(depth)]
             self._slot_bytes, self._slots = sizes, {}
         return self._plan
@@ -317,6 +322,15 @@ class BucketSender:
         assert self._base_version is not None
         info = DeltaInfo(self._base_version, payload.numel(), value)
         return msgspec.structs.replace(m, delta=info), payload
+
+    def _budget_s(self, nbytes: int) -> float:
+        """How long a wait on ``nbytes`` moved may take: ``timeout_s`` per GiB, at least one."""
+        return self.cfg.timeout_s * max(1.0, nbytes / (1 << 30))
+
+    def _deadline(self, k: int) -> tuple[float, float]:
+        """(event-loop time, budget s) by which buckets 0..k must have been sent."""
+        budget = self._budget_s(self._upto[k] if k < len(self._upto) else 0)
+        return self._t_stream + budget, budget
 
     def _decide_delta(self) -> None:
         """Whether this push sends deltas: only against a version every engine holds (not the
@@ -475,7 +489,9 @@ class BucketSender:
 
     async def _reform_locked(self) -> None:
         await self._shutdown()
-        self.clients = [SGLangClient(u, timeout_s=self.cfg.timeout_s) for u in self.urls]
+        # an answer may wait for every bucket; a push's own deadlines come first (named errors)
+        wait_s = self._budget_s(self._upto[-1] if self._upto else 0) + self.cfg.timeout_s
+        self.clients = [SGLangClient(u, timeout_s=wait_s) for u in self.urls]
         await asyncio.gather(*(c.wait_healthy(self.cfg.timeout_s) for c in self.clients))
         self._base_version = None  # an engine may have restarted or joined: next push is full
         if self._delta is not None:
@@ -492,6 +508,7 @@ class BucketSender:
         prepacked: list[tuple[BucketManifest, torch.Tensor]] | None = None,
     ) -> Acks:
         loop = asyncio.get_running_loop()
+        self._t_stream = loop.time()
         n, depth = len(plan), len(self._slot_bytes)
         self._in_place = set()
         self._packed = []
@@ -580,8 +597,35 @@ class BucketSender:
         return acks
 
     async def _check_acks(self, acks: Acks) -> None:
-        results = await asyncio.gather(*(t for _, t in acks), return_exceptions=True)
-        self._raise_failed([(u, r) for (u, _), r in zip(acks, results, strict=True)])
+        """Every engine's answer to every bucket, each within the push's budget (an engine
+        that stopped reading is named with the first bucket it did not answer)."""
+        loop = asyncio.get_running_loop()
+        deadline, budget = self._deadline(len(self._upto) - 1)
+        tasks = [t for _, t in acks]
+        if tasks:
+            _, late = await asyncio.wait(tasks, timeout=max(0.0, deadline - loop.time()))
+            if late:
+                per = max(1, len(self.clients))
+                first: dict[str, int] = {}
+                for i, (u, t) in enumerate(acks):
+                    if t in late:
+                        first.setdefault(u, i // per)
+                        t.cancel()
+                await asyncio.gather(*late, return_exceptions=True)
+                self._formed = False
+                names = "; ".join(f"{u}: no answer to bucket {k}" for u, k in first.items())
+                kept = "weights undefined" if self.sglang else "kept old weights"
+                raise WeightSyncError(
+                    f"{len(first)} engine(s) did not answer within {budget:.1f}s "
+                    f"(weights.timeout_s per GiB; {kept}): {names}"
+                )
+        results = await asyncio.gather(*tasks, return_exceptions=True)  # all done by now
+        per = max(1, len(self.clients))
+        named = [
+            (f"{u} (bucket {i // per})", r)
+            for i, ((u, _), r) in enumerate(zip(acks, results, strict=True))
+        ]
+        self._raise_failed(named)
 
     def _raise_failed(self, results: list[tuple[str, Any]], prefix: str = "") -> None:
         """Raise WeightSyncError naming the engines whose result is an exception, if any;

@@ -41,6 +41,7 @@ import asyncio
 import logging
 import math
 import os
+import signal
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -65,7 +66,8 @@ log = logging.getLogger("asyncrl.engine.weights")
 
 FAULT_ENV = "ASYNCRL_WEIGHT_FAULT"
 """Test hook, comma-separated: ``corrupt:K@V`` flips a byte of bucket K of version V after
-receiving it, ``fail:K@V`` fails staging bucket K of version V."""
+receiving it, ``fail:K@V`` fails staging bucket K of version V, ``stop:K@V`` makes the engine
+SIGSTOP itself when bucket K of version V is announced (a hung engine)."""
 
 
 class WeightRequestError(BadRequest):
@@ -228,6 +230,8 @@ class WeightReceiver:
             )
         if m is None:
             return await self._load_plain(body, group, fmt == "flattened_bucket")
+        if self._faults.get((m.index, m.version)) == "stop":  # test hook: hang mid-push
+            os.kill(os.getpid(), signal.SIGSTOP)
 
         def receive(flat: torch.Tensor) -> Callable[[], None]:  # bytes, as SGLang receives them
             work = post_broadcast(group, flat.view(torch.uint8), src=0)

@@ -1,0 +1,72 @@
+"""Every wait of a push ends: an engine that stops reading mid-push (SIGSTOP) is named."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from asyncrl.config import WeightSyncConfig
+from asyncrl.engines.rollout.local.weights import FAULT_ENV
+from asyncrl.procs import free_port, python_env, spawn, stop
+from asyncrl.transports.weights import make_weight_transport
+from asyncrl.transports.weights.base import WeightSyncError
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_collective import _healthy, _model_weights, expected, state  # engine helpers
+
+TIMEOUT_S = 3.0
+
+
+def _stopped(proc: subprocess.Popen) -> bool:
+    with open(f"/proc/{proc.pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "T"
+
+
+def test_engine_stopped_mid_push_is_reported_in_time_and_the_next_push_reforms(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    import asyncio
+
+    procs: list[subprocess.Popen] = []
+    urls = []
+    try:
+        for i, fault in enumerate(["", "stop:0@2"]):  # engine 1 hangs when v2 starts arriving
+            port = free_port()
+            args = ["-m", "asyncrl.engines.rollout.local.server", "--model-path"]
+            args += [str(tiny_model_dir), "--port", str(port)]
+            env = python_env({FAULT_ENV: fault} if fault else None)
+            procs.append(spawn(args, tmp_path / f"engine{i}.log", env))
+            urls.append(f"http://127.0.0.1:{port}")
+        asyncio.run(_healthy(urls))
+        cfg = WeightSyncConfig(backend="gloo", bucket_mb=1, min_buckets=2, timeout_s=TIMEOUT_S)
+        sender = make_weight_transport(cfg, urls, "cpu")
+        try:
+            sender.connect()
+            w1, w2, w3 = (_model_weights(tiny_model_dir, seed=s) for s in (1, 2, 3))
+            sender.push(w1.items(), 1).wait(60)
+            t0 = time.monotonic()
+            with pytest.raises(WeightSyncError) as err:
+                sender.push(w2.items(), 2).wait(60)
+            took = time.monotonic() - t0
+            assert _stopped(procs[1])  # it really hung mid-push
+            # the budget of the push's bytes (< 1 GiB: one timeout_s), plus the engine's verdicts
+            assert took < 2 * TIMEOUT_S + 2, took
+            msg = str(err.value)
+            assert urls[1] in msg and "bucket 0" in msg and urls[0] not in msg, msg
+            assert state(urls[0]) == ("1", expected(w1))  # the healthy one kept serving v1
+            os.kill(procs[1].pid, signal.SIGCONT)
+            sender.push(w3.items(), 3).wait(60)  # the run goes on: the group is re-formed
+            assert [state(u) for u in urls] == [("3", expected(w3))] * 2
+        finally:
+            sender.close()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGCONT)
+        stop(procs)
