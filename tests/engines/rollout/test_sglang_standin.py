@@ -40,6 +40,10 @@ def _run(tmp: Path, model_dir: Path, urls: list[str], *extra: str) -> subprocess
     cmd += [f"--rollout.urls={json.dumps(urls)}", "--weights.backend=gloo"]
     cmd += [f"--controller.total_steps={STEPS}", "--controller.batch_size=2"]
     cmd += ["--controller.max_staleness=1", "--weights.bucket_mb=1", *extra]
+    cmd += ["--weights.verify=full"]  # every bucket's checksum covers all its bytes (see rank.py)
+    # delta asked for: SGLang still gets full pushes (a delta payload would not match the
+    # bucket SGLang receives into, and _check_state would count it bad)
+    cmd += ["--weights.delta=auto"]
     return subprocess.Popen(cmd, env=python_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
@@ -222,7 +226,9 @@ def test_spans_expand_to_exact_token_versions(
     server = start_standin(version, tiny_model_dir, tmp_path / "sglang", step_s=0.02)
     sender = None
     try:
-        cfg = WeightSyncConfig(backend="gloo", bucket_mb=1, min_buckets=2, timeout_s=60)
+        cfg = WeightSyncConfig(
+            backend="gloo", bucket_mb=1, min_buckets=2, timeout_s=60, verify="full"
+        )
         sender = make_weight_transport(cfg, [server.url], "cpu", "retract", "sglang")
         sender.connect()
         weights = load_file(str(tiny_model_dir / "model.safetensors"))

@@ -14,6 +14,18 @@ from asyncrl.transports.weights.collective import CollectiveWeightSender, resolv
 URLS = ["http://127.0.0.1:1"]
 
 
+def test_sglang_engines_get_full_pushes_only() -> None:
+    """SGLang loads what it receives: with weights.delta asked for, no base is kept for it."""
+    cfg = WeightSyncConfig(backend="gloo", delta="auto")
+    local = make_weight_transport(cfg, URLS, "cpu")
+    sglang = make_weight_transport(cfg, URLS, "cpu", engine="sglang")
+    try:
+        assert local._delta is not None and sglang._delta is None
+    finally:
+        local.close()
+        sglang.close()
+
+
 def test_auto_and_gloo_on_cpu_give_the_gloo_collective() -> None:
     for backend in ("auto", "gloo"):
         sender = make_weight_transport(WeightSyncConfig(backend=backend), URLS, "cpu")

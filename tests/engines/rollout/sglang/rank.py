@@ -9,13 +9,14 @@ command per line on stdin and answers one JSON line on stdout:
   with SGLang's ``init_custom_process_group`` (0.5.23
   ``model_runner_components/weight_updater.py:124-134``; 0.5.10
   ``model_executor/model_runner.py:1524-1539``).
-- ``recv`` {names, dtypes, shapes, group_name, load_format}: one broadcast,
+- ``recv`` {names, dtypes, shapes, group_name, load_format, asyncrl_bucket}: one broadcast,
   received and rebuilt as SGLang's version does it (flattened_bucket: 0.5.23
   ``FlattenedTensorBucket.empty`` ``weight_updater.py:300-310``; 0.5.22
   ``FlattenedTensorBucket(named_tensors=...)`` ``weight_updater.py:298-316``;
   0.5.10 ``model_runner.py:1618-1637``; else one broadcast per tensor), then
   "loaded": kept by name (SGLang's ``load_weights`` copies each tensor into the
-  live parameter as it arrives, no staging).
+  live parameter as it arrives, no staging). The answer's ``checksum`` is asyncrl's
+  manifest checksum of the received bytes (``asyncrl_bucket``: ground truth only).
 - ``checksums``: sha256 of every loaded tensor's bytes; ``destroy`` {group_name}.
 
 Under 0.5.10, ``sglang.srt.utils.common`` imports torchvision (whose PyPI build
@@ -38,7 +39,21 @@ from typing import Any
 
 import torch
 
-from asyncrl.transports.weights.bucket import checksum
+from asyncrl.transports.weights.bucket import BucketEntry, BucketManifest
+from asyncrl.transports.weights.integrity import bucket_checksum
+
+
+def as_sent(flat: torch.Tensor, c: dict[str, Any]) -> int | None:
+    """asyncrl's manifest ``checksum`` of these received bytes, as its ``verify`` mode computes
+    it (ground truth only: SGLang ignores ``asyncrl_bucket``; None with ``verify = off``)."""
+    meta = c.get("asyncrl_bucket") or {}
+    mode = meta.get("verify", "full")
+    if mode == "off" or "index" not in meta:
+        return None
+    entries = tuple(BucketEntry(n, tuple(s)) for n, s in zip(c["names"], c["shapes"], strict=True))
+    dtype = str(c["dtypes"][0]).removeprefix("torch.")
+    m = BucketManifest(dtype, entries, meta["index"], meta["count"], meta["version"], verify=mode)
+    return bucket_checksum(flat, m, mode)
 
 
 def load_sglang() -> tuple[Any, Any, str]:
@@ -106,7 +121,7 @@ class Rank:
             flat = bucket.get_flattened_tensor()
             torch.distributed.broadcast(flat, src=0, group=group)
             named = bucket.reconstruct_tensors()
-            got = checksum(flat)  # of the bytes SGLang received, to compare with the sender's
+            got = as_sent(flat, c)  # of the bytes SGLang received, to compare with the sender's
         else:
             got = None
             named = []

@@ -440,6 +440,7 @@ class StandIn:
         failing = self.update_calls in self.fail_calls  # a load failing after the receive
         c = {k: body.get(k) for k in ("names", "dtypes", "shapes", "group_name", "load_format")}
         c["group_name"] = c["group_name"] or "weight_update_group"
+        c["asyncrl_bucket"] = body.get("asyncrl_bucket")  # ground truth only (see rank.as_sent)
         for r in self.ranks:
             r.send("recv", load=not failing, **c)
         try:
