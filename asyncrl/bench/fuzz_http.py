@@ -131,6 +131,12 @@ def _weights(rng: random.Random) -> dict[str, Any]:
                 {"index": 0, "count": 10**20, "version": "x"},
                 {"index": 0, "count": 1, "version": 1, "chunks": [[0, -5]], "full_shapes": [[4]]},
                 {"index": 0, "count": 1, "version": 1, "checksum": "abc"},
+                {"index": 0, "count": 1, "version": 1, "checksum": 1 << 63, "verify": "sampled"},
+                {"index": 0, "count": 1, "version": 1, "verify": "most"},
+                {"index": 0, "count": 1, "version": 2, "delta": [1, 1 << 40, None]},
+                {"index": 0, "count": 1, "version": 2, "delta": [1, 13, None]},
+                {"index": 0, "count": 1, "version": 2, "delta": {"base": 1}},
+                {"index": 0, "count": 1, "version": 2, "delta": [1, 16, 0]},  # no base held
             ]
         )
     return body

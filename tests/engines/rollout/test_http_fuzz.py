@@ -78,6 +78,11 @@ BUCKET = {
 }
 
 
+def _bucket(**fields: object) -> dict:
+    """A 256 B bucket (model.norm.weight) announced with ``fields`` added to its manifest."""
+    return {**BUCKET, "shapes": [[64]], "asyncrl_bucket": {**BUCKET["asyncrl_bucket"], **fields}}
+
+
 @pytest.mark.parametrize(
     ("path", "raw", "reason"),
     [
@@ -89,6 +94,10 @@ BUCKET = {
         ("/init_weights_update_group", {**GROUP, "master_address": "0.0.0.0"}, "not an allowed"),
         ("/update_weights_from_distributed", {**BUCKET, "shapes": [[-4]]}, "bad size"),
         ("/update_weights_from_distributed", {**BUCKET, "shapes": [[1 << 40]]}, "larger than"),
+        ("/update_weights_from_distributed", _bucket(verify="most"), "verify must be one of"),
+        ("/update_weights_from_distributed", _bucket(delta=[0, 1 << 40, None]), "nbytes must"),
+        ("/update_weights_from_distributed", _bucket(delta=[0, 13, None]), "12 * words"),
+        ("/update_weights_from_distributed", _bucket(delta=[0, 12, "x"]), "checksum must"),
         ("/abort_request", {"abort_all": "false"}, "abort_all"),
         ("/update_weight_version", {"new_version": [1]}, "new_version"),
     ],
