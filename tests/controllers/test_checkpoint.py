@@ -35,8 +35,8 @@ async def _two_turns(ctx: EpisodeContext, sample: Sample):
     return ctx.trajectory(sample.prompt_ids, [t1, TOOL, t2], reward)
 
 
-async def _tokens(url: str) -> int:
-    async with aiohttp.ClientSession() as http, http.get(url + "/get_server_info") as resp:
+async def _tokens(http: aiohttp.ClientSession, url: str) -> int:
+    async with http.get(url + "/get_server_info") as resp:
         return int((await resp.json())["tokens"])
 
 
@@ -45,32 +45,38 @@ def _samples(n: int) -> list[Sample]:
 
 
 async def test_interrupted_episodes_resume_with_their_tokens(engine_url: str) -> None:
-    budget = 400
+    budget = 3000
     cfg = RunConfig(
         controller=ControllerConfig(batch_size=3, max_staleness=1, batch_requests=False),
         algo=AlgoConfig(group_size=2),
         rollout=RolloutConfig(max_new_tokens=budget),
     )
     client = SGLangClient(engine_url)
+    http = aiohttp.ClientSession()
     try:
         await client.update_weight_version("3")
-        start = await _tokens(engine_url)
+        start = await _tokens(http, engine_url)
         ctl = Controller(cfg, _two_turns, [client], _samples(3), start_version=3)
         async with ctl:
-            while await _tokens(engine_url) < start + 90:  # every group is decoding turn 2
+            # 6 x 6 turn-1 tokens, then every episode is decoding turn 2; its budget is far
+            # more than the engine decodes between two polls, even on a loaded machine
+            while await _tokens(http, engine_url) < start + 90:
                 await asyncio.sleep(0.01)
             await client.pause_generation("abort")  # partial outputs come back to the episodes
-            for _ in range(1000):
+            interrupted = False
+            for _ in range(3000):
                 snap = ctl.snapshot()
-                if snap.running and all(
+                interrupted = len(snap.running) == 3 and all(
                     len(e.calls) == 2
                     and e.calls[-1].finish_reason == "partial"
                     and e.calls[-1].output_ids
                     for g in snap.running
                     for e in g.episodes
-                ):
+                )
+                if interrupted:
                     break
                 await asyncio.sleep(0.01)
+            assert interrupted, f"episodes not all interrupted in turn 2: {snap.running}"
             data = msgspec.msgpack.encode(ctl.snapshot())
         await client.abort_request(abort_all=True)  # the closed episodes' queued requests
         await client.update_weight_version("4")  # "the checkpoint's weights"
@@ -78,7 +84,7 @@ async def test_interrupted_episodes_resume_with_their_tokens(engine_url: str) ->
         state = msgspec.msgpack.decode(data, type=ControllerState)
         assert len(state.running) == 3 and state.drawn == 3 and state.kept_tokens > 0
         kept = {e.episode_id: e.calls for g in state.running for e in g.episodes}
-        before = await _tokens(engine_url)
+        before = await _tokens(http, engine_url)
         ctl2 = Controller(
             cfg,
             _two_turns,
@@ -92,7 +98,7 @@ async def test_interrupted_episodes_resume_with_their_tokens(engine_url: str) ->
             ctl2.end_input()
             batch = await asyncio.wait_for(ctl2.next_batch(), 300)
             assert ctl2.resumed == {"groups": 3, "episodes": 6, "kept_tokens": state.kept_tokens}
-            generated = await _tokens(engine_url) - before
+            generated = await _tokens(http, engine_url) - before
             try:
                 await ctl2.next_batch()
                 raise AssertionError("only the 3 checkpointed groups should be left")
@@ -100,6 +106,7 @@ async def test_interrupted_episodes_resume_with_their_tokens(engine_url: str) ->
                 pass
     finally:
         await client.close()
+        await http.close()
     assert batch.step == 3 and len(batch.trajectories) == 6
     total = 0
     for t in batch.trajectories:
