@@ -52,7 +52,7 @@ from asyncrl.launchers import Launcher, TrainerArgs, make_launcher
 from asyncrl.preflight import preflight
 from asyncrl.procs import python_env
 from asyncrl.progress import Progress
-from asyncrl.sinks import close_sinks, log_row, make_sinks
+from asyncrl.sinks import close_sinks, log_row, make_sinks, rewind_sinks
 from asyncrl.tasks import make_task
 from asyncrl.transports.experience.assign import make_assigner
 from asyncrl.transports.experience.types import (
@@ -345,6 +345,7 @@ class _Run:
         redo = sorted(step for step in self.sent if step >= n)
         self.rows = [r for r in self.rows if r["step"] < n]
         await asyncio.to_thread(ckpts.truncate_metrics, self.run_dir / "metrics.jsonl", n)
+        rewind_sinks(self.sinks, n)
         for step in redo:
             batch = self.batches[step] = self.sent[step]
             async with self.engines.send_lock:
@@ -529,7 +530,7 @@ async def run_job(
         raise
     tc = cfg.logging.trace
     trace.start_run(run_dir, tc.enabled, tc.every, tc.max_mb)  # children started below trace too
-    job.sinks = make_sinks(cfg, run_dir)
+    job.sinks = make_sinks(cfg, run_dir, max(job.resumed_step, 0))
     try:
         sampling: dict[str, Any] = {}
         if episode is None:  # built before any process starts: a bad task fails fast

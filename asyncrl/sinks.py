@@ -6,6 +6,20 @@ metrics row under the row's own names, grouped by prefix (``group_of``:
 ``reward/``, ``perf/``, ``staleness/``, ``sync/``, ``algo/``, ``engine/``), with
 the step as the x axis; at the start, the run's config and git revision.
 
+A step can be logged twice: a restarted trainer retrains from its checkpoint, and
+``--resume`` retrains the steps after the newest checkpoint. ``metrics.jsonl`` then
+drops its rows from that step on; the sinks follow as far as each backend allows
+(``rewind``): TensorBoard gets a ``SessionLog.START`` event at that step, on which
+its reader discards every event at or after the step
+(``tensorboard/backend/event_processing/plugin_event_accumulator.py``,
+``_CheckForRestartAndMaybePurge``, 2.21.0; the first START of a log dir only opens
+it), so each step shows the values of its last training. W&B refuses a step lower
+than one it has (history steps only increase): after a trainer restart the W&B run
+keeps the values first logged for a retrained step and skips the retrained rows; a
+resumed run continues the same W&B run (its id is kept in ``RUN_DIR/wandb-run-id``)
+from the step W&B reports it has (online; offline it knows none, and the rows that a
+killed run had not yet written come again).
+
 Contract: a sink never stops the run. Its first failure (missing package, no
 network, a bad key) logs one warning and turns that sink off; ``metrics.jsonl``
 is unaffected. Nothing imports ``tensorboard`` or ``wandb`` unless enabled, and
@@ -17,12 +31,21 @@ from __future__ import annotations
 import logging
 import subprocess
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Protocol
 
 from asyncrl.config import RunConfig, to_dict
 
-__all__ = ["MetricSink", "close_sinks", "git_revision", "group_of", "log_row", "make_sinks"]
+__all__ = [
+    "MetricSink",
+    "close_sinks",
+    "git_revision",
+    "group_of",
+    "log_row",
+    "make_sinks",
+    "rewind_sinks",
+]
 
 log = logging.getLogger("asyncrl.sinks")
 
@@ -66,6 +89,11 @@ class MetricSink(Protocol):
         """Record ``scalars`` (grouped names) at ``step``."""
         ...
 
+    def rewind(self, step: int) -> None:
+        """Steps ``>= step`` will be logged again: drop (or keep, if the backend cannot)
+        what was logged for them."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -74,7 +102,9 @@ class TensorBoardSink:
 
     name = "tensorboard"
 
-    def __init__(self, log_dir: Path, config: dict[str, Any], revision: str):
+    def __init__(self, log_dir: Path, config: dict[str, Any], revision: str, start_step: int = 0):
+        """``start_step`` > 0: a resumed run; events of an earlier attempt in ``log_dir`` at
+        or after it are discarded by TensorBoard's reader."""
         import json
 
         from tensorboard.compat.proto import event_pb2, summary_pb2
@@ -82,8 +112,16 @@ class TensorBoardSink:
 
         self._event, self._summary = event_pb2.Event, summary_pb2.Summary
         self._writer = EventFileWriter(str(log_dir))
+        self.rewind(start_step)  # a fresh log dir: the first START only opens it
         self._text("config", "```\n" + json.dumps(config, indent=1) + "\n```")
         self._text("git_revision", revision or "(not a git checkout)")
+
+    def rewind(self, step: int) -> None:
+        from tensorboard.compat.proto import event_pb2
+
+        start = event_pb2.SessionLog(status=event_pb2.SessionLog.START)
+        self._writer.add_event(self._event(wall_time=time.time(), step=step, session_log=start))
+        self._writer.flush()
 
     def _text(self, tag: str, text: str) -> None:
         from tensorboard.compat.proto import tensor_pb2, tensor_shape_pb2, types_pb2
@@ -114,10 +152,21 @@ class WandbSink:
 
     name = "wandb"
 
-    def __init__(self, cfg: RunConfig, run_dir: Path, config: dict[str, Any], revision: str):
+    def __init__(
+        self,
+        cfg: RunConfig,
+        run_dir: Path,
+        config: dict[str, Any],
+        revision: str,
+    ):
+        """A resume continues the run's W&B run (same id): the steps W&B already has are
+        skipped (its ``starting_step``; offline, W&B knows none, so all are logged)."""
         import wandb
 
         wc = cfg.logging.wandb
+        id_file = run_dir / "wandb-run-id"
+        run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:12]
+        id_file.write_text(run_id + "\n")
         self._run = wandb.init(
             project=wc.project,
             entity=wc.entity or None,
@@ -126,10 +175,19 @@ class WandbSink:
             dir=str(run_dir),
             config={**config, "git_revision": revision},
             reinit="finish_previous",
+            id=run_id,
+            resume="allow",
         )
+        self._last = self._skip_through = self._run.starting_step - 1  # steps only increase
 
     def log(self, step: int, scalars: dict[str, float]) -> None:
+        if step <= self._skip_through:  # a retrained step W&B already has
+            return
         self._run.log(scalars, step=step)
+        self._last = step
+
+    def rewind(self, step: int) -> None:
+        self._skip_through = self._last
 
     def close(self) -> None:
         self._run.finish()
@@ -152,8 +210,10 @@ class _Guarded:
             self.sink = None
 
 
-def make_sinks(cfg: RunConfig, run_dir: Path) -> list[_Guarded]:
-    """The enabled sinks, each guarded (a sink that cannot start is reported and skipped)."""
+def make_sinks(cfg: RunConfig, run_dir: Path, start_step: int = 0) -> list[_Guarded]:
+    """The enabled sinks, each guarded (a sink that cannot start is reported and skipped).
+
+    A resumed run passes the step it retrains from."""
     lc = cfg.logging
     if not (lc.tensorboard.enabled or lc.wandb.enabled):
         return []
@@ -161,7 +221,8 @@ def make_sinks(cfg: RunConfig, run_dir: Path) -> list[_Guarded]:
     out = []
     if lc.tensorboard.enabled:
         log_dir = Path(lc.tensorboard.log_dir or run_dir / "tensorboard")
-        out.append(_start("tensorboard", lambda: TensorBoardSink(log_dir, config, revision)))
+        tb = lambda: TensorBoardSink(log_dir, config, revision, start_step)  # noqa: E731
+        out.append(_start("tensorboard", tb))
     if lc.wandb.enabled:
         out.append(_start("wandb", lambda: WandbSink(cfg, run_dir, config, revision)))
     return out
@@ -188,6 +249,12 @@ def log_row(sinks: list[_Guarded], row: dict[str, Any]) -> None:
     }
     for s in sinks:
         s.call("log", int(row["step"]), scalars)
+
+
+def rewind_sinks(sinks: list[_Guarded], step: int) -> None:
+    """Steps ``>= step`` will be logged again (a restarted trainer retrains them)."""
+    for s in sinks:
+        s.call("rewind", step)
 
 
 def close_sinks(sinks: list[_Guarded]) -> None:

@@ -274,11 +274,13 @@ def test_tensorboard_event_files_match_metrics(run: Path) -> None:
     assert acc.Tensors("git_revision")
 
 
-def _wandb_records(run_dir: Path) -> tuple[list[dict], Any]:
+def _wandb_records(
+    run_dir: Path, pattern: str = "wandb/offline-run-*/run-*.wandb"
+) -> tuple[list[dict], Any]:
     from wandb.proto import wandb_internal_pb2 as pb
     from wandb.sdk.internal.datastore import DataStore
 
-    (path,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
+    (path,) = run_dir.glob(pattern)
     store = DataStore()
     store.open_for_scan(str(path))
     history, run_record = [], None

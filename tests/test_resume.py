@@ -22,6 +22,11 @@ from asyncrl.procs import python_env
 from tests.test_run import _alive
 
 _SMALL = ("--controller.batch_size=4", "--controller.max_staleness=2")
+_SINKS = (
+    "--logging.tensorboard.enabled=true",
+    "--logging.wandb.enabled=true",
+    "--logging.wandb.mode=offline",
+)
 
 
 def _cli(*args: str) -> subprocess.Popen:
@@ -59,6 +64,33 @@ def _check_exactly_once(rows: list[dict], steps: int, batch: int) -> None:
     ids = [i for r in rows for i in r["sample_ids"]]
     assert len(ids) == len(set(ids)) == steps * batch  # no sample trained twice
     assert max(ids) < steps * batch + 3 * batch  # none skipped beyond the staleness window
+
+
+def _check_sinks(run: Path, rows: list[dict], redone_from: int) -> None:
+    """TensorBoard shows each step once with its last training's values; the W&B run (one
+    id across a resume) has each step once, in order, with the values of steps before
+    ``redone_from`` equal to metrics.jsonl (a retrained step keeps its first values)."""
+    pytest.importorskip("tensorboard")
+    pytest.importorskip("wandb.sdk.internal.datastore")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from tests.test_observability import _wandb_records
+
+    acc = EventAccumulator(str(run / "tensorboard"), size_guidance={"scalars": 0})
+    acc.Reload()
+    got = acc.Scalars("reward/reward_mean")
+    assert [e.step for e in got] == [r["step"] for r in rows]
+    assert [e.value for e in got] == pytest.approx([r["reward_mean"] for r in rows], rel=1e-6)
+    runs = sorted((run / "wandb").glob("offline-run-*"))
+    history, ids = [], set()
+    for d in runs:
+        h, record = _wandb_records(d, "run-*.wandb")
+        history += h
+        ids.add(record.run_id)
+    assert len(ids) == 1 and ids == {(run / "wandb-run-id").read_text().strip()}
+    assert [h["_step"] for h in history] == [r["step"] for r in rows]
+    early = [(h, r) for h, r in zip(history, rows, strict=True) if r["step"] < redone_from]
+    assert early and all(h["reward/reward_mean"] == r["reward_mean"] for h, r in early)
 
 
 def greedy_reward(model_dir: Path, n: int = 64) -> float:
@@ -130,6 +162,7 @@ def test_sigkilled_run_leaves_nothing_and_resumes(tmp_path: Path) -> None:
         "--controller.total_steps=1000",
         "--checkpoint.every_steps=3",
         *_SMALL,
+        *_SINKS,
     )
     _wait_rows(run, proc, 7)  # at least two checkpoints asked for
     pids = json.loads((run / "processes.json").read_text())
@@ -150,6 +183,7 @@ def test_sigkilled_run_leaves_nothing_and_resumes(tmp_path: Path) -> None:
     rc, out = _finish(_cli("--resume", str(run), f"--controller.total_steps={steps}"))
     assert rc == 0, out[-3000:]
     _check_exactly_once(_rows(run), steps, 4)
+    _check_sinks(run, _rows(run), resumed_from)
 
 
 def test_trainer_sigkilled_restarts_from_checkpoint_and_trains_each_sample_once(
@@ -157,7 +191,7 @@ def test_trainer_sigkilled_restarts_from_checkpoint_and_trains_each_sample_once(
 ) -> None:
     run = tmp_path / "run"
     steps = 14
-    args = (f"--controller.total_steps={steps}", "--checkpoint.every_steps=4", *_SMALL)
+    args = (f"--controller.total_steps={steps}", "--checkpoint.every_steps=4", *_SMALL, *_SINKS)
     proc = _cli("--run-dir", str(run), *args)
     _wait_rows(run, proc, 6)  # the checkpoint of step 4 is asked for; steps past it trained
     pids = json.loads((run / "processes.json").read_text())
@@ -170,3 +204,4 @@ def test_trainer_sigkilled_restarts_from_checkpoint_and_trains_each_sample_once(
     _check_exactly_once(rows, steps, 4)
     assert max(r["staleness_max"] for r in rows) <= 2
     assert ckpts.latest_checkpoint(run)[0] == steps
+    _check_sinks(run, rows, rec[0]["from_step"])
