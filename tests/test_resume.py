@@ -205,3 +205,33 @@ def test_trainer_sigkilled_restarts_from_checkpoint_and_trains_each_sample_once(
     assert max(r["staleness_max"] for r in rows) <= 2
     assert ckpts.latest_checkpoint(run)[0] == steps
     _check_sinks(run, rows, rec[0]["from_step"])
+
+
+def test_ppo_run_exports_its_critic_and_resumes_with_it(tmp_path: Path) -> None:
+    """PPO: the critic is checkpointed with the actor, exported beside it as a folder that
+    loads as a critic with the checkpoint's weights, and a resumed run goes on from it."""
+    import torch
+
+    from asyncrl.config import load_config
+    from asyncrl.engines.train.fsdp import FSDPEngine
+
+    run = tmp_path / "run"
+    ppo = ("--algo.name=ppo", "--checkpoint.every_steps=2", *_SMALL)
+    rc, out = _finish(_cli("--run-dir", str(run), "--controller.total_steps=4", *ppo))
+    assert rc == 0, out[-3000:]
+    assert [s for s, _ in ckpts.complete_checkpoints(run)] == [2, 4]
+    cfg = load_config(None, ["--algo.name=ppo"])
+    exported = FSDPEngine(str(run / "final" / "critic"), cfg, role="critic")
+    restored = FSDPEngine(str(run / "final"), cfg, role="critic")  # the actor: a new head
+    fresh = dict(restored.named_weights())
+    restored.load(str(run / "checkpoints" / "step-4" / "trainer" / "critic"))
+    got, want = dict(exported.named_weights()), dict(restored.named_weights())
+    assert got.keys() == want.keys() and any("score" in k for k in got)
+    for k, v in want.items():
+        torch.testing.assert_close(got[k], v, atol=0, rtol=0)
+    assert any(not torch.equal(fresh[k], want[k]) for k in want if "score" in k)  # trained
+    rc, out = _finish(_cli("--resume", str(run), "--controller.total_steps=6"))
+    assert rc == 0, out[-3000:]
+    rows = _rows(run)
+    _check_exactly_once(rows, 6, 4)
+    assert all("critic_vf_loss" in r for r in rows)
