@@ -17,10 +17,25 @@ from asyncrl.procs import free_port
 LONG = {"max_new_tokens": 100_000, "ignore_eos": True}
 
 
-async def _started(client: SGLangClient, rid: str, task: asyncio.Task) -> None:
-    """Give ``task``'s request time to reach the engine and produce a few tokens."""
-    await asyncio.sleep(0.5)
-    assert not task.done(), f"{rid} finished too early"
+async def _until(client: SGLangClient, what: str, ok, timeout_s: float = 30.0) -> dict:
+    """Poll the engine's ``/get_server_info`` until ``ok(info)``; fails naming ``what``."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        info = await client.get_server_info()
+        if ok(info):
+            return info
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"engine: {what} not seen within {timeout_s:g}s: {info}")
+        await asyncio.sleep(0.01)
+
+
+async def _started(client: SGLangClient, task: asyncio.Task, n: int = 1) -> None:
+    """Wait until the engine holds ``n`` requests and has generated for them."""
+    base = int((await client.get_server_info())["tokens"])
+    await _until(
+        client, f"{n} request(s) decoding", lambda i: i["num_requests"] >= n and i["tokens"] > base
+    )
+    assert not task.done(), "the request finished too early"
 
 
 async def test_generate_with_logprobs_and_version(engine_server: LaunchedServer) -> None:
@@ -69,7 +84,7 @@ async def test_abort_one_and_all(engine_server: LaunchedServer) -> None:
     try:
         one = asyncio.create_task(client.generate([1, 3], LONG, rid="abort-me"))
         other = asyncio.create_task(client.generate([1, 4], LONG, rid="keep-me"))
-        await _started(client, "abort-me", one)
+        await _started(client, one, n=2)
         await client.abort_request("abort-me")
         res = await one
         assert res.finish_reason == "abort" and len(res.logprobs) == len(res.output_ids)
@@ -89,17 +104,13 @@ async def test_pause_keeps_and_continue_resumes(engine_server: LaunchedServer, m
 
     try:
         task = asyncio.create_task(client.generate([1, 5], LONG, rid=mode))
-        await _started(client, mode, task)
+        await _started(client, task)
         await client.pause_generation(mode)
         frozen = await tokens()
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(0.5)  # a negative check: nothing may happen in this window
         assert not task.done() and await tokens() == frozen  # kept, not generating
         await client.continue_generation()
-        for _ in range(200):
-            if await tokens() > frozen:
-                break
-            await asyncio.sleep(0.05)
-        assert await tokens() > frozen  # generating again
+        await _until(client, "generation resumed", lambda i: int(i["tokens"]) > frozen)
         await client.abort_request(mode)
         res = await asyncio.wait_for(task, 60)
         assert res.finish_reason == "abort" and len(res.output_ids) > 0
@@ -112,12 +123,12 @@ async def test_pause_abort_returns_in_flight_and_queues_new(engine_server: Launc
     client = SGLangClient(engine_server.url)
     try:
         task = asyncio.create_task(client.generate([1, 6], LONG, rid="pa"))
-        await _started(client, "pa", task)
+        await _started(client, task)
         await client.pause_generation("abort")
         assert (await asyncio.wait_for(task, 30)).finish_reason == "abort"
         queued = asyncio.create_task(client.generate([1, 6], {"max_new_tokens": 3}))
-        await asyncio.sleep(0.3)
-        assert not queued.done()
+        await _until(client, "the new request queued", lambda i: i["num_requests"] == 1)
+        assert not queued.done() and (await client.get_server_info())["paused"]
         await client.continue_generation()
         assert (await asyncio.wait_for(queued, 30)).finish_reason in ("stop", "length")
     finally:
