@@ -143,12 +143,14 @@ def cluster_pids(tmp: Path) -> list[int]:
 
 def stop_cluster(procs: list[subprocess.Popen], tmp: Path) -> None:
     """SIGTERM each ``ray start --block`` session (it ends its node), then SIGKILL what is left
-    of it, and of the daemons it started (found by the cluster's temp dir), by pid."""
+    of it after 5 s (Ray's graceful stop took ~30 s here, all of it in the suite's time), and
+    of the daemons it started (found by the cluster's temp dir), by pid."""
     for p in reversed(procs):
         _killpg(p.pid, signal.SIGTERM)
+    deadline = time.monotonic() + 5
     for p in reversed(procs):
         try:
-            p.wait(30)
+            p.wait(max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             _killpg(p.pid, signal.SIGKILL)
             p.wait(10)
