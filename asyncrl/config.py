@@ -522,6 +522,41 @@ class RunConfig(_Section):
 
     def __post_init__(self) -> None:
         _check_positive(self)
+        _check_backend_options(self)
+
+
+_COLLECTIVES = ("auto", "gloo", "nccl", "hccl")
+_COLLECTIVE_ONLY = ("verify", "delta", "full_every", "dtype", "zero_copy_frac", "staging_buckets",
+                    "min_buckets", "bucket_mb")  # fmt: skip
+# option -> (the key choosing the backend, the backends it applies to): a value other than the
+# default under another backend would be ignored silently, so it is refused
+_BACKEND_ONLY: dict[str, tuple[str, tuple[str, ...]]] = {
+    "weights.ipc_verify": ("weights.backend", ("cuda-ipc",)),
+    "weights.ipc_copy": ("weights.backend", ("cuda-ipc",)),
+    **{f"weights.{k}": ("weights.backend", _COLLECTIVES) for k in _COLLECTIVE_ONLY},
+    "rollout.kv_after_update": ("rollout.backend", ("local",)),
+    **{
+        f"rollout.{k}": ("rollout.backend", ("sglang",))
+        for k in ("sglang_entrypoint", "dtype", "tp_size", "mem_fraction_static")
+    },
+}
+
+
+def _check_backend_options(cfg: RunConfig) -> None:
+    """An option set (not its default) under a backend that does not use it: ValueError naming
+    the backends it belongs to."""
+    for key, (chooser, backends) in _BACKEND_ONLY.items():
+        section, name = key.split(".")
+        node = getattr(cfg, section)
+        backend = getattr(node, chooser.split(".")[1])
+        if backend in backends:
+            continue
+        value, default = getattr(node, name), getattr(type(node)(), name)
+        if value != default:
+            raise ValueError(
+                f"{key}={value!r} applies to {chooser} = {' | '.join(map(repr, backends))} "
+                f"only; this run has {chooser}={backend!r}"
+            )
 
 
 _POSITIVE = {
@@ -667,6 +702,9 @@ def _convert(tree: dict[str, Any]) -> RunConfig:
         return msgspec.convert(tree, RunConfig, strict=False)
     except msgspec.ValidationError as exc:
         msg = str(exc)
+        own = msg.split(" - at `$", 1)[0]
+        if own.split(".", 1)[0] in RunConfig.__struct_fields__:  # a check of ours names its key
+            raise ValueError(own) from None
         path: list[str] = []
         if "at `$." in msg:
             dotted = msg.rsplit("at `$.", 1)[1].rstrip("`")

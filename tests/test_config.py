@@ -52,6 +52,36 @@ def test_errors_name_the_key(override: str, needle: str) -> None:
     assert needle in str(info.value)
 
 
+@pytest.mark.parametrize(
+    ("overrides", "needle"),
+    [
+        (["--weights.ipc_copy=foreach"], "weights.ipc_copy='foreach' applies to weights.backend = "
+         "'cuda-ipc' only; this run has weights.backend='auto'"),
+        (["--weights.backend=gloo", "--weights.ipc_verify=true"], "'cuda-ipc' only"),
+        (["--weights.backend=cuda-ipc", "--weights.delta=auto"],
+         "weights.delta='auto' applies to weights.backend = 'auto' | 'gloo' | 'nccl' | 'hccl'"),
+        (["--rollout.tp_size=2"], "rollout.tp_size=2 applies to rollout.backend = 'sglang' only"),
+        (["--rollout.backend=sglang", "--rollout.kv_after_update=keep"],
+         "applies to rollout.backend = 'local' only; this run has rollout.backend='sglang'"),
+    ],
+)  # fmt: skip
+def test_an_option_of_another_backend_is_refused(overrides: list[str], needle: str) -> None:
+    """Not silently ignored: the message names the backend(s) the option belongs to."""
+    with pytest.raises(ValueError) as info:
+        load_config(None, overrides)
+    assert needle in str(info.value)
+    assert "invalid config key" not in str(info.value)  # one line, the key first
+
+
+def test_options_of_the_chosen_backend_are_taken() -> None:
+    cfg = load_config(None, ["--weights.backend=cuda-ipc", "--weights.ipc_copy=foreach"])
+    assert cfg.weights.ipc_copy == "foreach"
+    cfg = load_config(None, ["--rollout.backend=sglang", "--rollout.tp_size=2"])
+    assert cfg.rollout.tp_size == 2
+    cfg = load_config(None, ["--weights.backend=gloo", "--weights.delta=auto"])
+    assert cfg.weights.delta == "auto"
+
+
 def test_missing_file_and_bad_toml(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="not found"):
         load_config(tmp_path / "missing.toml")
