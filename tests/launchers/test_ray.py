@@ -208,3 +208,41 @@ def test_trainer_killed_on_its_node_restarts_from_the_checkpoint(
     assert len(ids) == len(set(ids))  # each sample trained once in the final history
     urls = read_json(run / "resume.json")["engines"]  # what the restarted rank pushed to
     assert len(urls) == 1 and urls[0].startswith(f"http://{HEAD}:"), urls
+
+
+def test_driver_sigkilled_leaves_no_process_on_either_node_and_resumes(
+    ray_cluster: Cluster, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The driver (`asyncrl run`) SIGKILLed mid-run: Ray reclaims its job's actors and their
+    processes die with them (parent-death signal), on both nodes; `--resume` on the cluster
+    continues from the newest checkpoint, each step once."""
+    from asyncrl.controllers import checkpoints as ckpts
+    from tests.test_resume import _alive, _check_exactly_once, _finish, _rows, _wait_rows
+
+    run = tmp_path / "run"
+    cli = [sys.executable, "-m", "asyncrl.cli", "run", "--quiet"]
+
+    def start(*args: str) -> subprocess.Popen:
+        env = python_env(ray_cluster.env)
+        return subprocess.Popen(
+            [*cli, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+
+    proc = start(
+        "--run-dir", str(run), f"--model.path={tiny_model_dir}", "--controller.batch_size=4",
+        "--controller.total_steps=1000", "--checkpoint.every_steps=3", *ray_cluster.run_flags(),
+    )  # fmt: skip
+    _wait_rows(run, proc, 5)
+    pids = read_json(run / "processes.json")
+    assert set(pids) == {"engine0", "trainer0"}
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 60
+    while (left := [n for n, p in pids.items() if _alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, f"alive 60 s after the driver's death: {left}"
+    resumed_from, _ = ckpts.latest_checkpoint(run)
+    steps = resumed_from + 3
+    rc, out = _finish(start("--resume", str(run), f"--controller.total_steps={steps}"), 240)
+    assert rc == 0, out[-3000:]
+    _check_exactly_once(_rows(run), steps, 4)
