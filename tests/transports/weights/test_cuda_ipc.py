@@ -99,7 +99,8 @@ def test_cuda_ipc_failures_keep_the_old_version_on_every_engine(
 
 
 def test_ipc_config_and_cpu_tensors_are_refused_with_clear_errors() -> None:
-    assert load_config(overrides=["--weights.ipc_verify=true"]).weights.ipc_verify
+    cfg = load_config(overrides=["--weights.backend=cuda-ipc", "--weights.ipc_verify=true"])
+    assert cfg.weights.ipc_verify
     with pytest.raises(ValueError, match=r"cuda-ipc pushes CUDA tensors; w is on cpu"):
         IpcExport().update([("w", torch.zeros(2))])
 
