@@ -8,8 +8,11 @@ Contract (driver side; no torch):
   per engine; one more death takes it out of the run for good, and when no engine
   is left the run stops with an error naming each), waits until it answers ``/health``,
   swaps the router's client when the URL changed (Ray may place it on another node),
-  and tells every trainer rank the new engine set (:class:`Engines`), between two
-  steps' messages (``send_lock``).
+  and tells every trainer rank the new engine set (:class:`Engines`, numbered by
+  ``epoch``) twice: at once as a notice (``ExperienceSender.notify``: rank 0's weight
+  sender takes the set for its next push, and a push under way stops waiting on an
+  engine that left it, while the trainer is mid-step), and between two steps' messages
+  (``send_lock``) for the re-sync below.
 - Trainer rank 0 re-forms the weight group with that set before its next push and
   pushes the current weights; its :class:`EnginesSynced` answer is handed to
   :meth:`EngineSet.synced`, which puts the engines that were waiting for weights
@@ -62,6 +65,7 @@ class EngineSet:
         self.gone: dict[str, str] = {}  # engines out of the run for good: why
         self.waiting: dict[str, SGLangClient] = {}  # url -> client held until re-synced
         self.send_lock = asyncio.Lock()  # one step's messages, or one Engines, at a time
+        self.epoch = 0  # changes of the engine set told to the trainer (Engines.epoch)
 
     def urls(self) -> list[str]:
         return [c.url for c in self.clients.values()]
@@ -91,8 +95,7 @@ class EngineSet:
             await old.close()
         self.waiting[url] = client
         self.died_at[url] = (name, count, detected)
-        async with self.send_lock:
-            await chan.broadcast(Engines(urls=self.urls()))
+        await self.announce(chan)
 
     async def give_up(self, name: str, death: Death, router: Router, chan: Any) -> None:
         """``name`` died once more than ``rollout.max_restarts`` allows: it leaves the run
@@ -111,9 +114,17 @@ class EngineSet:
         )  # fmt: skip
         router.remove(client)
         self.waiting.pop(client.url, None)
+        await self.announce(chan)
         await client.close()
+
+    async def announce(self, chan: Any) -> None:
+        """Tell every trainer rank the engine set now (the next ``epoch``): at once over
+        its control connection (a notice), then in order between two steps' messages."""
+        self.epoch += 1
+        msg = Engines(urls=self.urls(), epoch=self.epoch)
+        chan.notify(msg)
         async with self.send_lock:
-            await chan.broadcast(Engines(urls=self.urls()))
+            await chan.broadcast(msg)
 
     def synced(self, msg: EnginesSynced, router: Router) -> list[str]:
         """Trainer rank 0 re-synced ``msg.urls``: engines waiting for it go back in rotation;

@@ -155,3 +155,51 @@ def _kill_engine_mid_run(cmd: list[str], env: dict[str, str], run: Path, after_r
     assert proc.returncode == 0, text
     assert not _alive(killed)
     return text
+
+
+def test_engine_leaving_for_good_does_not_stall_the_weight_push(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """One of two engines dies with no restart allowed while the other stays: the run goes on
+    with the engine left, and no push waits for the dead one (``weights.timeout_s`` is 120 s
+    here: a push that waited for it would hold the next steps' rows back that long)."""
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "asyncrl.cli", "run", "--run-dir", str(run), "--quiet"]
+    cmd += [f"--model.path={tiny_model_dir}", "--controller.total_steps=200"]
+    cmd += ["--controller.batch_size=4", "--rollout.num_engines=2", "--rollout.max_restarts=0"]
+    cmd += ["--weights.timeout_s=120", "--checkpoint.every_steps=0"]
+    metrics = run / "metrics.jsonl"
+    proc = subprocess.Popen(cmd, env=python_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    pids: dict[str, int] = {}
+    try:
+        deadline, killed, before = time.monotonic() + 60, 0.0, 0
+        while proc.poll() is None and time.monotonic() < deadline and not killed:
+            rows = len(metrics.read_text().splitlines()) if metrics.is_file() else 0
+            if rows >= 2:
+                pids = json.loads((run / "processes.json").read_text())
+                os.kill(pids["engine1"], signal.SIGKILL)
+                killed, before = time.monotonic(), rows
+            time.sleep(0.05)
+        assert killed, "the run ended or stalled before the engine could be killed"
+        # 4 more steps trained and pushed with the engine left: well before weights.timeout_s
+        deadline = killed + 30
+        while proc.poll() is None and time.monotonic() < deadline:
+            rows = metrics.read_text().splitlines()
+            if len(rows) >= before + 4:
+                break
+            time.sleep(0.05)
+        after = [json.loads(line) for line in metrics.read_text().splitlines()[before:]]
+        took = time.monotonic() - killed
+        assert proc.poll() is None, "the run ended"
+        assert len(after) >= 4, f"{len(after)} step(s) in {took:.1f}s after engine1 left"
+        pushes = [r["sync_s"] for r in after if "sync_s" in r]
+        assert max(pushes, default=0.0) < 20, pushes
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = out.decode(errors="replace")
+    assert "engine1 exited with -9 after 0 restarts: out of the run; 1 engine(s) left" in text
+    assert not [p for p in pids.values() if _alive(p)], pids

@@ -42,6 +42,7 @@ from asyncrl.transports.experience.types import (
 from asyncrl.transports.experience.zmq import ExperienceReceiver
 from asyncrl.transports.weights import make_weight_transport
 from asyncrl.transports.weights.base import (
+    EnginesLeft,
     PushHandle,
     WeightsUndefined,
     WeightSyncError,
@@ -119,20 +120,32 @@ def _resync(
     chan: ExperienceReceiver,
     sender: WeightTransport | None,
     weights: Any,
-    urls: list[str],
+    msg: Engines,
     version: int,
     fatal: threading.Event,
 ) -> None:
-    """The engine set changed: re-form the weight group with ``urls`` and push the current
-    weights (``version``) to all of them; rank 0 answers :class:`EnginesSynced` (a push
-    that leaves SGLang weights undefined is fatal, as in any push)."""
+    """The engine set changed: re-form the weight group with it (``msg``'s, or a newer one
+    the sender was told meanwhile) and push the current weights (``version``) to all of
+    them; rank 0 answers :class:`EnginesSynced` (a push that leaves SGLang weights undefined
+    is fatal, as in any push). An engine that leaves meanwhile is left out: pushed again to
+    the others."""
     if sender is None:
         for _ in weights:  # collective under sharding: every rank takes part
             pass
         return
+    urls = list(msg.urls)
     try:
-        sender.connect(urls)
-        sender.push(weights, version=version).wait()
+        tensors = list(weights)  # kept for a push again (collective under sharding: once)
+        sender.engines_changed(urls, msg.epoch)
+        sender.connect()
+        for left in range(len(urls), -1, -1):
+            try:
+                sender.push(tensors, version=version).wait()
+                break
+            except EnginesLeft as exc:
+                if not left:
+                    raise
+                log.warning("re-sync at version %d: %s; pushing again", version, exc)
     except WeightsUndefined as exc:
         _push_failed(chan, exc, fatal)
         return
@@ -142,6 +155,15 @@ def _resync(
         return
     log.info("engines %s re-synced at version %d", urls, version)
     chan.report(EnginesSynced(urls=urls, version=version))
+
+
+def _notice_handler(sender: WeightTransport) -> Callable[[Engines], None]:
+    """Rank 0: hand the controller's engine-set notices to the weight sender at once."""
+
+    def handle(msg: Engines) -> None:
+        sender.engines_changed(msg.urls, msg.epoch)  # the sender logs a change
+
+    return handle
 
 
 def run(args: argparse.Namespace) -> None:
@@ -184,6 +206,7 @@ def run(args: argparse.Namespace) -> None:
             cfg.weights, urls, cfg.trainer.device, cfg.rollout.pause_mode, cfg.rollout.backend
         )
         sender.connect()
+        chan.on_notice = _notice_handler(sender)  # engine set changes, also mid-step
     state = RunState(algorithm, args.rank, chan.report)
     fatal = threading.Event()  # set once a push left engines undefined: train no more
     version = 0  # of the weights this rank holds (step + 1 of the last step trained)
@@ -217,7 +240,7 @@ def run(args: argparse.Namespace) -> None:
                 continue
             if isinstance(msg, Engines):
                 if not fatal.is_set():
-                    _resync(chan, sender, engine.named_weights(), list(msg.urls), version, fatal)
+                    _resync(chan, sender, engine.named_weights(), msg, version, fatal)
                 continue
             if not isinstance(msg, TrainBatch) or fatal.is_set():
                 continue  # after a fatal push: wait for the controller's Shutdown

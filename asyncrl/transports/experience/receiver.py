@@ -2,7 +2,7 @@
 
 See ``zmq.py`` for the protocol. The receiver connects a data DEALER (batches
 in, credits out; used by the consumer's own thread) and a control DEALER
-(heartbeats from a small thread, reports from any thread) to every producer.
+(heartbeats and notices on a small thread, reports from any thread) to every producer.
 On the producer's host it maps the shared-memory rings producers announce (``shm.py``).
 """
 
@@ -13,7 +13,7 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import msgspec
 import zmq
@@ -36,6 +36,7 @@ __all__ = ["Delivery", "ExperienceReceiver"]
 
 log = logging.getLogger(__name__)
 _DRAIN = 64  # messages taken per readiness event, so a flood cannot starve timeouts
+_NOTICE_POLL_S = 0.05  # how often the control thread looks for notices
 
 
 class Delivery(msgspec.Struct, gc=False):
@@ -62,7 +63,14 @@ class ExperienceReceiver:
     after that. So ack a delivery only once its arrays are copied or no longer
     used (the trainer acks after its train step built its tensors), or pass
     ``copy=True`` to get arrays of their own. ``shm=False`` never maps rings.
+
+    Notices (:class:`Engines` a producer sent with ``notify``) arrive on the control
+    connections and are handed, within ``_NOTICE_POLL_S``, to ``on_notice`` (set it to a
+    callable; None drops them) on the receiver's own thread: they reach the consumer's
+    process while its thread is busy. The handler must return quickly.
     """
+
+    on_notice: Callable[[Engines], None] | None = None
 
     def __init__(
         self,
@@ -207,11 +215,46 @@ class ExperienceReceiver:
                 self._acks[i] = []
 
     def _heartbeat(self, interval_s: float) -> None:
+        """Heartbeat every ``interval_s``; hand notices to ``on_notice`` as they come."""
         beat = encode(Credit())
-        while not self._stop.wait(interval_s):
+        due = time.monotonic() + interval_s
+        while not self._stop.wait(min(interval_s, _NOTICE_POLL_S)):
             with self._ctl_lock:
-                for s in self._ctl:
-                    _send(s, beat)
+                if time.monotonic() >= due:
+                    due = time.monotonic() + interval_s
+                    for s in self._ctl:
+                        _send(s, beat)
+                notices = self._take_notices()
+            for msg in notices:
+                handler = self.on_notice
+                if handler is None:
+                    continue
+                try:
+                    handler(msg)
+                except (ValueError, RuntimeError) as exc:  # logged; heartbeats go on
+                    log.error("rank %d: notice %s not taken: %s", self.rank, msg, exc)
+
+    def _take_notices(self) -> list[Engines]:
+        """Notices waiting on the control connections (caller holds ``_ctl_lock``); anything
+        else a producer sends there is rejected, logged."""
+        out: list[Engines] = []
+        for i, s in enumerate(self._ctl):
+            for _ in range(_DRAIN):
+                try:
+                    frames = s.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                try:
+                    msg, _ = decode(frames, self._max_bytes)
+                    if not isinstance(msg, Engines):
+                        raise MalformedMessage(
+                            "protocol", f"a producer may not notify {type(msg).__name__}"
+                        )
+                except MalformedMessage as exc:
+                    self._reject(exc, self.endpoints[i])
+                    continue
+                out.append(msg)
+        return out
 
     def _drain(self, sock: zmq.Socket, producer: int) -> None:
         for _ in range(_DRAIN):

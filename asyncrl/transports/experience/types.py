@@ -232,11 +232,17 @@ class Shutdown(msgspec.Struct, tag="shutdown", array_like=True, gc=False, omit_d
 
 class Engines(msgspec.Struct, tag="engines", array_like=True, gc=False, omit_defaults=True):
     """Producer -> every trainer rank: the rollout engines are now ``urls`` (one restarted,
-    joined or left). Rank 0 re-forms the weight group with them and pushes the current
-    weights (the other ranks take part in gathering them), then answers
-    :class:`EnginesSynced`. Sent between steps (never inside one step's messages)."""
+    joined or left), as of the run's ``epoch``-th change of its engine set.
+
+    Sent twice. On the data connection, between steps (never inside one step's messages):
+    rank 0 re-forms the weight group with them and pushes the current weights (the other
+    ranks take part in gathering them), then answers :class:`EnginesSynced`. On the control
+    connection at once, as a notice (``ExperienceSender.notify``): rank 0's weight sender
+    takes the new set for its next push and stops waiting on an engine that is not in it,
+    while the trainer is still busy with a step. The newer ``epoch`` wins."""
 
     urls: list[str]
+    epoch: int = 0
 
 
 class EnginesSynced(

@@ -9,8 +9,10 @@ consumer (trainer rank r) connects one DEALER to every producer. Protocol::
     consumer ─ Credit(acked=[seq...], grant=k) ───────────▶ producer   (after processing; heartbeat
                                                                         when empty)
     consumer ─ StepDone / Saved / Synced / Shutdown ──────▶ producer   (reports, any thread)
-    producer ─ Save / Shutdown ───────────────────────────▶ consumer   (broadcast, in order
+    producer ─ Save / Shutdown / Engines ─────────────────▶ consumer   (broadcast, in order
                                                                         after the batches sent)
+    producer ─ Engines (notice) ──────────────────────────▶ consumer's control connection
+                                                                       (notify: at once)
 
 Back-pressure, not loss: a producer sends to rank r only while it holds credit
 from r; it keeps every sent message (its frames: references, no copy) until r
@@ -126,6 +128,7 @@ class _Peer:
 
     def __init__(self) -> None:
         self.ident: bytes | None = None
+        self.control: bytes | None = None  # its control connection's identity (notices)
         self.incarnation: int | None = None
         self.alive = False
         self.credit = 0
@@ -281,6 +284,27 @@ class ExperienceSender:
         assert msg is not None
         return msg
 
+    def notify(self, msg: Message) -> int:
+        """Send ``msg`` (an :class:`Engines` notice) at once over every rank's control
+        connection, not queued behind the batches: the receiver hands it to its notice
+        handler (``ExperienceReceiver.on_notice``) from its own thread, also while the
+        rank is busy training. Best effort: a rank not connected (or gone) misses it, so
+        whatever must arrive is also sent in order with :meth:`broadcast`. Returns how many
+        ranks it was handed to."""
+        frames = encode(msg)
+        sent = 0
+        for rank, peer in enumerate(self._peers):
+            if peer.control is None:
+                continue
+            try:
+                self._sock.send_multipart([peer.control, *frames], zmq.NOBLOCK)
+                sent += 1
+            except zmq.ZMQError as exc:  # EHOSTUNREACH: that connection is gone
+                log.warning("notice %s not sent to rank %d: %s", type(msg).__name__, rank, exc)
+        if self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # see _transmit
+            self._readable.set()
+        return sent
+
     async def broadcast(self, msg: Message) -> int:
         """Send a control message (e.g. Shutdown) to every rank that has said Hello; returns
         how many ranks it was handed to."""
@@ -306,6 +330,7 @@ class ExperienceSender:
         peer.pending.clear()
         peer.resend.clear()
         peer.alive, peer.ident, peer.incarnation, peer.credit = False, None, None, 0
+        peer.control = None
         self._changed.set()
         return seqs
 
@@ -442,7 +467,10 @@ class ExperienceSender:
             raise MalformedMessage("protocol", f"data hello with credit {msg.credit}")
         self._by_ident[ident] = (msg.rank, msg.incarnation)
         peer = self._peers[msg.rank]
-        if msg.control or peer.ident == ident:
+        if msg.control:
+            peer.control = ident  # the newest incarnation's: notices go there
+            return
+        if peer.ident == ident:
             return
         if peer.ident is not None:
             self._by_ident.pop(peer.ident, None)

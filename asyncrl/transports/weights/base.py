@@ -8,6 +8,13 @@ Contract (sender, trainer rank 0):
   a new list of engines, it tears the old group down and forms a new one: this
   is how a restarted or added engine joins; the next push brings it the
   current weights (every push carries the full weights).
+- ``engines_changed(engine_urls, epoch)`` (any thread, returns at once): the run's
+  engine set is now ``engine_urls`` (its ``epoch``-th change; older epochs are
+  ignored). The next push, or ``connect()``, forms the group with exactly these
+  engines, so no push waits on an engine that left the run. A re-form under way that
+  waits on an engine not in the set starts again with the set; a push under way that
+  involves one fails at once with :class:`EnginesLeft` naming it (tried once more with
+  the engines left when nothing of it was sent yet).
 - ``push(named_weights, version)`` consumes the iterable in the caller's thread
   (so collectives inside it, e.g. FSDP all-gathers, run on every rank) and
   returns a :class:`PushHandle` at once. A background sender packs the tensors
@@ -38,11 +45,23 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["PushHandle", "WeightSyncError", "WeightTransport", "WeightsUndefined"]
+__all__ = ["EnginesLeft", "PushHandle", "WeightSyncError", "WeightTransport", "WeightsUndefined"]
 
 
 class WeightSyncError(RuntimeError):
     """A push did not reach every engine; the engines kept their previous version."""
+
+
+class EnginesLeft(WeightSyncError):
+    """A push or re-form stopped waiting on engines that are no longer in the run's engine
+    set (``engines_changed``); ``urls`` names them."""
+
+    def __init__(self, urls: Sequence[str], now: Sequence[str]):
+        self.urls = list(urls)
+        super().__init__(
+            f"engine(s) {', '.join(self.urls)} left the run's engine set (now: "
+            f"{', '.join(now)}): not waiting on them (the others kept their weights)"
+        )
 
 
 class WeightsUndefined(WeightSyncError):
@@ -94,6 +113,10 @@ class WeightTransport(Protocol):
 
     def connect(self, engine_urls: Sequence[str] | None = None) -> None:
         """Form (or re-form, with these engines) the transport with every engine."""
+        ...
+
+    def engines_changed(self, engine_urls: Sequence[str], epoch: int) -> None:
+        """The run's engine set changed (see module docstring); any thread, returns at once."""
         ...
 
     def push(self, named_weights: Iterable[tuple[str, torch.Tensor]], version: int) -> PushHandle:

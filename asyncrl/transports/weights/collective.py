@@ -231,6 +231,12 @@ def _refused(task: asyncio.Task[Any], sglang: bool) -> bool:
     return not (exc.status == 200 or (sglang and exc.answered))
 
 
+def _seen(fut: asyncio.Future[Any]) -> None:
+    """Mark a future's exception as retrieved (asyncio would log it as never retrieved)."""
+    if not fut.cancelled():
+        fut.exception()
+
+
 def sglang_release(info: dict[str, Any]) -> tuple[int, ...]:
     """The SGLang version in a ``/server_info`` answer (``version``); the embedded engine,
     which has none, counts as the newest."""
@@ -388,6 +394,7 @@ class CollectiveWeightSender(BucketSender):
         wire = flat.view(torch.uint8)  # bytes: what SGLang receives into (FlattenedTensorBucket)
         work = await loop.run_in_executor(self._poster, post_broadcast, self._group, wire)
         sent = loop.run_in_executor(self._bcast, finish_broadcast, work, flat)
+        sent.add_done_callback(_seen)  # its error, when _watch raised first, is that one's
         return asyncio.ensure_future(self._watch(m, sent, acks))
 
     async def _watch(self, m: BucketManifest, sent: asyncio.Future[None], acks: Acks) -> None:

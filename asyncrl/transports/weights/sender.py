@@ -45,7 +45,7 @@ import threading
 import time
 from collections.abc import Coroutine, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import torch
@@ -54,7 +54,12 @@ from asyncrl import trace
 from asyncrl.config import WeightSyncConfig
 from asyncrl.engines.rollout.base import EngineError, EngineUnavailable
 from asyncrl.engines.rollout.sglang import SGLangClient
-from asyncrl.transports.weights.base import PushHandle, WeightsUndefined, WeightSyncError
+from asyncrl.transports.weights.base import (
+    EnginesLeft,
+    PushHandle,
+    WeightsUndefined,
+    WeightSyncError,
+)
 from asyncrl.transports.weights.bucket import (
     BucketManifest,
     TensorSpec,
@@ -73,6 +78,7 @@ __all__ = ["DELTA_CAPABILITY", "BucketSender", "bucket_extra", "new_event_loop"]
 log = logging.getLogger("asyncrl.weights")
 
 Acks = list[tuple[str, "asyncio.Task[Any]"]]
+T = TypeVar("T")
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
@@ -139,6 +145,10 @@ class BucketSender:
         self._packer = ThreadPoolExecutor(1, thread_name_prefix="weight-pack")
         self._lock: asyncio.Lock | None = None
         self._formed = False
+        self._epoch = 0  # of the newest engine set told (engines_changed)
+        self._op: asyncio.Task[Any] | None = None  # the push attempt or re-form under way
+        self._left: list[str] = []  # engines it involved that left the set (it was cancelled)
+        self._started = False  # the push attempt under way has sent something to an engine
         self._plan_key: tuple[TensorSpec, ...] = ()
         self._plan: list[BucketManifest] = []
         self._slot_bytes: list[int] = []  # staging slot sizes; a slot is allocated on first use
@@ -190,12 +200,52 @@ class BucketSender:
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     def connect(self, engine_urls: Sequence[str] | None = None) -> None:
-        """Form the transport (again, with ``engine_urls`` when given); blocks until formed."""
-        if engine_urls is not None:
-            if not engine_urls:
-                raise ValueError("weight sync needs at least one engine URL")
-            self.urls = list(engine_urls)
-        self._run(self._reform()).result()
+        """Form the transport (again, with ``engine_urls`` when given, else with the current
+        set); blocks until formed."""
+        if engine_urls is not None and not engine_urls:
+            raise ValueError("weight sync needs at least one engine URL")
+        self._run(self._reform(None if engine_urls is None else list(engine_urls))).result()
+
+    def engines_changed(self, engine_urls: Sequence[str], epoch: int) -> None:
+        """The run's engine set is now ``engine_urls``, its ``epoch``-th change (see base):
+        the next push or re-form uses it; one under way stops waiting on an engine not in
+        it. Safe from any thread; returns at once (an older ``epoch`` is ignored)."""
+        urls = list(engine_urls)
+        if not urls:
+            raise ValueError("weight sync needs at least one engine URL")
+        self._loop.call_soon_threadsafe(self._set_engines, urls, epoch)
+
+    def _set_engines(self, urls: list[str], epoch: int) -> None:
+        """On the sender's loop: take the set (see ``engines_changed``)."""
+        if epoch < self._epoch:
+            return
+        self._epoch = epoch
+        if urls == self.urls:
+            return
+        log.info("engine set %d: %s (was %s)", epoch, urls, self.urls)
+        self.urls = urls
+        self._formed = False  # the next push forms the group with exactly these engines
+        op = self._op
+        left = [c.url for c in self.clients if c.url not in urls]
+        if left and op is not None and not op.done():
+            self._left = left
+            op.cancel()
+
+    async def _guarded(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run ``coro`` (a push attempt or a re-form) as the operation under way; when an
+        engine it involves leaves the set, it is cancelled and :class:`EnginesLeft` raised
+        naming the engine(s), instead of waiting on them (see ``_set_engines``)."""
+        task = asyncio.ensure_future(coro)
+        self._op, self._left = task, []
+        try:
+            return await task
+        except asyncio.CancelledError:
+            me = asyncio.current_task()
+            if not self._left or not task.cancelled() or (me is not None and me.cancelling()):
+                raise  # cancelled from outside (shutdown): not ours to turn into an error
+            raise EnginesLeft(self._left, self.urls) from None
+        finally:
+            self._op = None
 
     def close(self) -> None:
         if self._last is not None and not self._last.done():
@@ -211,11 +261,18 @@ class BucketSender:
                 self._thread.join(timeout=10)
         self._packer.shutdown(wait=False)
 
-    async def _reform(self) -> None:
+    async def _reform(self, urls: list[str] | None = None) -> None:
         if self._lock is None:
             self._lock = asyncio.Lock()
         async with self._lock:
-            await self._reform_locked()
+            if urls is not None:
+                self.urls = urls
+            while True:  # again only after the set changed (an engine left meanwhile)
+                try:
+                    await self._guarded(self._reform_locked())
+                    return
+                except EnginesLeft as exc:
+                    log.warning("%s; forming the weight group with %s", exc, self.urls)
 
     async def _shutdown(self) -> None:
         if self._formed:
@@ -393,24 +450,23 @@ class BucketSender:
             try:
                 if self._left_undefined is not None:  # fatal: the engines stay as they are
                     raise WeightsUndefined(f"v{version} not pushed: {self._left_undefined}")
-                for attempt in range(attempts):
+                attempt = 0
+                while True:
                     try:
-                        if not self._formed:  # a failed push broke the group: re-form it
-                            await self._reform_locked()
-                        plan = self._plan_for(tensors)
-                        if packed is None and not attempt:
-                            self._decide_delta()
-                        self._snap_at = t_push
-                        redo = self._packed if attempt and len(self._packed) == len(plan) else None
-                        await self._deliver(plan, tensors, version, snap, redo or packed)
+                        job = self._attempt(tensors, version, snap, t_push, packed, attempt)
+                        plan = await self._guarded(job)
                         break
                     except WeightSyncError as exc:
+                        if isinstance(exc, EnginesLeft) and not self._started:
+                            log.warning("v%d: %s; pushing to %s", version, exc, self.urls)
+                            continue  # nothing of it sent yet: the engines left get it
                         if attempt == attempts - 1:
                             if self.sglang:
                                 self._left_undefined = self._undefined(version, attempts, exc)
                                 raise self._left_undefined from exc
                             raise
                         log.warning("v%d: re-pushing (SGLang weights undefined): %s", version, exc)
+                        attempt += 1
                 snap_s = self._snap_at - t_push
             except BaseException:
                 self._base_version = None  # engines may hold anything staged: next push is full
@@ -438,6 +494,30 @@ class BucketSender:
                 "delta": float(self._delta_now),
             }
             return stats | self._stats
+
+    async def _attempt(
+        self,
+        tensors: dict[str, torch.Tensor],
+        version: int,
+        snap: threading.Event,
+        t_push: float,
+        packed: list[tuple[BucketManifest, torch.Tensor]] | None,
+        attempt: int,
+    ) -> list[BucketManifest]:
+        """One delivery of a push, the group formed first when it is not (a failed push broke
+        it, or the engine set changed); the plan it delivered. ``_started`` tells whether
+        anything of it reached an engine."""
+        self._started = False
+        if not self._formed:
+            await self._reform_locked()
+        plan = self._plan_for(tensors)
+        if packed is None and not attempt:
+            self._decide_delta()
+        self._snap_at = t_push
+        redo = self._packed if attempt and len(self._packed) == len(plan) else None
+        self._started = True
+        await self._deliver(plan, tensors, version, snap, redo or packed)
+        return plan
 
     async def _deliver(
         self,
@@ -663,6 +743,8 @@ class BucketSender:
             if isinstance(r, BaseException)
         ]
         if errors:
+            if any(not isinstance(e, EngineError) for _, e in errors):
+                self._formed = False  # an engine unreachable (died?): re-form next time
             detail = "; ".join(f"{u}: {e}" for u, e in errors)
             raise WeightSyncError(f"{what} failed on {len(errors)} engine(s): {detail}")
 

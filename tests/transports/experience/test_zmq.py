@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import queue
 import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -25,6 +27,7 @@ from asyncrl.transports.experience.types import (
     SCHEMA_VERSION,
     ConsumerLost,
     Credit,
+    Engines,
     Hello,
     Ring,
     Shutdown,
@@ -346,6 +349,45 @@ async def test_sender_rejects_garbage_and_keeps_serving(tmp_path: Path) -> None:
         rx.close()
         bad.close(linger=0)
         ctx.term()
+        await tx.close()
+
+
+async def test_notice_reaches_a_rank_that_never_calls_recv_and_ordered_copies_follow() -> None:
+    """``notify`` goes over the control connections: each rank's ``on_notice`` gets it on
+    the receiver's own thread while the consumer thread is busy elsewhere (it never calls
+    ``recv`` here); anything but Engines there is rejected and the channel keeps serving;
+    the ordered copy (``broadcast``) still arrives through ``recv``, behind the batch."""
+    tx = ExperienceSender(2, "tcp://127.0.0.1:*")
+    got: queue.Queue[tuple[int, Engines, str]] = queue.Queue()
+    rxs = [ExperienceReceiver([tx.endpoint], r, 2, credits=2, heartbeat_s=0.2) for r in range(2)]
+    for r, rx in enumerate(rxs):
+        rx.on_notice = lambda m, r=r: got.put((r, m, threading.current_thread().name))
+    try:
+        for r, rx in enumerate(rxs):  # a report proves the control connection said Hello
+            rx.report(StepDone(step=r, version=r))
+        assert {(await asyncio.wait_for(tx.recv_report(), 10)).step for _ in rxs} == {0, 1}
+        notice = Engines(urls=["http://127.0.0.1:1", "http://127.0.0.1:2"], epoch=3)
+        assert tx.notify(notice) == 2
+        seen = [await asyncio.to_thread(got.get, True, 10) for _ in rxs]
+        assert sorted(r for r, _, _ in seen) == [0, 1]
+        assert all(m == notice and name == f"xport-hb{r}" for r, m, name in seen), seen
+        assert tx.notify(Shutdown(reason="not a notice")) == 2
+        for _ in range(200):
+            if all(rx.rejected == 1 for rx in rxs):
+                break
+            await asyncio.sleep(0.05)
+        assert [rx.rejected_by for rx in rxs] == [{"protocol": 1}] * 2
+        assert got.empty()
+        later = Engines(urls=["http://127.0.0.1:1"], epoch=4)
+        await tx.send([make_traj(1, 1)], rank=0, step=7)
+        await tx.broadcast(later)
+        assert tx.notify(later) == 2
+        assert (await asyncio.to_thread(got.get, True, 10))[1] == later
+        first, second = await _recv(rxs[0]), await _recv(rxs[0])
+        assert isinstance(first.msg, TrainBatch) and second.msg == later
+    finally:
+        for rx in rxs:
+            rx.close()
         await tx.close()
 
 

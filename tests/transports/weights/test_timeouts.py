@@ -1,4 +1,5 @@
-"""Every wait of a push ends: an engine that stops reading mid-push (SIGSTOP) is named."""
+"""Every wait of a push ends: an engine that stops reading mid-push (SIGSTOP) is named; one
+that left the run (SIGKILL) is not waited for once the sender is told the new engine set."""
 
 from __future__ import annotations
 
@@ -69,4 +70,55 @@ def test_engine_stopped_mid_push_is_reported_in_time_and_the_next_push_reforms(
         for p in procs:
             if p.poll() is None:
                 os.kill(p.pid, signal.SIGCONT)
+        stop(procs)
+
+
+def test_push_waiting_on_an_engine_that_left_goes_to_the_others_at_once(
+    tiny_model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An engine SIGKILLed for good: the push after it re-forms the group and waits for the
+    dead engine's /health (weights.timeout_s, 120 s here) until the sender is told the new
+    engine set; then it stops waiting and delivers to the engine left, at once."""
+    import asyncio
+
+    procs: list[subprocess.Popen] = []
+    urls = []
+    try:
+        for i in range(2):
+            port = free_port()
+            args = ["-m", "asyncrl.engines.rollout.local.server", "--model-path"]
+            args += [str(tiny_model_dir), "--port", str(port)]
+            procs.append(spawn(args, tmp_path / f"engine{i}.log"))
+            urls.append(f"http://127.0.0.1:{port}")
+        asyncio.run(_healthy(urls))
+        cfg = WeightSyncConfig(backend="gloo", bucket_mb=1, min_buckets=2, timeout_s=120.0)
+        sender = make_weight_transport(cfg, urls, "cpu")
+        try:
+            sender.connect()
+            w1, w2, w3 = (_model_weights(tiny_model_dir, seed=s) for s in (1, 2, 3))
+            sender.push(w1.items(), 1).wait(60)
+            os.kill(procs[1].pid, signal.SIGKILL)
+            procs[1].wait(10)
+            with pytest.raises(WeightSyncError, match=urls[1]):  # unreachable: fails at once
+                sender.push(w2.items(), 2).wait(30)
+            handle = sender.push(w3.items(), 3)  # re-forms: waits for urls[1] to answer
+            deadline = time.monotonic() + 30
+            while getattr(sender, "_op", None) is None and time.monotonic() < deadline:
+                time.sleep(0.01)  # until that re-form is under way
+            assert not handle.done()
+            t0 = time.monotonic()
+            sender.engines_changed([urls[0]], epoch=1)
+            stats = handle.wait(30)
+            took = time.monotonic() - t0
+            assert took < 10, took  # not weights.timeout_s
+            assert stats["attempts"] == 1.0
+            assert state(urls[0]) == ("3", expected(w3))
+            text = caplog.text
+            assert f"engine(s) {urls[1]} left the run's engine set" in text, text
+            sender.engines_changed(urls, epoch=0)  # an older set: ignored
+            sender.push(w1.items(), 4).wait(30)
+            assert state(urls[0]) == ("4", expected(w1))
+        finally:
+            sender.close()
+    finally:
         stop(procs)
