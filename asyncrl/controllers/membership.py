@@ -12,7 +12,10 @@ Contract (driver side; no torch):
   ``epoch``) twice: at once as a notice (``ExperienceSender.notify``: rank 0's weight
   sender takes the set for its next push, and a push under way stops waiting on an
   engine that left it, while the trainer is mid-step), and between two steps' messages
-  (``send_lock``) for the re-sync below.
+  (``send_lock``) for the re-sync below. The set told leaves out engines being
+  restarted (``live_urls``; a notice at the death already), so pushes go on to the
+  others while one restarts, unless every engine is restarting (an outage: then a push
+  waits for them).
 - Trainer rank 0 re-forms the weight group with that set before its next push and
   pushes the current weights; its :class:`EnginesSynced` answer is handed to
   :meth:`EngineSet.synced`, which puts the engines that were waiting for weights
@@ -66,9 +69,16 @@ class EngineSet:
         self.waiting: dict[str, SGLangClient] = {}  # url -> client held until re-synced
         self.send_lock = asyncio.Lock()  # one step's messages, or one Engines, at a time
         self.epoch = 0  # changes of the engine set told to the trainer (Engines.epoch)
+        self.down: set[str] = set()  # engines being restarted: left out of the set told
 
     def urls(self) -> list[str]:
         return [c.url for c in self.clients.values()]
+
+    def live_urls(self) -> list[str]:
+        """The set told to the trainer (weight pushes go there): the run's engines but those
+        being restarted; all of them when every one is (then a push waits for them, within
+        ``weights.timeout_s``: an outage)."""
+        return [c.url for n, c in self.clients.items() if n not in self.down] or self.urls()
 
     async def revive(self, death: Death, router: Router, chan: Any) -> None:
         """Restart the engine of ``death`` and start its re-sync; raises RuntimeError when
@@ -84,10 +94,15 @@ class EngineSet:
         old = self.clients[name]
         detected = time.time()
         router.hold(old)
+        self.waiting.pop(old.url, None)  # died again before its re-sync: not admitted by it
         log.warning("%s exited with %s; restart %d of %d", name, death.code, count, limit)
+        self.down.add(name)
+        if len(self.live_urls()) < len(self.clients):  # pushes go on to the others meanwhile
+            self.notify(chan)
         url = await asyncio.to_thread(self.launcher.restart, name)
         client = old if url == old.url else SGLangClient(url, self.cfg.rollout.request_timeout_s)
         await client.wait_healthy(self.startup_s)
+        self.down.discard(name)
         if client is not old:
             router.remove(old)
             router.add(client, held=True)
@@ -102,6 +117,7 @@ class EngineSet:
         (router, weight group); RuntimeError when it was the last engine."""
         limit = self.cfg.rollout.max_restarts
         client = self.clients.pop(name)
+        self.down.discard(name)
         self.gone[name] = f"{death.describe()} (restarted {limit} times)"
         if not self.clients:
             raise RuntimeError(
@@ -117,12 +133,19 @@ class EngineSet:
         await self.announce(chan)
         await client.close()
 
-    async def announce(self, chan: Any) -> None:
-        """Tell every trainer rank the engine set now (the next ``epoch``): at once over
-        its control connection (a notice), then in order between two steps' messages."""
+    def notify(self, chan: Any) -> Engines:
+        """Tell every trainer rank the engine set now (``live_urls``, the next ``epoch``) at
+        once, over its control connection: rank 0's weight sender takes it for its next
+        push and stops waiting on an engine not in it (see ``ExperienceSender.notify``)."""
         self.epoch += 1
-        msg = Engines(urls=self.urls(), epoch=self.epoch)
+        msg = Engines(urls=self.live_urls(), epoch=self.epoch)
         chan.notify(msg)
+        return msg
+
+    async def announce(self, chan: Any) -> None:
+        """:meth:`notify`, then the same message in order between two steps' messages: the
+        trainer re-forms the weight group with it and re-syncs (``EnginesSynced``)."""
+        msg = self.notify(chan)
         async with self.send_lock:
             await chan.broadcast(msg)
 
