@@ -138,12 +138,12 @@ def _resync(
         tensors = list(weights)  # kept for a push again (collective under sharding: once)
         sender.engines_changed(urls, msg.epoch)
         sender.connect()
-        for left in range(len(urls), -1, -1):
+        for tries_left in range(len(urls), -1, -1):  # each retry follows an engine leaving
             try:
                 sender.push(tensors, version=version).wait()
                 break
             except EnginesLeft as exc:
-                if not left:
+                if not tries_left:
                     raise
                 log.warning("re-sync at version %d: %s; pushing again", version, exc)
     except WeightsUndefined as exc:

@@ -452,6 +452,7 @@ class BucketSender:
                     raise WeightsUndefined(f"v{version} not pushed: {self._left_undefined}")
                 attempt = 0
                 while True:
+                    self._started = False  # (also when it is cancelled before it ran)
                     try:
                         job = self._attempt(tensors, version, snap, t_push, packed, attempt)
                         plan = await self._guarded(job)

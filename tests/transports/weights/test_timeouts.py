@@ -99,7 +99,7 @@ def test_push_waiting_on_an_engine_that_left_goes_to_the_others_at_once(
             sender.push(w1.items(), 1).wait(60)
             os.kill(procs[1].pid, signal.SIGKILL)
             procs[1].wait(10)
-            with pytest.raises(WeightSyncError, match=urls[1]):  # unreachable: fails at once
+            with pytest.raises(WeightSyncError):  # its connections are gone: fails at once
                 sender.push(w2.items(), 2).wait(30)
             handle = sender.push(w3.items(), 3)  # re-forms: waits for urls[1] to answer
             deadline = time.monotonic() + 30
