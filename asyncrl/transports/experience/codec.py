@@ -17,7 +17,10 @@ payload layout into the ring at ``offset`` and the receiver views it there.
 
 Decoding validates everything a peer controls and raises :class:`MalformedMessage`
 with a ``kind`` (one of :data:`REJECT_KINDS`) and a readable reason: total size
-over the limit, undecodable header, unknown message type, schema version,
+over the limit, a header frame or trajectory count over what the limit allows
+(:func:`header_limits`, checked before any object is built: decoding a header costs
+Python objects many times its bytes), undecodable header (also: an element beyond
+the known fields), unknown message type, schema version,
 frame count, negative lengths, byte size of the payload frame (a truncated
 buffer or a wrong dtype/shape shows up here), and the trajectory invariants; for a
 ring payload: a ring this producer announced, an aligned range inside it.
@@ -52,6 +55,7 @@ __all__ = [
     "encode",
     "encode_batch",
     "encode_header",
+    "header_limits",
     "nbytes",
     "payload_size",
 ]
@@ -80,6 +84,25 @@ _RESP_ITEMSIZE = sum(_ITEMSIZE[1:])  # bytes per response token over the aligned
 assert _ITEMSIZE == sorted(_ITEMSIZE, reverse=True), "descending item sizes keep alignment"
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
+_peek = msgspec.msgpack.Decoder(list[msgspec.Raw])
+_BATCH_TAG = _encoder.encode("batch")
+_MIN_META_BYTES = 7  # the smallest TrajMeta: [[0, 0], 0, 0, 0]
+TRAJ_OBJECT_BYTES = 1024
+"""About what one decoded trajectory costs in Python objects (TrajMeta, Trajectory and five
+array views; measured ~1.1 KB), the unit of the trajectory cap of :func:`header_limits`."""
+
+
+def header_limits(max_bytes: int) -> tuple[int, int]:
+    """(largest header frame in bytes, most trajectories) of a message under ``max_bytes``.
+
+    A header is decoded into Python objects that cost many times its bytes (~150x for
+    trajectories without arrays, ~70x for nested empty lists in metadata), so the size
+    limit alone does not bound a receiver's memory. These caps do: a header may take
+    ``max_bytes / 32`` and hold ``max_bytes / 1024`` trajectories (at the default 256 MiB:
+    8 MiB and 262,144), so decoding one costs at most about 2x ``max_bytes`` more. The
+    producer refuses to send past them (ValueError) and the receiver rejects what does,
+    before decoding anything."""
+    return max(4096, max_bytes // 32), max(16, max_bytes // TRAJ_OBJECT_BYTES)
 
 
 class MalformedMessage(ValueError):
@@ -170,6 +193,7 @@ def decode(
     total = sum(v.nbytes for v in views)
     if total > max_bytes:
         raise MalformedMessage("oversized", f"{total} bytes > limit {max_bytes}")
+    _check_header_bounds(views[0], max_bytes)
     msg = _decode_header(views[0])
     if isinstance(msg, TrainBatch | Hello) and msg.schema != SCHEMA_VERSION:
         raise MalformedMessage("schema", f"schema {msg.schema}, expected {SCHEMA_VERSION}")
@@ -203,6 +227,42 @@ def decode(
         arrays.append(np.frombuffer(payload, dtype=dtype, count=count, offset=off))
         off += count * _ITEMSIZE[k]
     return msg, _split(msg.trajs, arrays)
+
+
+def _check_header_bounds(header: memoryview, max_bytes: int) -> None:
+    """Reject a header over :func:`header_limits` before any object is built from it."""
+    head_cap, traj_cap = header_limits(max_bytes)
+    if header.nbytes > head_cap:
+        raise MalformedMessage(
+            "oversized", f"header frame of {header.nbytes} bytes > {head_cap} (limit / 32)"
+        )
+    if header.nbytes <= traj_cap * _MIN_META_BYTES:
+        return  # too small to hold more trajectories than allowed
+    n = _batch_count(header)
+    if n > traj_cap:
+        raise MalformedMessage(
+            "oversized", f"batch header lists {n} trajectories > {traj_cap} (limit / 1024)"
+        )
+
+
+def _batch_count(header: memoryview) -> int:
+    """How many trajectories a batch header lists, read from the msgpack array header of
+    its ``trajs`` element without decoding them (0 if it is no batch: the decoder judges)."""
+    try:
+        parts = _peek.decode(header)
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        return 0
+    if len(parts) < 4 or bytes(parts[0]) != _BATCH_TAG:
+        return 0
+    raw = memoryview(parts[3])
+    first = raw[0] if raw.nbytes else 0
+    if 0x90 <= first <= 0x9F:  # fixarray
+        return first & 0x0F
+    if first == 0xDC and raw.nbytes >= 3:  # array 16
+        return int.from_bytes(raw[1:3], "big")
+    if first == 0xDD and raw.nbytes >= 5:  # array 32
+        return int.from_bytes(raw[1:5], "big")
+    return 0
 
 
 def _ring_payload(

@@ -4,11 +4,23 @@ See ``zmq.py`` for the protocol. The receiver connects a data DEALER (batches
 in, credits out; used by the consumer's own thread) and a control DEALER
 (heartbeats and notices on a small thread, reports from any thread) to every producer.
 On the producer's host it maps the shared-memory rings producers announce (``shm.py``).
+
+A cut connection is restored, nothing lost: libzmq drops a connection for good when a
+peer sends a frame over ``ZMQ_MAXMSGSIZE`` (a protocol error: its session is
+terminated, not reconnected; see libzmq's ``zmq_setsockopt`` on ZMQ_MAXMSGSIZE and
+``session_base.cpp``), and frames queued on a cut connection are dropped. Each socket
+has a monitor (``zmq_socket_monitor``); on ``ZMQ_EVENT_DISCONNECTED`` the receiver
+replaces the socket by a new one under a new routing id (so nothing of the old
+connection can be taken for the new one at the producer's ROUTER) and says Hello again:
+for the data socket a *resume* (``Hello.last_seq`` / ``unacked``, see ``types.Hello``),
+after which the producer redelivers what the cut lost, in order. ``reconnects`` counts
+these.
 """
 
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import random
 import threading
@@ -17,8 +29,15 @@ from collections.abc import Callable, Sequence
 
 import msgspec
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
-from asyncrl.transports.experience.codec import MalformedMessage, RejectLog, decode, encode
+from asyncrl.transports.experience.codec import (
+    MalformedMessage,
+    RejectLog,
+    decode,
+    encode,
+    nbytes,
+)
 from asyncrl.transports.experience.shm import RingReader, host_token
 from asyncrl.transports.experience.types import (
     Credit,
@@ -37,6 +56,7 @@ __all__ = ["Delivery", "ExperienceReceiver"]
 log = logging.getLogger(__name__)
 _DRAIN = 64  # messages taken per readiness event, so a flood cannot starve timeouts
 _NOTICE_POLL_S = 0.05  # how often the control thread looks for notices
+_MONITOR_IDS = itertools.count()  # unique inproc addresses of socket monitors
 
 
 class Delivery(msgspec.Struct, gc=False):
@@ -99,19 +119,37 @@ class ExperienceReceiver:
         self._old_rings: list[RingReader] = []  # replaced ones: closed with the receiver
         self._next_reap = 0.0
         self._ack_batch = max(1, credits // 2)
+        self._last_seq = [-1] * len(self.endpoints)  # highest seq received, per producer
+        self._unacked: list[set[int]] = [set() for _ in self.endpoints]  # received, not acked
+        self._controls = [0] * len(self.endpoints)  # broadcasts (Save, Shutdown) received
+        self._links = itertools.count()  # numbers the routing ids of this incarnation
+        self._cuts = [0, 0]  # data connections restored (this thread), control ones (any)
         self._ctx = zmq.Context()
-        self._data = [self._connect(ep, control=False) for ep in self.endpoints]
-        self._ctl = [self._connect(ep, control=True) for ep in self.endpoints]
-        self._index = {s: i for i, s in enumerate(self._data)}
         self._poller = zmq.Poller()
-        for s in self._data:
-            self._poller.register(s, zmq.POLLIN)
+        self._index: dict[zmq.Socket, tuple[int, bool]] = {}  # -> (producer, is a monitor)
+        self._data: list[zmq.Socket] = []  # and each socket's monitor:
+        self._data_mon: list[zmq.Socket] = []
+        self._ctl: list[zmq.Socket] = []
+        self._ctl_mon: list[zmq.Socket] = []
+        for i in range(len(self.endpoints)):
+            sock, mon = self._connect(i, control=False)
+            self._data.append(sock)
+            self._data_mon.append(mon)
+            self._watch(i, sock, mon)
+            sock, mon = self._connect(i, control=True)
+            self._ctl.append(sock)
+            self._ctl_mon.append(mon)
         self._ctl_lock = threading.Lock()
         self._stop = threading.Event()
         self._beat = threading.Thread(
             target=self._heartbeat, args=(heartbeat_s,), name=f"xport-hb{rank}", daemon=True
         )
         self._beat.start()
+
+    @property
+    def reconnects(self) -> int:
+        """Data and control connections restored after a cut (see the module docstring)."""
+        return sum(self._cuts)
 
     @property
     def rejected(self) -> int:
@@ -136,7 +174,12 @@ class ExperienceReceiver:
                 self._reap()
                 self._next_reap = now + 1.0
             for sock, _ in self._poller.poll(max(0, int(left * 1000))):
-                self._drain(sock, self._index[sock])
+                producer, is_monitor = self._index[sock]
+                if is_monitor:
+                    if _cut(sock):
+                        self._resume(producer)
+                else:
+                    self._drain(sock, producer)
         return self._ready.popleft()
 
     def ack(self, delivery: Delivery, flush: bool = False) -> None:
@@ -147,16 +190,26 @@ class ExperienceReceiver:
         producer's remaining credit is down to half the window; ``flush`` sends at once
         (for consumers that ack rarely, e.g. once per train step)."""
         if isinstance(delivery.msg, TrainBatch):
+            self._unacked[delivery.producer].discard(delivery.msg.seq)
             self._acks[delivery.producer].append(delivery.msg.seq)
             if flush or len(self._acks[delivery.producer]) >= self._ack_batch:
                 self._send_acks()
 
     def report(self, msg: Message) -> None:
-        """Send a report (StepDone, Shutdown) to every producer; safe from any thread."""
+        """Send a report (StepDone, Shutdown) to every producer; safe from any thread.
+
+        Raises ValueError for a report over the size limit (the producer would cut the
+        connection on it: libzmq's MAXMSGSIZE)."""
         frames = encode(msg)
+        if nbytes(frames) > self._max_bytes:
+            raise ValueError(
+                f"report {type(msg).__name__} of {nbytes(frames)} bytes exceeds "
+                f"experience.max_message_mb ({self._max_bytes} bytes): send smaller metrics"
+            )
         with self._ctl_lock:
             if self._stop.is_set():
                 raise RuntimeError(f"report({type(msg).__name__}) after the receiver was closed")
+            self._restore_control()
             for i, s in enumerate(self._ctl):
                 if not _send(s, frames):
                     log.error(
@@ -172,8 +225,9 @@ class ExperienceReceiver:
         self._stop.set()
         self._beat.join(5.0)
         with self._ctl_lock:
-            for s in [*self._data, *self._ctl]:
-                s.close(linger=1000)
+            socks = [*self._data, *self._ctl]
+            for s, mon in zip(socks, [*self._data_mon, *self._ctl_mon], strict=True):
+                _close(s, mon, linger=1000)
         self._ctx.term()
         for ring in [*self._old_rings, *(r for rings in self._rings for r in rings.values())]:
             ring.close()
@@ -184,23 +238,66 @@ class ExperienceReceiver:
                 ring.reap()
 
     # -- internals -----------------------------------------------------------------------
-    def _connect(self, endpoint: str, control: bool) -> zmq.Socket:
+    def _connect(self, producer: int, control: bool) -> tuple[zmq.Socket, zmq.Socket]:
+        """A new DEALER (and its monitor) to ``producer``, a new routing id, Hello sent.
+
+        A data Hello carries what this incarnation received so far (a resume after a cut;
+        nothing on the first connection)."""
         s = self._ctx.socket(zmq.DEALER)
         kind = "c" if control else "d"
-        s.setsockopt(zmq.IDENTITY, f"{kind}{self.rank}-{self.incarnation:x}".encode())
+        link = next(self._links)
+        s.setsockopt(zmq.IDENTITY, f"{kind}{self.rank}-{self.incarnation:x}-{link}".encode())
         s.setsockopt(zmq.MAXMSGSIZE, self._max_bytes)
         s.setsockopt(zmq.RCVHWM, 0)  # credits bound what can arrive
-        s.connect(endpoint)
+        s.setsockopt(zmq.LINGER, 0)
+        mon = s.get_monitor_socket(zmq.EVENT_DISCONNECTED, f"inproc://xport-{next(_MONITOR_IDS)}")
+        s.connect(self.endpoints[producer])
+        unacked = [] if control else sorted(self._unacked[producer])
         hello = Hello(
             rank=self.rank,
             world_size=self.world_size,
             incarnation=self.incarnation,
-            credit=0 if control else self.credits,
+            credit=0 if control else self.credits - len(unacked),
             control=control,
             shm="" if control else self._shm,
+            last_seq=-1 if control else self._last_seq[producer],
+            unacked=unacked,
+            max_bytes=self._max_bytes,
+            controls=0 if control else self._controls[producer],
         )
         s.send_multipart(encode(hello))
-        return s
+        return s, mon
+
+    def _watch(self, producer: int, sock: zmq.Socket, mon: zmq.Socket) -> None:
+        for x, is_monitor in ((sock, False), (mon, True)):
+            self._poller.register(x, zmq.POLLIN)
+            self._index[x] = (producer, is_monitor)
+
+    def _resume(self, producer: int) -> None:
+        """The data connection to ``producer`` was cut: replace the socket, say Hello again.
+
+        What the old socket received before the cut is taken first; held acks go out
+        implicitly (the Hello lists only what is still unacked)."""
+        old, mon = self._data[producer], self._data_mon[producer]
+        while old.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # keep what arrived before the cut
+            self._drain(old, producer)
+        for x in (old, mon):
+            self._poller.unregister(x)
+            del self._index[x]
+        _close(old, mon, linger=0)
+        self._acks[producer] = []
+        self._window[producer] = self.credits - len(self._unacked[producer])
+        sock, mon = self._connect(producer, control=False)
+        self._data[producer], self._data_mon[producer] = sock, mon
+        self._watch(producer, sock, mon)
+        self._cuts[0] += 1
+        log.warning(
+            "rank %d: data connection to %s was cut; reconnected (last seq %d, %d unacked)",
+            self.rank,
+            self.endpoints[producer],
+            self._last_seq[producer],
+            len(self._unacked[producer]),
+        )
 
     def _send_acks(self, low_only: bool = False) -> None:
         """Send held acks (as new credit); ``low_only``: only to producers whose remaining
@@ -220,6 +317,9 @@ class ExperienceReceiver:
         due = time.monotonic() + interval_s
         while not self._stop.wait(min(interval_s, _NOTICE_POLL_S)):
             with self._ctl_lock:
+                if self._stop.is_set():
+                    return
+                self._restore_control()
                 if time.monotonic() >= due:
                     due = time.monotonic() + interval_s
                     for s in self._ctl:
@@ -256,6 +356,17 @@ class ExperienceReceiver:
                 out.append(msg)
         return out
 
+    def _restore_control(self) -> None:
+        """Replace every cut control connection (a new socket and routing id, a Hello);
+        call with ``_ctl_lock`` held."""
+        for i in range(len(self._ctl)):
+            if _cut(self._ctl_mon[i]):
+                _close(self._ctl[i], self._ctl_mon[i], linger=0)
+                self._ctl[i], self._ctl_mon[i] = self._connect(i, control=True)
+                self._cuts[1] += 1
+                log.warning("rank %d: control connection to %s was cut; reconnected",
+                            self.rank, self.endpoints[i])  # fmt: skip
+
     def _drain(self, sock: zmq.Socket, producer: int) -> None:
         for _ in range(_DRAIN):
             try:
@@ -268,10 +379,18 @@ class ExperienceReceiver:
                     self._map(msg, producer)
                     continue
                 if isinstance(msg, TrainBatch):
+                    if msg.seq <= self._last_seq[producer]:
+                        raise MalformedMessage(
+                            "protocol", f"seq {msg.seq} after seq {self._last_seq[producer]}"
+                        )
                     if self._window[producer] <= 0:
                         raise MalformedMessage("protocol", f"seq {msg.seq} sent without credit")
                     self._window[producer] -= 1
-                elif not isinstance(msg, Shutdown | Save | Engines):
+                    self._last_seq[producer] = msg.seq
+                    self._unacked[producer].add(msg.seq)
+                elif isinstance(msg, Shutdown | Save | Engines):
+                    self._controls[producer] += 1
+                else:
                     raise MalformedMessage(
                         "protocol", f"a producer may not send {type(msg).__name__}"
                     )
@@ -302,6 +421,23 @@ class ExperienceReceiver:
         log.info(
             "rank %d maps experience ring %s of %s", self.rank, msg.name, self.endpoints[producer]
         )
+
+
+def _cut(monitor: zmq.Socket) -> bool:
+    """Drain a socket's monitor: True if its connection was cut (EVENT_DISCONNECTED)."""
+    cut = False
+    while True:
+        try:
+            event = recv_monitor_message(monitor, zmq.NOBLOCK)
+        except zmq.Again:
+            return cut
+        cut = cut or event["event"] == zmq.EVENT_DISCONNECTED
+
+
+def _close(sock: zmq.Socket, monitor: zmq.Socket, linger: int) -> None:
+    sock.disable_monitor()
+    monitor.close(linger=0)
+    sock.close(linger=linger)
 
 
 def _send(sock: zmq.Socket, frames: list[bytes]) -> bool:

@@ -41,8 +41,11 @@ __all__ = [
     "Trajectory",
 ]
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 """Bumped on any change of the wire layout; peers with another schema are rejected."""
+
+# Every wire Struct below is array_like (positional), gc=False (untracked), omit_defaults and
+# forbid_unknown_fields: an extra trailing element is rejected, never silently ignored.
 
 # name -> dtype of every per-trajectory array; the codec relies on this order.
 ARRAY_FIELDS: dict[str, np.dtype] = {
@@ -111,7 +114,13 @@ class Trajectory(msgspec.Struct, kw_only=True, gc=False):
         return len(self.prompt_ids) + len(self.response_ids)
 
 
-class TrajMeta(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
+class TrajMeta(
+    msgspec.Struct,
+    array_like=True,
+    gc=False,
+    omit_defaults=True,
+    forbid_unknown_fields=True,
+):
     """Header entry of one trajectory: its scalars and the length of each array."""
 
     lengths: tuple[int, int]  # (prompt tokens, response tokens)
@@ -123,7 +132,14 @@ class TrajMeta(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
     metadata: dict[str, Any] = {}
 
 
-class TrainBatch(msgspec.Struct, tag="batch", array_like=True, gc=False, omit_defaults=True):
+class TrainBatch(
+    msgspec.Struct,
+    tag="batch",
+    array_like=True,
+    gc=False,
+    omit_defaults=True,
+    forbid_unknown_fields=True,
+):
     """Header of one experience message: whole GRPO groups for one consumer (trainer rank).
 
     ``seq`` numbers the messages of one producer to one rank (acked by the
@@ -142,7 +158,14 @@ class TrainBatch(msgspec.Struct, tag="batch", array_like=True, gc=False, omit_de
     offset: int = 0
 
 
-class Hello(msgspec.Struct, tag="hello", array_like=True, gc=False, omit_defaults=True):
+class Hello(
+    msgspec.Struct,
+    tag="hello",
+    array_like=True,
+    gc=False,
+    omit_defaults=True,
+    forbid_unknown_fields=True,
+):
     """Consumer -> producer, first message of a connection: who I am and my initial credit.
 
     Each consumer opens two connections per producer: the data connection
@@ -150,6 +173,17 @@ class Hello(msgspec.Struct, tag="hello", array_like=True, gc=False, omit_default
     (``control=True``: heartbeats and reports, usable from any thread). A data
     Hello with a new ``incarnation`` for a known ``rank`` means the consumer
     restarted: the producer redelivers what the old incarnation had not acked.
+
+    A data Hello with the rank's current ``incarnation`` from a new routing id is a
+    *resume*: the consumer's data connection was cut (a frame over libzmq's size limit,
+    a network fault) and it reconnected. ``last_seq`` is the highest seq it received from
+    this producer (-1: none) and ``unacked`` the seqs it received and has not acked yet;
+    ``credit`` is what it grants now. The producer takes every pending seq up to
+    ``last_seq`` that is not in ``unacked`` as acked, redelivers every pending seq after
+    ``last_seq`` in order, and sets the rank's credit to ``credit`` (absolute, not added).
+    ``controls`` counts the broadcasts (Save, Shutdown, Engines) received: the producer
+    sends the later ones again, each in its place among the redelivered batches.
+    ``max_bytes`` is the consumer's size limit: the producer sends nothing larger.
     """
 
     rank: int
@@ -159,9 +193,20 @@ class Hello(msgspec.Struct, tag="hello", array_like=True, gc=False, omit_default
     control: bool = False
     schema: int = SCHEMA_VERSION
     shm: str = ""  # the consumer's shm.host_token() ("": no rings); rings if equal to ours
+    last_seq: int = -1
+    unacked: list[int] = []
+    max_bytes: int = 0  # the consumer's message size limit (0: not said)
+    controls: int = 0  # broadcasts received from this producer (a resume)
 
 
-class Ring(msgspec.Struct, tag="ring", array_like=True, gc=False, omit_defaults=True):
+class Ring(
+    msgspec.Struct,
+    tag="ring",
+    array_like=True,
+    gc=False,
+    omit_defaults=True,
+    forbid_unknown_fields=True,
+):
     """Producer -> consumer (data connection, before any batch that uses it): payloads may
     lie in the shared-memory segment ``name`` (in ``/dev/shm``) of ``nbytes`` bytes, called
     ``ring`` in batch headers. Sent after every data Hello that offered ``shm``."""
@@ -171,7 +216,14 @@ class Ring(msgspec.Struct, tag="ring", array_like=True, gc=False, omit_defaults=
     nbytes: int
 
 
-class Credit(msgspec.Struct, tag="credit", array_like=True, gc=False, omit_defaults=True):
+class Credit(
+    msgspec.Struct,
+    tag="credit",
+    array_like=True,
+    gc=False,
+    omit_defaults=True,
+    forbid_unknown_fields=True,
+):
     """Consumer -> producer: ``acked`` seqs are done (may be forgotten); ``grant`` more may come.
 
     An empty Credit is the consumer's heartbeat.
@@ -181,7 +233,14 @@ class Credit(msgspec.Struct, tag="credit", array_like=True, gc=False, omit_defau
     grant: int = 0
 
 
-class StepDone(msgspec.Struct, tag="step_done", array_like=True, gc=False, omit_defaults=True):
+class StepDone(
+    msgspec.Struct,
+    tag="step_done",
+    array_like=True,
+    gc=False,
+    omit_defaults=True,
+    forbid_unknown_fields=True,
+):
     """Trainer -> producers (version announcement): step ``step`` is trained and ``version``
     is live on the engines."""
 
@@ -190,7 +249,14 @@ class StepDone(msgspec.Struct, tag="step_done", array_like=True, gc=False, omit_
     metrics: dict[str, float] = {}
 
 
-class Save(msgspec.Struct, tag="save", array_like=True, gc=False, omit_defaults=True):
+class Save(
+    msgspec.Struct,
+    tag="save",
+    array_like=True,
+    gc=False,
+    omit_defaults=True,
+    forbid_unknown_fields=True,
+):
     """Producer -> every consumer, in order after the batch of step ``step - 1``: save the
     trainer's state (every step before ``step`` trained) under ``checkpoint`` and/or export
     the actor as a Hugging Face folder to ``export`` ("": not asked)."""
@@ -200,7 +266,14 @@ class Save(msgspec.Struct, tag="save", array_like=True, gc=False, omit_defaults=
     export: str = ""
 
 
-class Saved(msgspec.Struct, tag="saved", array_like=True, gc=False, omit_defaults=True):
+class Saved(
+    msgspec.Struct,
+    tag="saved",
+    array_like=True,
+    gc=False,
+    omit_defaults=True,
+    forbid_unknown_fields=True,
+):
     """Consumer rank 0 -> producers: what :class:`Save` asked for of ``step`` is on disk on
     every rank. ``stall_s``: how long training stood still for it (the rest ran in the
     background); ``save_s``: from the request to the files being complete."""
@@ -211,7 +284,14 @@ class Saved(msgspec.Struct, tag="saved", array_like=True, gc=False, omit_default
     error: str = ""
 
 
-class Synced(msgspec.Struct, tag="synced", array_like=True, gc=False, omit_defaults=True):
+class Synced(
+    msgspec.Struct,
+    tag="synced",
+    array_like=True,
+    gc=False,
+    omit_defaults=True,
+    forbid_unknown_fields=True,
+):
     """Consumer rank 0 -> producers: a (re)started trainer restored step ``step`` from a
     checkpoint and the engines now serve its weights as ``version``."""
 
@@ -219,7 +299,14 @@ class Synced(msgspec.Struct, tag="synced", array_like=True, gc=False, omit_defau
     version: int
 
 
-class Shutdown(msgspec.Struct, tag="shutdown", array_like=True, gc=False, omit_defaults=True):
+class Shutdown(
+    msgspec.Struct,
+    tag="shutdown",
+    array_like=True,
+    gc=False,
+    omit_defaults=True,
+    forbid_unknown_fields=True,
+):
     """Either side: stop after this message; ``reason`` says why. From the trainer,
     ``error`` is a failure the run may survive by restarting the trainer; ``fatal`` one it
     cannot (e.g. SGLang engines whose weights a failed push left undefined): the run stops
@@ -230,7 +317,14 @@ class Shutdown(msgspec.Struct, tag="shutdown", array_like=True, gc=False, omit_d
     fatal: bool = False
 
 
-class Engines(msgspec.Struct, tag="engines", array_like=True, gc=False, omit_defaults=True):
+class Engines(
+    msgspec.Struct,
+    tag="engines",
+    array_like=True,
+    gc=False,
+    omit_defaults=True,
+    forbid_unknown_fields=True,
+):
     """Producer -> every trainer rank: the rollout engines are now ``urls`` (one restarted,
     joined or left), as of the run's ``epoch``-th change of its engine set.
 
@@ -246,7 +340,12 @@ class Engines(msgspec.Struct, tag="engines", array_like=True, gc=False, omit_def
 
 
 class EnginesSynced(
-    msgspec.Struct, tag="engines_synced", array_like=True, gc=False, omit_defaults=True
+    msgspec.Struct,
+    tag="engines_synced",
+    array_like=True,
+    gc=False,
+    omit_defaults=True,
+    forbid_unknown_fields=True,
 ):
     """Trainer rank 0 -> producers: every engine of ``urls`` holds weight ``version``;
     ``error`` says why not (the engines keep their old weights)."""
@@ -256,7 +355,14 @@ class EnginesSynced(
     error: str = ""
 
 
-class ConsumerLost(msgspec.Struct, tag="lost", array_like=True, gc=False, omit_defaults=True):
+class ConsumerLost(
+    msgspec.Struct,
+    tag="lost",
+    array_like=True,
+    gc=False,
+    omit_defaults=True,
+    forbid_unknown_fields=True,
+):
     """Producer-local report: consumer ``rank`` went silent with messages unacknowledged.
 
     ``seqs`` and ``episode_ids`` name what it had not acked; they stay pending

@@ -36,8 +36,13 @@ consumer is told the ring again and maps it, and redelivery resends just the hea
 Hardening: every received message goes through :func:`codec.decode` with the
 configured size limit; a malformed one is logged (rate-limited), counted in
 ``rejected`` / ``rejected_by[kind]`` and dropped, and the socket keeps serving.
-libzmq's MAXMSGSIZE additionally disconnects a peer that sends a single frame
-over the limit before it is buffered.
+libzmq's MAXMSGSIZE additionally cuts the connection of a peer that sends a single
+frame over the limit before it is buffered (``counters["disconnects"]`` counts cuts
+seen by this ROUTER's monitor). A consumer whose connection is cut reconnects under
+a new routing id and says Hello again (a resume, see ``types.Hello``): this producer
+redelivers, in order, what the cut lost. A send that finds no route to a rank
+(``EHOSTUNREACH``: its connection is gone) keeps the message pending and waits for
+that resume; only silence (``peer_timeout_s`` without a heartbeat) reports the rank lost.
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ from typing import Any
 
 import msgspec
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from asyncrl.config import ExperienceConfig
 from asyncrl.transports.experience.assign import Assigner, make_assigner
@@ -63,6 +69,7 @@ from asyncrl.transports.experience.codec import (
     encode,
     encode_batch,
     encode_header,
+    header_limits,
     payload_size,
 )
 from asyncrl.transports.experience.receiver import Delivery, ExperienceReceiver
@@ -123,6 +130,15 @@ class _Pending(msgspec.Struct, gc=False):
     in_ring: bool = False
 
 
+class _Ctl(msgspec.Struct, gc=False):
+    """A broadcast (Save, Shutdown) kept for redelivery after a cut: the ``index``-th of this
+    incarnation, sent after the batches before seq ``position``."""
+
+    index: int
+    position: int
+    frames: list[bytes]
+
+
 class _Peer:
     """Producer-side state of one consumer rank."""
 
@@ -131,11 +147,15 @@ class _Peer:
         self.control: bytes | None = None  # its control connection's identity (notices)
         self.incarnation: int | None = None
         self.alive = False
+        self.connected = False  # a route to its data connection (False after EHOSTUNREACH)
+        self.max_bytes = 0  # the rank's size limit (its socket cuts a larger frame); 0: ours
         self.credit = 0
         self.last_seen = 0.0
         self.next_seq = 0
         self.pending: dict[int, _Pending] = {}  # insertion order == seq order
-        self.resend: collections.deque[int] = collections.deque()
+        self.resend: collections.deque[int | _Ctl] = collections.deque()  # seqs, broadcasts
+        self.controls: list[_Ctl] = []  # broadcasts it may not have received (none acked after)
+        self.n_controls = 0  # broadcasts sent to this incarnation
         self.ring: RingWriter | None = None
         self.shm = False  # the current incarnation maps our ring
 
@@ -189,10 +209,16 @@ class ExperienceSender:
         self._readable = asyncio.Event()  # the socket's FD fired: messages may be waiting
         self._fd = self._sock.getsockopt(zmq.FD)
         asyncio.get_running_loop().add_reader(self._fd, self._readable.set)
+        self._mon = self._sock.get_monitor_socket(
+            zmq.EVENT_DISCONNECTED, f"inproc://xport-router-{id(self):x}"
+        )
+        self._mon_fd = self._mon.getsockopt(zmq.FD)
+        asyncio.get_running_loop().add_reader(self._mon_fd, self._count_disconnects)
+        self._count_disconnects()  # reading arms ZeroMQ's edge-triggered FD
         self.counters = collections.Counter(
             {"sent": 0, "sent_shm": 0, "ring_full": 0, "acked": 0, "redelivered": 0}
         )
-        self.counters["lost_reported"] = 0
+        self.counters.update(lost_reported=0, resumed=0, unreachable=0, disconnects=0)
         self._tasks = [
             asyncio.get_running_loop().create_task(self._recv_loop(), name="xport-recv"),
             asyncio.get_running_loop().create_task(self._liveness_loop(), name="xport-live"),
@@ -220,14 +246,15 @@ class ExperienceSender:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} out of range for world size {self.world_size}")
         peer = self._peers[rank]
-        while not (peer.alive and peer.credit > 0 and not peer.resend):
+        while not (peer.alive and peer.connected and peer.credit > 0 and not peer.resend):
             self._raise_if_failed()
             self._changed.clear()
             await self._changed.wait()
         self._raise_if_failed()
         seq = peer.next_seq
         size = payload_size(trajs)
-        self._check_size(size)
+        limit = min(self._max_bytes, peer.max_bytes or self._max_bytes)
+        self._check_size(size, len(trajs), 0, limit, rank)
         offset = None
         if peer.shm and size > 0:
             assert peer.ring is not None
@@ -239,10 +266,13 @@ class ExperienceSender:
             frames = [encode_header(seq, step, trajs, ring=rank, offset=offset)]
             self.counters["sent_shm"] += 1
         total = size + len(frames[0])
-        if total > self._max_bytes:
+        try:
+            self._check_size(total, len(trajs), len(frames[0]), limit, rank)
+        except ValueError:
             if offset is not None:
+                assert peer.ring is not None
                 peer.ring.free(seq)
-            self._check_size(total)
+            raise
         peer.next_seq += 1
         eids = [t.episode_id for t in trajs]
         peer.pending[seq] = _Pending(frames, eids, total, offset is not None)
@@ -251,11 +281,23 @@ class ExperienceSender:
         self.counters["sent"] += 1
         return seq
 
-    def _check_size(self, size: int) -> None:
-        if size > self._max_bytes:
+    def _check_size(self, size: int, n_trajs: int, header: int, limit: int, rank: int) -> None:
+        """ValueError for a message ``rank`` would reject: over the size limit (the smaller
+        of ours and the rank's, whose socket would cut the connection on it), or with more
+        trajectories or header bytes than :func:`codec.header_limits` allows."""
+        head_cap, traj_cap = header_limits(limit)
+        if size > limit:
             raise ValueError(
                 f"experience message of {size} bytes exceeds experience.max_message_mb "
-                f"({self._max_bytes >> 20} MiB): raise it or send fewer groups per message"
+                f"({limit >> 20} MiB, the smaller of the producer's and rank {rank}'s): "
+                f"raise it or send fewer groups per message"
+            )
+        if n_trajs > traj_cap or header > head_cap:
+            raise ValueError(
+                f"experience message of {n_trajs} trajectories with a header of {header} "
+                f"bytes exceeds what experience.max_message_mb ({limit >> 20} MiB) allows: "
+                f"at most {traj_cap} trajectories and {head_cap} header bytes "
+                f"(rewards/timings/metadata); send fewer groups per message or raise it"
             )
 
     async def send_groups(
@@ -306,14 +348,24 @@ class ExperienceSender:
         return sent
 
     async def broadcast(self, msg: Message) -> int:
-        """Send a control message (e.g. Shutdown) to every rank that has said Hello; returns
-        how many ranks it was handed to."""
+        """Send a control message (Save, Shutdown) to every rank that has said Hello, in
+        order after the batches sent to it. Kept until a later batch is acked: a cut
+        connection gets it again (see ``types.Hello.controls``). Returns how many ranks it
+        is addressed to (those that said Hello)."""
+        frames = encode(msg)
         sent = 0
         for rank, peer in enumerate(self._peers):
-            if peer.ident is not None:
+            if peer.ident is None:
+                continue
+            ctl = _Ctl(peer.n_controls, peer.next_seq, frames)
+            sent += 1
+            peer.n_controls += 1
+            peer.controls.append(ctl)
+            if peer.resend:  # after the redeliveries queued before it
+                peer.resend.append(ctl)
+            elif peer.connected:
                 try:
-                    await self._transmit(rank, encode(msg))
-                    sent += 1
+                    await self._transmit(rank, frames)
                 except zmq.ZMQError as exc:
                     log.warning("could not send %s to rank %d: %s", type(msg).__name__, rank, exc)
         return sent
@@ -329,8 +381,10 @@ class ExperienceSender:
                 peer.ring.free(seq)
         peer.pending.clear()
         peer.resend.clear()
+        peer.controls.clear()
         peer.alive, peer.ident, peer.incarnation, peer.credit = False, None, None, 0
         peer.control = None
+        peer.connected = False
         self._changed.set()
         return seqs
 
@@ -352,6 +406,9 @@ class ExperienceSender:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         asyncio.get_running_loop().remove_reader(self._fd)
+        asyncio.get_running_loop().remove_reader(self._mon_fd)
+        self._sock.disable_monitor()
+        self._mon.close(linger=0)
         for rank, peer in enumerate(self._peers):
             if peer.pending:
                 log.warning(
@@ -393,12 +450,25 @@ class ExperienceSender:
             except zmq.ZMQError as exc:
                 if exc.errno != zmq.EHOSTUNREACH:
                     raise
-                self._lose(rank, "its connection is gone")
+                if peer.connected:  # pending messages wait for its resume (or its silence)
+                    log.warning("trainer rank %d: no route to its data connection; waiting "
+                                "for it to reconnect", rank)  # fmt: skip
+                    self.counters["unreachable"] += 1
+                peer.connected = False
                 break
         # ZeroMQ's FD is edge-triggered and a send may consume the edge of a message that
         # arrived meanwhile: look, so that the receive loop cannot sleep on a waiting message.
         if self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             self._readable.set()
+
+    def _count_disconnects(self) -> None:
+        """The ROUTER's monitor fired: count connections cut (by a peer or by MAXMSGSIZE)."""
+        while True:
+            try:
+                event = recv_monitor_message(self._mon, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self.counters["disconnects"] += event["event"] == zmq.EVENT_DISCONNECTED
 
     async def _recv_next(self) -> list[zmq.Frame]:
         """The next incoming message (waits on the socket's FD between messages)."""
@@ -450,6 +520,9 @@ class ExperienceSender:
                     if item.in_ring:
                         assert peer.ring is not None
                         peer.ring.free(seq)
+            if msg.acked and peer.controls:  # it had every broadcast sent before those
+                last = max(msg.acked)
+                peer.controls = [c for c in peer.controls if c.position > last]
             peer.credit += max(0, msg.grant)
             await self._pump(rank)
         elif isinstance(msg, StepDone | Saved | Synced | Shutdown | EnginesSynced):
@@ -463,26 +536,32 @@ class ExperienceSender:
                 "protocol",
                 f"hello rank {msg.rank}/{msg.world_size}, expected world {self.world_size}",
             )
-        if not msg.control and msg.credit <= 0:
+        peer = self._peers[msg.rank]
+        resume = peer.ident is not None and msg.incarnation == peer.incarnation
+        if not msg.control and (msg.credit < 0 or (msg.credit == 0 and not resume)):
             raise MalformedMessage("protocol", f"data hello with credit {msg.credit}")
         self._by_ident[ident] = (msg.rank, msg.incarnation)
-        peer = self._peers[msg.rank]
         if msg.control:
-            peer.control = ident  # the newest incarnation's: notices go there
+            peer.control = ident  # the newest connection's: notices go there
             return
         if peer.ident == ident:
             return
         if peer.ident is not None:
             self._by_ident.pop(peer.ident, None)
-            log.warning(
-                "trainer rank %d reconnected; redelivering %d unacked message(s)",
-                msg.rank,
-                len(peer.pending),
-            )
-        peer.ident, peer.incarnation, peer.credit = ident, msg.incarnation, msg.credit
-        peer.alive, peer.last_seen = True, time.monotonic()
-        peer.resend = collections.deque(peer.pending)
+        if resume:
+            self._resume(msg.rank, msg)
+        else:
+            if peer.ident is not None:
+                log.warning("trainer rank %d restarted; redelivering %d unacked message(s)",
+                            msg.rank, len(peer.pending))  # fmt: skip
+            peer.resend = collections.deque(peer.pending)
+            peer.controls, peer.n_controls = [], 0  # the caller re-sends what it needs
+            # a producer that restarted continues the seqs this incarnation has seen
+            peer.next_seq = max(peer.next_seq, msg.last_seq + 1)
         self.counters["redelivered"] += len(peer.resend)
+        peer.ident, peer.incarnation, peer.credit = ident, msg.incarnation, msg.credit
+        peer.alive, peer.connected, peer.last_seen = True, True, time.monotonic()
+        peer.max_bytes = max(0, msg.max_bytes)
         peer.shm = self.uses_shm and msg.shm == self._token
         if peer.shm:
             if peer.ring is None:
@@ -493,11 +572,36 @@ class ExperienceSender:
             await self._transmit(msg.rank, encode(ring))  # before any batch that uses it
         await self._pump(msg.rank)
 
+    def _resume(self, rank: int, msg: Hello) -> None:
+        """Rank ``rank`` (same incarnation) reconnected after a cut: what it received up to
+        ``msg.last_seq`` and does not list as unacked is acked; what follows is redelivered."""
+        peer = self._peers[rank]
+        held = set(msg.unacked)
+        for seq in [s for s in peer.pending if s <= msg.last_seq and s not in held]:
+            item = peer.pending.pop(seq)
+            self.counters["acked"] += 1
+            if item.in_ring and peer.ring is not None:
+                peer.ring.free(seq)
+        lost: list[int | _Ctl] = [s for s in peer.pending if s > msg.last_seq]
+        lost += [c for c in peer.controls if c.index >= msg.controls]
+        # in the order first sent: a broadcast went after the seqs before its position
+        lost.sort(key=lambda x: (x.position, 0) if isinstance(x, _Ctl) else (x, 1))
+        peer.resend = collections.deque(lost)
+        self.counters["resumed"] += 1
+        log.warning("trainer rank %d reconnected after a cut; redelivering %d message(s) "
+                    "after seq %d", rank, len(peer.resend), msg.last_seq)  # fmt: skip
+
     async def _pump(self, rank: int) -> None:
         """Redeliver pending messages to a new incarnation, as far as its credit allows."""
         peer = self._peers[rank]
-        while peer.resend and peer.credit > 0 and peer.alive:
+        while peer.resend and peer.alive and peer.connected:
+            if isinstance(peer.resend[0], _Ctl):  # a broadcast takes no credit
+                await self._transmit(rank, peer.resend.popleft().frames)
+                continue
+            if peer.credit <= 0:
+                break
             seq = peer.resend.popleft()
+            assert isinstance(seq, int)
             item = peer.pending.get(seq)
             if item is None:
                 continue
@@ -539,6 +643,7 @@ class ExperienceSender:
     async def _liveness_loop(self) -> None:
         while True:
             await asyncio.sleep(min(1.0, self._timeout / 4))
+            self._count_disconnects()  # in case an edge of the monitor's FD went unseen
             now = time.monotonic()
             for rank, peer in enumerate(self._peers):
                 if peer.alive and now - peer.last_seen > self._timeout:

@@ -5,7 +5,10 @@ ExperienceSender, writes its endpoint to ``--endpoint-file`` and streams
 trajectories (one per message, ``modulo`` assignment) until all are acked.
 ``... consumer ...`` connects a receiver, and per message appends a JSON line
 ``{"eid", "seq", "producer", "group", "crc"}`` to ``--out`` *before* acking it
-(``crc``: of every array of the trajectory, see ``crc``).
+(``crc``: of every array of the trajectory, see ``crc``). ``... probe ...`` connects
+a receiver with the default size limit, waits for the first delivery and writes
+``{"eid", "crc", "rejected_by", "rss_before_kb", "rss_after_kb"}`` to ``--out``: its peak
+RSS (ru_maxrss) once connected and after the delivery.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import resource
 import sys
 import time
 import zlib
@@ -96,9 +100,23 @@ def _consume(args: argparse.Namespace) -> None:
         rx.close()
 
 
+def _probe(args: argparse.Namespace) -> None:
+    rx = ExperienceReceiver(args.endpoints.split(","), 0, 1, credits=args.credits)
+    try:
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        d = rx.recv(60.0)
+        after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        (t,) = d.trajs if d is not None else [None]
+        row = {"eid": t and t.episode_id, "crc": t and crc(t), "rejected_by": rx.rejected_by}
+        row.update(rss_before_kb=before, rss_after_kb=after)
+        Path(args.out).write_text(json.dumps(row))
+    finally:
+        rx.close()
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("role", choices=("producer", "consumer"))
+    p.add_argument("role", choices=("producer", "consumer", "probe"))
     p.add_argument("--world", type=int, default=1)
     p.add_argument("--id", type=int, default=0)
     p.add_argument("--bind", default="tcp://127.0.0.1:*")
@@ -114,6 +132,8 @@ def main() -> None:
     args = p.parse_args()
     if args.role == "producer":
         asyncio.run(_produce(args))
+    elif args.role == "probe":
+        _probe(args)
     else:
         _consume(args)
 

@@ -156,7 +156,14 @@ def _cases() -> dict[str, tuple[str, list[bytes]]]:
         "lengths disagree": ("size", [_header(trajs=bad_len), *v[1:]]),
         "negative length": ("shape", [_header(trajs=neg_len), *v[1:]]),
         "wrong field type": ("bad_header", [_header(step="seven"), *v[1:]]),
+        "extra trailing element": ("bad_header", [_extra(v[0]), *v[1:]]),
     }
+
+
+def _extra(header: bytes) -> bytes:
+    """``header`` with one more element than the known fields (all of them written out)."""
+    items = msgspec.msgpack.decode(header)
+    return msgspec.msgpack.encode(items + [SCHEMA_VERSION, -1, 0][len(items) - 4 :] + [0])
 
 
 @pytest.mark.parametrize("case", list(_cases()))
@@ -193,4 +200,4 @@ def test_unserializable_metadata_is_a_clear_error() -> None:
 @pytest.mark.parametrize("cls", [TrainBatch, TrajMeta, Hello, Credit, StepDone, Shutdown])
 def test_wire_structs_are_array_like_untracked_and_omit_defaults(cls: type) -> None:
     cfg = cls.__struct_config__
-    assert cfg.array_like and not cfg.gc and cfg.omit_defaults
+    assert cfg.array_like and not cfg.gc and cfg.omit_defaults and cfg.forbid_unknown_fields

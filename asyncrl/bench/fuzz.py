@@ -1,0 +1,191 @@
+"""Hostile input at a real engine and a real experience channel: nothing crashes, all answered.
+
+``asyncrl bench fuzz [--requests N] [--messages N] [--producer-messages N] [--cuts N]
+[--limit-mb N] [--json PATH]``
+
+- ``http``: starts a real engine (``asyncrl serve --model-path DIR --port P`` on the tiny
+  default model, or ``--model-path``), sends ``--requests`` hostile requests from
+  :mod:`asyncrl.bench.fuzz_http` (32 at a time) to every endpoint, and counts the
+  answers by status code, the 5xx answers and the requests never answered; the
+  engine's greedy output for two prompts must be the same before and after, and its
+  RSS is read from ``/proc`` before and after.
+- ``experience``: :mod:`asyncrl.bench.fuzz_experience`: malformed messages at a real
+  consumer (a child process) and a real producer (this one), frames over the size
+  limit that cut connections, then one valid message from each producer that must
+  arrive bit-exact; rejects counted vs sent, reconnects vs cuts, the consumer's RSS.
+
+The baseline is what must hold: 0 answers of 5xx, 0 never answered, every malformed
+message counted as rejected, every cut restored, the valid messages bit-exact. The
+command exits 1 if any of it does not hold.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["main"]
+
+
+async def _healthy(url: str, proc: Any, timeout_s: float) -> None:
+    import aiohttp
+
+    deadline = time.monotonic() + timeout_s
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"engine at {url} exited with {proc.returncode} at start")
+            try:
+                async with http.get(url + "/health") as r:
+                    if r.status == 200:
+                        return
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                pass
+            await asyncio.sleep(0.2)
+    raise TimeoutError(f"engine at {url} not healthy within {timeout_s}s")
+
+
+async def _greedy(url: str) -> list[list[int]]:
+    from asyncrl.engines.rollout.sglang import SGLangClient
+
+    client = SGLangClient(url)
+    try:
+        outs = [
+            await client.generate(p, {"max_new_tokens": 8, "temperature": 0})
+            for p in ([1, 3, 4, 5], [1, 9, 8])
+        ]
+    finally:
+        await client.close()
+    return [list(o.output_ids) for o in outs]
+
+
+async def http_fuzz(n: int, model_path: str, concurrency: int, seed: int, log: Path) -> dict:
+    """Start ``asyncrl serve`` on ``model_path``, send ``n`` hostile requests; the counts."""
+    from asyncrl.bench.fuzz_experience import rss_kb
+    from asyncrl.bench.fuzz_http import cases, send
+    from asyncrl.procs import free_port, spawn, stop
+
+    port = free_port()
+    args = ["-m", "asyncrl.cli", "serve", "--model-path", model_path, "--port", str(port)]
+    proc = spawn([*args, "--threads", "1"], log)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        await _healthy(url, proc, 180)
+        vocab = json.loads((Path(model_path) / "config.json").read_text())["vocab_size"]
+        before = await _greedy(url)
+        rss0 = rss_kb(proc.pid)
+        out = await send(url, cases(n, vocab, free_port(), seed), concurrency, timeout_s=120)
+        rss1 = rss_kb(proc.pid)
+        out["greedy_unchanged"] = await _greedy(url) == before
+        out.update(rss_before_kb=rss0, rss_after_kb=rss1, alive=proc.poll() is None)
+        return out
+    finally:
+        stop([proc])
+
+
+def _rss(before: dict[str, int], after: dict[str, int]) -> str:
+    """``RSS before -> RSS after (peak)`` in MB."""
+    return (
+        f"{before['VmRSS'] / 1024:.0f} -> {after['VmRSS'] / 1024:.0f} ({after['VmHWM'] / 1024:.0f})"
+    )
+
+
+def _table(res: dict[str, Any]) -> str:
+    rows = [("fuzz", "sent", "answers / rejects by kind", "5xx", "never answered",
+             "RSS MB before -> after (peak)", "counted / sent", "valid after")]  # fmt: skip
+    if "http" in res:
+        h = res["http"]
+        by = " ".join(f"{k}:{v}" for k, v in h["by_status"].items())
+        rss = _rss(h["rss_before_kb"], h["rss_after_kb"])
+        answered = f"{h['sent'] - h['unanswered']}/{h['sent']} answered"
+        rows.append(("http -> asyncrl serve", str(h["sent"]), by, str(h["5xx"]),
+                     str(h["unanswered"]), rss, answered,
+                     "greedy same" if h["greedy_unchanged"] else "GREEDY CHANGED"))  # fmt: skip
+    if "experience" in res:
+        e = res["experience"]
+        c, p, v = e["consumer"], e["producer"], e["valid_after"]
+        ok = "bit-exact" if v["bit_exact"] and v["report_received"] else "LOST/CHANGED"
+        by = " ".join(f"{k}:{n}" for k, n in sorted(c["rejected_by"].items()))
+        rss = _rss(c["rss_before_kb"], c["rss_after_kb"])
+        rows.append(("experience -> consumer", str(c["sent"]), f"{by} cut:{c['cuts_sent']}", "-",
+                     "-", rss, f"{c['rejected']}/{c['expected_rejects']}, "
+                     f"reconnects {c['reconnects']}/{c['cuts_sent']}", ok))  # fmt: skip
+        by = " ".join(f"{k}:{n}" for k, n in sorted(p["rejected_by"].items()))
+        rows.append(("experience -> producer", str(p["sent"]), f"{by} cut:{p['cuts_sent']}", "-",
+                     "-", "-", f"{p['rejected']}/{p['expected_rejects']}, "
+                     f"disconnects {p['disconnects']}/{p['cuts_sent']}", ok))  # fmt: skip
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)) for r in rows]
+    return "\n".join(lines)
+
+
+def verdict(res: dict[str, Any]) -> list[str]:
+    """What does not hold (empty: all of it holds)."""
+    bad = []
+    if "http" in res:
+        h = res["http"]
+        if h["5xx"]:
+            bad.append(f"http: {h['5xx']} answers of 5xx: {h['5xx_examples']}")
+        if h["unanswered"]:
+            bad.append(f"http: {h['unanswered']} never answered: {h['unanswered_examples']}")
+        if not h["greedy_unchanged"] or not h["alive"]:
+            bad.append("http: the engine's greedy output changed or it died")
+    if "experience" in res:
+        c, p, v = (res["experience"][k] for k in ("consumer", "producer", "valid_after"))
+        if c["rejected"] != c["expected_rejects"] or c["reconnects"] != c["cuts_sent"]:
+            bad.append(f"experience consumer counted {c['rejected']} rejects of "
+                       f"{c['expected_rejects']}, {c['reconnects']} reconnects of "
+                       f"{c['cuts_sent']} cuts")  # fmt: skip
+        if p["rejected"] != p["expected_rejects"] or p["disconnects"] != p["cuts_sent"]:
+            bad.append(f"experience producer counted {p['rejected']} rejects of "
+                       f"{p['expected_rejects']}, {p['disconnects']} disconnects of "
+                       f"{p['cuts_sent']} cuts")  # fmt: skip
+        if not (v["bit_exact"] and v["report_received"]):
+            bad.append(f"experience: valid messages after the fuzz: {v}")
+    return bad
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="asyncrl bench fuzz", description=__doc__.split("\n")[0])
+    p.add_argument("--requests", type=int, default=5000, help="hostile HTTP requests")
+    p.add_argument("--concurrency", type=int, default=32, help="HTTP requests in flight")
+    p.add_argument("--messages", type=int, default=10000, help="malformed messages to the consumer")
+    p.add_argument("--producer-messages", type=int, default=2000, help="... to the producer")
+    p.add_argument("--cuts", type=int, default=5, help="frames over the limit, each way")
+    p.add_argument("--heavy", type=int, default=3, help="messages of each heavy kind")
+    p.add_argument("--limit-mb", type=int, default=16, help="experience.max_message_mb")
+    p.add_argument("--model-path", default="", help="engine model (default: the tiny one)")
+    p.add_argument("--only", choices=["http", "experience"], default="")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--json", default="", help="write the results here")
+    a = p.parse_args(argv)
+    res: dict[str, Any] = {"argv": sys.argv[1:] if argv is None else list(argv)}
+    with tempfile.TemporaryDirectory(prefix="asyncrl-fuzz-") as tmp:
+        if a.only != "experience":
+            model = a.model_path
+            if not model:
+                from asyncrl.tasks.tiny_model import ensure_tiny_model
+
+                model = str(ensure_tiny_model(Path(tmp) / "tiny"))
+            res["http"] = asyncio.run(
+                http_fuzz(a.requests, model, a.concurrency, a.seed, Path(tmp) / "engine.log")
+            )
+        if a.only != "http":
+            from asyncrl.bench.fuzz_experience import run
+
+            res["experience"] = asyncio.run(
+                run(a.messages, a.producer_messages, a.cuts, a.heavy, a.limit_mb << 20, a.seed)
+            )
+    res["failures"] = verdict(res)
+    print(_table(res))
+    print("all held" if not res["failures"] else "\n".join(["FAILED:", *res["failures"]]))
+    if a.json:
+        Path(a.json).write_text(json.dumps(res, indent=2))
+    if res["failures"]:
+        raise SystemExit(1)
