@@ -31,7 +31,7 @@ def test_bench_fuzz_small(tiny_model_dir: Path, tmp_path: Path) -> None:
     assert h["sent"] == 300 and h["5xx"] == 0 and h["unanswered"] == 0 and h["greedy_unchanged"]
     c, p = e["consumer"], e["producer"]
     assert c["sent"] == 400 and c["rejected"] == c["expected_rejects"] == 400 - 2
-    assert c["reconnects"] == 2 and p["disconnects"] == 2
+    assert c["reconnects"] == 2 and p["disconnects"] >= 2
     assert p["sent"] == 150 and p["rejected"] == p["expected_rejects"] == 150 - 2
     assert e["valid_after"] == {"bit_exact": True, "report_received": True}
     assert c["rejected_by"].get("oversized", 0) >= 3  # the three heavy kinds
