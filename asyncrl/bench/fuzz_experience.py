@@ -17,11 +17,12 @@ connects to the producer and to a bare ROUTER that plays a hostile producer. The
 - then a valid batch from each producer, which must arrive bit-exact (crc32 of every
   array), and a report from the consumer, which the producer must receive.
 
-Every malformed message must be counted as rejected by its receiver (counted vs sent),
-every cut as a reconnect (consumer) or a disconnect (producer: at least one per cut; a
-DEALER that reconnects under its old routing id before the ROUTER dropped the old
-connection is refused once more, which its monitor counts too), and the consumer's RSS
-is read from ``/proc`` before and after.
+Every malformed message must be counted as rejected by its receiver (counted vs sent;
+a frame over the limit is not a reject but a cut), every cut as exactly one reconnect
+(consumer) or as seen by the hostile DEALER it cut (producer; the producer's monitor
+counts its disconnects too, which may be more than the cuts: closing a cut DEALER, or
+its refused reconnection under the old routing id, is one as well), and the consumer's
+RSS is read from ``/proc`` before and after.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from typing import Any
 import msgspec
 import numpy as np
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from asyncrl.procs import python_env, stop
 from asyncrl.transports.experience.codec import decode, encode, encode_batch, header_limits
@@ -254,11 +256,14 @@ def _fuzz_consumer(
     return sent, ident
 
 
-async def _until(cond: Any, what: str, timeout_s: float) -> None:
+async def _until(cond: Any, what: Any, timeout_s: float) -> None:
+    """Poll ``cond`` until true; TimeoutError with ``what`` (a str, or a callable giving
+    one at the timeout: the counts then)."""
     deadline = time.monotonic() + timeout_s
     while not cond():
         if time.monotonic() > deadline:
-            raise TimeoutError(f"fuzz: {what} not within {timeout_s}s")
+            raise TimeoutError(f"fuzz: {what() if callable(what) else what} "
+                               f"not within {timeout_s}s")  # fmt: skip
         await asyncio.sleep(0.02)
 
 
@@ -266,24 +271,42 @@ async def _fuzz_producer(
     ctx: zmq.Context, tx: ExperienceSender, rng: random.Random, n: int, cuts: int, limit: int
 ) -> Counter[str]:
     """Send ``n`` malformed messages (``cuts`` frames over the limit among them) to the
-    producer from a DEALER that said a valid control Hello; returns the kinds sent. After
+    producer from a DEALER that said a valid control Hello; returns the kinds sent, and as
+    ``"cut_seen"`` the cuts that DEALER saw (its own monitor's EVENT_DISCONNECTED: the
+    producer read everything sent before the frame, then closed the connection). After
     each cut, a new DEALER (a new routing id: libzmq's ROUTER refuses a reconnection under
-    the old one while it still holds the old connection, which would lose what follows)."""
+    the old one while it still holds the old connection, which would lose what follows).
+
+    Each DEALER is closed only after its own cut was seen: the producer's disconnect count
+    is no signal for that (closing the previous DEALER, or its refused reconnection, counts
+    there too), and closing earlier would drop what is still queued on it."""
     incarnation = rng.getrandbits(60)
 
-    def dealer() -> zmq.Socket:
+    def dealer() -> tuple[zmq.Socket, zmq.Socket]:
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         sock.connect(tx.endpoint)
         hello = Hello(rank=0, world_size=1, incarnation=incarnation, control=True)
         sock.send_multipart(encode(hello))
-        return sock
+        return sock, mon
+
+    def cut_seen(mon: zmq.Socket) -> bool:
+        while mon.poll(0):
+            if recv_monitor_message(mon)["event"] == zmq.EVENT_DISCONNECTED:
+                return True
+        return False
+
+    def close(sock: zmq.Socket, mon: zmq.Socket) -> None:
+        sock.disable_monitor()
+        mon.close(linger=0)
+        sock.close(linger=0)
 
     plan = ["cut"] * cuts + [""] * max(0, n - cuts)
     rng.shuffle(plan)
     over = b"\x00" * (limit + 1)
     sent: Counter[str] = Counter()
-    sock = dealer()
+    sock, mon = dealer()
     try:
         for kind in plan:
             if kind != "cut":
@@ -291,14 +314,18 @@ async def _fuzz_producer(
                 sock.send_multipart(frames)
                 sent[kind] += 1
                 continue
-            cut = tx.counters["disconnects"] + 1
             sock.send(over)
             sent["cut"] += 1
-            await _until(lambda c=cut: tx.counters["disconnects"] >= c, "the cut", 30)
-            sock.close(linger=0)
-            sock = dealer()
+            await _until(lambda m=mon: cut_seen(m), "the producer cutting the hostile DEALER", 30)
+            sent["cut_seen"] += 1
+            close(sock, mon)
+            sock, mon = dealer()
+        # closing at once would drop what the last DEALER still queues (linger 0)
+        want = sum(sent.values()) - sent["cut"] - sent["cut_seen"]
+        await _until(lambda: tx.rejected >= want,
+                     lambda: f"the producer's rejects ({tx.rejected} of {want})", 60)  # fmt: skip
     finally:
-        sock.close(linger=0)
+        close(sock, mon)
     return sent
 
 
@@ -324,10 +351,10 @@ async def run(
             _fuzz_consumer, router, ident, rng, messages, heavy, cuts, limit
         )
         to_producer = await _fuzz_producer(ctx, tx, rng, producer_messages, cuts, limit)
+        cuts_seen = to_producer.pop("cut_seen", 0)
         want_c = sum(to_consumer.values()) - to_consumer["cut"]
         want_p = sum(to_producer.values()) - to_producer["cut"]
         stats = await _child_stats(child, want_c)
-        await _until(lambda: tx.rejected >= want_p, "the producer's rejects", 60)
         # then a valid message from each producer, bit-exact, and a report back
         goods = {GOOD_EID: traj(GOOD_EID, 512), GOOD_EID + 1: traj(GOOD_EID + 1, 512)}
         router.send_multipart([ident, *encode_batch(0, 0, [goods[GOOD_EID + 1]])])
@@ -358,7 +385,7 @@ async def run(
             "sent": sum(to_producer.values()), "sent_by_kind": dict(sorted(to_producer.items())),
             "rejected": tx.rejected, "rejected_by": dict(tx._reject.by_kind),
             "expected_rejects": want_p, "cuts_sent": to_producer["cut"],
-            "disconnects": tx.counters["disconnects"],
+            "cuts_seen": cuts_seen, "disconnects": tx.counters["disconnects"],
         },
         "valid_after": {
             "bit_exact": all(got.get(e) == crc(t) for e, t in goods.items()),

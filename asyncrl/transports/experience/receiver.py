@@ -56,6 +56,7 @@ __all__ = ["Delivery", "ExperienceReceiver"]
 log = logging.getLogger(__name__)
 _DRAIN = 64  # messages taken per readiness event, so a flood cannot starve timeouts
 _NOTICE_POLL_S = 0.05  # how often the control thread looks for notices
+_SETTLE_S = 0.1  # longest wait for the rest of a cut connection's messages (_take_rest)
 _MONITOR_IDS = itertools.count()  # unique inproc addresses of socket monitors
 
 
@@ -279,8 +280,7 @@ class ExperienceReceiver:
         What the old socket received before the cut is taken first; held acks go out
         implicitly (the Hello lists only what is still unacked)."""
         old, mon = self._data[producer], self._data_mon[producer]
-        while old.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # keep what arrived before the cut
-            self._drain(old, producer)
+        self._take_rest(old, producer)
         for x in (old, mon):
             self._poller.unregister(x)
             del self._index[x]
@@ -298,6 +298,23 @@ class ExperienceReceiver:
             self._last_seq[producer],
             len(self._unacked[producer]),
         )
+
+    def _take_rest(self, old: zmq.Socket, producer: int) -> None:
+        """Take what a cut socket received before its cut. libzmq emits the monitor's
+        EVENT_DISCONNECTED just before it flushes the last messages it read to the socket
+        and then ends the connection's pipe (``stream_engine_base_t::error``), after which
+        the DEALER cannot send (no POLLOUT): drain until then. A connection lost by other
+        means (the producer went away) keeps its pipe for a reconnection: then drain for
+        ``_SETTLE_S`` at most."""
+        deadline = time.monotonic() + _SETTLE_S
+        while True:
+            events = old.getsockopt(zmq.EVENTS)
+            if events & zmq.POLLIN:
+                self._drain(old, producer)
+            elif not events & zmq.POLLOUT or time.monotonic() >= deadline:
+                return
+            else:
+                old.poll(5, zmq.POLLIN)
 
     def _send_acks(self, low_only: bool = False) -> None:
         """Send held acks (as new credit); ``low_only``: only to producers whose remaining

@@ -351,14 +351,15 @@ class ExperienceSender:
         """Send a control message (Save, Shutdown) to every rank that has said Hello, in
         order after the batches sent to it. Kept until a later batch is acked: a cut
         connection gets it again (see ``types.Hello.controls``). Returns how many ranks it
-        is addressed to (those that said Hello)."""
+        was handed to: those with a connection up (sent now, or queued on it behind the
+        redeliveries before it); a rank whose connection is cut gets it when it resumes,
+        but is not counted."""
         frames = encode(msg)
         sent = 0
         for rank, peer in enumerate(self._peers):
             if peer.ident is None:
                 continue
             ctl = _Ctl(peer.n_controls, peer.next_seq, frames)
-            sent += 1
             peer.n_controls += 1
             peer.controls.append(ctl)
             if peer.resend:  # after the redeliveries queued before it
@@ -368,6 +369,8 @@ class ExperienceSender:
                     await self._transmit(rank, frames)
                 except zmq.ZMQError as exc:
                     log.warning("could not send %s to rank %d: %s", type(msg).__name__, rank, exc)
+                    continue
+            sent += peer.connected  # False: no route (EHOSTUNREACH), kept for its resume
         return sent
 
     def forget(self, rank: int) -> list[int]:

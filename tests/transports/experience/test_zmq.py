@@ -87,7 +87,7 @@ async def test_round_trip_groups_to_ranks_and_reports(kind: str, tmp_path: Path)
             rx.ack(d)
         rxs[0].report(StepDone(step=3, version=4, metrics={"loss": 1.0}))
         assert await asyncio.wait_for(tx.recv_report(), 10) == StepDone(3, 4, {"loss": 1.0})
-        await tx.broadcast(Shutdown(reason="done"))
+        assert await tx.broadcast(Shutdown(reason="done")) == len(rxs)  # handed to each
         for rx in rxs:
             assert (await _recv(rx)).msg == Shutdown(reason="done")
         for _ in range(100):
