@@ -37,17 +37,23 @@ __all__ = [
 
 
 class _Section(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Base of every config section: frozen, keyword-only, unknown keys rejected."""
+    """Base of every config section: frozen, unknown keys rejected.
+
+    msgspec passes ``frozen`` and ``forbid_unknown_fields`` down to subclasses at runtime, but a
+    type checker reads a ``dataclass_transform`` class's own keywords only (PEP 681), so every
+    section restates ``frozen=True``: without it mypy takes the section for a mutable class.
+    (``kw_only`` is not inherited by msgspec: a section's own fields may be passed by position.)
+    """
 
 
-class ModelConfig(_Section):
+class ModelConfig(_Section, frozen=True):
     path: str = ""
     """Local Hugging Face model directory. Empty: build (once) and use the tiny default model."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Parameter dtype of the trainer and the embedded engine."""
 
 
-class TaskConfig(_Section):
+class TaskConfig(_Section, frozen=True):
     name: Literal["reverse", "math"] = "reverse"
     """Built-in task. ``reverse``: repeat n digits in reverse order; reward = fraction right.
     ``math``: prompts from a local JSONL/Parquet file (``path``), rendered with the model's chat
@@ -74,7 +80,7 @@ class TaskConfig(_Section):
     ``async def``); ``sample.answer`` holds the row's answer (``math``) or the digits."""
 
 
-class RolloutConfig(_Section):
+class RolloutConfig(_Section, frozen=True):
     backend: Literal["local", "sglang"] = "local"
     """``local``: the embedded engine (started by the run); ``sglang``: SGLang servers."""
     urls: tuple[str, ...] = ()
@@ -133,7 +139,7 @@ class RolloutConfig(_Section):
     version is its oldest token's."""
 
 
-class TrainerConfig(_Section):
+class TrainerConfig(_Section, frozen=True):
     lr: float = 1.5e-3
     """AdamW learning rate."""
     weight_decay: float = 0.0
@@ -185,7 +191,7 @@ class TrainerConfig(_Section):
             raise ValueError(f"trainer.adam_betas must be in [0, 1), got {self.adam_betas}")
 
 
-class AlgoConfig(_Section):
+class AlgoConfig(_Section, frozen=True):
     name: Literal["grpo", "ppo"] = "grpo"
     """RL algorithm. ``grpo``: group-relative advantages, no critic. ``ppo``: a critic (value
     model from the same checkpoint) and GAE advantages."""
@@ -237,7 +243,7 @@ class AlgoConfig(_Section):
     moved. 0 disables it. No effect on the ``on-policy`` (staleness 0) and ``naive`` objectives."""
 
 
-class ControllerConfig(_Section):
+class ControllerConfig(_Section, frozen=True):
     batch_size: int = 32
     """GRPO groups (prompts) per train step."""
     max_staleness: int = 1
@@ -282,7 +288,7 @@ class ControllerConfig(_Section):
             raise ValueError(f"controller.health_interval_s must be > 0, got {value}")
 
 
-class WeightSyncConfig(_Section):
+class WeightSyncConfig(_Section, frozen=True):
     backend: Literal["auto", "gloo", "nccl", "hccl", "cuda-ipc"] = "auto"
     """Transport of trainer weights into the engines. ``auto``: nccl on CUDA, else gloo."""
     bucket_mb: int = 512
@@ -363,7 +369,7 @@ class WeightSyncConfig(_Section):
             raise ValueError(f"weights.timeout_s must be > 0, got {self.timeout_s}")
 
 
-class ExperienceConfig(_Section):
+class ExperienceConfig(_Section, frozen=True):
     host: str = "127.0.0.1"
     """Address the controller binds its experience and control sockets to."""
     max_message_mb: int = 256
@@ -405,7 +411,7 @@ class ExperienceConfig(_Section):
             )
 
 
-class ClusterConfig(_Section):
+class ClusterConfig(_Section, frozen=True):
     backend: Literal["local", "ray"] = "local"
     """Where the run's processes live. ``local``: child processes of ``asyncrl run`` on this
     host. ``ray``: the same processes inside Ray actors placed on a Ray cluster (install
@@ -439,7 +445,7 @@ class ClusterConfig(_Section):
             raise ValueError(f"cluster.start_timeout_s must be > 0, got {self.start_timeout_s}")
 
 
-class CheckpointConfig(_Section):
+class CheckpointConfig(_Section, frozen=True):
     every_steps: int = 20
     """Checkpoint the whole run (trainer + controller) into ``RUN_DIR/checkpoints/step-N``
     every this many train steps (also on SIGTERM/SIGINT and at the end); 0: only at those."""
@@ -463,7 +469,7 @@ class CheckpointConfig(_Section):
             )
 
 
-class TraceConfig(_Section):
+class TraceConfig(_Section, frozen=True):
     enabled: bool = True
     """Write the run's timeline, ``RUN_DIR/trace.json`` (Chrome / Perfetto trace events)."""
     every: int = 1
@@ -472,14 +478,14 @@ class TraceConfig(_Section):
     """Each process stops tracing once its file holds this many MB (and marks where)."""
 
 
-class TensorBoardConfig(_Section):
+class TensorBoardConfig(_Section, frozen=True):
     enabled: bool = False
     """Also log every metric to TensorBoard (the ``tensorboard`` extra)."""
     log_dir: str = ""
     """Event file folder; empty: ``RUN_DIR/tensorboard``."""
 
 
-class WandbConfig(_Section):
+class WandbConfig(_Section, frozen=True):
     enabled: bool = False
     """Also log every metric to Weights & Biases (the ``wandb`` extra)."""
     project: str = "asyncrl"
@@ -490,7 +496,7 @@ class WandbConfig(_Section):
     entity: str = ""
 
 
-class LoggingConfig(_Section):
+class LoggingConfig(_Section, frozen=True):
     trace: TraceConfig = msgspec.field(default_factory=TraceConfig)
     tensorboard: TensorBoardConfig = msgspec.field(default_factory=TensorBoardConfig)
     wandb: WandbConfig = msgspec.field(default_factory=WandbConfig)
@@ -503,7 +509,7 @@ class LoggingConfig(_Section):
             )
 
 
-class RunConfig(_Section):
+class RunConfig(_Section, frozen=True):
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     task: TaskConfig = msgspec.field(default_factory=TaskConfig)
     rollout: RolloutConfig = msgspec.field(default_factory=RolloutConfig)

@@ -18,6 +18,7 @@ import os
 import socket
 import struct
 import sys
+from collections.abc import MutableMapping
 from datetime import timedelta
 from typing import Any
 
@@ -53,17 +54,17 @@ def iface_of(address: str) -> str | None:
     return None
 
 
-def pin_socket_ifname(address: str, env: dict[str, str] | None = None) -> str | None:
+def pin_socket_ifname(address: str, env: MutableMapping[str, str] | None = None) -> str | None:
     """Set ``GLOO_SOCKET_IFNAME`` and ``NCCL_SOCKET_IFNAME`` in ``env`` (default: this
     process's) to the interface of ``address``, unless the user set them; the name, or None.
 
     Call it before the process's first process group exists.
     """
-    env = os.environ if env is None else env
+    target = os.environ if env is None else env
     name = iface_of(address)
     if name is not None:
-        env.setdefault("GLOO_SOCKET_IFNAME", name)
-        env.setdefault("NCCL_SOCKET_IFNAME", name)
+        target.setdefault("GLOO_SOCKET_IFNAME", name)
+        target.setdefault("NCCL_SOCKET_IFNAME", name)
     return name
 
 
@@ -72,7 +73,8 @@ def gloo_options(address: str, timeout_s: float) -> Any:
     interface name would not do: ``lo`` carries every ``127.x`` alias as 127.0.0.1)."""
     import torch.distributed as dist
 
-    opts = dist.ProcessGroupGloo._Options()
+    # _Options is bound by torch's C extension but missing from its .pyi
+    opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
     opts._timeout = timedelta(seconds=timeout_s)
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
     return opts

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from asyncrl.algorithms.losses import Objective, PolicyLoss
 from asyncrl.config import AlgoConfig, RunConfig
-from asyncrl.engines.train.base import LossFn, Seq, TrainEngine
+from asyncrl.engines.train.base import LossFn, Role, Seq, TrainEngine, TrainerEngine
 from asyncrl.transports.experience.types import Trajectory
 
 __all__ = [
@@ -35,7 +35,7 @@ __all__ = [
     "seqs_from_trajs",
 ]
 
-EngineFactory = Callable[[str, RunConfig], TrainEngine]
+EngineFactory = Callable[[Role, RunConfig], TrainerEngine]
 """``build(role, config)`` -> a train engine; role ``"actor"`` (also the reference) or
 ``"critic"`` (per-token outputs are values instead of log-probs)."""
 
@@ -43,7 +43,7 @@ EngineFactory = Callable[[str, RunConfig], TrainEngine]
 class Algorithm(Protocol):
     """One RL algorithm on the trainer side. ``actor`` is the engine whose weights are synced."""
 
-    actor: TrainEngine
+    actor: TrainerEngine
 
     def train_step(self, step: int, trajs: Sequence[Trajectory]) -> dict[str, float]:
         """Train on one batch (this rank's shard, whole groups); returns the step's metrics.

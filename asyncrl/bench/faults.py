@@ -69,7 +69,8 @@ def _rows(path: Path) -> list[dict[str, Any]]:
     return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
 
 
-def _wait_step(run_dir: Path, proc: subprocess.Popen, step: int, timeout_s: float) -> None:
+def _wait_step(run_dir: Path, proc: subprocess.Popen[str], step: int, timeout_s: float) -> None:
+    assert proc.stdout is not None  # _cli pipes it
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         rows = _rows(run_dir / "metrics.jsonl")

@@ -189,8 +189,21 @@ async def call_reward(fn: RewardFn, sample: Any, response_ids: list[int]) -> flo
 class EpisodeContext:
     """Handed to each episode: generation with exact versions, rewards, trajectory helpers."""
 
-    __slots__ = ("_engine", "_gate", "_max_retries", "_router", "episode_id", "group_id")
-    __slots__ += ("current", "journal", "made", "next_rid", "replay", "sampling")
+    # one literal tuple: a type checker does not follow ``__slots__ += ...``
+    __slots__ = (
+        "_engine",
+        "_gate",
+        "_max_retries",
+        "_router",
+        "current",
+        "episode_id",
+        "group_id",
+        "journal",
+        "made",
+        "next_rid",
+        "replay",
+        "sampling",
+    )
 
     def __init__(
         self,

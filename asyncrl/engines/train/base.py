@@ -26,6 +26,9 @@ Contract (:class:`EngineState`, the state side; every method is collective):
   gathered one FSDP unit (decoder layer) at a time, on every rank.
 - ``save(dir)`` / ``load(dir)``: torch distributed checkpoint of model,
   optimizer, LR schedule, RNG and step; a checkpoint loads at any world size.
+  ``save(dir, async_group)`` writes the files in the background over that
+  (Gloo) group and returns a future that completes when they are complete;
+  without a group it returns None once they are.
 - ``export_hf(dir)`` writes a Hugging Face folder ``from_pretrained`` loads.
 - ``offload()`` / ``onload()`` move parameters, gradients and optimizer state
   to CPU and back (a no-op on a CPU engine).
@@ -34,12 +37,17 @@ Contract (:class:`EngineState`, the state side; every method is collective):
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
+import torch.distributed as dist
 
-__all__ = ["EngineState", "LossFn", "Seq", "TrainEngine"]
+__all__ = ["EngineState", "LossFn", "Role", "Seq", "TrainEngine", "TrainerEngine"]
+
+Role = Literal["actor", "critic"]
+"""``actor``: outputs are response log-probs; ``critic``: per-token values."""
 
 
 @dataclass
@@ -65,11 +73,11 @@ class LossFn(Protocol):
         ...
 
     def __call__(
-        self, out: torch.Tensor, mb: Sequence[Seq]
+        self, out: torch.Tensor, mb: Sequence[Seq], /
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Per-token loss of the micro-batch and summed stats. ``out`` is the engine's
         per-token output (log-probs, or values for a critic), response tokens concatenated
-        in the order of ``mb``."""
+        in the order of ``mb``. Positional: each loss names ``out`` after what it holds."""
         ...
 
 
@@ -98,7 +106,9 @@ class EngineState(Protocol):
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]: ...
 
-    def save(self, path: str) -> None: ...
+    def save(
+        self, path: str, async_group: dist.ProcessGroup | None = None
+    ) -> Future[Any] | None: ...
 
     def load(self, path: str) -> None: ...
 
@@ -107,3 +117,12 @@ class EngineState(Protocol):
     def offload(self) -> None: ...
 
     def onload(self) -> None: ...
+
+
+class TrainerEngine(TrainEngine, EngineState, Protocol):
+    """A train engine as the trainer process holds it (``FSDPEngine`` is one): both sides,
+    and the optimizer, on which the trainer hooks its wait for weight sync (the next
+    optimizer step waits until the sender has read the weights)."""
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer: ...

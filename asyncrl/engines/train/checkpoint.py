@@ -13,7 +13,7 @@ import json
 import shutil
 from concurrent.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import torch
@@ -111,7 +111,7 @@ def load(engine: FSDPEngine, path: str | Path) -> None:
             f"{path} holds a {state['role']} checkpoint, this engine is a {engine.role}"
         )
     model_sd, optim_sd = get_state_dict(engine.model, engine.optimizer)
-    sd = {"model": model_sd, "optim": optim_sd}
+    sd: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
     dcp.load(sd, checkpoint_id=str(path), no_dist=not dist.is_initialized())
     set_state_dict(
         engine.model, engine.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"]

@@ -17,18 +17,18 @@ import math
 import warnings
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
-from typing import Literal
+from typing import TYPE_CHECKING, Literal, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from asyncrl import trace
 from asyncrl.config import RunConfig
 from asyncrl.engines.train import checkpoint
-from asyncrl.engines.train.base import LossFn, Seq
+from asyncrl.engines.train.base import LossFn, Role, Seq
 from asyncrl.engines.train.micro_batch import (
     MicroBatch,
     prepare_inputs,
@@ -39,9 +39,11 @@ from asyncrl.engines.train.micro_batch import (
 )
 from asyncrl.engines.train.schedule import lr_schedule
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 __all__ = ["FSDPEngine", "init_process_group"]
 
-Role = Literal["actor", "critic"]
 Output = Literal["logp", "entropy"]
 # Output preparation never writes into the model's outputs in place.
 warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
@@ -67,7 +69,7 @@ def _all_reduce(value: float, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -
     return float(t.item())
 
 
-def _build_model(model_path: str, role: Role, dtype: torch.dtype, seed: int) -> nn.Module:
+def _build_model(model_path: str, role: Role, dtype: torch.dtype, seed: int) -> PreTrainedModel:
     """The HF model of ``role``; fresh heads are initialised identically on every rank."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
@@ -116,7 +118,8 @@ class FSDPEngine:
         )
         if tc.activation_checkpointing:
             _enable_activation_checkpointing(model)
-        self.units = self._shard(model.to(self.device))
+        # PreTrainedModel.to is @functools.wraps(nn.Module.to): typeshed types it unbound
+        self.units = self._shard(model.to(self.device))  # type: ignore[arg-type]
         self.model = model
         self.optimizer = torch.optim.AdamW(
             model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay, betas=tc.adam_betas
@@ -134,17 +137,14 @@ class FSDPEngine:
         if tc.mixed_precision == "bf16":
             mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         reshard = tc.reshard_after_forward
-        kw = {
-            "mp_policy": mp,
-            "reshard_after_forward": self.world > 1 if reshard is None else reshard,
-        }
+        after_forward = self.world > 1 if reshard is None else reshard
         blocks = set(getattr(model, "_no_split_modules", None) or ())
         units = [(n, m) for n, m in model.named_modules() if type(m).__name__ in blocks]
         if not units:
             raise ValueError(f"{type(model).__name__} names no decoder layer (_no_split_modules)")
         for _, m in units:
-            fully_shard(m, **kw)
-        fully_shard(model, **kw)
+            fully_shard(m, mp_policy=mp, reshard_after_forward=after_forward)
+        fully_shard(model, mp_policy=mp, reshard_after_forward=after_forward)
         return [*units, ("", model)]
 
     # -- one execution path ------------------------------------------------------------
@@ -179,16 +179,18 @@ class FSDPEngine:
             for g, idx in enumerate(groups):
                 if not forward_only and self.sharded and self.world == 1:
                     # nothing to reduce at world size 1: accumulate unsharded, sync once
-                    self.model.set_requires_gradient_sync(g == len(groups) - 1)
+                    # fully_shard swapped the model's class for an FSDPModule subclass
+                    cast(FSDPModule, self.model).set_requires_gradient_sync(g == len(groups) - 1)
                 mb = [seqs[i] for i in idx]
                 outs = self._micro_batch(mb, loss_fn, scale, forward_only, output, stats)
                 for i, out in zip(idx, outs, strict=True):
                     outputs[i] = out
         if forward_only and self.sharded:  # no backward reshards what forward kept gathered
             for _, unit in self.units:
-                unit.reshard()
-        assert all(o is not None for o in outputs)
-        return outputs, stats  # type: ignore[return-value]
+                cast(FSDPModule, unit).reshard()  # sharded: every unit is an FSDPModule
+        done = [o for o in outputs if o is not None]
+        assert len(done) == len(outputs)
+        return done, stats
 
     def _micro_batch(
         self,
@@ -294,7 +296,7 @@ class FSDPEngine:
     def _place(self, device: torch.device) -> None:
         if self.device.type == "cpu":
             return
-        self.model.to(device)
+        self.model.to(device)  # type: ignore[arg-type]  # as in __init__: a wraps()-typed .to
         for state in self.optimizer.state.values():
             for k, v in state.items():
                 if torch.is_tensor(v) and k != "step":
@@ -311,7 +313,7 @@ def _full(p: torch.Tensor) -> torch.Tensor:
     return p.full_tensor() if isinstance(p, DTensor) else p.detach().clone()
 
 
-def _enable_activation_checkpointing(model: nn.Module) -> None:
+def _enable_activation_checkpointing(model: PreTrainedModel) -> None:
     """Non-reentrant activation checkpointing of every decoder layer (HF's own switch)."""
     kwargs = {"use_reentrant": False}
     if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
@@ -331,8 +333,6 @@ def _packing_supported() -> bool:
 
 def _in_child(name: str, unit: nn.Module) -> bool:
     """Whether parameter ``name`` of ``unit`` belongs to a nested FSDP unit (gathered there)."""
-    from torch.distributed.fsdp import FSDPModule
-
     parts = name.split(".")[:-1]
     mod = unit
     for part in parts:

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from asyncrl.engines.train.base import EngineState
 from asyncrl.transports.experience.types import Message, Save, Saved
 
 __all__ = ["TRAINER_META", "RunState"]
@@ -41,7 +42,7 @@ class RunState:
     """Saves and restores every engine of an algorithm (``actor``, and ``critic`` if any)."""
 
     def __init__(self, algorithm: Any, rank: int, report: Callable[[Message], None]):
-        self.engines: dict[str, Any] = {"actor": algorithm.actor}
+        self.engines: dict[str, EngineState] = {"actor": algorithm.actor}
         if getattr(algorithm, "critic", None) is not None:
             self.engines["critic"] = algorithm.critic
         self.rank = rank

@@ -90,7 +90,8 @@ def allowed_networks(spec: str) -> list[ipaddress.IPv4Network | ipaddress.IPv6Ne
                 raise ValueError(
                     f"allowed weight-sync master {item!r} is not an address, CIDR or host name"
                 ) from None
-            nets += [ipaddress.ip_network(i[4][0].split("%")[0]) for i in infos]
+            # sockaddr[0] is the address string for AF_INET/AF_INET6 (typeshed also allows int)
+            nets += [ipaddress.ip_network(str(i[4][0]).split("%")[0]) for i in infos]
     return nets
 
 
@@ -101,7 +102,7 @@ def check_master(address: str, networks: Sequence[Any]) -> None:
         infos = socket.getaddrinfo(address, None, proto=socket.IPPROTO_TCP)
     except (OSError, UnicodeError) as exc:
         raise BadRequest(f"master_address {address!r} does not resolve: {exc}") from None
-    ips = {ipaddress.ip_address(info[4][0].split("%")[0]) for info in infos}
+    ips = {ipaddress.ip_address(str(info[4][0]).split("%")[0]) for info in infos}
     outside = sorted(str(ip) for ip in ips if not any(ip in n for n in networks))
     if outside or not ips:
         allowed = ", ".join(str(n) for n in networks) or "nothing"
