@@ -120,7 +120,7 @@ def bench_engine(args: argparse.Namespace, model_dir: Path, reqs: list) -> dict[
     )
     from asyncrl.procs import free_port
 
-    extra = ("--device", args.device, "--threads", str(args.threads))
+    extra: tuple[str, ...] = ("--device", args.device, "--threads", str(args.threads))
     extra += ("--max-batch-size", str(args.max_batch_size), "--dtype", args.dtype)
     spec = LaunchSpec(str(model_dir), free_port(), module=LOCAL_SERVER, extra_args=extra)
     log = Path(tempfile.mkdtemp(prefix="asyncrl-bench-")) / "engine.log"
@@ -149,7 +149,8 @@ def bench_hf(args: argparse.Namespace, model_dir: Path, reqs: list) -> dict[str,
         mask[i, width - len(p) :] = 1
     ids, mask = ids.to(args.device), mask.to(args.device)
     longest = max(n for _, n in reqs)
-    kw = {"do_sample": True, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "pad_token_id": 0}
+    kw: dict[str, Any] = {"do_sample": True, "temperature": 1.0, "top_p": 1.0, "top_k": 0}
+    kw["pad_token_id"] = 0
     kw["eos_token_id"] = None
     with torch.no_grad():
         model.generate(ids[:2, -4:], attention_mask=mask[:2, -4:], max_new_tokens=4, **kw)

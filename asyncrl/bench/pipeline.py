@@ -163,12 +163,12 @@ def measure(rows: list[dict[str, Any]], warmup: int, staleness: int) -> dict[str
     }
 
 
-def _median(runs: list[dict[str, float]]) -> dict[str, float]:
+def _median(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """The run with the median window time (its own metrics, not a mix of runs)."""
     return sorted(runs, key=lambda r: r["seconds"])[(len(runs) - 1) // 2]
 
 
-def run_once(staleness: int, a: argparse.Namespace, model_path: str, out: Path) -> dict[str, float]:
+def run_once(staleness: int, a: argparse.Namespace, model_path: str, out: Path) -> dict[str, Any]:
     from asyncrl.runner import run_job
 
     overrides = [
@@ -206,7 +206,7 @@ def run_once(staleness: int, a: argparse.Namespace, model_path: str, out: Path) 
         rows = uvloop.run(go())
     except ImportError:
         rows = asyncio.run(go())
-    res = measure(rows, a.warmup, staleness)
+    res: dict[str, Any] = measure(rows, a.warmup, staleness)
     res["load"] = {"before": load_before, "after": machine_load()}
     return res
 

@@ -48,6 +48,12 @@ def _make_model(out: Path, hidden: int, layers: int, vocab: int) -> None:
     Qwen2ForCausalLM(cfg).save_pretrained(out)
 
 
+def _span(text: str) -> tuple[int, int]:
+    """``"min,max"`` as two ints (ValueError unless exactly two)."""
+    lo, hi = (int(x) for x in text.split(","))
+    return lo, hi
+
+
 def _make_batch(n: int, vocab: int, prompt: tuple[int, int], response: tuple[int, int]):
     from asyncrl.engines.train.base import Seq
 
@@ -80,13 +86,16 @@ class _PlainStep:
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-        self.model.to(device).train()
+        # PreTrainedModel.to is @functools.wraps(nn.Module.to): typeshed types it unbound
+        self.model.to(device).train()  # type: ignore[arg-type]
         self.model.config.use_cache = False
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, betas=(0.9, 0.99))
         self.device, self.budget = device, budget
 
     def _chunks(self, seqs: list) -> list[list]:
-        chunks, cur, width = [], [], 0
+        chunks: list[list] = []
+        cur: list = []
+        width = 0
         for s in seqs:
             w = max(width, len(s.input_ids))
             if cur and w * (len(cur) + 1) > self.budget:
@@ -186,8 +195,7 @@ def main(argv: list[str] | None = None) -> None:
     from asyncrl.procs import free_port
 
     init_process_group(0, 1, free_port(), args.device)
-    rng = lambda s: tuple(int(x) for x in s.split(","))  # noqa: E731
-    seqs = _make_batch(args.batch, args.vocab, rng(args.prompt), rng(args.response))
+    seqs = _make_batch(args.batch, args.vocab, _span(args.prompt), _span(args.response))
     with tempfile.TemporaryDirectory() as tmp:
         model_path = args.model_path
         if not model_path:

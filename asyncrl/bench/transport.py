@@ -43,7 +43,6 @@ import json
 import os
 import pickle
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -187,7 +186,7 @@ async def _run_pickle(
     push.bind(_endpoint(args, "pickle.ipc"))
     done = ctx.socket(zmq.PULL)
     done.bind(_endpoint(args, "done.ipc"))
-    ep, done_ep = (s.getsockopt(zmq.LAST_ENDPOINT).decode() for s in (push, done))
+    ep, done_ep = (s.getsockopt_string(zmq.LAST_ENDPOINT) for s in (push, done))
     child = _start(args, _child_args(args, "pickle", ep, done_ep, group))
     try:
         msgs = [trajs[i : i + group] for i in range(0, len(trajs), group)]
@@ -365,4 +364,4 @@ def _print(rows: list[dict], args: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -51,7 +51,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-MODELS = {
+MODELS: dict[str, dict[str, Any]] = {  # Qwen2Config keyword arguments
     "tiny": dict(  # a smoke run (the wheel test), not a measurement
         hidden_size=64,
         intermediate_size=128,
@@ -209,6 +209,7 @@ class _Children:
         """Start ``extra`` (``{port}`` in it: a port free on the receiving node)."""
         from asyncrl.procs import free_port, python_env, spawn
 
+        proc: Any  # a NodeProcess or a Popen, tagged with the port it serves on
         if self.args.ray:
             from asyncrl.launchers.ray import NodeProcess
 
@@ -371,7 +372,11 @@ def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 staging_buckets=args.staging_buckets,
                 zero_copy_frac=args.zero_copy_frac,
                 snapshot=mode == "snapshot",
-                verify={"unverified": "off", "full-verify": "full"}.get(mode, "sampled"),
+                verify="off"
+                if mode == "unverified"
+                else "full"
+                if mode == "full-verify"
+                else "sampled",
                 timeout_s=600.0,
                 ipc_verify=args.ipc_verify,
                 ipc_copy=args.ipc_copy,

@@ -177,7 +177,10 @@ class RayLauncher:
             name = f"engine{i}"
             if cc.colocate:
                 pg, bundle, owns = self._trainers_pg(), i % self.cfg.trainer.world_size, False
-                opts = {"num_cpus": cc.cpus_per_engine, "num_gpus": 0.5 if gpu else 0}
+                opts: dict[str, Any] = {
+                    "num_cpus": cc.cpus_per_engine,
+                    "num_gpus": 0.5 if gpu else 0,
+                }
             else:
                 b = {"CPU": cc.cpus_per_engine, **cc.engine_resources}
                 if gpu:
@@ -410,7 +413,8 @@ class NodeProcess:
     def __init__(self, address: str, log_dir: Path):
         self.address = address
         self.pid: int | None = None  # on that node
-        self._actor = (
+        # a Ray actor handle, as _Proc.actor: Ray adds each method's .remote at runtime
+        self._actor: Any = (
             ray.remote(ProcActor)
             .options(resources={f"node:{address}": 0.001}, num_cpus=0, max_restarts=0)
             .remote(str(Path(log_dir).resolve()))

@@ -19,9 +19,12 @@ function (registered as ``asyncrl_bucketed``, with SDPA's mask format).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 __all__ = ["NAME", "Plan", "enable", "plan"]
 
@@ -90,7 +93,7 @@ def bucketed_attention(
     return out.transpose(1, 2).contiguous(), None
 
 
-def enable(model: torch.nn.Module) -> bool:
+def enable(model: PreTrainedModel) -> bool:
     """Switch an SDPA model to the bucketed decode attention; False if it uses another one."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask

@@ -38,13 +38,16 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from asyncrl.engines.rollout.local import attention
 from asyncrl.engines.rollout.local.kv import BatchCache
 from asyncrl.engines.rollout.local.sampling import SamplingParams, sample
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 __all__ = ["LocalEngine", "Request", "SamplingParams"]
 
@@ -94,7 +97,7 @@ class LocalEngine:
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: PreTrainedModel,
         eos_token_ids: set[int],
         device: str = "cpu",
         max_batch_size: int = 256,
@@ -110,7 +113,8 @@ class LocalEngine:
             raise ValueError(
                 f"kv_after_update must be 'recompute' or 'keep', got {kv_after_update!r}"
             )
-        self.model = model.to(device).eval()
+        # PreTrainedModel.to is @functools.wraps(nn.Module.to): typeshed types it unbound
+        self.model = model.to(device).eval()  # type: ignore[arg-type]
         self.device = torch.device(device)
         self.eos_token_ids = set(eos_token_ids)
         self.max_batch_size = max_batch_size

@@ -33,6 +33,7 @@ covers Llama/Qwen2/Qwen3/Mistral-style models without sliding windows.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 from transformers import DynamicCache
@@ -51,6 +52,10 @@ class GrowingLayer(DynamicLayer):
     write in place; buffers are reallocated (window copied to the left edge) only
     when they run out of rows or columns.
     """
+
+    # set from construction on (DynamicLayer's are None until its first update)
+    keys: torch.Tensor
+    values: torch.Tensor
 
     def __init__(
         self,
@@ -163,7 +168,10 @@ class GrowingLayer(DynamicLayer):
 
 
 def _layers(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [(layer.keys, layer.values) for layer in cache.layers]
+    """Keys and values of every layer of a prefilled cache: full-attention ``DynamicLayer`` s
+    (the only kind this module supports), each filled, so neither is None."""
+    layers = cast("list[DynamicLayer]", cache.layers)
+    return [(cast(torch.Tensor, la.keys), cast(torch.Tensor, la.values)) for la in layers]
 
 
 class BatchCache:
@@ -187,7 +195,7 @@ class BatchCache:
 
     @property
     def _glayers(self) -> list[GrowingLayer]:
-        return self.cache.layers  # type: ignore[return-value] - GrowingLayer by construction
+        return cast("list[GrowingLayer]", self.cache.layers)  # GrowingLayer by construction
 
     @property
     def rows(self) -> int:

@@ -114,7 +114,7 @@ class EngineServer:
         if body.get("stream"):
             raise _BadRequest("stream=true is unsupported by the embedded engine")
         loop = asyncio.get_running_loop()
-        ids = body.get("input_ids")
+        ids: Any = body.get("input_ids")  # JSON: a list, or a list of lists (checked per item)
         batch = isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
         n = len(ids) if batch else 1
         sps = [_item(body, "sampling_params", i, n, batch) for i in range(n)]

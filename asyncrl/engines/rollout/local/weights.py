@@ -110,7 +110,8 @@ def _manifest(body: dict[str, Any], extra: Any, limit: int) -> BucketManifest:
     names, dtypes, shapes = _tensor_specs(body)
     if len(set(dtypes)) != 1:
         raise BadRequest(f"a flattened bucket holds one torch dtype, got {sorted(set(dtypes))}")
-    chunks, full = extra.get("chunks"), extra.get("full_shapes")
+    chunks: Any = extra.get("chunks")  # JSON, checked here and per entry below
+    full: Any = extra.get("full_shapes")
     if chunks is not None and not (
         isinstance(chunks, list)
         and isinstance(full, list)
@@ -263,7 +264,7 @@ class WeightReceiver:
         self._update = None  # a new push drops whatever was staged
         self._deltas.clear()  # the model switches to the IPC standby set, not the buffers
         try:
-            if scope == "transfer":
+            if scope == "transfer" and mode is not None:  # a scope implies a mode
                 await asyncio.to_thread(self.engine.pause, mode)
             try:
                 switch_pause = mode if scope == "commit" else None
