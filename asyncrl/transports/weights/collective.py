@@ -378,6 +378,7 @@ class CollectiveWeightSender(BucketSender):
             if self.sglang:  # SGLang serves update calls in arrival order: one at a time
                 call = _after(self._chain.get(c.url), call, m.index)
             task = asyncio.ensure_future(call)
+            task.add_done_callback(_seen)  # read by _check_acks; a failed push may not get there
             self._chain[c.url] = task
             acks.append((c.url, task))
         return acks
