@@ -240,8 +240,8 @@ class BucketSender:
         try:
             return await task
         except asyncio.CancelledError:
-            me = asyncio.current_task()
-            if not self._left or not task.cancelled() or (me is not None and me.cancelling()):
+            outer = getattr(asyncio.current_task(), "cancelling", None)  # Python 3.11+
+            if not self._left or not task.cancelled() or (outer is not None and outer()):
                 raise  # cancelled from outside (shutdown): not ours to turn into an error
             raise EnginesLeft(self._left, self.urls) from None
         finally:
