@@ -196,6 +196,10 @@ class _Run:
             if batch is None:  # stop requested: checkpoint what was handed out, then stop
                 if failed.is_set():
                     raise RunStopped(self.committed)
+                # tokens of requests in flight into their episodes' journals: kept on resume
+                if not await ctl.interrupt(self.cfg.rollout.request_timeout_s):
+                    log.warning("stop: requests in flight did not answer the abort in time; "
+                                "their tokens will be generated again on resume")  # fmt: skip
                 await self.checkpoint(ctl, chan, wait=True)
                 raise RunStopped(ctl.step)
             self.batches[batch.step] = self.sent[batch.step] = batch

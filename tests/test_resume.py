@@ -239,3 +239,80 @@ def test_ppo_run_exports_its_critic_and_resumes_with_it(tmp_path: Path) -> None:
     rows = _rows(run)
     _check_exactly_once(rows, 6, 4)
     assert all("critic_vf_loss" in r for r in rows)
+
+
+_LONG = 200
+
+
+async def _long_answer(ctx, sample):  # type: ignore[no-untyped-def]
+    gen = await ctx.generate(sample.prompt_ids, max_new_tokens=_LONG, ignore_eos=True)
+    return ctx.trajectory(sample.prompt_ids, [gen], sum(gen.output_ids[:3]) / 100)
+
+
+def _prompts(n: int = 10_000):  # type: ignore[no-untyped-def]
+    from asyncrl.controllers.episode import Sample
+
+    return (Sample(prompt_ids=[1, 3 + i % 10, 4, 14], id=i) for i in range(n))
+
+
+def test_a_stop_keeps_the_tokens_in_flight_and_the_resume_does_not_regenerate_them(
+    tmp_path: Path,
+) -> None:
+    """Stopped while the engine decodes: the stop aborts the requests in flight, so their
+    tokens (log-probs, versions) are in the checkpoint's journals; the resumed run replays
+    them (``kept_tokens``) and trains each sample once."""
+    import asyncio
+
+    import aiohttp
+
+    from asyncrl.config import load_config
+    from asyncrl.runner import RunStopped, run_job
+
+    run = tmp_path / "run"
+    args = ["--controller.batch_size=2", "--algo.group_size=2", "--controller.max_staleness=1",
+            "--controller.batch_requests=false", f"--rollout.max_new_tokens={_LONG}",
+            "--rollout.pause_mode=in_place",  # weight pushes abort nothing: only the stop does
+            '--rollout.extra_args=["--context-length", "100000"]']  # fmt: skip
+
+    async def first() -> int:
+        stop = asyncio.Event()
+        cfg = load_config(None, [*args, "--controller.total_steps=1000"])
+
+        async def stop_mid_decode() -> None:
+            while not ((run / "metrics.jsonl").is_file() and len(_rows(run)) >= 2):
+                await asyncio.sleep(0.05)
+            url = json.loads((run / "resume.json").read_text())["engines"][0]
+            async with aiohttp.ClientSession() as http:
+                seen = -1
+                while True:  # the engine holds requests and is decoding them
+                    async with http.get(url + "/get_server_info") as resp:
+                        info = await resp.json()
+                    if info["num_requests"] > 0 and 0 <= seen < info["tokens"]:
+                        break
+                    seen = info["tokens"] if info["num_requests"] > 0 else -1
+                    await asyncio.sleep(0.01)
+            stop.set()
+
+        watcher = asyncio.ensure_future(stop_mid_decode())
+        try:
+            await run_job(cfg, run, True, _long_answer, _prompts(), stop_event=stop)
+        except RunStopped as exc:
+            assert exc.step is not None
+            return exc.step
+        finally:
+            watcher.cancel()
+        raise AssertionError("the run was not stopped")
+
+    stopped = asyncio.run(asyncio.wait_for(first(), 240))
+    step, folder = ckpts.latest_checkpoint(run)
+    assert step == stopped
+    state = ckpts.load_controller_state(folder)
+    assert state.running and state.kept_tokens > 0, state
+    cfg = load_config(None, [*args, f"--controller.total_steps={step + 2}"])
+    asyncio.run(
+        asyncio.wait_for(run_job(cfg, run, True, _long_answer, _prompts(), resume=True), 240)
+    )
+    resumed = json.loads((run / "resumed.json").read_text())
+    assert resumed["kept_tokens"] == state.kept_tokens > 0, resumed
+    rows = _rows(run)
+    _check_exactly_once(rows, step + 2, 2)  # 2 groups (samples) a step

@@ -293,6 +293,25 @@ class Controller:
             self._gate.open.set()
         await self.set_version(version)
 
+    async def interrupt(self, timeout_s: float) -> bool:
+        """Bring every running episode's generated tokens into its journal, for a checkpoint
+        taken before a stop: no new request is sent (the gate closes), the engines abort
+        theirs (``pause_generation("abort")``: each returns its partial output, which its
+        episode journals), then the engines continue, still sent nothing. True when every
+        request in flight answered within ``timeout_s`` (else the snapshot misses their
+        tokens: they are generated again after the resume). Engine errors are reported to
+        the router, never raised; the gate stays closed (the run is stopping)."""
+        self._gate.open.clear()
+        engines = self.router.engines
+        await asyncio.gather(*(self._pause(e, "abort") for e in engines))
+        try:
+            await asyncio.wait_for(self._gate.drained.wait(), timeout_s)
+            return True
+        except asyncio.TimeoutError:
+            return False
+        finally:
+            await asyncio.gather(*(self._continue(e) for e in engines))
+
     async def _pause(self, engine: RolloutEngine, mode: str) -> None:
         try:
             await engine.pause_generation(mode)
