@@ -15,7 +15,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["free_port", "python_env", "spawn", "stop"]
+__all__ = ["finish", "free_port", "pid_alive", "python_env", "spawn", "stop"]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -82,6 +82,30 @@ def wait_exit(procs: Sequence[subprocess.Popen], timeout_s: float) -> bool:
         except subprocess.TimeoutExpired:
             return False
     return True
+
+
+def pid_alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie (Linux: read from /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def finish(proc: subprocess.Popen, timeout_s: float) -> tuple[int, str]:
+    """Wait up to ``timeout_s`` for ``proc`` to exit; its return code and output as text.
+
+    The process is killed if it is still running when the time is up (or on any error).
+    """
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = out.decode(errors="replace") if isinstance(out, bytes) else (out or "")
+    return proc.returncode, text
 
 
 def stop(procs: Sequence[subprocess.Popen], timeout_s: float = 5.0) -> None:

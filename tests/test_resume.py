@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 
 from asyncrl.controllers import checkpoints as ckpts
-from asyncrl.procs import python_env
-from tests.test_run import _alive
+from asyncrl.procs import finish, pid_alive, python_env
+from tests.runs import metrics_rows as _rows
+from tests.runs import wait_rows as _wait_rows
 
 _SMALL = ("--controller.batch_size=4", "--controller.max_staleness=2")
 _SINKS = (
@@ -37,26 +38,7 @@ def _cli(*args: str) -> subprocess.Popen:
 
 
 def _finish(proc: subprocess.Popen, timeout_s: float = 300) -> tuple[int, str]:
-    try:
-        out, _ = proc.communicate(timeout=timeout_s)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    return proc.returncode, out
-
-
-def _rows(run: Path) -> list[dict]:
-    return [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines() if ln]
-
-
-def _wait_rows(run: Path, proc: subprocess.Popen, n: int, timeout_s: float = 240) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and proc.poll() is None:
-        if (run / "metrics.jsonl").is_file() and len(_rows(run)) >= n:
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"no {n} metrics rows (rc {proc.poll()}): {_finish(proc, 5)[1][-3000:]}")
+    return finish(proc, timeout_s)
 
 
 def _check_exactly_once(rows: list[dict], steps: int, batch: int) -> None:
@@ -175,7 +157,7 @@ def test_sigkilled_run_leaves_nothing_and_resumes(tmp_path: Path) -> None:
     proc.wait()
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        left = [n for n, pid in pids.items() if _alive(pid)]
+        left = [n for n, pid in pids.items() if pid_alive(pid)]
         left += [str(p) for p in Path("/dev/shm").glob(f"asyncrl-xp-{proc.pid}-*")]
         if not left:
             break

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -12,21 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.procs import python_env
+from asyncrl.procs import pid_alive, python_env
 from tests.launchers.cluster import descendants, listeners, listening
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie is dead for our purposes
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except OSError:
-        return False
-
 
 _SHORT_RUN = (
     "--controller.total_steps=6",
@@ -83,7 +69,7 @@ def _check_finished_run(tmp_path: Path, proc: subprocess.Popen, steps: int) -> N
     assert len(versions) >= 3 and max(versions) == steps
     pids = json.loads((run / "processes.json").read_text())
     assert set(pids) == {"engine0", "trainer0"}
-    assert not [name for name, pid in pids.items() if _alive(pid)]
+    assert not [name for name, pid in pids.items() if pid_alive(pid)]
 
 
 def test_sigint_stops_every_process_and_nothing_listened_beyond_loopback(
@@ -111,7 +97,7 @@ def test_sigint_stops_every_process_and_nothing_listened_beyond_loopback(
         proc.wait(timeout=20)
         assert time.monotonic() - t0 < 15
         assert proc.returncode == 130
-        assert not [name for name, pid in pids.items() if _alive(pid)]
+        assert not [name for name, pid in pids.items() if pid_alive(pid)]
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -140,7 +126,7 @@ def test_sigint_while_starting_exits_at_once_leaving_no_process(
         assert proc.returncode == 130, text
         assert "Traceback" not in text and "before the first step" in text
         assert took < 5, took
-        assert not [name for name, pid in pids.items() if _alive(pid)]
+        assert not [name for name, pid in pids.items() if pid_alive(pid)]
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -48,7 +48,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from asyncrl.procs import python_env
+from asyncrl.procs import finish, pid_alive, python_env
 
 __all__ = ["main", "run_scenario"]
 
@@ -83,26 +83,13 @@ def _wait_step(run_dir: Path, proc: subprocess.Popen[str], step: int, timeout_s:
 
 
 def _finish(proc: subprocess.Popen, timeout_s: float) -> None:
-    try:
-        out, _ = proc.communicate(timeout=timeout_s)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    if proc.returncode != 0:
-        raise RuntimeError(f"asyncrl run exited with {proc.returncode}:\n{out[-3000:]}")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    rc, out = finish(proc, timeout_s)
+    if rc != 0:
+        raise RuntimeError(f"asyncrl run exited with {rc}:\n{out[-3000:]}")
 
 
 def _left(pids: dict[str, int], run_pid: int) -> list[str]:
-    left = [name for name, pid in pids.items() if _alive(pid)]
+    left = [name for name, pid in pids.items() if pid_alive(pid)]
     return left + [p.name for p in Path("/dev/shm").glob(f"asyncrl-xp-{run_pid}-*")]
 
 

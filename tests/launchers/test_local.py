@@ -17,15 +17,8 @@ from asyncrl.config import load_config
 from asyncrl.engines.rollout.sglang import SGLangClient
 from asyncrl.launchers import Launcher, make_launcher
 from asyncrl.launchers.base import TrainerArgs, trainer_command
-from asyncrl.procs import python_env
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+from asyncrl.procs import pid_alive, python_env
+from tests.runs import kill_when_rows
 
 
 async def _healthy(url: str, timeout_s: float = 120.0) -> None:
@@ -71,7 +64,7 @@ async def test_engine_killed_is_reported_once_and_restarts_at_the_same_url(
             launcher.restart("engine7")
     finally:
         await asyncio.to_thread(launcher.stop)
-    assert not _alive(new_pid)
+    assert not pid_alive(new_pid)
     assert launcher.deaths() == []  # exits caused by stop() are not deaths
 
 
@@ -113,47 +106,20 @@ def test_no_engine_left_stops_the_run_with_an_error(tiny_model_dir: Path, tmp_pa
     cmd += [f"--model.path={tiny_model_dir}", "--controller.total_steps=40"]
     cmd += ["--controller.batch_size=4", "--rollout.max_restarts=0"]
     proc = subprocess.Popen(cmd, env=python_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        metrics, deadline, killed = run / "metrics.jsonl", time.monotonic() + 120, 0
-        while proc.poll() is None and time.monotonic() < deadline and not killed:
-            if metrics.is_file() and len(metrics.read_text().splitlines()) >= 2:
-                pids = json.loads((run / "processes.json").read_text())
-                killed = pids["engine0"]
-                os.kill(killed, signal.SIGKILL)
-            time.sleep(0.05)
-        assert killed, "the run ended before the engine could be killed"
-        out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    text = out.decode(errors="replace")
-    assert proc.returncode == 1, text
+    pids, rc, text = kill_when_rows(proc, run, "engine0", after_rows=2, timeout_s=120)
+    assert rc == 1, text
     assert "no rollout engine left (each died more than rollout.max_restarts=0 times)" in text
     assert "engine0: engine0 exited with -9" in text, text
-    assert not [p for p in pids.values() if _alive(p)], pids
+    assert not [p for p in pids.values() if pid_alive(p)], pids
 
 
 def _kill_engine_mid_run(cmd: list[str], env: dict[str, str], run: Path, after_rows: int) -> str:
     """Start ``asyncrl run``, SIGKILL engine0 once ``after_rows`` steps are logged, wait for
     the end; its output (asserting it exited 0 and the engine came back as a new process)."""
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        metrics, deadline, killed = run / "metrics.jsonl", time.monotonic() + 300, 0
-        while proc.poll() is None and time.monotonic() < deadline and not killed:
-            if metrics.is_file() and len(metrics.read_text().splitlines()) >= after_rows:
-                killed = json.loads((run / "processes.json").read_text())["engine0"]
-                os.kill(killed, signal.SIGKILL)
-            time.sleep(0.1)
-        assert killed, "the run ended before the engine could be killed"
-        out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    text = out.decode(errors="replace")
-    assert proc.returncode == 0, text
-    assert not _alive(killed)
+    pids, rc, text = kill_when_rows(proc, run, "engine0", after_rows)
+    assert rc == 0, text
+    assert not pid_alive(pids["engine0"])
     return text
 
 
@@ -202,4 +168,4 @@ def test_engine_leaving_for_good_does_not_stall_the_weight_push(
             proc.wait()
     text = out.decode(errors="replace")
     assert "engine1 exited with -9 after 0 restarts: out of the run; 1 engine(s) left" in text
-    assert not [p for p in pids.values() if _alive(p)], pids
+    assert not [p for p in pids.values() if pid_alive(p)], pids

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ipaddress
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -19,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.procs import python_env
+from asyncrl.procs import finish, pid_alive, python_env
 from tests.launchers.cluster import (
     HEAD,
     WORKER,
@@ -29,6 +28,7 @@ from tests.launchers.cluster import (
     listening,
     read_json,
 )
+from tests.runs import kill_when_rows, metrics_rows, wait_rows
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
 
@@ -60,25 +60,18 @@ def test_default_job_runs_across_two_nodes_and_learns(
     proc = subprocess.Popen(
         cmd, env=python_env(ray_cluster.env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
     )
-    seen: dict[str, set[tuple[str, int]]] = {}
-    masters = ""
     try:
-        deadline = time.monotonic() + 300
-        while proc.poll() is None and time.monotonic() < deadline:
-            metrics = run / "metrics.jsonl"
-            if not seen and metrics.is_file() and len(metrics.read_text().splitlines()) >= 3:
-                seen = _sockets(ray_cluster, run, proc.pid)  # mid-run: every socket is open
-                engine = read_json(run / "processes.json")["engine0"]
-                argv = Path(f"/proc/{engine}/cmdline").read_bytes().split(b"\0")
-                masters = argv[argv.index(b"--weight-masters") + 1].decode()
-            time.sleep(0.2)
-        out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    text = out.decode(errors="replace")
-    assert proc.returncode == 0, text
+        wait_rows(run, proc, 3, timeout_s=300)
+        seen = _sockets(ray_cluster, run, proc.pid)  # mid-run: every socket is open
+        engine = read_json(run / "processes.json")["engine0"]
+        argv = Path(f"/proc/{engine}/cmdline").read_bytes().split(b"\0")
+        masters = argv[argv.index(b"--weight-masters") + 1].decode()
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    rc, text = finish(proc, 300)
+    assert rc == 0, text
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(40))
     first = sum(r["reward_mean"] for r in rows[:10]) / 10
@@ -87,7 +80,6 @@ def test_default_job_runs_across_two_nodes_and_learns(
     assert rows[-1]["weight_version"] == 40
 
     assert read_json(run / "placement.json") == {"engine0": HEAD, "trainer0": WORKER}
-    assert seen, "the run ended before its sockets could be read"
     assert not [s for ss in seen.values() for s in ss if _wildcard(s[0])], seen
     assert {a for a, _ in seen["driver"]} == {HEAD}  # the experience channel
     assert {a for a, _ in seen["engine0"]} == {HEAD}  # HTTP and its weight-group rank
@@ -185,21 +177,8 @@ def test_trainer_killed_on_its_node_restarts_from_the_checkpoint(
     proc = subprocess.Popen(
         cmd, env=python_env(ray_cluster.env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
     )
-    try:
-        metrics, deadline, killed = run / "metrics.jsonl", time.monotonic() + 300, 0
-        while proc.poll() is None and time.monotonic() < deadline and not killed:
-            if metrics.is_file() and len(metrics.read_text().splitlines()) >= 6:
-                killed = read_json(run / "processes.json")["trainer0"]
-                os.kill(killed, signal.SIGKILL)
-            time.sleep(0.1)
-        assert killed, "the run ended before the trainer could be killed"
-        out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    text = out.decode(errors="replace")
-    assert proc.returncode == 0, text
+    _, rc, text = kill_when_rows(proc, run, "trainer0", after_rows=6)
+    assert rc == 0, text
     recs = [json.loads(line) for line in (run / "recoveries.jsonl").read_text().splitlines()]
     assert [r["restart"] for r in recs] == [1] and recs[0]["from_step"] >= 4, recs
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -217,7 +196,7 @@ def test_driver_sigkilled_leaves_no_process_on_either_node_and_resumes(
     processes die with them (parent-death signal), on both nodes; `--resume` on the cluster
     continues from the newest checkpoint, each step once."""
     from asyncrl.controllers import checkpoints as ckpts
-    from tests.test_resume import _alive, _check_exactly_once, _finish, _rows, _wait_rows
+    from tests.test_resume import _check_exactly_once
 
     run = tmp_path / "run"
     cli = [sys.executable, "-m", "asyncrl.cli", "run", "--quiet"]
@@ -232,17 +211,17 @@ def test_driver_sigkilled_leaves_no_process_on_either_node_and_resumes(
         "--run-dir", str(run), f"--model.path={tiny_model_dir}", "--controller.batch_size=4",
         "--controller.total_steps=1000", "--checkpoint.every_steps=3", *ray_cluster.run_flags(),
     )  # fmt: skip
-    _wait_rows(run, proc, 5)
+    wait_rows(run, proc, 5)
     pids = read_json(run / "processes.json")
     assert set(pids) == {"engine0", "trainer0"}
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     deadline = time.monotonic() + 60
-    while (left := [n for n, p in pids.items() if _alive(p)]) and time.monotonic() < deadline:
+    while (left := [n for n, p in pids.items() if pid_alive(p)]) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not left, f"alive 60 s after the driver's death: {left}"
     resumed_from, _ = ckpts.latest_checkpoint(run)
     steps = resumed_from + 3
-    rc, out = _finish(start("--resume", str(run), f"--controller.total_steps={steps}"), 240)
+    rc, out = finish(start("--resume", str(run), f"--controller.total_steps={steps}"), 240)
     assert rc == 0, out[-3000:]
-    _check_exactly_once(_rows(run), steps, 4)
+    _check_exactly_once(metrics_rows(run), steps, 4)

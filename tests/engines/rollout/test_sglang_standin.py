@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 import torch
 
-from asyncrl.procs import python_env
+from asyncrl.procs import finish, pid_alive, python_env
 from tests.engines.rollout.sglang.code import VERSIONS, sglang_src
 from tests.engines.rollout.sglang.server import StandInServer, start_standin
 
@@ -48,13 +48,7 @@ def _run(tmp: Path, model_dir: Path, urls: list[str], *extra: str) -> subprocess
 
 
 def _finish(proc: subprocess.Popen, timeout_s: float = 240) -> tuple[int, str]:
-    try:
-        out, _ = proc.communicate(timeout=timeout_s)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    return proc.returncode, out.decode(errors="replace")
+    return finish(proc, timeout_s)
 
 
 def _check_wire(server: StandInServer, pushes: int, session: bool) -> None:
@@ -197,17 +191,9 @@ def test_push_failing_every_time_stops_the_run(tmp_path: Path, tiny_model_dir: P
         assert t_exit - updates[-1]["t"] < 30, t_exit - updates[-1]["t"]
         assert "restarting the trainer" not in out, out  # fatal, not restartable
         pids = json.loads((tmp_path / "run" / "processes.json").read_text())
-        assert pids and not [n for n, pid in pids.items() if _alive(pid)], pids
+        assert pids and not [n for n, pid in pids.items() if pid_alive(pid)], pids
     finally:
         server.stop()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 @pytest.mark.parametrize("version", ["0.5.22", "0.5.23"])

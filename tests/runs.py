@@ -1,0 +1,59 @@
+"""Helpers for tests that drive a real `asyncrl run`: its metrics rows, waits on them, kills."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from asyncrl.procs import finish
+
+
+def metrics_rows(run: Path) -> list[dict]:
+    """The run's metrics rows so far (``metrics.jsonl``), one dict per line."""
+    return [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines() if ln]
+
+
+def _count(run: Path) -> int:
+    metrics = run / "metrics.jsonl"
+    return len(metrics.read_text().splitlines()) if metrics.is_file() else 0
+
+
+def wait_rows(run: Path, proc: subprocess.Popen, n: int, timeout_s: float = 240) -> None:
+    """Poll until the run has logged ``n`` metrics rows; AssertionError with its output if it
+    exits first or ``timeout_s`` passes (the process is then ended)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        if _count(run) >= n:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"no {n} metrics rows (rc {proc.poll()}): {finish(proc, 5)[1][-3000:]}")
+
+
+def kill_when_rows(
+    proc: subprocess.Popen, run: Path, name: str, after_rows: int, timeout_s: float = 300
+) -> tuple[dict[str, int], int, str]:
+    """SIGKILL the run's process ``name`` (from ``processes.json``) once ``after_rows`` metrics
+    rows are logged, then wait for the run to end within ``timeout_s`` in all.
+
+    Returns (the run's pids as read at the kill, its return code, its output).
+    AssertionError if the run ended before the kill; the run is killed if it outlives
+    the deadline.
+    """
+    deadline, pids = time.monotonic() + timeout_s, {}
+    try:
+        while proc.poll() is None and time.monotonic() < deadline and not pids:
+            if _count(run) >= after_rows:
+                pids = json.loads((run / "processes.json").read_text())
+                os.kill(pids[name], signal.SIGKILL)
+            time.sleep(0.05)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    rc, out = finish(proc, max(1.0, deadline - time.monotonic()))
+    assert pids, f"the run ended before {name} could be killed: {out[-3000:]}"
+    return pids, rc, out
