@@ -31,7 +31,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Coroutine, Iterable
+from collections.abc import Awaitable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -486,8 +486,8 @@ async def _unless(coro: Awaitable[Any], *events: asyncio.Event | None) -> Any:
     return True if result is None else result
 
 
-async def _first(*coros: Coroutine[Any, Any, Any]) -> None:
-    """Run until the first coroutine finishes; re-raise its error; cancel the rest."""
+async def _first(*coros: Awaitable[Any]) -> None:
+    """Run until the first coroutine (or future) finishes; re-raise its error; cancel the rest."""
     tasks = [asyncio.ensure_future(c) for c in coros]
     try:
         done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)

@@ -51,6 +51,11 @@ PY
   fi
   rm -rf "$tmp"
 done
+# The type checker scripts/test runs (also in the test extra), pinned: another mypy reports
+# other errors. Skipped when that version is there.
+MYPY=2.4.1
+python -c "import sys, importlib.metadata as m; sys.exit(m.version('mypy') != '$MYPY')" \
+  >/dev/null 2>&1 || pip_install "mypy==$MYPY"
 # Ray (the optional extra asyncrl[ray]) for the two-node cluster tests, pinned; ~8 s from a
 # warm pip cache. Nothing in asyncrl imports it unless cluster.backend = "ray".
 pip_install "ray==2.60.0"

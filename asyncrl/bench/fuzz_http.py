@@ -154,7 +154,7 @@ def _group(rng: random.Random, closed_port: int) -> dict[str, Any]:
         "backend": "gloo",
         "timeout_s": 0.3,
     }
-    broken = {
+    broken: dict[str, list[Any]] = {
         "master_address": ["10.1.2.3", "0.0.0.0", "", 5, None, "no such host"],
         "master_port": [99999, 0, -1, "80", None, 1 << 40, 1.5],
         "rank_offset": [0, -1, 7, "1", None],
@@ -264,7 +264,8 @@ async def send(
                     text = await r.text(errors="replace")
                     by_status[str(r.status)] += 1
                     if r.status >= 500 and len(bad) < 5:
-                        bad.append(f"{method} {path[:60]} {raw[:200]!r} -> {r.status} {text[:300]}")
+                        body = raw if raw is None else raw[:200]  # None: a request without a body
+                        bad.append(f"{method} {path[:60]} {body!r} -> {r.status} {text[:300]}")
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                 by_status["unanswered"] += 1
                 if len(lost) < 5:

@@ -294,13 +294,14 @@ def _decode_header(view: memoryview) -> Message:
 # Decoded trajectories are built by copying this template and setting every field: their
 # arrays are valid by construction (dtype, 1-D, aligned lengths checked above), so the
 # checks of Trajectory.__post_init__ (about 2 us per trajectory) are skipped.
+_EMPTY: dict[str, Any] = {name: np.empty(0, dtype) for name, dtype in ARRAY_FIELDS.items()}
 _TEMPLATE = Trajectory(
-    **{name: np.empty(0, dtype) for name, dtype in ARRAY_FIELDS.items()},
+    **_EMPTY,
     reward=0.0,
     group_id=0,
     episode_id=0,
 )
-_copy = Trajectory.__copy__
+_copy = Trajectory.__copy__  # type: ignore[attr-defined]  # in msgspec's C Struct, not its .pyi
 
 
 def _split(metas: list[TrajMeta], arrays: list[np.ndarray]) -> list[Trajectory]:

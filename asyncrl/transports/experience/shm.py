@@ -134,7 +134,7 @@ def sweep_orphans() -> list[str]:
     """Unlink ring segments of this user whose producer died (nobody holds their lock).
 
     Returns the names removed. Segments of live producers are left alone."""
-    removed = []
+    removed: list[str] = []
     if not shm_available():
         return removed
     for path in SHM_DIR.glob(PREFIX + "*"):

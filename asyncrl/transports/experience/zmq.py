@@ -54,7 +54,7 @@ import logging
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import zmq
@@ -196,7 +196,7 @@ class ExperienceSender:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         self._sock.bind(endpoint)
-        self.endpoint: str = self._sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.endpoint: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._shm_bytes = shm_bytes
         if self.uses_shm:
             sweep_orphans()  # rings left behind by producers that died
@@ -207,7 +207,7 @@ class ExperienceSender:
         self._error: BaseException | None = None
         self._reject = RejectLog("sender")
         self._readable = asyncio.Event()  # the socket's FD fired: messages may be waiting
-        self._fd = self._sock.getsockopt(zmq.FD)
+        self._fd = cast(int, self._sock.getsockopt(zmq.FD))  # an int option
         asyncio.get_running_loop().add_reader(self._fd, self._readable.set)
         self._mon = self._sock.get_monitor_socket(
             zmq.EVENT_DISCONNECTED, f"inproc://xport-router-{id(self):x}"
@@ -343,7 +343,7 @@ class ExperienceSender:
                 sent += 1
             except zmq.ZMQError as exc:  # EHOSTUNREACH: that connection is gone
                 log.warning("notice %s not sent to rank %d: %s", type(msg).__name__, rank, exc)
-        if self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # see _transmit
+        if cast(int, self._sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:  # see _transmit
             self._readable.set()
         return sent
 
@@ -444,6 +444,7 @@ class ExperienceSender:
 
     async def _transmit(self, rank: int, frames: list[Any]) -> None:
         peer = self._peers[rank]
+        assert peer.ident is not None  # only a peer that said hello is sent to
         while True:
             try:
                 self._sock.send_multipart([peer.ident, *frames], zmq.NOBLOCK, copy=False)
@@ -461,7 +462,7 @@ class ExperienceSender:
                 break
         # ZeroMQ's FD is edge-triggered and a send may consume the edge of a message that
         # arrived meanwhile: look, so that the receive loop cannot sleep on a waiting message.
-        if self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        if cast(int, self._sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
             self._readable.set()
 
     def _count_disconnects(self) -> None:
@@ -481,7 +482,7 @@ class ExperienceSender:
             except zmq.Again:
                 pass
             self._readable.clear()
-            if not self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            if not cast(int, self._sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                 await self._readable.wait()
 
     async def _recv_loop(self) -> None:

@@ -172,7 +172,7 @@ def span_of(
         t = tensors[e.name]
         if not t.is_contiguous() or t.device != device or t.dtype != manifest.torch_dtype:
             return None
-        offset = t.storage_offset() + (0 if e.whole else e.start)
+        offset = int(t.storage_offset()) + (0 if e.whole else e.start)  # int | SymInt
         if storage is None:
             storage, start, end = t.untyped_storage(), offset, offset
         elif t.untyped_storage().data_ptr() != storage.data_ptr() or offset != end:

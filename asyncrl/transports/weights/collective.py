@@ -19,7 +19,7 @@ import logging
 import threading
 from collections.abc import Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -126,7 +126,7 @@ def new_weight_group(
             [],
             c10d.Backend(backend),
             store,
-            group_name=group_name,
+            group_name=cast("c10d.GroupName", group_name),  # a NewType of str
             timeout=timeout,
         )
     c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
@@ -155,7 +155,7 @@ def _gloo_bound(c10d: Any, address: str, timeout_s: float) -> Iterator[None]:
         yield
         return
     if not getattr(c10d.ProcessGroupGloo, "_asyncrl_bound", False):
-        real = c10d.ProcessGroupGloo
+        real: Any = c10d.ProcessGroupGloo
 
         class Bound(real):
             _asyncrl_bound = True

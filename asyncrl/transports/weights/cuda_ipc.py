@@ -231,8 +231,8 @@ class IpcReceiver:
             self._sets = [{n: torch.empty_like(t) for n, t in live.items()}, live]
         standby = self._sets[self._standby]
         if self._standby not in self._pairs:  # per layout and set: the bitwise views, once
-            pairs = [_bitwise(standby[n], s) for n, s in zip(self.names, self.sources, strict=True)]
-            self._pairs[self._standby] = ([d for d, _ in pairs], [s for _, s in pairs])
+            views = [_bitwise(standby[n], s) for n, s in zip(self.names, self.sources, strict=True)]
+            self._pairs[self._standby] = ([d for d, _ in views], [s for _, s in views])
         stream, pairs = self._stream, self._pairs[self._standby]
         graph = None
         if how == "graph":
@@ -361,7 +361,7 @@ class CudaIpcWeightSender(BucketSender):
                     torch.cuda.current_stream(self.device).wait_event(self._event)
                     verify = [checksum(t.contiguous()) for _, t in items]
                 t3 = time.perf_counter()
-                timing = await self._deliver(version, verify)
+                timing = await self._deliver_ipc(version, verify)
                 self._snap_at = time.perf_counter()
             except BaseException:
                 self._mapped = set()  # re-send the layout next time
@@ -380,7 +380,7 @@ class CudaIpcWeightSender(BucketSender):
                 **{f"engine_{k}": v for k, v in timing.items()},
             }
 
-    async def _deliver(self, version: int, verify: list[int] | None) -> dict[str, float]:
+    async def _deliver_ipc(self, version: int, verify: list[int] | None) -> dict[str, float]:
         """One call per engine (plus the commit with several engines); the slowest engine's
         timing (seconds by phase, as it reported them)."""
         single = len(self.clients) == 1

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import threading
@@ -347,7 +348,7 @@ class BucketSender:
         slot = self._slot(k % len(self._slot_bytes))
         flat = slot[: m.nbytes].view(m.torch_dtype)
         if mode == "full":  # fused: each block summed right after its copy, while in cache
-            value = full_checksum(flat, m, pack_checksum(flat, m, tensors))
+            value: int | None = full_checksum(flat, m, pack_checksum(flat, m, tensors))
         else:
             pack_into(flat, m, tensors)
             value = bucket_checksum(flat, m, mode)
@@ -651,10 +652,8 @@ class BucketSender:
                 except (EngineError, EngineUnavailable, RuntimeError, OSError) as exc:
                     tracer.free_lane(lane)
                     raise failed(k, exc) from exc
-                done.add_done_callback(lambda _, k=k: sent[k].done() or sent[k].set_result(None))
-                done.add_done_callback(
-                    lambda _, k=k, lane=lane, t=t_send: _traced_send(tracer, lane, k, t)
-                )
+                done.add_done_callback(functools.partial(_resolve, sent[k]))
+                done.add_done_callback(functools.partial(_traced_send, tracer, lane, k, t_send))
                 moving.append(done)
             for k, done in enumerate(moving):  # in order: the first failure is reported
                 try:
@@ -768,7 +767,13 @@ async def _traced(what: str, url: str, call: Coroutine[Any, Any, Any]) -> Any:
         return await call
 
 
-def _traced_send(tracer: trace.Tracer, lane: str, k: int, t0: float) -> None:
+def _resolve(fut: asyncio.Future[None], _: object) -> None:
+    """Done-callback: complete ``fut`` unless it already is."""
+    if not fut.done():
+        fut.set_result(None)
+
+
+def _traced_send(tracer: trace.Tracer, lane: str, k: int, t0: float, _: object = None) -> None:
     tracer.complete(f"send bucket {k}", lane, t0, trace.now_us())
     tracer.free_lane(lane)
 
