@@ -153,7 +153,10 @@ def consumer_case(
     elif kind == "unknown_type":
         frames = [enc([rng.choice(["x", "Batch", "batch2", "hello!"]), 1, 2, []])]
     elif kind == "forbidden_type":  # what only a consumer sends
-        frames = encode(rng.choice([Credit(grant=9), Hello(rank=0, world_size=1, incarnation=1)]))
+        wrong: Credit | Hello = rng.choice(
+            [Credit(grant=9), Hello(rank=0, world_size=1, incarnation=1)]
+        )
+        frames = encode(wrong)
     elif kind == "glued_bytes":
         frames = [valid[0] + rng.randbytes(rng.randrange(1, 8)), valid[1]]
     elif kind == "extra_element":
@@ -359,7 +362,7 @@ async def run(
         goods = {GOOD_EID: traj(GOOD_EID, 512), GOOD_EID + 1: traj(GOOD_EID + 1, 512)}
         router.send_multipart([ident, *encode_batch(0, 0, [goods[GOOD_EID + 1]])])
         await tx.send([goods[GOOD_EID]], rank=0)
-        got = {}
+        got: dict[Any, Any] = {}  # eid -> crc, as the child printed them
         while len(got) < 2:
             row = await asyncio.to_thread(child.expect, "eid", 30)
             got[row["eid"]] = row["crc"]

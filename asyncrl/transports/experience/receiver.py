@@ -26,6 +26,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import msgspec
 import zmq
@@ -308,7 +309,7 @@ class ExperienceReceiver:
         ``_SETTLE_S`` at most."""
         deadline = time.monotonic() + _SETTLE_S
         while True:
-            events = old.getsockopt(zmq.EVENTS)
+            events = cast(int, old.getsockopt(zmq.EVENTS))  # an int option
             if events & zmq.POLLIN:
                 self._drain(old, producer)
             elif not events & zmq.POLLOUT or time.monotonic() >= deadline:

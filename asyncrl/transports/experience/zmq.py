@@ -212,7 +212,7 @@ class ExperienceSender:
         self._mon = self._sock.get_monitor_socket(
             zmq.EVENT_DISCONNECTED, f"inproc://xport-router-{id(self):x}"
         )
-        self._mon_fd = self._mon.getsockopt(zmq.FD)
+        self._mon_fd = cast(int, self._mon.getsockopt(zmq.FD))  # an int option
         asyncio.get_running_loop().add_reader(self._mon_fd, self._count_disconnects)
         self._count_disconnects()  # reading arms ZeroMQ's edge-triggered FD
         self.counters = collections.Counter(
@@ -599,8 +599,10 @@ class ExperienceSender:
         """Redeliver pending messages to a new incarnation, as far as its credit allows."""
         peer = self._peers[rank]
         while peer.resend and peer.alive and peer.connected:
-            if isinstance(peer.resend[0], _Ctl):  # a broadcast takes no credit
-                await self._transmit(rank, peer.resend.popleft().frames)
+            head = peer.resend[0]
+            if isinstance(head, _Ctl):  # a broadcast takes no credit
+                peer.resend.popleft()
+                await self._transmit(rank, head.frames)
                 continue
             if peer.credit <= 0:
                 break
