@@ -153,10 +153,8 @@ def consumer_case(
     elif kind == "unknown_type":
         frames = [enc([rng.choice(["x", "Batch", "batch2", "hello!"]), 1, 2, []])]
     elif kind == "forbidden_type":  # what only a consumer sends
-        wrong: Credit | Hello = rng.choice(
-            [Credit(grant=9), Hello(rank=0, world_size=1, incarnation=1)]
-        )
-        frames = encode(wrong)
+        wrong: list[Credit | Hello] = [Credit(grant=9), Hello(rank=0, world_size=1, incarnation=1)]
+        frames = encode(rng.choice(wrong))
     elif kind == "glued_bytes":
         frames = [valid[0] + rng.randbytes(rng.randrange(1, 8)), valid[1]]
     elif kind == "extra_element":
