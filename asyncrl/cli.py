@@ -100,6 +100,7 @@ def _run(ns: argparse.Namespace, overrides: list[str]) -> int:
     import asyncio
     import logging
 
+    from asyncrl import loops
     from asyncrl.runner import RunStopped, new_run_dir, run_job
 
     logging.basicConfig(
@@ -129,7 +130,7 @@ def _run(ns: argparse.Namespace, overrides: list[str]) -> int:
         )
 
     try:
-        rows = _event_loop_run(_main())
+        rows = loops.run(_main())
     except RunStopped as exc:
         again = f"asyncrl run --resume {run_dir}" if exc.step is not None else "run it again"
         print(f"asyncrl run: {exc}; continue with: {again}", file=sys.stderr)
@@ -142,16 +143,6 @@ def _run(ns: argparse.Namespace, overrides: list[str]) -> int:
         return 1
     _summary(rows)
     return 0
-
-
-def _event_loop_run(coro):
-    try:
-        import uvloop
-    except ImportError:
-        import asyncio
-
-        return asyncio.run(coro)
-    return uvloop.run(coro)
 
 
 def _summary(rows: list[dict]) -> None:

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from asyncrl import loops
 from asyncrl.config import AlgoConfig, ControllerConfig, RolloutConfig, RunConfig
 from asyncrl.controllers.controller import Controller, NoMoreSamples
 from asyncrl.controllers.episode import Sample, single_turn
@@ -160,14 +161,6 @@ async def run_naive(n_groups: int, batch: int, group: int, staleness: int) -> di
     }
 
 
-def _loop_run(coro: Any) -> Any:
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(coro)
-    return uvloop.run(coro)
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(
         prog="asyncrl bench controller", description=__doc__.splitlines()[0]
@@ -186,7 +179,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = (n_groups, a.batch_size, a.group_size, a.max_staleness)
     rows: dict[str, dict[str, float]] = {}
     for name, fn in (("asyncrl", run_ours), ("naive", run_naive)):
-        runs = [_loop_run(fn(*args)) for _ in range(a.repeats)]
+        runs = [loops.run(fn(*args)) for _ in range(a.repeats)]
         best = min(runs, key=lambda r: r["seconds"])
         rows[name] = {
             **best,

@@ -101,7 +101,7 @@ def _serve_engine(args: argparse.Namespace) -> None:
 
     from asyncrl.engines.rollout.local.engine import LocalEngine
     from asyncrl.engines.rollout.local.server import EngineServer, build_app
-    from asyncrl.transports.weights.sender import new_event_loop
+    from asyncrl.loops import new_event_loop
 
     torch.set_num_threads(1)
     with torch.device("meta"):

@@ -55,6 +55,7 @@ from asyncrl import trace
 from asyncrl.config import WeightSyncConfig
 from asyncrl.engines.rollout.base import EngineError, EngineUnavailable
 from asyncrl.engines.rollout.sglang import SGLangClient
+from asyncrl.loops import new_event_loop
 from asyncrl.transports.weights.base import (
     EnginesLeft,
     PushHandle,
@@ -74,21 +75,12 @@ from asyncrl.transports.weights.bucket import (
 from asyncrl.transports.weights.delta import DeltaEncoder, DeltaInfo
 from asyncrl.transports.weights.integrity import bucket_checksum, full_checksum
 
-__all__ = ["DELTA_CAPABILITY", "BucketSender", "bucket_extra", "new_event_loop"]
+__all__ = ["DELTA_CAPABILITY", "BucketSender", "bucket_extra"]
 
 log = logging.getLogger("asyncrl.weights")
 
 Acks = list[tuple[str, "asyncio.Task[Any]"]]
 T = TypeVar("T")
-
-
-def new_event_loop() -> asyncio.AbstractEventLoop:
-    """uvloop's loop when installed (lower latency per control call), else asyncio's."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.new_event_loop()
-    return uvloop.new_event_loop()
 
 
 def bucket_extra(m: BucketManifest) -> dict[str, Any]:

@@ -35,7 +35,8 @@ from asyncrl import trace
 from asyncrl.engines.rollout.local.checks import BadRequest
 from asyncrl.engines.rollout.local.engine import LocalEngine, Request, SamplingParams
 from asyncrl.engines.rollout.local.weights import WeightReceiver, WeightRequestError
-from asyncrl.transports.weights.sender import DELTA_CAPABILITY, new_event_loop
+from asyncrl.loops import new_event_loop
+from asyncrl.transports.weights.sender import DELTA_CAPABILITY
 
 __all__ = ["build_app", "main"]
 
