@@ -19,11 +19,17 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
-import torch.distributed as dist
 
 from asyncrl.algorithms.losses import Objective, PolicyLoss
 from asyncrl.config import AlgoConfig, RunConfig
-from asyncrl.engines.train.base import LossFn, Role, Seq, TrainEngine, TrainerEngine
+from asyncrl.engines.train.base import (
+    LossFn,
+    Role,
+    Seq,
+    TrainEngine,
+    TrainerEngine,
+    all_reduce_floats,
+)
 from asyncrl.transports.experience.types import Trajectory
 
 __all__ = [
@@ -86,15 +92,6 @@ def seqs_from_trajs(trajs: Sequence[Trajectory]) -> list[Seq]:
         }
         seqs.append(Seq(input_ids=torch.cat([ids, resp]), prompt_len=len(ids), fields=fields))
     return seqs
-
-
-def global_sum(*values: float) -> list[float]:
-    """Sums over the data-parallel ranks (identity on one process)."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return list(values)
-    t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t)
-    return t.tolist()
 
 
 def minibatches(seqs: Sequence[Seq], n: int, gen: torch.Generator) -> list[list[Seq]]:
@@ -189,7 +186,9 @@ class PolicyUpdate:
     def _set_scale(self, mb: list[Seq]) -> None:
         if self.cfg.algo.loss_agg != "token-sum-norm":
             return
-        tokens, n = global_sum(sum(float(s.fields["mask"].sum()) for s in mb), float(len(mb)))
+        tokens, n = all_reduce_floats(
+            sum(float(s.fields["mask"].sum()) for s in mb), float(len(mb))
+        )
         self.loss.scale = tokens / max(n * self.budget, 1.0)
 
 

@@ -44,7 +44,15 @@ from typing import Any, Literal, Protocol
 import torch
 import torch.distributed as dist
 
-__all__ = ["EngineState", "LossFn", "Role", "Seq", "TrainEngine", "TrainerEngine"]
+__all__ = [
+    "EngineState",
+    "LossFn",
+    "Role",
+    "Seq",
+    "TrainEngine",
+    "TrainerEngine",
+    "all_reduce_floats",
+]
 
 Role = Literal["actor", "critic"]
 """``actor``: outputs are response log-probs; ``critic``: per-token values."""
@@ -126,3 +134,15 @@ class TrainerEngine(TrainEngine, EngineState, Protocol):
 
     @property
     def optimizer(self) -> torch.optim.Optimizer: ...
+
+
+def all_reduce_floats(
+    *values: float, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
+) -> list[float]:
+    """``values`` reduced with ``op`` (sum by default) over the ranks of the default process
+    group, in float64; the values themselves on one process or without a group."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=op)
+    return t.tolist()

@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 from asyncrl import trace
 from asyncrl.config import RunConfig
 from asyncrl.engines.train import checkpoint
-from asyncrl.engines.train.base import LossFn, Role, Seq
+from asyncrl.engines.train.base import LossFn, Role, Seq, all_reduce_floats
 from asyncrl.engines.train.micro_batch import (
     MicroBatch,
     prepare_inputs,
@@ -59,14 +59,6 @@ def init_process_group(rank: int, world_size: int, port: int, device: str = "cpu
         world_size=world_size,
         timeout=datetime.timedelta(minutes=10),
     )
-
-
-def _all_reduce(value: float, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> float:
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return value
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, op=op)
-    return float(t.item())
 
 
 def _build_model(model_path: str, role: Role, dtype: torch.dtype, seed: int) -> PreTrainedModel:
@@ -165,11 +157,13 @@ class FSDPEngine:
             raise ValueError("forward_backward_batch needs a loss_fn unless forward_only=True")
         lengths = [len(s.input_ids) for s in seqs]
         budget = self.config.trainer.micro_batch_tokens
-        count = int(_all_reduce(len(split_by_tokens(lengths, budget)), dist.ReduceOp.MAX))
+        count = int(
+            all_reduce_floats(len(split_by_tokens(lengths, budget)), op=dist.ReduceOp.MAX)[0]
+        )
         groups = split_by_tokens(lengths, budget, min_count=count)
         denom = 1.0
         if loss_fn is not None and not forward_only:
-            denom = _all_reduce(sum(float(loss_fn.token_weight(s).sum()) for s in seqs))
+            (denom,) = all_reduce_floats(sum(float(loss_fn.token_weight(s).sum()) for s in seqs))
         # FSDP averages gradients over ranks; undo that so the sum over ranks is global.
         scale = self.world / max(denom, 1e-12)
         outputs: list[torch.Tensor | None] = [None] * len(seqs)
