@@ -50,14 +50,22 @@ warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a v
 _PACKABLE = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
 
 
-def init_process_group(rank: int, world_size: int, port: int, device: str = "cpu") -> None:
-    """The trainer's default process group on 127.0.0.1 (Gloo on CPU, NCCL on CUDA)."""
+def init_process_group(
+    rank: int,
+    world_size: int,
+    port: int = 0,
+    device: str = "cpu",
+    store: dist.Store | None = None,
+) -> None:
+    """The trainer's default process group (Gloo on CPU, NCCL on CUDA; 10-minute timeout):
+    rendezvous through ``store`` when given, else a TCP store on 127.0.0.1:``port``."""
     dist.init_process_group(
         "nccl" if device.startswith("cuda") else "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
+        init_method=None if store is not None else f"tcp://127.0.0.1:{port}",
         rank=rank,
         world_size=world_size,
         timeout=datetime.timedelta(minutes=10),
+        store=store,
     )
 
 

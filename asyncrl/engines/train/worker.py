@@ -12,7 +12,6 @@ the next optimizer step wait until the sender has read the weights (see
 from __future__ import annotations
 
 import argparse
-import datetime
 import logging
 import signal
 import threading
@@ -27,7 +26,7 @@ import torch.distributed as dist
 from asyncrl import trace
 from asyncrl.algorithms.base import make_algorithm
 from asyncrl.config import RunConfig
-from asyncrl.engines.train.fsdp import FSDPEngine
+from asyncrl.engines.train.fsdp import FSDPEngine, init_process_group
 from asyncrl.engines.train.run_state import RunState
 from asyncrl.net import pin_socket_ifname, tcp_store
 from asyncrl.transports.experience.types import (
@@ -175,17 +174,10 @@ def run(args: argparse.Namespace) -> None:
     tracer = trace.configure_from_env(f"trainer{args.rank}")
     torch.manual_seed(cfg.seed + args.rank)
     torch.set_num_threads(cfg.trainer.threads)
-    backend = "nccl" if cfg.trainer.device.startswith("cuda") else "gloo"
     pin_socket_ifname(cfg.weights.master_address)  # Gloo/NCCL bind where this rank advertises
     # rank 0's store listens on its advertised address only (torch's own: every interface)
     store = tcp_store(args.dist_addr, args.dist_port, args.world_size, args.rank == 0, 600.0)
-    dist.init_process_group(
-        backend,
-        store=store,
-        rank=args.rank,
-        world_size=args.world_size,
-        timeout=datetime.timedelta(minutes=10),
-    )
+    init_process_group(args.rank, args.world_size, device=cfg.trainer.device, store=store)
     model_path = args.model_path
     algorithm = make_algorithm(cfg, lambda role, c: FSDPEngine(model_path, c, role=role))
     engine = algorithm.actor  # only the actor's weights go to the engines
