@@ -419,14 +419,3 @@ class CollectiveWeightSender(BucketSender):
             if all(t.done() for _, t in acks):
                 break
         await sent
-
-    async def _send_bucket(self, m: BucketManifest, flat: torch.Tensor) -> Acks:
-        acks = self._announce(m)
-        try:
-            await (await self._transfer(m, flat, acks))
-        except RuntimeError:
-            for _, t in acks:
-                t.cancel()
-            await asyncio.gather(*(t for _, t in acks), return_exceptions=True)
-            raise
-        return acks
