@@ -64,7 +64,7 @@ from asyncrl.transports.experience.types import (
     StepDone,
     Synced,
 )
-from asyncrl.transports.experience.zmq import ExperienceSender, bind_endpoint
+from asyncrl.transports.experience.zmq_send import ExperienceSender, bind_endpoint
 
 __all__ = ["RunStopped", "new_run_dir", "run_job"]
 

@@ -60,7 +60,8 @@ from asyncrl.transports.experience.types import (
     Trajectory,
     TrajMeta,
 )
-from asyncrl.transports.experience.zmq import ExperienceReceiver, ExperienceSender
+from asyncrl.transports.experience.zmq_recv import ExperienceReceiver
+from asyncrl.transports.experience.zmq_send import ExperienceSender
 
 __all__ = ["consumer_case", "crc", "producer_case", "rss_kb", "run", "traj"]
 

@@ -54,7 +54,8 @@ import zmq.asyncio
 from asyncrl.procs import spawn, stop
 from asyncrl.transports.experience.codec import encode_batch, nbytes
 from asyncrl.transports.experience.types import StepDone, TrainBatch, Trajectory
-from asyncrl.transports.experience.zmq import ExperienceReceiver, ExperienceSender
+from asyncrl.transports.experience.zmq_recv import ExperienceReceiver
+from asyncrl.transports.experience.zmq_send import ExperienceSender
 
 PROMPT, RESPONSE = 512, 4096
 

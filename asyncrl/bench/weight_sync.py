@@ -119,7 +119,7 @@ def _floor_peer(args: argparse.Namespace) -> None:
     """Receiving side of the floor: ``repeats + 1`` flat broadcasts of ``nbytes``."""
     import torch
 
-    from asyncrl.transports.weights.collective import broadcast, new_weight_group
+    from asyncrl.transports.weights.collective_wire import broadcast, new_weight_group
 
     torch.set_num_threads(1)
     group = new_weight_group(
@@ -161,7 +161,7 @@ class _Floor:
         import torch
 
         from asyncrl.procs import free_port
-        from asyncrl.transports.weights.collective import new_weight_group
+        from asyncrl.transports.weights.collective_wire import new_weight_group
 
         self.backend, self.peer, self.group = backend, None, None
         # Real bytes: a never-written buffer reads as the kernel's shared zero page (always
@@ -180,7 +180,7 @@ class _Floor:
     def once(self) -> float:
         import torch
 
-        from asyncrl.transports.weights.collective import broadcast
+        from asyncrl.transports.weights.collective_wire import broadcast
 
         if self.group is None:
             torch.cuda.synchronize()
@@ -293,7 +293,7 @@ def _ours(sender: Any, weights: dict[str, Any], version: int, train_s: float) ->
 
 async def _naive_async(sender: Any, weights: dict[str, Any], version: int) -> None:
     """One control call and one broadcast per tensor, in turn (every engine concurrently)."""
-    from asyncrl.transports.weights.collective import broadcast
+    from asyncrl.transports.weights.collective_wire import broadcast
 
     loop = asyncio.get_running_loop()
     items = list(weights.items())

@@ -38,7 +38,7 @@ from asyncrl.transports.experience.types import (
     Synced,
     TrainBatch,
 )
-from asyncrl.transports.experience.zmq import ExperienceReceiver
+from asyncrl.transports.experience.zmq_recv import ExperienceReceiver
 from asyncrl.transports.weights import make_weight_transport
 from asyncrl.transports.weights.base import (
     EnginesLeft,

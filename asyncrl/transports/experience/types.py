@@ -5,7 +5,7 @@ log-probs, per-token versions, loss mask) never go through msgspec: the codec
 packs them into one raw payload frame and describes them in a small header.
 Everything else is a tagged, array-like msgspec Struct (no pickle anywhere).
 
-Messages and who sends them (see ``zmq.py`` for the protocol)::
+Messages and who sends them (see ``zmq_send.py`` for the protocol)::
 
     consumer -> producer   Hello (once per connection), Credit (acks + new credit, heartbeat)
     producer -> consumer   Ring (a shared-memory ring, same host), TrainBatch (+ one payload

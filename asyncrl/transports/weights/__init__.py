@@ -39,10 +39,10 @@ def make_weight_transport(
     if cfg.backend == "cuda-ipc":
         if engine == "sglang":
             raise ValueError(CUDA_IPC_SGLANG)
-        from asyncrl.transports.weights.cuda_ipc import CudaIpcWeightSender
+        from asyncrl.transports.weights.cuda_ipc_send import CudaIpcWeightSender
 
         return CudaIpcWeightSender(engine_urls, cfg, pause_mode=pause_mode, device=device)
-    from asyncrl.transports.weights.collective import CollectiveWeightSender, resolve_backend
+    from asyncrl.transports.weights.collective_send import CollectiveWeightSender, resolve_backend
 
     backend = resolve_backend(cfg.backend, device)
     return CollectiveWeightSender(

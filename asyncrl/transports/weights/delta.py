@@ -36,7 +36,18 @@ import msgspec
 import numpy as np
 import torch
 
-__all__ = ["DeltaApplier", "DeltaEncoder", "DeltaInfo", "apply_payload", "payload_size"]
+__all__ = [
+    "DELTA_CAPABILITY",
+    "DeltaApplier",
+    "DeltaEncoder",
+    "DeltaInfo",
+    "apply_payload",
+    "payload_size",
+]
+
+DELTA_CAPABILITY = "asyncrl_weight_delta"
+"""Key of ``/get_server_info`` by which an engine says it applies delta buckets (the embedded
+engine does; SGLang does not, so it always gets full pushes)."""
 
 SAMPLE_STRIDE = 61
 """``auto``: words compared to estimate a bucket's changed fraction (every 61st)."""

@@ -72,36 +72,15 @@ from asyncrl.transports.weights.bucket import (
     span_of,
     spec_of,
 )
-from asyncrl.transports.weights.delta import DeltaEncoder, DeltaInfo
+from asyncrl.transports.weights.delta import DELTA_CAPABILITY, DeltaEncoder, DeltaInfo
 from asyncrl.transports.weights.integrity import bucket_checksum, full_checksum
 
-__all__ = ["DELTA_CAPABILITY", "BucketSender", "bucket_extra"]
+__all__ = ["BucketSender"]
 
 log = logging.getLogger("asyncrl.weights")
 
 Acks = list[tuple[str, "asyncio.Task[Any]"]]
 T = TypeVar("T")
-
-
-def bucket_extra(m: BucketManifest) -> dict[str, Any]:
-    """The ``asyncrl_bucket`` field of a bucket's control call (SGLang ignores it)."""
-    chunks = None if all(e.whole for e in m.entries) else [[e.start, e.numel] for e in m.entries]
-    full = None if chunks is None else [list(e.shape) for e in m.entries]
-    return {
-        "index": m.index,
-        "count": m.count,
-        "version": m.version,
-        "checksum": m.checksum,
-        "verify": m.verify,
-        "chunks": chunks,
-        "full_shapes": full,
-        "delta": None if m.delta is None else msgspec.to_builtins(m.delta),
-    }
-
-
-DELTA_CAPABILITY = "asyncrl_weight_delta"
-"""Key of ``/get_server_info`` by which an engine says it applies delta buckets (the embedded
-engine does; SGLang does not, so it always gets full pushes)."""
 
 
 class BucketSender:

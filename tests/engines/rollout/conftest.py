@@ -52,7 +52,7 @@ class WeightPusher:
         self.group = None
 
     async def connect(self, client: SGLangClient, group_name: str = "test_weights") -> None:
-        from asyncrl.transports.weights.collective import new_weight_group
+        from asyncrl.transports.weights.collective_wire import new_weight_group
 
         port = free_port()
         own = asyncio.to_thread(new_weight_group, "gloo", "127.0.0.1", port, 0, 2, group_name, 60)
@@ -64,7 +64,7 @@ class WeightPusher:
         self, client: SGLangClient, named: dict[str, torch.Tensor], version: str
     ) -> None:
         """One flattened fp32 bucket with every tensor of ``named``; commits ``version``."""
-        from asyncrl.transports.weights.collective import broadcast
+        from asyncrl.transports.weights.collective_wire import broadcast
 
         flat = torch.cat([t.float().flatten() for t in named.values()])
         call = client.update_weights_from_distributed(

@@ -120,7 +120,7 @@ def test_client_mistakes_get_400_with_the_reason(
 
 def test_non_object_bucket_field_gets_400(server: str) -> None:
     """Needs a group to reach the bucket: join one at loopback with the test as rank 0."""
-    from asyncrl.transports.weights.collective import new_weight_group
+    from asyncrl.transports.weights.collective_wire import new_weight_group
 
     port = free_port()
 

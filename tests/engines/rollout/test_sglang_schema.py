@@ -29,8 +29,7 @@ from asyncrl.engines.rollout.base import EngineError
 from asyncrl.engines.rollout.launcher import LaunchedServer
 from asyncrl.engines.rollout.sglang import PAUSE_MODES, SGLangClient
 from asyncrl.transports.weights.bucket import pack_into, plan_buckets, spec_of
-from asyncrl.transports.weights.collective import broadcast
-from asyncrl.transports.weights.sender import bucket_extra
+from asyncrl.transports.weights.collective_wire import broadcast, bucket_extra
 from tests.engines.rollout.sglang.code import VERSIONS, sglang_env, sglang_src
 
 # Routes asyncrl may call that a version does not have, and why that is fine:
@@ -85,7 +84,7 @@ async def _exercise(client: SGLangClient, pusher: Any) -> None:
     await pusher.connect(client, "schema_group")
     await pusher.push(client, pusher.original, "3")
     # the SGLang path's bucket call: flush_cache off, the label with the last bucket, the
-    # manifest in a field SGLang ignores (collective.py _announce)
+    # manifest in a field SGLang ignores (collective_send.py _announce)
     tensors = {n: t.float() for n, t in pusher.original.items()}
     plan = plan_buckets(tuple(spec_of(n, t) for n, t in tensors.items()), 1 << 30, 1, True)
     m = msgspec.structs.replace(plan[0], version=4)  # one bucket; no checksum (verify off)

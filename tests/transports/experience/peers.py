@@ -27,7 +27,8 @@ import numpy as np
 from asyncrl.transports.experience.assign import make_assigner
 from asyncrl.transports.experience.codec import decode
 from asyncrl.transports.experience.types import ARRAY_FIELDS, Hello, Shutdown, Trajectory
-from asyncrl.transports.experience.zmq import ExperienceReceiver, ExperienceSender
+from asyncrl.transports.experience.zmq_recv import ExperienceReceiver
+from asyncrl.transports.experience.zmq_send import ExperienceSender
 
 
 def make_traj(eid: int, group: int, n_resp: int = 16) -> Trajectory:

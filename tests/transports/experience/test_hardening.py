@@ -23,7 +23,8 @@ import zmq
 from asyncrl.procs import spawn, stop
 from asyncrl.transports.experience.codec import decode, encode, encode_batch
 from asyncrl.transports.experience.types import Save, StepDone, TrainBatch, TrajMeta
-from asyncrl.transports.experience.zmq import ExperienceReceiver, ExperienceSender
+from asyncrl.transports.experience.zmq_recv import ExperienceReceiver
+from asyncrl.transports.experience.zmq_send import ExperienceSender
 
 sys.path.insert(0, str(Path(__file__).parent))
 from peers import await_data_hello, crc, make_traj

@@ -36,7 +36,8 @@ from asyncrl.transports.experience.types import (
     TrainBatch,
     TrajMeta,
 )
-from asyncrl.transports.experience.zmq import ExperienceReceiver, ExperienceSender, shm_token
+from asyncrl.transports.experience.zmq_recv import ExperienceReceiver
+from asyncrl.transports.experience.zmq_send import ExperienceSender, shm_token
 from tests.transports.experience.test_codec import assert_same, traj
 
 sys.path.insert(0, str(Path(__file__).parent))

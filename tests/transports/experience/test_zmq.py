@@ -35,12 +35,8 @@ from asyncrl.transports.experience.types import (
     TrainBatch,
     TrajMeta,
 )
-from asyncrl.transports.experience.zmq import (
-    Delivery,
-    ExperienceReceiver,
-    ExperienceSender,
-    bind_endpoint,
-)
+from asyncrl.transports.experience.zmq_recv import Delivery, ExperienceReceiver
+from asyncrl.transports.experience.zmq_send import ExperienceSender, bind_endpoint
 
 sys.path.insert(0, str(Path(__file__).parent))
 from peers import await_data_hello, make_traj

@@ -9,7 +9,7 @@ import torch
 
 from asyncrl.config import WeightSyncConfig, load_config
 from asyncrl.transports.weights import make_weight_transport
-from asyncrl.transports.weights.collective import CollectiveWeightSender, resolve_backend
+from asyncrl.transports.weights.collective_send import CollectiveWeightSender, resolve_backend
 
 URLS = ["http://127.0.0.1:1"]
 

@@ -1,7 +1,7 @@
 """The engine's request checks accept every manifest the real sender builds (each
 ``weights.verify`` mode, delta buckets) and refuse malformed ones with 400.
 
-The sender (``transports.weights.sender.bucket_extra``) sends the checksum as a
+The sender (``transports.weights.collective_wire.bucket_extra``) sends the checksum as a
 signed int64 (``bucket._finish``); the engine's checks once accepted only
 ``[0, 2**64)``, refusing about half of all verified buckets with 400.
 """
@@ -13,16 +13,16 @@ import pytest
 import torch
 
 from asyncrl.engines.rollout.local.checks import BadRequest
-from asyncrl.engines.rollout.local.weights import _manifest
 from asyncrl.transports.weights.bucket import BucketManifest, checksum, plan_buckets, spec_of
+from asyncrl.transports.weights.collective_recv import bucket_manifest
+from asyncrl.transports.weights.collective_wire import bucket_extra
 from asyncrl.transports.weights.delta import DeltaEncoder, DeltaInfo
 from asyncrl.transports.weights.integrity import bucket_checksum
-from asyncrl.transports.weights.sender import bucket_extra
 
 
 def _body(
     m: BucketManifest,
-) -> dict:  # the body collective.py's _announce sends, minus the transport fields
+) -> dict:  # the body collective_send.py's _announce sends, minus the transport fields
     return {
         "names": [e.name for e in m.entries],
         "dtypes": [m.dtype] * len(m.entries),
@@ -43,7 +43,7 @@ def test_sender_manifests_with_negative_and_positive_checksums_pass_the_engine_c
         flat = torch.cat([t.reshape(-1) for t in tensors.values()])
         m = msgspec.structs.replace(plan, version=seed, checksum=checksum(flat))
         signs.add(m.checksum < 0)
-        got = _manifest(_body(m), bucket_extra(m), limit=flat.numel())
+        got = bucket_manifest(_body(m), bucket_extra(m), limit=flat.numel())
         assert got.checksum == m.checksum and got.version == seed
     assert signs == {True, False}  # both signs were really exercised
 
@@ -53,7 +53,7 @@ def test_int64_bounds_accepted(value: int) -> None:
     t = torch.zeros(4)
     (m,) = plan_buckets([spec_of("w", t)], 1 << 20)
     m = msgspec.structs.replace(m, checksum=value)
-    assert _manifest(_body(m), bucket_extra(m), limit=4).checksum == value
+    assert bucket_manifest(_body(m), bucket_extra(m), limit=4).checksum == value
 
 
 @pytest.mark.parametrize("value", [1 << 63, -(1 << 63) - 1, "abc", 1.5])
@@ -62,7 +62,7 @@ def test_out_of_int64_or_not_integer_refused(value: object) -> None:
     (m,) = plan_buckets([spec_of("w", t)], 1 << 20)
     extra = bucket_extra(m) | {"checksum": value}
     with pytest.raises(BadRequest, match="checksum"):
-        _manifest(_body(m), extra, limit=4)
+        bucket_manifest(_body(m), extra, limit=4)
 
 
 def _model_bucket(seed: int) -> tuple[BucketManifest, torch.Tensor]:
@@ -92,7 +92,7 @@ def test_every_verify_mode_and_delta_manifest_passes_the_engine_checks(mode: str
         assert payload is not None and changed > 0
         info = DeltaInfo(seed, payload.numel(), None if mode == "off" else checksum(payload))
         for sent in (m, msgspec.structs.replace(m, delta=info)):
-            got = _manifest(_body(sent), bucket_extra(sent), limit=flat.numel())
+            got = bucket_manifest(_body(sent), bucket_extra(sent), limit=flat.numel())
             assert (got.checksum, got.verify, got.delta) == (sent.checksum, mode, sent.delta)
             if sent.checksum is not None:
                 signs.add(sent.checksum < 0)
@@ -117,11 +117,11 @@ def test_malformed_delta_refused_before_allocation(delta: object, match: str) ->
     plan, flat = _model_bucket(0)
     extra = bucket_extra(msgspec.structs.replace(plan, version=1)) | {"delta": delta}
     with pytest.raises(BadRequest, match=match):
-        _manifest(_body(plan), extra, limit=flat.numel())
+        bucket_manifest(_body(plan), extra, limit=flat.numel())
 
 
 def test_unknown_verify_mode_refused() -> None:
     plan, flat = _model_bucket(0)
     extra = bucket_extra(plan) | {"verify": "most"}
     with pytest.raises(BadRequest, match="verify must be one of"):
-        _manifest(_body(plan), extra, limit=flat.numel())
+        bucket_manifest(_body(plan), extra, limit=flat.numel())

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from asyncrl.transports.weights.bucket import pack_into, plan_buckets, spec_of
-from asyncrl.transports.weights.collective import (
+from asyncrl.transports.weights.collective_wire import (
     broadcast,
     destroy_weight_group,
     new_weight_group,

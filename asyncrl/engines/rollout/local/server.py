@@ -36,7 +36,7 @@ from asyncrl.engines.rollout.local.checks import BadRequest
 from asyncrl.engines.rollout.local.engine import LocalEngine, Request, SamplingParams
 from asyncrl.engines.rollout.local.weights import WeightReceiver, WeightRequestError
 from asyncrl.loops import new_event_loop
-from asyncrl.transports.weights.sender import DELTA_CAPABILITY
+from asyncrl.transports.weights.delta import DELTA_CAPABILITY
 
 __all__ = ["build_app", "main"]
 

@@ -13,7 +13,7 @@ Protocol (SGLang's endpoints and field names, plus an ``asyncrl_bucket`` field):
   Without ``asyncrl_bucket`` (a plain SGLang sender): receive and load at
   once (``flattened_bucket`` or one broadcast per tensor), SGLang's semantics.
 - ``/update_weights_from_tensor`` (``load_format="asyncrl_ipc"``, a JSON
-  descriptor in ``asyncrl_ipc``, see ``transports.weights.cuda_ipc``): copy the
+  descriptor in ``asyncrl_ipc``, see ``transports.weights.cuda_ipc_send``): copy the
   sender's CUDA tensors, mapped through CUDA IPC once per layout, into the
   standby parameter set on a side stream (a CUDA graph of per-tensor copies or
   one multi-tensor copy); with ``commit`` switch to it at once (one call per
@@ -38,6 +38,7 @@ float64); otherwise it fails and nothing changes. A plain SGLang push (no
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import os
@@ -48,13 +49,19 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import msgspec
 import torch
 
 from asyncrl.engines.rollout.local import checks
 from asyncrl.engines.rollout.local.checks import BadRequest
-from asyncrl.transports.weights.bucket import BucketEntry, BucketManifest, assemble, checksum
-from asyncrl.transports.weights.delta import DeltaApplier, DeltaInfo
+from asyncrl.transports.weights.bucket import BucketManifest, assemble, checksum
+from asyncrl.transports.weights.collective_recv import (
+    bucket_manifest,
+    post_receive,
+    receive_plain,
+    tensor_specs,
+)
+from asyncrl.transports.weights.collective_wire import destroy_weight_group, new_weight_group
+from asyncrl.transports.weights.delta import DeltaApplier
 from asyncrl.transports.weights.integrity import bucket_checksum
 
 if TYPE_CHECKING:
@@ -86,70 +93,6 @@ class _Update:
     ipc: bool = False
 
 
-def _tensor_specs(body: dict[str, Any]) -> tuple[list[str], list[str], list[tuple[int, ...]]]:
-    """Names, dtypes (torch names) and shapes of an update request, checked (BadRequest)."""
-    names = checks.strings(body.get("names"), "names")
-    dtypes = [str(d).removeprefix("torch.") for d in checks.strings(body.get("dtypes"), "dtypes")]
-    raw = body.get("shapes")
-    if not isinstance(raw, list):
-        raise BadRequest(f"shapes must be a list of shapes, got {raw!r}"[:300])
-    shapes = [checks.shape(s, "shapes") for s in raw]
-    if not len(names) == len(dtypes) == len(shapes):
-        raise BadRequest("names, dtypes and shapes must be of equal length")
-    for d in set(dtypes):
-        if not isinstance(getattr(torch, d, None), torch.dtype):
-            raise BadRequest(f"dtypes: {d!r} is not a torch dtype"[:300])
-    return names, dtypes, shapes
-
-
-def _manifest(body: dict[str, Any], extra: Any, limit: int) -> BucketManifest:
-    """The bucket announced by ``body`` (``extra``: its ``asyncrl_bucket`` field); at most
-    ``limit`` elements (the model's size) before anything is allocated for it."""
-    if not isinstance(extra, dict):
-        raise BadRequest(f"asyncrl_bucket must be an object, got {extra!r}"[:300])
-    names, dtypes, shapes = _tensor_specs(body)
-    if len(set(dtypes)) != 1:
-        raise BadRequest(f"a flattened bucket holds one torch dtype, got {sorted(set(dtypes))}")
-    chunks: Any = extra.get("chunks")  # JSON, checked here and per entry below
-    full: Any = extra.get("full_shapes")
-    if chunks is not None and not (
-        isinstance(chunks, list)
-        and isinstance(full, list)
-        and len(chunks) == len(full) == len(names)
-    ):
-        raise BadRequest("chunks and full_shapes must be lists with one entry per name")
-    entries = []
-    for i, (n, s) in enumerate(zip(names, shapes, strict=True)):
-        if chunks is None or chunks[i] is None:
-            entries.append(BucketEntry(n, s))
-            continue
-        whole, c = checks.shape(full[i], "full_shapes"), chunks[i]
-        if not (isinstance(c, list) and len(c) == 2 and all(type(x) is int for x in c)):
-            raise BadRequest(f"chunks[{i}] must be [start, numel], got {c!r}"[:300])
-        whole_tensor = c == [0, -1]  # a whole tensor inside a chunked bucket
-        if not whole_tensor and not (0 <= c[0] and 0 <= c[1] and c[0] + c[1] <= math.prod(whole)):
-            raise BadRequest(f"chunks[{i}] = {c} lies outside {n} of shape {list(whole)}"[:300])
-        entries.append(BucketEntry(n, whole, c[0], c[1]))
-    count = checks.integer(extra, "count", 1, 1 << 20)
-    m = BucketManifest(
-        dtypes[0],
-        tuple(entries),
-        checks.integer(extra, "index", 0, count - 1),
-        count,
-        checks.integer(extra, "version", -(1 << 62), 1 << 62),
-        checks.integer(extra, "checksum", -(1 << 63), (1 << 63) - 1, None)  # signed int64
-        if extra.get("checksum") is not None
-        else None,
-        checks.text(extra, "verify", "full", ("full", "sampled", "off")),
-    )
-    if m.numel > limit:
-        raise BadRequest(f"a bucket of {m.numel} elements is larger than the model ({limit})")
-    delta = checks.delta(extra.get("delta"), m.nbytes)  # bounded by the bucket: checked above
-    if delta is not None:
-        m = msgspec.structs.replace(m, delta=DeltaInfo(*delta))
-    return m
-
-
 class WeightReceiver:
     """Owns the engine's weight groups, the staged update and the receive buffers."""
 
@@ -178,8 +121,6 @@ class WeightReceiver:
 
     # -- group -------------------------------------------------------------------------
     async def init_group(self, body: dict[str, Any]) -> dict[str, Any]:
-        from asyncrl.transports.weights.collective import destroy_weight_group, new_weight_group
-
         world = checks.integer(body, "world_size", 2, 1 << 16)
         args = (
             checks.text(body, "backend", "gloo", ("gloo", "nccl", "hccl")),
@@ -208,8 +149,6 @@ class WeightReceiver:
         return {"success": True, "message": "weight update group ready"}
 
     async def destroy_group(self, body: dict[str, Any]) -> dict[str, Any]:
-        from asyncrl.transports.weights.collective import destroy_weight_group
-
         found = self.groups.pop(checks.text(body, "group_name", "weight_update_group"), None)
         self._update = None
         await asyncio.to_thread(destroy_weight_group, found)
@@ -217,13 +156,11 @@ class WeightReceiver:
 
     # -- buckets -----------------------------------------------------------------------
     async def update_from_distributed(self, body: dict[str, Any]) -> dict[str, Any]:
-        from asyncrl.transports.weights.collective import finish_broadcast, post_broadcast
-
         fmt = body.get("load_format")
         if fmt not in (None, "flattened_bucket", "direct"):
             raise WeightRequestError(f"load_format {fmt!r} unsupported (flattened_bucket or none)")
         extra = body.get("asyncrl_bucket")
-        m = None if extra is None else _manifest(body, extra, self._model_numel)
+        m = None if extra is None else bucket_manifest(body, extra, self._model_numel)
         group = self.groups.get(checks.text(body, "group_name", "weight_update_group"))
         if group is None:
             raise WeightRequestError(
@@ -233,12 +170,7 @@ class WeightReceiver:
             return await self._load_plain(body, group, fmt == "flattened_bucket")
         if self._faults.get((m.index, m.version)) == "stop":  # test hook: hang mid-push
             os.kill(os.getpid(), signal.SIGSTOP)
-
-        def receive(flat: torch.Tensor) -> Callable[[], None]:  # bytes, as SGLang receives them
-            work = post_broadcast(group, flat.view(torch.uint8), src=0)
-            return lambda: finish_broadcast(work, flat)
-
-        return await self._stage(m, receive)
+        return await self._stage(m, functools.partial(post_receive, group))
 
     async def update_from_tensor(self, body: dict[str, Any]) -> dict[str, Any]:
         t0 = time.perf_counter()
@@ -325,7 +257,7 @@ class WeightReceiver:
         return ready, timing
 
     def _ipc_map(self, desc: dict[str, Any]) -> None:
-        from asyncrl.transports.weights.cuda_ipc import IpcReceiver
+        from asyncrl.transports.weights.cuda_ipc_recv import IpcReceiver
 
         if self._ipc is None:
             params = dict(self.engine.model.named_parameters())
@@ -503,32 +435,14 @@ class WeightReceiver:
     async def _load_plain(
         self, body: dict[str, Any], group: Any, flattened: bool
     ) -> dict[str, Any]:
-        from asyncrl.transports.weights.collective import broadcast
-
-        names, raw_dtypes, shapes = _tensor_specs(body)
+        names, raw_dtypes, shapes = tensor_specs(body)
         dtypes = [getattr(torch, d) for d in raw_dtypes]
         if sum(math.prod(s) for s in shapes) > self._model_numel:
             raise BadRequest(f"an update larger than the model ({self._model_numel} elements)")
         device = self.engine.device
 
         def receive() -> list[tuple[str, torch.Tensor]]:
-            if flattened:  # one uint8 buffer, tensors back to back (FlattenedTensorBucket)
-                sizes = [
-                    torch.Size(s).numel() * d.itemsize for s, d in zip(shapes, dtypes, strict=True)
-                ]
-                flat = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
-                broadcast(group, flat)
-                views, off = [], 0
-                for n, d, s, size in zip(names, dtypes, shapes, sizes, strict=True):
-                    views.append((n, flat[off : off + size].view(d).reshape(s)))
-                    off += size
-                return views
-            out = []
-            for n, d, s in zip(names, dtypes, shapes, strict=True):
-                t = torch.empty(s, dtype=d, device=device)
-                broadcast(group, t)
-                out.append((n, t))
-            return out
+            return receive_plain(group, names, dtypes, shapes, flattened, device)
 
         loop = asyncio.get_running_loop()
         version = body.get("weight_version")

@@ -1,5 +1,8 @@
 """Experience channel over ZeroMQ: many producers -> one consumer per trainer rank, by credit.
 
+This module is the producers' side (run by the controller, or an episode worker) and
+states the protocol; the consumers' side (each trainer rank) is ``zmq_recv``.
+
 Topology: each producer (the controller, or an episode worker elsewhere) binds
 one ROUTER socket (127.0.0.1 unless configured; ``tcp://`` or ``ipc://``). Each
 consumer (trainer rank r) connects one DEALER to every producer. Protocol::
@@ -72,7 +75,6 @@ from asyncrl.transports.experience.codec import (
     header_limits,
     payload_size,
 )
-from asyncrl.transports.experience.receiver import Delivery, ExperienceReceiver
 from asyncrl.transports.experience.shm import RingWriter, host_token, sweep_orphans
 from asyncrl.transports.experience.types import (
     ConsumerLost,
@@ -89,7 +91,7 @@ from asyncrl.transports.experience.types import (
     Trajectory,
 )
 
-__all__ = ["Delivery", "ExperienceReceiver", "ExperienceSender", "bind_endpoint", "shm_token"]
+__all__ = ["ExperienceSender", "bind_endpoint", "shm_token"]
 
 log = logging.getLogger(__name__)
 

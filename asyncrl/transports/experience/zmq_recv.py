@@ -1,9 +1,10 @@
 """Consumer side of the experience channel: one ``ExperienceReceiver`` per trainer rank.
 
-See ``zmq.py`` for the protocol. The receiver connects a data DEALER (batches
-in, credits out; used by the consumer's own thread) and a control DEALER
-(heartbeats and notices on a small thread, reports from any thread) to every producer.
-On the producer's host it maps the shared-memory rings producers announce (``shm.py``).
+Runs in each trainer rank; the producers' side (and the protocol) is ``zmq_send.py``.
+The receiver connects a data DEALER (batches in, credits out; used by the consumer's
+own thread) and a control DEALER (heartbeats and notices on a small thread, reports
+from any thread) to every producer. On the producer's host it maps the shared-memory
+rings producers announce (``shm.py``).
 
 A cut connection is restored, nothing lost: libzmq drops a connection for good when a
 peer sends a frame over ``ZMQ_MAXMSGSIZE`` (a protocol error: its session is
