@@ -308,14 +308,14 @@ async def _naive_async(sender: Any, weights: dict[str, Any], version: int) -> No
                 flush_cache=last,
                 weight_version=str(version) if last else None,
             )
-            for c in sender.clients
+            for c in sender.engines.clients
         ]
         await asyncio.gather(loop.run_in_executor(None, broadcast, sender._group, t), *calls)
 
 
 def _naive(sender: Any, weights: dict[str, Any], version: int) -> float:
     t0 = time.perf_counter()
-    sender._run(_naive_async(sender, weights, version)).result()
+    sender.engines.run(_naive_async(sender, weights, version)).result()
     return time.perf_counter() - t0
 
 

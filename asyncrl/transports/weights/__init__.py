@@ -34,7 +34,7 @@ def make_weight_transport(
     dedicated collective group; ``auto``: nccl on CUDA, hccl on an Ascend NPU, else gloo.
     Raises ValueError naming what to install when the backend is not available here.
     ``engine``: ``local`` (the embedded engine: staged, verified, all-or-nothing) or
-    ``sglang`` (see ``sender``: whole tensors, paused transfer, re-push on failure).
+    ``sglang`` (see ``collective_send``: whole tensors, paused transfer, re-push on failure).
     """
     if cfg.backend == "cuda-ipc":
         if engine == "sglang":

@@ -6,8 +6,25 @@ Runs in the trainer process (rank 0). The weight group is a process group of its
 its world) is never touched. Each bucket is one broadcast of a flat buffer, announced to
 every engine by ``/update_weights_from_distributed`` with
 ``load_format="flattened_bucket"`` plus an ``asyncrl_bucket`` field (index, count,
-version, checksum, chunks) that SGLang ignores. The commit is ``/update_weight_version``
-(see ``sender``). The engine's side is ``collective_recv``.
+version, checksum, chunks) that SGLang ignores. The engine's side is ``collective_recv``.
+
+A push (see ``base`` for the contract): ``push`` only takes references to the tensors;
+the engine group's loop (``send_engines``) then delivers it, one push at a time, in
+order: [pause] begin sessions, the buckets (``send_stream``: packed by ``send_staging``,
+announced, broadcast, acked), end sessions, commit (``/update_weight_version``, engines
+paused only around it when ``pause_scope="commit"``) [resume]. Any failure skips the
+commit: the engines drop what they staged and keep their weights and version; the
+push's handle raises :class:`WeightSyncError`.
+
+SGLang engines (``engine="sglang"``) load every bucket into the live model as it
+arrives (no staging) and cannot load a chunk of a tensor, so for them the sender
+plans whole tensors only, pauses generation for the whole transfer, opens
+SGLang's weight-update session around the buckets (0.5.22+), puts
+``weight_version`` on the last bucket (SGLang relabels with the load) and
+relabels before generation resumes. A failed push leaves their weights
+undefined: it is re-pushed from the staged copy (``weights.repush_attempts``
+times, engines still paused), and when that fails too the push raises, saying
+so, and the engines stay paused. See docs/weight-sync.md, "Per backend".
 """
 
 from __future__ import annotations
@@ -16,15 +33,24 @@ import asyncio
 import contextlib
 import importlib.util
 import logging
-from collections.abc import Coroutine
+import threading
+import time
+from collections.abc import Coroutine, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from asyncrl import trace
+from asyncrl.config import WeightSyncConfig
 from asyncrl.engines.rollout.base import EngineError, EngineUnavailable
+from asyncrl.engines.rollout.sglang import SGLangClient
 from asyncrl.procs import free_port
+from asyncrl.transports.weights.base import (
+    PushHandle,
+    WeightSyncError,
+)
 from asyncrl.transports.weights.bucket import BucketManifest
 from asyncrl.transports.weights.collective_wire import (
     bucket_extra,
@@ -33,7 +59,10 @@ from asyncrl.transports.weights.collective_wire import (
     new_weight_group,
     post_broadcast,
 )
-from asyncrl.transports.weights.sender import Acks, BucketSender
+from asyncrl.transports.weights.delta import DELTA_CAPABILITY
+from asyncrl.transports.weights.send_engines import EngineGroup
+from asyncrl.transports.weights.send_staging import BucketStager, Packed
+from asyncrl.transports.weights.send_stream import Acks, BucketStream
 
 __all__ = ["CollectiveWeightSender", "resolve_backend"]
 
@@ -113,25 +142,32 @@ async def _after(prev: asyncio.Future[Any] | None, call: Coroutine[Any, Any, Any
     return await call
 
 
-class CollectiveWeightSender(BucketSender):
-    """WeightTransport over a collective group (see module docstring)."""
-
-    zero_copy_ok = True  # a broadcast has read its buffer when it returns
-    delta_ok = True  # a delta bucket is one broadcast of its payload
-    early_announce = True  # engines queue announced buckets and receive them in order
+class CollectiveWeightSender:
+    """WeightTransport over a collective group (see module docstring): the engine group
+    (``engines``), the stager and the stream are its parts; it is the group's
+    :class:`~asyncrl.transports.weights.send_engines.Formation` and the stream's
+    :class:`~asyncrl.transports.weights.send_stream.BucketLink`."""
 
     def __init__(
         self,
-        engine_urls: Any,
-        cfg: Any,
+        engine_urls: Sequence[str],
+        cfg: WeightSyncConfig,
         backend: str,
         pause_mode: str = "abort",
         device: str = "cpu",
         engine: str = "local",
     ):
-        super().__init__(engine_urls, cfg, device=device, pause_mode=pause_mode, engine=engine)
+        sglang = engine == "sglang"
+        self.cfg = cfg
         self.backend = backend
-        self._flush = True  # flush SGLang's prefix cache with the last bucket (see _form)
+        self.engines = EngineGroup(engine_urls, cfg, self, pause_mode=pause_mode, sglang=sglang)
+        # a broadcast has read its buffer when it returns; a delta is one broadcast too
+        self.stager = BucketStager(
+            cfg, torch.device(device), sglang=sglang, zero_copy_ok=True, delta_ok=True
+        )
+        self.stream = BucketStream(self.engines, self.stager, self)
+        self._last: PushHandle | None = None
+        self._flush = True  # flush SGLang's prefix cache with the last bucket (see form)
         self._chain: dict[str, asyncio.Future[Any]] = {}  # SGLang: each engine's last call
         self._group: dist.ProcessGroup | None = None
         self._bcast = ThreadPoolExecutor(1, thread_name_prefix="weight-bcast")  # waits, in order
@@ -139,11 +175,108 @@ class CollectiveWeightSender(BucketSender):
         # group's first collective, which blocks until every rank joins it
         self._poster = ThreadPoolExecutor(1, thread_name_prefix="weight-post")
 
-    async def _form(self) -> None:
+    # -- WeightTransport -----------------------------------------------------------------
+    def connect(self, engine_urls: Sequence[str] | None = None) -> None:
+        """Form the group (again, with ``engine_urls`` when given); blocks until formed."""
+        self.engines.connect(engine_urls)
+
+    def engines_changed(self, engine_urls: Sequence[str], epoch: int) -> None:
+        """The run's engine set changed (see ``base``); any thread, returns at once."""
+        self.engines.engines_changed(engine_urls, epoch)
+
+    def close(self) -> None:
+        """Wait for the push in flight, tear the group down, stop the sender's threads."""
+        if self._last is not None and not self._last.done():
+            try:
+                self._last.wait(self.cfg.timeout_s)
+            except (WeightSyncError, TimeoutError) as exc:
+                log.warning("closing with a failed push: %s", exc)
+        self.engines.close()
+        self.stream.close()
+
+    def push(self, named_weights: Iterable[tuple[str, torch.Tensor]], version: int) -> PushHandle:
+        """Take references to the weights and stream them in the background (see base)."""
+        t0 = time.perf_counter()
+        tensors = {n: t.detach() for n, t in named_weights}
+        if not tensors:
+            raise ValueError("push() got no tensors")
+        snap = threading.Event()
+        packed = None
+        if self.cfg.snapshot:  # pack every bucket now: the caller may modify its tensors on return
+            if self._last is not None:
+                with contextlib.suppress(WeightSyncError):
+                    self._last.wait()  # the staging slots are free once the last push is done
+            plan = self.stager.plan_for(tensors)
+            self.stager.decide_delta()
+            packed = [self.stager.pack(k, tensors, version) for k in range(len(plan))]
+            snap.set()
+        fut = self.engines.run(self._push(tensors, version, snap, t0, packed))
+        self._last = PushHandle(version, fut, snap)
+        return self._last
+
+    # -- a push, on the group's loop -----------------------------------------------------
+    async def _push(
+        self,
+        tensors: dict[str, torch.Tensor],
+        version: int,
+        snap: threading.Event,
+        t_push: float,
+        packed: list[Packed] | None = None,
+    ) -> dict[str, float]:
+        """Deliver one push (re-pushed to SGLang engines on failure); its stats."""
+        assert self.engines.lock is not None, "connect() first"
+        async with self.engines.lock:
+            t0 = time.perf_counter()
+            try:
+                plan, attempts = await self.stream.deliver(tensors, version, snap, t_push, packed)
+            except BaseException:
+                self.stager.forget_base()  # engines may hold anything staged: next push is full
+                raise
+            finally:
+                snap.set()
+            self.stager.pushed(version)
+            return self._stats(plan, version, t_push, t0, attempts)
+
+    def _stats(
+        self, plan: list[BucketManifest], version: int, t_push: float, t0: float, attempts: int
+    ) -> dict[str, float]:
+        """A delivered push's trace spans and stats (seconds, bytes, counts)."""
+        snap_at = self.stream.snap_at
+        nbytes = sum(m.nbytes for m in plan)
+        tracer = trace.get()
+        t_end = trace.now_us()
+        tracer.complete(f"push v{version}", "weight sync", trace.us_of(t0), t_end,
+                        {"bytes": nbytes, "buckets": len(plan)})  # fmt: skip
+        tracer.complete(f"snapshot v{version}", "weight snapshot", trace.us_of(t_push),
+                        trace.us_of(snap_at))  # fmt: skip
+        stats = {
+            "sync_s": time.perf_counter() - t_push,
+            "push_wait_s": t0 - t_push,
+            "snapshot_s": snap_at - t_push,
+            "bytes": float(nbytes),
+            "buckets": float(len(plan)),
+            "attempts": float(attempts),
+            "wire_bytes": float(nbytes),
+            "delta": float(self.stager.delta_now),
+        }
+        return stats | self.stager.stats
+
+    # -- Formation: the group's (re)forming ----------------------------------------------
+    def client_timeout_s(self) -> float:
+        """An answer may wait for every bucket; a push's own deadlines come first (named
+        errors)."""
+        upto = self.stager.upto
+        return self.stager.budget_s(upto[-1] if upto else 0) + self.cfg.timeout_s
+
+    async def form(self) -> None:
         """Rank 0 is ours; engine i's TP ranks are ``offset_i + tp_rank`` with ``offset_i = 1 +
         sum(tp_j, j < i)`` (SGLang joins ``rank_offset + tp_rank``, 0.5.23
         model_runner_components/weight_updater.py:124); world = 1 + sum(tp)."""
-        infos = await asyncio.gather(*(c.get_server_info() for c in self.clients))
+        clients = self.engines.clients
+        self.stager.forget_base()  # an engine may have restarted or joined: next push is full
+        if self.stager.delta is not None:
+            self.stager.engines_delta = all(await asyncio.gather(*map(_takes_deltas, clients)))
+        infos = await asyncio.gather(*(c.get_server_info() for c in clients))
         tps = [max(1, int(info.get("tp_size", 1))) for info in infos]
         self._check_sglang(infos)
         port = free_port(self.cfg.master_address)
@@ -158,7 +291,7 @@ class CollectiveWeightSender(BucketSender):
                 group_name=self.cfg.group_name,
                 backend=self.backend,
             )
-            for i, c in enumerate(self.clients)
+            for i, c in enumerate(clients)
         ]
         own = asyncio.to_thread(
             new_weight_group,
@@ -184,19 +317,19 @@ class CollectiveWeightSender(BucketSender):
         scheduler, scheduler_update_weights_mixin.py:80-82), with ``retract`` before 0.5.22
         (retracted requests wait in the queue, scheduler.py:2900-2918 in 0.5.10).
         """
-        if not self.sglang:
+        if not self.engines.sglang:
             return
+        pause_mode = self.engines.pause_mode
         oldest = min(sglang_release(i) for i in infos)
-        if oldest < (0, 5, 22) and self.pause_mode != "abort":
+        if oldest < (0, 5, 22) and pause_mode != "abort":
             raise ValueError(
-                f"rollout.pause_mode={self.pause_mode!r} needs SGLang >= 0.5.22 (per-token "
+                f"rollout.pause_mode={pause_mode!r} needs SGLang >= 0.5.22 (per-token "
                 f"version spans); an engine runs {'.'.join(map(str, oldest))}: use 'abort'"
             )
-        self._flush = self.pause_mode == "abort" or (
-            self.pause_mode == "retract" and oldest >= (0, 5, 22)
-        )
+        self._flush = pause_mode == "abort" or (pause_mode == "retract" and oldest >= (0, 5, 22))
 
-    async def _teardown(self) -> None:
+    async def teardown(self) -> None:
+        """Leave the group (a stuck destroy is retried when re-formed); engines leave it."""
         group, self._group = self._group, None
         if group is not None:  # release the group's name (a stuck one is retried when re-formed)
             with contextlib.suppress(asyncio.TimeoutError):
@@ -206,19 +339,21 @@ class CollectiveWeightSender(BucketSender):
         self._bcast = ThreadPoolExecutor(1, thread_name_prefix="weight-bcast")
         self._poster = ThreadPoolExecutor(1, thread_name_prefix="weight-post")
         await asyncio.gather(
-            *(c.destroy_weights_update_group(self.cfg.group_name) for c in self.clients),
+            *(c.destroy_weights_update_group(self.cfg.group_name) for c in self.engines.clients),
             return_exceptions=True,
         )
 
-    def _announce(self, m: BucketManifest) -> Acks:
+    # -- BucketLink: one bucket ----------------------------------------------------------
+    def announce(self, m: BucketManifest) -> Acks:
         """Start the bucket's control call to every engine (it may run ahead of the data)."""
+        sglang = self.engines.sglang
         names = [e.name for e in m.entries]
         extra = {"asyncrl_bucket": bucket_extra(m)}
         last = m.index == m.count - 1
         if m.index == 0:
             self._chain = {}
         acks: Acks = []
-        for c in self.clients:
+        for c in self.engines.clients:
             call = c.update_weights_from_distributed(
                 names=names,
                 dtypes=[m.dtype] * len(names),
@@ -227,20 +362,20 @@ class CollectiveWeightSender(BucketSender):
                 flush_cache=last and self._flush,
                 # SGLang relabels with the last bucket's load
                 # (scheduler_components/weight_updater.py:224)
-                weight_version=str(m.version) if last and self.sglang else None,
+                weight_version=str(m.version) if last and sglang else None,
                 load_format="flattened_bucket",
                 extra=extra,
             )
-            if self.sglang:  # SGLang serves update calls in arrival order: one at a time
+            if sglang:  # SGLang serves update calls in arrival order: one at a time
                 call = _after(self._chain.get(c.url), call, m.index)
             task = asyncio.ensure_future(call)
-            task.add_done_callback(_seen)  # read by _check_acks; a failed push may not get there
+            task.add_done_callback(_seen)  # read by check_acks; a failed push may not get there
             self._chain[c.url] = task
             acks.append((c.url, task))
         return acks
 
-    async def _transfer(
-        self, m: BucketManifest, flat: torch.Tensor, acks: Acks
+    async def transfer(
+        self, m: BucketManifest, flat: torch.Tensor, acks: Acks, deadline: tuple[float, float]
     ) -> asyncio.Future[None]:
         """Post the bucket's broadcast; the result completes once ``flat`` may be reused.
 
@@ -252,13 +387,19 @@ class CollectiveWeightSender(BucketSender):
         work = await loop.run_in_executor(self._poster, post_broadcast, self._group, wire)
         sent = loop.run_in_executor(self._bcast, finish_broadcast, work, flat)
         sent.add_done_callback(_seen)  # its error, when _watch raised first, is that one's
-        return asyncio.ensure_future(self._watch(m, sent, acks))
+        return asyncio.ensure_future(self._watch(m, sent, acks, deadline))
 
-    async def _watch(self, m: BucketManifest, sent: asyncio.Future[None], acks: Acks) -> None:
+    async def _watch(
+        self,
+        m: BucketManifest,
+        sent: asyncio.Future[None],
+        acks: Acks,
+        deadline: tuple[float, float],
+    ) -> None:
         loop = asyncio.get_running_loop()
-        deadline, budget = self._deadline(m.index)
+        until, budget = deadline
         while not sent.done():
-            left = deadline - loop.time()
+            left = until - loop.time()
             if left <= 0:  # an engine stopped reading (hung, stopped, unreachable)
                 waiting = [u for u, t in acks if not t.done()] or ["none"]
                 raise RuntimeError(
@@ -268,10 +409,19 @@ class CollectiveWeightSender(BucketSender):
             await asyncio.wait(
                 [sent, *(t for _, t in acks)], timeout=left, return_when=asyncio.FIRST_COMPLETED
             )
-            refused = [(u, t) for u, t in acks if t.done() and _refused(t, self.sglang)]
+            refused = [(u, t) for u, t in acks if t.done() and _refused(t, self.engines.sglang)]
             if refused and not sent.done():
                 url, task = refused[0]
                 raise RuntimeError(f"{url} refused bucket {m.index}: {task.exception()}")
             if all(t.done() for _, t in acks):
                 break
         await sent
+
+
+async def _takes_deltas(client: SGLangClient) -> bool:
+    """Whether the engine says (``/get_server_info``) that it applies delta buckets."""
+    try:
+        info = await client.get_server_info()
+    except (EngineError, EngineUnavailable):
+        return False
+    return bool(info.get(DELTA_CAPABILITY))

@@ -7,20 +7,24 @@ Runs in the trainer process. The protocol (what a sync sends, failure semantics)
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 
-from asyncrl.transports.weights.base import PushHandle
+from asyncrl.config import WeightSyncConfig
+from asyncrl.transports.weights.base import PushHandle, WeightSyncError
 from asyncrl.transports.weights.bucket import checksum
 from asyncrl.transports.weights.cuda_ipc_wire import LOAD_FORMAT, b64, dtype_name, share_storage
-from asyncrl.transports.weights.sender import BucketSender
+from asyncrl.transports.weights.send_engines import EngineGroup
 
 __all__ = ["CudaIpcWeightSender", "IpcExport"]
+
+log = logging.getLogger("asyncrl.weights")
 
 
 class IpcExport:
@@ -73,23 +77,60 @@ class IpcExport:
         self._key, self._held, self.layout = [], {}, {}
 
 
-class CudaIpcWeightSender(BucketSender):
-    """WeightTransport by CUDA IPC into colocated engines (see module docstring)."""
+class CudaIpcWeightSender:
+    """WeightTransport by CUDA IPC into colocated engines (see ``cuda_ipc_wire``): one
+    control call per engine and sync, over an :class:`EngineGroup` (``engines``), whose
+    :class:`~asyncrl.transports.weights.send_engines.Formation` it is."""
 
-    def __init__(self, engine_urls: Any, cfg: Any, pause_mode: str = "abort", device: str = "cuda"):
+    def __init__(
+        self,
+        engine_urls: Sequence[str],
+        cfg: WeightSyncConfig,
+        pause_mode: str = "abort",
+        device: str = "cuda",
+    ):
         if not (device.startswith("cuda") and torch.cuda.is_available()):
             raise ValueError("weights.backend='cuda-ipc' needs the trainer on a CUDA device "
                              "(trainer.device='cuda') and engines on the same GPU(s)")  # fmt: skip
-        super().__init__(engine_urls, cfg, device=device, pause_mode=pause_mode)
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self.engines = EngineGroup(engine_urls, cfg, self, pause_mode=pause_mode)
+        self._last: PushHandle | None = None
+        self._snap_at = 0.0
         self._export = IpcExport()
         self._mapped: set[str] = set()  # engines that hold the current layout
         self._event = torch.cuda.Event(interprocess=True)
         self._event_handle = b64(self._event.ipc_handle())
 
-    async def _form(self) -> None:
+    # -- WeightTransport -----------------------------------------------------------------
+    def connect(self, engine_urls: Sequence[str] | None = None) -> None:
+        """Form the group (again, with ``engine_urls`` when given); blocks until formed."""
+        self.engines.connect(engine_urls)
+
+    def engines_changed(self, engine_urls: Sequence[str], epoch: int) -> None:
+        """The run's engine set changed (see ``base``); any thread, returns at once."""
+        self.engines.engines_changed(engine_urls, epoch)
+
+    def close(self) -> None:
+        """Wait for the push in flight; engines unmap this sender's tensors; stop."""
+        if self._last is not None and not self._last.done():
+            try:
+                self._last.wait(self.cfg.timeout_s)
+            except (WeightSyncError, TimeoutError) as exc:
+                log.warning("closing with a failed push: %s", exc)
+        self.engines.close()
+        self._export.clear()
+
+    # -- Formation -----------------------------------------------------------------------
+    def client_timeout_s(self) -> float:
+        """An engine's answer (a whole sync) may take ``weights.timeout_s`` beyond the push's
+        own budget (``timeout_s``)."""
+        return 2 * self.cfg.timeout_s
+
+    async def form(self) -> None:
         self._mapped = set()
 
-    async def _teardown(self) -> None:
+    async def teardown(self) -> None:
         """Engines drop what they mapped of this sender (best effort: they may be gone)."""
         self._mapped = set()
         release = {"release": True}
@@ -98,14 +139,10 @@ class CudaIpcWeightSender(BucketSender):
                 c.update_weights_from_tensor(
                     [], load_format=LOAD_FORMAT, extra={"asyncrl_ipc": release}
                 )
-                for c in self.clients
+                for c in self.engines.clients
             ),
             return_exceptions=True,
         )
-
-    def close(self) -> None:
-        super().close()
-        self._export.clear()
 
     def push(self, named_weights: Iterable[tuple[str, torch.Tensor]], version: int) -> PushHandle:
         """Record the trainer's stream and hand the tensors' references to the sender thread.
@@ -119,7 +156,8 @@ class CudaIpcWeightSender(BucketSender):
             raise ValueError("push() got no tensors")
         self._event.record(torch.cuda.current_stream(self.device))  # the weights are final here
         snap = threading.Event()
-        handle = PushHandle(version, self._run(self._push_ipc(items, version, snap, t0)), snap)
+        fut = self.engines.run(self._push_ipc(items, version, snap, t0))
+        handle = PushHandle(version, fut, snap)
         self._last = handle
         if self.cfg.snapshot:
             handle.wait_snapshot()
@@ -128,12 +166,12 @@ class CudaIpcWeightSender(BucketSender):
     async def _push_ipc(
         self, items: list[tuple[str, torch.Tensor]], version: int, snap: threading.Event, t0: float
     ) -> dict[str, float]:
-        assert self._lock is not None, "connect() first"
-        async with self._lock:
+        assert self.engines.lock is not None, "connect() first"
+        async with self.engines.lock:
             t1 = time.perf_counter()
             try:
-                if not self._formed:
-                    await self._reform_locked()
+                if not self.engines.formed:
+                    await self.engines.reform_locked()
                 if self._export.update(items):
                     self._mapped = set()
                 t2 = time.perf_counter()
@@ -164,9 +202,10 @@ class CudaIpcWeightSender(BucketSender):
     async def _deliver_ipc(self, version: int, verify: list[int] | None) -> dict[str, float]:
         """One call per engine (plus the commit with several engines); the slowest engine's
         timing (seconds by phase, as it reported them)."""
-        single = len(self.clients) == 1
+        clients = self.engines.clients
+        single = len(clients) == 1
         scope = self.cfg.pause_scope
-        pause = {"mode": self.pause_mode, "scope": scope} if single else None
+        pause = {"mode": self.engines.pause_mode, "scope": scope} if single else None
         base = {
             "version": version,
             "layout": self._export.layout_id,
@@ -179,7 +218,7 @@ class CudaIpcWeightSender(BucketSender):
         full = {**base, **self._export.layout, "layout": self._export.layout_id}
         paused = not single and scope == "transfer"
         if paused:
-            await self._all("/pause_generation", lambda c: c.pause_generation(self.pause_mode))
+            await self.engines.pause()
         try:
             calls = [
                 c.update_weights_from_tensor(
@@ -188,17 +227,17 @@ class CudaIpcWeightSender(BucketSender):
                     weight_version=str(version) if single else None,
                     extra={"asyncrl_ipc": base if c.url in self._mapped else full},
                 )
-                for c in self.clients
+                for c in clients
             ]
             results = await asyncio.gather(*calls, return_exceptions=True)
-            urls = [c.url for c in self.clients]
-            self._raise_failed(list(zip(urls, results, strict=True)), prefix=f"v{version}: ")
-            self._mapped = {c.url for c in self.clients}
+            urls = [c.url for c in clients]
+            self.engines.raise_failed(list(zip(urls, results, strict=True)), prefix=f"v{version}: ")
+            self._mapped = set(urls)
             if not single:
-                await self._commit(version)
+                await self.engines.commit(version)
         finally:
             if paused:
-                await self._resume_all()
+                await self.engines.resume()
         timings = [r.get("timing") or {} for r in results if isinstance(r, dict)]
         keys = {k for t in timings for k in t}
         return {k: max(float(t.get(k, 0.0)) for t in timings) for k in keys}

@@ -125,7 +125,7 @@ def push(
             except WeightSyncError as exc:
                 out.append(exc)
             if isinstance(out[-1], dict):
-                out[-1]["chunked"] = any(not e.whole for m in sender._plan for e in m.entries)
+                out[-1]["chunked"] = any(not e.whole for m in sender.stager.plan for e in m.entries)
     finally:
         sender.close()
     return out
@@ -160,10 +160,10 @@ def test_flat_trainer_weights_go_without_staging_copies_or_checksums(
     try:
         sender.connect()
         sender.push(views.items(), 5).wait(60)
-        plan = sender._plan
+        plan = sender.stager.plan
         assert len(plan) == 2 and any(not e.whole for m in plan for e in m.entries)  # chunked
-        assert all(sender._zero_copy(k, views) is not None for k in range(len(plan)))
-        assert sender._slots == {}  # nothing staged: no staging memory allocated either
+        assert all(sender.stager.zero_copy(k, views) is not None for k in range(len(plan)))
+        assert sender.stager.slots == {}  # nothing staged: no staging memory allocated either
     finally:
         sender.close()
     for url in pair:

@@ -20,7 +20,7 @@ def test_sglang_engines_get_full_pushes_only() -> None:
     local = make_weight_transport(cfg, URLS, "cpu")
     sglang = make_weight_transport(cfg, URLS, "cpu", engine="sglang")
     try:
-        assert local._delta is not None and sglang._delta is None
+        assert local.stager.delta is not None and sglang.stager.delta is None
     finally:
         local.close()
         sglang.close()

@@ -103,8 +103,9 @@ def test_push_waiting_on_an_engine_that_left_goes_to_the_others_at_once(
                 sender.push(w2.items(), 2).wait(30)
             handle = sender.push(w3.items(), 3)  # re-forms: waits for urls[1] to answer
             deadline = time.monotonic() + 30
-            while getattr(sender, "_op", None) is None and time.monotonic() < deadline:
+            while sender.engines._op is None and time.monotonic() < deadline:
                 time.sleep(0.01)  # until that re-form is under way
+            assert sender.engines._op is not None, "the re-form never started"
             assert not handle.done()
             t0 = time.monotonic()
             sender.engines_changed([urls[0]], epoch=1)
