@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from asyncrl.config import WeightSyncConfig
-from asyncrl.engines.rollout.local.weights import FAULT_ENV
 from asyncrl.engines.rollout.sglang import SGLangClient
 from asyncrl.procs import free_port, python_env, spawn, stop
 from asyncrl.transports.weights import make_weight_transport
@@ -21,6 +20,8 @@ from asyncrl.transports.weights.base import WeightSyncError
 from asyncrl.transports.weights.bucket import checksum
 
 CFG = WeightSyncConfig(backend="gloo", bucket_mb=1, min_buckets=2, timeout_s=60.0)
+ENGINE = ["-m", "asyncrl.engines.rollout.local.server"]
+FAULTY = [str(Path(__file__).with_name("faulty_engine.py"))]  # the engine, failing as told
 
 
 @pytest.fixture(scope="module")
@@ -56,16 +57,17 @@ def _model_weights(model_dir: Path, seed: int) -> dict[str, torch.Tensor]:
 def engines(
     model_dir: Path, tmp: Path, faults: list[str], device: str = "cpu"
 ) -> Iterator[list[str]]:
-    """Start one engine process per entry of ``faults`` ("" = healthy); stop them by pid."""
+    """Start one engine process per entry of ``faults`` ("" = healthy: the real engine;
+    else the test-only ``faulty_engine`` with those faults); stop them by pid."""
     procs: list[subprocess.Popen] = []
     urls = []
     try:
         for i, fault in enumerate(faults):
             port = free_port()
-            args = ["-m", "asyncrl.engines.rollout.local.server", "--model-path", str(model_dir)]
-            env = python_env({FAULT_ENV: fault} if fault else None)
+            args = [*(FAULTY if fault else ENGINE), "--model-path", str(model_dir)]
+            args += ["--faults", fault] if fault else []
             args += ["--port", str(port), "--device", device]
-            procs.append(spawn(args, tmp / f"engine{i}_{port}.log", env))
+            procs.append(spawn(args, tmp / f"engine{i}_{port}.log", python_env()))
             urls.append(f"http://127.0.0.1:{port}")
         asyncio.run(_healthy(urls))
         yield urls

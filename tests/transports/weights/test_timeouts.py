@@ -13,13 +13,12 @@ from pathlib import Path
 import pytest
 
 from asyncrl.config import WeightSyncConfig
-from asyncrl.engines.rollout.local.weights import FAULT_ENV
 from asyncrl.procs import free_port, python_env, spawn, stop
 from asyncrl.transports.weights import make_weight_transport
 from asyncrl.transports.weights.base import WeightSyncError
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_collective import _healthy, _model_weights, expected, state  # engine helpers
+from test_collective import ENGINE, FAULTY, _healthy, _model_weights, expected, state
 
 TIMEOUT_S = 3.0
 
@@ -39,10 +38,9 @@ def test_engine_stopped_mid_push_is_reported_in_time_and_the_next_push_reforms(
     try:
         for i, fault in enumerate(["", "stop:0@2"]):  # engine 1 hangs when v2 starts arriving
             port = free_port()
-            args = ["-m", "asyncrl.engines.rollout.local.server", "--model-path"]
-            args += [str(tiny_model_dir), "--port", str(port)]
-            env = python_env({FAULT_ENV: fault} if fault else None)
-            procs.append(spawn(args, tmp_path / f"engine{i}.log", env))
+            args = [*(FAULTY if fault else ENGINE), "--model-path", str(tiny_model_dir)]
+            args += ["--port", str(port)] + (["--faults", fault] if fault else [])
+            procs.append(spawn(args, tmp_path / f"engine{i}.log", python_env()))
             urls.append(f"http://127.0.0.1:{port}")
         asyncio.run(_healthy(urls))
         cfg = WeightSyncConfig(backend="gloo", bucket_mb=1, min_buckets=2, timeout_s=TIMEOUT_S)

@@ -95,14 +95,21 @@ class EngineServer:
     """Binds a LocalEngine to HTTP handlers and owns the weight-sync group."""
 
     def __init__(
-        self, engine: LocalEngine, model_path: str, host: str = "", masters: str = "loopback"
+        self,
+        engine: LocalEngine,
+        model_path: str,
+        host: str = "",
+        masters: str = "loopback",
+        receiver: type[WeightReceiver] = WeightReceiver,
     ):
         """``masters``: addresses/CIDRs where this engine may join a weight group (see
-        :mod:`~asyncrl.engines.rollout.local.checks`)."""
+        :mod:`~asyncrl.engines.rollout.local.checks`); ``receiver``: the receiving side of
+        weight sync (a subclass may observe or alter what it receives, as the tests' fault
+        injection does)."""
         self.engine = engine
         self.model_path = model_path
         bind = "" if host in ("", "0.0.0.0", "::") else host  # weight-group ranks bind here
-        self.weights = WeightReceiver(engine, bind, masters)
+        self.weights = receiver(engine, bind, masters)
 
     async def generate(self, request: web.Request) -> web.Response:
         """One request, or a batch (SGLang's list form: ``input_ids`` a list of lists, with
@@ -397,7 +404,8 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, receiver: type[WeightReceiver] = WeightReceiver) -> None:
+    """Serve until SIGTERM/SIGINT (``receiver``: see :class:`EngineServer`)."""
     args = _parser().parse_args(argv)
     if args.tp_size != 1:
         raise SystemExit("the embedded engine has no tensor parallelism: --tp-size must be 1")
@@ -416,7 +424,8 @@ def main(argv: list[str] | None = None) -> None:
         args.max_prompt_tokens,
         args.stall_timeout,
     )
-    app = build_app(EngineServer(engine, args.model_path, args.host, args.weight_masters))
+    server = EngineServer(engine, args.model_path, args.host, args.weight_masters, receiver)
+    app = build_app(server)
     loop = new_event_loop()  # uvloop when installed: lower latency of every control call
     web.run_app(  # handler_cancellation: a client that hangs up aborts its requests
         app,

@@ -41,8 +41,6 @@ import asyncio
 import functools
 import logging
 import math
-import os
-import signal
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -70,11 +68,6 @@ if TYPE_CHECKING:
 __all__ = ["WeightReceiver", "WeightRequestError"]
 
 log = logging.getLogger("asyncrl.engine.weights")
-
-FAULT_ENV = "ASYNCRL_WEIGHT_FAULT"
-"""Test hook, comma-separated: ``corrupt:K@V`` flips a byte of bucket K of version V after
-receiving it, ``fail:K@V`` fails staging bucket K of version V, ``stop:K@V`` makes the engine
-SIGSTOP itself when bucket K of version V is announced (a hung engine)."""
 
 
 class WeightRequestError(BadRequest):
@@ -111,13 +104,6 @@ class WeightReceiver:
         self.turn_timeout_s = 120.0  # longest wait for the previous bucket to start arriving
         self._ipc: Any = None  # cuda-ipc: IpcReceiver (mapped sender tensors, standby set)
         self._deltas = DeltaApplier()  # which version each receive buffer holds (delta pushes)
-        self._faults = {
-            (int(k), int(v)): kind
-            for kind, _, at in (
-                f.partition(":") for f in os.environ.get(FAULT_ENV, "").split(",") if f
-            )
-            for k, _, v in [at.partition("@")]
-        }
 
     # -- group -------------------------------------------------------------------------
     async def init_group(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -168,8 +154,6 @@ class WeightReceiver:
             )
         if m is None:
             return await self._load_plain(body, group, fmt == "flattened_bucket")
-        if self._faults.get((m.index, m.version)) == "stop":  # test hook: hang mid-push
-            os.kill(os.getpid(), signal.SIGSTOP)
         return await self._stage(m, functools.partial(post_receive, group))
 
     async def update_from_tensor(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -232,13 +216,11 @@ class WeightReceiver:
         if self._ipc is None or self._ipc.layout_id != str(desc.get("layout")):
             await asyncio.to_thread(self._ipc_map, desc)
         t1 = time.perf_counter()
-        fault, verify = self._faults.get((0, version)), desc.get("verify")
-        if fault == "fail":
-            raise RuntimeError(f"injected failure copying v{version}")
+        verify = desc.get("verify")
         ready = self._ipc.launch(desc.get("event"), str(desc.get("copy", "graph")))
         t2 = time.perf_counter()
         timing = {"map_s": t1 - t0, "launch_s": t2 - t1}
-        if commit and verify is None and fault is None:
+        if commit and verify is None:
             # switch while the GPU copies: the model's next kernels wait for the copy
             timing |= await asyncio.to_thread(
                 self._ipc_switch_during_copy, ready, version, pause_mode
@@ -246,8 +228,6 @@ class WeightReceiver:
             return ready, timing
         await asyncio.to_thread(self._ipc.wait)
         t3 = time.perf_counter()
-        if fault == "corrupt":
-            ready[0][1].view(-1).view(torch.uint8)[0] ^= 0xFF
         if verify is not None:
             await asyncio.to_thread(self._ipc_verify, ready, list(verify))
         t4 = time.perf_counter()
@@ -396,12 +376,6 @@ class WeightReceiver:
     def _verify(self, m: BucketManifest, flat: torch.Tensor, received: torch.Tensor) -> None:
         """Check what arrived (``received``: the bucket, or a delta payload applied into
         ``flat`` here) against the sender's checksums; ``flat`` then holds ``m.version``."""
-        fault = self._faults.get((m.index, m.version))
-        if fault == "corrupt":
-            raw = received.view(-1).view(torch.uint8)
-            raw[raw.numel() // 2] ^= 0xFF
-        elif fault == "fail":
-            raise RuntimeError(f"injected failure loading bucket {m.index}")
         raw = flat.view(-1).view(torch.uint8)
         if m.delta is not None:
             if m.delta.checksum is not None and checksum(received) != m.delta.checksum:
