@@ -240,20 +240,33 @@ class BucketStream:
         try:
             acks = await self._send(plan, version, packed, announced, sent, moving)
         finally:
-            for f in sent:  # wake the producer; it stops at its next bucket
-                if not f.done():
-                    f.set_result(None)
-            for task in (producer, announcer, *moving):
-                if not task.done():
-                    task.cancel()  # the pack in progress finishes in its thread first
-            await asyncio.gather(producer, announcer, *moving, return_exceptions=True)
-            pending = [t for f in announced if f.done() for _, t in f.result() if not t.done()]
-            if pending and len(moving) < n:
-                for t in pending:
-                    t.cancel()
-                await asyncio.gather(*pending, return_exceptions=True)
-            await loop.run_in_executor(self._packer, lambda: None)  # packer idle: tensors released
+            await self._wind_down([producer, announcer, *moving], sent, announced, len(moving) < n)
         return acks
+
+    async def _wind_down(
+        self,
+        tasks: list[asyncio.Future[Any]],
+        sent: list[asyncio.Future[None]],
+        announced: list[asyncio.Future[Acks]],
+        cut_short: bool,
+    ) -> None:
+        """End an attempt's tasks (packer, announcer, transfers); when it stopped before
+        every bucket was sent (``cut_short``), cancel the control calls still waiting.
+        Returns once the packer is idle (it holds no pushed tensor any more)."""
+        for f in sent:  # wake the producer; it stops at its next bucket
+            if not f.done():
+                f.set_result(None)
+        for task in tasks:
+            if not task.done():
+                task.cancel()  # the pack in progress finishes in its thread first
+        await asyncio.gather(*tasks, return_exceptions=True)
+        pending = [t for f in announced if f.done() for _, t in f.result() if not t.done()]
+        if pending and cut_short:
+            for t in pending:
+                t.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._packer, lambda: None)  # packer idle: tensors released
 
     async def _send(
         self,
