@@ -186,6 +186,30 @@ class _Run:
     async def dispatch(
         self, ctl: Controller, chan: ExperienceSender, stop_event: asyncio.Event | None = None
     ) -> None:
+        # a stop aborts the requests in flight at once, not when this loop next looks
+        stopper = asyncio.ensure_future(self._interrupt_on(ctl, stop_event))
+        try:
+            await self._dispatch(ctl, chan, stop_event, stopper)
+        finally:
+            stopper.cancel()
+            await asyncio.gather(stopper, return_exceptions=True)
+
+    async def _interrupt_on(self, ctl: Controller, stop_event: asyncio.Event | None) -> bool:
+        """When ``stop_event`` is set: :meth:`Controller.interrupt` (True: every request in
+        flight answered the abort in time). Never returns without a stop event."""
+        if stop_event is None:
+            await asyncio.get_running_loop().create_future()
+        assert stop_event is not None
+        await stop_event.wait()
+        return await ctl.interrupt(self.cfg.rollout.request_timeout_s)
+
+    async def _dispatch(
+        self,
+        ctl: Controller,
+        chan: ExperienceSender,
+        stop_event: asyncio.Event | None,
+        stopper: asyncio.Future[bool],
+    ) -> None:
         total, every = self.cfg.controller.total_steps, self.cfg.checkpoint.every_steps
         failed = self.trainer_failed
         while ctl.step < total:
@@ -197,7 +221,7 @@ class _Run:
                 if failed.is_set():
                     raise RunStopped(self.committed)
                 # tokens of requests in flight into their episodes' journals: kept on resume
-                if not await ctl.interrupt(self.cfg.rollout.request_timeout_s):
+                if not await stopper:
                     log.warning("stop: requests in flight did not answer the abort in time; "
                                 "their tokens will be generated again on resume")  # fmt: skip
                 await self.checkpoint(ctl, chan, wait=True)
