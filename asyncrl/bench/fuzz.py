@@ -28,29 +28,14 @@ import asyncio
 import json
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 __all__ = ["main"]
 
 
-async def _healthy(url: str, proc: Any, timeout_s: float) -> None:
-    import aiohttp
-
-    deadline = time.monotonic() + timeout_s
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http:
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"engine at {url} exited with {proc.returncode} at start")
-            try:
-                async with http.get(url + "/health") as r:
-                    if r.status == 200:
-                        return
-            except (aiohttp.ClientError, asyncio.TimeoutError):
-                pass
-            await asyncio.sleep(0.2)
-    raise TimeoutError(f"engine at {url} not healthy within {timeout_s}s")
+def _exited(proc: Any) -> str | None:
+    return None if proc.poll() is None else f"asyncrl serve exited with {proc.returncode}"
 
 
 async def _greedy(url: str) -> list[list[int]]:
@@ -71,6 +56,7 @@ async def http_fuzz(n: int, model_path: str, concurrency: int, seed: int, log: P
     """Start ``asyncrl serve`` on ``model_path``, send ``n`` hostile requests; the counts."""
     from asyncrl.bench.fuzz_experience import rss_kb
     from asyncrl.bench.fuzz_http import cases, send
+    from asyncrl.engines.rollout.sglang import SGLangClient
     from asyncrl.procs import free_port, spawn, stop
 
     port = free_port()
@@ -78,7 +64,11 @@ async def http_fuzz(n: int, model_path: str, concurrency: int, seed: int, log: P
     proc = spawn([*args, "--threads", "1"], log)
     url = f"http://127.0.0.1:{port}"
     try:
-        await _healthy(url, proc, 180)
+        probe = SGLangClient(url)
+        try:
+            await probe.wait_healthy(180, gone=lambda: _exited(proc))
+        finally:
+            await probe.close()
         vocab = json.loads((Path(model_path) / "config.json").read_text())["vocab_size"]
         before = await _greedy(url)
         rss0 = rss_kb(proc.pid)

@@ -4,7 +4,7 @@
 [--mem-fraction-static F] [extra args...]`` (or ``python -m sglang.launch_server
 ...`` where the installed SGLang has no ``sglang serve``: :func:`sglang_entry_point`)
 in its own session (so stopping it by pid ends its whole process tree, TP workers
-included) with output to a log file. :func:`wait_healthy` polls ``/health``
+included) with output to a log file. :func:`wait_healthy` polls liveness
 until it answers, failing early (with the log's tail) if the process exits,
 or after a timeout. :func:`stop_servers` ends them by pid (SIGTERM, then
 SIGKILL).
@@ -202,30 +202,25 @@ def launch(spec: LaunchSpec, log_path: Path | None = None) -> LaunchedServer:
 async def wait_healthy(
     servers: Sequence[LaunchedServer], timeout_s: float, interval_s: float = 0.25
 ) -> None:
-    """Wait until every server answers ``/health``.
+    """Wait until every server answers (:meth:`SGLangClient.wait_healthy`, the liveness probe).
 
-    Raises EngineUnavailable naming the server (with its log's tail) if its process
-    exits first or ``timeout_s`` passes.
+    Raises EngineUnavailable naming the server, with its log's tail, if its process exits
+    first or ``timeout_s`` passes.
     """
 
     async def one(server: LaunchedServer) -> None:
         client = SGLangClient(server.url, timeout_s=max(1.0, interval_s * 8))
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
+
+        def gone() -> str | None:
+            code = server.proc.poll()
+            return None if code is None else f"{server.spec.module} exited with {code}"
+
         try:
-            while not await client.health():
-                code = server.proc.poll()
-                if code is not None:
-                    raise EngineUnavailable(
-                        f"{server.spec.module} (pid {server.pid}) exited with {code} before "
-                        f"{server.url} was healthy; log tail:\n{server.log_tail()}"
-                    )
-                if loop.time() > deadline:
-                    raise EngineUnavailable(
-                        f"{server.url} (pid {server.pid}) not healthy after {timeout_s:.0f}s; "
-                        f"log tail:\n{server.log_tail()}"
-                    )
-                await asyncio.sleep(interval_s)
+            await client.wait_healthy(timeout_s, interval_s, gone)
+        except EngineUnavailable as exc:
+            raise EngineUnavailable(
+                f"{exc} (pid {server.pid}); log tail:\n{server.log_tail()}"
+            ) from None
         finally:
             await client.close()
 

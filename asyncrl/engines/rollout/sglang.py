@@ -20,7 +20,8 @@ The launcher of SGLang server processes lives in
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import msgspec
@@ -32,7 +33,10 @@ from asyncrl.engines.rollout.base import (
     GenerateResult,
 )
 
-__all__ = ["PAUSE_MODES", "SGLangClient"]
+if TYPE_CHECKING:
+    from asyncrl.config import RolloutConfig
+
+__all__ = ["PAUSE_MODES", "SGLangClient", "make_client"]
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 
@@ -59,6 +63,13 @@ def _is_json_object(raw: bytes) -> bool:
         return isinstance(msgspec.json.decode(raw), dict)
     except msgspec.DecodeError:
         return False
+
+
+def make_client(rollout: RolloutConfig, url: str) -> SGLangClient:
+    """The client of the rollout engine at ``url`` with the run's request timeout: the one
+    factory the run's engines are reached through (both ``rollout.backend`` values speak
+    SGLang's HTTP protocol, so both get an :class:`SGLangClient`)."""
+    return SGLangClient(url, timeout_s=rollout.request_timeout_s)
 
 
 class SGLangClient:
@@ -321,12 +332,22 @@ class SGLangClient:
             return str(exc) or type(exc).__name__
         return None
 
-    async def wait_healthy(self, timeout_s: float, interval_s: float = 0.2) -> None:
+    async def wait_healthy(
+        self,
+        timeout_s: float,
+        interval_s: float = 0.2,
+        gone: Callable[[], str | None] | None = None,
+    ) -> None:
         """Poll liveness until it answers or ``timeout_s`` passes: then EngineUnavailable
-        naming the URL, the timeout and the last failure."""
+        naming the URL, the timeout and the last failure. ``gone`` (optional) is asked
+        between polls: a reason it returns (e.g. "the process exited with 1") ends the wait
+        at once with EngineUnavailable naming the URL and that reason. The one health wait:
+        launchers, the run and benchmarks all wait through it."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while (why := await self._why_unhealthy()) is not None:
+            if gone is not None and (reason := gone()) is not None:
+                raise EngineUnavailable(f"engine {self.url} is gone: {reason}")
             if loop.time() > deadline:
                 raise EngineUnavailable(
                     f"engine {self.url} did not answer within {timeout_s:g}s (last: {why})"[:500]
