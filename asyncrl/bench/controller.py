@@ -50,6 +50,14 @@ class InstantEngine:
         n = min(TOKENS, int(sampling_params["max_new_tokens"]))
         return GenerateResult(self._ids[:n], self._lps[:n], self.version, "length")
 
+    async def generate_batch(
+        self,
+        input_ids: list[list[int]],
+        sampling_params: list[dict[str, Any]],
+        rids: list[str] | None = None,
+    ) -> list[GenerateResult]:
+        return [await self.generate(i, p) for i, p in zip(input_ids, sampling_params, strict=True)]
+
     async def pause_generation(self, mode: str = "abort") -> None:
         pass
 

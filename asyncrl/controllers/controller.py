@@ -154,12 +154,11 @@ class Controller:
         self._episode = episode
         self._own_engines = engines is None
         if engines is None:
-            from asyncrl.engines.rollout.sglang import SGLangClient
+            from asyncrl.engines.rollout.sglang import make_client
 
             if not config.rollout.urls:
                 raise ValueError("rollout.urls is empty: pass engines= or name the engine URLs")
-            timeout = config.rollout.request_timeout_s
-            engines = [SGLangClient(u, timeout_s=timeout) for u in config.rollout.urls]
+            engines = [make_client(config.rollout, u) for u in config.rollout.urls]
         self.router = Router(
             engines, batch_identical=cc.batch_requests, outage_timeout_s=cc.outage_timeout_s
         )

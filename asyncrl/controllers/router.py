@@ -1,27 +1,26 @@
-"""Routing of generation requests across engines: least outstanding requests, health, stickiness.
+"""Routing of generation requests across engines: least outstanding requests and health.
 
 Contract:
 
 - :meth:`Router.pick` returns the healthy engine with the fewest requests in
-  flight (ties go round-robin, so an idle fleet fills evenly). With a ``key``
-  (an episode, a conversation), the key sticks to the engine it was first given
-  while that engine stays healthy — so a request resumed after an abort, or the
-  next turn of a multi-turn episode, lands on the engine that served it before.
+  flight (ties go round-robin, so an idle fleet fills evenly). Stickiness (every
+  turn of an episode, and a request resumed after an abort, on the engine that
+  served it before) is the episode's: :class:`asyncrl.controllers.episode.EpisodeContext`
+  keeps its engine and asks the router again only when that engine left rotation.
 - :meth:`Router.call` runs one ``generate`` and counts it as outstanding while
   it runs; a success clears the engine's failure streak.
 - :meth:`Router.report_failure`: an :class:`EngineUnavailable` (unreachable,
   timed out) takes the engine out of rotation at once; server errors take it
   out after ``max_consecutive_errors`` in a row (a bad request never does).
-  Keys stuck to an engine out of rotation are released.
 - :meth:`Router.probe` (the controller runs it periodically) puts engines that
-  answer ``/health`` back into rotation.
+  answer the liveness probe (:meth:`RolloutEngine.health`) back into rotation.
 - :meth:`Router.in_rotation` waits until some engine is in rotation again (every
   engine restarting, re-syncing or not answering: an outage, not a failure of the
   request), at most ``outage_timeout_s``, then raises :class:`EngineUnavailable`.
 - Membership changes (an engine restarted elsewhere, a node joining or leaving):
   :meth:`Router.add` (held out of rotation when ``held``), :meth:`Router.remove`,
   :meth:`Router.hold` (out of rotation until :meth:`Router.admit`, whatever
-  ``/health`` says: an engine waiting for the current weights) and
+  the liveness probe says: an engine waiting for the current weights) and
   :meth:`Router.admit`.
 - With ``batch_identical``, calls to one engine with equal ``input_ids`` made in
   the same event-loop turn (a GRPO group's ``n`` samples of one prompt start
@@ -29,7 +28,7 @@ Contract:
   ``generate_batch``): one HTTP round trip instead of ``n``, and the engine
   prefills the prompt once. Each call still gets its own result, or the batch's
   error (which counts once towards the engine's failure streak); each waits for
-  the slowest of its batch. Engines without ``generate_batch`` get single calls.
+  the slowest of its batch.
 
 All methods run on the controller's event loop; none blocks.
 """
@@ -39,7 +38,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from asyncrl import trace
@@ -78,7 +77,6 @@ class Router:
         self.held: set[int] = set()  # out of rotation until admit() (e.g. not yet re-synced)
         self.failures = 0
         self._streak = {id(e): 0 for e in self.engines}
-        self._sticky: dict[Hashable, RolloutEngine] = {}
         self._turn = itertools.count()
         self.batch_identical = batch_identical
         self._pending: dict[tuple[int, tuple[int, ...]], list[_Call]] = {}
@@ -91,21 +89,14 @@ class Router:
     def healthy(self) -> list[RolloutEngine]:
         return [e for e in self.engines if id(e) not in self.unhealthy and id(e) not in self.held]
 
-    def pick(self, key: Hashable | None = None) -> RolloutEngine:
-        """The engine for the next request (sticky per ``key``); EngineUnavailable if none."""
-        if key is not None:
-            engine = self._sticky.get(key)
-            if engine is not None and id(engine) not in self.unhealthy | self.held:
-                return engine
+    def pick(self) -> RolloutEngine:
+        """The engine for the next request; EngineUnavailable if none is in rotation."""
         healthy = self.healthy()
         if not healthy:
             raise EngineUnavailable("no healthy rollout engine")
         start = next(self._turn) % len(healthy)
         rotated = healthy[start:] + healthy[:start]
-        engine = min(rotated, key=lambda e: self.outstanding[id(e)])
-        if key is not None:
-            self._sticky[key] = engine
-        return engine
+        return min(rotated, key=lambda e: self.outstanding[id(e)])
 
     async def in_rotation(self) -> None:
         """Return once some engine is in rotation; EngineUnavailable after
@@ -126,10 +117,6 @@ class Router:
             except asyncio.TimeoutError:
                 pass
 
-    def release(self, key: Hashable) -> None:
-        """Forget ``key``'s engine (call when the episode or conversation ends)."""
-        self._sticky.pop(key, None)
-
     # -- calling -----------------------------------------------------------------------
     async def call(
         self, engine: RolloutEngine, input_ids: list[int], params: dict[str, Any], rid: str
@@ -143,7 +130,7 @@ class Router:
         t0 = trace.now_us()
         outcome: GenerateResult | str = "cancelled"
         try:
-            if self.batch_identical and hasattr(engine, "generate_batch"):
+            if self.batch_identical:
                 res = await self._join(engine, input_ids, params, rid)
             else:
                 res = await engine.generate(input_ids, params, rid=rid)
@@ -212,10 +199,9 @@ class Router:
         if id(engine) not in self.unhealthy:
             log.warning("engine %s out of rotation: %s", getattr(engine, "url", "?"), exc)
         self.unhealthy.add(id(engine))
-        self._sticky = {k: e for k, e in self._sticky.items() if e is not engine}
 
     async def probe(self) -> None:
-        """Put engines that answer /health back into rotation (held ones stay out)."""
+        """Put engines that answer the liveness probe back into rotation (held ones stay out)."""
         for e in list(self.engines):
             if id(e) in self.unhealthy and id(e) not in self.held and await e.health():
                 log.info("engine %s back in rotation", getattr(e, "url", "?"))
@@ -242,16 +228,14 @@ class Router:
         if id(engine) not in self.outstanding:
             raise ValueError(f"engine {getattr(engine, 'url', engine)!r} is not routed to")
         self.engines = [e for e in self.engines if e is not engine]
-        self._sticky = {k: e for k, e in self._sticky.items() if e is not engine}
         for table in (self.outstanding, self.served, self._streak, self._last_failure):
             table.pop(id(engine), None)
         self.unhealthy.discard(id(engine))
         self.held.discard(id(engine))
 
     def hold(self, engine: RolloutEngine) -> None:
-        """Keep ``engine`` out of rotation until :meth:`admit` (``/health`` alone won't do)."""
+        """Keep ``engine`` out of rotation until :meth:`admit` (liveness alone won't do)."""
         self.held.add(id(engine))
-        self._sticky = {k: e for k, e in self._sticky.items() if e is not engine}
 
     def admit(self, engine: RolloutEngine) -> None:
         """Put ``engine`` (back) into rotation."""

@@ -132,6 +132,16 @@ class RolloutEngine(Protocol):
         """Complete ``input_ids``. Raises EngineError (server said no) or EngineUnavailable."""
         ...
 
+    async def generate_batch(
+        self,
+        input_ids: list[list[int]],
+        sampling_params: list[dict[str, Any]],
+        rids: list[str] | None = None,
+    ) -> list[GenerateResult]:
+        """Several completions in one request (SGLang's list-form ``/generate``), answered in
+        order once all finished; errors as :meth:`generate`, once for the whole batch."""
+        ...
+
     async def pause_generation(self, mode: str = "abort") -> None:
         """Stop scheduling. ``abort`` returns in-flight requests; other modes keep them."""
         ...
@@ -149,7 +159,7 @@ class RolloutEngine(Protocol):
         ...
 
     async def health(self) -> bool:
-        """True when the server answers ``/health``; never raises."""
+        """True when the server answers a cheap liveness probe; never raises."""
         ...
 
     async def close(self) -> None:
