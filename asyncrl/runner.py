@@ -2,9 +2,9 @@
 
 Process layout of a run (every child in its own session, stopped by pid)::
 
-    asyncrl run (this process: controller, asyncio/uvloop, no torch)
-      ├─ engine i   python -m asyncrl.engines.rollout.local.server   (HTTP, SGLang protocol)
-      └─ trainer r  python -m asyncrl.engines.train.worker           (FSDP2, weight sender on r=0)
+    asyncrl run    asyncrl.entrypoints.run: this module drives it (controller, uvloop, no torch)
+      ├─ engine i  python -m asyncrl.entrypoints.engine     (HTTP, SGLang protocol) or SGLang
+      └─ trainer r python -m asyncrl.entrypoints.trainer    (FSDP2, weight sender on r=0)
 
 Three supervised loops run until ``controller.total_steps`` steps are reported:
 the dispatcher (``next_batch`` -> whole groups assigned to trainer ranks ->

@@ -6,7 +6,7 @@ are long-tailed: most requests are short, ``--long-frac`` of them are
 ``--long-factor`` times longer. All requests arrive at once (``--arrival-s``
 spreads their arrival uniformly over that many seconds).
 
-- engine: a real ``asyncrl.engines.rollout.local.server`` process (started by
+- engine: a real ``asyncrl.entrypoints.engine`` process (started by
   the launcher), driven over HTTP by the SGLang client, one concurrent
   ``/generate`` per request.
 - hf_generate: one batched ``model.generate`` over all prompts (left-padded)

@@ -46,6 +46,7 @@ import msgspec
 import numpy as np
 
 from asyncrl.engines.rollout.base import EngineError, EngineUnavailable
+from asyncrl.tasks.base import Sample
 from asyncrl.transports.experience.types import Trajectory
 
 if TYPE_CHECKING:
@@ -65,14 +66,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-
-class Sample(msgspec.Struct, frozen=True):
-    """A prompt of a built-in task: token ids plus whatever the reward needs."""
-
-    prompt_ids: list[int]
-    answer: Any = None
-    id: int = 0
 
 
 class Generation(msgspec.Struct, gc=False):

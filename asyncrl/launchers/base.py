@@ -116,7 +116,7 @@ def trainer_command(
     ``host`` is the address this rank advertises (its weight-sync master address when it is
     rank 0, its Gloo address); ``dist_addr:dist_port`` is rank 0's rendezvous.
     """
-    cmd = ["-m", "asyncrl.engines.train.worker", "--config", str(args.config_path)]
+    cmd = ["-m", "asyncrl.entrypoints.trainer", "--config", str(args.config_path)]
     cmd += ["--model-path", args.model_path, "--rank", str(rank)]
     cmd += ["--world-size", str(args.world_size), "--host", host]
     cmd += ["--dist-addr", dist_addr, "--dist-port", str(dist_port)]

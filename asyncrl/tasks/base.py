@@ -7,10 +7,20 @@ import inspect
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
-from asyncrl.config import RunConfig, TaskConfig
-from asyncrl.controllers.episode import Sample
+import msgspec
 
-__all__ = ["CustomReward", "Task", "generation_budget", "load_reward_fn", "make_task"]
+from asyncrl.config import RunConfig, TaskConfig
+
+__all__ = ["CustomReward", "Sample", "Task", "generation_budget", "load_reward_fn", "make_task"]
+
+
+class Sample(msgspec.Struct, frozen=True):
+    """A prompt of a task: token ids plus whatever the reward needs (the episode function's
+    input; the controller hands each one to an episode)."""
+
+    prompt_ids: list[int]
+    answer: Any = None
+    id: int = 0
 
 
 class Task(Protocol):

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.config import TaskConfig
-from asyncrl.controllers.episode import Sample
+from asyncrl.tasks.base import Sample
 from asyncrl.tasks.text import ChatTokenizer
 
 __all__ = ["MathTask", "extract_answer", "load_rows", "normalize_int"]

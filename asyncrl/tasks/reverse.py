@@ -15,7 +15,7 @@ import random
 from collections.abc import Iterator
 from pathlib import Path
 
-from asyncrl.controllers.episode import Sample
+from asyncrl.tasks.base import Sample
 
 __all__ = ["ReverseTask"]
 

@@ -17,7 +17,7 @@ def engine_url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
     """An embedded engine server process (tiny model), one per test module."""
     port = free_port()
     log = tmp_path_factory.mktemp("engine") / "engine.log"
-    args = ["-m", "asyncrl.engines.rollout.local.server", "--model-path", str(tiny_model_dir)]
+    args = ["-m", "asyncrl.entrypoints.engine", "--model-path", str(tiny_model_dir)]
     # tests run requests that only an abort ends: a context far beyond the model's 64
     proc = spawn([*args, "--port", str(port), "--seed", "1", "--context-length", "1000000"], log)
     url = f"http://127.0.0.1:{port}"

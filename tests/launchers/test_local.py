@@ -72,7 +72,7 @@ def test_trainer_command_carries_the_advertised_addresses(tmp_path: Path) -> Non
     args = TrainerArgs(tmp_path / "c.json", "/m", 2, "tcp://10.0.0.1:5", ("http://10.0.0.2:1",))
     cmd = trainer_command(args, 1, "10.0.0.3", "10.0.0.4", 29500)
     flags = dict(zip(cmd[2::2], cmd[3::2], strict=False))
-    assert cmd[:2] == ["-m", "asyncrl.engines.train.worker"]
+    assert cmd[:2] == ["-m", "asyncrl.entrypoints.trainer"]
     assert flags["--rank"] == "1" and flags["--world-size"] == "2"
     assert flags["--host"] == "10.0.0.3"
     assert (flags["--dist-addr"], flags["--dist-port"]) == ("10.0.0.4", "29500")

@@ -10,7 +10,7 @@ or after a timeout. :func:`stop_servers` ends them by pid (SIGTERM, then
 SIGKILL).
 
 The server module is a field of :class:`LaunchSpec`: ``sglang.launch_server``
-by default; ``asyncrl.engines.rollout.local.server`` (the embedded engine,
+by default; ``asyncrl.entrypoints.engine`` (the embedded engine,
 which accepts the same flags) runs the very same code path — that is how the
 launcher is tested on machines without SGLang, and how ``asyncrl run`` starts
 its embedded engines.
@@ -55,7 +55,7 @@ __all__ = [
 SGLANG_SERVER = "sglang.launch_server"
 SGLANG_CLI = "sglang.cli.main:main"
 """SGLang's ``sglang`` console script (its wheels' entry_points.txt, 0.5.10 to 0.5.23)."""
-LOCAL_SERVER = "asyncrl.engines.rollout.local.server"
+LOCAL_SERVER = "asyncrl.entrypoints.engine"
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The embedded engine with weight-sync faults injected: a test-only engine process.
 
 ``python -m tests.transports.weights.faulty_engine --faults SPEC [engine flags...]`` runs
-the real engine server (every flag of ``asyncrl.engines.rollout.local.server``) with
+the real engine server (every flag of ``asyncrl.entrypoints.engine``) with
 :class:`FaultyReceiver` as its weight receiver. The product has no failure switch: the
 faults exist only in this module, which only tests start.
 
@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from asyncrl.engines.rollout.local.server import main
 from asyncrl.engines.rollout.local.weights import WeightReceiver
+from asyncrl.entrypoints.engine import main
 from asyncrl.transports.weights.bucket import BucketManifest
 
 

@@ -20,7 +20,7 @@ from asyncrl.transports.weights.base import WeightSyncError
 from asyncrl.transports.weights.bucket import checksum
 
 CFG = WeightSyncConfig(backend="gloo", bucket_mb=1, min_buckets=2, timeout_s=60.0)
-ENGINE = ["-m", "asyncrl.engines.rollout.local.server"]
+ENGINE = ["-m", "asyncrl.entrypoints.engine"]
 FAULTY = [str(Path(__file__).with_name("faulty_engine.py"))]  # the engine, failing as told
 
 

@@ -84,7 +84,7 @@ def test_push_waiting_on_an_engine_that_left_goes_to_the_others_at_once(
     try:
         for i in range(2):
             port = free_port()
-            args = ["-m", "asyncrl.engines.rollout.local.server", "--model-path"]
+            args = ["-m", "asyncrl.entrypoints.engine", "--model-path"]
             args += [str(tiny_model_dir), "--port", str(port)]
             procs.append(spawn(args, tmp_path / f"engine{i}.log"))
             urls.append(f"http://127.0.0.1:{port}")

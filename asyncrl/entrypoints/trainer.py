@@ -1,6 +1,6 @@
-"""Trainer process: receive batches over ZeroMQ, train, push weights, report.
+"""The trainer process: receive batches over ZeroMQ, train, push weights, report.
 
-``python -m asyncrl.engines.train.worker --config run/config.json ...`` — one
+``python -m asyncrl.entrypoints.trainer --config run/config.json ...`` — one
 process per data-parallel rank, started by ``asyncrl run``. Rank 0 owns the
 weight sender and reports ``StepDone(step, version=step + 1)`` once the new
 weights are live on every engine. Training of step t+1 overlaps the push of

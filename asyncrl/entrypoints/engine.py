@@ -1,0 +1,118 @@
+"""The engine process: the embedded rollout engine behind SGLang's HTTP protocol.
+
+``python -m asyncrl.entrypoints.engine --model-path DIR --port N`` (or ``asyncrl serve``;
+``asyncrl run`` starts one per engine through :mod:`asyncrl.engines.rollout.launcher`,
+which passes SGLang's launch flags, so the same launcher starts SGLang or this). Serves
+until SIGTERM/SIGINT; binds ``--host`` only (loopback by default). The server itself is
+:mod:`asyncrl.engines.rollout.local.server`; this module parses flags, loads the model
+and runs the event loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+import torch
+from aiohttp import web
+
+from asyncrl import trace
+from asyncrl.engines.rollout.local.server import EngineServer, build_app, load_engine
+from asyncrl.engines.rollout.local.weights import WeightReceiver
+from asyncrl.loops import new_event_loop
+
+__all__ = ["main"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="asyncrl embedded engine (SGLang HTTP protocol)")
+    p.add_argument("--model-path", required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--max-batch-size", type=int, default=256)
+    p.add_argument("--max-prefill-tokens", type=int, default=8192)
+    p.add_argument(
+        "--kv-after-update",
+        default="recompute",
+        choices=["recompute", "keep"],
+        help="KV cache of requests in flight across a weight update (see LocalEngine)",
+    )
+    p.add_argument(
+        "--context-length",
+        type=int,
+        default=None,
+        help="most prompt + new tokens of a request (default: the model's max_position_embeddings)",
+    )
+    p.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=None,
+        help="longest prompt admitted (default: the context length); longer ones get HTTP 400",
+    )
+    p.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=60.0,
+        help="/health answers 503 while one scheduler step has run longer than this (seconds)",
+    )
+    p.add_argument(
+        "--weight-masters",
+        default="loopback",
+        help="addresses or CIDRs (comma-separated; 'loopback' = 127.0.0.0/8 and ::1) where "
+        "/init_weights_update_group may make this engine join a weight group",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1)
+    # SGLang launch_server flags, so the SGLang launcher can start this server too.
+    p.add_argument("--tp-size", "--tp", type=int, default=1, help="must be 1 (no tensor parallel)")
+    p.add_argument("--mem-fraction-static", type=float, default=None, help="accepted, unused")
+    return p
+
+
+def main(argv: list[str] | None = None, receiver: type[WeightReceiver] = WeightReceiver) -> None:
+    """Serve until SIGTERM/SIGINT (``receiver``: the receiving side of weight sync, see
+    :class:`~asyncrl.engines.rollout.local.server.EngineServer`)."""
+    args = _parser().parse_args(argv)
+    if args.tp_size != 1:
+        raise SystemExit("the embedded engine has no tensor parallelism: --tp-size must be 1")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s %(message)s")
+    torch.set_num_threads(args.threads)
+    trace.configure_from_env(f"engine-{args.port}")  # on when started by a traced run
+    engine = load_engine(
+        args.model_path,
+        args.device,
+        args.dtype,
+        args.max_batch_size,
+        args.seed,
+        args.max_prefill_tokens,
+        args.kv_after_update,
+        args.context_length,
+        args.max_prompt_tokens,
+        args.stall_timeout,
+    )
+    server = EngineServer(engine, args.model_path, args.host, args.weight_masters, receiver)
+    app = build_app(server)
+    loop = new_event_loop()  # uvloop when installed: lower latency of every control call
+    web.run_app(  # handler_cancellation: a client that hangs up aborts its requests
+        app,
+        host=args.host,
+        port=args.port,
+        print=None,
+        access_log=None,
+        loop=loop,
+        handler_cancellation=True,
+    )
+    # Shutdown was orderly (engine stopped, sockets closed); skip the interpreter's slow
+    # teardown of torch/transformers, which takes seconds on a loaded machine.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

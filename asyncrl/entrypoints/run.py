@@ -1,0 +1,105 @@
+"""The controller process: ``asyncrl run``.
+
+Loads and checks the config (a mistake exits 2 before anything starts), then drives the
+run (:func:`asyncrl.runner.run_job`: starts the engine and trainer processes, runs the
+controller on uvloop). The first SIGTERM/SIGINT checkpoints and stops (exit 128 +
+signal; ``asyncrl run --resume RUN_DIR`` continues), a second stops at once. Imports no
+torch: the heavy work runs in the children.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from pathlib import Path
+
+__all__ = ["main"]
+
+
+def _load(ns: argparse.Namespace, overrides: list[str]):  # -> (RunConfig, Path | None)
+    from asyncrl.config import load_config
+
+    if ns.algo:
+        overrides = [f"--algo.name={ns.algo}", *overrides]
+    if ns.resume is None:
+        return load_config(ns.config, overrides), None
+    from asyncrl.controllers.checkpoints import find_run_dir, resume_config
+
+    if ns.config or ns.run_dir:
+        raise ValueError("--resume takes the run's own config and folder (no CONFIG/--run-dir)")
+    run_dir = find_run_dir(ns.resume)
+    return resume_config(run_dir, overrides), run_dir
+
+
+def main(ns: argparse.Namespace, overrides: list[str]) -> int:
+    """``asyncrl run`` with its parsed options ``ns`` and config ``overrides``: the exit code
+    (0 done, 1 failed, 2 bad config, 128 + signal when stopped by SIGINT/SIGTERM)."""
+    try:
+        cfg, resume_dir = _load(ns, overrides)
+        from asyncrl.preflight import preflight
+
+        preflight(cfg)  # what this host lacks, before anything starts
+    except ValueError as exc:
+        print(f"asyncrl run: {exc}", file=sys.stderr)
+        return 2
+    import asyncio
+    import logging
+
+    from asyncrl import loops
+    from asyncrl.runner import RunStopped, new_run_dir, run_job
+
+    logging.basicConfig(
+        level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
+    run_dir = resume_dir or Path(ns.run_dir or cfg.run_dir or new_run_dir())
+    print(f"asyncrl run: {'resuming' if resume_dir else 'writing to'} {run_dir}", flush=True)
+    got: list[int] = []
+
+    async def _main() -> list[dict]:
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        assert task is not None
+        stop = asyncio.Event()
+
+        def on_signal(sig: int) -> None:  # first: checkpoint and stop; second: stop now
+            got.append(sig)
+            if len(got) == 1 and cfg.checkpoint.on_signal:
+                stop.set()
+            else:
+                task.cancel()
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, on_signal, sig)
+        return await run_job(
+            cfg, run_dir, quiet=ns.quiet, resume=resume_dir is not None, stop_event=stop
+        )
+
+    try:
+        rows = loops.run(_main())
+    except RunStopped as exc:
+        again = f"asyncrl run --resume {run_dir}" if exc.step is not None else "run it again"
+        print(f"asyncrl run: {exc}; continue with: {again}", file=sys.stderr)
+        return 128 + got[0]
+    except asyncio.CancelledError:
+        print("asyncrl run: stopped; every process of the run has ended", file=sys.stderr)
+        return 128 + (got[0] if got else signal.SIGINT)
+    except (RuntimeError, ValueError) as exc:
+        print(f"asyncrl run: failed: {exc}", file=sys.stderr)
+        return 1
+    _summary(rows)
+    return 0
+
+
+def _summary(rows: list[dict]) -> None:
+    if not rows:
+        return
+    k = min(10, len(rows))
+    first = sum(r["reward_mean"] for r in rows[:k]) / k
+    last = sum(r["reward_mean"] for r in rows[-k:]) / k
+    worst = max(r["staleness_max"] for r in rows)
+    print(
+        f"done: {len(rows)} steps in {rows[-1]['wall_s']:.0f}s | reward first {k}: {first:.3f}"
+        f" -> last {k}: {last:.3f} | max staleness {worst} | weight version "
+        f"{rows[-1]['weight_version']}"
+    )
