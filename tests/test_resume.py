@@ -19,8 +19,7 @@ import pytest
 
 from asyncrl.controllers import checkpoints as ckpts
 from asyncrl.procs import finish, pid_alive, python_env
-from tests.runs import metrics_rows as _rows
-from tests.runs import wait_rows as _wait_rows
+from tests.runs import metrics_rows, wait_rows
 
 _SMALL = ("--controller.batch_size=4", "--controller.max_staleness=2")
 _SINKS = (
@@ -35,10 +34,6 @@ def _cli(*args: str) -> subprocess.Popen:
     return subprocess.Popen(
         cmd, env=python_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
-
-
-def _finish(proc: subprocess.Popen, timeout_s: float = 300) -> tuple[int, str]:
-    return finish(proc, timeout_s)
 
 
 def _check_exactly_once(rows: list[dict], steps: int, batch: int) -> None:
@@ -106,7 +101,7 @@ def greedy_reward(model_dir: Path, n: int = 64) -> float:
 
 def test_default_job_checkpoints_and_exports_a_policy_that_answers(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    rc, out = _finish(_cli("--run-dir", str(run), "--controller.total_steps=70"), 400)
+    rc, out = finish(_cli("--run-dir", str(run), "--controller.total_steps=70"), 400)
     assert rc == 0, out[-3000:]
     done = ckpts.complete_checkpoints(run)
     assert [s for s, _ in done] == [60, 70]  # every 20 steps + the end, checkpoint.keep = 2
@@ -115,7 +110,7 @@ def test_default_job_checkpoints_and_exports_a_policy_that_answers(tmp_path: Pat
         json.loads(ln)["stall_s"] for ln in (run / "checkpoints.jsonl").read_text().splitlines()
     ]
     assert len(stalls) == 4 and all(s >= 0 for s in stalls)
-    last = sum(r["reward_mean"] for r in _rows(run)[-5:]) / 5
+    last = sum(r["reward_mean"] for r in metrics_rows(run)[-5:]) / 5
     greedy = greedy_reward(run / "final")
     assert last > 0.5, "the default job should have learned by step 70"
     assert greedy >= last - 0.1, (greedy, last)  # greedy answers do what sampling did
@@ -124,18 +119,18 @@ def test_default_job_checkpoints_and_exports_a_policy_that_answers(tmp_path: Pat
 def test_sigterm_checkpoints_then_resume_continues_exactly(tmp_path: Path) -> None:
     run = tmp_path / "run"
     proc = _cli("--run-dir", str(run), "--controller.total_steps=1000", *_SMALL)
-    _wait_rows(run, proc, 4)
+    wait_rows(run, proc, 4)
     proc.send_signal(signal.SIGTERM)
-    rc, out = _finish(proc, 60)
+    rc, out = finish(proc, 60)
     assert rc == 143, out[-3000:]
     assert "--resume" in out
     stopped_at, _ = ckpts.latest_checkpoint(run)
     assert stopped_at >= 4
     steps = stopped_at + 5
-    rc, out = _finish(_cli("--resume", str(run), f"--controller.total_steps={steps}"))
+    rc, out = finish(_cli("--resume", str(run), f"--controller.total_steps={steps}"))
     assert rc == 0, out[-3000:]
-    _check_exactly_once(_rows(run), steps, 4)
-    refused = _finish(_cli("--resume", str(run), "--algo.group_size=4"), 60)
+    _check_exactly_once(metrics_rows(run), steps, 4)
+    refused = finish(_cli("--resume", str(run), "--algo.group_size=4"), 60)
     assert refused[0] == 2 and "algo.group_size" in refused[1]
 
 
@@ -150,7 +145,7 @@ def test_sigkilled_run_leaves_nothing_and_resumes(tmp_path: Path) -> None:
         *_SMALL,
         *_SINKS,
     )
-    _wait_rows(run, proc, 7)  # at least two checkpoints asked for
+    wait_rows(run, proc, 7)  # at least two checkpoints asked for
     pids = json.loads((run / "processes.json").read_text())
     rings = [p for p in Path("/dev/shm").glob(f"asyncrl-xp-{proc.pid}-*")]
     proc.send_signal(signal.SIGKILL)
@@ -166,10 +161,10 @@ def test_sigkilled_run_leaves_nothing_and_resumes(tmp_path: Path) -> None:
     assert rings or not Path("/dev/shm").is_dir(), "the run should have used a ring"
     resumed_from, _ = ckpts.latest_checkpoint(run)
     steps = resumed_from + 4
-    rc, out = _finish(_cli("--resume", str(run), f"--controller.total_steps={steps}"))
+    rc, out = finish(_cli("--resume", str(run), f"--controller.total_steps={steps}"))
     assert rc == 0, out[-3000:]
-    _check_exactly_once(_rows(run), steps, 4)
-    _check_sinks(run, _rows(run), resumed_from)
+    _check_exactly_once(metrics_rows(run), steps, 4)
+    _check_sinks(run, metrics_rows(run), resumed_from)
 
 
 def test_trainer_sigkilled_restarts_from_checkpoint_and_trains_each_sample_once(
@@ -179,14 +174,14 @@ def test_trainer_sigkilled_restarts_from_checkpoint_and_trains_each_sample_once(
     steps = 14
     args = (f"--controller.total_steps={steps}", "--checkpoint.every_steps=4", *_SMALL, *_SINKS)
     proc = _cli("--run-dir", str(run), *args)
-    _wait_rows(run, proc, 6)  # the checkpoint of step 4 is asked for; steps past it trained
+    wait_rows(run, proc, 6)  # the checkpoint of step 4 is asked for; steps past it trained
     pids = json.loads((run / "processes.json").read_text())
     os.kill(pids["trainer0"], signal.SIGKILL)
-    rc, out = _finish(proc)
+    rc, out = finish(proc)
     assert rc == 0, out[-3000:]
     rec = [json.loads(ln) for ln in (run / "recoveries.jsonl").read_text().splitlines()]
     assert len(rec) == 1 and rec[0]["from_step"] >= 4 and rec[0]["steps_redone"] >= 1
-    rows = _rows(run)
+    rows = metrics_rows(run)
     _check_exactly_once(rows, steps, 4)
     assert max(r["staleness_max"] for r in rows) <= 2
     assert ckpts.latest_checkpoint(run)[0] == steps
@@ -203,7 +198,7 @@ def test_ppo_run_exports_its_critic_and_resumes_with_it(tmp_path: Path) -> None:
 
     run = tmp_path / "run"
     ppo = ("--algo.name=ppo", "--checkpoint.every_steps=2", *_SMALL)
-    rc, out = _finish(_cli("--run-dir", str(run), "--controller.total_steps=4", *ppo))
+    rc, out = finish(_cli("--run-dir", str(run), "--controller.total_steps=4", *ppo))
     assert rc == 0, out[-3000:]
     assert [s for s, _ in ckpts.complete_checkpoints(run)] == [2, 4]
     cfg = load_config(None, ["--algo.name=ppo"])
@@ -216,9 +211,9 @@ def test_ppo_run_exports_its_critic_and_resumes_with_it(tmp_path: Path) -> None:
     for k, v in want.items():
         torch.testing.assert_close(got[k], v, atol=0, rtol=0)
     assert any(not torch.equal(fresh[k], want[k]) for k in want if "score" in k)  # trained
-    rc, out = _finish(_cli("--resume", str(run), "--controller.total_steps=6"))
+    rc, out = finish(_cli("--resume", str(run), "--controller.total_steps=6"))
     assert rc == 0, out[-3000:]
-    rows = _rows(run)
+    rows = metrics_rows(run)
     _check_exactly_once(rows, 6, 4)
     assert all("critic_vf_loss" in r for r in rows)
 
@@ -261,7 +256,7 @@ def test_a_stop_keeps_the_tokens_in_flight_and_the_resume_does_not_regenerate_th
         cfg = load_config(None, [*args, "--controller.total_steps=1000"])
 
         async def stop_mid_decode() -> None:
-            while not ((run / "metrics.jsonl").is_file() and len(_rows(run)) >= 2):
+            while not ((run / "metrics.jsonl").is_file() and len(metrics_rows(run)) >= 2):
                 await asyncio.sleep(0.05)
             url = json.loads((run / "resume.json").read_text())["engines"][0]
             async with aiohttp.ClientSession() as http:
@@ -296,5 +291,5 @@ def test_a_stop_keeps_the_tokens_in_flight_and_the_resume_does_not_regenerate_th
     )
     resumed = json.loads((run / "resumed.json").read_text())
     assert resumed["kept_tokens"] == state.kept_tokens > 0, resumed
-    rows = _rows(run)
+    rows = metrics_rows(run)
     _check_exactly_once(rows, step + 2, 2)  # 2 groups (samples) a step

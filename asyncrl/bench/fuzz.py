@@ -38,7 +38,9 @@ def _exited(proc: Any) -> str | None:
     return None if proc.poll() is None else f"asyncrl serve exited with {proc.returncode}"
 
 
-async def _greedy(url: str) -> list[list[int]]:
+async def greedy(url: str) -> list[list[int]]:
+    """Greedy completions of two fixed prompts (8 tokens each): equal before and after the
+    fuzz when the engine came through unchanged."""
     from asyncrl.engines.rollout.sglang import SGLangClient
 
     client = SGLangClient(url)
@@ -70,11 +72,11 @@ async def http_fuzz(n: int, model_path: str, concurrency: int, seed: int, log: P
         finally:
             await probe.close()
         vocab = json.loads((Path(model_path) / "config.json").read_text())["vocab_size"]
-        before = await _greedy(url)
+        before = await greedy(url)
         rss0 = rss_kb(proc.pid)
         out = await send(url, cases(n, vocab, free_port(), seed), concurrency, timeout_s=120)
         rss1 = rss_kb(proc.pid)
-        out["greedy_unchanged"] = await _greedy(url) == before
+        out["greedy_unchanged"] = await greedy(url) == before
         out.update(rss_before_kb=rss0, rss_after_kb=rss1, alive=proc.poll() is None)
         return out
     finally:

@@ -115,6 +115,13 @@ class Gate:
         self.retry_backoff_max_s = retry_backoff_max_s
 
 
+def _number(value: float | Awaitable[float]) -> float:
+    """A sync reward function's value (an awaitable here: a sync function returning one)."""
+    if inspect.isawaitable(value):
+        raise TypeError("the reward function returned an awaitable: make it `async def`")
+    return float(value)
+
+
 class RewardRunner:
     """Calls one reward function: async ones awaited; sync ones inline when cheap, else a thread.
 
@@ -140,7 +147,9 @@ class RewardRunner:
 
     async def __call__(self, sample: Any, response_ids: list[int]) -> float:
         if self.is_async:
-            return float(await self.fn(sample, response_ids))  # type: ignore[misc]
+            out = self.fn(sample, response_ids)
+            assert inspect.isawaitable(out)
+            return float(await out)
         if not self.inline and self._probes < 3 and self.inline_s > 0:
             if self._probe is None or self._probe.done():
                 return await self._first(sample, response_ids)
@@ -155,8 +164,8 @@ class RewardRunner:
                     self.inline_s = 0.0  # never inline again
             elif self._slow:
                 self._slow *= 0.9
-            return float(value)  # type: ignore[arg-type]
-        return float(await asyncio.to_thread(self.fn, sample, response_ids))  # type: ignore[arg-type]
+            return _number(value)
+        return _number(await asyncio.to_thread(self.fn, sample, response_ids))
 
     async def _first(self, sample: Any, response_ids: list[int]) -> float:
         self._probes += 1
@@ -166,7 +175,7 @@ class RewardRunner:
             self.inline = took < self.inline_s
         finally:
             self._probe.set_result(None)
-        return float(value)
+        return _number(value)
 
     def _timed(self, sample: Any, response_ids: list[int]) -> tuple[Any, float]:
         t0 = time.perf_counter()

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from asyncrl.bench.fuzz import greedy
 from asyncrl.bench.fuzz_http import cases, send
 from asyncrl.engines.rollout.launcher import (
     LOCAL_SERVER,
@@ -34,18 +35,6 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         stop_servers([proc])
 
 
-async def _greedy(url: str) -> list[list[int]]:
-    client = SGLangClient(url)
-    try:
-        outs = [
-            await client.generate(p, {"max_new_tokens": 8, "temperature": 0})
-            for p in ([1, 3, 4, 5], [1, 9, 8])
-        ]
-    finally:
-        await client.close()
-    return [list(o.output_ids) for o in outs]
-
-
 @pytest.mark.timeout(600)
 def test_fuzz_5000_requests_no_5xx_all_answered_generation_unchanged(
     server: str, tiny_model_dir: Path
@@ -53,14 +42,14 @@ def test_fuzz_5000_requests_no_5xx_all_answered_generation_unchanged(
     import json
 
     vocab = json.loads((tiny_model_dir / "config.json").read_text())["vocab_size"]
-    before = asyncio.run(_greedy(server))
+    before = asyncio.run(greedy(server))
     reqs = cases(5000, vocab, free_port(), seed=1)
     out = asyncio.run(send(server, reqs, concurrency=32, timeout_s=120))
     assert out["sent"] == 5000
     assert out["5xx"] == 0, out
     assert out["unanswered"] == 0, out
     assert out["by_status"].get("400", 0) > 2500, out  # mostly refused, with a reason
-    assert asyncio.run(_greedy(server)) == before
+    assert asyncio.run(greedy(server)) == before
 
 
 GROUP = {
