@@ -43,6 +43,7 @@ import json
 import os
 import pickle
 import statistics
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -141,10 +142,10 @@ def _start(args: argparse.Namespace, child: list[str]) -> Any:
 
 
 def _end(proc: Any) -> None:
-    if hasattr(proc, "address"):
-        proc.stop()
-    else:
+    if isinstance(proc, subprocess.Popen):
         stop([proc])
+    else:  # a Ray NodeProcess
+        proc.stop()
 
 
 async def _run_ours(

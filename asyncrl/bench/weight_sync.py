@@ -45,6 +45,7 @@ import asyncio
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -226,14 +227,14 @@ class _Children:
 
     def local(self, *procs: Any) -> list[Any]:
         """The ones whose pid means something in this /proc (for the CPU columns)."""
-        return [p for p in procs if p is not None and not hasattr(p, "address")]
+        return [p for p in procs if isinstance(p, subprocess.Popen)]
 
     def stop(self) -> None:
         from asyncrl.procs import stop
 
         stop(self.local(*self.procs))
         for p in self.procs:
-            if hasattr(p, "address"):
+            if not isinstance(p, subprocess.Popen):  # a Ray NodeProcess
                 p.stop()
         if self.args.ray:
             import ray
