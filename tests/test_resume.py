@@ -127,7 +127,7 @@ def test_sigterm_checkpoints_then_resume_continues_exactly(tmp_path: Path) -> No
     stopped_at, _ = ckpts.latest_checkpoint(run)
     assert stopped_at >= 4
     steps = stopped_at + 5
-    rc, out = finish(_cli("--resume", str(run), f"--controller.total_steps={steps}"))
+    rc, out = finish(_cli("--resume", str(run), f"--controller.total_steps={steps}"), 300)
     assert rc == 0, out[-3000:]
     _check_exactly_once(metrics_rows(run), steps, 4)
     refused = finish(_cli("--resume", str(run), "--algo.group_size=4"), 60)
@@ -161,7 +161,7 @@ def test_sigkilled_run_leaves_nothing_and_resumes(tmp_path: Path) -> None:
     assert rings or not Path("/dev/shm").is_dir(), "the run should have used a ring"
     resumed_from, _ = ckpts.latest_checkpoint(run)
     steps = resumed_from + 4
-    rc, out = finish(_cli("--resume", str(run), f"--controller.total_steps={steps}"))
+    rc, out = finish(_cli("--resume", str(run), f"--controller.total_steps={steps}"), 300)
     assert rc == 0, out[-3000:]
     _check_exactly_once(metrics_rows(run), steps, 4)
     _check_sinks(run, metrics_rows(run), resumed_from)
@@ -177,7 +177,7 @@ def test_trainer_sigkilled_restarts_from_checkpoint_and_trains_each_sample_once(
     wait_rows(run, proc, 6)  # the checkpoint of step 4 is asked for; steps past it trained
     pids = json.loads((run / "processes.json").read_text())
     os.kill(pids["trainer0"], signal.SIGKILL)
-    rc, out = finish(proc)
+    rc, out = finish(proc, 300)
     assert rc == 0, out[-3000:]
     rec = [json.loads(ln) for ln in (run / "recoveries.jsonl").read_text().splitlines()]
     assert len(rec) == 1 and rec[0]["from_step"] >= 4 and rec[0]["steps_redone"] >= 1
@@ -198,7 +198,7 @@ def test_ppo_run_exports_its_critic_and_resumes_with_it(tmp_path: Path) -> None:
 
     run = tmp_path / "run"
     ppo = ("--algo.name=ppo", "--checkpoint.every_steps=2", *_SMALL)
-    rc, out = finish(_cli("--run-dir", str(run), "--controller.total_steps=4", *ppo))
+    rc, out = finish(_cli("--run-dir", str(run), "--controller.total_steps=4", *ppo), 300)
     assert rc == 0, out[-3000:]
     assert [s for s, _ in ckpts.complete_checkpoints(run)] == [2, 4]
     cfg = load_config(None, ["--algo.name=ppo"])
@@ -211,7 +211,7 @@ def test_ppo_run_exports_its_critic_and_resumes_with_it(tmp_path: Path) -> None:
     for k, v in want.items():
         torch.testing.assert_close(got[k], v, atol=0, rtol=0)
     assert any(not torch.equal(fresh[k], want[k]) for k in want if "score" in k)  # trained
-    rc, out = finish(_cli("--resume", str(run), "--controller.total_steps=6"))
+    rc, out = finish(_cli("--resume", str(run), "--controller.total_steps=6"), 300)
     assert rc == 0, out[-3000:]
     rows = metrics_rows(run)
     _check_exactly_once(rows, 6, 4)
