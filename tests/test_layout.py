@@ -3,9 +3,11 @@
 A run is three kinds of process (asyncrl/entrypoints/__init__.py): the controller
 (``asyncrl run``), the embedded engine and the trainer ranks. A module one process loads
 and another must never need is a layout mistake (the controller would start loading
-torch, the engine the trainer's sender...). Each entry module is imported alone in its
-own interpreter and the ``asyncrl.*`` modules it pulled in are checked against the
-other sides' packages.
+torch, the engine the trainer's sender...). Transport modules say by name which process
+runs them: ``*_send`` (and ``sender``) the sending process, ``*_recv`` the receiving one,
+``*_wire`` both. Each entry module is imported alone in its own interpreter (with the
+modules its process loads later by name, e.g. the weight sender the factory picks) and
+the ``asyncrl.*`` modules it pulled in are checked against the other sides' packages.
 """
 
 from __future__ import annotations
@@ -16,38 +18,53 @@ import sys
 
 import pytest
 
+W = "asyncrl.transports.weights."
+X = "asyncrl.transports.experience."
 TRAINER_SIDE = (
     "asyncrl.algorithms",
     "asyncrl.engines.train",
     "asyncrl.entrypoints.trainer",
-    "asyncrl.transports.weights.sender",
-    "asyncrl.transports.weights.collective",
-    "asyncrl.transports.weights.cuda_ipc",
+    W + "sender",  # sends weights
+    W + "collective_send",
+    W + "cuda_ipc_send",
+    X + "zmq_recv",  # receives experiences
 )
-ENGINE_SIDE = ("asyncrl.engines.rollout.local", "asyncrl.entrypoints.engine")
+ENGINE_SIDE = (
+    "asyncrl.engines.rollout.local",
+    "asyncrl.entrypoints.engine",
+    W + "collective_recv",  # receives weights
+    W + "cuda_ipc_recv",
+)
 CONTROLLER_SIDE = (
     "asyncrl.controllers",
     "asyncrl.runner",
     "asyncrl.entrypoints.run",
     "asyncrl.launchers",
     "asyncrl.tasks",
+    X + "zmq_send",  # sends experiences
 )
 
-FORBIDDEN = {
-    # the controller also loads the run's driver (asyncrl.runner), as `asyncrl run` does
-    "asyncrl.entrypoints.run": (TRAINER_SIDE + ENGINE_SIDE, "asyncrl.runner"),
-    "asyncrl.entrypoints.engine": (TRAINER_SIDE + CONTROLLER_SIDE, None),
-    "asyncrl.entrypoints.trainer": (CONTROLLER_SIDE + ENGINE_SIDE, None),
+PROCESSES = {
+    # entry module, what the process also loads by name later, the other sides
+    "controller": (
+        "asyncrl.entrypoints.run",
+        ["asyncrl.runner"],
+        (*TRAINER_SIDE, *ENGINE_SIDE, "torch"),  # the controller never loads torch
+    ),
+    "engine": ("asyncrl.entrypoints.engine", [], (*TRAINER_SIDE, *CONTROLLER_SIDE)),
+    "trainer": (
+        "asyncrl.entrypoints.trainer",
+        [W + "collective_send", W + "cuda_ipc_send"],
+        (*CONTROLLER_SIDE, *ENGINE_SIDE),
+    ),
 }
 
 
-def _imported(module: str, also: str | None) -> list[str]:
+def _loaded(modules: list[str]) -> list[str]:
     code = (
         "import importlib, json, sys\n"
-        f"importlib.import_module({module!r})\n"
-        + (f"importlib.import_module({also!r})\n" if also else "")
-        + "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in "
-        "('asyncrl', 'torch'))))"
+        f"for m in {modules!r}: importlib.import_module(m)\n"
+        "print(json.dumps(sorted(sys.modules)))"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
@@ -55,12 +72,10 @@ def _imported(module: str, also: str | None) -> list[str]:
     return json.loads(out.stdout.splitlines()[-1])
 
 
-@pytest.mark.parametrize("entry", sorted(FORBIDDEN))
-def test_an_entry_module_imports_nothing_of_another_process(entry: str) -> None:
-    forbidden, also = FORBIDDEN[entry]
-    if entry.endswith(".run"):
-        forbidden = (*forbidden, "torch")  # the controller never loads torch
-    loaded = _imported(entry, also)
+@pytest.mark.parametrize("process", sorted(PROCESSES))
+def test_a_process_loads_no_module_of_another_process(process: str) -> None:
+    entry, later, forbidden = PROCESSES[process]
+    loaded = _loaded([entry, *later])
     assert entry in loaded
     wrong = [m for m in loaded if any(m == f or m.startswith(f + ".") for f in forbidden)]
-    assert not wrong, f"{entry} imports modules of another process: {wrong}"
+    assert not wrong, f"the {process} ({entry}) imports modules of another process: {wrong}"
