@@ -4,7 +4,7 @@ A run is three kinds of process (asyncrl/entrypoints/__init__.py): the controlle
 (``asyncrl run``), the embedded engine and the trainer ranks. A module one process loads
 and another must never need is a layout mistake (the controller would start loading
 torch, the engine the trainer's sender...). Transport modules say by name which process
-runs them: ``*_send`` (and ``sender``) the sending process, ``*_recv`` the receiving one,
+runs them: ``*_send`` (and ``send_*``) the sending process, ``*_recv`` the receiving one,
 ``*_wire`` both. Each entry module is imported alone in its own interpreter (with the
 modules its process loads later by name, e.g. the weight sender the factory picks) and
 the ``asyncrl.*`` modules it pulled in are checked against the other sides' packages.
@@ -24,7 +24,9 @@ TRAINER_SIDE = (
     "asyncrl.algorithms",
     "asyncrl.engines.train",
     "asyncrl.entrypoints.trainer",
-    W + "sender",  # sends weights
+    W + "send_engines",  # sends weights
+    W + "send_staging",
+    W + "send_stream",
     W + "collective_send",
     W + "cuda_ipc_send",
     X + "zmq_recv",  # receives experiences
