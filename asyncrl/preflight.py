@@ -3,9 +3,10 @@
 :func:`preflight` fails in well under a second, with one line naming the key,
 for mistakes that can be known on the host that runs ``asyncrl run``: a device
 this machine does not have (``rollout.device``/``trainer.device`` on CUDA, a
-CUDA-only weight backend) and a task file that does not exist. Without it these
-surface only after engines started, as a child's traceback (14 s for
-``rollout.device=cuda`` on a CPU machine).
+CUDA-only weight backend, ``hccl`` without ``torch_npu``) and a task file that does
+not exist. Without it these surface only after engines started, as a child's
+traceback (14 s for ``rollout.device=cuda`` on a CPU machine). Combinations no host
+can run (``cuda-ipc`` with SGLang) are refused by the config itself, when loaded.
 
 Device checks apply only to processes this host starts (``cluster.backend =
 "local"``; under Ray they run on other nodes). Nothing here imports torch (the
@@ -22,7 +23,13 @@ import re
 from functools import cache
 from pathlib import Path
 
-from asyncrl.config import RunConfig
+from asyncrl.config import (
+    CudaIpcWeightsConfig,
+    HcclWeightsConfig,
+    LocalRolloutConfig,
+    NcclWeightsConfig,
+    RunConfig,
+)
 
 __all__ = ["cuda_devices", "preflight"]
 
@@ -72,10 +79,16 @@ def preflight(cfg: RunConfig) -> None:
     if cfg.cluster.backend != "local":
         return
     _check_device("trainer.device", cfg.trainer.device)
-    if cfg.rollout.backend == "local" and not cfg.rollout.urls:
+    if isinstance(cfg.rollout, LocalRolloutConfig) and not cfg.rollout.urls:
         _check_device("rollout.device", cfg.rollout.device)
-    if cfg.weights.backend in ("nccl", "cuda-ipc") and not cuda_devices()[0]:
+    weights = cfg.weights
+    if isinstance(weights, NcclWeightsConfig | CudaIpcWeightsConfig) and not cuda_devices()[0]:
         raise ValueError(
-            f"weights.backend={cfg.weights.backend!r} needs CUDA, but this machine has none: "
+            f"weights.backend={weights.backend!r} needs CUDA, but this machine has none: "
             f"{cuda_devices()[1]} (use 'gloo' or 'auto')"
+        )
+    if isinstance(weights, HcclWeightsConfig) and importlib.util.find_spec("torch_npu") is None:
+        raise ValueError(
+            "weights.backend='hccl' needs an Ascend NPU and torch_npu, which is not installed "
+            "here (use 'gloo' or 'auto')"
         )

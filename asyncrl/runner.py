@@ -563,7 +563,7 @@ async def run_job(
         sampling: dict[str, Any] = {}
         if episode is None:  # built before any process starts: a bad task fails fast
             task = make_task(cfg.task, model_path)
-            sampling = {"max_new_tokens": cfg.rollout.max_new_tokens or task.max_new_tokens}
+            sampling = {"max_new_tokens": cfg.generation_budget()}
             episode = single_turn(task.reward, cfg.controller.inline_reward_s)
             samples = task.samples()
         urls = list(cfg.rollout.urls) or launcher.start_engines(model_path)

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl import Controller, EpisodeContext, RunConfig, Trajectory
-from asyncrl.config import AlgoConfig, ControllerConfig, RolloutConfig
+from asyncrl.config import AlgoConfig, ControllerConfig, LocalRolloutConfig
 from asyncrl.controllers.episode import Sample
 
 
@@ -77,9 +77,9 @@ def make_episode(vocab: dict[str, int]) -> Any:
 
 async def drive(url: str, model_path: str, steps: int, batch_size: int, group_size: int) -> dict:
     cfg = RunConfig(
-        controller=ControllerConfig(batch_size=batch_size, max_staleness=1, pause_mode="abort"),
+        controller=ControllerConfig(batch_size=batch_size, max_staleness=1),
         algo=AlgoConfig(group_size=group_size),
-        rollout=RolloutConfig(urls=(url,), max_new_tokens=8),
+        rollout=LocalRolloutConfig(urls=(url,), max_new_tokens=8, pause_mode="abort"),
     )
     vocab = vocabulary(model_path)
     async with Controller(cfg, episode=make_episode(vocab)) as ctl:

@@ -9,7 +9,26 @@ import subprocess
 import time
 from pathlib import Path
 
-from asyncrl.procs import finish
+from asyncrl.procs import finish, pid_alive
+
+MARK = "ASYNCRL_TEST_MARK"
+"""Environment variable a test sets on a run: every process the run starts inherits it."""
+
+
+def marked_pids(mark: str) -> list[int]:
+    """Live processes whose environment holds ``ASYNCRL_TEST_MARK=mark`` (Linux /proc): what
+    is left of a run started with that mark, its children in their own sessions included."""
+    needle = f"{MARK}={mark}".encode()
+    pids = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit() and d.name != str(os.getpid()):
+            try:
+                env = (d / "environ").read_bytes().split(b"\0")
+            except OSError:  # gone meanwhile, or not ours to read
+                continue
+            if needle in env and pid_alive(int(d.name)):
+                pids.append(int(d.name))
+    return pids
 
 
 def metrics_rows(run: Path) -> list[dict]:

@@ -9,7 +9,18 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from asyncrl.config import RunConfig, load_config
+from asyncrl.config import (
+    CollectiveWeightsConfig,
+    ControllerConfig,
+    CudaIpcWeightsConfig,
+    GlooWeightsConfig,
+    LocalRolloutConfig,
+    RunConfig,
+    SGLangRolloutConfig,
+    TrainerConfig,
+    load_config,
+    to_dict,
+)
 
 
 def test_defaults_are_the_embedded_job() -> None:
@@ -40,7 +51,7 @@ def test_toml_then_overrides(tmp_path: Path) -> None:
         ("--controller.nope=1", "controller.nope"),
         ("--weights.backend=tcp", "allowed values: 'auto', 'gloo', 'nccl', 'hccl', 'cuda-ipc'"),
         ("--controller.batch_size=many", "controller.batch_size"),
-        ("--controller.batch_size=0", "controller.batch_size must be > 0"),
+        ("--controller.batch_size=0", "controller.batch_size must be >= 1, got 0"),
         ("--controller.max_staleness=-1", "controller.max_staleness"),
         ("--bogus.key=1", "allowed keys"),
         ("controller.batch_size", "--section.key=value"),
@@ -79,7 +90,74 @@ def test_options_of_the_chosen_backend_are_taken() -> None:
     cfg = load_config(None, ["--rollout.backend=sglang", "--rollout.tp_size=2"])
     assert cfg.rollout.tp_size == 2
     cfg = load_config(None, ["--weights.backend=gloo", "--weights.delta=auto"])
-    assert cfg.weights.delta == "auto"
+    assert isinstance(cfg.weights, GlooWeightsConfig) and cfg.weights.delta == "auto"
+
+
+def test_one_config_type_per_backend(tmp_path: Path) -> None:
+    """The tag picks the type; omitting ``backend`` keeps the default one; config.json keeps
+    the tag, so what a run records loads back as the same type."""
+    cfg = load_config()
+    assert isinstance(cfg.weights, CollectiveWeightsConfig) and cfg.weights.backend == "auto"
+    assert isinstance(cfg.rollout, LocalRolloutConfig)
+    f = tmp_path / "c.toml"
+    f.write_text('[weights]\nbucket_mb = 64\n[rollout]\nbackend = "sglang"\ntp_size = 2\n')
+    cfg = load_config(f)
+    assert isinstance(cfg.weights, CollectiveWeightsConfig) and cfg.weights.backend == "auto"
+    assert cfg.weights.bucket_mb == 64
+    assert isinstance(cfg.rollout, SGLangRolloutConfig) and cfg.rollout.tp_size == 2
+    cfg = load_config(None, ["--weights.backend=cuda-ipc", "--weights.ipc_verify=true"])
+    assert isinstance(cfg.weights, CudaIpcWeightsConfig) and cfg.weights.ipc_verify
+    tree = to_dict(cfg)
+    assert tree["weights"]["backend"] == "cuda-ipc" and "verify" not in tree["weights"]
+    assert load_config(None, [], base=tree) == cfg
+
+
+def test_a_config_json_of_an_earlier_version_still_resumes() -> None:
+    """Before one type per backend, config.json held every backend's options (the defaults of
+    those not chosen) and ``controller.pause_mode``: they are dropped from a recorded base,
+    also when an override switches the backend; given by the user they are judged."""
+    old = to_dict(RunConfig())
+    old["weights"].update(ipc_verify=False, ipc_copy="graph")
+    old["rollout"].update(tp_size=1, dtype="auto", mem_fraction_static=0.0)
+    old["controller"]["pause_mode"] = "abort"
+    assert load_config(None, [], base=old) == RunConfig()
+    cfg = load_config(None, ["--weights.backend=cuda-ipc"], base=old)
+    assert isinstance(cfg.weights, CudaIpcWeightsConfig)
+    with pytest.raises(ValueError, match=r"^controller\.pause_mode is now rollout\.pause_mode"):
+        load_config(None, ["--controller.pause_mode=wait"])
+    with pytest.raises(ValueError, match=r"^weights\.ipc_copy='foreach' applies to"):
+        load_config(None, ["--weights.ipc_copy=foreach"], base=old)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("--trainer.adam_betas=[0.9, 1.0]", "trainer.adam_betas[1] must be < 1.0, got 1.0"),
+        ("--algo.lam=1.5", "algo.lam must be <= 1.0, got 1.5"),
+        ("--weights.min_buckets=0", "weights.min_buckets must be >= 1, got 0"),
+        ("--rollout.top_p=0", "rollout.top_p must be > 0.0, got 0"),
+        ("--checkpoint.keep=0", "checkpoint.keep must be >= 1, got 0"),
+        ("--logging.trace.every=0", "logging.trace.every must be >= 1, got 0"),
+        ("--trainer.lr=inf", "trainer.lr must be a finite number, got 'inf'"),
+        ("--cluster.cpus_per_engine=-1", "cluster.cpus_per_engine must be >= 0.0, got -1"),
+    ],
+)
+def test_declared_limits_name_the_dotted_key(override: str, message: str) -> None:
+    with pytest.raises(ValueError) as info:
+        load_config(None, [override])
+    assert str(info.value) == message
+
+
+def test_declared_limits_hold_for_sections_built_in_python() -> None:
+    """msgspec checks ``Meta`` limits when decoding; a section built in Python is checked too."""
+    with pytest.raises(ValueError, match=r"^controller\.batch_size must be >= 1, got 0$"):
+        ControllerConfig(batch_size=0)
+    with pytest.raises(ValueError, match=r"^trainer\.adam_betas\[0\] must be >= 0\.0"):
+        TrainerConfig(adam_betas=(-0.1, 0.9))
+    with pytest.raises(ValueError, match=r"^weights\.timeout_s must be a finite number"):
+        GlooWeightsConfig(timeout_s=float("nan"))
+    with pytest.raises(ValueError, match=r"cuda-ipc.*rollout\.backend='local' only"):
+        RunConfig(rollout=SGLangRolloutConfig(), weights=CudaIpcWeightsConfig())
 
 
 def test_missing_file_and_bad_toml(tmp_path: Path) -> None:

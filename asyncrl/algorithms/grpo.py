@@ -16,7 +16,6 @@ from asyncrl.algorithms.advantages import grpo_advantages
 from asyncrl.algorithms.base import EngineFactory, PolicyUpdate, adv_stats, seqs_from_trajs
 from asyncrl.config import AlgoConfig, RunConfig
 from asyncrl.engines.train.base import Seq
-from asyncrl.tasks.base import generation_budget
 from asyncrl.transports.experience.types import Trajectory
 
 __all__ = ["GRPO", "build_seqs"]
@@ -40,7 +39,7 @@ class GRPO:
         self.cfg = cfg
         self.actor = build("actor", cfg)
         ref = build("actor", cfg) if cfg.algo.kl_coef > 0 else None
-        self.policy = PolicyUpdate(cfg, self.actor, ref, generation_budget(cfg))
+        self.policy = PolicyUpdate(cfg, self.actor, ref, cfg.generation_budget())
 
     def train_step(self, step: int, trajs: Sequence[Trajectory]) -> dict[str, float]:
         seqs = build_seqs(trajs, self.cfg.algo)

@@ -31,7 +31,6 @@ from asyncrl.algorithms.base import (
 from asyncrl.algorithms.losses import ValueLoss
 from asyncrl.config import RunConfig
 from asyncrl.engines.train.base import Seq
-from asyncrl.tasks.base import generation_budget
 from asyncrl.transports.experience.types import Trajectory
 
 __all__ = ["PPO", "critic_config", "pad_rows"]
@@ -62,7 +61,7 @@ class PPO:
         self.actor = build("actor", cfg)
         self.critic = build("critic", critic_config(cfg))
         ref = build("actor", cfg) if cfg.algo.kl_coef > 0 else None
-        self.policy = PolicyUpdate(cfg, self.actor, ref, generation_budget(cfg))
+        self.policy = PolicyUpdate(cfg, self.actor, ref, cfg.generation_budget())
         self.value_loss = ValueLoss(cfg.algo.value_clip, cfg.algo.value_coef)
 
     def advantages(self, seqs: list[Seq], rewards: torch.Tensor) -> dict[str, float]:

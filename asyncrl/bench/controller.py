@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from asyncrl import loops
-from asyncrl.config import AlgoConfig, ControllerConfig, RolloutConfig, RunConfig
+from asyncrl.config import AlgoConfig, ControllerConfig, LocalRolloutConfig, RunConfig
 from asyncrl.controllers.controller import Controller, NoMoreSamples
 from asyncrl.controllers.episode import Sample, single_turn
 from asyncrl.engines.rollout.base import GenerateResult
@@ -89,7 +89,7 @@ async def run_ours(n_groups: int, batch: int, group: int, staleness: int) -> dic
     cfg = RunConfig(
         controller=ControllerConfig(batch_size=batch, max_staleness=staleness),
         algo=AlgoConfig(group_size=group),
-        rollout=RolloutConfig(max_new_tokens=TOKENS),
+        rollout=LocalRolloutConfig(max_new_tokens=TOKENS),
     )
     engine = InstantEngine()
     episodes = 0

@@ -339,6 +339,7 @@ def _verified(urls: list[str], weights: dict[str, Any], version: int) -> bool:
 
 
 def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    import msgspec
     import torch
 
     from asyncrl.config import WeightSyncConfig
@@ -366,23 +367,22 @@ def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
         for mode in args.modes.split(","):
             floors = [floor.once()]
             floor_s = floors[0]
-            cfg = WeightSyncConfig(
-                backend=args.backend,
-                bucket_mb=args.bucket_mb,
-                min_buckets=args.min_buckets,
-                staging_buckets=args.staging_buckets,
-                zero_copy_frac=args.zero_copy_frac,
-                snapshot=mode == "snapshot",
-                verify="off"
-                if mode == "unverified"
-                else "full"
-                if mode == "full-verify"
-                else "sampled",
-                timeout_s=600.0,
-                ipc_verify=args.ipc_verify,
-                ipc_copy=args.ipc_copy,
-                master_address=args.send_host,
+            own: dict[str, Any] = (  # the options of this backend's config type
+                {"ipc_verify": args.ipc_verify, "ipc_copy": args.ipc_copy}
+                if args.backend == "cuda-ipc"
+                else {
+                    "bucket_mb": args.bucket_mb,
+                    "min_buckets": args.min_buckets,
+                    "staging_buckets": args.staging_buckets,
+                    "zero_copy_frac": args.zero_copy_frac,
+                    "verify": {"unverified": "off", "full-verify": "full"}.get(mode, "sampled"),
+                }
             )
+            cfg = msgspec.convert(
+                {"backend": args.backend, "snapshot": mode == "snapshot", "timeout_s": 600.0,
+                 "master_address": args.send_host, **own},
+                WeightSyncConfig,
+            )  # fmt: skip
             sender = make_weight_transport(cfg, urls, device)
             try:
                 sender.connect()

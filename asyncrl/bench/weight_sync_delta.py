@@ -66,7 +66,7 @@ def run_delta(args: argparse.Namespace) -> list[dict[str, Any]]:
     import torch
 
     from asyncrl.bench.weight_sync import _Children, _Floor, _ours, _verified
-    from asyncrl.config import WeightSyncConfig
+    from asyncrl.config import GlooWeightsConfig
     from asyncrl.transports.weights import make_weight_transport
 
     torch.set_num_threads(args.threads)
@@ -76,8 +76,7 @@ def run_delta(args: argparse.Namespace) -> list[dict[str, Any]]:
     children = _Children(args, me, logs)
     engine = children.start("engine", ["--_engine", "--port", "{port}"])
     urls = [f"http://{args.recv_host}:{engine.bench_port}"]
-    base = WeightSyncConfig(
-        backend="gloo",
+    base = GlooWeightsConfig(
         dtype="bfloat16",
         timeout_s=600.0,
         bucket_mb=args.bucket_mb,

@@ -53,7 +53,7 @@ from typing import Any
 import msgspec
 
 from asyncrl import trace
-from asyncrl.config import RunConfig
+from asyncrl.config import DEFAULT_MAX_NEW_TOKENS, PAUSE_MODES, RunConfig
 from asyncrl.controllers.episode import Episode, EpisodeContext, EpisodeFailed, Gate
 from asyncrl.controllers.router import Router
 from asyncrl.controllers.staleness import Staleness
@@ -171,7 +171,7 @@ class Controller:
         self._sampling = {
             "temperature": config.rollout.temperature,
             "top_p": config.rollout.top_p,
-            "max_new_tokens": config.rollout.max_new_tokens or 128,
+            "max_new_tokens": config.rollout.max_new_tokens or DEFAULT_MAX_NEW_TOKENS,
             **(sampling or {}),
         }
         self._source: Iterator[Any] | None = iter(source) if source is not None else None
@@ -270,14 +270,16 @@ class Controller:
     async def weight_update(self, version: int, mode: str | None = None) -> AsyncIterator[None]:
         """Quiesce the engines for a weight update, then let them go on — always.
 
-        ``mode`` (default ``controller.pause_mode``): ``abort`` / ``in_place`` pause the
-        engines (aborted requests are resumed by their episodes); ``wait`` holds new
-        requests and waits for the in-flight ones. On leaving the block the engines
-        continue even if the update raised; only a successful update sets ``version``.
+        ``mode`` (default ``rollout.pause_mode``, the run's one pause knob): ``abort`` /
+        ``retract`` / ``in_place`` pause the engines (aborted requests are resumed by their
+        episodes); ``wait`` pauses no engine: it holds new requests and waits for the
+        in-flight ones. On leaving the block the engines continue even if the update
+        raised; only a successful update sets ``version``.
         """
-        mode = mode or self.config.controller.pause_mode
-        if mode not in ("abort", "in_place", "wait"):
-            raise ValueError(f"pause mode must be 'abort', 'in_place' or 'wait', got {mode!r}")
+        mode = mode or self.config.rollout.pause_mode
+        if mode != "wait" and mode not in PAUSE_MODES:
+            allowed = ", ".join(map(repr, (*PAUSE_MODES, "wait")))
+            raise ValueError(f"pause mode must be one of {allowed}, got {mode!r}")
         engines = self.router.engines
         try:
             if mode == "wait":

@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import numpy as np
 
+from asyncrl.config import DEFAULT_MAX_NEW_TOKENS
 from asyncrl.engines.rollout.base import EngineError, EngineUnavailable
 from asyncrl.tasks.base import Sample
 from asyncrl.transports.experience.types import Trajectory
@@ -235,7 +236,7 @@ class EpisodeContext:
         Raises :class:`EpisodeFailed` when the request failed ``max_retries + 1`` times.
         """
         params = {**self.sampling, **sampling} if sampling else dict(self.sampling)
-        budget = int(params.get("max_new_tokens", 128))
+        budget = int(params.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS))
         prefix = input_ids if isinstance(input_ids, list) else list(input_ids)
         out = self._replayed(prefix) if self.replay else None
         if out is not None and out.finish_reason != "partial":

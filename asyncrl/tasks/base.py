@@ -9,9 +9,9 @@ from typing import Any, Protocol
 
 import msgspec
 
-from asyncrl.config import RunConfig, TaskConfig
+from asyncrl.config import TaskConfig
 
-__all__ = ["CustomReward", "Sample", "Task", "generation_budget", "load_reward_fn", "make_task"]
+__all__ = ["CustomReward", "Sample", "Task", "load_reward_fn", "make_task"]
 
 
 class Sample(msgspec.Struct, frozen=True):
@@ -26,10 +26,9 @@ class Sample(msgspec.Struct, frozen=True):
 class Task(Protocol):
     """``samples()`` yields prompts forever; ``reward`` scores response token ids in [0, 1].
 
-    ``reward`` may be ``async def``; a sync one runs off the event loop.
+    ``reward`` may be ``async def``; a sync one runs off the event loop. The generation
+    budget of a built-in task's episodes is ``RunConfig.generation_budget()``.
     """
-
-    max_new_tokens: int
 
     def samples(self) -> Iterator[Sample]: ...
 
@@ -55,15 +54,6 @@ def make_task(cfg: TaskConfig, model_path: str) -> Task:
     return task
 
 
-def generation_budget(cfg: RunConfig) -> int:
-    """Most response tokens of one episode: ``rollout.max_new_tokens`` or the task's own."""
-    if cfg.rollout.max_new_tokens > 0:
-        return cfg.rollout.max_new_tokens
-    if cfg.task.name == "reverse":
-        return cfg.task.num_digits + 1
-    return cfg.task.max_new_tokens
-
-
 def load_reward_fn(spec: str) -> Callable[..., Any]:
     """Import ``package.module:function`` (``module.function`` also accepted)."""
     mod_name, sep, fn_name = spec.partition(":")
@@ -87,7 +77,6 @@ class CustomReward:
     def __init__(self, task: Any, fn: Callable[..., Any], model_path: str):
         self.task = task
         self.fn = fn
-        self.max_new_tokens = task.max_new_tokens
         decode = getattr(task, "decode", None)
         if decode is None:
             from asyncrl.tasks.text import ChatTokenizer

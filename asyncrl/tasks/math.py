@@ -90,7 +90,6 @@ class MathTask:
         self.tok = ChatTokenizer(model_path)
         self.seed = cfg.seed
         self.shuffle = cfg.shuffle
-        self.max_new_tokens = cfg.max_new_tokens
         self.items: list[tuple[list[int], int]] = []
         for i, row in enumerate(load_rows(cfg.path)):
             if cfg.prompt_key not in row or cfg.answer_key not in row:

@@ -31,7 +31,6 @@ class ReverseTask:
         self.num_digits = num_digits
         self.seed = seed
         self.eos_id = vocab[eos]
-        self.max_new_tokens = num_digits + 1
 
     @classmethod
     def from_tokenizer_dir(cls, model_path: str, num_digits: int, seed: int) -> ReverseTask:

@@ -16,7 +16,7 @@ import random
 import aiohttp
 import msgspec
 
-from asyncrl.config import AlgoConfig, ControllerConfig, RolloutConfig, RunConfig
+from asyncrl.config import AlgoConfig, ControllerConfig, LocalRolloutConfig, RunConfig
 from asyncrl.controllers.controller import Controller, NoMoreSamples
 from asyncrl.controllers.episode import EpisodeContext, Sample
 from asyncrl.controllers.state import ControllerState
@@ -49,7 +49,7 @@ async def test_interrupted_episodes_resume_with_their_tokens(engine_url: str) ->
     cfg = RunConfig(
         controller=ControllerConfig(batch_size=3, max_staleness=1, batch_requests=False),
         algo=AlgoConfig(group_size=2),
-        rollout=RolloutConfig(max_new_tokens=budget),
+        rollout=LocalRolloutConfig(max_new_tokens=budget),
     )
     client = SGLangClient(engine_url)
     http = aiohttp.ClientSession()
@@ -136,7 +136,7 @@ def test_data_stream_continues_and_every_sample_trains_once() -> None:
     cfg = RunConfig(
         controller=ControllerConfig(batch_size=2, max_staleness=2),
         algo=AlgoConfig(group_size=2),
-        rollout=RolloutConfig(max_new_tokens=6),
+        rollout=LocalRolloutConfig(max_new_tokens=6),
     )
 
     async def episode(ctx: EpisodeContext, sample: int):

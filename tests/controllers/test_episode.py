@@ -13,7 +13,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from asyncrl.config import AlgoConfig, ControllerConfig, RolloutConfig, RunConfig
+from asyncrl.config import AlgoConfig, ControllerConfig, LocalRolloutConfig, RunConfig
 from asyncrl.controllers.controller import Controller, NoMoreSamples
 from asyncrl.controllers.episode import EpisodeContext, EpisodeFailed, Gate, RewardRunner
 from asyncrl.controllers.router import Router
@@ -95,7 +95,7 @@ async def test_engines_continue_after_failed_update(engine_url: str) -> None:
     cfg = RunConfig(
         controller=ControllerConfig(batch_size=1, max_staleness=0),
         algo=AlgoConfig(group_size=1),
-        rollout=RolloutConfig(urls=(engine_url,), max_new_tokens=3),
+        rollout=LocalRolloutConfig(urls=(engine_url,), max_new_tokens=3),
     )
 
     async def episode(ctx: EpisodeContext, sample: list[int]):
@@ -165,7 +165,7 @@ def test_admission_counters_survive_resume_and_sync_mode_is_lockstep() -> None:
         cfg = RunConfig(
             controller=ControllerConfig(batch_size=2, max_staleness=0),
             algo=AlgoConfig(group_size=2),
-            rollout=RolloutConfig(max_new_tokens=4),
+            rollout=LocalRolloutConfig(max_new_tokens=4),
         )
 
         async def episode(ctx: EpisodeContext, sample: int):
@@ -196,7 +196,7 @@ def test_failover_to_healthy_engine_and_back_into_rotation() -> None:
         cfg = RunConfig(
             controller=ControllerConfig(batch_size=4, max_staleness=1, health_interval_s=1.0),
             algo=AlgoConfig(group_size=1),
-            rollout=RolloutConfig(max_new_tokens=3),
+            rollout=LocalRolloutConfig(max_new_tokens=3),
         )
 
         async def episode(ctx: EpisodeContext, sample: int):

@@ -16,7 +16,7 @@ import random
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from asyncrl.config import AlgoConfig, ControllerConfig, RolloutConfig, RunConfig
+from asyncrl.config import AlgoConfig, ControllerConfig, LocalRolloutConfig, RunConfig
 from asyncrl.controllers.controller import Controller, NoMoreSamples
 from asyncrl.controllers.episode import EpisodeContext
 from tests.controllers.fakes import FakeEngine, VirtualTimeLoop
@@ -55,7 +55,7 @@ async def _drive(p: dict) -> None:
             batch_requests=p["batch"],
         ),
         algo=AlgoConfig(group_size=p["group_size"]),
-        rollout=RolloutConfig(max_new_tokens=6),
+        rollout=LocalRolloutConfig(max_new_tokens=6),
     )
     engines = [FakeEngine(f"e{i}", rng, p["token_s"], p["fail_p"]) for i in range(p["engines"])]
 

@@ -12,7 +12,7 @@ import pytest
 from asyncrl.config import RunConfig, TaskConfig, load_config
 from asyncrl.controllers.episode import Sample, call_reward
 from asyncrl.tasks import make_task
-from asyncrl.tasks.base import generation_budget, load_reward_fn
+from asyncrl.tasks.base import load_reward_fn
 from asyncrl.tasks.math import extract_answer, load_rows, normalize_int
 
 TEMPLATE = (
@@ -76,7 +76,6 @@ def test_math_task_prompts_and_reward(chat_model_dir: Path, tmp_path: Path) -> N
     assert task.reward(first, [vocab["3"], vocab["</s>"]]) == 1.0
     assert task.reward(first, [vocab["4"]]) == 0.0
     assert task.reward(second, [vocab["8"]]) == 1.0
-    assert task.max_new_tokens == 512
 
 
 def test_math_task_errors(chat_model_dir: Path, tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -123,7 +122,6 @@ async def test_custom_reward_from_config(
     assert await call_reward(task.reward, sample, [vocab["1"]]) == 0.0
     task = make_task(TaskConfig(reward_fn="my_rewards.by_length"), str(tiny_model_dir))
     assert await call_reward(task.reward, sample, [1, 2, 3]) == pytest.approx(0.3)
-    assert task.max_new_tokens == TaskConfig().num_digits + 1
     sys.modules.pop("my_rewards", None)
 
 
@@ -141,14 +139,16 @@ def test_reverse_task_unchanged(tiny_model_dir: Path) -> None:
     vocab = json.loads((tiny_model_dir / "tokenizer.json").read_text())["model"]["vocab"]
     s = next(task.samples())
     n = TaskConfig().num_digits
-    assert isinstance(s, Sample) and len(s.answer) == n and task.max_new_tokens == n + 1
+    assert isinstance(s, Sample) and len(s.answer) == n
     assert task.reward(s, [*s.answer, vocab["</s>"]]) == 1.0
 
 
 def test_config_keys() -> None:
     cfg = load_config(None, ["--algo.name=ppo", "--task.name=math", "--task.max_new_tokens=64"])
-    assert cfg.algo.name == "ppo" and generation_budget(cfg) == 64
-    assert generation_budget(RunConfig()) == RunConfig().task.num_digits + 1
+    assert cfg.algo.name == "ppo" and cfg.generation_budget() == 64
+    assert load_config(None, ["--task.name=math"]).generation_budget() == 512
+    assert RunConfig().generation_budget() == RunConfig().task.num_digits + 1
+    assert load_config(None, ["--rollout.max_new_tokens=9"]).generation_budget() == 9
     with pytest.raises(ValueError, match="allowed values"):
         load_config(None, ["--algo.name=dpo"])
     with pytest.raises(ValueError, match=r"algo\.lam"):

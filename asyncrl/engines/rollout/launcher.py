@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from asyncrl.config import RolloutConfig
+from asyncrl.config import LocalRolloutConfig, RolloutConfig, SGLangRolloutConfig
 from asyncrl.engines.rollout.base import EngineUnavailable
 from asyncrl.engines.rollout.sglang import SGLangClient
 from asyncrl.procs import free_port, python_env, spawn, stop
@@ -169,7 +169,7 @@ def _stored_dtype(model_path: str) -> str:
     return got if isinstance(got, str) else ""
 
 
-def sglang_dtype(rc: RolloutConfig, model_path: str) -> str:
+def sglang_dtype(rc: SGLangRolloutConfig, model_path: str) -> str:
     """``--dtype`` of a launched SGLang server (see ``RolloutConfig.dtype``): SGLang's
     ``auto`` serves a float32 checkpoint in float16 (srt/configs/model_config.py:2303-2319
     in 0.5.23), which overflows where the trainer's bfloat16 does not; so ``auto`` here is
@@ -184,7 +184,7 @@ def startup_timeout(rc: RolloutConfig, model_path: str) -> float:
     ``RolloutConfig.startup_timeout_s``): the configured value, or scaled to the model."""
     if rc.startup_timeout_s is not None:
         return rc.startup_timeout_s
-    if rc.backend == "local":
+    if isinstance(rc, LocalRolloutConfig):
         return 120.0
     folder = Path(model_path)
     files = [p for p in folder.glob("*") if p.suffix in (".safetensors", ".bin", ".pt", ".pth")]
@@ -278,7 +278,7 @@ def engine_spec(
     ``dtype`` is the embedded engine's; SGLang's is :func:`sglang_dtype`'s."""
     host = host or rc.host
     port = port or free_port(host)
-    if rc.backend == "local":
+    if isinstance(rc, LocalRolloutConfig):
         extra = ["--device", rc.device, "--dtype", dtype, "--seed", str(seed + 1000 + i)]
         extra += ["--weight-masters", f"loopback,{weight_master}"]
         extra += ["--max-batch-size", str(rc.max_batch_size)]

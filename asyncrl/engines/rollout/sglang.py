@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 import msgspec
 
+from asyncrl.config import PAUSE_MODES
 from asyncrl.engines.rollout.base import (
     EngineBadRequest,
     EngineError,
@@ -36,9 +37,7 @@ from asyncrl.engines.rollout.base import (
 if TYPE_CHECKING:
     from asyncrl.config import RolloutConfig
 
-__all__ = ["PAUSE_MODES", "SGLangClient", "make_client"]
-
-PAUSE_MODES = ("abort", "retract", "in_place")
+__all__ = ["SGLangClient", "make_client"]
 
 
 def _server_message(raw: bytes) -> str:

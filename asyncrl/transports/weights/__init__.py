@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from asyncrl.config import WeightSyncConfig
+from asyncrl.config import CudaIpcWeightsConfig, WeightSyncConfig
 
 if TYPE_CHECKING:
     from asyncrl.transports.weights.base import WeightTransport
@@ -36,7 +36,7 @@ def make_weight_transport(
     ``engine``: ``local`` (the embedded engine: staged, verified, all-or-nothing) or
     ``sglang`` (see ``collective_send``: whole tensors, paused transfer, re-push on failure).
     """
-    if cfg.backend == "cuda-ipc":
+    if isinstance(cfg, CudaIpcWeightsConfig):
         if engine == "sglang":
             raise ValueError(CUDA_IPC_SGLANG)
         from asyncrl.transports.weights.cuda_ipc_send import CudaIpcWeightSender

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from asyncrl import trace
-from asyncrl.config import WeightSyncConfig
+from asyncrl.config import CollectiveWeightsConfig
 from asyncrl.engines.rollout.base import EngineError, EngineUnavailable
 from asyncrl.engines.rollout.sglang import SGLangClient
 from asyncrl.procs import free_port
@@ -151,7 +151,7 @@ class CollectiveWeightSender:
     def __init__(
         self,
         engine_urls: Sequence[str],
-        cfg: WeightSyncConfig,
+        cfg: CollectiveWeightsConfig,
         backend: str,
         pause_mode: str = "abort",
         device: str = "cpu",

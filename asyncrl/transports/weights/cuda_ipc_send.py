@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from asyncrl.config import WeightSyncConfig
+from asyncrl.config import CudaIpcWeightsConfig
 from asyncrl.transports.weights.base import PushHandle, WeightSyncError
 from asyncrl.transports.weights.bucket import checksum
 from asyncrl.transports.weights.cuda_ipc_wire import LOAD_FORMAT, b64, dtype_name, share_storage
@@ -85,7 +85,7 @@ class CudaIpcWeightSender:
     def __init__(
         self,
         engine_urls: Sequence[str],
-        cfg: WeightSyncConfig,
+        cfg: CudaIpcWeightsConfig,
         pause_mode: str = "abort",
         device: str = "cuda",
     ):

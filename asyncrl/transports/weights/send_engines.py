@@ -26,7 +26,7 @@ from concurrent.futures import Future
 from typing import Any, Protocol, TypeVar
 
 from asyncrl import trace
-from asyncrl.config import WeightSyncConfig
+from asyncrl.config import CollectiveWeightsConfig, CudaIpcWeightsConfig
 from asyncrl.engines.rollout.base import EngineError
 from asyncrl.engines.rollout.sglang import SGLangClient
 from asyncrl.loops import new_event_loop
@@ -66,7 +66,7 @@ class EngineGroup:
     def __init__(
         self,
         engine_urls: Sequence[str],
-        cfg: WeightSyncConfig,
+        cfg: CollectiveWeightsConfig | CudaIpcWeightsConfig,
         formation: Formation,
         pause_mode: str = "abort",
         sglang: bool = False,

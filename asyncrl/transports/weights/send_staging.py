@@ -27,7 +27,7 @@ import msgspec
 import torch
 
 from asyncrl import trace
-from asyncrl.config import WeightSyncConfig
+from asyncrl.config import CollectiveWeightsConfig
 from asyncrl.transports.weights.bucket import (
     BucketManifest,
     TensorSpec,
@@ -57,7 +57,7 @@ class BucketStager:
 
     def __init__(
         self,
-        cfg: WeightSyncConfig,
+        cfg: CollectiveWeightsConfig,
         device: torch.device,
         sglang: bool = False,
         zero_copy_ok: bool = False,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.config import RolloutConfig
+from asyncrl.config import SGLangRolloutConfig
 from asyncrl.engines.rollout.base import EngineUnavailable
 from asyncrl.engines.rollout.launcher import (
     LOCAL_SERVER,
@@ -47,7 +47,7 @@ def test_sglang_command_line() -> None:
 
 
 def test_engines_given_by_url_are_taken_as_they_are(tmp_path: Path) -> None:
-    rc = RolloutConfig(backend="sglang", urls=("http://10.0.0.1:30000", "http://10.0.0.2:30000"))
+    rc = SGLangRolloutConfig(urls=("http://10.0.0.1:30000", "http://10.0.0.2:30000"))
     urls, servers = start_engines(rc, "/models/x", tmp_path)
     assert urls == list(rc.urls) and servers == []
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from asyncrl.config import RolloutConfig
+from asyncrl.config import LocalRolloutConfig, SGLangRolloutConfig
 from asyncrl.engines.rollout.launcher import (
     SGLANG_CLI,
     engine_spec,
@@ -110,7 +110,7 @@ def test_entry_point_without_sglang_installed_here() -> None:
     assert sglang_entry_point("auto") == ()
     assert sglang_entry_point("launch_server") == ()
     assert sglang_entry_point("serve") == (SGLANG_CLI, "serve")
-    spec = engine_spec(RolloutConfig(backend="sglang", sglang_entrypoint="serve"), "/m", 0, port=1)
+    spec = engine_spec(SGLangRolloutConfig(sglang_entrypoint="serve"), "/m", 0, port=1)
     args = launch_command(spec)
     assert args[:3] == [
         "-c",
@@ -121,12 +121,12 @@ def test_entry_point_without_sglang_installed_here() -> None:
 
 
 def test_dtype_default(tiny_model_dir: Path, tmp_path: Path) -> None:
-    rc = RolloutConfig(backend="sglang")
+    rc = SGLangRolloutConfig()
     assert sglang_dtype(rc, str(tiny_model_dir)) == "bfloat16"  # stored in float32
     assert sglang_dtype(rc, str(_bf16_model(tmp_path))) == "auto"
     assert sglang_dtype(rc, "Qwen/Qwen2-7B") == "bfloat16"  # not a folder: dtype unknown
-    assert sglang_dtype(RolloutConfig(backend="sglang", dtype="float16"), "/x") == "float16"
-    local = engine_spec(RolloutConfig(), str(tiny_model_dir), 0, "float32", port=1)
+    assert sglang_dtype(SGLangRolloutConfig(dtype="float16"), "/x") == "float16"
+    local = engine_spec(LocalRolloutConfig(), str(tiny_model_dir), 0, "float32", port=1)
     assert local.extra_args[:4] == ("--device", "cpu", "--dtype", "float32")  # model.dtype
 
 
@@ -137,11 +137,11 @@ def test_start_timeout_scales_with_the_model(tmp_path: Path) -> None:
         with open(big / f"model-{k}.safetensors", "wb") as f:
             os.truncate(f.fileno(), 7 << 30)
     (big / "tokenizer.json").write_text("{}")  # not weights
-    sg = RolloutConfig(backend="sglang")
+    sg = SGLangRolloutConfig()
     assert startup_timeout(sg, str(big)) == pytest.approx(300 + 20 * 14)
     assert startup_timeout(sg, "Qwen/Qwen2-7B") == 900  # nothing found here
-    assert startup_timeout(RolloutConfig(), str(big)) == 120  # the embedded engine
-    assert startup_timeout(RolloutConfig(backend="sglang", startup_timeout_s=42), str(big)) == 42
+    assert startup_timeout(LocalRolloutConfig(), str(big)) == 120  # the embedded engine
+    assert startup_timeout(SGLangRolloutConfig(startup_timeout_s=42), str(big)) == 42
     with pytest.raises(ValueError, match=r"rollout\.startup_timeout_s"):
         from asyncrl.config import load_config
 

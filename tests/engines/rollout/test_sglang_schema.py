@@ -25,9 +25,10 @@ import msgspec
 import pytest
 import torch
 
+from asyncrl.config import PAUSE_MODES
 from asyncrl.engines.rollout.base import EngineError
 from asyncrl.engines.rollout.launcher import LaunchedServer
-from asyncrl.engines.rollout.sglang import PAUSE_MODES, SGLangClient
+from asyncrl.engines.rollout.sglang import SGLangClient
 from asyncrl.transports.weights.bucket import pack_into, plan_buckets, spec_of
 from asyncrl.transports.weights.collective_wire import broadcast, bucket_extra
 from tests.engines.rollout.sglang.code import VERSIONS, sglang_env, sglang_src

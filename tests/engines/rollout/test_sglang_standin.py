@@ -204,7 +204,7 @@ def test_spans_expand_to_exact_token_versions(
     per-token versions equal the stand-in's ground truth token by token."""
     from safetensors.torch import load_file
 
-    from asyncrl.config import WeightSyncConfig
+    from asyncrl.config import GlooWeightsConfig
     from asyncrl.engines.rollout.sglang import SGLangClient
     from asyncrl.transports.weights import make_weight_transport
 
@@ -212,9 +212,7 @@ def test_spans_expand_to_exact_token_versions(
     server = start_standin(version, tiny_model_dir, tmp_path / "sglang", step_s=0.02)
     sender = None
     try:
-        cfg = WeightSyncConfig(
-            backend="gloo", bucket_mb=1, min_buckets=2, timeout_s=60, verify="full"
-        )
+        cfg = GlooWeightsConfig(bucket_mb=1, min_buckets=2, timeout_s=60, verify="full")
         sender = make_weight_transport(cfg, [server.url], "cpu", "retract", "sglang")
         sender.connect()
         weights = load_file(str(tiny_model_dir / "model.safetensors"))

@@ -12,14 +12,14 @@ import msgspec
 import pytest
 import torch
 
-from asyncrl.config import WeightSyncConfig
+from asyncrl.config import GlooWeightsConfig, WeightSyncConfig
 from asyncrl.engines.rollout.sglang import SGLangClient
 from asyncrl.procs import free_port, python_env, spawn, stop
 from asyncrl.transports.weights import make_weight_transport
 from asyncrl.transports.weights.base import WeightSyncError
 from asyncrl.transports.weights.bucket import checksum
 
-CFG = WeightSyncConfig(backend="gloo", bucket_mb=1, min_buckets=2, timeout_s=60.0)
+CFG = GlooWeightsConfig(bucket_mb=1, min_buckets=2, timeout_s=60.0)
 ENGINE = ["-m", "asyncrl.entrypoints.engine"]
 FAULTY = [str(Path(__file__).with_name("faulty_engine.py"))]  # the engine, failing as told
 

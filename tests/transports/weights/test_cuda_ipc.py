@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from asyncrl.config import WeightSyncConfig, load_config
+from asyncrl.config import CudaIpcWeightsConfig, load_config
 from asyncrl.transports.weights import make_weight_transport
 from asyncrl.transports.weights.base import WeightSyncError
 from asyncrl.transports.weights.bucket import checksum
@@ -42,7 +42,7 @@ def push_all(
     urls: list[str], pushes: list[tuple[dict[str, torch.Tensor], int]], **cfg: object
 ) -> list[object]:
     """Push each (weights, version) through one sender; the stats or the error of each."""
-    sender = make_weight_transport(WeightSyncConfig(backend="cuda-ipc", **cfg), urls, "cuda")
+    sender = make_weight_transport(CudaIpcWeightsConfig(**cfg), urls, "cuda")
     out: list[object] = []
     try:
         sender.connect()

@@ -9,7 +9,7 @@ import msgspec
 import pytest
 import torch
 
-from asyncrl.config import WeightSyncConfig
+from asyncrl.config import GlooWeightsConfig
 from asyncrl.transports.weights import make_weight_transport
 from asyncrl.transports.weights.base import WeightSyncError
 from asyncrl.transports.weights.bucket import checksum
@@ -18,9 +18,7 @@ from asyncrl.transports.weights.delta import DeltaApplier, DeltaEncoder, apply_p
 sys.path.insert(0, str(Path(__file__).parent))
 from test_collective import engines, state  # the engine-process helpers
 
-CFG = WeightSyncConfig(
-    backend="gloo", bucket_mb=1, min_buckets=2, timeout_s=60.0, delta="auto", dtype="bfloat16"
-)
+CFG = GlooWeightsConfig(bucket_mb=1, min_buckets=2, timeout_s=60.0, delta="auto", dtype="bfloat16")
 
 
 def _bytes(n: int, seed: int) -> torch.Tensor:

@@ -4,10 +4,18 @@ from __future__ import annotations
 
 import importlib.util
 
+import msgspec
 import pytest
 import torch
 
-from asyncrl.config import WeightSyncConfig, load_config
+from asyncrl.config import (
+    CudaIpcWeightsConfig,
+    GlooWeightsConfig,
+    HcclWeightsConfig,
+    NcclWeightsConfig,
+    WeightSyncConfig,
+    load_config,
+)
 from asyncrl.transports.weights import make_weight_transport
 from asyncrl.transports.weights.collective_send import CollectiveWeightSender, resolve_backend
 
@@ -16,7 +24,7 @@ URLS = ["http://127.0.0.1:1"]
 
 def test_sglang_engines_get_full_pushes_only() -> None:
     """SGLang loads what it receives: with weights.delta asked for, no base is kept for it."""
-    cfg = WeightSyncConfig(backend="gloo", delta="auto")
+    cfg = GlooWeightsConfig(delta="auto")
     local = make_weight_transport(cfg, URLS, "cpu")
     sglang = make_weight_transport(cfg, URLS, "cpu", engine="sglang")
     try:
@@ -28,7 +36,9 @@ def test_sglang_engines_get_full_pushes_only() -> None:
 
 def test_auto_and_gloo_on_cpu_give_the_gloo_collective() -> None:
     for backend in ("auto", "gloo"):
-        sender = make_weight_transport(WeightSyncConfig(backend=backend), URLS, "cpu")
+        sender = make_weight_transport(
+            msgspec.convert({"backend": backend}, WeightSyncConfig), URLS, "cpu"
+        )
         assert isinstance(sender, CollectiveWeightSender) and sender.backend == "gloo"
     assert resolve_backend("auto", "cpu") == "gloo"
 
@@ -36,12 +46,12 @@ def test_auto_and_gloo_on_cpu_give_the_gloo_collective() -> None:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without CUDA")
 def test_missing_backends_say_what_to_install() -> None:
     with pytest.raises(ValueError, match=r"nccl.*CUDA"):
-        make_weight_transport(WeightSyncConfig(backend="nccl"), URLS, "cpu")
+        make_weight_transport(NcclWeightsConfig(), URLS, "cpu")
     with pytest.raises(ValueError, match=r"cuda-ipc.*CUDA"):
-        make_weight_transport(WeightSyncConfig(backend="cuda-ipc"), URLS, "cpu")
+        make_weight_transport(CudaIpcWeightsConfig(), URLS, "cpu")
     if importlib.util.find_spec("torch_npu") is None:
         with pytest.raises(ValueError, match=r"torch_npu.*pip install torch-npu"):
-            make_weight_transport(WeightSyncConfig(backend="hccl"), URLS, "cpu")
+            make_weight_transport(HcclWeightsConfig(), URLS, "cpu")
 
 
 def test_config_rejects_unknown_backend_and_bad_sizes() -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.config import WeightSyncConfig
+from asyncrl.config import GlooWeightsConfig
 from asyncrl.procs import free_port, python_env, spawn, stop
 from asyncrl.transports.weights import make_weight_transport
 from asyncrl.transports.weights.base import WeightSyncError
@@ -43,7 +43,7 @@ def test_engine_stopped_mid_push_is_reported_in_time_and_the_next_push_reforms(
             procs.append(spawn(args, tmp_path / f"engine{i}.log", python_env()))
             urls.append(f"http://127.0.0.1:{port}")
         asyncio.run(_healthy(urls))
-        cfg = WeightSyncConfig(backend="gloo", bucket_mb=1, min_buckets=2, timeout_s=TIMEOUT_S)
+        cfg = GlooWeightsConfig(bucket_mb=1, min_buckets=2, timeout_s=TIMEOUT_S)
         sender = make_weight_transport(cfg, urls, "cpu")
         try:
             sender.connect()
@@ -89,7 +89,7 @@ def test_push_waiting_on_an_engine_that_left_goes_to_the_others_at_once(
             procs.append(spawn(args, tmp_path / f"engine{i}.log"))
             urls.append(f"http://127.0.0.1:{port}")
         asyncio.run(_healthy(urls))
-        cfg = WeightSyncConfig(backend="gloo", bucket_mb=1, min_buckets=2, timeout_s=120.0)
+        cfg = GlooWeightsConfig(bucket_mb=1, min_buckets=2, timeout_s=120.0)
         sender = make_weight_transport(cfg, urls, "cpu")
         try:
             sender.connect()

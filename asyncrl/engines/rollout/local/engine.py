@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from asyncrl.config import PAUSE_MODES
 from asyncrl.engines.rollout.local import attention
 from asyncrl.engines.rollout.local.kv import BatchCache
 from asyncrl.engines.rollout.local.sampling import SamplingParams, sample
@@ -58,7 +59,6 @@ class _Cancelled(Exception):
     """Raised inside the model by a decoder-layer hook: every joiner of the prefill aborted."""
 
 
-PAUSE_MODES = ("abort", "in_place", "retract")
 _HALF_OR_FULL = (torch.float32, torch.bfloat16, torch.float16)
 """Dtypes a pushed tensor may have for a parameter of another of them (converted on load)."""
 STATS = (

@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from asyncrl.config import DEFAULT_MAX_NEW_TOKENS
+
 __all__ = ["SamplingParams", "sample"]
 
 TOP_K_ALL = 1 << 30  # SGLang's "whole vocabulary"
@@ -71,7 +73,7 @@ def _convert(key: str, value: Any, kind: type) -> Any:
 class SamplingParams:
     """The SGLang ``sampling_params`` the embedded engine honours."""
 
-    max_new_tokens: int = 128
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS  # SGLang's default
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
