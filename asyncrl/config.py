@@ -105,7 +105,7 @@ class _Section(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
                 if where:
                     value = value[int(where.strip("[]"))]
                 key = f"{_section_key(type(self))}.{name}{where}"
-                raise ValueError(_limit_message(key, value, str(exc))) from None
+                raise ValueError(_limit_message(key, value, tp)) from None
 
 
 class ModelConfig(_Section, frozen=True):
@@ -709,18 +709,41 @@ def _limited_fields(cls: type) -> tuple[tuple[str, Any], ...]:
     return tuple((n, tp) for n, tp in _hints(cls).items() if _has_limit(tp))
 
 
-def _limit_message(key: str, value: Any, msg: str) -> str:
-    """One line for a value outside its declared limits, from msgspec's ``Expected `int` >= 1``."""
+def _limit_message(key: str, value: Any, tp: Any) -> str:
+    """One line for ``value`` outside the limits declared on its field's type ``tp``."""
     try:
-        number = float(value)
+        finite = math.isfinite(float(value))
     except (TypeError, ValueError):
-        number = 0.0
-    if not math.isfinite(number):
+        finite = True
+    meta = _meta(tp)
+    if not finite or meta is None:
         return f"{key} must be a finite number, got {value!r}"
-    head = msg.split(" - at `$", 1)[0]
-    if head.startswith("Expected `") and "` " in head:  # a bound: "Expected `float` > 0.0"
-        return f"{key} must be {head.split('` ', 1)[1]}, got {value!r}"
-    return f"{key}: {head}"
+    return f"{key} must be {_bounds(meta)}, got {value!r}"
+
+
+def _meta(tp: Any) -> msgspec.Meta | None:
+    """The ``msgspec.Meta`` declared in ``tp`` (``Annotated``, also inside ``X | None`` and
+    ``tuple[X, X]``)."""
+    if typing.get_origin(tp) is Annotated:
+        return next((m for m in tp.__metadata__ if isinstance(m, msgspec.Meta)), None)
+    metas = (_meta(a) for a in typing.get_args(tp) if not isinstance(a, str))
+    return next((m for m in metas if m is not None), None)
+
+
+def _bounds(meta: msgspec.Meta) -> str:
+    """``> 0``, ``>= 1``, ``in [0, 1)``: the limits of ``meta`` (the float range's own ends,
+    which only keep out infinities, left unsaid)."""
+    lo = f"[{meta.ge:g}" if meta.ge is not None and meta.ge > -_MAX else None
+    lo = f"({meta.gt:g}" if meta.gt is not None else lo
+    hi = f"{meta.le:g}]" if meta.le is not None and meta.le < _MAX else None
+    hi = f"{meta.lt:g})" if meta.lt is not None else hi
+    if lo and hi:
+        return f"in {lo}, {hi}"
+    if lo:
+        return (">= " if lo[0] == "[" else "> ") + lo[1:]
+    if hi:
+        return ("<= " if hi[-1] == "]" else "< ") + hi[:-1]
+    return "a finite number"
 
 
 def _allowed(tree: dict[str, Any], path: list[str]) -> str:
@@ -856,8 +879,9 @@ def _error_line(tree: dict[str, Any], msg: str) -> str:
         if key in _RETIRED:
             return f"{key} is now {_RETIRED[key]}"
         return _backend_error(tree, path) or _invalid(tree, path, msg)
-    if own.startswith("Expected `") and "` " in own:  # a declared limit
-        return _limit_message(_dotted(path), _lookup(tree, path), msg)
+    if own.startswith("Expected `") and "` " in own:  # a declared limit: "Expected `int` >= 1"
+        tp, _ = _walk(tree, [p for p in path if not p.isdigit()])
+        return _limit_message(_dotted(path), _lookup(tree, path), tp)
     return _invalid(tree, path, msg)
 
 
