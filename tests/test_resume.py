@@ -79,12 +79,13 @@ def greedy_reward(model_dir: Path, n: int = 64) -> float:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from asyncrl.config import TaskConfig
+    from asyncrl.config import RunConfig, TaskConfig
     from asyncrl.tasks import make_task
 
     AutoTokenizer.from_pretrained(str(model_dir))  # the tokenizer came along
     model = AutoModelForCausalLM.from_pretrained(str(model_dir)).eval()
-    task = make_task(TaskConfig(seed=12345), str(model_dir))
+    cfg = RunConfig(task=TaskConfig(seed=12345))
+    task = make_task(cfg.task, str(model_dir))
     samples = [s for _, s in zip(range(n), task.samples(), strict=False)]
     ids = torch.tensor([s.prompt_ids for s in samples])
     with torch.no_grad():
@@ -92,7 +93,7 @@ def greedy_reward(model_dir: Path, n: int = 64) -> float:
             ids,
             attention_mask=torch.ones_like(ids),
             do_sample=False,
-            max_new_tokens=task.max_new_tokens,
+            max_new_tokens=cfg.generation_budget(),
             pad_token_id=0,
         )
     answers = out[:, ids.shape[1] :].tolist()
