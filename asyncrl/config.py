@@ -339,7 +339,8 @@ class ControllerConfig(_Section, frozen=True):
     """How long a request waits while no engine is in rotation (every engine restarting,
     re-syncing or not answering) before its episode fails; such a wait is no retry."""
     health_interval_s: PositiveFloat = 1.0
-    """How often engines out of rotation are probed with ``/health``."""
+    """How often engines out of rotation are probed for liveness (``/model_info``; SGLang's
+    ``/health`` runs a generation and is never used as a probe)."""
     inline_reward_s: NonNegativeFloat = 0.0002
     """A sync reward function whose calls take less than this runs on the event loop (no
     thread hop); slower ones run in a worker thread. 0: always a thread."""
