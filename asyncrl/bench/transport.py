@@ -41,7 +41,7 @@ import argparse
 import asyncio
 import json
 import os
-import pickle
+import pickle  # the baseline this benchmark measures against; never on asyncrl's wire
 import statistics
 import subprocess
 import time

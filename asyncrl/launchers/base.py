@@ -68,7 +68,8 @@ class Launcher(Protocol):
     """Starts, watches, restarts and stops the processes of one run.
 
     Contract: ``start_engines`` returns one URL per engine (``engine0`` first) once
-    every engine process is started (not yet healthy: the caller polls ``/health``);
+    every engine process is started (not yet answering: the caller waits with
+    :meth:`SGLangClient.wait_healthy`);
     ``start_trainers`` starts ``world_size`` ranks whose rendezvous and weight-sync
     master address are trainer rank 0's advertised address; ``deaths`` returns each
     unexpected exit once (never the exits that ``stop`` causes); ``restart(name)``

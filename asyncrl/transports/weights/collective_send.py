@@ -60,7 +60,7 @@ from asyncrl.transports.weights.collective_wire import (
     post_broadcast,
 )
 from asyncrl.transports.weights.delta import DELTA_CAPABILITY
-from asyncrl.transports.weights.send_engines import EngineGroup
+from asyncrl.transports.weights.send_engines import EngineGroup, settle
 from asyncrl.transports.weights.send_staging import BucketStager, Packed
 from asyncrl.transports.weights.send_stream import Acks, BucketStream
 
@@ -186,11 +186,7 @@ class CollectiveWeightSender:
 
     def close(self) -> None:
         """Wait for the push in flight, tear the group down, stop the sender's threads."""
-        if self._last is not None and not self._last.done():
-            try:
-                self._last.wait(self.cfg.timeout_s)
-            except (WeightSyncError, TimeoutError) as exc:
-                log.warning("closing with a failed push: %s", exc)
+        settle(self._last, self.cfg.timeout_s)
         self.engines.close()
         self.stream.close()
 

@@ -17,10 +17,10 @@ from typing import Any
 import torch
 
 from asyncrl.config import CudaIpcWeightsConfig
-from asyncrl.transports.weights.base import PushHandle, WeightSyncError
+from asyncrl.transports.weights.base import PushHandle
 from asyncrl.transports.weights.bucket import checksum
 from asyncrl.transports.weights.cuda_ipc_wire import LOAD_FORMAT, b64, dtype_name, share_storage
-from asyncrl.transports.weights.send_engines import EngineGroup
+from asyncrl.transports.weights.send_engines import EngineGroup, settle
 
 __all__ = ["CudaIpcWeightSender", "IpcExport"]
 
@@ -113,11 +113,7 @@ class CudaIpcWeightSender:
 
     def close(self) -> None:
         """Wait for the push in flight; engines unmap this sender's tensors; stop."""
-        if self._last is not None and not self._last.done():
-            try:
-                self._last.wait(self.cfg.timeout_s)
-            except (WeightSyncError, TimeoutError) as exc:
-                log.warning("closing with a failed push: %s", exc)
+        settle(self._last, self.cfg.timeout_s)
         self.engines.close()
         self._export.clear()
 

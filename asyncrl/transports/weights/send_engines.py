@@ -30,11 +30,23 @@ from asyncrl.config import CollectiveWeightsConfig, CudaIpcWeightsConfig
 from asyncrl.engines.rollout.base import EngineError
 from asyncrl.engines.rollout.sglang import SGLangClient
 from asyncrl.loops import new_event_loop
-from asyncrl.transports.weights.base import EnginesLeft, WeightSyncError
+from asyncrl.transports.weights.base import EnginesLeft, PushHandle, WeightSyncError
 
-__all__ = ["EngineGroup", "Formation"]
+__all__ = ["EngineGroup", "Formation", "settle"]
 
 log = logging.getLogger("asyncrl.weights")
+
+
+def settle(last: PushHandle | None, timeout_s: float) -> None:
+    """Before a sender closes: wait up to ``timeout_s`` for its push in flight (``last``);
+    a push that fails or does not end in time is logged, not raised (the sender is closing)."""
+    if last is None or last.done():
+        return
+    try:
+        last.wait(timeout_s)
+    except (WeightSyncError, TimeoutError) as exc:
+        log.warning("closing with a failed push: %s", exc)
+
 
 T = TypeVar("T")
 
