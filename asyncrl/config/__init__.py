@@ -1,0 +1,82 @@
+"""Run configuration: frozen msgspec Structs, TOML files and dotted CLI overrides.
+
+Every field has a default, so ``RunConfig()`` is the embedded default job. A TOML
+file sets any subset of the sections below; ``--section.key=value`` overrides win
+over the file. Validation errors are ``ValueError`` naming the dotted key and,
+for choices, the allowed values. This package never imports torch.
+
+Two sections are one type per backend (msgspec tagged unions, the tag being
+``backend``): ``weights`` (:class:`CollectiveWeightsConfig` for ``auto`` / ``gloo`` /
+``nccl`` / ``hccl``, :class:`CudaIpcWeightsConfig` for ``cuda-ipc``) and ``rollout``
+(:class:`LocalRolloutConfig`, :class:`SGLangRolloutConfig`). An option of another
+backend is refused, naming the backend(s) it belongs to; omitting ``backend`` keeps
+the default one. Numeric limits are declared on the fields (``Annotated[int,
+msgspec.Meta(gt=0)]``), checked when a config is decoded and when a section is built
+in Python; non-finite floats are refused everywhere.
+"""
+
+from __future__ import annotations
+
+from asyncrl.config.load import load_config, to_dict
+from asyncrl.config.rollout import (
+    DEFAULT_MAX_NEW_TOKENS,
+    PAUSE_MODES,
+    LocalRolloutConfig,
+    PauseMode,
+    RolloutConfig,
+    SGLangRolloutConfig,
+)
+from asyncrl.config.run import (
+    CheckpointConfig,
+    ClusterConfig,
+    ControllerConfig,
+    ExperienceConfig,
+    LoggingConfig,
+    ModelConfig,
+    RunConfig,
+    TaskConfig,
+    TensorBoardConfig,
+    TraceConfig,
+    WandbConfig,
+)
+from asyncrl.config.trainer import AlgoConfig, TrainerConfig
+from asyncrl.config.weights import (
+    AutoWeightsConfig,
+    CollectiveWeightsConfig,
+    CudaIpcWeightsConfig,
+    GlooWeightsConfig,
+    HcclWeightsConfig,
+    NcclWeightsConfig,
+    WeightSyncConfig,
+)
+
+__all__ = [
+    "DEFAULT_MAX_NEW_TOKENS",
+    "PAUSE_MODES",
+    "AlgoConfig",
+    "AutoWeightsConfig",
+    "CheckpointConfig",
+    "ClusterConfig",
+    "CollectiveWeightsConfig",
+    "ControllerConfig",
+    "CudaIpcWeightsConfig",
+    "ExperienceConfig",
+    "GlooWeightsConfig",
+    "HcclWeightsConfig",
+    "LocalRolloutConfig",
+    "LoggingConfig",
+    "ModelConfig",
+    "NcclWeightsConfig",
+    "PauseMode",
+    "RolloutConfig",
+    "RunConfig",
+    "SGLangRolloutConfig",
+    "TaskConfig",
+    "TensorBoardConfig",
+    "TraceConfig",
+    "TrainerConfig",
+    "WandbConfig",
+    "WeightSyncConfig",
+    "load_config",
+    "to_dict",
+]
