@@ -81,6 +81,11 @@ def _no_cuda() -> bool:
     ("override", "key", "runs_here"),
     [
         ("--task.name=math", "task.path", lambda: True),  # and no file
+        (  # the tiny model's context is 64 tokens: every request would get a 400, forever
+            "--rollout.max_new_tokens=100",
+            "rollout.max_new_tokens: 4 prompt + 100 new tokens exceed the engines' context length",
+            lambda: True,
+        ),
         ("--rollout.device=cuda", "rollout.device", _no_cuda),
         ("--trainer.device=cuda:0", "trainer.device", _no_cuda),
         ("--weights.backend=nccl", "weights.backend='nccl' needs CUDA", _no_cuda),
@@ -130,3 +135,22 @@ def test_unbindable_experience_endpoint_is_one_line(tmp_path: Path) -> None:
     assert out.returncode == 1, out.stderr
     assert "experience.endpoint" in out.stderr and "Traceback" not in out.stderr
     assert took < 20
+
+
+def test_a_run_whose_every_request_gets_a_4xx_stops_with_that_error(tmp_path: Path) -> None:
+    """The engine refuses every prompt (``--max-prompt-tokens 2``; the task's have 4 tokens):
+    a "bad request" is not retried, and after ``controller.max_failed_groups`` groups in a row
+    failed the run stops with exit 1 and the engine's own message, its folder small."""
+    out, took = _timed_run(
+        tmp_path,
+        '--rollout.extra_args=["--max-prompt-tokens", "2"]',
+        "--controller.max_failed_groups=6",
+        "--controller.batch_size=2",
+        "--algo.group_size=2",
+    )
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert "6 groups in a row failed" in out.stderr and "controller.max_failed_groups" in out.stderr
+    assert "400" in out.stderr, out.stderr[-2000:]  # the engine's answer, named
+    size = sum(f.stat().st_size for f in (tmp_path / "run").rglob("*") if f.is_file())
+    assert size < 5 << 20, size
+    assert took < 60

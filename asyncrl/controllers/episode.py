@@ -46,7 +46,7 @@ import msgspec
 import numpy as np
 
 from asyncrl.config import DEFAULT_MAX_NEW_TOKENS
-from asyncrl.engines.rollout.base import EngineError, EngineUnavailable
+from asyncrl.engines.rollout.base import EngineBadRequest, EngineError, EngineUnavailable
 from asyncrl.tasks.base import Sample
 from asyncrl.transports.experience.types import Trajectory
 
@@ -297,6 +297,9 @@ class EpisodeContext:
                         self._engine = router.pick()
                 ids = prefix + out.output_ids if done else prefix
                 res = await self._router.call(self._engine, ids, params, rid)
+            except EngineBadRequest as exc:  # the request is wrong: no engine would take it
+                self._router.report_failure(self._engine, exc)
+                raise EpisodeFailed(f"episode {self.episode_id}: {exc}") from exc
             except (EngineError, EngineUnavailable) as exc:
                 failed, self._engine = self._engine, None
                 self._router.report_failure(failed, exc)
