@@ -556,6 +556,7 @@ async def run_job(
     except BaseException:
         await asyncio.to_thread(release_guard, guard)
         raise
+    ctl_log = _controller_log(run_dir)  # warnings and errors with tracebacks, in the run folder
     tc = cfg.logging.trace
     trace.start_run(run_dir, tc.enabled, tc.every, tc.max_mb)  # children started below trace too
     job.sinks = make_sinks(cfg, run_dir, max(job.resumed_step, 0))
@@ -617,6 +618,18 @@ async def run_job(
         if job.progress is not None:
             job.progress.close()
         await asyncio.to_thread(release_guard, guard)
+        logging.getLogger("asyncrl").removeHandler(ctl_log)
+        ctl_log.close()
+
+
+def _controller_log(run_dir: Path) -> logging.Handler:
+    """``RUN_DIR/controller.log``: what the controller process logs at WARNING and above
+    (failed groups, at a bounded rate; a task's or reward function's traceback)."""
+    handler = logging.FileHandler(run_dir / "controller.log")
+    handler.setLevel(logging.WARNING)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    logging.getLogger("asyncrl").addHandler(handler)
+    return handler
 
 
 async def _reachable(clients: list[Any], timeout_s: float) -> None:

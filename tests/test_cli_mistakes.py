@@ -154,3 +154,27 @@ def test_a_run_whose_every_request_gets_a_4xx_stops_with_that_error(tmp_path: Pa
     size = sum(f.stat().st_size for f in (tmp_path / "run").rglob("*") if f.is_file())
     assert size < 5 << 20, size
     assert took < 60
+
+
+def test_a_raising_reward_function_is_named_with_its_sample_and_line(tmp_path: Path) -> None:
+    """``--task.reward_fn=myreward:fn`` imports from the working directory (no PYTHONPATH);
+    when it raises, the run stops (exit 1) naming the function, the sample and the line, and
+    RUN_DIR/controller.log holds the traceback."""
+    (tmp_path / "myreward.py").write_text("def fn(sample, ids, text):\n    return [][len(ids)]\n")
+    run = tmp_path / "run"
+    args = ["--task.reward_fn=myreward:fn", "--controller.batch_size=2", "--algo.group_size=2"]
+    out = subprocess.run(
+        [sys.executable, "-m", "asyncrl.cli", "run", "--run-dir", str(run), "--quiet", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        cwd=tmp_path,
+        env=python_env(),
+    )
+    assert out.returncode == 1, out.stderr[-2000:]
+    last = out.stderr.strip().splitlines()[-1]
+    assert "reward function myreward.fn raised IndexError" in last, last
+    assert f"{tmp_path / 'myreward.py'}:2" in last and "sample id" in last, last
+    log = (run / "controller.log").read_text()
+    assert "Traceback" in log and "return [][len(ids)]" in log

@@ -241,7 +241,7 @@ class Controller:
             return
         exc = task.exception()
         if exc is not None and self._error is None:
-            log.error("controller task %s failed: %r", task.get_name(), exc)
+            log.error("controller task %s failed: %r", task.get_name(), exc, exc_info=exc)
             self._error = exc
             self._ready_changed.set()
 
