@@ -546,7 +546,8 @@ async def run_job(
     launcher = make_launcher(cfg, run_dir, pin)
     job = _Run(cfg, run_dir, quiet, launcher)
     state = _resume_state(job) if resume else None
-    (run_dir / "config.json").write_bytes(msgspec.json.encode(to_dict(cfg)))
+    if state is None:  # a resume records its overrides only once it has started (below)
+        (run_dir / "config.json").write_bytes(msgspec.json.encode(to_dict(cfg)))
     model_path = resolve_model(cfg)
     job.startup_s = startup_timeout(cfg.rollout, model_path)
     (run_dir / "pids.json").write_text("{}")
@@ -588,6 +589,8 @@ async def run_job(
             )
         if started is None:  # a stop while starting: nothing trained since the last checkpoint
             raise RunStopped(None if state is None else state.step)
+        if state is not None:  # resumed and synced: from here on it is this config's run
+            (run_dir / "config.json").write_bytes(msgspec.json.encode(to_dict(cfg)))
         job.t_controller = time.perf_counter()
         start = state.step if state is not None else 0
         ctl = Controller(cfg, episode, clients, samples, sampling, start, state, Sample)
@@ -672,6 +675,13 @@ def _resume_state(job: _Run) -> ControllerState:
     job.resumed_step, job.resume_from = found
     job.committed = job.resumed_step
     state = ckpts.load_controller_state(job.resume_from)
+    total = job.cfg.controller.total_steps
+    if total <= state.step:
+        raise ValueError(
+            f"--resume {job.run_dir}: nothing to do: its checkpoint is at step {state.step} and "
+            f"controller.total_steps is {total} (pass --controller.total_steps=N, N > "
+            f"{state.step}, to train further)"
+        )
     dropped = ckpts.truncate_metrics(job.run_dir / "metrics.jsonl", state.step)
     if not job.quiet:
         print(

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from asyncrl.controllers import checkpoints as ckpts
-from asyncrl.procs import finish, pid_alive, python_env
+from asyncrl.procs import finish, free_port, pid_alive, python_env
 from tests.runs import metrics_rows, wait_rows
 
 _SMALL = ("--controller.batch_size=4", "--controller.max_staleness=2")
@@ -133,6 +133,17 @@ def test_sigterm_checkpoints_then_resume_continues_exactly(tmp_path: Path) -> No
     _check_exactly_once(metrics_rows(run), steps, 4)
     refused = finish(_cli("--resume", str(run), "--algo.group_size=4"), 60)
     assert refused[0] == 2 and "algo.group_size" in refused[1]
+    recorded = (run / "config.json").read_bytes()
+    t0 = time.monotonic()
+    rc, out = finish(_cli("--resume", str(run), f"--controller.total_steps={steps}"), 60)
+    assert rc == 1 and "nothing to do" in out and f"step {steps}" in out, out[-2000:]
+    assert time.monotonic() - t0 < 20  # said at once: no process was started
+    # a resume that fails before it started leaves the run's config as it was
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    bad = (f"--rollout.urls={url}", "--rollout.startup_timeout_s=1")
+    rc, out = finish(_cli("--resume", str(run), *bad, f"--controller.total_steps={steps + 3}"), 60)
+    assert rc == 1 and url in out, out[-2000:]
+    assert (run / "config.json").read_bytes() == recorded
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc")
