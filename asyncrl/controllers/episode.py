@@ -397,6 +397,11 @@ class EpisodeContext:
             mask = np.asarray(mask_list, np.uint8)
             gens = [t.versions[0] for t in turns if isinstance(t, Generation) and t.versions]
             oldest = min(gens) if gens else (min(vers) if vers else 0)
+        if unknown := sorted(set(extra) - set(Trajectory.__struct_fields__)):
+            raise TypeError(
+                f"episode {self.episode_id}: ctx.trajectory() got unknown field(s) {unknown}; "
+                f"a Trajectory has {', '.join(Trajectory.__struct_fields__)}"
+            )
         traj = Trajectory(
             prompt_ids=np.asarray(prompt_ids, np.int32),
             response_ids=np.asarray(ids, np.int32),
@@ -408,6 +413,9 @@ class EpisodeContext:
             episode_id=self.episode_id,
             **extra,
         )
+        return self._made(traj, oldest)
+
+    def _made(self, traj: Trajectory, oldest: int) -> Trajectory:
         # Versions only grow over time, so the first generated token is the oldest: a lower
         # bound of the trained tokens' version however the episode edits loss_mask later.
         self.made.append((traj, oldest))

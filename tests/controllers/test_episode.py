@@ -62,6 +62,8 @@ async def test_tool_tokens_masked_and_versions_exact(engine_url: str) -> None:
     assert traj.behav_logprobs[5:8].tolist() == [0.0, 0.0, 0.0]
     assert set(traj.versions.tolist()) == {4} and traj.min_version == 4
     assert ctx.min_version(traj) == 4
+    with pytest.raises(TypeError, match=r"episode 123: ctx.trajectory\(\) got unknown field"):
+        ctx.trajectory([1], [t1], reward=0.5, rewardz={"x": 1.0})  # a typo: refused at the call
 
 
 async def _tokens_generated(url: str) -> int:
