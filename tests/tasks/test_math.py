@@ -155,3 +155,13 @@ def test_config_keys() -> None:
         load_config(None, ["--algo.lam=1.5"])
     with pytest.raises(ValueError, match=r"algo\.num_minibatches"):
         load_config(None, ["--algo.num_minibatches=0"])
+
+
+def test_words_the_vocabulary_cannot_spell_are_an_error(tiny_model_dir: Path) -> None:
+    from asyncrl.tasks.text import ChatTokenizer
+
+    tok = ChatTokenizer(tiny_model_dir)
+    assert tok.encode("1 + 4 =") == tok.encode("1 +  4 =")  # spelt: fine
+    with pytest.raises(ValueError, match=r"cannot spell \['1\+4='\]"):
+        tok.encode("1+4=")  # one unknown word: it would have become <pad>
+    assert tok.encode("<pad> 1")[0] == tok.tokenizer.token_to_id("<pad>")  # said on purpose
