@@ -64,13 +64,13 @@ def _rows(tmp_path: Path) -> Path:
 
 
 def test_math_task_prompts_and_reward(chat_model_dir: Path, tmp_path: Path) -> None:
-    cfg = TaskConfig(name="math", path=str(_rows(tmp_path)), shuffle=False, system_prompt="s")
+    cfg = TaskConfig(name="math", path=str(_rows(tmp_path)), shuffle=False, system_prompt="9")
     task = make_task(cfg, str(chat_model_dir))
     vocab = json.loads((chat_model_dir / "tokenizer.json").read_text())["model"]["vocab"]
     it = task.samples()
     first, second, third = next(it), next(it), next(it)
-    # system turn renders as "+ <s> s =", the user turn as "<s> 1 + 2 ="
-    want = ["+", "<s>", "<pad>", "=", "<s>", "1", "+", "2", "="]
+    # system turn renders as "+ <s> 9 =", the user turn as "<s> 1 + 2 ="
+    want = ["+", "<s>", "9", "=", "<s>", "1", "+", "2", "="]
     assert first.prompt_ids == [vocab[w] for w in want]
     assert (first.answer, second.answer, third.answer) == (3, 8, 3)
     assert task.reward(first, [vocab["3"], vocab["</s>"]]) == 1.0
