@@ -7,7 +7,12 @@ from typing import Literal
 import msgspec
 
 from asyncrl.config.base import NonNegative, NonNegativeFloat, Positive, PositiveFloat, _Section
-from asyncrl.config.rollout import LocalRolloutConfig, RolloutConfig, SGLangRolloutConfig
+from asyncrl.config.rollout import (
+    LocalRolloutConfig,
+    RolloutConfig,
+    SGLangRolloutConfig,
+    VLLMRolloutConfig,
+)
 from asyncrl.config.trainer import AlgoConfig, TrainerConfig
 from asyncrl.config.weights import AutoWeightsConfig, CudaIpcWeightsConfig, WeightSyncConfig
 
@@ -225,6 +230,15 @@ class RunConfig(_Section, frozen=True):
                 "weights.backend='cuda-ipc' works with rollout.backend='local' only: SGLang's "
                 "scheduler dies on asyncrl's CUDA IPC descriptor (load_format='asyncrl_ipc'); "
                 "use weights.backend='nccl' (or 'auto') with rollout.backend='sglang'"
+            )
+        if isinstance(self.rollout, VLLMRolloutConfig) and isinstance(
+            self.weights, CudaIpcWeightsConfig
+        ):
+            raise ValueError(
+                "weights.backend='cuda-ipc' works with rollout.backend='local' only: vLLM's "
+                "IPC weight transfer takes pickled handles (vllm/distributed/weight_transfer/"
+                "clients.py:26-47), which asyncrl does not send; use weights.backend='nccl' "
+                "(or 'auto', 'gloo') with rollout.backend='vllm'"
             )
 
     def generation_budget(self) -> int:

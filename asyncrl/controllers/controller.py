@@ -54,7 +54,7 @@ from typing import Any
 import msgspec
 
 from asyncrl import trace
-from asyncrl.config import DEFAULT_MAX_NEW_TOKENS, PAUSE_MODES, RunConfig
+from asyncrl.config import DEFAULT_MAX_NEW_TOKENS, RunConfig
 from asyncrl.controllers.episode import Episode, EpisodeContext, EpisodeFailed, Gate
 from asyncrl.controllers.router import Router
 from asyncrl.controllers.staleness import Staleness
@@ -161,11 +161,11 @@ class Controller:
         self._episode = episode
         self._own_engines = engines is None
         if engines is None:
-            from asyncrl.engines.rollout.sglang import make_client
+            from asyncrl.engines.rollout.factory import make_engine
 
             if not config.rollout.urls:
                 raise ValueError("rollout.urls is empty: pass engines= or name the engine URLs")
-            engines = [make_client(config.rollout, u) for u in config.rollout.urls]
+            engines = [make_engine(config.rollout, u) for u in config.rollout.urls]
         self.router = Router(
             engines, batch_identical=cc.batch_requests, outage_timeout_s=cc.outage_timeout_s
         )
@@ -289,8 +289,9 @@ class Controller:
         raised; only a successful update sets ``version``.
         """
         mode = mode or self.config.rollout.pause_mode
-        if mode != "wait" and mode not in PAUSE_MODES:
-            allowed = ", ".join(map(repr, (*PAUSE_MODES, "wait")))
+        modes = self.config.rollout.pause_modes
+        if mode != "wait" and mode not in modes:
+            allowed = ", ".join(map(repr, (*modes, "wait")))
             raise ValueError(f"pause mode must be one of {allowed}, got {mode!r}")
         engines = self.router.engines
         try:

@@ -28,9 +28,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from asyncrl.config import LocalRolloutConfig, RolloutConfig
+from asyncrl.config import LocalRolloutConfig, RolloutConfig, VLLMRolloutConfig
 from asyncrl.engines.rollout.base import EngineUnavailable
 from asyncrl.engines.rollout.sglang.client import SGLangClient
+from asyncrl.engines.rollout.vllm.client import VLLMClient
 from asyncrl.procs import free_port, python_env, spawn, stop
 
 __all__ = [
@@ -76,6 +77,9 @@ class LaunchSpec:
     entry_point: tuple[str, ...] = ()
     """``(module:function, *args)``: run this console-script entry point with ``args``
     before the flags (``sglang serve``: ``(SGLANG_CLI, "serve")``) instead of ``-m module``."""
+    own_flags: bool = True
+    """Pass SGLang-style ``--model-path/--tp-size/--host/--port`` before ``extra_args``;
+    False: ``extra_args`` are the whole command line (``vllm serve MODEL ...``)."""
 
     @property
     def url(self) -> str:
@@ -111,6 +115,8 @@ def launch_command(spec: LaunchSpec) -> list[str]:
         raise ValueError(f"tp_size must be >= 1, got {spec.tp_size}")
     if spec.mem_fraction_static is not None and not 0 < spec.mem_fraction_static < 1:
         raise ValueError(f"mem_fraction_static must be in (0, 1), got {spec.mem_fraction_static}")
+    if not spec.own_flags:
+        return [*_head(spec), *spec.extra_args]
     args = [*_head(spec), "--model-path", spec.model_path, "--tp-size", str(spec.tp_size)]
     args += ["--host", spec.host, "--port", str(spec.port)]
     if spec.mem_fraction_static is not None:
@@ -170,7 +176,11 @@ async def wait_healthy(
     """
 
     async def one(server: LaunchedServer) -> None:
-        client = SGLangClient(server.url, timeout_s=max(1.0, interval_s * 8))
+        client: SGLangClient | VLLMClient
+        if server.spec.module == "vllm":  # vLLM's /health (cheap there); SGLang's is not
+            client = VLLMClient(server.url, timeout_s=max(1.0, interval_s * 8))
+        else:
+            client = SGLangClient(server.url, timeout_s=max(1.0, interval_s * 8))
 
         def gone() -> str | None:
             code = server.proc.poll()
@@ -245,7 +255,11 @@ def engine_spec(
         extra += ["--max-batch-size", str(rc.max_batch_size)]
         extra += ["--kv-after-update", rc.kv_after_update]
         return LaunchSpec(model_path, port, host, 1, None, (*extra, *rc.extra_args), LOCAL_SERVER)
+    gpu = i * rc.tp_size if base_gpu is None else base_gpu
+    if isinstance(rc, VLLMRolloutConfig):
+        from asyncrl.engines.rollout.vllm.launcher import vllm_spec
+
+        return vllm_spec(rc, model_path, port, host, gpu, seed + 1000 + i)
     from asyncrl.engines.rollout.sglang.launcher import sglang_spec
 
-    gpu = i * rc.tp_size if base_gpu is None else base_gpu
     return sglang_spec(rc, model_path, port, host, gpu, seed + 1000 + i)

@@ -29,7 +29,7 @@ import torch
 from aiohttp import web
 
 from asyncrl import trace
-from asyncrl.engines.rollout.local.checks import BadRequest
+from asyncrl.engines.rollout.checks import BadRequest
 from asyncrl.engines.rollout.local.engine import LocalEngine, Request, SamplingParams
 from asyncrl.engines.rollout.local.weights import WeightReceiver, WeightRequestError
 from asyncrl.transports.weights.delta import DELTA_CAPABILITY
@@ -99,7 +99,7 @@ class EngineServer:
         receiver: type[WeightReceiver] = WeightReceiver,
     ):
         """``masters``: addresses/CIDRs where this engine may join a weight group (see
-        :mod:`~asyncrl.engines.rollout.local.checks`); ``receiver``: the receiving side of
+        :mod:`~asyncrl.engines.rollout.checks`); ``receiver``: the receiving side of
         weight sync (a subclass may observe or alter what it receives, as the tests' fault
         injection does)."""
         self.engine = engine

@@ -253,8 +253,9 @@ class SGLangClient:
         such route (404: SGLang 0.5.10, the embedded engine): go on without."""
         return await self._session_call("/begin_weight_update")
 
-    async def end_weight_update(self) -> bool:
-        """Close the session :meth:`begin_weight_update` opened (False: no such route)."""
+    async def end_weight_update(self, version: str | None = None) -> bool:
+        """Close the session :meth:`begin_weight_update` opened (False: no such route).
+        ``version`` is not sent: SGLang took it with the last bucket's load."""
         return await self._session_call("/end_weight_update")
 
     async def _session_call(self, path: str) -> bool:
