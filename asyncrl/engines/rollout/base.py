@@ -6,11 +6,14 @@ the sampling distribution, the engine's weight version and the finish reason
 generated so far). ``pause_generation(mode)`` stops scheduling (``abort``:
 in-flight requests return at once with ``finish_reason == "abort"``;
 ``in_place``: they wait), ``continue_generation`` resumes. Weight updates
-switch ``weight_version`` only once the whole update is loaded.
+switch ``weight_version`` only once the whole update is loaded. ``generate_stream``
+yields the same request's output as it grows: cumulative partial results
+(``finish_reason == ""``) and, last, the final one (what ``generate`` would return).
 """
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 import msgspec
@@ -68,8 +71,11 @@ class GenerateResult(msgspec.Struct, frozen=True, gc=False):
         return [self.weight_version] * len(self.output_ids)
 
     @classmethod
-    def from_sglang(cls, out: Any) -> GenerateResult:
-        """Parse SGLang's /generate response (single request, return_logprob=True)."""
+    def from_sglang(cls, out: Any, partial: bool = False) -> GenerateResult:
+        """Parse SGLang's /generate response (single request, return_logprob=True).
+
+        ``partial``: an event of a streamed request, whose ``finish_reason`` is null until
+        the last (then ``finish_reason == ""`` here)."""
         if not isinstance(out, dict) or "meta_info" not in out:
             raise EngineError("/generate", 200, f"unexpected response: {str(out)[:200]}")
         meta = out["meta_info"]
@@ -79,6 +85,8 @@ class GenerateResult(msgspec.Struct, frozen=True, gc=False):
             raise EngineError("/generate", 200, f"{len(ids)} tokens but {len(lps)} log-probs")
         fr = meta.get("finish_reason") or {}
         reason = fr.get("type", "length") if isinstance(fr, dict) else str(fr)
+        if partial and meta.get("finish_reason") is None:
+            reason = ""
         version = _parse_version(meta.get("weight_version", "0"))
         return cls(
             output_ids=ids,
@@ -130,6 +138,15 @@ class RolloutEngine(Protocol):
         self, input_ids: list[int], sampling_params: dict[str, Any], rid: str | None = None
     ) -> GenerateResult:
         """Complete ``input_ids``. Raises EngineError (server said no) or EngineUnavailable."""
+        ...
+
+    def generate_stream(
+        self, input_ids: list[int], sampling_params: dict[str, Any], rid: str | None = None
+    ) -> AsyncIterator[GenerateResult]:
+        """Complete ``input_ids``, yielding the output as it grows: cumulative results with
+        ``finish_reason == ""``, the final one last (its ``finish_reason`` set, as
+        :meth:`generate` returns it). Errors as :meth:`generate`, at any point; closing
+        the iterator early abandons the request (the server aborts it)."""
         ...
 
     async def generate_batch(
