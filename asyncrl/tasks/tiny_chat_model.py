@@ -47,6 +47,21 @@ WEATHER_TOOL: dict[str, Any] = {
         },
     },
 }
+SDK_WEATHER_TOOL: dict[str, Any] = {  # the same tool as the OpenAI Agents SDK declares it
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "properties": {"city": {"title": "City", "type": "string"}},
+            "required": ["city"],
+            "title": "get_weather_args",
+            "type": "object",
+            "additionalProperties": False,
+        },
+        "strict": True,
+    },
+}
 TEMPLATE = (Path(__file__).parent / "chat_template.jinja").read_text()
 
 
@@ -58,7 +73,7 @@ def default_chat_model_dir() -> Path:
 def transcripts(seed: int, n: int = 96) -> list[list[dict[str, Any]]]:
     """Synthetic conversations (OpenAI message dicts, tool arguments as dicts): a tool call
     then its answer, or a plain greeting and reply; ``tools`` on the first message's
-    ``"_tools"`` key when offered."""
+    ``"_tools"`` key when offered (1: :data:`WEATHER_TOOL`, 2: as the Agents SDK declares it)."""
     rng = random.Random(seed)
     out = []
     for i in range(n):
@@ -74,19 +89,22 @@ def transcripts(seed: int, n: int = 96) -> list[list[dict[str, Any]]]:
             continue
         fn = {"name": "get_weather", "arguments": {"city": city}}
         call = {"type": "function", "function": fn}
-        out.append(
-            [
-                {"role": "user", "content": f"What is the weather in {city}?", "_tools": True},
-                {"role": "assistant", "content": None, "tool_calls": [call]},
-                {"role": "tool", "content": json.dumps({"city": city, "weather": sky})},
-                {"role": "assistant", "content": f"It is {sky} in {city}."},
-            ]
-        )
+        conv: list[dict[str, Any]] = [
+            {"role": "user", "content": f"What is the weather in {city}?", "_tools": i % 2 + 1},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "content": json.dumps({"city": city, "weather": sky})},
+            {"role": "assistant", "content": f"It is {sky} in {city}."},
+        ]
+        out.append(conv)
     return out
 
 
 def _render(env: Any, conv: list[dict[str, Any]], upto: int | None = None) -> str:
-    tools = [WEATHER_TOOL] if conv[0].get("_tools") else None
+    tools = (
+        [[WEATHER_TOOL], [SDK_WEATHER_TOOL]][conv[0]["_tools"] - 1]
+        if conv[0].get("_tools")
+        else None
+    )
     msgs = [{k: v for k, v in m.items() if k != "_tools"} for m in conv[:upto]]
     return env.render(messages=msgs, tools=tools, add_generation_prompt=upto is not None)
 
@@ -130,6 +148,7 @@ def _build(out: Path, seed: int) -> None:
     )
     fast.chat_template = TEMPLATE
     end = tok.token_to_id("<|im_end|>")
+    assert end is not None
     config = Qwen2Config(
         vocab_size=tok.get_vocab_size(),
         hidden_size=64,
@@ -183,11 +202,11 @@ def _warm_start(
     for _ in range(300):
         pick = torch.randint(0, len(rows), (16,), generator=gen)
         logits = model(input_ids=ids_t[pick], attention_mask=attn[pick]).logits[:, :-1]
-        target, m = ids_t[pick][:, 1:], mask_t[pick][:, 1:]
+        target, weight = ids_t[pick][:, 1:], mask_t[pick][:, 1:]
         nll = torch.nn.functional.cross_entropy(
             logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="none"
         )
-        loss = (nll * m.reshape(-1)).sum() / m.sum()
+        loss = (nll * weight.reshape(-1)).sum() / weight.sum()
         opt.zero_grad()
         loss.backward()
         opt.step()
