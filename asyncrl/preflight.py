@@ -4,9 +4,11 @@
 for mistakes that can be known on the host that runs ``asyncrl run``: a device
 this machine does not have (``rollout.device``/``trainer.device`` on CUDA, a
 CUDA-only weight backend, ``hccl`` without ``torch_npu``) and a task file that does
-not exist. Without it these surface only after engines started, as a child's
-traceback (14 s for ``rollout.device=cuda`` on a CPU machine). Combinations no host
-can run (``cuda-ipc`` with SGLang) are refused by the config itself, when loaded.
+not exist, and a generation budget that cannot fit the embedded engines' context (every
+request would be refused with a 400, forever). Without it these surface only after engines
+started, as a child's traceback (14 s for ``rollout.device=cuda`` on a CPU machine).
+Combinations no host can run (``cuda-ipc`` with SGLang) are refused by the config
+itself, when loaded.
 
 Device checks apply only to processes this host starts (``cluster.backend =
 "local"``; under Ray they run on other nodes). Nothing here imports torch (the
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
+import json
 import re
 from functools import cache
 from pathlib import Path
@@ -76,6 +79,7 @@ def preflight(cfg: RunConfig) -> None:
     """Raise ValueError (one line, naming the key) if ``cfg`` cannot run from this host."""
     if cfg.task.name == "math" and not Path(cfg.task.path).is_file():
         raise ValueError(f"task.path {cfg.task.path!r} is not a file (task.name='math')")
+    _check_context(cfg)
     if cfg.cluster.backend != "local":
         return
     _check_device("trainer.device", cfg.trainer.device)
@@ -92,3 +96,49 @@ def preflight(cfg: RunConfig) -> None:
             "weights.backend='hccl' needs an Ascend NPU and torch_npu, which is not installed "
             "here (use 'gloo' or 'auto')"
         )
+
+
+def _context_length(cfg: RunConfig) -> tuple[int, str] | None:
+    """(the context length of the engines this run starts, where it comes from), when this
+    host can tell: ``--context-length`` in ``rollout.extra_args``, else the embedded engine's
+    rule (the model's ``max_position_embeddings``). None: engines given by URL, or SGLang
+    (whose own derivation also reads rope scaling and other keys)."""
+    args = list(cfg.rollout.extra_args)
+    for i, arg in enumerate(args):
+        value = args[i + 1] if arg == "--context-length" and i + 1 < len(args) else None
+        value = arg.partition("=")[2] if arg.startswith("--context-length=") else value
+        if value is not None and value.isdigit():
+            return int(value), "--context-length in rollout.extra_args"
+    if cfg.rollout.urls or not isinstance(cfg.rollout, LocalRolloutConfig):
+        return None
+    if not cfg.model.path:
+        from asyncrl.tasks.tiny_model import TINY_CONTEXT
+
+        return TINY_CONTEXT, "the tiny default model's"
+    try:
+        found = json.loads((Path(cfg.model.path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None  # a missing or broken model folder is reported when it loads
+    ctx = found.get("max_position_embeddings") if isinstance(found, dict) else None
+    return (int(ctx), f"{cfg.model.path}'s max_position_embeddings") if ctx else None
+
+
+def _check_context(cfg: RunConfig) -> None:
+    """A built-in task whose prompt plus generation budget exceeds the engines' context: every
+    request would get a 400. Refused, naming the key that sets the budget."""
+    found = _context_length(cfg)
+    if found is None:
+        return
+    ctx, source = found
+    prompt = cfg.task.num_digits + 2 if cfg.task.name == "reverse" else 1  # math: at least 1
+    budget = cfg.generation_budget()
+    if prompt + budget <= ctx:
+        return
+    key = "rollout.max_new_tokens" if cfg.rollout.max_new_tokens else "task.max_new_tokens"
+    if cfg.task.name == "reverse" and not cfg.rollout.max_new_tokens:
+        key = "task.num_digits"
+    what = f"{prompt} prompt" if cfg.task.name == "reverse" else "at least 1 prompt"
+    raise ValueError(
+        f"{key}: {what} + {budget} new tokens exceed the engines' context length of {ctx} "
+        f"tokens ({source}); at most {ctx - prompt} new tokens fit (set rollout.max_new_tokens)"
+    )

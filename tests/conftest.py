@@ -28,7 +28,38 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return ensure_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
 
 
+# What is truly long (over ~10 s each on the 2-core box, `pytest --durations=40`): whole runs of
+# `asyncrl run`, killed and resumed, on Ray, through the SGLang stand-in, the wheel. They carry the
+# ``slow`` mark, so `bash scripts/test -m "not slow"` is a quick focused pass (CI runs them all).
+_SLOW_FILES = (
+    "tests/test_resume.py",
+    "tests/test_wheel.py",
+    "tests/test_observability.py",
+    "tests/launchers/test_ray.py",
+    "tests/launchers/test_local.py",
+    "tests/bench/test_faults.py",
+    "tests/engines/rollout/test_sglang_standin.py",
+)
+_SLOW_TESTS = (
+    "tests/test_run.py::test_short_run_end_to_end",
+    "tests/test_run.py::test_sigint_stops_every_process_and_nothing_listened_beyond_loopback",
+    "tests/controllers/test_schedules.py::test_random_schedules_respect_bound_and_lose_nothing",
+    "tests/engines/train/test_fsdp.py::test_gradients_do_not_depend_on_micro_batches",
+    "tests/engines/rollout/test_engine_failures.py::test_a_failing_prefill_answers_its_requests",
+    "tests/transports/weights/test_timeouts.py::test_engine_stopped_mid_push_is_reported_in_time",
+)
+
+
+def _mark_slow(items: list[pytest.Item]) -> None:
+    slow = pytest.mark.slow
+    for item in items:
+        path = item.nodeid.split("::", 1)[0]
+        if path in _SLOW_FILES or item.nodeid.startswith(_SLOW_TESTS):
+            item.add_marker(slow)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _mark_slow(items)
     try:
         import torch
 

@@ -66,6 +66,10 @@ class ControllerConfig(_Section, frozen=True):
     """What happens to a group that would exceed the staleness bound at its step."""
     max_retries: NonNegative = 3
     """Retries of a failed engine request before the episode is reported failed."""
+    max_failed_groups: NonNegative = 64
+    """The run stops (exit 1, naming the error) once this many groups in a row failed, none
+    finishing in between: a run whose every request fails (an engine's "bad request", a
+    budget over the context) can never train. 0: never stop for that."""
     retry_backoff_s: NonNegativeFloat = 0.05
     """First back-off before retrying a failed request on another engine; doubles per retry."""
     retry_backoff_max_s: NonNegativeFloat = 2.0

@@ -46,6 +46,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Coroutine, Iterable, Iterator, Sequence
 from typing import Any
@@ -71,13 +72,19 @@ from asyncrl.controllers.state import (
 from asyncrl.engines.rollout.base import EngineError, EngineUnavailable, RolloutEngine
 from asyncrl.transports.experience.types import Trajectory
 
-__all__ = ["Batch", "Controller", "NoMoreSamples"]
+__all__ = ["Batch", "Controller", "GroupsFailing", "NoMoreSamples"]
 
 log = logging.getLogger(__name__)
 
 
 class NoMoreSamples(Exception):
     """``next_batch`` after ``end_input()``: every sample has been trained, rejected or failed."""
+
+
+class GroupsFailing(RuntimeError):
+    """``controller.max_failed_groups`` groups in a row failed, none finishing between them:
+    the run cannot train (every request fails the same way). The message names the last
+    error; the run stops with it."""
 
 
 class Group(msgspec.Struct, gc=False):
@@ -167,6 +174,11 @@ class Controller:
         self._batch_size = cc.batch_size
         self._group_size = config.algo.group_size
         self._max_retries = cc.max_retries
+        self._max_failed_groups = cc.max_failed_groups
+        self._failed_streak = 0
+        self._failure_log = _RateLimitedLog(log, first=5, every_s=10.0)
+        self._rejected_streak = 0
+        self._reject_log = _RateLimitedLog(log, first=1, every_s=30.0)
         self._regenerate = cc.stale_policy == "regenerate"
         self._sampling = {
             "temperature": config.rollout.temperature,
@@ -231,7 +243,7 @@ class Controller:
             return
         exc = task.exception()
         if exc is not None and self._error is None:
-            log.error("controller task %s failed: %r", task.get_name(), exc)
+            log.error("controller task %s failed: %r", task.get_name(), exc, exc_info=exc)
             self._error = exc
             self._ready_changed.set()
 
@@ -450,8 +462,7 @@ class Controller:
         min_v: int | None = None
         for r, ctx in zip(results, ctxs):  # noqa: B905 - equal lengths by construction
             if isinstance(r, EpisodeFailed):
-                log.warning("group %d failed: %s", gid, r)
-                self._release("failed")
+                self._group_failed(gid, r)
                 return
             if isinstance(r, BaseException):
                 raise r
@@ -466,12 +477,39 @@ class Controller:
                 min_v = v if min_v is None or v < min_v else min_v
                 t.group_id = gid
             trajs += got
+        self._failed_streak = 0
         if min_v is None:
-            self._release("rejected")
+            self._group_rejected(gid)
             return
+        self._rejected_streak = 0
         self._ready.append(Group(gid, sample, trajs, min_v, self._admitted_at[gid]))
         if len(self._ready) >= self._batch_size or self._input_ended:
             self._ready_changed.set()
+
+    def _group_rejected(self, gid: int) -> None:
+        """Count a group every episode of which returned None; warn (at a bounded rate) while
+        every group is rejected: ``next_batch`` would wait for groups that never come."""
+        self._release("rejected")
+        self._rejected_streak += 1
+        if self._rejected_streak >= self._batch_size:
+            self._reject_log.warning(
+                "%d groups in a row rejected (every episode returned None, the last group %d): "
+                "next_batch gets no batch while that goes on",
+                self._rejected_streak,
+                gid,
+            )
+
+    def _group_failed(self, gid: int, exc: EpisodeFailed) -> None:
+        """Count a failed group (logged at a bounded rate); raise :class:`GroupsFailing` (the
+        run's error, through this group's supervised task) once the streak reaches the bound."""
+        self._failure_log.warning("group %d failed: %s", gid, exc)
+        self._release("failed")
+        self._failed_streak += 1
+        if self._max_failed_groups and self._failed_streak >= self._max_failed_groups:
+            raise GroupsFailing(
+                f"{self._failed_streak} groups in a row failed and none finished "
+                f"(controller.max_failed_groups); the last: {exc}"
+            ) from exc
 
     def _context(self, gid: int, eid: int | None = None) -> EpisodeContext:
         if eid is None:
@@ -601,3 +639,26 @@ class Controller:
         return Batch(
             step=step, groups=[g.trajs for g in chosen], samples=[g.sample for g in chosen]
         )
+
+
+class _RateLimitedLog:
+    """A warning logged the first ``first`` times, then at most once every ``every_s`` seconds
+    with the count of those left out (a run failing every request logs a few lines, not
+    thousands)."""
+
+    def __init__(self, logger: logging.Logger, first: int, every_s: float):
+        self._log, self._first, self._every_s = logger, first, every_s
+        self._count = self._skipped = 0
+        self._last = 0.0
+
+    def warning(self, msg: str, *args: Any) -> None:
+        self._count += 1
+        now = time.monotonic()
+        if self._count > self._first and now - self._last < self._every_s:
+            self._skipped += 1
+            return
+        if self._skipped:
+            msg += f" (and {self._skipped} more like it since the last such line)"
+            self._skipped = 0
+        self._last = now
+        self._log.warning(msg, *args)

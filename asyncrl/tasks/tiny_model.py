@@ -14,9 +14,11 @@ import shutil
 import tempfile
 from pathlib import Path
 
-__all__ = ["TINY_VERSION", "default_model_dir", "ensure_tiny_model"]
+__all__ = ["TINY_CONTEXT", "TINY_VERSION", "default_model_dir", "ensure_tiny_model"]
 
 TINY_VERSION = "tiny-qwen2-digits-v1"
+TINY_CONTEXT = 64
+"""The tiny model's context length (``max_position_embeddings``): prompt + response tokens."""
 SPECIAL = ["<pad>", "<s>", "</s>"]
 WORDS = [*SPECIAL, *(str(d) for d in range(10)), "=", "+"]
 
@@ -48,7 +50,7 @@ def _build(out: Path, seed: int) -> None:
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=4,
-        max_position_embeddings=64,
+        max_position_embeddings=TINY_CONTEXT,
         tie_word_embeddings=False,
         bos_token_id=vocab["<s>"],
         eos_token_id=vocab["</s>"],
