@@ -126,7 +126,7 @@ class EngineServer:
         bind = "" if host in ("", "0.0.0.0", "::") else host  # weight-group ranks bind here
         self.weights = receiver(engine, bind, masters)
 
-    async def generate(self, request: web.Request) -> web.Response:
+    async def generate(self, request: web.Request) -> web.StreamResponse:
         """One request, or a batch (SGLang's list form: ``input_ids`` a list of lists, with
         ``sampling_params`` / ``rid`` / ``return_logprob`` shared or one per item). A batch's
         items are queued together, so they join one prefill (identical prompts — a GRPO
