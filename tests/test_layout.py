@@ -41,6 +41,7 @@ ENGINE_SIDE = (
 )
 CONTROLLER_SIDE = (
     "asyncrl.controllers",
+    "asyncrl.gateway",
     "asyncrl.runner",
     "asyncrl.entrypoints.run",
     "asyncrl.launchers",
@@ -52,7 +53,7 @@ PROCESSES = {
     # entry module, what the process also loads by name later, the other sides
     "controller": (
         "asyncrl.entrypoints.run",
-        ["asyncrl.runner"],
+        ["asyncrl.runner", "asyncrl.gateway"],
         (*TRAINER_SIDE, *ENGINE_SIDE, "torch"),  # the controller never loads torch
     ),
     "engine": ("asyncrl.entrypoints.engine", [], (*TRAINER_SIDE, *CONTROLLER_SIDE)),

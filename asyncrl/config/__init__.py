@@ -17,6 +17,7 @@ in Python; non-finite floats are refused everywhere.
 
 from __future__ import annotations
 
+from asyncrl.config.gateway import GatewayConfig
 from asyncrl.config.load import load_config, to_dict
 from asyncrl.config.rollout import (
     DEFAULT_MAX_NEW_TOKENS,
@@ -64,6 +65,7 @@ __all__ = [
     "ControllerConfig",
     "CudaIpcWeightsConfig",
     "ExperienceConfig",
+    "GatewayConfig",
     "GlooWeightsConfig",
     "HcclWeightsConfig",
     "LocalRolloutConfig",

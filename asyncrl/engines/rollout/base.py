@@ -5,19 +5,20 @@ Each engine family (``sglang/``, ``vllm/``, ``local/``, the embedded engine, whi
 SGLang's protocol) implements both; :mod:`asyncrl.engines.rollout.factory` builds them from
 the tagged ``RolloutConfig`` (the one place a family is chosen).
 
-RolloutEngine contract:
-Contract: ``generate`` returns the sampled token ids, the log-prob of each under
+RolloutEngine contract: ``generate`` returns the sampled token ids, the log-prob of each under
 the sampling distribution, the engine's weight version and the finish reason
 (``"stop"``, ``"length"`` or ``"abort"``; an aborted request returns the tokens
 generated so far). ``pause_generation(mode)`` stops scheduling (``abort``:
 in-flight requests return at once with ``finish_reason == "abort"``;
 ``in_place``: they wait), ``continue_generation`` resumes. Weight updates
-switch ``weight_version`` only once the whole update is loaded.
+switch ``weight_version`` only once the whole update is loaded. ``generate_stream``
+yields the same request's output as it grows: cumulative partial results
+(``finish_reason == ""``) and, last, the final one (what ``generate`` would return).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -81,8 +82,11 @@ class GenerateResult(msgspec.Struct, frozen=True, gc=False):
         return [self.weight_version] * len(self.output_ids)
 
     @classmethod
-    def from_sglang(cls, out: Any) -> GenerateResult:
-        """Parse SGLang's /generate response (single request, return_logprob=True)."""
+    def from_sglang(cls, out: Any, partial: bool = False) -> GenerateResult:
+        """Parse SGLang's /generate response (single request, return_logprob=True).
+
+        ``partial``: an event of a streamed request, whose ``finish_reason`` is null until
+        the last (then ``finish_reason == ""`` here)."""
         if not isinstance(out, dict) or "meta_info" not in out:
             raise EngineError("/generate", 200, f"unexpected response: {str(out)[:200]}")
         meta = out["meta_info"]
@@ -92,6 +96,8 @@ class GenerateResult(msgspec.Struct, frozen=True, gc=False):
             raise EngineError("/generate", 200, f"{len(ids)} tokens but {len(lps)} log-probs")
         fr = meta.get("finish_reason") or {}
         reason = fr.get("type", "length") if isinstance(fr, dict) else str(fr)
+        if partial and meta.get("finish_reason") is None:
+            reason = ""
         version = _parse_version(meta.get("weight_version", "0"))
         return cls(
             output_ids=ids,
@@ -142,6 +148,15 @@ class RolloutEngine(Protocol):
         self, input_ids: list[int], sampling_params: dict[str, Any], rid: str | None = None
     ) -> GenerateResult:
         """Complete ``input_ids``. Raises EngineError (server said no) or EngineUnavailable."""
+        ...
+
+    def generate_stream(
+        self, input_ids: list[int], sampling_params: dict[str, Any], rid: str | None = None
+    ) -> AsyncIterator[GenerateResult]:
+        """Complete ``input_ids``, yielding the output as it grows: cumulative results with
+        ``finish_reason == ""``, the final one last (its ``finish_reason`` set, as
+        :meth:`generate` returns it). Errors as :meth:`generate`, at any point; closing
+        the iterator early abandons the request (the server aborts it)."""
         ...
 
     async def generate_batch(
