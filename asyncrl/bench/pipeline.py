@@ -174,6 +174,9 @@ def run_once(staleness: int, a: argparse.Namespace, model_path: str, out: Path) 
         f"--rollout.pause_mode={a.pause_mode}",
         f"--rollout.kv_after_update={a.kv_after_update}",
         "--trainer.threads=1",
+        # the tiny model's own context (64) is shorter than a capped episode: its engine
+        # serves a longer one (rotary positions), as the engine tests do
+        f'--rollout.extra_args=["--context-length", "{max(a.prompt_len, 16) + a.max_len}"]',
     ]
     cfg = load_config(None, overrides)
     load_before = machine_load()

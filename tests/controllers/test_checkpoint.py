@@ -14,8 +14,8 @@ import asyncio
 import random
 
 import aiohttp
-import pytest
 import msgspec
+import pytest
 
 from asyncrl.config import AlgoConfig, ControllerConfig, LocalRolloutConfig, RunConfig
 from asyncrl.controllers.controller import Controller, NoMoreSamples
