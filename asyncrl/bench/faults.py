@@ -48,7 +48,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from asyncrl.procs import finish, pid_alive, python_env
+from asyncrl.procs import die_with_parent_fn, finish, pid_alive, python_env
 
 __all__ = ["main", "run_scenario"]
 
@@ -59,7 +59,12 @@ def _cli(run_dir: Path, args: list[str], resume: bool = False) -> subprocess.Pop
     where = ["--resume", str(run_dir)] if resume else ["--run-dir", str(run_dir)]
     cmd = [sys.executable, "-m", "asyncrl.cli", "run", "--quiet", *where, *args]
     return subprocess.Popen(
-        cmd, env=python_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        cmd,
+        env=python_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=die_with_parent_fn(),  # the run's guardian then ends its children
     )
 
 

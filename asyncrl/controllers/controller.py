@@ -63,6 +63,7 @@ from asyncrl.controllers.state import (
     EpisodeState,
     GroupState,
     ReadyState,
+    check_sample,
     decode_sample,
     encode_sample,
     journal_of,
@@ -257,10 +258,20 @@ class Controller:
 
     # -- public API --------------------------------------------------------------------
     def submit(self, samples: Iterable[Any]) -> None:
-        """Queue samples; each becomes a group of ``group_size`` episodes when admitted."""
+        """Queue samples; each becomes a group of ``group_size`` episodes when admitted.
+
+        Every sample must be checkpointable (msgpack-encodable: plain data, msgspec Structs,
+        dataclasses; see ``state.CHECKPOINTABLE``): a checkpoint stores the pending ones.
+        Raises ``TypeError`` naming the field and its type for one that is not, and then
+        queues none of ``samples``. (A ``source``'s samples are checked as they are drawn;
+        one that fails stops the controller with the same error.)
+        """
         if self._input_ended:
             raise ValueError("submit() after end_input(): the controller takes no more samples")
-        self._samples.extend(samples)
+        batch = list(samples)
+        for sample in batch:
+            check_sample(sample)
+        self._samples.extend(batch)
         self._changed.set()
 
     def end_input(self) -> None:
@@ -376,6 +387,7 @@ class Controller:
             try:
                 sample = next(self._source)
                 self._drawn += 1
+                check_sample(sample)
                 return True, sample
             except StopIteration:
                 self._source = None

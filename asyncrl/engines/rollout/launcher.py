@@ -160,9 +160,14 @@ def startup_timeout(rc: RolloutConfig, model_path: str) -> float:
     return 300.0 + 20.0 * sum(p.stat().st_size for p in files) / 2**30
 
 
-def launch(spec: LaunchSpec, log_path: Path | None = None) -> LaunchedServer:
-    """Start ``spec``'s server in a new session; returns at once (see :func:`wait_healthy`)."""
-    proc = spawn(launch_command(spec), log_path, env=python_env(spec.env))
+def launch(
+    spec: LaunchSpec, log_path: Path | None = None, die_with_parent: bool = False
+) -> LaunchedServer:
+    """Start ``spec``'s server in a new session; returns at once (see :func:`wait_healthy`).
+    ``die_with_parent``: as :func:`asyncrl.procs.spawn`'s."""
+    proc = spawn(
+        launch_command(spec), log_path, env=python_env(spec.env), die_with_parent=die_with_parent
+    )
     return LaunchedServer(spec, proc, log_path)
 
 

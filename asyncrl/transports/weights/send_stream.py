@@ -73,7 +73,9 @@ class BucketStream:
         self.group = group
         self.stager = stager
         self.link = link
-        self.packed: list[Packed] = []  # the last attempt's, in order (a re-push resends them)
+        # SGLang: the last attempt's buckets, in order (a re-push resends them); kept for no
+        # other engine (a delta push's payloads are freed once it is delivered)
+        self.packed: list[Packed] = []
         self.snap_at = 0.0  # when the last attempt had read every pushed tensor
         self.t_stream = 0.0  # loop time the attempt under way started
         self._packer = ThreadPoolExecutor(1, thread_name_prefix="weight-pack")
@@ -226,7 +228,8 @@ class BucketStream:
                     packed[k].set_exception(exc)
                     return
                 packed[k].set_result(item)
-                self.packed.append(item)
+                if self.group.sglang:
+                    self.packed.append(item)
             for k in sorted(self.stager.in_place):  # buckets sent from the tensors must have left
                 await sent[k]
             self.snap_at = time.perf_counter()
