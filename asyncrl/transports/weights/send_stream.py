@@ -228,7 +228,7 @@ class BucketStream:
                     packed[k].set_exception(exc)
                     return
                 packed[k].set_result(item)
-                if self.group.sglang:
+                if self.group.loads_live:  # kept for a re-push (engines that load live)
                     self.packed.append(item)
             for k in sorted(self.stager.in_place):  # buckets sent from the tensors must have left
                 await sent[k]
