@@ -195,7 +195,7 @@ def run(args: argparse.Namespace) -> None:
     if args.rank == 0:
         urls = now or [u for u in args.engine_urls.split(",") if u]
         sender = make_weight_transport(
-            cfg.weights, urls, cfg.trainer.device, cfg.rollout.pause_mode, cfg.rollout.backend
+            cfg.weights, urls, cfg.trainer.device, cfg.rollout.pause_mode, cfg.rollout
         )
         sender.connect()
         chan.on_notice = _notice_handler(sender)  # engine set changes, also mid-step

@@ -79,6 +79,7 @@ class VLLMControl(VLLMClient):
         self.bucket_bytes = bucket_bytes
         self._meta: Any = None  # the metadata this engine holds (None: unknown)
         self._finished: str | None = None  # the version the last finish set
+        self._open: bool | None = None  # a session is open (None: unknown)
 
     async def get_server_info(self) -> dict[str, Any]:
         """``tp_size``: ranks the engine joins the weight group with (``/get_world_size``)."""
@@ -114,8 +115,9 @@ class VLLMControl(VLLMClient):
         await self._call("POST", "/shutdown_weight_transfer_engine")
 
     async def begin_weight_update(self) -> bool:
-        self._finished = None
+        self._finished, self._open = None, None  # a refused start: one may be open
         await self._call("POST", "/start_weight_update")
+        self._open = True
         return True
 
     async def update_weights_from_distributed(
@@ -143,12 +145,22 @@ class VLLMControl(VLLMClient):
         same = meta == self._meta
         empty: dict[str, list[Any]] = {"names": [], "dtype_names": [], "shapes": []}
         self._meta = None  # unknown until this call succeeded
-        await self._call("POST", "/update_weights", {"update_info": empty if same else meta})
+        try:
+            await self._call("POST", "/update_weights", {"update_info": empty if same else meta})
+        except EngineError as exc:
+            if exc.answered:  # vLLM's own answer: the failed update ended it (gw:1616-1631)
+                self._open = False
+            raise
         self._meta = meta
 
     async def end_weight_update(self, version: str | None = None) -> bool:
-        """``/finish_weight_update`` with the session's version (module docstring)."""
+        """``/finish_weight_update`` with the session's version (module docstring); nothing
+        when the session is known to be over (a failed update ended it: its finish would
+        fail, gw:1638-1641)."""
+        if self._open is False:
+            return False
         body = {"weight_version": str(version)} if version is not None else None
+        self._open = False
         await self._call("POST", "/finish_weight_update", body)
         self._finished = str(version) if version is not None else None
         return True
