@@ -18,6 +18,7 @@ in Python; non-finite floats are refused everywhere.
 from __future__ import annotations
 
 from asyncrl.config.load import load_config, to_dict
+from asyncrl.config.lora import LoraConfig
 from asyncrl.config.rollout import (
     DEFAULT_MAX_NEW_TOKENS,
     PAUSE_MODES,
@@ -65,6 +66,7 @@ __all__ = [
     "HcclWeightsConfig",
     "LocalRolloutConfig",
     "LoggingConfig",
+    "LoraConfig",
     "ModelConfig",
     "NcclWeightsConfig",
     "PauseMode",

@@ -7,6 +7,7 @@ from typing import Literal
 import msgspec
 
 from asyncrl.config.base import NonNegative, NonNegativeFloat, Positive, PositiveFloat, _Section
+from asyncrl.config.lora import LoraConfig
 from asyncrl.config.rollout import LocalRolloutConfig, RolloutConfig, SGLangRolloutConfig
 from asyncrl.config.trainer import AlgoConfig, TrainerConfig
 from asyncrl.config.weights import AutoWeightsConfig, CudaIpcWeightsConfig, WeightSyncConfig
@@ -211,6 +212,7 @@ class RunConfig(_Section, frozen=True):
     cluster: ClusterConfig = msgspec.field(default_factory=ClusterConfig)
     checkpoint: CheckpointConfig = msgspec.field(default_factory=CheckpointConfig)
     logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)
+    lora: LoraConfig = msgspec.field(default_factory=LoraConfig)
     run_dir: str = ""
     """Output folder (metrics.jsonl, config.json, logs). Empty: a new folder under ``runs/``."""
     seed: int = 0
@@ -225,6 +227,28 @@ class RunConfig(_Section, frozen=True):
                 "weights.backend='cuda-ipc' works with rollout.backend='local' only: SGLang's "
                 "scheduler dies on asyncrl's CUDA IPC descriptor (load_format='asyncrl_ipc'); "
                 "use weights.backend='nccl' (or 'auto') with rollout.backend='sglang'"
+            )
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        """What a LoRA run (``lora.rank > 0``) cannot be combined with (yet), by key."""
+        if not self.lora.enabled:
+            return
+        if not isinstance(self.rollout, LocalRolloutConfig):
+            raise ValueError(
+                "lora.rank > 0 works with rollout.backend='local' only (the embedded engine's "
+                "adapter version ring); SGLang's LoRA serving is not wired in yet "
+                "(docs/rollout-engines.md, LoRA)"
+            )
+        if isinstance(self.weights, CudaIpcWeightsConfig):
+            raise ValueError(
+                "lora.rank > 0 pushes adapters over the collective backends (weights.backend = "
+                "auto | gloo | nccl | hccl); weights.backend='cuda-ipc' is not supported with LoRA"
+            )
+        if self.weights.delta != "off":
+            raise ValueError(
+                "weights.delta must be 'off' with lora.rank > 0 (an adapter push is small and "
+                "loads beside the served versions, never into them)"
             )
 
     def generation_budget(self) -> int:
