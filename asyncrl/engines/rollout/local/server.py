@@ -31,6 +31,7 @@ from aiohttp import web
 from asyncrl import trace
 from asyncrl.engines.rollout.local.checks import BadRequest
 from asyncrl.engines.rollout.local.engine import LocalEngine, Request, SamplingParams
+from asyncrl.engines.rollout.local.lora import LoraSpec
 from asyncrl.engines.rollout.local.weights import WeightReceiver, WeightRequestError
 from asyncrl.transports.weights.delta import DELTA_CAPABILITY
 
@@ -125,6 +126,7 @@ class EngineServer:
         rids = [_item(body, "rid", i, n, batch) for i in range(n)]
         lps = [_item(body, "return_logprob", i, n, batch) for i in range(n)]
         reqs = [self._request(ids[i] if batch else ids, sps[i], rids[i], loop) for i in range(n)]
+        self._pin_named(reqs, [_item(body, "lora_path", i, n, batch) for i in range(n)])
         self.engine.submit_all(reqs)
         try:
             await asyncio.gather(*(r.future for r in reqs))
@@ -133,6 +135,29 @@ class EngineServer:
             raise
         out = [_answer(r, bool(lp)) for r, lp in zip(reqs, lps, strict=True)]
         return web.json_response(out if batch else out[0])
+
+    def _pin_named(self, reqs: list[Request], paths: list[Any]) -> None:
+        """Pin requests that name an adapter version (SGLang's ``lora_path``, ``{name}-v{N}``)
+        to it; 400 naming the held versions when the engine does not hold it (or serves no
+        adapters). Unnamed requests are pinned to the newest version when they join."""
+        if all(p is None for p in paths):
+            return
+        ring = self.engine.lora
+        if ring is None:
+            raise _BadRequest("lora_path given, but this engine serves no LoRA adapters")
+        pinned: list[Request] = []
+        try:
+            for req, path in zip(reqs, paths, strict=True):
+                if path is None:
+                    continue
+                if not isinstance(path, str):
+                    raise _BadRequest(f"lora_path must be a string, got {path!r}"[:300])
+                req.min_version, req.lora_slot = ring.pin_named(path)
+                pinned.append(req)
+        except BaseException:
+            for req in pinned:
+                ring.unpin(req.lora_slot)
+            raise
 
     def _abort_each(self, rids: list[str]) -> None:
         for rid in rids:
@@ -235,6 +260,7 @@ class EngineServer:
                 "weight_version": e.weight_version,
                 "paused": e.paused,
                 "num_requests": e.num_requests,
+                **({"lora": e.lora.info()} if e.lora is not None else {}),
                 **e.stats,
             }
         )
@@ -332,14 +358,16 @@ def load_engine(
     context_length: int | None = None,
     max_prompt_tokens: int | None = None,
     stall_s: float = 60.0,
+    lora: LoraSpec | None = None,
 ) -> LocalEngine:
-    """The model at ``model_path`` (a Hugging Face folder) behind a LocalEngine."""
+    """The model at ``model_path`` (a Hugging Face folder) behind a LocalEngine (serving LoRA
+    adapters when ``lora`` is given)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
     eos = model.generation_config.eos_token_id or model.config.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    return LocalEngine(
+    engine = LocalEngine(
         model,
         eos_ids,
         device=device,
@@ -351,3 +379,6 @@ def load_engine(
         max_prompt_tokens=max_prompt_tokens,
         stall_s=stall_s,
     )
+    if lora is not None:
+        engine.enable_lora(lora)
+    return engine
