@@ -546,7 +546,8 @@ async def run_job(
     launcher = make_launcher(cfg, run_dir, pin)
     job = _Run(cfg, run_dir, quiet, launcher)
     state = _resume_state(job) if resume else None
-    (run_dir / "config.json").write_bytes(msgspec.json.encode(to_dict(cfg)))
+    if state is None:  # a resume records its overrides only once it has started (below)
+        (run_dir / "config.json").write_bytes(msgspec.json.encode(to_dict(cfg)))
     model_path = resolve_model(cfg)
     job.startup_s = startup_timeout(cfg.rollout, model_path)
     (run_dir / "pids.json").write_text("{}")
@@ -556,6 +557,7 @@ async def run_job(
     except BaseException:
         await asyncio.to_thread(release_guard, guard)
         raise
+    ctl_log = _controller_log(run_dir)  # warnings and errors with tracebacks, in the run folder
     tc = cfg.logging.trace
     trace.start_run(run_dir, tc.enabled, tc.every, tc.max_mb)  # children started below trace too
     job.sinks = make_sinks(cfg, run_dir, max(job.resumed_step, 0))
@@ -587,6 +589,8 @@ async def run_job(
             )
         if started is None:  # a stop while starting: nothing trained since the last checkpoint
             raise RunStopped(None if state is None else state.step)
+        if state is not None:  # resumed and synced: from here on it is this config's run
+            (run_dir / "config.json").write_bytes(msgspec.json.encode(to_dict(cfg)))
         job.t_controller = time.perf_counter()
         start = state.step if state is not None else 0
         ctl = Controller(cfg, episode, clients, samples, sampling, start, state, Sample)
@@ -617,6 +621,18 @@ async def run_job(
         if job.progress is not None:
             job.progress.close()
         await asyncio.to_thread(release_guard, guard)
+        logging.getLogger("asyncrl").removeHandler(ctl_log)
+        ctl_log.close()
+
+
+def _controller_log(run_dir: Path) -> logging.Handler:
+    """``RUN_DIR/controller.log``: what the controller process logs at WARNING and above
+    (failed groups, at a bounded rate; a task's or reward function's traceback)."""
+    handler = logging.FileHandler(run_dir / "controller.log")
+    handler.setLevel(logging.WARNING)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    logging.getLogger("asyncrl").addHandler(handler)
+    return handler
 
 
 async def _reachable(clients: list[Any], timeout_s: float) -> None:
@@ -659,6 +675,13 @@ def _resume_state(job: _Run) -> ControllerState:
     job.resumed_step, job.resume_from = found
     job.committed = job.resumed_step
     state = ckpts.load_controller_state(job.resume_from)
+    total = job.cfg.controller.total_steps
+    if total <= state.step:
+        raise ValueError(
+            f"--resume {job.run_dir}: nothing to do: its checkpoint is at step {state.step} and "
+            f"controller.total_steps is {total} (pass --controller.total_steps=N, N > "
+            f"{state.step}, to train further)"
+        )
     dropped = ckpts.truncate_metrics(job.run_dir / "metrics.jsonl", state.step)
     if not job.quiet:
         print(

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
+import itertools
 import json
 import subprocess
 import sys
@@ -52,6 +54,40 @@ def test_top_level_override_with_equals_sign() -> None:
 def test_serve_takes_the_engine_arguments() -> None:
     out = _cli("serve", "--model-path", "/nonexistent", "--port", "1", "--help")
     assert out.returncode == 0 and "--model-path" in out.stdout and "--port" in out.stdout
+    assert out.stdout.startswith("usage: asyncrl serve")
+    options = out.stdout.split("options:", 1)[1]
+    # every flag has a help text: no option line stands alone before the next option line
+    lines = [ln for ln in options.splitlines() if ln.strip()]
+    bare = [a for a, b in itertools.pairwise(lines) if a.lstrip().startswith("--") and
+            b.lstrip().startswith("-") and "  " not in a.strip()]  # fmt: skip
+    assert not bare, bare
+
+
+def test_serve_without_a_model_serves_the_tiny_default(
+    tmp_path: Path, tiny_model_dir: Path, free_port: int
+) -> None:
+    from asyncrl.engines.rollout.sglang import SGLangClient
+    from asyncrl.procs import spawn, stop
+    from asyncrl.tasks.tiny_model import TINY_VERSION
+
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / TINY_VERSION).symlink_to(tiny_model_dir)  # built already
+    env = python_env({"ASYNCRL_CACHE": str(tmp_path)})
+    proc = spawn(["-m", "asyncrl.cli", "serve", "--port", str(free_port)], tmp_path / "log", env)
+    try:
+
+        async def generate() -> list[int]:
+            client = SGLangClient(f"http://127.0.0.1:{free_port}")
+            try:
+                await client.wait_healthy(60)
+                out = await client.generate([1, 5, 6, 13], {"max_new_tokens": 2})
+                return out.output_ids
+            finally:
+                await client.close()
+
+        assert 1 <= len(asyncio.run(generate())) <= 2
+    finally:
+        stop([proc])
 
 
 def _timed_run(tmp_path: Path, *overrides: str) -> tuple[subprocess.CompletedProcess[str], float]:
@@ -154,3 +190,27 @@ def test_a_run_whose_every_request_gets_a_4xx_stops_with_that_error(tmp_path: Pa
     size = sum(f.stat().st_size for f in (tmp_path / "run").rglob("*") if f.is_file())
     assert size < 5 << 20, size
     assert took < 60
+
+
+def test_a_raising_reward_function_is_named_with_its_sample_and_line(tmp_path: Path) -> None:
+    """``--task.reward_fn=myreward:fn`` imports from the working directory (no PYTHONPATH);
+    when it raises, the run stops (exit 1) naming the function, the sample and the line, and
+    RUN_DIR/controller.log holds the traceback."""
+    (tmp_path / "myreward.py").write_text("def fn(sample, ids, text):\n    return [][len(ids)]\n")
+    run = tmp_path / "run"
+    args = ["--task.reward_fn=myreward:fn", "--controller.batch_size=2", "--algo.group_size=2"]
+    out = subprocess.run(
+        [sys.executable, "-m", "asyncrl.cli", "run", "--run-dir", str(run), "--quiet", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        cwd=tmp_path,
+        env=python_env(),
+    )
+    assert out.returncode == 1, out.stderr[-2000:]
+    last = out.stderr.strip().splitlines()[-1]
+    assert "reward function myreward.fn raised IndexError" in last, last
+    assert f"{tmp_path / 'myreward.py'}:2" in last and "sample id" in last, last
+    log = (run / "controller.log").read_text()
+    assert "Traceback" in log and "return [][len(ids)]" in log

@@ -183,3 +183,12 @@ def test_cli_rejects_bad_override_before_starting_anything(tmp_path: Path) -> No
     assert out.returncode == 2
     assert "controller.batch_size" in out.stderr
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_typo_gets_did_you_mean() -> None:
+    with pytest.raises(
+        ValueError, match=r"controller\.batch_sise \(did you mean controller\.batch_size\?\)"
+    ):
+        load_config(None, ["--controller.batch_sise=3"])
+    with pytest.raises(ValueError, match=r"\(did you mean controller\?\)"):
+        load_config(None, ["--contrller.batch_size=3"])

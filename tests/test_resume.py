@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from asyncrl.controllers import checkpoints as ckpts
-from asyncrl.procs import finish, pid_alive, python_env
+from asyncrl.procs import finish, free_port, pid_alive, python_env
 from tests.runs import metrics_rows, wait_rows
 
 _SMALL = ("--controller.batch_size=4", "--controller.max_staleness=2")
@@ -133,6 +133,17 @@ def test_sigterm_checkpoints_then_resume_continues_exactly(tmp_path: Path) -> No
     _check_exactly_once(metrics_rows(run), steps, 4)
     refused = finish(_cli("--resume", str(run), "--algo.group_size=4"), 60)
     assert refused[0] == 2 and "algo.group_size" in refused[1]
+    recorded = (run / "config.json").read_bytes()
+    t0 = time.monotonic()
+    rc, out = finish(_cli("--resume", str(run), f"--controller.total_steps={steps}"), 60)
+    assert rc == 1 and "nothing to do" in out and f"step {steps}" in out, out[-2000:]
+    assert time.monotonic() - t0 < 20  # said at once: no process was started
+    # a resume that fails before it started leaves the run's config as it was
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    bad = (f"--rollout.urls={url}", "--rollout.startup_timeout_s=1")
+    rc, out = finish(_cli("--resume", str(run), *bad, f"--controller.total_steps={steps + 3}"), 60)
+    assert rc == 1 and url in out, out[-2000:]
+    assert (run / "config.json").read_bytes() == recorded
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc")
@@ -219,7 +230,7 @@ def test_ppo_run_exports_its_critic_and_resumes_with_it(tmp_path: Path) -> None:
     assert all("critic_vf_loss" in r for r in rows)
 
 
-_LONG = 200
+_LONG = 400
 
 
 async def _long_answer(ctx, sample):  # type: ignore[no-untyped-def]
@@ -261,13 +272,15 @@ def test_a_stop_keeps_the_tokens_in_flight_and_the_resume_does_not_regenerate_th
                 await asyncio.sleep(0.05)
             url = json.loads((run / "resume.json").read_text())["engines"][0]
             async with aiohttp.ClientSession() as http:
-                seen = -1
-                while True:  # the engine holds requests and is decoding them
+                count, base = -1, 0
+                while True:  # the engine is early in decoding the requests it holds
                     async with http.get(url + "/get_server_info") as resp:
                         info = await resp.json()
-                    if info["num_requests"] > 0 and 0 <= seen < info["tokens"]:
-                        break
-                    seen = info["tokens"] if info["num_requests"] > 0 else -1
+                    n, tokens = info["num_requests"], info["tokens"]
+                    if n != count:  # requests came or went: count from here
+                        count, base = n, tokens
+                    elif n > 0 and 0 < tokens - base < n * _LONG // 4:
+                        break  # each has most of its budget ahead: none ends before the stop
                     await asyncio.sleep(0.01)
             stop.set()
 

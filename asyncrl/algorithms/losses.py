@@ -49,6 +49,11 @@ __all__ = [
     "value_token_loss",
 ]
 
+_TRUNCATED_BY = 1.0 + 1e-4
+"""``truncated`` counts a weight only when it exceeds the cap by more than 0.01 %: a fully
+on-policy token's weight is 1 within float rounding (engine and trainer kernels differ by
+~1e-6 in log-prob), which is no truncation (the clamp itself still applies to it)."""
+
 Objective = Literal["decoupled", "on-policy", "naive"]
 Aggregation = Literal["token-mean", "seq-mean", "token-sum-norm"]
 
@@ -78,7 +83,7 @@ def ppo_token_loss(
         old = prox
         raw = torch.exp(prox - behav).detach()
         weight = raw.clamp(max=cap)
-        truncated = (raw > cap).float()
+        truncated = (raw > cap * _TRUNCATED_BY).float()  # the metric: rounding is no truncation
         behav_clipped = torch.zeros_like(logp)
         if behav_clip_eps > 0:
             out = ((adv > 0) & (raw > 1 + behav_clip_eps)) | (

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import difflib
 import json
 import typing
 from functools import cache
@@ -190,11 +191,20 @@ def _error_line(tree: dict[str, Any], msg: str) -> str:
         key = ".".join(path)
         if key in _RETIRED:
             return f"{key} is now {_RETIRED[key]}"
-        return _backend_error(tree, path) or _invalid(tree, path, msg)
+        line = _backend_error(tree, path) or _invalid(tree, path, msg)
+        return line.replace(": ", f"{_did_you_mean(tree, path)}: ", 1)
     if own.startswith("Expected `") and "` " in own:  # a declared limit: "Expected `int` >= 1"
         tp, _ = _walk(tree, [p for p in path if not p.isdigit()])
         return _limit_message(_dotted(path), _lookup(tree, path), tp)
     return _invalid(tree, path, msg)
+
+
+def _did_you_mean(tree: dict[str, Any], path: list[str]) -> str:
+    """`` (did you mean controller.batch_size?)`` for an unknown key close to a known one."""
+    _, parent = _walk(tree, path)
+    keys = _keys(parent) if parent is not None else tuple(RunConfig.__struct_fields__)
+    close = difflib.get_close_matches(path[-1], keys, n=1, cutoff=0.6)
+    return f" (did you mean {_dotted([*path[:-1], close[0]])}?)" if close else ""
 
 
 def _dotted(path: list[str]) -> str:

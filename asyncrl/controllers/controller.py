@@ -177,6 +177,8 @@ class Controller:
         self._max_failed_groups = cc.max_failed_groups
         self._failed_streak = 0
         self._failure_log = _RateLimitedLog(log, first=5, every_s=10.0)
+        self._rejected_streak = 0
+        self._reject_log = _RateLimitedLog(log, first=1, every_s=30.0)
         self._regenerate = cc.stale_policy == "regenerate"
         self._sampling = {
             "temperature": config.rollout.temperature,
@@ -241,7 +243,7 @@ class Controller:
             return
         exc = task.exception()
         if exc is not None and self._error is None:
-            log.error("controller task %s failed: %r", task.get_name(), exc)
+            log.error("controller task %s failed: %r", task.get_name(), exc, exc_info=exc)
             self._error = exc
             self._ready_changed.set()
 
@@ -477,11 +479,25 @@ class Controller:
             trajs += got
         self._failed_streak = 0
         if min_v is None:
-            self._release("rejected")
+            self._group_rejected(gid)
             return
+        self._rejected_streak = 0
         self._ready.append(Group(gid, sample, trajs, min_v, self._admitted_at[gid]))
         if len(self._ready) >= self._batch_size or self._input_ended:
             self._ready_changed.set()
+
+    def _group_rejected(self, gid: int) -> None:
+        """Count a group every episode of which returned None; warn (at a bounded rate) while
+        every group is rejected: ``next_batch`` would wait for groups that never come."""
+        self._release("rejected")
+        self._rejected_streak += 1
+        if self._rejected_streak >= self._batch_size:
+            self._reject_log.warning(
+                "%d groups in a row rejected (every episode returned None, the last group %d): "
+                "next_batch gets no batch while that goes on",
+                self._rejected_streak,
+                gid,
+            )
 
     def _group_failed(self, gid: int, exc: EpisodeFailed) -> None:
         """Count a failed group (logged at a bounded rate); raise :class:`GroupsFailing` (the

@@ -38,6 +38,7 @@ import asyncio
 import inspect
 import logging
 import time
+import traceback
 import zlib
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -59,6 +60,7 @@ __all__ = [
     "EpisodeFailed",
     "Gate",
     "Generation",
+    "RewardError",
     "RewardRunner",
     "Sample",
     "call_reward",
@@ -91,6 +93,34 @@ def input_crc(ids: Sequence[int]) -> int:
 
 class EpisodeFailed(RuntimeError):
     """An episode's generation failed after every retry; its group is reported failed."""
+
+
+class RewardError(RuntimeError):
+    """A reward function raised. The run stops with it (a reward that raises is a bug, and
+    training on the samples it did score would hide it): the message names the function
+    (dotted), the sample's ``id`` and the line that raised; the full traceback is logged
+    (``RUN_DIR/controller.log`` under ``asyncrl run``)."""
+
+    @classmethod
+    def of(cls, fn: Callable[..., Any], sample: Any, exc: BaseException) -> RewardError:
+        frames = traceback.extract_tb(exc.__traceback__)
+        where = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+        name = _dotted_name(fn)
+        log.error("reward function %s raised on sample %r", name, getattr(sample, "id", None),
+                  exc_info=exc)  # fmt: skip
+        return cls(
+            f"reward function {name} raised {type(exc).__name__}: {exc}{where} "
+            f"(sample id {getattr(sample, 'id', None)!r})"
+        )
+
+
+def _dotted_name(fn: Callable[..., Any]) -> str:
+    """``module.qualname`` of a reward function; a task method wrapping a user's function
+    (``CustomReward``: ``self.fn``) names the user's."""
+    inner = getattr(getattr(fn, "__self__", None), "fn", None)
+    fn = inner if callable(inner) else fn
+    module = getattr(fn, "__module__", None) or "?"
+    return f"{module}.{getattr(fn, '__qualname__', type(fn).__qualname__)}"
 
 
 EpisodeResult = Trajectory | list[Trajectory] | None
@@ -147,6 +177,13 @@ class RewardRunner:
         self._probe: asyncio.Future | None = None
 
     async def __call__(self, sample: Any, response_ids: list[int]) -> float:
+        """The reward of ``response_ids``; :class:`RewardError` if the function raised."""
+        try:
+            return await self._call(sample, response_ids)
+        except Exception as exc:  # the user's code: any error, named and re-raised
+            raise RewardError.of(self.fn, sample, exc) from exc
+
+    async def _call(self, sample: Any, response_ids: list[int]) -> float:
         if self.is_async:
             out = self.fn(sample, response_ids)
             assert inspect.isawaitable(out)
@@ -360,6 +397,11 @@ class EpisodeContext:
             mask = np.asarray(mask_list, np.uint8)
             gens = [t.versions[0] for t in turns if isinstance(t, Generation) and t.versions]
             oldest = min(gens) if gens else (min(vers) if vers else 0)
+        if unknown := sorted(set(extra) - set(Trajectory.__struct_fields__)):
+            raise TypeError(
+                f"episode {self.episode_id}: ctx.trajectory() got unknown field(s) {unknown}; "
+                f"a Trajectory has {', '.join(Trajectory.__struct_fields__)}"
+            )
         traj = Trajectory(
             prompt_ids=np.asarray(prompt_ids, np.int32),
             response_ids=np.asarray(ids, np.int32),
@@ -371,6 +413,9 @@ class EpisodeContext:
             episode_id=self.episode_id,
             **extra,
         )
+        return self._made(traj, oldest)
+
+    def _made(self, traj: Trajectory, oldest: int) -> Trajectory:
         # Versions only grow over time, so the first generated token is the oldest: a lower
         # bound of the trained tokens' version however the episode edits loss_mask later.
         self.made.append((traj, oldest))

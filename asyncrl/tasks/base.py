@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
+import os
+import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, Protocol
 
 import msgspec
@@ -55,20 +59,41 @@ def make_task(cfg: TaskConfig, model_path: str) -> Task:
 
 
 def load_reward_fn(spec: str) -> Callable[..., Any]:
-    """Import ``package.module:function`` (``module.function`` also accepted)."""
+    """Import ``package.module:function`` (``module.function`` also accepted) — from
+    ``sys.path`` or, failing that, from the working directory, as ``python -m`` would — or
+    ``path/to/file.py:function`` (loaded from that file)."""
     mod_name, sep, fn_name = spec.partition(":")
     if not sep:
         mod_name, _, fn_name = spec.rpartition(".")
     if not mod_name or not fn_name:
         raise ValueError(f"task.reward_fn {spec!r} must look like 'package.module:function'")
     try:
-        module = importlib.import_module(mod_name)
-    except ImportError as exc:
+        module = _import_reward_module(mod_name)
+    except (ImportError, OSError) as exc:
         raise ValueError(f"task.reward_fn {spec!r}: cannot import {mod_name!r}: {exc}") from None
     fn = getattr(module, fn_name, None)
     if not callable(fn):
         raise ValueError(f"task.reward_fn {spec!r}: {mod_name} has no function {fn_name!r}")
     return fn
+
+
+def _import_reward_module(name: str) -> Any:
+    if name.endswith(".py"):  # a file path
+        path = Path(name).resolve()
+        spec = importlib.util.spec_from_file_location(f"asyncrl_reward_{path.stem}", path)
+        if spec is None or spec.loader is None or not path.is_file():
+            raise ImportError(f"no such file: {path}")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        cwd = os.getcwd()
+        if exc.name != name.split(".")[0] or cwd in sys.path:
+            raise
+        sys.path.append(cwd)  # the user's own module beside them, as `python -m` finds it
+        return importlib.import_module(name)
 
 
 class CustomReward:

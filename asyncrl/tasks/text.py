@@ -46,7 +46,22 @@ class ChatTokenizer:
         self.eos_id = self.tokenizer.token_to_id(self.special["eos_token"] or "")
 
     def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+        """Token ids of ``text``; ValueError naming the words the vocabulary cannot spell
+        (a word-level tokenizer maps them to its unknown token: a prompt silently turned
+        into ``<pad>`` would train on nonsense)."""
+        enc = self.tokenizer.encode(text, add_special_tokens=False)
+        unk = getattr(self.tokenizer.model, "unk_token", None)
+        unk_id = self.tokenizer.token_to_id(unk) if unk else None
+        if unk_id is not None and unk_id in enc.ids:
+            spans = zip(enc.ids, enc.offsets, strict=True)
+            words = [text[a:b] for i, (a, b) in spans if i == unk_id]
+            if any(w != unk for w in words):
+                raise ValueError(
+                    f"the model's tokenizer cannot spell {words[:5]!r} of the text {text[:80]!r} "
+                    f"(they would become {unk!r}); a word-level vocabulary needs the words "
+                    "separated by spaces, or use a model whose tokenizer covers the text"
+                )
+        return enc.ids
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)

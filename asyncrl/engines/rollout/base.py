@@ -121,7 +121,7 @@ class RolloutEngine(Protocol):
 
     The receiving side of weight sync (``init_weights_update_group``,
     ``update_weights_from_distributed``, ``update_weights_from_tensor``) is driven
-    by the weight transport through :class:`~asyncrl.engines.rollout.sglang.SGLangClient`.
+    by the weight transport through :class:`~asyncrl.engines.rollout.sglang.client.SGLangClient`.
     """
 
     url: str

@@ -1,29 +1,26 @@
 """Start, health-wait and stop rollout-engine server processes; or take engines by URL.
 
-:func:`launch` runs ``sglang serve --model-path P --tp-size N --host H --port P
-[--mem-fraction-static F] [extra args...]`` (or ``python -m sglang.launch_server
-...`` where the installed SGLang has no ``sglang serve``: :func:`sglang_entry_point`)
-in its own session (so stopping it by pid ends its whole process tree, TP workers
+The part every engine family shares: :func:`launch` runs a :class:`LaunchSpec` (a
+family's launcher builds it: ``sglang/launcher.py``, ``vllm/launcher.py``, the embedded
+engine's below) in its own session (so stopping it by pid ends its whole process tree, TP workers
 included) with output to a log file. :func:`wait_healthy` polls liveness
 until it answers, failing early (with the log's tail) if the process exits,
 or after a timeout. :func:`stop_servers` ends them by pid (SIGTERM, then
 SIGKILL).
 
 The server module is a field of :class:`LaunchSpec`: ``sglang.launch_server``
-by default; ``asyncrl.entrypoints.engine`` (the embedded engine,
-which accepts the same flags) runs the very same code path — that is how the
-launcher is tested on machines without SGLang, and how ``asyncrl run`` starts
-its embedded engines.
+by default; ``asyncrl.entrypoints.engine`` (the embedded engine, which accepts SGLang's
+flags) runs the very same code path — that is how the launcher is tested on machines
+without SGLang, and how ``asyncrl run`` starts its embedded engines.
 
 :func:`start_engines` is the one place a run turns ``RolloutConfig`` into
 engine URLs: the configured ``urls`` as they are (servers running elsewhere),
-or freshly launched local or SGLang servers.
+or freshly launched servers of the configured family (:func:`engine_spec`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import importlib.metadata
 import json
 import re
 import subprocess
@@ -31,9 +28,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from asyncrl.config import LocalRolloutConfig, RolloutConfig, SGLangRolloutConfig
+from asyncrl.config import LocalRolloutConfig, RolloutConfig
 from asyncrl.engines.rollout.base import EngineUnavailable
-from asyncrl.engines.rollout.sglang import SGLangClient
+from asyncrl.engines.rollout.sglang.client import SGLangClient
 from asyncrl.procs import free_port, python_env, spawn, stop
 
 __all__ = [
@@ -44,17 +41,15 @@ __all__ = [
     "engine_spec",
     "launch",
     "launch_command",
-    "sglang_dtype",
-    "sglang_entry_point",
     "start_engines",
     "startup_timeout",
     "stop_servers",
+    "stored_dtype",
     "wait_healthy",
 ]
 
 SGLANG_SERVER = "sglang.launch_server"
-SGLANG_CLI = "sglang.cli.main:main"
-"""SGLang's ``sglang`` console script (its wheels' entry_points.txt, 0.5.10 to 0.5.23)."""
+"""SGLang's server module (``python -m``): :class:`LaunchSpec`'s default module."""
 LOCAL_SERVER = "asyncrl.entrypoints.engine"
 
 
@@ -135,31 +130,7 @@ def _head(spec: LaunchSpec) -> list[str]:
     return ["-c", f"import sys; from {mod} import {fn}; sys.exit({fn}())", *sub]
 
 
-def sglang_entry_point(choice: str = "auto") -> tuple[str, ...]:
-    """How to start SGLang: ``(entry point, "serve")`` for ``sglang serve``, ``()`` for
-    ``python -m sglang.launch_server``.
-
-    ``auto``: ``serve`` when the installed SGLang distribution declares the ``sglang``
-    console script and ships ``sglang/cli/serve.py`` (0.5.10 to 0.5.23 do: cli/main.py
-    dispatches ``serve`` to cli/serve.py, which parses the flags with the same
-    ``prepare_server_args``; launch_server.py warns that ``sglang serve`` is the
-    recommended entrypoint), read from its metadata without importing it. No SGLang here
-    (e.g. it lives only on the engine's node): ``launch_server``, which every version has.
-    """
-    if choice == "launch_server":
-        return ()
-    try:
-        dist = importlib.metadata.distribution("sglang")
-    except importlib.metadata.PackageNotFoundError:
-        return (SGLANG_CLI, "serve") if choice == "serve" else ()
-    for ep in dist.entry_points:
-        if ep.group == "console_scripts" and ep.name == "sglang":
-            if choice == "serve" or Path(str(dist.locate_file("sglang/cli/serve.py"))).is_file():
-                return (ep.value, "serve")
-    return (SGLANG_CLI, "serve") if choice == "serve" else ()
-
-
-def _stored_dtype(model_path: str) -> str:
+def stored_dtype(model_path: str) -> str:
     """The dtype a Hugging Face checkpoint is stored in (``config.json``), or ""."""
     try:
         cfg = json.loads((Path(model_path) / "config.json").read_text())
@@ -167,16 +138,6 @@ def _stored_dtype(model_path: str) -> str:
         return ""
     got = cfg.get("torch_dtype") or cfg.get("dtype") or ""
     return got if isinstance(got, str) else ""
-
-
-def sglang_dtype(rc: SGLangRolloutConfig, model_path: str) -> str:
-    """``--dtype`` of a launched SGLang server (see ``RolloutConfig.dtype``): SGLang's
-    ``auto`` serves a float32 checkpoint in float16 (srt/configs/model_config.py:2303-2319
-    in 0.5.23), which overflows where the trainer's bfloat16 does not; so ``auto`` here is
-    SGLang's ``auto`` only for checkpoints stored in bfloat16 or float16."""
-    if rc.dtype != "auto":
-        return rc.dtype
-    return "auto" if _stored_dtype(model_path) in ("bfloat16", "float16") else "bfloat16"
 
 
 def startup_timeout(rc: RolloutConfig, model_path: str) -> float:
@@ -275,7 +236,7 @@ def engine_spec(
     """Engine ``i``'s server of a run: on ``host`` (default ``rc.host``) at ``port`` (default a
     free one there); an SGLang server uses GPUs from ``base_gpu`` (default ``i * tp_size``, the
     engines of one host side by side; 0 where the launcher already narrowed the visible GPUs).
-    ``dtype`` is the embedded engine's; SGLang's is :func:`sglang_dtype`'s."""
+    ``dtype`` is the embedded engine's; SGLang's is ``sglang.launcher.sglang_dtype``'s."""
     host = host or rc.host
     port = port or free_port(host)
     if isinstance(rc, LocalRolloutConfig):
@@ -284,15 +245,7 @@ def engine_spec(
         extra += ["--max-batch-size", str(rc.max_batch_size)]
         extra += ["--kv-after-update", rc.kv_after_update]
         return LaunchSpec(model_path, port, host, 1, None, (*extra, *rc.extra_args), LOCAL_SERVER)
-    extra = ["--dtype", sglang_dtype(rc, model_path), "--random-seed", str(seed + 1000 + i)]
-    extra += ["--base-gpu-id", str(i * rc.tp_size if base_gpu is None else base_gpu)]
-    return LaunchSpec(
-        model_path,
-        port,
-        host,
-        rc.tp_size,
-        rc.mem_fraction_static or None,
-        (*extra, *rc.extra_args),
-        SGLANG_SERVER,
-        entry_point=sglang_entry_point(rc.sglang_entrypoint),
-    )
+    from asyncrl.engines.rollout.sglang.launcher import sglang_spec
+
+    gpu = i * rc.tp_size if base_gpu is None else base_gpu
+    return sglang_spec(rc, model_path, port, host, gpu, seed + 1000 + i)

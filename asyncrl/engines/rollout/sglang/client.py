@@ -13,8 +13,8 @@ other HTTP error or a ``success: false`` body raises :class:`EngineError` —
 both carry the server's message. Connection failures and timeouts raise
 :class:`EngineUnavailable` (recoverable: retry, maybe elsewhere).
 
-The launcher of SGLang server processes lives in
-:mod:`asyncrl.engines.rollout.launcher`.
+The flags of SGLang server processes: :mod:`asyncrl.engines.rollout.sglang.launcher`
+(started by :mod:`asyncrl.engines.rollout.launcher`).
 """
 
 from __future__ import annotations
