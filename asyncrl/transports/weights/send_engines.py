@@ -93,6 +93,7 @@ class EngineGroup:
         self.pause_scope = "transfer" if sglang else cfg.pause_scope
         self.clients: list[SGLangClient] = []
         self.formed = False
+        self.pauses = 0  # pause calls made (to every engine at once), for push stats
         self.lock: asyncio.Lock | None = None  # pushes and re-forms, one at a time
         self._formation = formation
         self._loop = new_event_loop()
@@ -229,6 +230,7 @@ class EngineGroup:
 
     async def pause(self) -> None:
         """Pause generation on every engine (``pause_mode``)."""
+        self.pauses += 1
         await self.all("/pause_generation", lambda c: c.pause_generation(self.pause_mode))
 
     async def resume(self) -> None:

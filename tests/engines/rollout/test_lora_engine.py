@@ -165,7 +165,7 @@ async def test_ring_pins_a_long_request_while_newer_versions_load(
         logp = torch.log_softmax(models[1](input_ids=ids).logits[0, 2:-1], -1)
         want = logp.gather(-1, ids[0, 3:, None])[:, 0]
     torch.testing.assert_close(torch.tensor(long.logprobs), want, atol=1e-4, rtol=0)
-    assert engine.stats["pauses"] == 0 and engine.stats["aborted"] == 1
+    assert engine.stats["pauses"] == 0 and engine.stats["aborted"] == 0
     with pytest.raises(UnknownAdapter, match=r"policy-v3, policy-v4, policy-v5"):
         ring.pin_named("policy-v1")
 

@@ -236,7 +236,6 @@ class LocalEngine:
             self._keep_running([i for i, r in enumerate(self._running) if id(r) not in gone])
         for r in victims:
             self._finish(r, {"type": "abort", "message": "aborted by request"})
-        self.stats["aborted"] += len(victims) + cancelled
         return len(victims) + cancelled
 
     def _cancel_prefill(self, match: Any) -> int:
@@ -263,7 +262,7 @@ class LocalEngine:
             if mode == "retract":
                 self._retract()
         if mode == "abort":
-            self.abort(abort_all=True)
+            self.stats["aborted"] += self.abort(abort_all=True)
 
     def resume(self) -> None:
         with self._cv:

@@ -194,6 +194,7 @@ class EngineServer:
             raise _BadRequest("abort_request takes rid (a string) and abort_all (true or false)")
         rid = str(rid)
         n = await asyncio.to_thread(self.engine.abort, rid, abort_all)
+        self.engine.stats["aborted"] += n  # asked for (a hung-up client's abort is not counted)
         return web.json_response({"success": True, "aborted": n})
 
     async def pause_generation(self, request: web.Request) -> web.Response:
