@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from asyncrl.config.gateway import GatewayConfig
 from asyncrl.config.load import load_config, to_dict
+from asyncrl.config.lora import LoraConfig
 from asyncrl.config.rollout import (
     DEFAULT_MAX_NEW_TOKENS,
     PAUSE_MODES,
@@ -70,6 +71,7 @@ __all__ = [
     "HcclWeightsConfig",
     "LocalRolloutConfig",
     "LoggingConfig",
+    "LoraConfig",
     "ModelConfig",
     "NcclWeightsConfig",
     "PauseMode",

@@ -8,6 +8,7 @@ import msgspec
 
 from asyncrl.config.base import NonNegative, NonNegativeFloat, Positive, PositiveFloat, _Section
 from asyncrl.config.gateway import GatewayConfig
+from asyncrl.config.lora import LoraConfig
 from asyncrl.config.rollout import (
     LocalRolloutConfig,
     RolloutConfig,
@@ -228,6 +229,7 @@ class RunConfig(_Section, frozen=True):
     checkpoint: CheckpointConfig = msgspec.field(default_factory=CheckpointConfig)
     logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)
     gateway: GatewayConfig = msgspec.field(default_factory=GatewayConfig)
+    lora: LoraConfig = msgspec.field(default_factory=LoraConfig)
     run_dir: str = ""
     """Output folder (metrics.jsonl, config.json, logs). Empty: a new folder under ``runs/``."""
     seed: int = 0
@@ -251,6 +253,28 @@ class RunConfig(_Section, frozen=True):
                 "IPC weight transfer takes pickled handles (vllm/distributed/weight_transfer/"
                 "clients.py:26-47), which asyncrl does not send; use weights.backend='nccl' "
                 "(or 'auto', 'gloo') with rollout.backend='vllm'"
+            )
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        """What a LoRA run (``lora.rank > 0``) cannot be combined with (yet), by key."""
+        if not self.lora.enabled:
+            return
+        if not isinstance(self.rollout, LocalRolloutConfig):
+            raise ValueError(
+                "lora.rank > 0 works with rollout.backend='local' only (the embedded engine's "
+                "adapter version ring); SGLang's LoRA serving is not wired in yet "
+                "(docs/rollout-engines.md, LoRA)"
+            )
+        if isinstance(self.weights, CudaIpcWeightsConfig):
+            raise ValueError(
+                "lora.rank > 0 pushes adapters over the collective backends (weights.backend = "
+                "auto | gloo | nccl | hccl); weights.backend='cuda-ipc' is not supported with LoRA"
+            )
+        if self.weights.delta != "off":
+            raise ValueError(
+                "weights.delta must be 'off' with lora.rank > 0 (an adapter push is small and "
+                "loads beside the served versions, never into them)"
             )
 
     def generation_budget(self) -> int:

@@ -19,6 +19,7 @@ import torch
 from aiohttp import web
 
 from asyncrl import trace
+from asyncrl.engines.rollout.local.lora import LoraSpec
 from asyncrl.engines.rollout.local.server import EngineServer, build_app, load_engine
 from asyncrl.engines.rollout.local.weights import WeightReceiver
 from asyncrl.loops import new_event_loop
@@ -83,12 +84,40 @@ def _parser() -> argparse.ArgumentParser:
         help="addresses or CIDRs (comma-separated; 'loopback' = 127.0.0.0/8 and ::1) where "
         "/init_weights_update_group may make this engine join a weight group",
     )
+    p.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="serve LoRA adapters: an in-memory ring of adapter versions (see local/lora.py)",
+    )
+    p.add_argument("--max-lora-rank", type=int, default=8, help="the adapters' rank")
+    p.add_argument("--lora-alpha", type=float, default=16.0, help="adapters scale by alpha/rank")
+    p.add_argument(
+        "--lora-target-modules",
+        default="q_proj,k_proj,v_proj,o_proj",
+        help="comma-separated names of the linear layers with an adapter",
+    )
+    p.add_argument(
+        "--max-loaded-loras",
+        type=int,
+        default=2,
+        help="adapter versions held at once (the run's max_staleness + 1)",
+    )
+    p.add_argument("--lora-name", default="policy", help="versions are served as NAME-vN")
     p.add_argument("--seed", type=int, default=0, help="seed of sampling")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (CPU)")
     # SGLang launch_server flags, so the SGLang launcher can start this server too.
     p.add_argument("--tp-size", "--tp", type=int, default=1, help="must be 1 (no tensor parallel)")
     p.add_argument("--mem-fraction-static", type=float, default=None, help="accepted, unused")
     return p
+
+
+def _lora_spec(args: argparse.Namespace) -> LoraSpec | None:
+    if not args.enable_lora:
+        return None
+    targets = tuple(t.strip() for t in args.lora_target_modules.split(",") if t.strip())
+    return LoraSpec(
+        args.max_lora_rank, args.lora_alpha, targets, args.max_loaded_loras, args.lora_name
+    )
 
 
 def main(argv: list[str] | None = None, receiver: type[WeightReceiver] = WeightReceiver) -> None:
@@ -115,6 +144,7 @@ def main(argv: list[str] | None = None, receiver: type[WeightReceiver] = WeightR
         args.context_length,
         args.max_prompt_tokens,
         args.stall_timeout,
+        _lora_spec(args),
     )
     server = EngineServer(engine, args.model_path, args.host, args.weight_masters, receiver)
     app = build_app(server)

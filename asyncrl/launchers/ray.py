@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.config import LocalRolloutConfig, RunConfig
-from asyncrl.engines.rollout.launcher import engine_spec, launch_command
+from asyncrl.engines.rollout.launcher import engine_spec, launch_command, lora_engine_args
 from asyncrl.launchers.base import Death, Placed, TrainerArgs, trainer_command
 from asyncrl.trace import ENV_DIR, ENV_EVERY, ENV_MAX_MB
 
@@ -208,6 +208,7 @@ class RayLauncher:
             port,
             base_gpu=0,
             weight_master=self.procs["trainer0"].address,
+            lora=lora_engine_args(cfg),
         )
         proc.args, proc.url = launch_command(spec), spec.url
         self._start(proc)

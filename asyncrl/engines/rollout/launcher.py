@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from asyncrl.config import LocalRolloutConfig, RolloutConfig, VLLMRolloutConfig
+from asyncrl.config import LocalRolloutConfig, RolloutConfig, RunConfig, VLLMRolloutConfig
 from asyncrl.engines.rollout.base import EngineUnavailable
 from asyncrl.engines.rollout.sglang.client import SGLangClient
 from asyncrl.engines.rollout.vllm.client import VLLMClient
@@ -215,6 +215,7 @@ def start_engines(
     dtype: str = "float32",
     seed: int = 0,
     weight_master: str = "127.0.0.1",
+    lora: Sequence[str] = (),
 ) -> tuple[list[str], list[LaunchedServer]]:
     """Engine URLs for a run, and the servers started for it (empty when ``rc.urls`` is set).
 
@@ -222,19 +223,38 @@ def start_engines(
     launches ``rc.num_engines`` SGLang servers (``rc.tp_size`` GPUs each, on
     consecutive GPUs via ``--base-gpu-id``). Embedded engines may join weight groups on
     loopback and at ``weight_master`` (the trainer's ``weights.master_address``). Callers
-    wait with :func:`wait_healthy` and stop with :func:`stop_servers`.
+    wait with :func:`wait_healthy` and stop with :func:`stop_servers`. ``lora``: the
+    embedded engines' LoRA flags (:func:`lora_engine_args`).
     """
     if rc.urls:
         return list(rc.urls), []
     servers: list[LaunchedServer] = []
     try:
         for i in range(rc.num_engines):
-            spec = engine_spec(rc, model_path, i, dtype, seed, weight_master=weight_master)
+            spec = engine_spec(
+                rc, model_path, i, dtype, seed, weight_master=weight_master, lora=lora
+            )
             servers.append(launch(spec, log_dir / f"engine{i}.log"))
     except BaseException:
         stop_servers(servers)
         raise
     return [s.url for s in servers], servers
+
+
+def lora_engine_args(cfg: RunConfig) -> tuple[str, ...]:
+    """The embedded engine's flags for the run's ``lora`` section (none when LoRA is off):
+    the adapters' shape and a ring of ``controller.max_staleness + 1`` versions."""
+    lc = cfg.lora
+    if not lc.enabled:
+        return ()
+    return (
+        "--enable-lora",
+        "--max-lora-rank", str(lc.rank),
+        "--lora-alpha", repr(lc.alpha),
+        "--lora-target-modules", ",".join(lc.target_modules),
+        "--max-loaded-loras", str(cfg.controller.max_staleness + 1),
+        "--lora-name", lc.name,
+    )  # fmt: skip
 
 
 def engine_spec(
@@ -247,6 +267,7 @@ def engine_spec(
     port: int | None = None,
     base_gpu: int | None = None,
     weight_master: str = "127.0.0.1",
+    lora: Sequence[str] = (),
 ) -> LaunchSpec:
     """Engine ``i``'s server of a run: on ``host`` (default ``rc.host``) at ``port`` (default a
     free one there); an SGLang server uses GPUs from ``base_gpu`` (default ``i * tp_size``, the
@@ -258,7 +279,7 @@ def engine_spec(
         extra = ["--device", rc.device, "--dtype", dtype, "--seed", str(seed + 1000 + i)]
         extra += ["--weight-masters", f"loopback,{weight_master}"]
         extra += ["--max-batch-size", str(rc.max_batch_size)]
-        extra += ["--kv-after-update", rc.kv_after_update]
+        extra += ["--kv-after-update", rc.kv_after_update, *lora]
         return LaunchSpec(model_path, port, host, 1, None, (*extra, *rc.extra_args), LOCAL_SERVER)
     gpu = i * rc.tp_size if base_gpu is None else base_gpu
     if isinstance(rc, VLLMRolloutConfig):

@@ -221,6 +221,7 @@ class CollectiveWeightSender:
         assert self.engines.lock is not None, "connect() first"
         async with self.engines.lock:
             t0 = time.perf_counter()
+            pauses = self.engines.pauses
             try:
                 plan, attempts = await self.stream.deliver(tensors, version, snap, t_push, packed)
             except BaseException:
@@ -229,7 +230,9 @@ class CollectiveWeightSender:
             finally:
                 snap.set()
             self.stager.pushed(version)
-            return self._stats(plan, version, t_push, t0, attempts)
+            stats = self._stats(plan, version, t_push, t0, attempts)
+            stats["pauses"] = float(self.engines.pauses - pauses)  # 0 with pause_scope none
+            return stats
 
     def _stats(
         self, plan: list[BucketManifest], version: int, t_push: float, t0: float, attempts: int

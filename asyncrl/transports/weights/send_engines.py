@@ -98,6 +98,7 @@ class EngineGroup:
         self.pause_scope = "transfer" if self.loads_live else cfg.pause_scope
         self.clients: list[ControlledEngine] = []
         self.formed = False
+        self.pauses = 0  # pause calls made (to every engine at once), for push stats
         self.lock: asyncio.Lock | None = None  # pushes and re-forms, one at a time
         self._formation = formation
         self._loop = new_event_loop()
@@ -234,6 +235,7 @@ class EngineGroup:
 
     async def pause(self) -> None:
         """Pause generation on every engine (``pause_mode``)."""
+        self.pauses += 1
         await self.all("/pause_generation", lambda c: c.pause_generation(self.pause_mode))
 
     async def resume(self) -> None:

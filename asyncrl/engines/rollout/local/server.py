@@ -31,6 +31,7 @@ from aiohttp import web
 from asyncrl import trace
 from asyncrl.engines.rollout.checks import BadRequest
 from asyncrl.engines.rollout.local.engine import LocalEngine, Request, SamplingParams
+from asyncrl.engines.rollout.local.lora import LoraSpec
 from asyncrl.engines.rollout.local.weights import WeightReceiver, WeightRequestError
 from asyncrl.transports.weights.delta import DELTA_CAPABILITY
 
@@ -149,6 +150,7 @@ class EngineServer:
         rids = [_item(body, "rid", i, n, batch) for i in range(n)]
         lps = [_item(body, "return_logprob", i, n, batch) for i in range(n)]
         reqs = [self._request(ids[i] if batch else ids, sps[i], rids[i], loop) for i in range(n)]
+        self._pin_named(reqs, [_item(body, "lora_path", i, n, batch) for i in range(n)])
         self.engine.submit_all(reqs)
         try:
             await asyncio.gather(*(r.future for r in reqs))
@@ -191,6 +193,29 @@ class EngineServer:
         await resp.write_eof()
         return resp
 
+    def _pin_named(self, reqs: list[Request], paths: list[Any]) -> None:
+        """Pin requests that name an adapter version (SGLang's ``lora_path``, ``{name}-v{N}``)
+        to it; 400 naming the held versions when the engine does not hold it (or serves no
+        adapters). Unnamed requests are pinned to the newest version when they join."""
+        if all(p is None for p in paths):
+            return
+        ring = self.engine.lora
+        if ring is None:
+            raise _BadRequest("lora_path given, but this engine serves no LoRA adapters")
+        pinned: list[Request] = []
+        try:
+            for req, path in zip(reqs, paths, strict=True):
+                if path is None:
+                    continue
+                if not isinstance(path, str):
+                    raise _BadRequest(f"lora_path must be a string, got {path!r}"[:300])
+                req.min_version, req.lora_slot = ring.pin_named(path)
+                pinned.append(req)
+        except BaseException:
+            for req in pinned:
+                ring.unpin(req.lora_slot)
+            raise
+
     def _abort_each(self, rids: list[str]) -> None:
         for rid in rids:
             self.engine.abort(rid)
@@ -226,6 +251,7 @@ class EngineServer:
             raise _BadRequest("abort_request takes rid (a string) and abort_all (true or false)")
         rid = str(rid)
         n = await asyncio.to_thread(self.engine.abort, rid, abort_all)
+        self.engine.stats["aborted"] += n  # asked for (a hung-up client's abort is not counted)
         return web.json_response({"success": True, "aborted": n})
 
     async def pause_generation(self, request: web.Request) -> web.Response:
@@ -292,6 +318,7 @@ class EngineServer:
                 "weight_version": e.weight_version,
                 "paused": e.paused,
                 "num_requests": e.num_requests,
+                **({"lora": e.lora.info()} if e.lora is not None else {}),
                 **e.stats,
             }
         )
@@ -389,14 +416,16 @@ def load_engine(
     context_length: int | None = None,
     max_prompt_tokens: int | None = None,
     stall_s: float = 60.0,
+    lora: LoraSpec | None = None,
 ) -> LocalEngine:
-    """The model at ``model_path`` (a Hugging Face folder) behind a LocalEngine."""
+    """The model at ``model_path`` (a Hugging Face folder) behind a LocalEngine (serving LoRA
+    adapters when ``lora`` is given)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
     eos = model.generation_config.eos_token_id or model.config.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    return LocalEngine(
+    engine = LocalEngine(
         model,
         eos_ids,
         device=device,
@@ -408,3 +437,6 @@ def load_engine(
         max_prompt_tokens=max_prompt_tokens,
         stall_s=stall_s,
     )
+    if lora is not None:
+        engine.enable_lora(lora)
+    return engine
