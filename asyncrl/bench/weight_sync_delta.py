@@ -1,14 +1,15 @@
 """``asyncrl bench weight-sync --delta``: delta pushes against full pushes and the floor.
 
 Qwen2 shapes (``--model``), fp32 master weights on the sender (normal(0, 0.02)
-matrices, unit norms, zero biases: a fresh model's statistics) synced as bf16
-(``weights.dtype = "bfloat16"``) into one engine process serving bf16. Per
-learning rate (``--lrs``) the weights change by real ``torch.optim.AdamW``
-steps (gradients: normal noise; Adam normalises them, so every element moves by
-about ``lr`` as in any Adam step) and, per step, in the same run and on the
-same link:
+matrices, unit norms, zero biases: a fresh model's statistics, fresh for every
+learning rate) synced as bf16 (``weights.dtype = "bfloat16"``) into one engine
+process serving bf16. Per learning rate (``--lrs``) the weights change by real
+``torch.optim.AdamW`` steps (gradients: normal noise; Adam normalises them, so
+every element moves by about ``lr`` as in any Adam step) and, per step, in the
+same run and on the same link:
 
-- ``floor_s``: one flat broadcast of the bf16 bytes to a peer process;
+- ``floor_s``: one flat broadcast of as many bytes as the bf16 sync (real bytes: the
+  masters' own) to a peer process;
 - ``full``: our push with ``weights.delta = "off"`` (the cast and the whole
   bf16 bytes);
 - ``delta``: our push with ``weights.delta = --delta-mode`` (default ``auto``):
@@ -21,6 +22,16 @@ changed, per step), ``changed_words_frac`` (8-byte words), ``wire_bytes``,
 ``floor_s``, ``total_s``, ``stall_s`` (medians), ``delta_pushes`` (pushes
 sent as deltas), ``verified`` (the engine's parameters equal the masters cast
 to bf16, bit for bit, after the last push of each sender).
+
+Memory: ``sender_bytes_per_param`` is what the sender itself holds between pushes
+(staging slots, delta bases, compare mask; ``BucketStager.memory_bytes``) per parameter,
+``sender_peak_bytes_per_param`` that plus the largest push's delta payloads, which live
+until it is delivered. ``tree_rss_after_bytes``: the resident memory of this process and
+its children (the engine, the floor's peer) after each rate, once its state is freed;
+``tree_peak_rss_bytes``: the sum of their high-water marks so far. The stand-in trainer
+holds the masters and AdamW's state (12 bytes per parameter) and a chunk's worth of
+gradient and temporaries (see :class:`_Trainer`), so the process holds what a trainer
+with fp32 masters would, plus the two senders.
 """
 
 from __future__ import annotations
@@ -35,42 +46,71 @@ from typing import Any
 __all__ = ["run_delta", "table_delta"]
 
 
-def _masters(model: str) -> dict[str, Any]:
+def _masters(model: str) -> tuple[Any, dict[str, Any]]:
+    """The fp32 masters as views of one flat buffer (returned too): normal(0, 0.02)
+    matrices, unit norms, zero biases."""
     import torch
 
     from asyncrl.bench.weight_sync import _shapes
 
+    shapes = _shapes(model)
+    flat = torch.empty(sum(torch.Size(s).numel() for _, s in shapes))
     g = torch.Generator().manual_seed(0)
-    out = {}
-    for name, shape in _shapes(model):
+    out, off = {}, 0
+    for name, shape in shapes:
+        t = out[name] = flat[off : off + torch.Size(shape).numel()].view(shape)
+        off += t.numel()
         if len(shape) >= 2:
-            out[name] = torch.randn(shape, generator=g).mul_(0.02)
-        elif "norm" in name:
-            out[name] = torch.ones(shape)
+            t.normal_(0.0, 0.02, generator=g)
         else:
-            out[name] = torch.zeros(shape)
-    return out
+            t.fill_(1.0 if "norm" in name else 0.0)
+    return flat, out
 
 
-class _Noise:
-    """Gradients: views of one buffer of normal noise (as large as the largest parameter plus
-    a little), drawn again every step, each parameter at its own offset. Adam normalises
-    gradients, so every element still moves by about ``lr``; the trainer stand-in then
-    holds one parameter's worth of gradient instead of a whole model's."""
+class _Trainer:
+    """The stand-in trainer: AdamW on the fp32 masters (``flat``, viewed per tensor as
+    ``named``), gradients of normal noise (Adam normalises them, so every element moves by
+    about ``lr`` as in any Adam step).
 
-    SPREAD = 4099
+    AdamW is element-wise, so it steps the flat masters in chunks of ``CHUNK`` elements, one
+    optimizer each, exactly as it would step the tensors; the noise is one buffer of a chunk
+    (plus ``SPREAD``), drawn once per step, each chunk taking it at its own offset. So the
+    stand-in holds what a trainer with fp32 masters holds for them (masters and AdamW's two
+    moments: 12 bytes per parameter) and a chunk's worth besides, never one more copy of a
+    whole tensor (the embedding's update temporaries alone would be 1.6 GB for Qwen2-0.5B).
+    """
 
-    def __init__(self, params: list[Any]):
+    CHUNK, SPREAD = 1 << 24, 4099
+
+    def __init__(self, flat: Any, named: dict[str, Any], lr: float):
         import torch
 
-        self.params = params
-        self.buf = torch.empty(max(p.numel() for p in params) + self.SPREAD)
+        self.named = named
+        chunks = [flat[i : i + self.CHUNK] for i in range(0, flat.numel(), self.CHUNK)]
+        self.chunks = [torch.nn.Parameter(c) for c in chunks]  # views: steps write the masters
+        self.opts = [torch.optim.AdamW([c], lr=lr, foreach=False) for c in self.chunks]
+        self.noise = torch.empty(self.CHUNK + self.SPREAD)
+        self.gen = torch.Generator().manual_seed(1)
 
-    def step(self, gen: Any) -> None:
-        self.buf.normal_(generator=gen)
-        for i, p in enumerate(self.params):
+    def step(self) -> float:
+        """One optimizer step of every parameter; the fraction of bf16 values it changed."""
+        import torch
+
+        self.noise.normal_(generator=self.gen)
+        changed, numel = 0, 0
+        for i, (c, opt) in enumerate(zip(self.chunks, self.opts, strict=True)):
+            before = c.detach().bfloat16()
             off = (i * 257) % self.SPREAD
-            p.grad = self.buf[off : off + p.numel()].view(p.shape)
+            c.grad = self.noise[off : off + c.numel()]
+            opt.step()
+            c.grad = None
+            after = c.detach().bfloat16()
+            changed += int((before.view(torch.int16) != after.view(torch.int16)).sum())
+            numel += c.numel()
+        return changed / numel
+
+    def weights(self) -> dict[str, Any]:
+        return {k: t.detach() for k, t in self.named.items()}
 
 
 def _tree_bytes(peak: bool) -> int:
@@ -96,33 +136,10 @@ def _release_memory() -> None:
         pass
 
 
-def _changed(before: dict[str, Any], named: dict[str, Any]) -> float:
-    """bf16 values whose bits differ between ``before`` and the parameters cast to bf16."""
-    import torch
-
-    n = sum(t.numel() for t in before.values())
-    diff = 0
-    for k, p in named.items():  # one parameter's cast at a time
-        diff += int((before[k].view(torch.int16) != p.detach().bfloat16().view(torch.int16)).sum())
-    return diff / n
-
-
-def _bf16_views(shapes: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-    """One flat bf16 buffer (zeroed) and a view of it per tensor, in the given shapes."""
-    import torch
-
-    flat = torch.zeros(sum(s.numel() for s in shapes.values()), dtype=torch.bfloat16)
-    views, off = {}, 0
-    for name, shape in shapes.items():
-        views[name] = flat[off : off + shape.numel()].view(shape)
-        off += shape.numel()
-    return flat, views
-
-
 def run_delta(args: argparse.Namespace) -> list[dict[str, Any]]:
     import torch
 
-    from asyncrl.bench.weight_sync import _Children, _Floor, _shapes
+    from asyncrl.bench.weight_sync import _Children, _Floor
 
     torch.set_num_threads(args.threads)
     logs = Path(tempfile.mkdtemp(prefix="asyncrl-bench-ws-delta-"))
@@ -130,15 +147,23 @@ def run_delta(args: argparse.Namespace) -> list[dict[str, Any]]:
     me += ["--dtype", "bfloat16", "--send-host", args.send_host, "--recv-host", args.recv_host]
     children = _Children(args, me, logs)
     rows: list[dict[str, Any]] = []
+    floor: Any = None
     try:
         engine = children.start("engine", ["--_engine", "--port", "{port}"])
         urls = [f"http://{args.recv_host}:{engine.bench_port}"]
-        # the bf16 values before each step: what the changed fraction compares against, and
-        # the floor's bytes (one flat broadcast of the synced bytes)
-        flat, before = _bf16_views({n: torch.Size(s) for n, s in _shapes(args.model)})
-        floor = _Floor("gloo", flat.numel() * 2, children, args.send_host, flat.view(torch.uint8))
         for lr in args.lrs:
-            rows += _one_lr(args, lr, urls, floor, before)
+            flat, masters = _masters(args.model)
+            # the floor sends real bytes, as many as the bf16 sync: the masters' first half
+            wire = flat.view(torch.uint8)[: flat.numel() * 2]
+            if floor is None:
+                floor = _Floor("gloo", wire.numel(), children, args.send_host, wire)
+            floor.buf = wire
+            del wire
+            try:
+                rows += _one_lr(args, lr, urls, floor, _Trainer(flat, masters, lr))
+            finally:
+                floor.buf = None  # nothing of this rate is left
+                del flat, masters
             _release_memory()
             for r in rows[-2:]:  # so far: the same after every rate when none adds memory
                 r["tree_rss_after_bytes"] = _tree_bytes(peak=False)
@@ -181,44 +206,32 @@ def _senders(args: argparse.Namespace, urls: list[str]) -> dict[str, Any]:
 
 
 def _one_lr(
-    args: argparse.Namespace, lr: float, urls: list[str], floor: Any, before: dict[str, Any]
+    args: argparse.Namespace, lr: float, urls: list[str], floor: Any, trainer: _Trainer
 ) -> list[dict[str, Any]]:
-    """Both senders' rows at one learning rate: fresh masters, AdamW, ``repeats + 2`` steps.
-    Everything of this rate (masters, optimizer state, senders) is gone on return."""
-    import torch
-
+    """Both senders' rows at one learning rate: ``repeats + 2`` steps of ``trainer``. The
+    senders are gone on return."""
     from asyncrl.bench.weight_sync import _ours
 
-    masters = _masters(args.model)
-    params = [torch.nn.Parameter(t) for t in masters.values()]
-    named = dict(zip(masters, params, strict=True))
-    del masters
-    # foreach=False: the per-tensor step, without the fused step's whole-model temporaries
-    opt = torch.optim.AdamW(params, lr=lr, foreach=False)
-    noise, gen = _Noise(params), torch.Generator().manual_seed(1)
     senders = _senders(args, urls)
     runs: dict[str, list[dict[str, float]]] = {m: [] for m in senders}
     floors, fracs = [], []
     try:
         for step in range(args.repeats + 2):  # 2 warm-ups: the first push is always full
-            for k, p in named.items():
-                before[k].copy_(p.detach())
-            noise.step(gen)
-            opt.step()
+            frac = trainer.step()
             if step >= 2:
-                fracs.append(_changed(before, named))
+                fracs.append(frac)
             floors.append(floor.once())
-            weights = {k: p.detach() for k, p in named.items()}
+            weights = trainer.weights()
             for mode, sender in senders.items():
                 r = _ours(sender, weights, step + 1, statistics.median(floors))
                 r["held_bytes"] = float(sender.stager.memory_bytes())
                 if step >= 2:
                     runs[mode].append(r)
-        verified = _verified_now(urls, named, args.repeats + 2)
+        verified = _verified_now(urls, trainer.named, args.repeats + 2)
     finally:
         for sender in senders.values():
             sender.close()
-    numel = sum(p.numel() for p in params)
+    numel = sum(t.numel() for t in trainer.named.values())
     return [_row(args, mode, lr, rs, numel, floors, fracs, verified) for mode, rs in runs.items()]
 
 
