@@ -208,3 +208,57 @@ def test_two_engines_tp2(tmp_path: Path, tiny_model_dir: Path) -> None:
     finally:
         for s in servers:
             s.stop()
+
+
+def test_wire_matches_vllms_own_client(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """One push by vLLM's own ``HTTPVLLMWeightSyncClient`` (``vllm/reference.py``) and one by
+    asyncrl's vLLM family: the same weight routes in the same order with the same bodies
+    (asyncrl adds the pause around them); both land bit-exact."""
+    from safetensors.torch import load_file
+
+    from asyncrl.config import GlooWeightsConfig
+    from asyncrl.transports.weights import make_weight_transport
+    from tests.engines.rollout.vllm.code import vllm_env
+
+    ref = start_vllm(tiny_model_dir, tmp_path / "ref")
+    ours = start_vllm(tiny_model_dir, tmp_path / "ours")
+    sender = None
+    try:
+        cmd = [sys.executable, "-m", "tests.engines.rollout.vllm.reference", ref.url]
+        done = subprocess.run([*cmd, str(tiny_model_dir)], env=python_env(vllm_env()),
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        cfg = GlooWeightsConfig(bucket_mb=1, timeout_s=60)
+        sender = make_weight_transport(cfg, [ours.url], "cpu", "keep", "vllm")
+        sender.connect()
+        weights = load_file(str(tiny_model_dir / "model.safetensors"))
+        sender.push(((n, w + 1) for n, w in weights.items()), 1).wait(60)
+        want = {n: _sha(w + 1) for n, w in weights.items()}
+        assert ref.state()["sha256"]["rank0"] == want == ours.state()["sha256"]["rank0"]
+
+        def weight_calls(s: VLLMStandIn) -> list[tuple[str, Any]]:
+            keep = ("/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
+                    "/finish_weight_update")  # fmt: skip
+            out = []
+            for c in s.wire():
+                if c["path"] in keep:
+                    body = dict(c["body"] or {})
+                    if "init_info" in body:
+                        body = {k: v for k, v in body["init_info"].items() if k != "master_port"}
+                    out.append((c["path"], body if c["path"] != "/update_weights" else
+                                c["body"]["update_info"]))  # fmt: skip
+            return out
+
+        r, o = weight_calls(ref), weight_calls(ours)
+        assert [p for p, _ in r] == [p for p, _ in o], (r, o)
+        assert r[0][1].keys() == o[0][1].keys()  # the same init_info fields
+        assert {k: v for k, v in o[0][1].items() if k != "packed_buffer_size_bytes"} == {
+            k: v for k, v in r[0][1].items() if k != "packed_buffer_size_bytes"
+        }
+        assert r[2][1] == o[2][1] and r[3][1] == o[3][1] == {"weight_version": "1"}
+        assert r[1][1] == o[1][1] == {}  # start: no body
+    finally:
+        if sender is not None:
+            sender.close()
+        ref.stop()
+        ours.stop()

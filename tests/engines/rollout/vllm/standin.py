@@ -139,6 +139,7 @@ class StandIn:
         self.mixed_tokens = 0
         self.label_errors = 0
         self.lock = asyncio.Lock()  # the engine serves control calls one at a time
+        self.stepping = asyncio.Lock()  # held while a decode step runs
         self.wake: asyncio.Event | None = None
 
     # -- generation ----------------------------------------------------------------------
@@ -150,7 +151,8 @@ class StandIn:
                 self.wake.clear()
                 await self.wake.wait()
                 continue
-            await asyncio.to_thread(self._step, batch)
+            async with self.stepping:  # a pause returns only after the step under way
+                await asyncio.to_thread(self._step, batch)
             for r in batch:
                 r.changed.set()
             await asyncio.sleep(self.step_s)
@@ -266,6 +268,8 @@ class StandIn:
                 request, {"mode": mode}, {"error": f"Invalid pause mode: {mode}"}, 400
             )
         self.pause, self.reject_new = mode, mode != "keep"
+        async with self.stepping:  # keep/abort: the pause completes once the step ends
+            pass  # (core:951-981: the returned future waits for the outputs in flight)
         if mode == "abort":
             self._abort(None)
         while mode == "wait" and any(r.finish is None for r in self.reqs.values()):
