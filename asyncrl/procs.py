@@ -12,10 +12,20 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
-__all__ = ["finish", "free_port", "pid_alive", "python_env", "spawn", "stop"]
+__all__ = [
+    "descendants",
+    "die_with_parent_fn",
+    "finish",
+    "free_port",
+    "pid_alive",
+    "python_env",
+    "rss_bytes",
+    "spawn",
+    "stop",
+]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -48,7 +58,9 @@ def spawn(
     """Start ``python -m ...``-style args in a new session; output to ``log_path`` (or inherit).
 
     ``die_with_parent`` (Linux): the child is SIGKILLed when this process dies, however it
-    dies (a Ray actor killed with its node's raylet leaves no orphan behind).
+    dies (a SIGKILL, the OOM killer; a Ray actor killed with its node's raylet), see
+    :func:`die_with_parent_fn`. Only the child itself: a child that starts processes of its
+    own ends them itself (as ``asyncrl run`` does with its guardian).
     """
     out = open(log_path, "ab") if log_path is not None else None
     try:
@@ -59,18 +71,35 @@ def spawn(
             stdin=subprocess.DEVNULL,
             env=env or python_env(),
             start_new_session=True,
-            preexec_fn=_die_with_parent if die_with_parent else None,
+            preexec_fn=die_with_parent_fn() if die_with_parent else None,
         )
     finally:
         if out is not None:
             out.close()
 
 
-def _die_with_parent() -> None:
-    if sys.platform.startswith("linux"):
-        import ctypes
+def die_with_parent_fn() -> Callable[[], None] | None:
+    """A ``preexec_fn`` for ``subprocess.Popen``: the child gets SIGKILL when this process
+    dies (Linux ``PR_SET_PDEATHSIG``; None elsewhere).
 
-        ctypes.CDLL(None).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    Linux sends the signal when the *thread* that started the child exits, so start such
+    children from a thread that lives as long as the process (the main thread; not a pool
+    thread that may be retired). A parent that died before the child set the signal up
+    (a race of the fork) makes the child exit at once.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    prctl = ctypes.CDLL(None).prctl  # resolved here: the child may not import after fork
+    parent = os.getpid()
+
+    def arm() -> None:
+        prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return arm
 
 
 def wait_exit(procs: Sequence[subprocess.Popen], timeout_s: float) -> bool:
@@ -91,6 +120,45 @@ def pid_alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (children, grandchildren, ...), read from /proc
+    (Linux; empty elsewhere). A process that outlived its parent is no descendant any more:
+    it was re-parented."""
+    children: dict[int, list[int]] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for name in entries:
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(name))
+    out, todo = [], list(children.get(pid, []))
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += children.get(p, [])
+    return out
+
+
+def rss_bytes(pid: int, peak: bool = False) -> int:
+    """Resident memory of ``pid`` now (``VmRSS``), or (``peak``) its high-water mark so far
+    (``VmHWM``); 0 when it is gone or unknown (Linux /proc)."""
+    key = "VmHWM:" if peak else "VmRSS:"
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(key):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
 
 
 def finish(proc: subprocess.Popen, timeout_s: float) -> tuple[int, str]:

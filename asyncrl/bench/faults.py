@@ -48,7 +48,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from asyncrl.procs import finish, pid_alive, python_env
+from asyncrl.procs import die_with_parent_fn, finish, pid_alive, python_env
 
 __all__ = ["main", "run_scenario"]
 
@@ -59,7 +59,12 @@ def _cli(run_dir: Path, args: list[str], resume: bool = False) -> subprocess.Pop
     where = ["--resume", str(run_dir)] if resume else ["--run-dir", str(run_dir)]
     cmd = [sys.executable, "-m", "asyncrl.cli", "run", "--quiet", *where, *args]
     return subprocess.Popen(
-        cmd, env=python_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        cmd,
+        env=python_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=die_with_parent_fn(),  # the run's guardian then ends its children
     )
 
 
@@ -80,6 +85,18 @@ def _wait_step(run_dir: Path, proc: subprocess.Popen[str], step: int, timeout_s:
             raise RuntimeError(f"the run ended before step {step}: {proc.stdout.read()[-2000:]}")
         time.sleep(0.05)
     raise TimeoutError(f"no step {step} within {timeout_s}s")
+
+
+def _wait_checkpoint(run_dir: Path, proc: subprocess.Popen, timeout_s: float) -> None:
+    """Until the run has one complete checkpoint (written by the trainer after its step: on a
+    loaded machine the run may be steps ahead of it)."""
+    from asyncrl.controllers import checkpoints
+
+    deadline = time.monotonic() + timeout_s
+    while checkpoints.latest_checkpoint(run_dir) is None:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"no complete checkpoint in {run_dir} within {timeout_s:g} s")
+        time.sleep(0.05)
 
 
 def _finish(proc: subprocess.Popen, timeout_s: float) -> None:
@@ -130,6 +147,7 @@ def run_scenario(name: str, args: argparse.Namespace, root: Path) -> dict[str, A
             kills[engine] = time.time()
     if name == "run":
         _wait_step(run_dir, proc, args.kill_at, args.timeout)
+        _wait_checkpoint(run_dir, proc, args.timeout)  # a resume needs one complete checkpoint
         pids = json.loads((run_dir / "processes.json").read_text())
         before = _rows(run_dir / "metrics.jsonl")[-1]["step"]
         proc.send_signal(signal.SIGKILL)

@@ -63,7 +63,7 @@ async def http_fuzz(n: int, model_path: str, concurrency: int, seed: int, log: P
 
     port = free_port()
     args = ["-m", "asyncrl.cli", "serve", "--model-path", model_path, "--port", str(port)]
-    proc = spawn([*args, "--threads", "1"], log)
+    proc = spawn([*args, "--threads", "1"], log, die_with_parent=True)
     url = f"http://127.0.0.1:{port}"
     try:
         probe = SGLangClient(url)

@@ -47,7 +47,7 @@ import numpy as np
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from asyncrl.procs import python_env, stop
+from asyncrl.procs import die_with_parent_fn, python_env, stop
 from asyncrl.transports.experience.codec import decode, encode, encode_batch, header_limits
 from asyncrl.transports.experience.types import (
     ARRAY_FIELDS,
@@ -449,7 +449,7 @@ class _Child:
                "--endpoints", ",".join(endpoints), "--limit", str(limit)]  # fmt: skip
         self.proc = subprocess.Popen(
             cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-            start_new_session=True, env=python_env(),
+            start_new_session=True, env=python_env(), preexec_fn=die_with_parent_fn(),
         )  # fmt: skip
         self.lines: queue.Queue[dict[str, Any]] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()

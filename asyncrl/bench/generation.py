@@ -124,7 +124,7 @@ def bench_engine(args: argparse.Namespace, model_dir: Path, reqs: list) -> dict[
     extra += ("--max-batch-size", str(args.max_batch_size), "--dtype", args.dtype)
     spec = LaunchSpec(str(model_dir), free_port(), module=LOCAL_SERVER, extra_args=extra)
     log = Path(tempfile.mkdtemp(prefix="asyncrl-bench-")) / "engine.log"
-    server = launch(spec, log)
+    server = launch(spec, log, die_with_parent=True)
     try:
         asyncio.run(wait_healthy([server], timeout_s=300))
         wall = asyncio.run(_engine_run(server.url, reqs, args.arrival_s))

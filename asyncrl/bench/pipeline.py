@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import json
 import math
 import os
@@ -79,18 +78,6 @@ def length_stream(seed: int, min_len: int, alpha: float, max_len: int) -> Iterat
         yield min(max_len, math.ceil(min_len * (1.0 - u) ** (-1.0 / alpha)))
 
 
-class Lengths:
-    """The generation lengths of one group's episodes, handed out in turn (the same multiset
-    every time the group runs, also when it is regenerated)."""
-
-    def __init__(self, lengths: list[int]):
-        self.lengths = lengths
-        self._next = itertools.count()
-
-    def take(self) -> int:
-        return self.lengths[next(self._next) % len(self.lengths)]
-
-
 def samples(
     model_path: str,
     seed: int,
@@ -103,9 +90,10 @@ def samples(
 ) -> Iterator[Sample]:
     """The reverse task's prompts, each carrying its group's lengths: ``group_size`` draws
     (``per_episode``: one per episode, as sampled completions of one prompt differ) or one
-    draw shared by the whole group. ``prompt_len``: prompts are lengthened to this many
-    tokens by a random digit context before the task (real RL prompts — a system prompt,
-    a problem statement — are tens to hundreds of tokens, not the task's 5)."""
+    draw shared by the whole group. ``answer`` is ``[the task's answer, lengths]``, plain
+    lists (a checkpoint stores samples as msgpack). ``prompt_len``: prompts are lengthened
+    to this many tokens by a random digit context before the task (real RL prompts — a
+    system prompt, a problem statement — are tens to hundreds of tokens, not the task's 5)."""
     from asyncrl.tasks.reverse import ReverseTask
 
     task = ReverseTask.from_tokenizer_dir(model_path, 3, seed)
@@ -116,13 +104,18 @@ def samples(
         ns = [next(lengths) for _ in range(group_size if per_episode else 1)]
         pad = [rng.choice(digits) for _ in range(prompt_len - len(s.prompt_ids))]
         ids = s.prompt_ids[:1] + pad + s.prompt_ids[1:]
-        yield Sample(prompt_ids=ids, answer=(s.answer, Lengths(ns)), id=s.id)
+        yield Sample(prompt_ids=ids, answer=[s.answer, ns], id=s.id)
 
 
 async def episode(ctx: EpisodeContext, sample: Sample) -> Trajectory:
-    """Generate exactly the episode's length; reward: the reverse task's partial credit."""
+    """Generate exactly the episode's length; reward: the reverse task's partial credit.
+
+    A group's episodes have consecutive ids (every group has ``group_size``), so episode
+    ``i`` of a group takes the group's ``i``-th length: the same multiset every time the
+    group runs, also when it is regenerated or resumed from a checkpoint."""
     answer, lengths = sample.answer
-    gen = await ctx.generate(sample.prompt_ids, max_new_tokens=lengths.take(), ignore_eos=True)
+    n = lengths[ctx.episode_id % len(lengths)]
+    gen = await ctx.generate(sample.prompt_ids, max_new_tokens=n, ignore_eos=True)
     hits = sum(1 for a, b in zip(gen.output_ids, answer) if a == b)  # noqa: B905
     return ctx.trajectory(sample.prompt_ids, [gen], hits / len(answer))
 
@@ -181,6 +174,9 @@ def run_once(staleness: int, a: argparse.Namespace, model_path: str, out: Path) 
         f"--rollout.pause_mode={a.pause_mode}",
         f"--rollout.kv_after_update={a.kv_after_update}",
         "--trainer.threads=1",
+        # the tiny model's own context (64) is shorter than a capped episode: its engine
+        # serves a longer one (rotary positions), as the engine tests do
+        f'--rollout.extra_args=["--context-length", "{max(a.prompt_len, 16) + a.max_len}"]',
     ]
     cfg = load_config(None, overrides)
     load_before = machine_load()

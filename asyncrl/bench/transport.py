@@ -133,7 +133,7 @@ def _endpoint(args: argparse.Namespace, name: str) -> str:
 def _start(args: argparse.Namespace, child: list[str]) -> Any:
     """The consumer: a local child, or (``--ray``) a process on the Ray node ``--recv-host``."""
     if not args.ray:
-        return spawn(child)
+        return spawn(child, die_with_parent=True)  # (from the main thread: see spawn)
     from asyncrl.launchers.ray import NodeProcess
 
     proc = NodeProcess(args.recv_host, args.tmp)

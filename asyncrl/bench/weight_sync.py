@@ -158,7 +158,11 @@ class _Floor:
     """One flat transfer of ``nbytes`` on the same link: a broadcast to a peer process
     (for ``cuda-ipc``: a device-to-device copy), measured between our pushes."""
 
-    def __init__(self, backend: str, nbytes: int, children: _Children, send_host: str):
+    def __init__(
+        self, backend: str, nbytes: int, children: _Children, send_host: str, buf: Any = None
+    ):
+        """``buf``: the bytes to send (flat uint8 of ``nbytes``, e.g. the weights' own), else
+        random ones."""
         import torch
 
         from asyncrl.procs import free_port
@@ -167,7 +171,9 @@ class _Floor:
         self.backend, self.peer, self.group = backend, None, None
         # Real bytes: a never-written buffer reads as the kernel's shared zero page (always
         # in cache), which would make the floor faster than any transfer of real weights.
-        self.buf = torch.empty(nbytes, dtype=torch.uint8, device=DEVICE[backend]).random_(0, 256)
+        if buf is None:
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=DEVICE[backend]).random_(0, 256)
+        self.buf = buf
         if backend == "cuda-ipc":
             self.dst = torch.empty_like(self.buf)
             return
@@ -220,7 +226,7 @@ class _Children:
         else:
             port = free_port(self.args.recv_host)
             log = self.logs / f"{name}-{len(self.procs)}.log"
-            proc = spawn([*self.me, *_fill(extra, port)], log, python_env())
+            proc = spawn([*self.me, *_fill(extra, port)], log, python_env(), die_with_parent=True)
         self.procs.append(proc)
         proc.bench_port = port
         return proc
@@ -333,7 +339,11 @@ async def _engine_checksums(urls: list[str]) -> list[dict[str, Any]]:
 def _verified(urls: list[str], weights: dict[str, Any], version: int) -> bool:
     from asyncrl.transports.weights.bucket import checksum
 
-    want = {n: checksum(t.contiguous()) for n, t in weights.items()}
+    return _verified_sums(urls, {n: checksum(t.contiguous()) for n, t in weights.items()}, version)
+
+
+def _verified_sums(urls: list[str], want: dict[str, int], version: int) -> bool:
+    """Every engine holds ``version`` and parameters with the checksums ``want``."""
     states = asyncio.run(_engine_checksums(urls))
     return all(s["weight_version"] == str(version) and s["checksums"] == want for s in states)
 

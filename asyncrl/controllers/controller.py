@@ -54,7 +54,7 @@ from typing import Any
 import msgspec
 
 from asyncrl import trace
-from asyncrl.config import DEFAULT_MAX_NEW_TOKENS, PAUSE_MODES, RunConfig
+from asyncrl.config import DEFAULT_MAX_NEW_TOKENS, RunConfig
 from asyncrl.controllers.episode import Episode, EpisodeContext, EpisodeFailed, Gate
 from asyncrl.controllers.router import Router
 from asyncrl.controllers.staleness import Staleness
@@ -63,6 +63,7 @@ from asyncrl.controllers.state import (
     EpisodeState,
     GroupState,
     ReadyState,
+    check_sample,
     decode_sample,
     encode_sample,
     journal_of,
@@ -161,11 +162,11 @@ class Controller:
         self._episode = episode
         self._own_engines = engines is None
         if engines is None:
-            from asyncrl.engines.rollout.sglang import make_client
+            from asyncrl.engines.rollout.factory import make_engine
 
             if not config.rollout.urls:
                 raise ValueError("rollout.urls is empty: pass engines= or name the engine URLs")
-            engines = [make_client(config.rollout, u) for u in config.rollout.urls]
+            engines = [make_engine(config.rollout, u) for u in config.rollout.urls]
         self.router = Router(
             engines, batch_identical=cc.batch_requests, outage_timeout_s=cc.outage_timeout_s
         )
@@ -257,10 +258,20 @@ class Controller:
 
     # -- public API --------------------------------------------------------------------
     def submit(self, samples: Iterable[Any]) -> None:
-        """Queue samples; each becomes a group of ``group_size`` episodes when admitted."""
+        """Queue samples; each becomes a group of ``group_size`` episodes when admitted.
+
+        Every sample must be checkpointable (msgpack-encodable: plain data, msgspec Structs,
+        dataclasses; see ``state.CHECKPOINTABLE``): a checkpoint stores the pending ones.
+        Raises ``TypeError`` naming the field and its type for one that is not, and then
+        queues none of ``samples``. (A ``source``'s samples are checked as they are drawn;
+        one that fails stops the controller with the same error.)
+        """
         if self._input_ended:
             raise ValueError("submit() after end_input(): the controller takes no more samples")
-        self._samples.extend(samples)
+        batch = list(samples)
+        for sample in batch:
+            check_sample(sample)
+        self._samples.extend(batch)
         self._changed.set()
 
     def end_input(self) -> None:
@@ -289,8 +300,9 @@ class Controller:
         raised; only a successful update sets ``version``.
         """
         mode = mode or self.config.rollout.pause_mode
-        if mode != "wait" and mode not in PAUSE_MODES:
-            allowed = ", ".join(map(repr, (*PAUSE_MODES, "wait")))
+        modes = self.config.rollout.pause_modes
+        if mode != "wait" and mode not in modes:
+            allowed = ", ".join(map(repr, (*modes, "wait")))
             raise ValueError(f"pause mode must be one of {allowed}, got {mode!r}")
         engines = self.router.engines
         try:
@@ -375,6 +387,7 @@ class Controller:
             try:
                 sample = next(self._source)
                 self._drawn += 1
+                check_sample(sample)
                 return True, sample
             except StopIteration:
                 self._source = None

@@ -16,11 +16,14 @@ step ``step - 1`` was handed out, so together with a trainer checkpoint of "step
   episode runs again and is answered from its journal (see ``episode.py``).
 
 Samples travel as msgpack (``msgspec.Raw``), decoded with the sample type the
-resuming controller is given.
+resuming controller is given. So every sample must be msgpack-encodable: the
+controller refuses one that is not when it is submitted or drawn from the source
+(:func:`check_sample`), not at the first checkpoint.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import msgspec
@@ -30,11 +33,13 @@ from asyncrl.controllers.episode import Generation, input_crc
 from asyncrl.transports.experience.types import ARRAY_FIELDS, Trajectory
 
 __all__ = [
+    "CHECKPOINTABLE",
     "ControllerState",
     "EpisodeState",
     "GroupState",
     "ReadyState",
     "TrajState",
+    "check_sample",
     "decode_sample",
     "encode_sample",
     "journal_of",
@@ -107,14 +112,64 @@ class ControllerState(msgspec.Struct, gc=False, omit_defaults=True):
         return sum(len(c.output_ids) for g in self.running for e in g.episodes for c in e.calls)
 
 
-def encode_sample(sample: Any) -> msgspec.Raw:
+_ENCODER = msgspec.msgpack.Encoder()
+_UNENCODABLE = (TypeError, OverflowError, msgspec.EncodeError)
+
+CHECKPOINTABLE = (
+    "plain data (dict, list, tuple, str, int, float, bool, None, bytes) or msgspec Structs "
+    "and dataclasses of it; convert anything else (an object, a numpy array, a tensor) "
+    "to those before submitting"
+)
+
+
+def check_sample(sample: Any) -> None:
+    """Raise ``TypeError`` unless ``sample`` can go into a checkpoint (msgpack-encodable).
+
+    The message names the first value that cannot, by its path from the sample and its
+    type (``Sample.answer[1] is a Lengths``), and says what a checkpointable payload is
+    (:data:`CHECKPOINTABLE`). Costs one msgpack encoding of the sample.
+    """
     try:
-        return msgspec.Raw(msgspec.msgpack.encode(sample))
-    except TypeError as exc:
-        raise TypeError(
-            f"a checkpoint stores every pending sample as msgpack; {type(sample).__name__} "
-            f"is not encodable ({exc}): use msgspec Structs, dicts, lists and scalars"
-        ) from None
+        _ENCODER.encode(sample)
+    except _UNENCODABLE as exc:
+        raise TypeError(_unencodable(sample, exc)) from None
+
+
+def _unencodable(sample: Any, exc: BaseException) -> str:
+    path, kind = _culprit(sample, type(sample).__name__)
+    return (
+        f"sample {getattr(sample, 'id', '')!r} cannot be checkpointed: {path} is a {kind} "
+        f"({exc}); a checkpoint stores every pending sample as msgpack: use {CHECKPOINTABLE}"
+    )
+
+
+def _culprit(value: Any, path: str) -> tuple[str, str]:
+    """The path and type name of the first part of ``value`` that msgpack cannot encode."""
+    if isinstance(value, msgspec.Struct):
+        parts = [(f".{f}", getattr(value, f)) for f in value.__struct_fields__]
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        parts = [(f".{f.name}", getattr(value, f.name)) for f in dataclasses.fields(value)]
+    elif isinstance(value, dict):
+        parts = [(f"[{k!r}]", v) for k, v in value.items()]
+        parts += [(f" key {k!r}", k) for k in value]
+    elif isinstance(value, list | tuple | set | frozenset):
+        parts = [(f"[{i}]", v) for i, v in enumerate(value)]
+    else:
+        parts = []
+    for suffix, part in parts:
+        try:
+            _ENCODER.encode(part)
+        except _UNENCODABLE:
+            return _culprit(part, path + suffix)
+    return path, type(value).__qualname__
+
+
+def encode_sample(sample: Any) -> msgspec.Raw:
+    """``sample`` as msgpack for a checkpoint (``TypeError`` as :func:`check_sample`)."""
+    try:
+        return msgspec.Raw(_ENCODER.encode(sample))
+    except _UNENCODABLE as exc:
+        raise TypeError(_unencodable(sample, exc)) from None
 
 
 def decode_sample(raw: msgspec.Raw, sample_type: Any) -> Any:

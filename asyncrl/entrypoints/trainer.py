@@ -198,7 +198,7 @@ def run(args: argparse.Namespace) -> None:
         if cfg.lora.enabled:  # adapter pushes load beside the served versions: never pause
             wcfg = msgspec.structs.replace(wcfg, pause_scope="none")
         sender = make_weight_transport(
-            wcfg, urls, cfg.trainer.device, cfg.rollout.pause_mode, cfg.rollout.backend
+            wcfg, urls, cfg.trainer.device, cfg.rollout.pause_mode, cfg.rollout
         )
         sender.connect()
         chan.on_notice = _notice_handler(sender)  # engine set changes, also mid-step

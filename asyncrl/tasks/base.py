@@ -20,7 +20,15 @@ __all__ = ["CustomReward", "Sample", "Task", "load_reward_fn", "make_task"]
 
 class Sample(msgspec.Struct, frozen=True):
     """A prompt of a task: token ids plus whatever the reward needs (the episode function's
-    input; the controller hands each one to an episode)."""
+    input; the controller hands each one to an episode).
+
+    ``answer`` must be checkpointable, since a run checkpoint stores every pending sample as
+    msgpack: plain data (dict, list, tuple, str, int, float, bool, None, bytes) or msgspec
+    Structs / dataclasses of it. The controller refuses a sample that is not when it is
+    submitted or drawn (``TypeError`` naming the field and its type), not at the first
+    checkpoint. Tuples come back from a checkpoint as lists, Structs and dataclasses as
+    dicts unless the resuming controller is given their type (``sample_type``).
+    """
 
     prompt_ids: list[int]
     answer: Any = None

@@ -15,6 +15,7 @@ import random
 
 import aiohttp
 import msgspec
+import pytest
 
 from asyncrl.config import AlgoConfig, ControllerConfig, LocalRolloutConfig, RunConfig
 from asyncrl.controllers.controller import Controller, NoMoreSamples
@@ -176,3 +177,53 @@ def test_data_stream_continues_and_every_sample_trains_once() -> None:
     trained = _run_virtual(go())
     assert sorted(trained) == list(range(len(trained)))  # none skipped, none twice
     assert len(trained) == 20
+
+
+class _Handle:
+    """A payload msgpack cannot encode (an arbitrary object)."""
+
+
+def _cfg() -> RunConfig:
+    return RunConfig(
+        controller=ControllerConfig(batch_size=1, max_staleness=0),
+        algo=AlgoConfig(group_size=1),
+        rollout=LocalRolloutConfig(max_new_tokens=4),
+    )
+
+
+async def _one_turn(ctx: EpisodeContext, sample: Sample):
+    gen = await ctx.generate(sample.prompt_ids)
+    return ctx.trajectory(sample.prompt_ids, [gen], 0.0)
+
+
+def test_an_uncheckpointable_sample_is_refused_at_submit_naming_field_and_type() -> None:
+    async def go() -> None:
+        engine = FakeEngine("e", random.Random(1), 0.05)
+        async with Controller(_cfg(), _one_turn, [engine]) as ctl:
+            good = Sample(prompt_ids=[1, 2], answer={"digits": [3, 4], "n": (2, 1.5)}, id=0)
+            bad = Sample(prompt_ids=[1, 2], answer=["x", {"lengths": _Handle()}], id=7)
+            with pytest.raises(TypeError) as err:
+                ctl.submit([good, bad])
+            msg = str(err.value)
+            assert "Sample.answer[1]['lengths']" in msg and "_Handle" in msg, msg
+            assert "sample 7" in msg and "msgspec Structs" in msg, msg
+            assert ctl.stats()["queued"] == 0  # a refused submit queues none of its samples
+            ctl.submit([good])  # plain data is accepted and checkpointed
+            await ctl.next_batch()
+            assert msgspec.msgpack.encode(ctl.snapshot())
+
+    _run_virtual(go())
+
+
+def test_an_uncheckpointable_sample_from_the_source_stops_the_controller() -> None:
+    samples = [Sample(prompt_ids=[1, 2], answer=_Handle(), id=3)]
+
+    async def go() -> None:
+        engine = FakeEngine("e", random.Random(1), 0.05)
+        async with Controller(_cfg(), _one_turn, [engine], samples) as ctl:
+            with pytest.raises(RuntimeError) as err:
+                await ctl.next_batch()
+            cause = err.value.__cause__
+            assert isinstance(cause, TypeError) and "Sample.answer is a _Handle" in str(cause)
+
+    _run_virtual(go())

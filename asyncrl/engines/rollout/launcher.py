@@ -28,9 +28,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from asyncrl.config import LocalRolloutConfig, RolloutConfig, RunConfig
+from asyncrl.config import LocalRolloutConfig, RolloutConfig, RunConfig, VLLMRolloutConfig
 from asyncrl.engines.rollout.base import EngineUnavailable
 from asyncrl.engines.rollout.sglang.client import SGLangClient
+from asyncrl.engines.rollout.vllm.client import VLLMClient
 from asyncrl.procs import free_port, python_env, spawn, stop
 
 __all__ = [
@@ -76,6 +77,9 @@ class LaunchSpec:
     entry_point: tuple[str, ...] = ()
     """``(module:function, *args)``: run this console-script entry point with ``args``
     before the flags (``sglang serve``: ``(SGLANG_CLI, "serve")``) instead of ``-m module``."""
+    own_flags: bool = True
+    """Pass SGLang-style ``--model-path/--tp-size/--host/--port`` before ``extra_args``;
+    False: ``extra_args`` are the whole command line (``vllm serve MODEL ...``)."""
 
     @property
     def url(self) -> str:
@@ -111,6 +115,8 @@ def launch_command(spec: LaunchSpec) -> list[str]:
         raise ValueError(f"tp_size must be >= 1, got {spec.tp_size}")
     if spec.mem_fraction_static is not None and not 0 < spec.mem_fraction_static < 1:
         raise ValueError(f"mem_fraction_static must be in (0, 1), got {spec.mem_fraction_static}")
+    if not spec.own_flags:
+        return [*_head(spec), *spec.extra_args]
     args = [*_head(spec), "--model-path", spec.model_path, "--tp-size", str(spec.tp_size)]
     args += ["--host", spec.host, "--port", str(spec.port)]
     if spec.mem_fraction_static is not None:
@@ -154,9 +160,14 @@ def startup_timeout(rc: RolloutConfig, model_path: str) -> float:
     return 300.0 + 20.0 * sum(p.stat().st_size for p in files) / 2**30
 
 
-def launch(spec: LaunchSpec, log_path: Path | None = None) -> LaunchedServer:
-    """Start ``spec``'s server in a new session; returns at once (see :func:`wait_healthy`)."""
-    proc = spawn(launch_command(spec), log_path, env=python_env(spec.env))
+def launch(
+    spec: LaunchSpec, log_path: Path | None = None, die_with_parent: bool = False
+) -> LaunchedServer:
+    """Start ``spec``'s server in a new session; returns at once (see :func:`wait_healthy`).
+    ``die_with_parent``: as :func:`asyncrl.procs.spawn`'s."""
+    proc = spawn(
+        launch_command(spec), log_path, env=python_env(spec.env), die_with_parent=die_with_parent
+    )
     return LaunchedServer(spec, proc, log_path)
 
 
@@ -170,7 +181,11 @@ async def wait_healthy(
     """
 
     async def one(server: LaunchedServer) -> None:
-        client = SGLangClient(server.url, timeout_s=max(1.0, interval_s * 8))
+        client: SGLangClient | VLLMClient
+        if server.spec.module == "vllm":  # vLLM's /health (cheap there); SGLang's is not
+            client = VLLMClient(server.url, timeout_s=max(1.0, interval_s * 8))
+        else:
+            client = SGLangClient(server.url, timeout_s=max(1.0, interval_s * 8))
 
         def gone() -> str | None:
             code = server.proc.poll()
@@ -266,7 +281,11 @@ def engine_spec(
         extra += ["--max-batch-size", str(rc.max_batch_size)]
         extra += ["--kv-after-update", rc.kv_after_update, *lora]
         return LaunchSpec(model_path, port, host, 1, None, (*extra, *rc.extra_args), LOCAL_SERVER)
+    gpu = i * rc.tp_size if base_gpu is None else base_gpu
+    if isinstance(rc, VLLMRolloutConfig):
+        from asyncrl.engines.rollout.vllm.launcher import vllm_spec
+
+        return vllm_spec(rc, model_path, port, host, gpu, seed + 1000 + i)
     from asyncrl.engines.rollout.sglang.launcher import sglang_spec
 
-    gpu = i * rc.tp_size if base_gpu is None else base_gpu
     return sglang_spec(rc, model_path, port, host, gpu, seed + 1000 + i)

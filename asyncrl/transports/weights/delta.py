@@ -13,12 +13,15 @@ a bf16 word holds 4 elements, so the word fraction that changes is at most 4x
 the element fraction (measured in ``asyncrl bench weight-sync --delta``).
 
 Sender (:class:`DeltaEncoder`): keeps, per bucket, the bytes it pushed last in
-the sync dtype on the trainer's device (one extra copy of the synced weights):
-after a bucket is packed into its staging slot, the slot *becomes* the base and
-the old base is the next push's slot (a swap, no copy). ``auto`` first compares
-every 61st word and sends the bucket whole when the estimate says the payload
-would not be smaller; otherwise it compares all words and still sends it whole
-when the payload is not smaller.
+the sync dtype on the trainer's device (the *bases*: one copy of the synced
+weights), and little else: a push that sends no deltas packs each bucket
+straight into its base and sends it from there; a delta push packs each bucket
+into one scratch slot, compares it with the base and brings the base up to date
+(the changed words written into it, or the whole bucket copied when it goes
+whole, then sent from the base), so the slot is free for the next bucket at
+once. ``auto`` first compares every 61st word and sends the bucket whole when
+the estimate says the payload would not be smaller; otherwise it compares all
+words and still sends it whole when the payload is not smaller.
 
 Engine (:class:`DeltaApplier`): knows which version of bucket k each receive
 buffer holds and the last delta it applied to bucket k. The buffer receiving
@@ -105,7 +108,11 @@ def apply_payload(dst: torch.Tensor, payload: torch.Tensor) -> int:
 
 
 class DeltaEncoder:
-    """Sender side: the base of every bucket and the per-bucket choice (see module doc)."""
+    """Sender side: the base of every bucket and the per-bucket choice (see module doc).
+
+    Memory: the bases (one copy of the synced bytes) and a compare mask of one byte per
+    8-byte word of the largest bucket; a push's payloads live until it is delivered.
+    """
 
     def __init__(self, mode: str):
         assert mode in ("auto", "on"), mode
@@ -120,31 +127,50 @@ class DeltaEncoder:
         self._mask = None
 
     def memory_bytes(self) -> int:
-        return sum(b.numel() for b in self.bases.values())
+        """Bytes held between pushes: the bases and the compare mask."""
+        mask = 0 if self._mask is None else self._mask.numel()
+        return sum(b.numel() for b in self.bases.values()) + mask
+
+    def base(self, k: int, nbytes: int, device: torch.device) -> torch.Tensor:
+        """Bucket ``k``'s base (flat uint8), allocated at ``nbytes`` when it has none of that
+        size: a push that sends no deltas packs straight into it and sends it."""
+        base = self.bases.get(k)
+        if base is None or base.numel() != nbytes:
+            self.bases.pop(k, None)
+            base = self.bases[k] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return base
 
     def take(self, k: int, packed: torch.Tensor, delta: bool) -> tuple[torch.Tensor | None, int]:
-        """Bucket ``k`` was packed into ``packed`` (its whole staging slot, flat uint8): make it
-        the base and return ``(payload, changed words)``; payload None: send the bucket whole
-        (``delta`` false, no base yet, or not smaller). The caller reuses the previous base
-        (``bases[k]`` before this call) as bucket k's next staging slot.
+        """Bucket ``k`` was packed into ``packed`` (flat uint8, the caller's scratch: free
+        again on return): bring bucket k's base to these bytes and return ``(payload,
+        changed words)``; payload None: send the base whole (``delta`` false, no base yet,
+        or not smaller). Costs a copy of the bucket when it goes whole, a write of the
+        changed words when it goes as a delta.
         """
         old = self.bases.get(k)
-        self.bases[k] = packed
         nbytes = packed.numel()
         if not delta or old is None or old.numel() != nbytes:
+            self.base(k, nbytes, packed.device).copy_(packed)
             return None, -1
         new_w, old_w = _words(packed), _words(old)
         full_c = math.ceil(nbytes / 12)  # a payload of this many words is no smaller
         if self.mode == "auto" and new_w.numel() >= 64 * SAMPLE_STRIDE:
             est = (new_w[::SAMPLE_STRIDE] != old_w[::SAMPLE_STRIDE]).sum().item()
             if est * SAMPLE_STRIDE >= 0.9 * full_c:
+                old.copy_(packed)
                 return None, -1
         if self._mask is None or self._mask.numel() < new_w.numel():
             self._mask = torch.empty(new_w.numel(), dtype=torch.bool, device=packed.device)
         idx = _changed(new_w, old_w, self._mask[: new_w.numel()])
         if self.mode == "auto" and idx.numel() >= full_c:
+            old.copy_(packed)
             return None, idx.numel()
-        return encode(packed, old, idx), idx.numel()
+        payload = encode(packed, old, idx)
+        old_w.index_copy_(0, idx.to(old.device), payload[: 8 * idx.numel()].view(torch.int64))
+        tail = nbytes % 8
+        if tail:
+            old[nbytes - tail :].copy_(packed[nbytes - tail :])
+        return payload, idx.numel()
 
 
 class DeltaApplier:

@@ -5,14 +5,18 @@ one dtype per bucket, at most ``weights.bucket_mb``; whole tensors only for SGLa
 packed bucket by bucket into staging slots, the bucket's checksum computed as it is
 packed. Slots: ``weights.staging_buckets`` of them (0: one per bucket, so the trainer is
 released after one copy of the weights; 2: double-buffered, least memory), each allocated
-when first used. A bucket within the first ``weights.zero_copy_frac`` of the bytes whose
-tensors already lie back to back in memory is sent from the tensors themselves (no
-copy) when the transport allows it (``zero_copy_ok``).
+when first used; the packer runs that many buckets ahead of the sends. A bucket within
+the first ``weights.zero_copy_frac`` of the bytes whose tensors already lie back to back
+in memory is sent from the tensors themselves (no copy) when the transport allows it
+(``zero_copy_ok``).
 
-Deltas (``weights.delta``, see ``delta``): the packed slot becomes the bucket's base and
-the bucket may go as a delta payload against the version every engine holds
-(``base_version``); ``forget_base`` after anything that may have changed what the
-engines hold (a re-form, a failed push).
+Deltas (``weights.delta``, see ``delta``): every bucket has a base (the bytes pushed
+last); a push without deltas packs straight into the bases, a delta push packs into one
+scratch slot and brings the base up to date, and the bucket goes as a delta payload
+against the version every engine holds (``base_version``) or whole from its base. So the
+sender holds one copy of the synced bytes plus one bucket, and a push's payloads while it
+is in flight (``memory_bytes``). ``forget_base`` after anything that may have changed what
+the engines hold (a re-form, a failed push).
 
 Not thread-safe: ``pack`` runs on the sender's packer thread while the sender's loop
 waits for it; everything else on the sender's loop (or in ``push`` in snapshot mode,
@@ -69,6 +73,7 @@ class BucketStager:
         self.zero_copy_ok = zero_copy_ok
         self.plan: list[BucketManifest] = []
         self.upto: list[int] = []  # bytes up to each bucket (every wait's budget grows with it)
+        self.ahead = 1  # buckets the packer may run ahead of the sends
         self.slot_bytes: list[int] = []  # staging slot sizes; a slot is allocated on first use
         self.slots: dict[int, torch.Tensor] = {}
         self.in_place: set[int] = set()  # buckets of the current push sent from its tensors
@@ -86,8 +91,15 @@ class BucketStager:
 
     @property
     def depth(self) -> int:
-        """How many staging slots there are (the packer runs this far ahead of the sends)."""
-        return len(self.slot_bytes)
+        """How many buckets the packer may run ahead of the sends (a bucket's buffer is
+        reused, or its payload freed, only once it was sent)."""
+        return self.ahead
+
+    def memory_bytes(self) -> int:
+        """Bytes this sender holds between pushes: staging slots and delta bases (a push
+        adds its delta payloads until it is delivered: ``stats["payload_bytes"]``)."""
+        held = sum(t.numel() for t in self.slots.values())
+        return held + (0 if self.delta is None else self.delta.memory_bytes())
 
     def plan_for(self, tensors: dict[str, torch.Tensor]) -> list[BucketManifest]:
         """The buckets of ``tensors`` (planned again only when their layout changed)."""
@@ -112,9 +124,8 @@ class BucketStager:
     def _size_slots(self) -> None:
         plan, cfg = self.plan, self.cfg
         depth = cfg.staging_buckets
-        if depth == 0 or cfg.snapshot or self.sglang or self.delta is not None:
-            # SGLang: kept for a re-push; delta: every slot becomes a base
-            depth = len(plan)
+        if depth == 0 or cfg.snapshot or self.sglang:
+            depth = len(plan)  # SGLang: kept for a re-push
         depth = max(1, min(depth, len(plan)))
         total, upto = sum(m.nbytes for m in plan), 0
         while upto < len(plan) and sum(m.nbytes for m in plan[: upto + 1]) <= (
@@ -123,7 +134,11 @@ class BucketStager:
             upto += 1
         self._zero_copy_upto = upto
         self.upto = list(itertools.accumulate(m.nbytes for m in plan))
-        self.slot_bytes = [max(m.nbytes for m in plan[j::depth]) for j in range(depth)]
+        self.ahead = depth
+        if self.delta is not None:  # one scratch slot: a bucket leaves it as it is packed
+            self.slot_bytes = [max(m.nbytes for m in plan)]
+        else:
+            self.slot_bytes = [max(m.nbytes for m in plan[j::depth]) for j in range(depth)]
         self.slots = {}
 
     def budget_s(self, nbytes: int) -> float:
@@ -161,46 +176,57 @@ class BucketStager:
         if span is not None:  # send straight from the caller's memory: nothing to copy
             self.in_place.add(k)
             return msgspec.structs.replace(m, checksum=bucket_checksum(span, m, mode)), span
+        if self.delta is not None and not self.delta_now:  # straight into the base, sent whole
+            flat = self.delta.base(k, m.nbytes, self.device).view(m.torch_dtype)
+            m = self._pack_into(flat, m, tensors)
+            self._count(m.nbytes, m.nbytes, 0)
+            return m, flat
         slot = self._slot(k % len(self.slot_bytes))
         flat = slot[: m.nbytes].view(m.torch_dtype)
+        m = self._pack_into(flat, m, tensors)
+        if self.delta is None:
+            return m, flat
+        return self._delta_of(k, m, slot[: m.nbytes])
+
+    def _pack_into(
+        self, flat: torch.Tensor, m: BucketManifest, tensors: dict[str, torch.Tensor]
+    ) -> BucketManifest:
+        """Pack bucket ``m`` of ``tensors`` into ``flat``; ``m`` with its checksum."""
+        mode = self.cfg.verify
         if mode == "full":  # fused: each block summed right after its copy, while in cache
             value: int | None = full_checksum(flat, m, pack_checksum(flat, m, tensors))
         else:
             pack_into(flat, m, tensors)
             value = bucket_checksum(flat, m, mode)
-        m = msgspec.structs.replace(m, checksum=value)
-        if self.delta is None:
-            return m, flat
-        return self._delta_of(k, m, slot, flat)
+        return msgspec.structs.replace(m, checksum=value)
 
     def pack_traced(self, k: int, tensors: dict[str, torch.Tensor], version: int) -> Packed:
         """:meth:`pack` as a span of the trace."""
         with trace.get().span(f"pack bucket {k}", "weight pack", {"bytes": self.plan[k].nbytes}):
             return self.pack(k, tensors, version)
 
-    def _delta_of(
-        self, k: int, m: BucketManifest, slot: torch.Tensor, flat: torch.Tensor
-    ) -> Packed:
-        """With ``weights.delta``: the packed slot becomes bucket k's base (the old base is the
-        next slot) and the bucket goes as a delta payload when this push sends deltas."""
-        assert self.delta is not None and slot.numel() == m.nbytes
-        old = self.delta.bases.get(k)
-        payload, changed = self.delta.take(k, slot, self.delta_now)
-        if old is None:
-            self.slots.pop(k, None)
-        else:
-            self.slots[k] = old
-        st = self.stats
-        st["changed_words"] = st.get("changed_words", 0.0) + max(changed, 0)
+    def _delta_of(self, k: int, m: BucketManifest, packed: torch.Tensor) -> Packed:
+        """A delta push: bucket k, packed into the scratch slot, brings its base up to date
+        and goes as a delta payload, or whole from the base when that is not smaller."""
+        assert self.delta is not None
+        payload, changed = self.delta.take(k, packed, True)
         if payload is None:
-            st["wire_bytes"] = st.get("wire_bytes", 0.0) + m.nbytes
-            return m, flat
-        st["wire_bytes"] = st.get("wire_bytes", 0.0) + payload.numel()
-        st["delta_buckets"] = st.get("delta_buckets", 0.0) + 1
+            self._count(m.nbytes, max(changed, 0), 0)
+            return m, self.delta.bases[k].view(m.torch_dtype)
+        self._count(payload.numel(), changed, payload.numel())
         value = None if self.cfg.verify == "off" else checksum(payload)
         assert self.base_version is not None
         info = DeltaInfo(self.base_version, payload.numel(), value)
         return msgspec.structs.replace(m, delta=info), payload
+
+    def _count(self, wire: int, changed_words: int, payload: int) -> None:
+        """This push's delta counters: bytes on the wire, changed words, payload bytes."""
+        st = self.stats
+        st["wire_bytes"] = st.get("wire_bytes", 0.0) + wire
+        st["changed_words"] = st.get("changed_words", 0.0) + changed_words
+        if payload:
+            st["payload_bytes"] = st.get("payload_bytes", 0.0) + payload
+            st["delta_buckets"] = st.get("delta_buckets", 0.0) + 1
 
     def _slot(self, j: int) -> torch.Tensor:
         """Staging slot ``j``, allocated when a bucket is first staged in it: buckets sent in

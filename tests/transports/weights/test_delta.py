@@ -16,7 +16,10 @@ from asyncrl.transports.weights.bucket import checksum
 from asyncrl.transports.weights.delta import DeltaApplier, DeltaEncoder, apply_payload
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_collective import engines, state  # the engine-process helpers
+import test_collective
+from test_collective import engines, expected, state  # the engine-process helpers
+
+model_dir = test_collective.model_dir  # the fixture: a model of several 1 MiB buckets
 
 CFG = GlooWeightsConfig(bucket_mb=1, min_buckets=2, timeout_s=60.0, delta="auto", dtype="bfloat16")
 
@@ -45,6 +48,7 @@ def test_payload_round_trip_is_bit_exact(nbytes: int, frac: float) -> None:
         assert apply_payload(dst, payload) == changed
         assert torch.equal(dst, new)
         assert payload.numel() == 12 * changed + nbytes % 8
+        assert torch.equal(enc.bases[0], new)  # the base follows, whole or by its changed words
 
 
 def test_nan_payloads_and_signed_zeros_survive() -> None:
@@ -152,3 +156,35 @@ def test_full_push_is_forced_first_every_n_after_a_failure_and_a_reconnect(
             sender.close()
     # v1 first, v4 the 3rd push since v1, v5 fails, v6 after the failure, v8 after reconnect
     assert kinds == ["full", "delta", "delta", "full", "failed", "full", "delta", "full", "delta"]
+
+
+def test_delta_sender_holds_one_copy_of_the_weights_and_one_bucket(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """Between pushes the delta sender holds its bases (one copy of the synced bytes), one
+    scratch slot (a bucket) and a compare mask; the full sender at most one staging copy.
+    The bases are what the engine holds: every push, delta or not, lands bit-exact."""
+    cfg = msgspec.structs.replace(CFG, delta="on", dtype="float32", full_every=0)
+    full = msgspec.structs.replace(cfg, delta="off", group_name="full")
+    with engines(model_dir, tmp_path, [""]) as urls:
+        senders = {"delta": make_weight_transport(cfg, urls, "cpu")}
+        senders["full"] = make_weight_transport(full, urls, "cpu")
+        try:
+            for s in senders.values():
+                s.connect()
+            for version, w in enumerate(_train_steps(model_dir, 1e-6, 3), start=1):
+                for mode, s in senders.items():
+                    stats = s.push(w.items(), version).wait(60)
+                    assert state(urls[0]) == (str(version), expected(w))
+                    plan = s.stager.plan
+                    synced, biggest = sum(m.nbytes for m in plan), max(m.nbytes for m in plan)
+                    held = s.stager.memory_bytes()
+                    if mode == "full":
+                        assert held <= synced, (held, synced)
+                        continue
+                    assert len(plan) >= 2 and stats["delta"] == float(version > 1)
+                    assert stats.get("delta_buckets", 0) == (len(plan) if version > 1 else 0)
+                    assert held <= synced + biggest + biggest // 8, (held, synced, biggest)
+        finally:
+            for s in senders.values():
+                s.close()

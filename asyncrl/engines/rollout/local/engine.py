@@ -93,6 +93,11 @@ class Request:
     logprobs: list[float] = field(default_factory=list)
     min_version: str | None = None
     finish: dict[str, Any] | None = None
+    versions: list[str] = field(default_factory=list)
+    """The weight version that produced each output token (appended before its log-prob:
+    ``len(logprobs)`` tokens are complete in every list)."""
+    progress: asyncio.Event | None = None
+    """Set (on ``loop``) after every token and at the end: a streaming reader waits on it."""
     lora_slot: int = -1  # the adapter ring's slot this request is pinned to (-1: none)
 
 
@@ -554,9 +559,12 @@ class LocalEngine:
         done: list[tuple[Request, dict[str, Any]]] = []
         for r, tok, lp in zip(rows, tokens.tolist(), logprobs.tolist(), strict=True):
             r.output_ids.append(tok)
+            r.versions.append(self.weight_version)
             r.logprobs.append(lp)
             if r.min_version is None:
                 r.min_version = self.weight_version
+            if r.progress is not None:
+                r.loop.call_soon_threadsafe(r.progress.set)
             if tok in r.sampling.stop_token_ids or (
                 not r.sampling.ignore_eos and tok in self.eos_token_ids
             ):
@@ -593,5 +601,7 @@ class LocalEngine:
         def _set() -> None:
             if not r.future.done():
                 r.future.set_result(r)
+            if r.progress is not None:
+                r.progress.set()
 
         r.loop.call_soon_threadsafe(_set)

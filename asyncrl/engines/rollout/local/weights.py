@@ -49,8 +49,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from asyncrl.engines.rollout.local import checks
-from asyncrl.engines.rollout.local.checks import BadRequest
+from asyncrl.engines.rollout import checks
+from asyncrl.engines.rollout.checks import BadRequest
 from asyncrl.transports.weights.bucket import BucketManifest, assemble, checksum
 from asyncrl.transports.weights.collective_recv import (
     bucket_manifest,

@@ -1,0 +1,56 @@
+"""A benchmark killed from outside (SIGKILL, the OOM killer) leaves none of its processes
+behind: the processes a bench starts die with it (``asyncrl.procs.spawn(...,
+die_with_parent=True)``; benches that run whole jobs get ``asyncrl run``'s guardian, tested
+by ``tests/bench/test_faults.py``)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from asyncrl.guard import proc_start_time
+from asyncrl.procs import descendants, python_env, spawn, stop
+
+
+def _alive(started: dict[int, int]) -> list[int]:
+    """The pids of ``started`` (pid -> start time) that still run as the same process."""
+    return [p for p, t in started.items() if proc_start_time(p) == t and _not_zombie(p)]
+
+
+def _not_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.timeout(150)
+def test_a_sigkilled_benchmark_leaves_no_process_behind(tmp_path: Path) -> None:
+    """weight-sync starts an engine and the floor's peer, then pushes (practically) forever;
+    SIGKILLed there, both are gone within seconds."""
+    cmd = ["-m", "asyncrl.cli", "bench", "weight-sync", "--model=tiny", "--dtype=float32"]
+    cmd += ["--repeats=1000000", "--modes=overlap", "--no-naive"]
+    bench = spawn(cmd, tmp_path / "bench.log", python_env())
+    started: dict[int, int] = {}
+    try:
+        deadline = time.monotonic() + 120
+        while len(started) < 2:  # the engine and the floor's peer
+            assert bench.poll() is None, (tmp_path / "bench.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the bench started no engine and peer in 120 s"
+            started = {p: proc_start_time(p) for p in descendants(bench.pid)}
+            time.sleep(0.05)
+        os.kill(bench.pid, signal.SIGKILL)
+        bench.wait(10)
+        deadline = time.monotonic() + 20
+        while _alive(started) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(started), f"left behind: {_alive(started)} of {sorted(started)}"
+    finally:
+        stop([bench])
+        for pid in _alive(started):  # only if the test failed: end them by pid
+            os.kill(pid, signal.SIGKILL)

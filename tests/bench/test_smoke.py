@@ -1,0 +1,162 @@
+"""Every benchmark of ``asyncrl bench`` runs at a tiny size through the real CLI, prints its
+table and writes its JSON with its key columns.
+
+``faults`` and ``fuzz`` have tests of their own (``test_faults.py``, ``test_fuzz.py``);
+``weight-sync``'s full-push rows run from the installed wheel (``tests/test_wheel.py``) and
+across two nodes (``tests/launchers/test_ray.py``), its delta rows here. Most of a tiny
+bench's time is process start-up, so the benches selected in this module start together
+(one module fixture) and each test waits for its own; every process is ended by pid.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from asyncrl.bench import BENCHES
+from asyncrl.procs import python_env, spawn, stop
+
+# test id -> (bench name, its arguments: tiny sizes)
+SMOKE: dict[str, tuple[str, list[str]]] = {
+    "transport": ("transport", ["--trajectories=200", "--group-sizes=8", "--repeats=1"]),
+    "controller": ("controller", ["--episodes=2000", "--repeats=1", "--core=-1"]),
+    "train": (
+        "train",
+        ["--budgets=256", "--steps=1", "--hidden=32", "--layers=1", "--vocab=256", "--batch=4"],
+    ),
+    "generation": (
+        "generation",
+        ["--requests=4", "--prompt-len=16", "--short-len=4", "--long-factor=2"],
+    ),
+    "weight-sync-delta": (
+        "weight-sync",
+        ["--delta", "--model=tiny", "--lrs", "1e-6", "--repeats=1"],
+    ),
+    "trace": ("trace", ["--steps=2", "--calib=200"]),
+    # one arm: each is a whole job (the arms' comparison: tests/test_bench_learning.py)
+    "learning": ("learning", ["--seeds=0", "--steps=2", "--arms=async_decoupled"]),
+    "pipeline": (
+        "pipeline",
+        "--steps=2 --warmup=1 --batch-size=2 --group-size=2 --max-len=16 --prompt-len=0 "
+        "--no-pin".split(),
+    ),
+}
+COVERED_ELSEWHERE = {"faults", "fuzz", "weight-sync"}
+TIMEOUT_S = 240
+
+
+def test_every_shipped_benchmark_has_a_smoke_run() -> None:
+    assert set(BENCHES) == {b for b, _ in SMOKE.values()} | COVERED_ELSEWHERE
+
+
+@pytest.fixture(scope="module")
+def started(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path
+) -> Iterator[dict[str, tuple[subprocess.Popen, Path]]]:
+    """The selected benches' CLI processes, started together: test id -> (process, folder
+    holding ``out.json`` and ``log``)."""
+    wanted = [
+        item.callspec.params["bench"]
+        for item in request.session.items
+        if item.module is request.module and hasattr(item, "callspec")
+    ]
+    procs: dict[str, tuple[subprocess.Popen, Path]] = {}
+    try:
+        for test_id in wanted:
+            name, args = SMOKE[test_id]
+            folder = tmp_path_factory.mktemp(test_id)
+            if name == "generation":
+                args = [*args, f"--model-path={tiny_model_dir}"]
+            cmd = ["-m", "asyncrl.cli", "bench", name, *args, f"--json={folder / 'out.json'}"]
+            procs[test_id] = (spawn(cmd, folder / "log", python_env()), folder)
+        yield procs
+    finally:
+        stop([p for p, _ in procs.values()])
+
+
+def _transport(res: dict[str, Any], out: str) -> None:
+    assert "headline (group 8)" in out
+    assert res["msgspec_zmq_eps"] > 0 and res["pickle_baseline_eps"] > 0 and res["speedup"] > 0
+    assert res["group_size"] == 8 and res["runs"]
+
+
+def _controller(res: dict[str, Any], out: str) -> None:
+    assert "speedup vs naive" in out
+    assert res["episodes"] == 2000
+    assert res["episodes_per_s"] > 0 and res["naive_episodes_per_s"] > 0
+
+
+def _train(res: dict[str, Any], out: str) -> None:
+    assert "engine/plain" in out
+    assert [r["budget"] for r in res["rows"]] == [256]
+    assert res["engine_tokens_per_s"] > 0 and res["plain_tokens_per_s"] > 0
+
+
+def _generation(res: dict[str, Any], out: str) -> None:
+    assert "speedup engine / hf generate" in out
+    assert res["requests"] == 4 and res["output_tokens"] > 0
+    assert res["engine_tokens_per_s"] > 0 and res["hf_generate_tokens_per_s"] > 0
+
+
+def _weight_sync_delta(res: list[dict[str, Any]], out: str) -> None:
+    assert "sender_bytes_per_param" in out.splitlines()[0]
+    rows = {r["mode"]: r for r in res}
+    assert set(rows) == {"full", "delta"} and all(r["verified"] is True for r in res)
+    full, delta = rows["full"], rows["delta"]
+    assert delta["delta_pushes"] == delta["pushes"] == 1 and full["delta_pushes"] == 0
+    assert delta["wire_bytes"] < full["wire_bytes"] == full["bytes"]
+    # one staging copy of the bf16 bytes; the delta sender: its bases, one scratch bucket (the
+    # tiny model is one bucket) and a compare mask
+    assert full["sender_bytes_per_param"] == 2.0
+    assert 2.0 < delta["sender_bytes_per_param"] <= 2.0 + 2.0 + 2.0 / 8
+    assert delta["tree_peak_rss_bytes"] >= delta["tree_rss_after_bytes"] > 0
+
+
+def _trace(res: dict[str, Any], out: str) -> None:
+    assert "per span" in out
+    assert [r["traced"] for r in res["runs"]] == [False, True]
+    assert res["events"] > 0 and res["span_cost_us"] > 0 and res["cost_frac"] > 0
+
+
+def _learning(res: dict[str, Any], out: str) -> None:
+    assert "async_decoupled  mean" in out
+    assert [r["arm"] for r in res["runs"]] == ["async_decoupled"]
+    assert res["async_decoupled_wall_s"] > 0 and "0.5" in res["async_decoupled_time_to"]
+
+
+def _pipeline(res: dict[str, Any], out: str) -> None:
+    assert "speedup" in out and "trainer idle" in out
+    assert res["steps"] == 2 and res["samples_per_step"] == 4
+    assert res["sync_s"] > 0 and res["async_s"] > 0 and res["staleness_violations"] == 0
+
+
+CHECKS: dict[str, Callable[[Any, str], None]] = {
+    "transport": _transport,
+    "controller": _controller,
+    "train": _train,
+    "generation": _generation,
+    "weight-sync-delta": _weight_sync_delta,
+    "trace": _trace,
+    "learning": _learning,
+    "pipeline": _pipeline,
+}
+
+
+@pytest.mark.timeout(TIMEOUT_S + 30)
+@pytest.mark.parametrize("bench", list(SMOKE))
+def test_bench_runs_prints_its_table_and_writes_its_json(
+    bench: str, started: dict[str, tuple[subprocess.Popen, Path]]
+) -> None:
+    proc, folder = started[bench]
+    try:
+        code = proc.wait(TIMEOUT_S)
+    finally:
+        stop([proc])
+    out = (folder / "log").read_text(errors="replace")
+    assert code == 0, out[-4000:]
+    CHECKS[bench](json.loads((folder / "out.json").read_text()), out)
