@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from asyncrl.config.base import NonNegative, OpenFraction, PositiveFloat, _Section
+from asyncrl.config.base import NonNegative, NonNegativeFloat, OpenFraction, PositiveFloat, _Section
 
 __all__ = ["LoraConfig"]
 
@@ -22,10 +22,18 @@ class LoraConfig(_Section, frozen=True):
     """LoRA ``alpha``: the adapter's output is scaled by ``alpha / rank``."""
     dropout: OpenFraction = 0.0
     """Dropout on the adapter's input while training (PEFT's ``lora_dropout``); in [0, 1)."""
-    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    target_modules: tuple[str, ...] = (
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head",
+    )  # fmt: skip
     """Names (last component) of the linear layers that get an adapter (PEFT's
-    ``target_modules``), e.g. ``q_proj,v_proj`` or every linear of a Qwen2/Llama decoder layer:
-    ``q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj``."""
+    ``target_modules``). Default: every linear layer of a Qwen2/Llama decoder layer (LoRA
+    on the MLPs too learns like full fine-tuning far more often than attention alone) and the
+    output head: with a frozen head the logits' scale is bounded by the head's weights, so a
+    policy may never get sharp (the tiny default model's reward stays below 0.2 without it,
+    docs/results/lora.md)."""
+    lr: NonNegativeFloat = 5e-3
+    """The learning rate of a LoRA run, in place of ``trainer.lr`` (LoRA wants a higher rate
+    than full fine-tuning); 0: ``trainer.lr``."""
     export_merged: bool = False
     """Also write the merged model (base + adapter) as a Hugging Face folder to
     ``RUN_DIR/final`` at the end of a run (the adapter alone is always written to

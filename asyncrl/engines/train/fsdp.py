@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Literal, cast
 
+import msgspec
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -130,6 +131,8 @@ class FSDPEngine:
         self.optimizer = torch.optim.AdamW(
             trainable, lr=tc.lr, weight_decay=tc.weight_decay, betas=tc.adam_betas
         )
+        if self.lora and config.lora.lr > 0:  # the adapter's own rate (lora.lr)
+            tc = msgspec.structs.replace(tc, lr=config.lora.lr)
         self.lr_at = lr_schedule(tc, config.controller.total_steps)
         self.step = 0
         self.offloaded = False

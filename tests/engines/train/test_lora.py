@@ -20,7 +20,7 @@ LORA = ["--lora.rank=4", "--lora.alpha=8", "--lora.target_modules=q_proj,v_proj,
 
 def _engine(model: Path, *extra: str) -> FSDPEngine:
     torch.set_num_threads(1)
-    cfg = load_config(None, ["--trainer.micro_batch_tokens=24", "--trainer.lr=0.05", *LORA, *extra])
+    cfg = load_config(None, ["--trainer.micro_batch_tokens=24", "--lora.lr=0.05", *LORA, *extra])
     return FSDPEngine(str(model), cfg)
 
 

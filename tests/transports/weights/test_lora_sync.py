@@ -73,7 +73,7 @@ async def _generate(url: str, body: dict) -> dict:
 
 def test_adapter_only_pushes_are_exact_and_pause_nothing(tiny_model_dir: Path, url: str) -> None:
     torch.set_num_threads(1)
-    cfg = load_config(None, ["--trainer.lr=0.05", *LORA])
+    cfg = load_config(None, ["--lora.lr=0.05", *LORA])
     trainer = FSDPEngine(str(tiny_model_dir), cfg)
     sender = make_weight_transport(CFG, [url], "cpu")
     adapter_bytes = sum(t.numel() * t.element_size() for _, t in trainer.named_weights())
