@@ -48,7 +48,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--quiet", action="store_true", help="no per-step progress lines")
     run.add_argument("--algo", choices=("grpo", "ppo"), help="shorthand of --algo.name=...")
     serve = sub.add_parser("serve", help="start the embedded engine (SGLang HTTP protocol)")
-    serve.add_argument("args", nargs=argparse.REMAINDER, help="--model-path DIR --port N ...")
+    serve.add_argument(
+        "args", nargs=argparse.REMAINDER, help="[--model-path DIR] [--port N] ... (see -h)"
+    )
     bench = sub.add_parser(
         "bench",
         help="benchmarks shipped with the package (asyncrl bench NAME --help)",

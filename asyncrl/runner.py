@@ -89,13 +89,16 @@ def resolve_model(cfg: RunConfig) -> str:
         if not (Path(cfg.model.path) / "config.json").is_file():
             raise ValueError(f"model.path {cfg.model.path!r} is not a Hugging Face model folder")
         return cfg.model.path
+    from asyncrl.tasks.tiny_chat_model import default_chat_model_dir
     from asyncrl.tasks.tiny_model import default_model_dir
 
-    path = default_model_dir()
+    chat = cfg.task.name == "agent"  # agents need a chat template: the tiny chat model
+    path = default_chat_model_dir() if chat else default_model_dir()
+    module = "asyncrl.tasks.tiny_chat_model" if chat else "asyncrl.tasks.tiny_model"
     if not (path / "config.json").is_file():
         print(f"building the tiny default model in {path} ...", flush=True)
         subprocess.run(
-            [sys.executable, "-m", "asyncrl.tasks.tiny_model", "--out", str(path)],
+            [sys.executable, "-m", module, "--out", str(path)],
             check=True,
             stdout=subprocess.DEVNULL,
             env=python_env(),
@@ -446,6 +449,8 @@ class _Run:
         self.rows.append(row)
         with open(self.run_dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
+        if self.cfg.logging.trajectories:
+            write_trajectories(self.run_dir / "trajectories.jsonl", batch)
         log_row(self.sinks, row)
         if self.progress is not None:
             self.progress.update(row)
@@ -479,6 +484,29 @@ class _Run:
                 else:
                     raise RuntimeError(d.describe())
             await asyncio.sleep(0.5)
+
+
+def write_trajectories(path: Path, batch: Batch) -> None:
+    """Every trajectory of ``batch`` as one JSON line: step, session (gateway sessions;
+    else null), episode, reward, and per token (prompt then response, one length):
+    token_ids, loss_mask, logprobs, versions (prompt tokens: mask 0, log-prob 0, the
+    version of the first response token)."""
+    with open(path, "a") as f:
+        for t in batch.trajectories:
+            n = len(t.prompt_ids)
+            first = int(t.versions[0]) if len(t.versions) else 0
+            row = {
+                "step": batch.step,
+                "session": t.metadata.get("session"),
+                "episode": t.episode_id,
+                "group": t.group_id,
+                "reward": t.reward,
+                "token_ids": [*t.prompt_ids.tolist(), *t.response_ids.tolist()],
+                "loss_mask": [0] * n + t.loss_mask.tolist(),
+                "logprobs": [0.0] * n + t.behav_logprobs.tolist(),
+                "versions": [first] * n + t.versions.tolist(),
+            }
+            f.write(json.dumps(row) + "\n")
 
 
 def _is_set(event: asyncio.Event | None) -> bool:
@@ -561,8 +589,15 @@ async def run_job(
     tc = cfg.logging.trace
     trace.start_run(run_dir, tc.enabled, tc.every, tc.max_mb)  # children started below trace too
     job.sinks = make_sinks(cfg, run_dir, max(job.resumed_step, 0))
+    gateway = None
+    sample_type: Any = Sample
     try:
         sampling: dict[str, Any] = {}
+        if episode is None and cfg.task.name == "agent":  # OpenAI-API agents via the gateway
+            from asyncrl.gateway.agent import AgentSample, agent_gateway, agent_samples
+
+            gateway = agent_gateway(cfg, model_path)
+            episode, samples, sample_type = gateway.episode, agent_samples(cfg), AgentSample
         if episode is None:  # built before any process starts: a bad task fails fast
             task = make_task(cfg.task, model_path)
             sampling = {"max_new_tokens": cfg.generation_budget()}
@@ -593,7 +628,11 @@ async def run_job(
             (run_dir / "config.json").write_bytes(msgspec.json.encode(to_dict(cfg)))
         job.t_controller = time.perf_counter()
         start = state.step if state is not None else 0
-        ctl = Controller(cfg, episode, clients, samples, sampling, start, state, Sample)
+        ctl = Controller(cfg, episode, clients, samples, sampling, start, state, sample_type)
+        if gateway is not None:
+            gateway.attach(ctl)
+            url = await gateway.start()
+            (run_dir / "gateway.json").write_text(json.dumps({"url": url}))
         async with ctl:
             if state is not None:
                 resumed = {"from_step": state.step, **ctl.resumed}
@@ -607,6 +646,8 @@ async def run_job(
             )
         return job.rows
     finally:
+        if gateway is not None:
+            await gateway.close()
         told = False
         try:
             told = await asyncio.wait_for(chan.broadcast(Shutdown(reason="run finished")), 1.0) > 0

@@ -51,6 +51,29 @@ PY
   fi
   rm -rf "$tmp"
 done
+# vLLM 0.33.0's own source, the same way (Python files and dist-info only, under
+# .cache/vllm/0.33.0, not installed: a 336 MB CUDA wheel): the tests of the vLLM family
+# run its StatelessProcessGroup and packed_tensor.py on this CPU and cite its file:line
+# (tests/engines/rollout/vllm/code.py says what imports here and what does not).
+v=0.33.0
+dest=.cache/vllm/$v
+if [ ! -f "$dest/vllm/distributed/utils.py" ]; then
+  tmp=$(mktemp -d)
+  if python -m pip download -q --no-deps "vllm==$v" -d "$tmp" 2>&1 \
+      | { grep -v "^WARNING: Location 'file:" || true; }; then
+    mkdir -p "$dest" && python - "$tmp" "$dest" <<'PY'
+import pathlib, sys, zipfile
+src, dest = pathlib.Path(sys.argv[1]), sys.argv[2]
+with zipfile.ZipFile(next(src.glob("vllm-*.whl"))) as z:
+    meta = (".dist-info/METADATA", ".dist-info/entry_points.txt")
+    z.extractall(dest, [n for n in z.namelist() if n.startswith("vllm/") and n.endswith(".py")
+                        or n.startswith("vllm-") and n.endswith(meta)])
+PY
+  else
+    echo "setup: could not download vllm==$v; tests against vLLM's code will skip" >&2
+  fi
+  rm -rf "$tmp"
+fi
 # The type checker scripts/test runs (also in the test extra), pinned: another mypy reports
 # other errors. Skipped when that version is there.
 MYPY=2.4.1

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
+import itertools
 import json
 import subprocess
 import sys
@@ -52,6 +54,40 @@ def test_top_level_override_with_equals_sign() -> None:
 def test_serve_takes_the_engine_arguments() -> None:
     out = _cli("serve", "--model-path", "/nonexistent", "--port", "1", "--help")
     assert out.returncode == 0 and "--model-path" in out.stdout and "--port" in out.stdout
+    assert out.stdout.startswith("usage: asyncrl serve")
+    options = out.stdout.split("options:", 1)[1]
+    # every flag has a help text: no option line stands alone before the next option line
+    lines = [ln for ln in options.splitlines() if ln.strip()]
+    bare = [a for a, b in itertools.pairwise(lines) if a.lstrip().startswith("--") and
+            b.lstrip().startswith("-") and "  " not in a.strip()]  # fmt: skip
+    assert not bare, bare
+
+
+def test_serve_without_a_model_serves_the_tiny_default(
+    tmp_path: Path, tiny_model_dir: Path, free_port: int
+) -> None:
+    from asyncrl.engines.rollout.sglang import SGLangClient
+    from asyncrl.procs import spawn, stop
+    from asyncrl.tasks.tiny_model import TINY_VERSION
+
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / TINY_VERSION).symlink_to(tiny_model_dir)  # built already
+    env = python_env({"ASYNCRL_CACHE": str(tmp_path)})
+    proc = spawn(["-m", "asyncrl.cli", "serve", "--port", str(free_port)], tmp_path / "log", env)
+    try:
+
+        async def generate() -> list[int]:
+            client = SGLangClient(f"http://127.0.0.1:{free_port}")
+            try:
+                await client.wait_healthy(60)
+                out = await client.generate([1, 5, 6, 13], {"max_new_tokens": 2})
+                return out.output_ids
+            finally:
+                await client.close()
+
+        assert 1 <= len(asyncio.run(generate())) <= 2
+    finally:
+        stop([proc])
 
 
 def _timed_run(tmp_path: Path, *overrides: str) -> tuple[subprocess.CompletedProcess[str], float]:

@@ -12,9 +12,11 @@ the ``asyncrl.*`` modules it pulled in are checked against the other sides' pack
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -39,6 +41,7 @@ ENGINE_SIDE = (
 )
 CONTROLLER_SIDE = (
     "asyncrl.controllers",
+    "asyncrl.gateway",
     "asyncrl.runner",
     "asyncrl.entrypoints.run",
     "asyncrl.launchers",
@@ -50,7 +53,7 @@ PROCESSES = {
     # entry module, what the process also loads by name later, the other sides
     "controller": (
         "asyncrl.entrypoints.run",
-        ["asyncrl.runner"],
+        ["asyncrl.runner", "asyncrl.gateway"],
         (*TRAINER_SIDE, *ENGINE_SIDE, "torch"),  # the controller never loads torch
     ),
     "engine": ("asyncrl.entrypoints.engine", [], (*TRAINER_SIDE, *CONTROLLER_SIDE)),
@@ -81,3 +84,32 @@ def test_a_process_loads_no_module_of_another_process(process: str) -> None:
     assert entry in loaded
     wrong = [m for m in loaded if any(m == f or m.startswith(f + ".") for f in forbidden)]
     assert not wrong, f"the {process} ({entry}) imports modules of another process: {wrong}"
+
+
+FAMILIES = tuple(f"asyncrl.engines.rollout.{f}" for f in ("sglang", "vllm", "local"))
+
+
+def _imports(path: Path) -> list[str]:
+    """Every module an ``import`` / ``from ... import`` in ``path`` names (any depth)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.append(node.module)
+            found += [f"{node.module}.{a.name}" for a in node.names]
+    return found
+
+
+def test_no_transport_imports_an_engine_family() -> None:
+    """The weight transport reaches engines only through the EngineControl seam
+    (``engines/rollout/base.py``), built by ``engines/rollout/factory.py``: no module under
+    ``transports/`` imports ``engines.rollout.{sglang,vllm,local}``."""
+    root = Path(__file__).resolve().parents[1] / "asyncrl" / "transports"
+    wrong = [
+        f"{p.relative_to(root.parent)}: {m}"
+        for p in sorted(root.rglob("*.py"))
+        for m in _imports(p)
+        if any(m == f or m.startswith(f + ".") for f in FAMILIES)
+    ]
+    assert not wrong, f"transports import an engine family: {wrong}"

@@ -187,6 +187,10 @@ def test_trainer_sigkilled_restarts_from_checkpoint_and_trains_each_sample_once(
     args = (f"--controller.total_steps={steps}", "--checkpoint.every_steps=4", *_SMALL, *_SINKS)
     proc = _cli("--run-dir", str(run), *args)
     wait_rows(run, proc, 6)  # the checkpoint of step 4 is asked for; steps past it trained
+    deadline = time.monotonic() + 120  # ... and complete (a loaded box writes it steps later)
+    while ckpts.latest_checkpoint(run) is None and proc.poll() is None:
+        assert time.monotonic() < deadline, "no complete checkpoint within 120 s"
+        time.sleep(0.05)
     pids = json.loads((run / "processes.json").read_text())
     os.kill(pids["trainer0"], signal.SIGKILL)
     rc, out = finish(proc, 300)

@@ -20,6 +20,7 @@ import asyncio
 import json
 import os
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
@@ -49,6 +50,11 @@ class InstantEngine:
     ) -> GenerateResult:
         n = min(TOKENS, int(sampling_params["max_new_tokens"]))
         return GenerateResult(self._ids[:n], self._lps[:n], self.version, "length")
+
+    async def generate_stream(
+        self, input_ids: list[int], sampling_params: dict[str, Any], rid: str | None = None
+    ) -> AsyncIterator[GenerateResult]:
+        yield await self.generate(input_ids, sampling_params, rid)
 
     async def generate_batch(
         self,

@@ -87,6 +87,18 @@ def _wait_step(run_dir: Path, proc: subprocess.Popen[str], step: int, timeout_s:
     raise TimeoutError(f"no step {step} within {timeout_s}s")
 
 
+def _wait_checkpoint(run_dir: Path, proc: subprocess.Popen, timeout_s: float) -> None:
+    """Until the run has one complete checkpoint (written by the trainer after its step: on a
+    loaded machine the run may be steps ahead of it)."""
+    from asyncrl.controllers import checkpoints
+
+    deadline = time.monotonic() + timeout_s
+    while checkpoints.latest_checkpoint(run_dir) is None:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"no complete checkpoint in {run_dir} within {timeout_s:g} s")
+        time.sleep(0.05)
+
+
 def _finish(proc: subprocess.Popen, timeout_s: float) -> None:
     rc, out = finish(proc, timeout_s)
     if rc != 0:
@@ -135,6 +147,7 @@ def run_scenario(name: str, args: argparse.Namespace, root: Path) -> dict[str, A
             kills[engine] = time.time()
     if name == "run":
         _wait_step(run_dir, proc, args.kill_at, args.timeout)
+        _wait_checkpoint(run_dir, proc, args.timeout)  # a resume needs one complete checkpoint
         pids = json.loads((run_dir / "processes.json").read_text())
         before = _rows(run_dir / "metrics.jsonl")[-1]["step"]
         proc.send_signal(signal.SIGKILL)

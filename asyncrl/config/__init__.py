@@ -8,23 +8,27 @@ for choices, the allowed values. This package never imports torch.
 Two sections are one type per backend (msgspec tagged unions, the tag being
 ``backend``): ``weights`` (:class:`CollectiveWeightsConfig` for ``auto`` / ``gloo`` /
 ``nccl`` / ``hccl``, :class:`CudaIpcWeightsConfig` for ``cuda-ipc``) and ``rollout``
-(:class:`LocalRolloutConfig`, :class:`SGLangRolloutConfig`). An option of another
-backend is refused, naming the backend(s) it belongs to; omitting ``backend`` keeps
-the default one. Numeric limits are declared on the fields (``Annotated[int,
+(:class:`LocalRolloutConfig`, :class:`SGLangRolloutConfig`, :class:`VLLMRolloutConfig`).
+An option of another backend is refused, naming the backend(s) it belongs to; omitting
+``backend`` keeps the default one. Numeric limits are declared on the fields (``Annotated[int,
 msgspec.Meta(gt=0)]``), checked when a config is decoded and when a section is built
 in Python; non-finite floats are refused everywhere.
 """
 
 from __future__ import annotations
 
+from asyncrl.config.gateway import GatewayConfig
 from asyncrl.config.load import load_config, to_dict
+from asyncrl.config.lora import LoraConfig
 from asyncrl.config.rollout import (
     DEFAULT_MAX_NEW_TOKENS,
     PAUSE_MODES,
+    VLLM_PAUSE_MODES,
     LocalRolloutConfig,
     PauseMode,
     RolloutConfig,
     SGLangRolloutConfig,
+    VLLMRolloutConfig,
 )
 from asyncrl.config.run import (
     CheckpointConfig,
@@ -53,6 +57,7 @@ from asyncrl.config.weights import (
 __all__ = [
     "DEFAULT_MAX_NEW_TOKENS",
     "PAUSE_MODES",
+    "VLLM_PAUSE_MODES",
     "AlgoConfig",
     "AutoWeightsConfig",
     "CheckpointConfig",
@@ -61,10 +66,12 @@ __all__ = [
     "ControllerConfig",
     "CudaIpcWeightsConfig",
     "ExperienceConfig",
+    "GatewayConfig",
     "GlooWeightsConfig",
     "HcclWeightsConfig",
     "LocalRolloutConfig",
     "LoggingConfig",
+    "LoraConfig",
     "ModelConfig",
     "NcclWeightsConfig",
     "PauseMode",
@@ -75,6 +82,7 @@ __all__ = [
     "TensorBoardConfig",
     "TraceConfig",
     "TrainerConfig",
+    "VLLMRolloutConfig",
     "WandbConfig",
     "WeightSyncConfig",
     "load_config",

@@ -13,6 +13,9 @@ PauseMode: TypeAlias = Literal["abort", "retract", "in_place"]
 """How an engine pauses generation for a weight update (SGLang's ``/pause_generation`` modes,
 served by the embedded engine too); see ``RolloutConfig.pause_mode``."""
 PAUSE_MODES: Final[tuple[PauseMode, ...]] = typing.get_args(PauseMode)
+VLLMPauseMode: TypeAlias = Literal["keep", "abort", "wait"]
+"""vLLM 0.33's ``/pause?mode=`` modes (vllm/entrypoints/rl/online/api_router.py:31-75)."""
+VLLM_PAUSE_MODES: Final[tuple[VLLMPauseMode, ...]] = typing.get_args(VLLMPauseMode)
 
 DEFAULT_MAX_NEW_TOKENS: Final = 128
 """Generation budget of a request that names none: SGLang's default (``SamplingParams``),
@@ -40,7 +43,7 @@ class _RolloutBase(_Section, frozen=True, tag_field="backend"):
     """Timeout of one HTTP request to an engine."""
     startup_timeout_s: PositiveFloat | None = None
     """How long the run waits for an engine to become healthy. Unset: scaled to the model:
-    120 s for the embedded engine; SGLang 300 s + 20 s per GiB of weight files in the model
+    120 s for the embedded engine; SGLang and vLLM 300 s + 20 s per GiB of weight files in the model
     folder (900 s when none is found there, e.g. a hub id)."""
     max_restarts: NonNegative = 3
     """Times the run restarts each engine it started that died (re-synced with the current
@@ -59,9 +62,14 @@ class _RolloutBase(_Section, frozen=True, tag_field="backend"):
     are (e.g. ``["--skip-tokenizer-init"]`` for SGLang, ``["--threads", "2"]`` locally)."""
 
     @property
-    def backend(self) -> Literal["local", "sglang"]:
+    def backend(self) -> Literal["local", "sglang", "vllm"]:
         """The tag: which rollout backend this is."""
-        return typing.cast(Literal["local", "sglang"], self.__struct_config__.tag)
+        return typing.cast(Literal["local", "sglang", "vllm"], self.__struct_config__.tag)
+
+    @property
+    def pause_modes(self) -> tuple[str, ...]:
+        """The ``pause_mode`` values this backend's engines take."""
+        return PAUSE_MODES
 
 
 class LocalRolloutConfig(_RolloutBase, frozen=True, tag="local"):
@@ -99,5 +107,33 @@ class SGLangRolloutConfig(_RolloutBase, frozen=True, tag="sglang"):
     default."""
 
 
-RolloutConfig: TypeAlias = LocalRolloutConfig | SGLangRolloutConfig
+class VLLMRolloutConfig(_RolloutBase, frozen=True, tag="vllm"):
+    """``rollout.backend = "vllm"``: vLLM 0.33 servers with its RL API (launched by the run
+    with ``VLLM_SERVER_DEV_MODE=1``, or ``urls`` of servers started so)."""
+
+    pause_mode: VLLMPauseMode = "keep"  # type: ignore[assignment]
+    """How vLLM pauses for a weight update (``/pause?mode=``): ``keep`` (default) freezes
+    in-flight requests with their KV cache and resumes them after the update (no abort;
+    each token's version from vLLM's ``weight_versions`` spans); ``abort`` returns them
+    partial (resumed by their episodes); ``wait`` lets them finish first. Under ``abort``
+    and ``wait`` vLLM answers new requests 503 until it resumes: the client waits and
+    retries, it does not fail."""
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    """``--dtype`` of launched vLLM servers. ``auto``: ``bfloat16`` for a checkpoint stored
+    in float32 or of unknown dtype, else vLLM's ``auto`` (as stored)."""
+    tp_size: Positive = 1
+    """GPUs per launched vLLM server (``--tensor-parallel-size``)."""
+    gpu_memory_utilization: OpenFraction = 0.0
+    """vLLM's ``--gpu-memory-utilization`` of launched servers, in (0, 1); 0 keeps vLLM's
+    default."""
+    retry_503_s: PositiveFloat = 600.0
+    """How long a request answered 503 (vLLM paused in ``abort``/``wait`` mode) is retried
+    before it fails with EngineUnavailable."""
+
+    @property
+    def pause_modes(self) -> tuple[str, ...]:
+        return VLLM_PAUSE_MODES
+
+
+RolloutConfig: TypeAlias = LocalRolloutConfig | SGLangRolloutConfig | VLLMRolloutConfig
 """The ``rollout`` section: one type per ``rollout.backend``."""

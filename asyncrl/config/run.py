@@ -7,7 +7,14 @@ from typing import Literal
 import msgspec
 
 from asyncrl.config.base import NonNegative, NonNegativeFloat, Positive, PositiveFloat, _Section
-from asyncrl.config.rollout import LocalRolloutConfig, RolloutConfig, SGLangRolloutConfig
+from asyncrl.config.gateway import GatewayConfig
+from asyncrl.config.lora import LoraConfig
+from asyncrl.config.rollout import (
+    LocalRolloutConfig,
+    RolloutConfig,
+    SGLangRolloutConfig,
+    VLLMRolloutConfig,
+)
 from asyncrl.config.trainer import AlgoConfig, TrainerConfig
 from asyncrl.config.weights import AutoWeightsConfig, CudaIpcWeightsConfig, WeightSyncConfig
 
@@ -20,11 +27,14 @@ class ModelConfig(_Section, frozen=True):
 
 
 class TaskConfig(_Section, frozen=True):
-    name: Literal["reverse", "math"] = "reverse"
+    name: Literal["reverse", "math", "agent"] = "reverse"
     """Built-in task. ``reverse``: repeat n digits in reverse order; reward = fraction right;
     generation budget ``num_digits + 1`` (the digits and the end token). ``math``: prompts
     from a local JSONL/Parquet file (``path``), rendered with the model's chat template;
-    reward 1 when the last integer in the response equals the answer, else 0."""
+    reward 1 when the last integer in the response equals the answer, else 0. ``agent``:
+    ``agent`` (an OpenAI-API agent) runs once per episode against the gateway, on samples
+    from ``path`` (JSONL rows: ``prompt`` or ``messages``, ``answer``) or, without a path,
+    the built-in weather chat task."""
     num_digits: Positive = 2
     """Digits per prompt for the ``reverse`` task."""
     seed: int = 0
@@ -41,6 +51,10 @@ class TaskConfig(_Section, frozen=True):
     """``math``: generation budget per response (``rollout.max_new_tokens`` overrides it)."""
     shuffle: bool = True
     """``math``: visit the rows in a seeded random order each pass (else file order)."""
+    agent: str = ""
+    """``agent``: ``package.module:function``, ``async def fn(client, sample) -> float | None``
+    with ``client`` an ``openai.AsyncOpenAI`` on the episode's gateway session; the float is
+    the reward, None rejects the sample."""
     reward_fn: str = ""
     """Custom reward ``package.module:function`` (importable, e.g. on PYTHONPATH) replacing the
     task's own; called as ``fn(sample, response_ids, response_text) -> float`` (may be
@@ -197,6 +211,9 @@ class LoggingConfig(_Section, frozen=True):
     trace: TraceConfig = msgspec.field(default_factory=TraceConfig)
     tensorboard: TensorBoardConfig = msgspec.field(default_factory=TensorBoardConfig)
     wandb: WandbConfig = msgspec.field(default_factory=WandbConfig)
+    trajectories: bool = False
+    """Write every trained trajectory to ``RUN_DIR/trajectories.jsonl`` (step, session,
+    reward, and per token: token_ids, loss_mask, logprobs, versions)."""
 
 
 class RunConfig(_Section, frozen=True):
@@ -211,6 +228,8 @@ class RunConfig(_Section, frozen=True):
     cluster: ClusterConfig = msgspec.field(default_factory=ClusterConfig)
     checkpoint: CheckpointConfig = msgspec.field(default_factory=CheckpointConfig)
     logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)
+    gateway: GatewayConfig = msgspec.field(default_factory=GatewayConfig)
+    lora: LoraConfig = msgspec.field(default_factory=LoraConfig)
     run_dir: str = ""
     """Output folder (metrics.jsonl, config.json, logs). Empty: a new folder under ``runs/``."""
     seed: int = 0
@@ -225,6 +244,37 @@ class RunConfig(_Section, frozen=True):
                 "weights.backend='cuda-ipc' works with rollout.backend='local' only: SGLang's "
                 "scheduler dies on asyncrl's CUDA IPC descriptor (load_format='asyncrl_ipc'); "
                 "use weights.backend='nccl' (or 'auto') with rollout.backend='sglang'"
+            )
+        if isinstance(self.rollout, VLLMRolloutConfig) and isinstance(
+            self.weights, CudaIpcWeightsConfig
+        ):
+            raise ValueError(
+                "weights.backend='cuda-ipc' works with rollout.backend='local' only: vLLM's "
+                "IPC weight transfer takes pickled handles (vllm/distributed/weight_transfer/"
+                "clients.py:26-47), which asyncrl does not send; use weights.backend='nccl' "
+                "(or 'auto', 'gloo') with rollout.backend='vllm'"
+            )
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        """What a LoRA run (``lora.rank > 0``) cannot be combined with (yet), by key."""
+        if not self.lora.enabled:
+            return
+        if not isinstance(self.rollout, LocalRolloutConfig):
+            raise ValueError(
+                "lora.rank > 0 works with rollout.backend='local' only (the embedded engine's "
+                "adapter version ring); SGLang's LoRA serving is not wired in yet "
+                "(docs/rollout-engines.md, LoRA)"
+            )
+        if isinstance(self.weights, CudaIpcWeightsConfig):
+            raise ValueError(
+                "lora.rank > 0 pushes adapters over the collective backends (weights.backend = "
+                "auto | gloo | nccl | hccl); weights.backend='cuda-ipc' is not supported with LoRA"
+            )
+        if self.weights.delta != "off":
+            raise ValueError(
+                "weights.delta must be 'off' with lora.rank > 0 (an adapter push is small and "
+                "loads beside the served versions, never into them)"
             )
 
     def generation_budget(self) -> int:

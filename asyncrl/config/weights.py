@@ -22,10 +22,12 @@ class _WeightsBase(_Section, frozen=True, tag_field="backend"):
     """``false``: ``push`` returns at once and the trainer's next forward/backward overlaps the
     stream; only its next optimizer step waits until the sender has read the weights.
     ``true``: ``push`` copies every weight first (costs the trainer one copy of the model)."""
-    pause_scope: Literal["commit", "transfer"] = "commit"
+    pause_scope: Literal["commit", "transfer", "none"] = "commit"
     """When engines pause generation: ``commit`` only around the switch to the new weights (the
     embedded engine stages buckets aside); ``transfer`` for the whole stream (SGLang, which
-    loads each bucket as it arrives; always ``transfer`` with ``rollout.backend = "sglang"``)."""
+    loads each bucket as it arrives; always ``transfer`` with ``rollout.backend = "sglang"``);
+    ``none`` never (the embedded engine switches between two decoding steps on its own; always
+    ``none`` with ``lora.rank > 0``: an adapter version loads beside the served ones)."""
 
     @property
     def backend(self) -> Literal["auto", "gloo", "nccl", "hccl", "cuda-ipc"]:

@@ -54,7 +54,7 @@ from typing import Any
 import msgspec
 
 from asyncrl import trace
-from asyncrl.config import DEFAULT_MAX_NEW_TOKENS, PAUSE_MODES, RunConfig
+from asyncrl.config import DEFAULT_MAX_NEW_TOKENS, RunConfig
 from asyncrl.controllers.episode import Episode, EpisodeContext, EpisodeFailed, Gate
 from asyncrl.controllers.router import Router
 from asyncrl.controllers.staleness import Staleness
@@ -162,11 +162,11 @@ class Controller:
         self._episode = episode
         self._own_engines = engines is None
         if engines is None:
-            from asyncrl.engines.rollout.sglang import make_client
+            from asyncrl.engines.rollout.factory import make_engine
 
             if not config.rollout.urls:
                 raise ValueError("rollout.urls is empty: pass engines= or name the engine URLs")
-            engines = [make_client(config.rollout, u) for u in config.rollout.urls]
+            engines = [make_engine(config.rollout, u) for u in config.rollout.urls]
         self.router = Router(
             engines, batch_identical=cc.batch_requests, outage_timeout_s=cc.outage_timeout_s
         )
@@ -178,6 +178,8 @@ class Controller:
         self._max_failed_groups = cc.max_failed_groups
         self._failed_streak = 0
         self._failure_log = _RateLimitedLog(log, first=5, every_s=10.0)
+        self._rejected_streak = 0
+        self._reject_log = _RateLimitedLog(log, first=1, every_s=30.0)
         self._regenerate = cc.stale_policy == "regenerate"
         self._sampling = {
             "temperature": config.rollout.temperature,
@@ -298,8 +300,9 @@ class Controller:
         raised; only a successful update sets ``version``.
         """
         mode = mode or self.config.rollout.pause_mode
-        if mode != "wait" and mode not in PAUSE_MODES:
-            allowed = ", ".join(map(repr, (*PAUSE_MODES, "wait")))
+        modes = self.config.rollout.pause_modes
+        if mode != "wait" and mode not in modes:
+            allowed = ", ".join(map(repr, (*modes, "wait")))
             raise ValueError(f"pause mode must be one of {allowed}, got {mode!r}")
         engines = self.router.engines
         try:
@@ -489,11 +492,25 @@ class Controller:
             trajs += got
         self._failed_streak = 0
         if min_v is None:
-            self._release("rejected")
+            self._group_rejected(gid)
             return
+        self._rejected_streak = 0
         self._ready.append(Group(gid, sample, trajs, min_v, self._admitted_at[gid]))
         if len(self._ready) >= self._batch_size or self._input_ended:
             self._ready_changed.set()
+
+    def _group_rejected(self, gid: int) -> None:
+        """Count a group every episode of which returned None; warn (at a bounded rate) while
+        every group is rejected: ``next_batch`` would wait for groups that never come."""
+        self._release("rejected")
+        self._rejected_streak += 1
+        if self._rejected_streak >= self._batch_size:
+            self._reject_log.warning(
+                "%d groups in a row rejected (every episode returned None, the last group %d): "
+                "next_batch gets no batch while that goes on",
+                self._rejected_streak,
+                gid,
+            )
 
     def _group_failed(self, gid: int, exc: EpisodeFailed) -> None:
         """Count a failed group (logged at a bounded rate); raise :class:`GroupsFailing` (the

@@ -7,7 +7,8 @@ functions run off the event loop unless they are measured cheap, async ones are
 awaited) and returns ``ctx.trajectory(...)`` — or a list of trajectories, or
 None to reject the sample (its group then never trains).
 
-``ctx.generate`` hides engine interruptions and failures:
+``ctx.generate_stream`` is ``generate`` yielding the completion as it grows (the OpenAI
+gateway streams with it); both hide engine interruptions and failures:
 
 - a request that a weight update aborted (``finish_reason == "abort"``) is
   re-submitted to the *same* engine as prompt + tokens generated so far, with
@@ -40,14 +41,19 @@ import logging
 import time
 import traceback
 import zlib
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 import numpy as np
 
 from asyncrl.config import DEFAULT_MAX_NEW_TOKENS
-from asyncrl.engines.rollout.base import EngineBadRequest, EngineError, EngineUnavailable
+from asyncrl.engines.rollout.base import (
+    EngineBadRequest,
+    EngineError,
+    EngineUnavailable,
+    GenerateResult,
+)
 from asyncrl.tasks.base import Sample
 from asyncrl.transports.experience.types import Trajectory
 
@@ -280,9 +286,60 @@ class EpisodeContext:
             self.journal.append((prefix, out))
             return out
         out = out or Generation([], [], [], "length")
+        return await self._journaled(prefix, out, params, budget, None)
+
+    async def generate_stream(
+        self, input_ids: Sequence[int], **sampling: Any
+    ) -> AsyncIterator[Generation]:
+        """:meth:`generate`, yielding its :class:`Generation` whenever tokens arrived: one
+        object, growing (``finish_reason == "partial"`` until the last yield, which is the
+        finished completion). A weight update's abort-and-resubmit and a retry elsewhere
+        are invisible: the tokens only grow, each with its own version. Closing the
+        iterator early cancels the request (its tokens so far stay in ``journal``).
+        Raises :class:`EpisodeFailed` as :meth:`generate`."""
+        params = {**self.sampling, **sampling} if sampling else dict(self.sampling)
+        budget = int(params.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS))
+        prefix = list(input_ids)
+        out = self._replayed(prefix) if self.replay else None
+        if out is not None and out.finish_reason != "partial":
+            self.journal.append((prefix, out))
+            yield out
+            return
+        out = out or Generation([], [], [], "partial")
+        out.finish_reason = "partial"
+        changed = asyncio.Event()
+        task = asyncio.ensure_future(self._journaled(prefix, out, params, budget, changed.set))
+        seen = len(out.output_ids)
+        try:
+            while not task.done():
+                waiter = asyncio.ensure_future(changed.wait())
+                await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+                waiter.cancel()
+                changed.clear()
+                if len(out.output_ids) > seen and not task.done():
+                    seen = len(out.output_ids)
+                    yield out
+            yield task.result()
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+
+    async def _journaled(
+        self,
+        prefix: list[int],
+        out: Generation,
+        params: dict[str, Any],
+        budget: int,
+        on_tokens: Callable[[], None] | None,
+    ) -> Generation:
         self.current = (prefix, out)
         try:
-            out = await self._generate(prefix, out, params, budget)
+            out = await self._generate(prefix, out, params, budget, on_tokens)
+        except asyncio.CancelledError:  # a stream closed early: its tokens so far are kept
+            if on_tokens is not None and out.output_ids:
+                self.journal.append((prefix, out))
+            raise
         finally:
             self.current = None
         self.journal.append((prefix, out))
@@ -305,7 +362,12 @@ class EpisodeContext:
         return gen
 
     async def _generate(
-        self, prefix: list[int], out: Generation, params: dict[str, Any], budget: int
+        self,
+        prefix: list[int],
+        out: Generation,
+        params: dict[str, Any],
+        budget: int,
+        on_tokens: Callable[[], None] | None = None,
     ) -> Generation:
         failures = 0
         gate = self._gate
@@ -333,7 +395,10 @@ class EpisodeContext:
                     else:
                         self._engine = router.pick()
                 ids = prefix + out.output_ids if done else prefix
-                res = await self._router.call(self._engine, ids, params, rid)
+                if on_tokens is None:
+                    res, applied = await self._router.call(self._engine, ids, params, rid), 0
+                else:
+                    res, applied = await self._streamed(ids, params, rid, out, on_tokens)
             except EngineBadRequest as exc:  # the request is wrong: no engine would take it
                 self._router.report_failure(self._engine, exc)
                 raise EpisodeFailed(f"episode {self.episode_id}: {exc}") from exc
@@ -355,10 +420,10 @@ class EpisodeContext:
                     gate.drained.set()
             out.calls += 1
             n = len(res.output_ids)
-            if n:
-                out.output_ids += res.output_ids
-                out.logprobs += res.logprobs
-                out.versions += res.token_versions()
+            if n > applied:
+                out.output_ids += res.output_ids[applied:] if applied else res.output_ids
+                out.logprobs += res.logprobs[applied:] if applied else res.logprobs
+                out.versions += res.token_versions()[applied:]
             out.finish_reason = "partial" if res.finish_reason == "abort" else res.finish_reason
             if res.finish_reason != "abort" or len(out.output_ids) >= budget:
                 if out.finish_reason == "partial":
@@ -366,6 +431,31 @@ class EpisodeContext:
                 return out
             if not n:  # aborted before any progress: do not spin against a paused engine
                 await asyncio.sleep(gate.retry_backoff_s)
+
+    async def _streamed(
+        self,
+        ids: list[int],
+        params: dict[str, Any],
+        rid: str,
+        out: Generation,
+        on_tokens: Callable[[], None],
+    ) -> tuple[GenerateResult, int]:
+        """One streamed engine call: its tokens go into ``out`` as they arrive (kept even if
+        the call fails later); returns the final result and how many of its tokens were
+        applied."""
+        applied = 0
+        res: GenerateResult | None = None
+        async for res in self._router.stream(self._engine, ids, params, rid):
+            n = len(res.output_ids)
+            if n > applied:
+                out.output_ids += res.output_ids[applied:]
+                out.logprobs += res.logprobs[applied:]
+                out.versions += res.token_versions()[applied:]
+                applied = n
+                on_tokens()
+        if res is None or not res.finish_reason:
+            raise EngineError("/generate", 200, "the stream ended before its final answer")
+        return res, applied
 
     async def reward(
         self, fn: RewardFn | RewardRunner, sample: Any, response_ids: list[int]

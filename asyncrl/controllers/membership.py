@@ -36,7 +36,8 @@ from typing import Any
 
 from asyncrl.config import RunConfig
 from asyncrl.controllers.router import Router
-from asyncrl.engines.rollout.sglang import SGLangClient, make_client
+from asyncrl.engines.rollout.base import ManagedEngine
+from asyncrl.engines.rollout.factory import make_engine
 from asyncrl.launchers.base import Death, Launcher
 from asyncrl.transports.experience.types import Engines, EnginesSynced
 
@@ -60,10 +61,10 @@ class EngineSet:
         self.record = record  # each engine back in rotation (the run's recoveries.jsonl)
         self.died_at: dict[str, tuple[str, int, float]] = {}  # url -> name, restart, wall time
         self.startup_s = cfg.rollout.startup_timeout_s or 120.0  # the run sets the scaled one
-        self.clients = {f"engine{i}": make_client(cfg.rollout, u) for i, u in enumerate(urls)}
+        self.clients = {f"engine{i}": make_engine(cfg.rollout, u) for i, u in enumerate(urls)}
         self.restarts: dict[str, int] = {}
         self.gone: dict[str, str] = {}  # engines out of the run for good: why
-        self.waiting: dict[str, SGLangClient] = {}  # url -> client held until re-synced
+        self.waiting: dict[str, ManagedEngine] = {}  # url -> client held until re-synced
         self.send_lock = asyncio.Lock()  # one step's messages, or one Engines, at a time
         self.epoch = 0  # changes of the engine set told to the trainer (Engines.epoch)
         self.down: set[str] = set()  # engines being restarted: left out of the set told
@@ -97,7 +98,7 @@ class EngineSet:
         if len(self.live_urls()) < len(self.clients):  # pushes go on to the others meanwhile
             self.notify(chan)
         url = await asyncio.to_thread(self.launcher.restart, name)
-        client = old if url == old.url else make_client(self.cfg.rollout, url)
+        client = old if url == old.url else make_engine(self.cfg.rollout, url)
         await client.wait_healthy(self.startup_s)
         self.down.discard(name)
         if client is not old:

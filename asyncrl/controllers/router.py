@@ -8,7 +8,8 @@ Contract:
   served it before) is the episode's: :class:`asyncrl.controllers.episode.EpisodeContext`
   keeps its engine and asks the router again only when that engine left rotation.
 - :meth:`Router.call` runs one ``generate`` and counts it as outstanding while
-  it runs; a success clears the engine's failure streak.
+  it runs; a success clears the engine's failure streak. :meth:`Router.stream` is
+  the same for ``generate_stream`` (never batched).
 - :meth:`Router.report_failure`: an :class:`EngineUnavailable` (unreachable,
   timed out) takes the engine out of rotation at once; server errors take it
   out after ``max_consecutive_errors`` in a row (a bad request never does).
@@ -38,7 +39,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from asyncrl import trace
@@ -148,6 +149,23 @@ class Router:
             self._last_failure.pop(id(engine), None)
             self.served[id(engine)] += 1
         return res
+
+    async def stream(
+        self, engine: RolloutEngine, input_ids: list[int], params: dict[str, Any], rid: str
+    ) -> AsyncIterator[GenerateResult]:
+        """``engine.generate_stream`` counted as outstanding while it runs; a stream that
+        ends normally clears the engine's failure streak (as :meth:`call`)."""
+        self.outstanding[id(engine)] += 1
+        try:
+            async for res in engine.generate_stream(input_ids, params, rid=rid):
+                yield res
+        finally:
+            if id(engine) in self.outstanding:
+                self.outstanding[id(engine)] -= 1
+        if id(engine) in self.served:
+            self._streak[id(engine)] = 0
+            self._last_failure.pop(id(engine), None)
+            self.served[id(engine)] += 1
 
     def _join(
         self, engine: Any, input_ids: list[int], params: dict[str, Any], rid: str

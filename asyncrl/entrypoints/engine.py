@@ -19,6 +19,7 @@ import torch
 from aiohttp import web
 
 from asyncrl import trace
+from asyncrl.engines.rollout.local.lora import LoraSpec
 from asyncrl.engines.rollout.local.server import EngineServer, build_app, load_engine
 from asyncrl.engines.rollout.local.weights import WeightReceiver
 from asyncrl.loops import new_event_loop
@@ -27,14 +28,32 @@ __all__ = ["main"]
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="asyncrl embedded engine (SGLang HTTP protocol)")
-    p.add_argument("--model-path", required=True)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--max-batch-size", type=int, default=256)
-    p.add_argument("--max-prefill-tokens", type=int, default=8192)
+    p = argparse.ArgumentParser(
+        prog="asyncrl serve",
+        description="The embedded rollout engine: an HTTP server speaking SGLang's protocol "
+        "(/generate, /pause_generation, /update_weights_from_distributed, ...), continuous "
+        "batching on a CPU or a CUDA device. Serves until SIGTERM/SIGINT.",
+    )
+    p.add_argument(
+        "--model-path",
+        default="",
+        help="local Hugging Face model folder (default: the tiny default model, built once)",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
+    p.add_argument("--port", type=int, default=30000, help="port to bind")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="parameter dtype the model is served in",
+    )
+    p.add_argument(
+        "--max-batch-size", type=int, default=256, help="most sequences decoded together"
+    )
+    p.add_argument(
+        "--max-prefill-tokens", type=int, default=8192, help="token budget of one prefill step"
+    )
     p.add_argument(
         "--kv-after-update",
         default="recompute",
@@ -65,12 +84,40 @@ def _parser() -> argparse.ArgumentParser:
         help="addresses or CIDRs (comma-separated; 'loopback' = 127.0.0.0/8 and ::1) where "
         "/init_weights_update_group may make this engine join a weight group",
     )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="serve LoRA adapters: an in-memory ring of adapter versions (see local/lora.py)",
+    )
+    p.add_argument("--max-lora-rank", type=int, default=8, help="the adapters' rank")
+    p.add_argument("--lora-alpha", type=float, default=16.0, help="adapters scale by alpha/rank")
+    p.add_argument(
+        "--lora-target-modules",
+        default="q_proj,k_proj,v_proj,o_proj",
+        help="comma-separated names of the linear layers with an adapter",
+    )
+    p.add_argument(
+        "--max-loaded-loras",
+        type=int,
+        default=2,
+        help="adapter versions held at once (the run's max_staleness + 1)",
+    )
+    p.add_argument("--lora-name", default="policy", help="versions are served as NAME-vN")
+    p.add_argument("--seed", type=int, default=0, help="seed of sampling")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (CPU)")
     # SGLang launch_server flags, so the SGLang launcher can start this server too.
     p.add_argument("--tp-size", "--tp", type=int, default=1, help="must be 1 (no tensor parallel)")
     p.add_argument("--mem-fraction-static", type=float, default=None, help="accepted, unused")
     return p
+
+
+def _lora_spec(args: argparse.Namespace) -> LoraSpec | None:
+    if not args.enable_lora:
+        return None
+    targets = tuple(t.strip() for t in args.lora_target_modules.split(",") if t.strip())
+    return LoraSpec(
+        args.max_lora_rank, args.lora_alpha, targets, args.max_loaded_loras, args.lora_name
+    )
 
 
 def main(argv: list[str] | None = None, receiver: type[WeightReceiver] = WeightReceiver) -> None:
@@ -81,6 +128,10 @@ def main(argv: list[str] | None = None, receiver: type[WeightReceiver] = WeightR
         raise SystemExit("the embedded engine has no tensor parallelism: --tp-size must be 1")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s %(message)s")
     torch.set_num_threads(args.threads)
+    if not args.model_path:  # the tiny default model, as `asyncrl run` makes it
+        from asyncrl.tasks.tiny_model import default_model_dir, ensure_tiny_model
+
+        args.model_path = str(ensure_tiny_model(default_model_dir()))
     trace.configure_from_env(f"engine-{args.port}")  # on when started by a traced run
     engine = load_engine(
         args.model_path,
@@ -93,6 +144,7 @@ def main(argv: list[str] | None = None, receiver: type[WeightReceiver] = WeightR
         args.context_length,
         args.max_prompt_tokens,
         args.stall_timeout,
+        _lora_spec(args),
     )
     server = EngineServer(engine, args.model_path, args.host, args.weight_masters, receiver)
     app = build_app(server)

@@ -194,8 +194,11 @@ def run(args: argparse.Namespace) -> None:
     resume_from, sync, now = _resume_from(args.resume_file)
     if args.rank == 0:
         urls = now or [u for u in args.engine_urls.split(",") if u]
+        wcfg = cfg.weights
+        if cfg.lora.enabled:  # adapter pushes load beside the served versions: never pause
+            wcfg = msgspec.structs.replace(wcfg, pause_scope="none")
         sender = make_weight_transport(
-            cfg.weights, urls, cfg.trainer.device, cfg.rollout.pause_mode, cfg.rollout.backend
+            wcfg, urls, cfg.trainer.device, cfg.rollout.pause_mode, cfg.rollout
         )
         sender.connect()
         chan.on_notice = _notice_handler(sender)  # engine set changes, also mid-step

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from asyncrl.config import RunConfig
-from asyncrl.engines.rollout.launcher import launch_command
+from asyncrl.engines.rollout.launcher import launch_command, lora_engine_args
 from asyncrl.engines.rollout.launcher import start_engines as launch_engines
 from asyncrl.launchers.base import Death, Placed, TrainerArgs, log_tail, trainer_command
 from asyncrl.procs import free_port, python_env, spawn, stop, wait_exit
@@ -54,6 +54,7 @@ class LocalLauncher:
                 cfg.model.dtype,
                 cfg.seed,
                 cfg.weights.master_address,
+                lora=lora_engine_args(cfg),
             )
         for i, server in enumerate(servers):
             name = f"engine{i}"

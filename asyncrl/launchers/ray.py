@@ -38,8 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from asyncrl.config import RunConfig, SGLangRolloutConfig
-from asyncrl.engines.rollout.launcher import engine_spec, launch_command
+from asyncrl.config import LocalRolloutConfig, RunConfig
+from asyncrl.engines.rollout.launcher import engine_spec, launch_command, lora_engine_args
 from asyncrl.launchers.base import Death, Placed, TrainerArgs, trainer_command
 from asyncrl.trace import ENV_DIR, ENV_EVERY, ENV_MAX_MB
 
@@ -172,7 +172,7 @@ class RayLauncher:
         del model_path  # the model is found (or built) on each node: see _model_on
         cc, rc = self.cfg.cluster, self.cfg.rollout
         self._place_trainers()  # rank 0's address: the only weight-sync master engines accept
-        gpu = isinstance(rc, SGLangRolloutConfig) or self._gpu(rc.device)
+        gpu = not isinstance(rc, LocalRolloutConfig) or self._gpu(rc.device)
         for i in range(rc.num_engines):
             name = f"engine{i}"
             if cc.colocate:
@@ -184,7 +184,7 @@ class RayLauncher:
             else:
                 b = {"CPU": cc.cpus_per_engine, **cc.engine_resources}
                 if gpu:
-                    b["GPU"] = float(rc.tp_size if isinstance(rc, SGLangRolloutConfig) else 1)
+                    b["GPU"] = float(rc.tp_size if not isinstance(rc, LocalRolloutConfig) else 1)
                 pg, bundle, owns = self._place([b], "STRICT_PACK", name), 0, True
                 opts = {"num_cpus": cc.cpus_per_engine, "num_gpus": b.get("GPU", 0)}
                 opts["resources"] = dict(cc.engine_resources)
@@ -208,6 +208,7 @@ class RayLauncher:
             port,
             base_gpu=0,
             weight_master=self.procs["trainer0"].address,
+            lora=lora_engine_args(cfg),
         )
         proc.args, proc.url = launch_command(spec), spec.url
         self._start(proc)

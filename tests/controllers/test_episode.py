@@ -256,3 +256,24 @@ async def test_an_outage_longer_than_its_timeout_fails_the_episode(engine_url: s
         assert router.served[id(live)] == 0
     finally:
         await live.close()
+
+
+async def test_every_episode_rejecting_is_warned_not_silent(
+    engine_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Episodes that all return None: next_batch gets nothing, and the log says why."""
+    cfg = RunConfig(
+        controller=ControllerConfig(batch_size=2, max_staleness=0),
+        algo=AlgoConfig(group_size=2),
+        rollout=LocalRolloutConfig(urls=(engine_url,), max_new_tokens=3),
+    )
+
+    async def episode(ctx: EpisodeContext, sample: int) -> None:
+        return None
+
+    async with Controller(cfg, episode, source=iter(range(10**9))) as ctl:
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(ctl.next_batch(), 1.0)
+        assert ctl.counters["rejected"] >= 2
+    warned = [r.getMessage() for r in caplog.records if "groups in a row rejected" in r.message]
+    assert warned and "every episode returned None" in warned[0]

@@ -64,13 +64,13 @@ def _rows(tmp_path: Path) -> Path:
 
 
 def test_math_task_prompts_and_reward(chat_model_dir: Path, tmp_path: Path) -> None:
-    cfg = TaskConfig(name="math", path=str(_rows(tmp_path)), shuffle=False, system_prompt="s")
+    cfg = TaskConfig(name="math", path=str(_rows(tmp_path)), shuffle=False, system_prompt="9")
     task = make_task(cfg, str(chat_model_dir))
     vocab = json.loads((chat_model_dir / "tokenizer.json").read_text())["model"]["vocab"]
     it = task.samples()
     first, second, third = next(it), next(it), next(it)
-    # system turn renders as "+ <s> s =", the user turn as "<s> 1 + 2 ="
-    want = ["+", "<s>", "<pad>", "=", "<s>", "1", "+", "2", "="]
+    # system turn renders as "+ <s> 9 =", the user turn as "<s> 1 + 2 ="
+    want = ["+", "<s>", "9", "=", "<s>", "1", "+", "2", "="]
     assert first.prompt_ids == [vocab[w] for w in want]
     assert (first.answer, second.answer, third.answer) == (3, 8, 3)
     assert task.reward(first, [vocab["3"], vocab["</s>"]]) == 1.0
@@ -155,3 +155,13 @@ def test_config_keys() -> None:
         load_config(None, ["--algo.lam=1.5"])
     with pytest.raises(ValueError, match=r"algo\.num_minibatches"):
         load_config(None, ["--algo.num_minibatches=0"])
+
+
+def test_words_the_vocabulary_cannot_spell_are_an_error(tiny_model_dir: Path) -> None:
+    from asyncrl.tasks.text import ChatTokenizer
+
+    tok = ChatTokenizer(tiny_model_dir)
+    assert tok.encode("1 + 4 =") == tok.encode("1 +  4 =")  # spelt: fine
+    with pytest.raises(ValueError, match=r"cannot spell \['1\+4='\]"):
+        tok.encode("1+4=")  # one unknown word: it would have become <pad>
+    assert tok.encode("<pad> 1")[0] == tok.tokenizer.token_to_id("<pad>")  # said on purpose

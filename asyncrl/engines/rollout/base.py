@@ -1,26 +1,40 @@
-"""The RolloutEngine seam: what the controller needs from a generation server.
+"""The two engine seams: what the controller needs from a generation server
+(:class:`RolloutEngine`) and what the weight transport needs from it (:class:`EngineControl`).
 
-Contract: ``generate`` returns the sampled token ids, the log-prob of each under
+Each engine family (``sglang/``, ``vllm/``, ``local/``, the embedded engine, which speaks
+SGLang's protocol) implements both; :mod:`asyncrl.engines.rollout.factory` builds them from
+the tagged ``RolloutConfig`` (the one place a family is chosen).
+
+RolloutEngine contract: ``generate`` returns the sampled token ids, the log-prob of each under
 the sampling distribution, the engine's weight version and the finish reason
 (``"stop"``, ``"length"`` or ``"abort"``; an aborted request returns the tokens
 generated so far). ``pause_generation(mode)`` stops scheduling (``abort``:
 in-flight requests return at once with ``finish_reason == "abort"``;
 ``in_place``: they wait), ``continue_generation`` resumes. Weight updates
-switch ``weight_version`` only once the whole update is loaded.
+switch ``weight_version`` only once the whole update is loaded. ``generate_stream``
+yields the same request's output as it grows: cumulative partial results
+(``finish_reason == ""``) and, last, the final one (what ``generate`` would return).
 """
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import msgspec
 
 __all__ = [
+    "ControlledEngine",
     "EngineBadRequest",
+    "EngineControl",
     "EngineError",
     "EngineUnavailable",
     "GenerateResult",
+    "ManagedEngine",
     "RolloutEngine",
+    "TensorHandoff",
+    "WeightFamily",
 ]
 
 
@@ -68,8 +82,11 @@ class GenerateResult(msgspec.Struct, frozen=True, gc=False):
         return [self.weight_version] * len(self.output_ids)
 
     @classmethod
-    def from_sglang(cls, out: Any) -> GenerateResult:
-        """Parse SGLang's /generate response (single request, return_logprob=True)."""
+    def from_sglang(cls, out: Any, partial: bool = False) -> GenerateResult:
+        """Parse SGLang's /generate response (single request, return_logprob=True).
+
+        ``partial``: an event of a streamed request, whose ``finish_reason`` is null until
+        the last (then ``finish_reason == ""`` here)."""
         if not isinstance(out, dict) or "meta_info" not in out:
             raise EngineError("/generate", 200, f"unexpected response: {str(out)[:200]}")
         meta = out["meta_info"]
@@ -79,6 +96,8 @@ class GenerateResult(msgspec.Struct, frozen=True, gc=False):
             raise EngineError("/generate", 200, f"{len(ids)} tokens but {len(lps)} log-probs")
         fr = meta.get("finish_reason") or {}
         reason = fr.get("type", "length") if isinstance(fr, dict) else str(fr)
+        if partial and meta.get("finish_reason") is None:
+            reason = ""
         version = _parse_version(meta.get("weight_version", "0"))
         return cls(
             output_ids=ids,
@@ -119,9 +138,8 @@ def _parse_version(v: Any) -> int:
 class RolloutEngine(Protocol):
     """A generation server as the controller sees it (module docstring: the contract).
 
-    The receiving side of weight sync (``init_weights_update_group``,
-    ``update_weights_from_distributed``, ``update_weights_from_tensor``) is driven
-    by the weight transport through :class:`~asyncrl.engines.rollout.sglang.SGLangClient`.
+    The receiving side of weight sync is driven by the weight transport through
+    :class:`EngineControl` (the same object, built by the factory).
     """
 
     url: str
@@ -130,6 +148,15 @@ class RolloutEngine(Protocol):
         self, input_ids: list[int], sampling_params: dict[str, Any], rid: str | None = None
     ) -> GenerateResult:
         """Complete ``input_ids``. Raises EngineError (server said no) or EngineUnavailable."""
+        ...
+
+    def generate_stream(
+        self, input_ids: list[int], sampling_params: dict[str, Any], rid: str | None = None
+    ) -> AsyncIterator[GenerateResult]:
+        """Complete ``input_ids``, yielding the output as it grows: cumulative results with
+        ``finish_reason == ""``, the final one last (its ``finish_reason`` set, as
+        :meth:`generate` returns it). Errors as :meth:`generate`, at any point; closing
+        the iterator early abandons the request (the server aborts it)."""
         ...
 
     async def generate_batch(
@@ -165,3 +192,121 @@ class RolloutEngine(Protocol):
     async def close(self) -> None:
         """Release the client's connections (the server keeps running)."""
         ...
+
+
+class EngineControl(Protocol):
+    """What the weight transport (trainer process) needs from one engine.
+
+    The vocabulary is SGLang's weight-sync routes, which the embedded engine serves too;
+    the vLLM family maps each onto vLLM 0.33's RL routes (``vllm/control.py``). Contract:
+
+    - *form*: :meth:`get_server_info` tells how many ranks the engine joins the weight
+      group with (``tp_size``: all of its ranks) and its release (``version``);
+      :meth:`init_weights_update_group` joins them as ranks ``rank_offset ..`` of a group of
+      ``world_size`` whose rank 0 (the trainer, hosting the TCP store at ``master_address:
+      master_port``) joins concurrently; it returns once the engine joined.
+      :meth:`destroy_weights_update_group` leaves it (best effort).
+    - *session*: :meth:`begin_weight_update` opens an update session (False: the engine has
+      none), :meth:`end_weight_update` closes it; ``version``, when given, is the version the
+      buckets of this session make (an engine that sets it on close does so; others ignore
+      it and take it from :meth:`update_weight_version`).
+    - *announce*: :meth:`update_weights_from_distributed` announces one bucket: the engine
+      receives exactly one broadcast per announced bucket, in announcement order, and the
+      call answers once it received (and loaded or staged) it; an error answer names why.
+    - *version*: :meth:`update_weight_version` makes the loaded weights version
+      ``new_version`` (the embedded engine: switch to what it staged), never aborting
+      requests. Every method raises EngineError (the engine answered no) or
+      EngineUnavailable.
+    """
+
+    url: str
+
+    async def get_server_info(self) -> dict[str, Any]: ...
+
+    async def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = "weight_update_group",
+        backend: str = "nccl",
+    ) -> None: ...
+
+    async def destroy_weights_update_group(
+        self, group_name: str = "weight_update_group"
+    ) -> None: ...
+
+    async def begin_weight_update(self) -> bool: ...
+
+    async def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str = "weight_update_group",
+        flush_cache: bool = True,
+        weight_version: str | None = None,
+        load_format: str | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> None: ...
+
+    async def end_weight_update(self, version: str | None = None) -> bool: ...
+
+    async def update_weight_version(self, new_version: str) -> None: ...
+
+
+class ManagedEngine(RolloutEngine, Protocol):
+    """A RolloutEngine whose liveness can be waited for (launchers, restarts, the transport)."""
+
+    async def wait_healthy(
+        self,
+        timeout_s: float,
+        interval_s: float = 0.2,
+        gone: Callable[[], str | None] | None = None,
+    ) -> None:
+        """Poll liveness until it answers, else EngineUnavailable naming the engine."""
+        ...
+
+
+class ControlledEngine(ManagedEngine, EngineControl, Protocol):
+    """An engine as the weight transport holds it: its controls, plus the controller seam's
+    pause/continue and liveness (the transport pauses generation around a push)."""
+
+
+class TensorHandoff(Protocol):
+    """An engine that maps tensors handed over in-host (CUDA IPC; the embedded engine)."""
+
+    async def update_weights_from_tensor(
+        self,
+        serialized_named_tensors: list[str],
+        load_format: str | None = None,
+        flush_cache: bool = True,
+        weight_version: str | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> Any: ...
+
+
+@dataclass(frozen=True)
+class WeightFamily:
+    """What the weight transport must know of an engine family (built by the factory).
+
+    ``loads_live``: buckets land in the live model as they arrive (SGLang, vLLM): whole
+    tensors only, generation paused for the whole transfer, a failed push re-pushed as a
+    whole new round and, failing that, the engines' weights are undefined. Otherwise the
+    engine stages and commits all-or-nothing (the embedded engine). ``check`` refuses what
+    the engines cannot do (given every engine's ``get_server_info`` and the pause mode) and
+    answers whether the last bucket may flush the engine's cache. ``received`` says whether
+    an error answer to a bucket's announcement still means the engine took part in its
+    broadcast (SGLang answers 400 after receiving). ``make(url, timeout_s)`` builds one
+    engine's :class:`ControlledEngine`; ``ipc``: it takes asyncrl's CUDA IPC hand-off
+    (:class:`TensorHandoff`)."""
+
+    name: str
+    make: Callable[[str, float], ControlledEngine]
+    loads_live: bool = False
+    ipc: bool = False
+    no_ipc: str = ""
+    """Why ``weights.backend = "cuda-ipc"`` cannot serve this family (when not ``ipc``)."""
+    check: Callable[[list[dict[str, Any]], str], bool] = lambda infos, mode: True
+    received: Callable[[EngineError], bool] = lambda exc: exc.status == 200

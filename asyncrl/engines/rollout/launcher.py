@@ -1,29 +1,26 @@
 """Start, health-wait and stop rollout-engine server processes; or take engines by URL.
 
-:func:`launch` runs ``sglang serve --model-path P --tp-size N --host H --port P
-[--mem-fraction-static F] [extra args...]`` (or ``python -m sglang.launch_server
-...`` where the installed SGLang has no ``sglang serve``: :func:`sglang_entry_point`)
-in its own session (so stopping it by pid ends its whole process tree, TP workers
+The part every engine family shares: :func:`launch` runs a :class:`LaunchSpec` (a
+family's launcher builds it: ``sglang/launcher.py``, ``vllm/launcher.py``, the embedded
+engine's below) in its own session (so stopping it by pid ends its whole process tree, TP workers
 included) with output to a log file. :func:`wait_healthy` polls liveness
 until it answers, failing early (with the log's tail) if the process exits,
 or after a timeout. :func:`stop_servers` ends them by pid (SIGTERM, then
 SIGKILL).
 
 The server module is a field of :class:`LaunchSpec`: ``sglang.launch_server``
-by default; ``asyncrl.entrypoints.engine`` (the embedded engine,
-which accepts the same flags) runs the very same code path — that is how the
-launcher is tested on machines without SGLang, and how ``asyncrl run`` starts
-its embedded engines.
+by default; ``asyncrl.entrypoints.engine`` (the embedded engine, which accepts SGLang's
+flags) runs the very same code path — that is how the launcher is tested on machines
+without SGLang, and how ``asyncrl run`` starts its embedded engines.
 
 :func:`start_engines` is the one place a run turns ``RolloutConfig`` into
 engine URLs: the configured ``urls`` as they are (servers running elsewhere),
-or freshly launched local or SGLang servers.
+or freshly launched servers of the configured family (:func:`engine_spec`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import importlib.metadata
 import json
 import re
 import subprocess
@@ -31,9 +28,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from asyncrl.config import LocalRolloutConfig, RolloutConfig, SGLangRolloutConfig
+from asyncrl.config import LocalRolloutConfig, RolloutConfig, RunConfig, VLLMRolloutConfig
 from asyncrl.engines.rollout.base import EngineUnavailable
-from asyncrl.engines.rollout.sglang import SGLangClient
+from asyncrl.engines.rollout.sglang.client import SGLangClient
+from asyncrl.engines.rollout.vllm.client import VLLMClient
 from asyncrl.procs import free_port, python_env, spawn, stop
 
 __all__ = [
@@ -44,17 +42,15 @@ __all__ = [
     "engine_spec",
     "launch",
     "launch_command",
-    "sglang_dtype",
-    "sglang_entry_point",
     "start_engines",
     "startup_timeout",
     "stop_servers",
+    "stored_dtype",
     "wait_healthy",
 ]
 
 SGLANG_SERVER = "sglang.launch_server"
-SGLANG_CLI = "sglang.cli.main:main"
-"""SGLang's ``sglang`` console script (its wheels' entry_points.txt, 0.5.10 to 0.5.23)."""
+"""SGLang's server module (``python -m``): :class:`LaunchSpec`'s default module."""
 LOCAL_SERVER = "asyncrl.entrypoints.engine"
 
 
@@ -81,6 +77,9 @@ class LaunchSpec:
     entry_point: tuple[str, ...] = ()
     """``(module:function, *args)``: run this console-script entry point with ``args``
     before the flags (``sglang serve``: ``(SGLANG_CLI, "serve")``) instead of ``-m module``."""
+    own_flags: bool = True
+    """Pass SGLang-style ``--model-path/--tp-size/--host/--port`` before ``extra_args``;
+    False: ``extra_args`` are the whole command line (``vllm serve MODEL ...``)."""
 
     @property
     def url(self) -> str:
@@ -116,6 +115,8 @@ def launch_command(spec: LaunchSpec) -> list[str]:
         raise ValueError(f"tp_size must be >= 1, got {spec.tp_size}")
     if spec.mem_fraction_static is not None and not 0 < spec.mem_fraction_static < 1:
         raise ValueError(f"mem_fraction_static must be in (0, 1), got {spec.mem_fraction_static}")
+    if not spec.own_flags:
+        return [*_head(spec), *spec.extra_args]
     args = [*_head(spec), "--model-path", spec.model_path, "--tp-size", str(spec.tp_size)]
     args += ["--host", spec.host, "--port", str(spec.port)]
     if spec.mem_fraction_static is not None:
@@ -135,31 +136,7 @@ def _head(spec: LaunchSpec) -> list[str]:
     return ["-c", f"import sys; from {mod} import {fn}; sys.exit({fn}())", *sub]
 
 
-def sglang_entry_point(choice: str = "auto") -> tuple[str, ...]:
-    """How to start SGLang: ``(entry point, "serve")`` for ``sglang serve``, ``()`` for
-    ``python -m sglang.launch_server``.
-
-    ``auto``: ``serve`` when the installed SGLang distribution declares the ``sglang``
-    console script and ships ``sglang/cli/serve.py`` (0.5.10 to 0.5.23 do: cli/main.py
-    dispatches ``serve`` to cli/serve.py, which parses the flags with the same
-    ``prepare_server_args``; launch_server.py warns that ``sglang serve`` is the
-    recommended entrypoint), read from its metadata without importing it. No SGLang here
-    (e.g. it lives only on the engine's node): ``launch_server``, which every version has.
-    """
-    if choice == "launch_server":
-        return ()
-    try:
-        dist = importlib.metadata.distribution("sglang")
-    except importlib.metadata.PackageNotFoundError:
-        return (SGLANG_CLI, "serve") if choice == "serve" else ()
-    for ep in dist.entry_points:
-        if ep.group == "console_scripts" and ep.name == "sglang":
-            if choice == "serve" or Path(str(dist.locate_file("sglang/cli/serve.py"))).is_file():
-                return (ep.value, "serve")
-    return (SGLANG_CLI, "serve") if choice == "serve" else ()
-
-
-def _stored_dtype(model_path: str) -> str:
+def stored_dtype(model_path: str) -> str:
     """The dtype a Hugging Face checkpoint is stored in (``config.json``), or ""."""
     try:
         cfg = json.loads((Path(model_path) / "config.json").read_text())
@@ -167,16 +144,6 @@ def _stored_dtype(model_path: str) -> str:
         return ""
     got = cfg.get("torch_dtype") or cfg.get("dtype") or ""
     return got if isinstance(got, str) else ""
-
-
-def sglang_dtype(rc: SGLangRolloutConfig, model_path: str) -> str:
-    """``--dtype`` of a launched SGLang server (see ``RolloutConfig.dtype``): SGLang's
-    ``auto`` serves a float32 checkpoint in float16 (srt/configs/model_config.py:2303-2319
-    in 0.5.23), which overflows where the trainer's bfloat16 does not; so ``auto`` here is
-    SGLang's ``auto`` only for checkpoints stored in bfloat16 or float16."""
-    if rc.dtype != "auto":
-        return rc.dtype
-    return "auto" if _stored_dtype(model_path) in ("bfloat16", "float16") else "bfloat16"
 
 
 def startup_timeout(rc: RolloutConfig, model_path: str) -> float:
@@ -214,7 +181,11 @@ async def wait_healthy(
     """
 
     async def one(server: LaunchedServer) -> None:
-        client = SGLangClient(server.url, timeout_s=max(1.0, interval_s * 8))
+        client: SGLangClient | VLLMClient
+        if server.spec.module == "vllm":  # vLLM's /health (cheap there); SGLang's is not
+            client = VLLMClient(server.url, timeout_s=max(1.0, interval_s * 8))
+        else:
+            client = SGLangClient(server.url, timeout_s=max(1.0, interval_s * 8))
 
         def gone() -> str | None:
             code = server.proc.poll()
@@ -244,6 +215,7 @@ def start_engines(
     dtype: str = "float32",
     seed: int = 0,
     weight_master: str = "127.0.0.1",
+    lora: Sequence[str] = (),
 ) -> tuple[list[str], list[LaunchedServer]]:
     """Engine URLs for a run, and the servers started for it (empty when ``rc.urls`` is set).
 
@@ -251,19 +223,38 @@ def start_engines(
     launches ``rc.num_engines`` SGLang servers (``rc.tp_size`` GPUs each, on
     consecutive GPUs via ``--base-gpu-id``). Embedded engines may join weight groups on
     loopback and at ``weight_master`` (the trainer's ``weights.master_address``). Callers
-    wait with :func:`wait_healthy` and stop with :func:`stop_servers`.
+    wait with :func:`wait_healthy` and stop with :func:`stop_servers`. ``lora``: the
+    embedded engines' LoRA flags (:func:`lora_engine_args`).
     """
     if rc.urls:
         return list(rc.urls), []
     servers: list[LaunchedServer] = []
     try:
         for i in range(rc.num_engines):
-            spec = engine_spec(rc, model_path, i, dtype, seed, weight_master=weight_master)
+            spec = engine_spec(
+                rc, model_path, i, dtype, seed, weight_master=weight_master, lora=lora
+            )
             servers.append(launch(spec, log_dir / f"engine{i}.log"))
     except BaseException:
         stop_servers(servers)
         raise
     return [s.url for s in servers], servers
+
+
+def lora_engine_args(cfg: RunConfig) -> tuple[str, ...]:
+    """The embedded engine's flags for the run's ``lora`` section (none when LoRA is off):
+    the adapters' shape and a ring of ``controller.max_staleness + 1`` versions."""
+    lc = cfg.lora
+    if not lc.enabled:
+        return ()
+    return (
+        "--enable-lora",
+        "--max-lora-rank", str(lc.rank),
+        "--lora-alpha", repr(lc.alpha),
+        "--lora-target-modules", ",".join(lc.target_modules),
+        "--max-loaded-loras", str(cfg.controller.max_staleness + 1),
+        "--lora-name", lc.name,
+    )  # fmt: skip
 
 
 def engine_spec(
@@ -276,28 +267,25 @@ def engine_spec(
     port: int | None = None,
     base_gpu: int | None = None,
     weight_master: str = "127.0.0.1",
+    lora: Sequence[str] = (),
 ) -> LaunchSpec:
     """Engine ``i``'s server of a run: on ``host`` (default ``rc.host``) at ``port`` (default a
     free one there); an SGLang server uses GPUs from ``base_gpu`` (default ``i * tp_size``, the
     engines of one host side by side; 0 where the launcher already narrowed the visible GPUs).
-    ``dtype`` is the embedded engine's; SGLang's is :func:`sglang_dtype`'s."""
+    ``dtype`` is the embedded engine's; SGLang's is ``sglang.launcher.sglang_dtype``'s."""
     host = host or rc.host
     port = port or free_port(host)
     if isinstance(rc, LocalRolloutConfig):
         extra = ["--device", rc.device, "--dtype", dtype, "--seed", str(seed + 1000 + i)]
         extra += ["--weight-masters", f"loopback,{weight_master}"]
         extra += ["--max-batch-size", str(rc.max_batch_size)]
-        extra += ["--kv-after-update", rc.kv_after_update]
+        extra += ["--kv-after-update", rc.kv_after_update, *lora]
         return LaunchSpec(model_path, port, host, 1, None, (*extra, *rc.extra_args), LOCAL_SERVER)
-    extra = ["--dtype", sglang_dtype(rc, model_path), "--random-seed", str(seed + 1000 + i)]
-    extra += ["--base-gpu-id", str(i * rc.tp_size if base_gpu is None else base_gpu)]
-    return LaunchSpec(
-        model_path,
-        port,
-        host,
-        rc.tp_size,
-        rc.mem_fraction_static or None,
-        (*extra, *rc.extra_args),
-        SGLANG_SERVER,
-        entry_point=sglang_entry_point(rc.sglang_entrypoint),
-    )
+    gpu = i * rc.tp_size if base_gpu is None else base_gpu
+    if isinstance(rc, VLLMRolloutConfig):
+        from asyncrl.engines.rollout.vllm.launcher import vllm_spec
+
+        return vllm_spec(rc, model_path, port, host, gpu, seed + 1000 + i)
+    from asyncrl.engines.rollout.sglang.launcher import sglang_spec
+
+    return sglang_spec(rc, model_path, port, host, gpu, seed + 1000 + i)

@@ -4,6 +4,10 @@ A checkpoint folder holds the DCP shards of model + optimizer state (resharded o
 load, so it resumes at any world size), ``trainer_state.json`` (step, LR
 schedule, role, world size at save time) and ``rng/rank{r}.safetensors`` (each
 rank's RNG states; a rank with no saved state of its own keeps its seed).
+With LoRA (``engine.lora``) a checkpoint holds the adapter and its optimizer state only
+(the frozen base comes from the model folder again), and :func:`export_hf` writes the
+adapter in PEFT's folder format to ``<dir>/adapter`` (plus the merged model in ``<dir>``
+when ``lora.export_merged``).
 Every function here is collective: call it on every rank.
 """
 
@@ -11,6 +15,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Iterator
 from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -19,7 +24,13 @@ import msgspec
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
+
+from asyncrl.engines.train import lora
 
 if TYPE_CHECKING:
     from asyncrl.engines.train.fsdp import FSDPEngine
@@ -47,6 +58,12 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def _options(engine: FSDPEngine) -> StateDictOptions:
+    """State-dict options: a LoRA engine's frozen base is left out (adapter + optimizer; on
+    load the base keys are absent, not missing)."""
+    return StateDictOptions(ignore_frozen_params=engine.lora, strict=not engine.lora)
+
+
 def _rng_state() -> dict[str, torch.Tensor]:
     state = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -68,7 +85,7 @@ def save(
     from safetensors.torch import save_file
 
     path = Path(path)
-    model_sd, optim_sd = get_state_dict(engine.model, engine.optimizer)
+    model_sd, optim_sd = get_state_dict(engine.model, engine.optimizer, options=_options(engine))
     sd = {"model": model_sd, "optim": optim_sd}
     future: Future | None = None
     if async_group is not None and dist.is_initialized():
@@ -85,6 +102,7 @@ def save(
             "step": engine.step,
             "role": engine.role,
             "world_size": engine.world,
+            "lora": engine.lora,
             "schedule": {
                 "lr": tc.lr,
                 "lr_schedule": tc.lr_schedule,
@@ -110,11 +128,22 @@ def load(engine: FSDPEngine, path: str | Path) -> None:
         raise ValueError(
             f"{path} holds a {state['role']} checkpoint, this engine is a {engine.role}"
         )
-    model_sd, optim_sd = get_state_dict(engine.model, engine.optimizer)
+    if bool(state.get("lora", False)) != engine.lora:
+        kinds = ("a full-model", "a LoRA-adapter")
+        raise ValueError(
+            f"{path} holds {kinds[bool(state.get('lora'))]} checkpoint, this engine trains "
+            f"{kinds[engine.lora].split(' ', 1)[1]} (lora.rank must match the checkpoint's run)"
+        )
+    options = _options(engine)
+    model_sd, optim_sd = get_state_dict(engine.model, engine.optimizer, options=options)
     sd: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
     dcp.load(sd, checkpoint_id=str(path), no_dist=not dist.is_initialized())
     set_state_dict(
-        engine.model, engine.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"]
+        engine.model,
+        engine.optimizer,
+        model_state_dict=sd["model"],
+        optim_state_dict=sd["optim"],
+        options=options,
     )
     engine.step = int(state["step"])
     rng = path / "rng" / f"rank{_rank()}.safetensors"
@@ -132,9 +161,30 @@ def export_hf(engine: FSDPEngine, path: str | Path) -> None:
     Weights stream through ``engine.named_weights()`` and are written shard by shard,
     so rank 0 never holds more than one shard (at most 4 GiB) of them.
     """
+    if engine.lora:
+        _export_lora(engine, Path(path))
+        return
+    _export_tensors(engine, Path(path), engine.named_weights())
+
+
+def _export_lora(engine: FSDPEngine, path: Path) -> None:
+    """The adapter in PEFT's format in ``path/adapter``; the merged model in ``path`` when
+    ``lora.export_merged`` (collective)."""
+    lc = engine.config.lora
+    adapter = {n: t.to("cpu") for n, t in engine.named_weights()}
+    if _rank() == 0:
+        lora.write_adapter(path / lora.ADAPTER_DIR, lc, engine.model_path, adapter)
+    if lc.export_merged:
+        _export_tensors(engine, path, lora.merged(engine.named_parameters_full(), lc.scaling))
+    _barrier()
+
+
+def _export_tensors(
+    engine: FSDPEngine, path: Path, named: Iterator[tuple[str, torch.Tensor]]
+) -> None:
+    """``named`` (full tensors under HF names) as a sharded HF folder at ``path`` on rank 0."""
     from safetensors.torch import save_file
 
-    path = Path(path)
     rank0 = _rank() == 0
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
@@ -150,7 +200,7 @@ def export_hf(engine: FSDPEngine, path: str | Path) -> None:
         index.update(dict.fromkeys(shards[-1], name))
         shards[-1] = {}
 
-    for name, tensor in engine.named_weights():
+    for name, tensor in named:
         if not rank0:
             continue
         nbytes = tensor.numel() * tensor.element_size()

@@ -15,10 +15,11 @@ from __future__ import annotations
 import datetime
 import math
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Literal, cast
 
+import msgspec
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -27,7 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from asyncrl import trace
 from asyncrl.config import RunConfig
-from asyncrl.engines.train import checkpoint
+from asyncrl.engines.train import checkpoint, lora
 from asyncrl.engines.train.base import LossFn, Role, Seq, all_reduce_floats
 from asyncrl.engines.train.micro_batch import (
     MicroBatch,
@@ -118,12 +119,20 @@ class FSDPEngine:
         )
         if tc.activation_checkpointing:
             _enable_activation_checkpointing(model)
+        self.lora = config.lora.enabled and role == "actor"
+        """Only a LoRA adapter trains (PEFT); ``named_weights`` yields the adapter alone."""
+        if self.lora:
+            # a PeftModel: a torch Module that forwards what it lacks to the HF model
+            model = cast("PreTrainedModel", lora.wrap(model, config.lora))
         # PreTrainedModel.to is @functools.wraps(nn.Module.to): typeshed types it unbound
         self.units = self._shard(model.to(self.device))  # type: ignore[arg-type]
         self.model = model
+        trainable = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
-            model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay, betas=tc.adam_betas
+            trainable, lr=tc.lr, weight_decay=tc.weight_decay, betas=tc.adam_betas
         )
+        if self.lora and config.lora.lr > 0:  # the adapter's own rate (lora.lr)
+            tc = msgspec.structs.replace(tc, lr=config.lora.lr)
         self.lr_at = lr_schedule(tc, config.controller.total_steps)
         self.step = 0
         self.offloaded = False
@@ -268,10 +277,23 @@ class FSDPEngine:
 
     # -- state -------------------------------------------------------------------------
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full tensors under HF names, gathered one FSDP unit (decoder layer) at a time."""
+        """Full tensors under HF names, gathered one FSDP unit (decoder layer) at a time; with
+        LoRA only the adapter's, under PEFT's saved names (``engines.train.lora``)."""
+        if not self.lora:
+            yield from self.named_parameters_full()
+            return
+        for name, t in self.named_parameters_full(lora.is_adapter_param):
+            yield lora.saved_name(name), t
+
+    def named_parameters_full(
+        self, keep: Callable[[str], bool] | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every parameter (those whose name ``keep`` accepts) as a full tensor under the
+        model's own names, gathered one FSDP unit at a time (collective: every rank)."""
         for prefix, unit in self.units:
             owned = [(n, p) for n, p in unit.named_parameters() if not _in_child(n, unit)]
-            full = [(f"{prefix}.{n}" if prefix else n, _full(p)) for n, p in owned]
+            named = [(f"{prefix}.{n}" if prefix else n, p) for n, p in owned]
+            full = [(n, _full(p)) for n, p in named if keep is None or keep(n)]
             for name, t in full:
                 yield name, t.detach()
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from asyncrl.config import CudaIpcWeightsConfig, WeightSyncConfig
+from asyncrl.config import CudaIpcWeightsConfig, RolloutConfig, WeightSyncConfig
 
 if TYPE_CHECKING:
     from asyncrl.transports.weights.base import WeightTransport
 
-__all__ = ["CUDA_IPC_SGLANG", "make_weight_transport"]
+__all__ = ["CUDA_IPC_OTHER", "CUDA_IPC_SGLANG", "make_weight_transport"]
 
 CUDA_IPC_SGLANG = (
     "weights.backend='cuda-ipc' works with the embedded engine only: asyncrl's CUDA IPC push "
@@ -19,6 +19,10 @@ CUDA_IPC_SGLANG = (
     "model_runner_components/weight_updater.py:372-380); use weights.backend='nccl' with "
     "rollout.backend='sglang'"
 )
+CUDA_IPC_OTHER = (
+    "weights.backend='cuda-ipc' works with the embedded engine only (rollout.backend='local'); "
+    "use weights.backend='nccl' (or 'auto', 'gloo') with other engines"
+)
 
 
 def make_weight_transport(
@@ -26,19 +30,25 @@ def make_weight_transport(
     engine_urls: Sequence[str],
     device: str,
     pause_mode: str = "abort",
-    engine: str = "local",
+    engine: RolloutConfig | str = "local",
 ) -> WeightTransport:
     """The one factory of weight transports: the backend is chosen here, once.
 
     ``cuda-ipc``: colocated engines on the trainer's GPU(s); ``gloo``/``nccl``/``hccl``: a
     dedicated collective group; ``auto``: nccl on CUDA, hccl on an Ascend NPU, else gloo.
     Raises ValueError naming what to install when the backend is not available here.
-    ``engine``: ``local`` (the embedded engine: staged, verified, all-or-nothing) or
-    ``sglang`` (see ``collective_send``: whole tensors, paused transfer, re-push on failure).
+    ``engine``: the run's ``RolloutConfig`` (or its backend tag), whose engine family the
+    engine-control factory (:func:`asyncrl.engines.rollout.factory.weight_family`) gives
+    the transport: the embedded engine (staged, verified, all-or-nothing), SGLang or vLLM
+    (see ``collective_send``: whole tensors, paused transfer, re-push on failure).
     """
+    from asyncrl.engines.rollout.factory import weight_family
+
+    bucket_bytes = getattr(cfg, "bucket_mb", 1024) << 20
+    family = weight_family(engine, bucket_bytes)
     if isinstance(cfg, CudaIpcWeightsConfig):
-        if engine == "sglang":
-            raise ValueError(CUDA_IPC_SGLANG)
+        if not family.ipc:
+            raise ValueError(family.no_ipc or CUDA_IPC_OTHER)
         from asyncrl.transports.weights.cuda_ipc_send import CudaIpcWeightSender
 
         return CudaIpcWeightSender(engine_urls, cfg, pause_mode=pause_mode, device=device)
@@ -46,5 +56,5 @@ def make_weight_transport(
 
     backend = resolve_backend(cfg.backend, device)
     return CollectiveWeightSender(
-        engine_urls, cfg, backend, pause_mode=pause_mode, device=device, engine=engine
+        engine_urls, cfg, backend, pause_mode=pause_mode, device=device, family=family
     )

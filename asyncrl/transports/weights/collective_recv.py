@@ -3,7 +3,7 @@
 Runs in the engine process (the embedded engine's ``WeightReceiver``; SGLang engines run
 SGLang's own code). The trainer's side is ``collective_send``; the group both join is
 ``collective_wire``. Requests are checked here before anything is allocated for them:
-a malformed one raises :class:`~asyncrl.engines.rollout.local.checks.BadRequest`.
+a malformed one raises :class:`~asyncrl.engines.rollout.checks.BadRequest`.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from asyncrl.engines.rollout.local import checks
-from asyncrl.engines.rollout.local.checks import BadRequest
+from asyncrl.engines.rollout import checks
+from asyncrl.engines.rollout.checks import BadRequest
 from asyncrl.transports.weights.bucket import BucketEntry, BucketManifest
 from asyncrl.transports.weights.collective_wire import broadcast, finish_broadcast, post_broadcast
 from asyncrl.transports.weights.delta import DeltaInfo

@@ -16,15 +16,17 @@ paused only around it when ``pause_scope="commit"``) [resume]. Any failure skips
 commit: the engines drop what they staged and keep their weights and version; the
 push's handle raises :class:`WeightSyncError`.
 
-SGLang engines (``engine="sglang"``) load every bucket into the live model as it
-arrives (no staging) and cannot load a chunk of a tensor, so for them the sender
-plans whole tensors only, pauses generation for the whole transfer, opens
-SGLang's weight-update session around the buckets (0.5.22+), puts
-``weight_version`` on the last bucket (SGLang relabels with the load) and
-relabels before generation resumes. A failed push leaves their weights
-undefined: it is re-pushed from the staged copy (``weights.repush_attempts``
-times, engines still paused), and when that fails too the push raises, saying
-so, and the engines stay paused. See docs/weight-sync.md, "Per backend".
+Engines are reached through the :class:`~asyncrl.engines.rollout.base.EngineControl` seam
+(the family, :class:`~asyncrl.engines.rollout.base.WeightFamily`, comes from the factory).
+Families that load every bucket into the live model as it arrives (SGLang, vLLM: no
+staging, no chunk of a tensor) get whole tensors only, generation paused for the whole
+transfer, the engines' update session around the buckets (SGLang 0.5.22+; vLLM's
+start/finish), ``weight_version`` on the last bucket (SGLang relabels with the load) or
+on the session's close (vLLM's finish), and relabelling before generation resumes. A
+failed push leaves their weights undefined: it is re-pushed from the staged copy as a
+whole new round (``weights.repush_attempts`` times, engines still paused), and when that
+fails too the push raises, saying so, and the engines stay paused. See
+docs/weight-sync.md, "Per backend", and docs/rollout-engines.md.
 """
 
 from __future__ import annotations
@@ -44,8 +46,12 @@ import torch.distributed as dist
 
 from asyncrl import trace
 from asyncrl.config import CollectiveWeightsConfig
-from asyncrl.engines.rollout.base import EngineError, EngineUnavailable
-from asyncrl.engines.rollout.sglang import SGLangClient
+from asyncrl.engines.rollout.base import (
+    EngineControl,
+    EngineError,
+    EngineUnavailable,
+    WeightFamily,
+)
 from asyncrl.procs import free_port
 from asyncrl.transports.weights.base import (
     PushHandle,
@@ -101,19 +107,19 @@ def resolve_backend(name: str, device: str) -> str:
     )
 
 
-def _refused(task: asyncio.Task[Any], sglang: bool) -> bool:
+def _refused(task: asyncio.Task[Any], family: WeightFamily) -> bool:
     """The engine did not take part in the bucket's broadcast (HTTP error, unreachable).
 
     The embedded engine answers ``success: false`` with HTTP 200 once it received, 4xx only
-    before. SGLang answers 400 with its JSON body also after receiving and loading
-    (0.5.23 http_server.py:1488-1505): its handler ran, so the broadcast is waited for.
-    """
+    before; other families say (``WeightFamily.received``: SGLang's 400 with its JSON body
+    comes also after receiving, 0.5.23 http_server.py:1488-1505; vLLM's error means its
+    workers stopped receiving, gpu_worker.py:1616-1631)."""
     if task.cancelled() or task.exception() is None:
         return False
     exc = task.exception()
     if not isinstance(exc, EngineError):
         return True
-    return not (exc.status == 200 or (sglang and exc.answered))
+    return not (exc.status == 200 or family.received(exc))
 
 
 def _seen(fut: asyncio.Future[Any]) -> None:
@@ -122,17 +128,9 @@ def _seen(fut: asyncio.Future[Any]) -> None:
         fut.exception()
 
 
-def sglang_release(info: dict[str, Any]) -> tuple[int, ...]:
-    """The SGLang version in a ``/server_info`` answer (``version``); the embedded engine,
-    which has none, counts as the newest."""
-    text = str(info.get("version", ""))
-    parts = [int(p) for p in text.split(".")[:3] if p.isdigit()]
-    return tuple(parts) if len(parts) >= 2 else (99,)
-
-
 async def _after(prev: asyncio.Future[Any] | None, call: Coroutine[Any, Any, Any], k: int) -> Any:
     """Send ``call`` once the engine answered the previous bucket's; not at all when that
-    one failed (SGLang would receive this bucket's broadcast in the wrong turn)."""
+    one failed (the engine would receive this bucket's broadcast in the wrong turn)."""
     if prev is not None:
         try:
             await asyncio.shield(prev)
@@ -155,20 +153,20 @@ class CollectiveWeightSender:
         backend: str,
         pause_mode: str = "abort",
         device: str = "cpu",
-        engine: str = "local",
+        family: WeightFamily | None = None,
     ):
-        sglang = engine == "sglang"
         self.cfg = cfg
         self.backend = backend
-        self.engines = EngineGroup(engine_urls, cfg, self, pause_mode=pause_mode, sglang=sglang)
+        self.engines = EngineGroup(engine_urls, cfg, self, pause_mode=pause_mode, family=family)
+        live = self.engines.loads_live
         # a broadcast has read its buffer when it returns; a delta is one broadcast too
         self.stager = BucketStager(
-            cfg, torch.device(device), sglang=sglang, zero_copy_ok=True, delta_ok=True
+            cfg, torch.device(device), sglang=live, zero_copy_ok=True, delta_ok=True
         )
         self.stream = BucketStream(self.engines, self.stager, self)
         self._last: PushHandle | None = None
         self._flush = True  # flush SGLang's prefix cache with the last bucket (see form)
-        self._chain: dict[str, asyncio.Future[Any]] = {}  # SGLang: each engine's last call
+        self._chain: dict[str, asyncio.Future[Any]] = {}  # live loaders: each engine's last call
         self._group: dist.ProcessGroup | None = None
         self._bcast = ThreadPoolExecutor(1, thread_name_prefix="weight-bcast")  # waits, in order
         # posts, in order, off the event loop: NCCL/HCCL set up their communicator on the
@@ -219,10 +217,11 @@ class CollectiveWeightSender:
         t_push: float,
         packed: list[Packed] | None = None,
     ) -> dict[str, float]:
-        """Deliver one push (re-pushed to SGLang engines on failure); its stats."""
+        """Deliver one push (re-pushed to engines that load live, on failure); its stats."""
         assert self.engines.lock is not None, "connect() first"
         async with self.engines.lock:
             t0 = time.perf_counter()
+            pauses = self.engines.pauses
             try:
                 plan, attempts = await self.stream.deliver(tensors, version, snap, t_push, packed)
             except BaseException:
@@ -231,7 +230,9 @@ class CollectiveWeightSender:
             finally:
                 snap.set()
             self.stager.pushed(version)
-            return self._stats(plan, version, t_push, t0, attempts)
+            stats = self._stats(plan, version, t_push, t0, attempts)
+            stats["pauses"] = float(self.engines.pauses - pauses)  # 0 with pause_scope none
+            return stats
 
     def _stats(
         self, plan: list[BucketManifest], version: int, t_push: float, t0: float, attempts: int
@@ -265,16 +266,19 @@ class CollectiveWeightSender:
         return self.stager.budget_s(upto[-1] if upto else 0) + self.cfg.timeout_s
 
     async def form(self) -> None:
-        """Rank 0 is ours; engine i's TP ranks are ``offset_i + tp_rank`` with ``offset_i = 1 +
+        """Rank 0 is ours; engine i's ranks are ``offset_i + rank`` with ``offset_i = 1 +
         sum(tp_j, j < i)`` (SGLang joins ``rank_offset + tp_rank``, 0.5.23
-        model_runner_components/weight_updater.py:124); world = 1 + sum(tp)."""
+        model_runner_components/weight_updater.py:124; vLLM ``rank_offset + dp·TP·PP +
+        rank``, nccl_common.py:239-244, its ``tp_size`` being all its ranks); world = 1 +
+        sum(tp). The engines' calls and our own join run concurrently (the store's host,
+        rank 0, waits for every rank)."""
         clients = self.engines.clients
         self.stager.forget_base()  # an engine may have restarted or joined: next push is full
         if self.stager.delta is not None:
             self.stager.engines_delta = all(await asyncio.gather(*map(_takes_deltas, clients)))
         infos = await asyncio.gather(*(c.get_server_info() for c in clients))
         tps = [max(1, int(info.get("tp_size", 1))) for info in infos]
-        self._check_sglang(infos)
+        self._flush = self.engines.family.check(infos, self.engines.pause_mode)
         port = free_port(self.cfg.master_address)
         world = 1 + sum(tps)
         offsets = [1 + sum(tps[:i]) for i in range(len(tps))]
@@ -303,27 +307,6 @@ class CollectiveWeightSender:
         results = await asyncio.gather(own, *calls)
         self._group = results[0]
 
-    def _check_sglang(self, infos: list[dict[str, Any]]) -> None:
-        """Refuse what an engine's SGLang version cannot do exactly; choose ``flush_cache``.
-
-        SGLang < 0.5.22 reports one version per request (no spans): only ``abort`` keeps
-        every token's version exact. ``flush_cache`` fails unless the engine is idle: with
-        ``in_place`` always (0.5.22+: 400 "weights updated, cache not flushed",
-        scheduler_components/weight_updater.py:120-133; 0.5.10: an assertion kills the
-        scheduler, scheduler_update_weights_mixin.py:80-82), with ``retract`` before 0.5.22
-        (retracted requests wait in the queue, scheduler.py:2900-2918 in 0.5.10).
-        """
-        if not self.engines.sglang:
-            return
-        pause_mode = self.engines.pause_mode
-        oldest = min(sglang_release(i) for i in infos)
-        if oldest < (0, 5, 22) and pause_mode != "abort":
-            raise ValueError(
-                f"rollout.pause_mode={pause_mode!r} needs SGLang >= 0.5.22 (per-token "
-                f"version spans); an engine runs {'.'.join(map(str, oldest))}: use 'abort'"
-            )
-        self._flush = pause_mode == "abort" or (pause_mode == "retract" and oldest >= (0, 5, 22))
-
     async def teardown(self) -> None:
         """Leave the group (a stuck destroy is retried when re-formed); engines leave it."""
         group, self._group = self._group, None
@@ -342,7 +325,7 @@ class CollectiveWeightSender:
     # -- BucketLink: one bucket ----------------------------------------------------------
     def announce(self, m: BucketManifest) -> Acks:
         """Start the bucket's control call to every engine (it may run ahead of the data)."""
-        sglang = self.engines.sglang
+        live = self.engines.loads_live
         names = [e.name for e in m.entries]
         extra = {"asyncrl_bucket": bucket_extra(m)}
         last = m.index == m.count - 1
@@ -358,11 +341,11 @@ class CollectiveWeightSender:
                 flush_cache=last and self._flush,
                 # SGLang relabels with the last bucket's load
                 # (scheduler_components/weight_updater.py:224)
-                weight_version=str(m.version) if last and sglang else None,
+                weight_version=str(m.version) if last and live else None,
                 load_format="flattened_bucket",
                 extra=extra,
             )
-            if sglang:  # SGLang serves update calls in arrival order: one at a time
+            if live:  # SGLang serves update calls in arrival order: one at a time (vLLM too)
                 call = _after(self._chain.get(c.url), call, m.index)
             task = asyncio.ensure_future(call)
             task.add_done_callback(_seen)  # read by check_acks; a failed push may not get there
@@ -379,7 +362,7 @@ class CollectiveWeightSender:
         """
         assert self._group is not None, "connect() first"
         loop = asyncio.get_running_loop()
-        wire = flat.view(torch.uint8)  # bytes: what SGLang receives into (FlattenedTensorBucket)
+        wire = flat.view(torch.uint8)  # bytes: SGLang's FlattenedTensorBucket, vLLM's packed chunk
         work = await loop.run_in_executor(self._poster, post_broadcast, self._group, wire)
         sent = loop.run_in_executor(self._bcast, finish_broadcast, work, flat)
         sent.add_done_callback(_seen)  # its error, when _watch raised first, is that one's
@@ -405,7 +388,7 @@ class CollectiveWeightSender:
             await asyncio.wait(
                 [sent, *(t for _, t in acks)], timeout=left, return_when=asyncio.FIRST_COMPLETED
             )
-            refused = [(u, t) for u, t in acks if t.done() and _refused(t, self.engines.sglang)]
+            refused = [(u, t) for u, t in acks if t.done() and _refused(t, self.engines.family)]
             if refused and not sent.done():
                 url, task = refused[0]
                 raise RuntimeError(f"{url} refused bucket {m.index}: {task.exception()}")
@@ -414,7 +397,7 @@ class CollectiveWeightSender:
         await sent
 
 
-async def _takes_deltas(client: SGLangClient) -> bool:
+async def _takes_deltas(client: EngineControl) -> bool:
     """Whether the engine says (``/get_server_info``) that it applies delta buckets."""
     try:
         info = await client.get_server_info()

@@ -30,6 +30,7 @@ __all__ = [
     "bucket_extra",
     "destroy_weight_group",
     "finish_broadcast",
+    "group_on_store",
     "new_weight_group",
     "post_broadcast",
 ]
@@ -76,6 +77,24 @@ def new_weight_group(
     else:
         url = f"tcp://{_host(master_address)}:{int(master_port)}"
         store, rank, world_size = next(c10d.rendezvous(url, rank, world_size, timeout=timeout))
+    return group_on_store(backend, store, rank, world_size, group_name, timeout_s, bind_address)
+
+
+def group_on_store(
+    backend: str,
+    store: Any,
+    rank: int,
+    world_size: int,
+    group_name: str,
+    timeout_s: float = 300.0,
+    bind_address: str = "",
+) -> dist.ProcessGroup:
+    """The second half of :func:`new_weight_group`: the group on a rendezvous ``store`` a
+    rank already holds (e.g. the one vLLM's ``StatelessProcessGroup`` made; the tests' vLLM
+    stand-in ranks join so). Same keys, same group, as :func:`new_weight_group`'s."""
+    from torch.distributed import distributed_c10d as c10d
+
+    timeout = datetime.timedelta(seconds=timeout_s)
     store.set_timeout(timeout)
     store = c10d.PrefixStore(group_name, store)
     stale = [pg for pg, name in c10d._world.pg_names.items() if name == group_name]

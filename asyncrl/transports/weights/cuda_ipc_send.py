@@ -12,11 +12,12 @@ import threading
 import time
 import uuid
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from asyncrl.config import CudaIpcWeightsConfig
+from asyncrl.engines.rollout.base import TensorHandoff
 from asyncrl.transports.weights.base import PushHandle
 from asyncrl.transports.weights.bucket import checksum
 from asyncrl.transports.weights.cuda_ipc_wire import LOAD_FORMAT, b64, dtype_name, share_storage
@@ -132,7 +133,7 @@ class CudaIpcWeightSender:
         release = {"release": True}
         await asyncio.gather(
             *(
-                c.update_weights_from_tensor(
+                _handoff(c).update_weights_from_tensor(
                     [], load_format=LOAD_FORMAT, extra={"asyncrl_ipc": release}
                 )
                 for c in self.engines.clients
@@ -217,7 +218,7 @@ class CudaIpcWeightSender:
             await self.engines.pause()
         try:
             calls = [
-                c.update_weights_from_tensor(
+                _handoff(c).update_weights_from_tensor(
                     serialized_named_tensors=[],
                     load_format=LOAD_FORMAT,
                     weight_version=str(version) if single else None,
@@ -237,3 +238,10 @@ class CudaIpcWeightSender:
         timings = [r.get("timing") or {} for r in results if isinstance(r, dict)]
         keys = {k for t in timings for k in t}
         return {k: max(float(t.get(k, 0.0)) for t in timings) for k in keys}
+
+
+def _handoff(engine: object) -> TensorHandoff:
+    """The engine's IPC hand-off (the factory gives ``cuda-ipc`` only families that have it,
+    ``WeightFamily.ipc``)."""
+    assert hasattr(engine, "update_weights_from_tensor"), f"{engine!r} takes no IPC hand-off"
+    return cast(TensorHandoff, engine)

@@ -27,8 +27,7 @@ from typing import Any, Protocol, TypeVar
 
 from asyncrl import trace
 from asyncrl.config import CollectiveWeightsConfig, CudaIpcWeightsConfig
-from asyncrl.engines.rollout.base import EngineError
-from asyncrl.engines.rollout.sglang import SGLangClient
+from asyncrl.engines.rollout.base import ControlledEngine, EngineError, WeightFamily
 from asyncrl.loops import new_event_loop
 from asyncrl.transports.weights.base import EnginesLeft, PushHandle, WeightSyncError
 
@@ -81,18 +80,25 @@ class EngineGroup:
         cfg: CollectiveWeightsConfig | CudaIpcWeightsConfig,
         formation: Formation,
         pause_mode: str = "abort",
-        sglang: bool = False,
+        family: WeightFamily | None = None,
     ):
         if not engine_urls:
             raise ValueError("weight sync needs at least one engine URL")
+        if family is None:
+            from asyncrl.engines.rollout.factory import weight_family
+
+            family = weight_family("local")
         self.urls = list(engine_urls)
         self.cfg = cfg
         self.pause_mode = pause_mode
-        self.sglang = sglang
-        """SGLang engines load buckets as they arrive: a failed push leaves them undefined."""
-        self.pause_scope = "transfer" if sglang else cfg.pause_scope
-        self.clients: list[SGLangClient] = []
+        self.family = family
+        self.loads_live = family.loads_live
+        """Engines that load buckets as they arrive (SGLang, vLLM): a failed push leaves
+        them undefined."""
+        self.pause_scope = "transfer" if self.loads_live else cfg.pause_scope
+        self.clients: list[ControlledEngine] = []
         self.formed = False
+        self.pauses = 0  # pause calls made (to every engine at once), for push stats
         self.lock: asyncio.Lock | None = None  # pushes and re-forms, one at a time
         self._formation = formation
         self._loop = new_event_loop()
@@ -106,7 +112,7 @@ class EngineGroup:
     @property
     def kept(self) -> str:
         """What a failed push left on the engines, for error messages."""
-        return "weights undefined" if self.sglang else "kept old weights"
+        return "weights undefined" if self.loads_live else "kept old weights"
 
     # -- the loop ------------------------------------------------------------------------
     def run(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
@@ -196,7 +202,7 @@ class EngineGroup:
         """Tear down, make a client per engine, wait until each is healthy, form."""
         await self.shutdown()
         wait_s = self._formation.client_timeout_s()
-        self.clients = [SGLangClient(u, timeout_s=wait_s) for u in self.urls]
+        self.clients = [self.family.make(u, wait_s) for u in self.urls]
         await asyncio.gather(*(c.wait_healthy(self.cfg.timeout_s) for c in self.clients))
         await self._formation.form()
         self.formed = True
@@ -210,7 +216,7 @@ class EngineGroup:
         self.clients = []
 
     # -- calls to every engine -----------------------------------------------------------
-    async def all(self, what: str, call: Callable[[SGLangClient], Awaitable[Any]]) -> None:
+    async def all(self, what: str, call: Callable[[ControlledEngine], Awaitable[Any]]) -> None:
         """``call(client)`` on every engine at once (traced as ``what``); WeightSyncError
         naming each engine that failed."""
         results = await asyncio.gather(
@@ -229,6 +235,7 @@ class EngineGroup:
 
     async def pause(self) -> None:
         """Pause generation on every engine (``pause_mode``)."""
+        self.pauses += 1
         await self.all("/pause_generation", lambda c: c.pause_generation(self.pause_mode))
 
     async def resume(self) -> None:
@@ -245,8 +252,9 @@ class EngineGroup:
                 log.warning("could not resume %s: %s", c.url, r)
 
     async def commit(self, version: int) -> None:
-        """Relabel every engine (the embedded engine: switch to the staged update); engines
-        paused only around it when ``pause_scope="commit"``."""
+        """Make every engine version ``version`` (the embedded engine: switch to the staged
+        update; vLLM: confirm its finish set it); engines paused only around it when
+        ``pause_scope="commit"``."""
         paused = self.pause_scope == "commit"
         if paused:
             await self.pause()
@@ -259,18 +267,22 @@ class EngineGroup:
                 await self.resume()
 
     async def begin_sessions(self) -> None:
-        """Open a weight-update session on every engine (SGLang 0.5.22+; a no-op elsewhere);
-        a session a failed push left open is closed and the call tried once more."""
+        """Open a weight-update session on every engine (SGLang 0.5.22+, vLLM; a no-op
+        elsewhere); a session a failed push left open is closed and the call tried once
+        more."""
         try:
             await self.all("/begin_weight_update", lambda c: c.begin_weight_update())
         except WeightSyncError:
             await self.end_sessions()
             await self.all("/begin_weight_update", lambda c: c.begin_weight_update())
 
-    async def end_sessions(self) -> None:
-        """Close the weight-update session on every engine; a failure is logged."""
+    async def end_sessions(self, version: int | None = None) -> None:
+        """Close the weight-update session on every engine (``version``: what its buckets
+        made, for engines that set it on close, e.g. vLLM's finish); a failure is logged
+        (such an engine then refuses the commit)."""
+        label = None if version is None else str(version)
         results = await asyncio.gather(
-            *(c.end_weight_update() for c in self.clients), return_exceptions=True
+            *(c.end_weight_update(label) for c in self.clients), return_exceptions=True
         )
         for c, r in zip(self.clients, results, strict=True):
             if isinstance(r, BaseException):

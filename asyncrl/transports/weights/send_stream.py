@@ -1,7 +1,8 @@
 """Delivering one push's buckets to the engines (trainer process): :class:`BucketStream`.
 
-A push is delivered in attempts (SGLang engines, which load buckets as they arrive, get
-a failed push again from the staged copy: ``weights.repush_attempts``); an attempt is
+A push is delivered in attempts (engines that load buckets as they arrive, SGLang and
+vLLM, get a failed push again from the staged copy, as a whole new round:
+``weights.repush_attempts``); an attempt is
 [pause] begin sessions, the buckets, end sessions, commit [resume] (see ``send_engines``).
 The buckets of one attempt are pipelined, on the sender's loop:
 
@@ -99,15 +100,15 @@ class BucketStream:
         packed: list[Packed] | None,
     ) -> tuple[list[BucketManifest], int]:
         """Deliver one push (called holding the group's lock): attempts until one delivers
-        (SGLang: up to ``1 + repush_attempts``; an attempt that engines left before anything
-        was sent does not count); the plan delivered and the attempts it took.
+        (engines that load live: up to ``1 + repush_attempts``; an attempt that engines left
+        before anything was sent does not count); the plan delivered and the attempts it took.
 
-        Raises :class:`WeightsUndefined` once SGLang engines were left undefined, and
+        Raises :class:`WeightsUndefined` once such engines were left undefined, and
         for every push after that (fatal: the engines stay as they are)."""
         if self._left_undefined is not None:
             raise WeightsUndefined(f"v{version} not pushed: {self._left_undefined}")
         group = self.group
-        attempts = 1 + (self.stager.cfg.repush_attempts if group.sglang else 0)
+        attempts = 1 + (self.stager.cfg.repush_attempts if group.loads_live else 0)
         attempt = 0
         while True:
             self._started = False  # (also when it is cancelled before it ran)
@@ -119,11 +120,13 @@ class BucketStream:
                     log.warning("v%d: %s; pushing to %s", version, exc, group.urls)
                     continue  # nothing of it sent yet: the engines left get it
                 if attempt == attempts - 1:
-                    if group.sglang:
+                    if group.loads_live:
                         self._left_undefined = self._undefined(version, attempts, exc)
                         raise self._left_undefined from exc
                     raise
-                log.warning("v%d: re-pushing (SGLang weights undefined): %s", version, exc)
+                log.warning(
+                    "v%d: re-pushing (%s weights undefined): %s", version, group.family.name, exc
+                )
                 attempt += 1
 
     async def _attempt(
@@ -158,8 +161,8 @@ class BucketStream:
         snap: threading.Event,
         packed: list[Packed] | None,
     ) -> None:
-        """One attempt: [pause] begin, buckets, end, relabel [resume]. SGLang engines stay
-        paused when it fails (their weights are undefined until a re-push lands)."""
+        """One attempt: [pause] begin, buckets, end, relabel [resume]. Engines that load live
+        stay paused when it fails (their weights are undefined until a re-push lands)."""
         group = self.group
         paused = group.pause_scope == "transfer"
         if paused:
@@ -170,21 +173,23 @@ class BucketStream:
             try:
                 acks = await self.stream(plan, tensors, version, snap, packed)
                 await self.check_acks(acks)
-            finally:
-                await group.end_sessions()
+            except BaseException:
+                await group.end_sessions()  # without a version: these weights are not it
+                raise
+            await group.end_sessions(version)
             await group.commit(version)
             ok = True
         finally:
-            if paused and (ok or not group.sglang):
+            if paused and (ok or not group.loads_live):
                 await group.resume()
 
     def _undefined(self, version: int, attempts: int, exc: BaseException) -> WeightsUndefined:
         urls = ", ".join(c.url for c in self.group.clients) or ", ".join(self.group.urls)
         return WeightsUndefined(
-            f"weight push v{version} failed {attempts} time(s); the weights of SGLang "
-            f"engine(s) {urls} are now UNDEFINED (SGLang loads each bucket into the live model "
-            f"as it arrives, so a push that fails part-way leaves a mix of versions); they are "
-            f"left paused. Last error: {exc}"
+            f"weight push v{version} failed {attempts} time(s); the weights of "
+            f"{self.group.family.name} engine(s) {urls} are now UNDEFINED (they load each "
+            f"bucket into the live model as it arrives, so a push that fails part-way leaves "
+            f"a mix of versions); they are left paused. Last error: {exc}"
         )
 
     async def stream(
@@ -223,7 +228,7 @@ class BucketStream:
                     packed[k].set_exception(exc)
                     return
                 packed[k].set_result(item)
-                if self.group.sglang:
+                if self.group.loads_live:  # kept for a re-push (engines that load live)
                     self.packed.append(item)
             for k in sorted(self.stager.in_place):  # buckets sent from the tensors must have left
                 await sent[k]

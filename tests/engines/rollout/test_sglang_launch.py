@@ -21,14 +21,8 @@ from typing import Any
 import pytest
 
 from asyncrl.config import LocalRolloutConfig, SGLangRolloutConfig
-from asyncrl.engines.rollout.launcher import (
-    SGLANG_CLI,
-    engine_spec,
-    launch_command,
-    sglang_dtype,
-    sglang_entry_point,
-    startup_timeout,
-)
+from asyncrl.engines.rollout.launcher import engine_spec, launch_command, startup_timeout
+from asyncrl.engines.rollout.sglang.launcher import SGLANG_CLI, sglang_dtype, sglang_entry_point
 from tests.engines.rollout.sglang.code import VERSIONS, sglang_env, sglang_src
 
 ROLLOUT = {

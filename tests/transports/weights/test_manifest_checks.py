@@ -12,7 +12,7 @@ import msgspec
 import pytest
 import torch
 
-from asyncrl.engines.rollout.local.checks import BadRequest
+from asyncrl.engines.rollout.checks import BadRequest
 from asyncrl.transports.weights.bucket import BucketManifest, checksum, plan_buckets, spec_of
 from asyncrl.transports.weights.collective_recv import bucket_manifest
 from asyncrl.transports.weights.collective_wire import bucket_extra

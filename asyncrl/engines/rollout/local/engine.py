@@ -45,6 +45,7 @@ import torch
 from asyncrl.config import PAUSE_MODES
 from asyncrl.engines.rollout.local import attention
 from asyncrl.engines.rollout.local.kv import BatchCache
+from asyncrl.engines.rollout.local.lora import AdapterRing, LoraSpec
 from asyncrl.engines.rollout.local.sampling import SamplingParams, sample
 
 if TYPE_CHECKING:
@@ -76,6 +77,8 @@ STATS = (
     "sorts",
     "bucketed_steps",
     "kv_bytes_peak",
+    "pauses",
+    "aborted",
 )
 
 
@@ -90,6 +93,12 @@ class Request:
     logprobs: list[float] = field(default_factory=list)
     min_version: str | None = None
     finish: dict[str, Any] | None = None
+    versions: list[str] = field(default_factory=list)
+    """The weight version that produced each output token (appended before its log-prob:
+    ``len(logprobs)`` tokens are complete in every list)."""
+    progress: asyncio.Event | None = None
+    """Set (on ``loop``) after every token and at the end: a streaming reader waits on it."""
+    lora_slot: int = -1  # the adapter ring's slot this request is pinned to (-1: none)
 
 
 class LocalEngine:
@@ -150,8 +159,26 @@ class LocalEngine:
         ]
         self._params = dict(self.model.named_parameters())
         self._bucketed = attention.enable(self.model)  # switches the model's attention function
+        self.lora: AdapterRing | None = None  # LoRA serving (enable_lora)
         self._thread = threading.Thread(target=self._run, name="engine-scheduler", daemon=True)
         self._thread.start()
+
+    def enable_lora(self, spec: LoraSpec) -> AdapterRing:
+        """Serve LoRA adapters (see ``local.lora``): call once, before the first request. The
+        current version becomes the ring's first, the zero adapter (the base model)."""
+        with self._model_lock:
+            assert self.lora is None and not self.num_requests, "enable_lora before serving"
+            self.lora = AdapterRing(self.model, spec, self.weight_version)
+        return self.lora
+
+    def load_adapter(
+        self, version: str, named: list[tuple[str, torch.Tensor]], timeout_s: float
+    ) -> None:
+        """Load adapter ``version`` beside the served ones (no pause, no abort, no KV
+        recompute: running requests keep theirs) and make it the newest."""
+        assert self.lora is not None, "enable_lora first"
+        self.lora.load(version, named, timeout_s)
+        self.weight_version = version
 
     # -- requests ------------------------------------------------------------------------
     def admit(
@@ -236,10 +263,11 @@ class LocalEngine:
             self._cancel_prefill(lambda r: True)
         with self._model_lock, self._cv:
             self._paused = True
+            self.stats["pauses"] += 1
             if mode == "retract":
                 self._retract()
         if mode == "abort":
-            self.abort(abort_all=True)
+            self.stats["aborted"] += self.abort(abort_all=True)
 
     def resume(self) -> None:
         with self._cv:
@@ -365,6 +393,8 @@ class LocalEngine:
                 n = len(self._waiting[0].input_ids) + len(self._waiting[0].output_ids)
                 if joining and n > budget:
                     break
+                if not self._pin(self._waiting[0]):
+                    break  # a one-version ring replaces its adapter: join after the load
                 joining.append(self._waiting.popleft())
                 budget -= n
             self._joining, self._cancel = joining, False
@@ -377,6 +407,21 @@ class LocalEngine:
                         self._joining, self._cancel = [], False
             elif self._running:
                 self._decode()
+
+    def _pin(self, r: Request) -> bool:
+        """Pin a joiner to the newest adapter version unless pinned (LoRA); False: not now."""
+        if self.lora is None or r.lora_slot >= 0:
+            return True
+        got = self.lora.pin_newest()
+        if got is None:
+            return False
+        r.min_version, r.lora_slot = got
+        return True
+
+    def _rows(self, reqs: list[Request]) -> None:
+        """Tell the adapter ring each row's version before a forward (LoRA)."""
+        if self.lora is not None:
+            self.lora.set_rows([r.lora_slot for r in reqs])
 
     def _retract(self) -> None:
         """Running requests back to the head of the queue; their cache is dropped."""
@@ -408,9 +453,13 @@ class LocalEngine:
         prefill would give, only the prefill's work is not repeated.
         """
         t0 = time.perf_counter()
-        unique: dict[tuple[int, ...], int] = {}
-        index = [unique.setdefault(tuple(r.input_ids + r.output_ids), len(unique)) for r in reqs]
-        seqs = [list(k) for k in unique]
+        unique: dict[tuple[int, ...], int] = {}  # (adapter slot, *tokens): one computed row
+        index = [
+            unique.setdefault((r.lora_slot, *r.input_ids, *r.output_ids), len(unique)) for r in reqs
+        ]
+        seqs = [list(k[1:]) for k in unique]
+        if self.lora is not None:
+            self.lora.set_rows([k[0] for k in unique])
         width = max(len(s) for s in seqs)
         ids = torch.zeros(len(seqs), width, dtype=torch.long)
         mask = torch.zeros(len(seqs), width, dtype=torch.long)
@@ -470,6 +519,7 @@ class LocalEngine:
         self.stats["decode_rows"] += kv.rows
         self.stats["decode_cells"] += cells
         ids = torch.tensor([[r.output_ids[-1]] for r in self._running], device=self.device)
+        self._rows(self._running)
         out = self.model(
             input_ids=ids,
             attention_mask=kv.decode_mask(self.device, sdpa=self._bucketed),
@@ -509,9 +559,12 @@ class LocalEngine:
         done: list[tuple[Request, dict[str, Any]]] = []
         for r, tok, lp in zip(rows, tokens.tolist(), logprobs.tolist(), strict=True):
             r.output_ids.append(tok)
+            r.versions.append(self.weight_version)
             r.logprobs.append(lp)
             if r.min_version is None:
                 r.min_version = self.weight_version
+            if r.progress is not None:
+                r.loop.call_soon_threadsafe(r.progress.set)
             if tok in r.sampling.stop_token_ids or (
                 not r.sampling.ignore_eos and tok in self.eos_token_ids
             ):
@@ -540,11 +593,15 @@ class LocalEngine:
         if r.finish is not None:
             return
         r.finish = reason
+        if r.lora_slot >= 0 and self.lora is not None:
+            self.lora.unpin(r.lora_slot)
         if r.min_version is None:
             r.min_version = self.weight_version
 
         def _set() -> None:
             if not r.future.done():
                 r.future.set_result(r)
+            if r.progress is not None:
+                r.progress.set()
 
         r.loop.call_soon_threadsafe(_set)

@@ -29,8 +29,9 @@ import torch
 from aiohttp import web
 
 from asyncrl import trace
-from asyncrl.engines.rollout.local.checks import BadRequest
+from asyncrl.engines.rollout.checks import BadRequest
 from asyncrl.engines.rollout.local.engine import LocalEngine, Request, SamplingParams
+from asyncrl.engines.rollout.local.lora import LoraSpec
 from asyncrl.engines.rollout.local.weights import WeightReceiver, WeightRequestError
 from asyncrl.transports.weights.delta import DELTA_CAPABILITY
 
@@ -54,21 +55,40 @@ def _item(body: dict[str, Any], key: str, i: int, n: int, batch: bool) -> Any:
     return value
 
 
-def _answer(req: Request, logprobs: bool) -> dict[str, Any]:
-    """SGLang's /generate answer for one finished request."""
+def _answer(req: Request, logprobs: bool, n: int | None = None) -> dict[str, Any]:
+    """SGLang's /generate answer for one request: finished, or (``n`` given, streaming) its
+    first ``n`` tokens so far with ``finish_reason`` null until the end (SGLang's default,
+    cumulative streaming: 0.5.23 srt/managers/tokenizer_manager.py:2674-2700)."""
+    n = len(req.output_ids) if n is None else n
+    ids = req.output_ids[:n]
+    finished = req.finish is not None and n == len(req.output_ids)
     meta: dict[str, Any] = {
         "id": req.rid,
-        "finish_reason": req.finish,
+        "finish_reason": req.finish if finished else None,
         "prompt_tokens": len(req.input_ids),
-        "completion_tokens": len(req.output_ids),
+        "completion_tokens": n,
         "cached_tokens": 0,
-        "weight_version": req.min_version,
+        "weight_version": req.min_version if req.min_version is not None else "",
     }
+    spans = _spans(req.versions[:n])
+    if len(spans) > 1:  # SGLang >= 0.5.22's per-token versions (srt/utils/weight_versions.py:63)
+        meta["weight_versions"] = spans
     if logprobs:
         meta["output_token_logprobs"] = [
-            [lp, tok, None] for lp, tok in zip(req.logprobs, req.output_ids, strict=True)
+            [lp, tok, None] for lp, tok in zip(req.logprobs[:n], ids, strict=True)
         ]
-    return {"text": "", "output_ids": req.output_ids, "meta_info": meta}
+    return {"text": "", "output_ids": ids, "meta_info": meta}
+
+
+def _spans(versions: list[str]) -> list[dict[str, Any]]:
+    """Per-token versions as SGLang's ``weight_versions`` spans ``[{version, start, end}]``."""
+    spans: list[dict[str, Any]] = []
+    for i, v in enumerate(versions):
+        if spans and spans[-1]["version"] == v:
+            spans[-1]["end"] = i + 1
+        else:
+            spans.append({"version": v, "start": i, "end": i + 1})
+    return spans
 
 
 def _json_error(status: int, message: str) -> web.Response:
@@ -99,7 +119,7 @@ class EngineServer:
         receiver: type[WeightReceiver] = WeightReceiver,
     ):
         """``masters``: addresses/CIDRs where this engine may join a weight group (see
-        :mod:`~asyncrl.engines.rollout.local.checks`); ``receiver``: the receiving side of
+        :mod:`~asyncrl.engines.rollout.checks`); ``receiver``: the receiving side of
         weight sync (a subclass may observe or alter what it receives, as the tests' fault
         injection does)."""
         self.engine = engine
@@ -107,7 +127,7 @@ class EngineServer:
         bind = "" if host in ("", "0.0.0.0", "::") else host  # weight-group ranks bind here
         self.weights = receiver(engine, bind, masters)
 
-    async def generate(self, request: web.Request) -> web.Response:
+    async def generate(self, request: web.Request) -> web.StreamResponse:
         """One request, or a batch (SGLang's list form: ``input_ids`` a list of lists, with
         ``sampling_params`` / ``rid`` / ``return_logprob`` shared or one per item). A batch's
         items are queued together, so they join one prefill (identical prompts — a GRPO
@@ -115,16 +135,22 @@ class EngineServer:
         body = await _body(request)
         if body.get("text") is not None:
             raise _BadRequest("text prompts are unsupported: send input_ids (token ids)")
-        if body.get("stream"):
-            raise _BadRequest("stream=true is unsupported by the embedded engine")
         loop = asyncio.get_running_loop()
         ids: Any = body.get("input_ids")  # JSON: a list, or a list of lists (checked per item)
         batch = isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
+        if body.get("stream") is not None and not isinstance(body.get("stream"), bool):
+            raise _BadRequest("stream must be true or false")
+        if body.get("stream"):
+            if batch:
+                raise _BadRequest("stream=true takes one request (input_ids a list of ints)")
+            req = self._request(ids, body.get("sampling_params"), body.get("rid"), loop)
+            return await self._stream(request, req, bool(body.get("return_logprob")))
         n = len(ids) if batch else 1
         sps = [_item(body, "sampling_params", i, n, batch) for i in range(n)]
         rids = [_item(body, "rid", i, n, batch) for i in range(n)]
         lps = [_item(body, "return_logprob", i, n, batch) for i in range(n)]
         reqs = [self._request(ids[i] if batch else ids, sps[i], rids[i], loop) for i in range(n)]
+        self._pin_named(reqs, [_item(body, "lora_path", i, n, batch) for i in range(n)])
         self.engine.submit_all(reqs)
         try:
             await asyncio.gather(*(r.future for r in reqs))
@@ -133,6 +159,62 @@ class EngineServer:
             raise
         out = [_answer(r, bool(lp)) for r, lp in zip(reqs, lps, strict=True)]
         return web.json_response(out if batch else out[0])
+
+    async def _stream(
+        self, request: web.Request, req: Request, logprobs: bool
+    ) -> web.StreamResponse:
+        """SGLang's streamed /generate (0.5.23 srt/entrypoints/http_server.py:949-981): one
+        ``data: {json}\\n\\n`` event per step with the cumulative output so far (several
+        tokens in one event when the reader fell behind), the finished answer last, then
+        ``data: [DONE]``. A reader that hangs up aborts the request."""
+        resp = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        await resp.prepare(request)
+        progress = req.progress = asyncio.Event()
+        self.engine.submit(req)
+        sent = -1
+        try:
+            while True:
+                await progress.wait()
+                progress.clear()
+                done = req.future.done()
+                n = len(req.logprobs)  # complete tokens: appended last (engine.Request)
+                if n > sent or done:
+                    chunk = json.dumps(_answer(req, logprobs, n)).encode()
+                    await resp.write(b"data: " + chunk + b"\n\n")
+                    sent = n
+                if done and n == len(req.output_ids):
+                    break
+            await resp.write(b"data: [DONE]\n\n")
+        except (asyncio.CancelledError, ConnectionError):  # the reader went away
+            await asyncio.shield(asyncio.to_thread(self.engine.abort, req.rid))
+            raise
+        await resp.write_eof()
+        return resp
+
+    def _pin_named(self, reqs: list[Request], paths: list[Any]) -> None:
+        """Pin requests that name an adapter version (SGLang's ``lora_path``, ``{name}-v{N}``)
+        to it; 400 naming the held versions when the engine does not hold it (or serves no
+        adapters). Unnamed requests are pinned to the newest version when they join."""
+        if all(p is None for p in paths):
+            return
+        ring = self.engine.lora
+        if ring is None:
+            raise _BadRequest("lora_path given, but this engine serves no LoRA adapters")
+        pinned: list[Request] = []
+        try:
+            for req, path in zip(reqs, paths, strict=True):
+                if path is None:
+                    continue
+                if not isinstance(path, str):
+                    raise _BadRequest(f"lora_path must be a string, got {path!r}"[:300])
+                req.min_version, req.lora_slot = ring.pin_named(path)
+                pinned.append(req)
+        except BaseException:
+            for req in pinned:
+                ring.unpin(req.lora_slot)
+            raise
 
     def _abort_each(self, rids: list[str]) -> None:
         for rid in rids:
@@ -169,6 +251,7 @@ class EngineServer:
             raise _BadRequest("abort_request takes rid (a string) and abort_all (true or false)")
         rid = str(rid)
         n = await asyncio.to_thread(self.engine.abort, rid, abort_all)
+        self.engine.stats["aborted"] += n  # asked for (a hung-up client's abort is not counted)
         return web.json_response({"success": True, "aborted": n})
 
     async def pause_generation(self, request: web.Request) -> web.Response:
@@ -235,6 +318,7 @@ class EngineServer:
                 "weight_version": e.weight_version,
                 "paused": e.paused,
                 "num_requests": e.num_requests,
+                **({"lora": e.lora.info()} if e.lora is not None else {}),
                 **e.stats,
             }
         )
@@ -332,14 +416,16 @@ def load_engine(
     context_length: int | None = None,
     max_prompt_tokens: int | None = None,
     stall_s: float = 60.0,
+    lora: LoraSpec | None = None,
 ) -> LocalEngine:
-    """The model at ``model_path`` (a Hugging Face folder) behind a LocalEngine."""
+    """The model at ``model_path`` (a Hugging Face folder) behind a LocalEngine (serving LoRA
+    adapters when ``lora`` is given)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
     eos = model.generation_config.eos_token_id or model.config.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    return LocalEngine(
+    engine = LocalEngine(
         model,
         eos_ids,
         device=device,
@@ -351,3 +437,6 @@ def load_engine(
         max_prompt_tokens=max_prompt_tokens,
         stall_s=stall_s,
     )
+    if lora is not None:
+        engine.enable_lora(lora)
+    return engine

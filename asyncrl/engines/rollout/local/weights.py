@@ -49,8 +49,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from asyncrl.engines.rollout.local import checks
-from asyncrl.engines.rollout.local.checks import BadRequest
+from asyncrl.engines.rollout import checks
+from asyncrl.engines.rollout.checks import BadRequest
 from asyncrl.transports.weights.bucket import BucketManifest, assemble, checksum
 from asyncrl.transports.weights.collective_recv import (
     bucket_manifest,
@@ -68,6 +68,12 @@ if TYPE_CHECKING:
 __all__ = ["WeightReceiver", "WeightRequestError"]
 
 log = logging.getLogger("asyncrl.engine.weights")
+
+
+_LORA_STAGED = (
+    "this engine serves LoRA adapters: push them staged (update_weights_from_distributed with "
+    "asyncrl_bucket, then update_weight_version), which loads each version beside the others"
+)
 
 
 class WeightRequestError(BadRequest):
@@ -104,6 +110,7 @@ class WeightReceiver:
         self.turn_timeout_s = 120.0  # longest wait for the previous bucket to start arriving
         self._ipc: Any = None  # cuda-ipc: IpcReceiver (mapped sender tensors, standby set)
         self._deltas = DeltaApplier()  # which version each receive buffer holds (delta pushes)
+        self.adapter_slot_timeout_s = 300.0  # LoRA: longest wait for a free version slot
 
     # -- group -------------------------------------------------------------------------
     async def init_group(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -166,6 +173,8 @@ class WeightReceiver:
             )
         if self.engine.device.type != "cuda":
             raise WeightRequestError("update_weights_from_tensor (CUDA IPC) needs a CUDA engine")
+        if self.engine.lora is not None:
+            raise WeightRequestError(_LORA_STAGED)
         if desc.get("release"):  # the sender closes: unmap its tensors
             if self._ipc is not None:
                 self._ipc.release()
@@ -403,12 +412,17 @@ class WeightReceiver:
         if len(up.buckets) != up.count:
             raise ValueError(f"{len(up.buckets)} of {up.count} buckets arrived")
         named = assemble([up.buckets[i] for i in range(up.count)])
-        self.engine.check_weights(named, complete=True)
+        if self.engine.lora is not None:  # an adapter push: checked against the base model
+            self.engine.lora.check(named)
+        else:
+            self.engine.check_weights(named, complete=True)
         return named
 
     async def _load_plain(
         self, body: dict[str, Any], group: Any, flattened: bool
     ) -> dict[str, Any]:
+        if self.engine.lora is not None:
+            raise WeightRequestError(_LORA_STAGED)
         names, raw_dtypes, shapes = tensor_specs(body)
         dtypes = [getattr(torch, d) for d in raw_dtypes]
         if sum(math.prod(s) for s in shapes) > self._model_numel:
@@ -445,6 +459,13 @@ class WeightReceiver:
             reason = up.error or f"staged v{up.version} is incomplete"
             return {"success": False, "message": f"cannot commit v{version}: {reason}"}
         self._update = None
+        if self.engine.lora is not None:  # beside the served versions: nothing pauses
+            timeout = self.adapter_slot_timeout_s
+            try:
+                await asyncio.to_thread(self.engine.load_adapter, version, up.ready, timeout)
+            except (TimeoutError, ValueError) as exc:
+                return {"success": False, "message": f"cannot load adapter v{version}: {exc}"}
+            return {"success": True, "message": f"adapter v{version} loaded"}
         if up.ipc:
             await asyncio.to_thread(self._ipc_switch, up.ready, version, None)
             return {"success": True, "message": f"switched to v{version}"}
@@ -456,10 +477,17 @@ class WeightReceiver:
     def weights_checksum(self) -> dict[str, Any]:
         """Per-parameter checksums of the served model (for tests and benchmarks)."""
         params = dict(self.engine.model.named_parameters())
-        return {
+        out: dict[str, Any] = {
             "weight_version": self.engine.weight_version,
             "checksums": {n: checksum(p.detach().contiguous()) for n, p in params.items()},
         }
+        ring = self.engine.lora
+        if ring is not None:  # every held adapter version, per tensor (PEFT's saved names)
+            out["adapters"] = {
+                v: {n: checksum(t.contiguous()) for n, t in ring.factors(v).items()}
+                for v in ring.held()
+            }
+        return out
 
     def close(self) -> None:
         self.groups.clear()

@@ -3,7 +3,7 @@
 Run as ``python -m tests.engines.rollout.sglang.wire_schema`` with that version's
 source first on ``PYTHONPATH`` (``code.sglang_env``); reads JSON from stdin:
 ``{"requests": [[method, path, body], ...], "answers": [[path, answer], ...]}``
-(what :class:`~asyncrl.engines.rollout.sglang.SGLangClient` sent and got with
+(what :class:`~asyncrl.engines.rollout.sglang.client.SGLangClient` sent and got with
 ``record=True``), writes one JSON report to stdout. Nothing here restates
 SGLang's schema: every judgment is SGLang's.
 

@@ -13,14 +13,14 @@ other HTTP error or a ``success: false`` body raises :class:`EngineError` —
 both carry the server's message. Connection failures and timeouts raise
 :class:`EngineUnavailable` (recoverable: retry, maybe elsewhere).
 
-The launcher of SGLang server processes lives in
-:mod:`asyncrl.engines.rollout.launcher`.
+The flags of SGLang server processes: :mod:`asyncrl.engines.rollout.sglang.launcher`
+(started by :mod:`asyncrl.engines.rollout.launcher`).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -33,6 +33,7 @@ from asyncrl.engines.rollout.base import (
     EngineUnavailable,
     GenerateResult,
 )
+from asyncrl.engines.rollout.sse import read_generate_stream
 
 if TYPE_CHECKING:
     from asyncrl.config import RolloutConfig
@@ -145,6 +146,27 @@ class SGLangClient:
             body["rid"] = str(rid)
         return GenerateResult.from_sglang(await self._call("POST", "/generate", body))
 
+    async def generate_stream(
+        self,
+        input_ids: list[int],
+        sampling_params: dict[str, Any],
+        rid: str | None = None,
+    ) -> AsyncIterator[GenerateResult]:
+        """:meth:`generate` streamed (SGLang's ``stream: true``): the cumulative output after
+        every event, the final result last (see :mod:`asyncrl.engines.rollout.sse`)."""
+        body: dict[str, Any] = {
+            "input_ids": [int(t) for t in input_ids],
+            "sampling_params": dict(sampling_params),
+            "return_logprob": True,
+            "stream": True,
+        }
+        if rid is not None:
+            body["rid"] = str(rid)
+        if self.sent is not None:
+            self.sent.append(("POST", "/generate", body))
+        async for res in read_generate_stream(self._http(), self.url + "/generate", body):
+            yield res
+
     async def generate_batch(
         self,
         input_ids: list[list[int]],
@@ -253,8 +275,9 @@ class SGLangClient:
         such route (404: SGLang 0.5.10, the embedded engine): go on without."""
         return await self._session_call("/begin_weight_update")
 
-    async def end_weight_update(self) -> bool:
-        """Close the session :meth:`begin_weight_update` opened (False: no such route)."""
+    async def end_weight_update(self, version: str | None = None) -> bool:
+        """Close the session :meth:`begin_weight_update` opened (False: no such route).
+        ``version`` is not sent: SGLang took it with the last bucket's load."""
         return await self._session_call("/end_weight_update")
 
     async def _session_call(self, path: str) -> bool:

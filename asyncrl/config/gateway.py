@@ -1,0 +1,39 @@
+"""The OpenAI-compatible gateway's section (:mod:`asyncrl.gateway`)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from asyncrl.config.base import NonNegative, Positive, PositiveFloat, _Section
+
+
+class GatewayConfig(_Section, frozen=True):
+    enabled: bool = False
+    """Serve the gateway from the controller process (``task.name = "agent"`` turns it on)."""
+    host: str = "127.0.0.1"
+    """Address it binds (loopback unless told otherwise; never all interfaces by default)."""
+    port: NonNegative = 0
+    """TCP port; 0: a free one (written to ``RUN_DIR/gateway.json``)."""
+    api_key_env: str = ""
+    """Name of an environment variable holding the gateway's API key: when set, every request
+    must carry it (or its session's own key) as ``Authorization: Bearer``. The key itself
+    never appears in a config, a command line or a log."""
+    model_name: str = ""
+    """The model id ``/v1/models`` lists and responses name; empty: the model folder's name."""
+    admission: Literal["wait", "reject"] = "wait"
+    """A new session while the staleness bound admits no episode: ``wait`` (up to
+    ``admission_timeout_s``, then 429) or ``reject`` (429 with ``Retry-After`` at once)."""
+    admission_timeout_s: PositiveFloat = 60.0
+    """How long a new session's first request waits for admission before its 429."""
+    retry_after_s: Positive = 1
+    """``Retry-After`` (seconds) of a 429."""
+    session_timeout_s: PositiveFloat = 600.0
+    """A session idle this long (no request, no reward) ends: it is dropped (counted)."""
+    on_disconnect: Literal["keep", "drop"] = "keep"
+    """A client that hangs up mid-completion: ``keep`` the session's trajectory up to its last
+    full turn (the cut turn is discarded), or ``drop`` the whole session; both counted."""
+    max_n: Positive = 16
+    """Largest ``n`` (choices per request) accepted."""
+    max_tokens: NonNegative = 0
+    """Completion budget when a request names none; 0: ``rollout.max_new_tokens`` or the
+    engine default."""

@@ -1,0 +1,1 @@
+"""The vLLM engine family (vLLM 0.33's RL API): client, launcher, weight control."""

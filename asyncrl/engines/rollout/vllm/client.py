@@ -1,0 +1,376 @@
+"""vLLM 0.33 HTTP client: the RolloutEngine that speaks vLLM's token-in/token-out and RL API.
+
+Cited from vLLM 0.33.0's source (``tito`` = ``vllm/entrypoints/scale_out/
+token_in_token_out/``, ``rl`` = ``vllm/entrypoints/rl/online/api_router.py``):
+
+- generation: ``POST /inference/v1/generate`` with ``request_id``, ``token_ids``,
+  ``sampling_params`` (vLLM's ``SamplingParams`` names: ``max_tokens``, ``logprobs=0`` for
+  the sampled token's log-prob only) and ``stream`` (tito/protocol.py:221-326); the answer's
+  ``choices[0]`` has ``token_ids``, ``logprobs.content[i].logprob``, ``finish_reason``
+  (``stop``/``length``/``abort``) and ``weight_versions``: ``[{version, start, end}]`` spans
+  over output-token indexes, on the final output only (tito/protocol.py:486-508;
+  vllm/outputs.py:50-55, 82-83; built in v1/engine/output_processor.py:531-545). The
+  version before any update is ``"default"`` (v1/engine/core.py:147): version 0 here.
+- streaming: ``text/event-stream`` of ``data: {json}`` chunks, each with the delta
+  ``token_ids`` and log-probs, spans on the final chunk, an error as a ``data:`` chunk, then
+  ``data: [DONE]`` (tito/serving.py:646-820).
+- pause: ``POST /pause?mode=keep|abort|wait`` (query parameters, rl:31-75), ``POST
+  /resume`` (rl:78-94), ``GET /is_paused`` (rl:145-159). In ``abort`` and ``wait`` new
+  requests are refused with a retryable error until ``/resume`` (v1/engine/core.py:
+  1796-1815, 2226-2233) which the server answers 503 (vllm/exceptions.py:139-144,
+  entrypoints/serve/exception_handling/error_response.py:60-67); in a stream it is an
+  error chunk (tito/serving.py:812-815). The client then polls ``/is_paused`` and sends
+  the request again (``retry_503_s``): it waits, it does not fail.
+- abort: ``POST /abort_requests`` ``{"request_ids": [...]}``, empty: all (rl:97-142).
+- version: ``GET /weight_info`` (rl:226-229); liveness: ``GET /health``.
+
+Errors as :mod:`asyncrl.engines.rollout.base` (vLLM's error body is ``{"error": {"message",
+"type", "code"}}``, error_response.py:98-105).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import aiohttp
+import msgspec
+
+from asyncrl.config import VLLM_PAUSE_MODES
+from asyncrl.engines.rollout.base import (
+    EngineBadRequest,
+    EngineError,
+    EngineUnavailable,
+    GenerateResult,
+)
+from asyncrl.engines.rollout.sglang.client import _is_json_object, _server_message
+
+__all__ = ["VLLMClient", "expand_spans", "vllm_sampling"]
+
+GENERATE = "/inference/v1/generate"
+
+_RENAMED = {"max_new_tokens": "max_tokens"}
+_KEPT = ("temperature", "top_p", "top_k", "min_p", "stop_token_ids", "ignore_eos", "seed", "n")
+
+
+def vllm_sampling(sp: dict[str, Any]) -> dict[str, Any]:
+    """SGLang-style ``sampling_params`` (what the controller sends every engine) as vLLM's
+    ``SamplingParams`` fields (vllm/sampling_params.py:337-379): ``max_new_tokens`` ->
+    ``max_tokens``; ``logprobs=0`` (the sampled token's log-prob only); ``detokenize=False``
+    (token-in/token-out). Keys vLLM has under the same name pass; others are refused."""
+    out: dict[str, Any] = {"logprobs": 0, "detokenize": False}
+    for key, value in sp.items():
+        if key in _RENAMED:
+            out[_RENAMED[key]] = value
+        elif key in _KEPT:
+            out[key] = value
+        else:
+            raise ValueError(f"sampling parameter {key!r} has no vLLM equivalent here")
+    return out
+
+
+def _version(v: Any) -> int:
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return 0  # vLLM's "default" before any update
+
+
+def expand_spans(spans: Any, n: int) -> list[int]:
+    """vLLM's ``weight_versions`` spans (``[{version, start, end}]`` over this request's
+    output tokens, from 0: a request sent again restarts them) as one version per token.
+    Missing spans (vLLM reports none when no label was seen, output_processor.py:541-543):
+    every token gets version 0."""
+    out = [0] * n
+    if spans is None:
+        return out
+    try:
+        for span in spans:
+            v = _version(span["version"])
+            start, end = max(0, int(span["start"])), min(n, int(span["end"]))
+            out[start:end] = [v] * max(0, end - start)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise EngineError(GENERATE, 200, f"malformed weight_versions {spans!r:.200}") from exc
+    return out
+
+
+def _result(ids: list[int], lps: list[float], finish: str, spans: Any) -> GenerateResult:
+    """A result; without spans (a stream's chunks before the last) no per-token versions."""
+    if spans is None:
+        return GenerateResult(ids, lps, 0, finish)
+    versions = expand_spans(spans, len(ids))
+    last = versions[-1] if versions else (_version(spans[-1]["version"]) if spans else 0)
+    return GenerateResult(ids, lps, last, finish, versions=versions if ids else None)
+
+
+def _choice(out: Any) -> dict[str, Any]:
+    if not isinstance(out, dict) or not isinstance(out.get("choices"), list) or not out["choices"]:
+        raise EngineError(GENERATE, 200, f"unexpected response: {str(out)[:200]}")
+    choice = out["choices"][0]
+    if not isinstance(choice, dict):
+        raise EngineError(GENERATE, 200, f"unexpected choice: {str(choice)[:200]}")
+    return choice
+
+
+def _logprobs(choice: dict[str, Any]) -> list[float]:
+    content = (choice.get("logprobs") or {}).get("content") or []
+    return [float(c["logprob"]) for c in content]
+
+
+class VLLMClient:
+    """One vLLM 0.33 server at ``base_url`` (module docstring); one event loop.
+
+    ``record=True`` keeps every request sent as ``(method, path, body)`` in ``self.sent``.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        timeout_s: float = 120.0,
+        retry_503_s: float = 600.0,
+        record: bool = False,
+    ):
+        self.url = base_url.rstrip("/")
+        self.retry_503_s = retry_503_s
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._session: aiohttp.ClientSession | None = None
+        self.sent: list[tuple[str, str, Any]] | None = [] if record else None
+
+    def __repr__(self) -> str:
+        return f"VLLMClient({self.url!r})"
+
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                timeout=self._timeout, connector=aiohttp.TCPConnector(limit=0)
+            )
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def _call(
+        self, method: str, path: str, body: Any = None, params: dict[str, str] | None = None
+    ) -> Any:
+        if self.sent is not None:
+            self.sent.append((method, path + _query(params), body))
+        try:
+            async with self._http().request(
+                method, self.url + path, json=body, params=params
+            ) as resp:
+                raw, status = await resp.read(), resp.status
+        except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+            raise EngineUnavailable(f"{self.url}{path}: {type(exc).__name__}: {exc}") from exc
+        if status >= 400:
+            cls = EngineBadRequest if status < 500 else EngineError
+            raise cls(path, status, _server_message(raw), answered=_is_json_object(raw))
+        if not raw:
+            return None
+        try:
+            return msgspec.json.decode(raw)
+        except msgspec.DecodeError:
+            return raw.decode(errors="replace")
+
+    # -- generation ---------------------------------------------------------------------
+    def _body(self, ids: list[int], sp: dict[str, Any], rid: str | None, stream: bool) -> Any:
+        return {
+            "request_id": str(rid) if rid is not None else uuid.uuid4().hex,
+            "token_ids": [int(t) for t in ids],
+            "sampling_params": vllm_sampling(sp),
+            "stream": stream,
+        }
+
+    async def _until_resumed(self, first: EngineError) -> None:
+        """After a 503 (paused in ``abort``/``wait`` mode): poll ``/is_paused`` until it is
+        False, at most ``retry_503_s``; then EngineUnavailable naming the engine."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.retry_503_s
+        while True:
+            await asyncio.sleep(0.05)
+            out = await self._call("GET", "/is_paused")
+            if isinstance(out, dict) and not out.get("is_paused"):
+                return
+            if loop.time() > deadline:
+                raise EngineUnavailable(
+                    f"{self.url} paused for over {self.retry_503_s:g}s (503: {first.message})"
+                )
+
+    async def generate(
+        self, input_ids: list[int], sampling_params: dict[str, Any], rid: str | None = None
+    ) -> GenerateResult:
+        """One completion of ``input_ids``; a 503 (paused) waits for the resume and resends."""
+        body = self._body(input_ids, sampling_params, rid, stream=False)
+        while True:
+            try:
+                out = await self._call("POST", GENERATE, body)
+                break
+            except EngineError as exc:
+                if exc.status != 503:
+                    raise
+                await self._until_resumed(exc)
+        choice = _choice(out)
+        ids = [int(t) for t in choice.get("token_ids") or []]
+        lps = _logprobs(choice)
+        if len(lps) != len(ids):
+            raise EngineError(GENERATE, 200, f"{len(ids)} tokens but {len(lps)} log-probs")
+        finish = str(choice.get("finish_reason") or "stop")
+        return _result(ids, lps, finish, choice.get("weight_versions"))
+
+    async def generate_batch(
+        self,
+        input_ids: list[list[int]],
+        sampling_params: list[dict[str, Any]],
+        rids: list[str] | None = None,
+    ) -> list[GenerateResult]:
+        """Several completions (vLLM's generate route takes one prompt: one request each,
+        sent together), answered in order once all finished."""
+        names: list[str | None] = list(rids) if rids is not None else [None] * len(input_ids)
+        calls = (
+            self.generate(i, s, r)
+            for i, s, r in zip(input_ids, sampling_params, names, strict=True)
+        )
+        return list(await asyncio.gather(*calls))
+
+    async def generate_stream(
+        self, input_ids: list[int], sampling_params: dict[str, Any], rid: str | None = None
+    ) -> AsyncIterator[GenerateResult]:
+        """Yield the cumulative partial result after every chunk; the last one carries the
+        finish reason and per-token versions from vLLM's spans (earlier ones: none, vLLM
+        sends spans on the final chunk only). A 503 (or a retryable error
+        chunk before any token) waits for the resume and resends."""
+        body = self._body(input_ids, sampling_params, rid, stream=True)
+        while True:
+            try:
+                async for partial in self._stream_once(body):
+                    yield partial
+                return
+            except _Retry as exc:
+                await self._until_resumed(exc.error)
+
+    async def _stream_once(self, body: dict[str, Any]) -> AsyncIterator[GenerateResult]:
+        if self.sent is not None:
+            self.sent.append(("POST", GENERATE, body))
+        ids: list[int] = []
+        lps: list[float] = []
+        try:
+            async with self._http().post(self.url + GENERATE, json=body) as resp:
+                if resp.status >= 400:
+                    raw = await resp.read()
+                    err = (EngineBadRequest if resp.status < 500 else EngineError)(
+                        GENERATE, resp.status, _server_message(raw), _is_json_object(raw)
+                    )
+                    if resp.status == 503:
+                        raise _Retry(err)
+                    raise err
+                async for chunk in _events(resp.content):
+                    if "error" in chunk:
+                        err = _stream_error(chunk)
+                        if err.status == 503 and not ids:
+                            raise _Retry(err)
+                        raise err
+                    if not chunk.get("choices"):
+                        continue  # the usage chunk
+                    choice = _choice(chunk)
+                    ids += [int(t) for t in choice.get("token_ids") or []]
+                    lps += _logprobs(choice)
+                    finish = choice.get("finish_reason")
+                    spans = choice.get("weight_versions")
+                    yield _result(list(ids), list(lps), str(finish or ""), spans)
+        except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+            raise EngineUnavailable(f"{self.url}{GENERATE}: {type(exc).__name__}: {exc}") from exc
+
+    # -- pause, abort, version, liveness -------------------------------------------------
+    async def pause_generation(self, mode: str = "keep") -> None:
+        """``POST /pause?mode=``: ``keep`` | ``abort`` | ``wait`` (vLLM's modes)."""
+        if mode not in VLLM_PAUSE_MODES:
+            allowed = ", ".join(VLLM_PAUSE_MODES)
+            raise ValueError(f"vLLM pause mode must be one of {allowed}, got {mode!r}")
+        await self._call("POST", "/pause", None, {"mode": mode})
+
+    async def continue_generation(self) -> None:
+        await self._call("POST", "/resume")
+
+    async def is_paused(self) -> bool:
+        out = await self._call("GET", "/is_paused")
+        return bool(isinstance(out, dict) and out.get("is_paused"))
+
+    async def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
+        """Abort request ``rid`` (or all): its generate answers with what it has, ``abort``."""
+        body: dict[str, Any] = {} if abort_all else {"request_ids": [str(rid)]}
+        await self._call("POST", "/abort_requests", body)
+
+    async def get_weight_version(self) -> str:
+        out = await self._call("GET", "/weight_info")
+        if not isinstance(out, dict) or "weight_version" not in out:
+            raise EngineError("/weight_info", 200, f"unexpected response: {out!r:.200}")
+        return str(out["weight_version"])
+
+    async def health(self) -> bool:
+        return await self._why_unhealthy() is None
+
+    async def _why_unhealthy(self) -> str | None:
+        try:
+            await self._call("GET", "/health")
+        except (EngineError, EngineUnavailable) as exc:
+            return str(exc) or type(exc).__name__
+        return None
+
+    async def wait_healthy(
+        self,
+        timeout_s: float,
+        interval_s: float = 0.2,
+        gone: Callable[[], str | None] | None = None,
+    ) -> None:
+        """Poll ``/health`` until it answers 200 (as ``SGLangClient.wait_healthy``)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while (why := await self._why_unhealthy()) is not None:
+            if gone is not None and (reason := gone()) is not None:
+                raise EngineUnavailable(f"engine {self.url} is gone: {reason}")
+            if loop.time() > deadline:
+                raise EngineUnavailable(
+                    f"engine {self.url} did not answer within {timeout_s:g}s (last: {why})"[:500]
+                )
+            await asyncio.sleep(interval_s)
+
+
+class _Retry(Exception):
+    """A 503 before any token: the engine is paused (abort/wait mode)."""
+
+    def __init__(self, error: EngineError):
+        super().__init__(str(error))
+        self.error = error
+
+
+def _query(params: dict[str, str] | None) -> str:
+    return "?" + "&".join(f"{k}={v}" for k, v in params.items()) if params else ""
+
+
+async def _events(content: aiohttp.StreamReader) -> AsyncIterator[dict[str, Any]]:
+    """The JSON objects of an SSE stream's ``data:`` lines, until ``data: [DONE]``."""
+    async for line in content:
+        text = line.decode(errors="replace").strip()
+        if not text.startswith("data:"):
+            continue
+        data = text[5:].strip()
+        if data == "[DONE]":
+            return
+        try:
+            obj = json.loads(data)
+        except ValueError as exc:
+            raise EngineError(GENERATE, 200, f"malformed stream chunk {data[:200]!r}") from exc
+        if isinstance(obj, dict):
+            yield obj
+
+
+def _stream_error(chunk: dict[str, Any]) -> EngineError:
+    err = chunk.get("error")
+    info = err if isinstance(err, dict) else {"message": str(err)}
+    code = int(info.get("code") or 500)
+    cls = EngineBadRequest if 400 <= code < 500 else EngineError
+    return cls(GENERATE, code, str(info.get("message", "")))

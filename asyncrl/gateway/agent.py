@@ -1,0 +1,101 @@
+"""``task.name = "agent"``: an OpenAI-API agent function per episode, through the gateway.
+
+``async def fn(client, sample) -> float | None``: ``client`` is an ``openai.AsyncOpenAI``
+whose ``base_url`` is the episode's session; ``sample`` an :class:`AgentSample`. The
+float is the reward of every trajectory the session made; None rejects the sample.
+Samples come from ``task.path`` (JSONL, one object per line: ``prompt`` (text) or
+``messages`` (a chat), and ``answer``) or, without a path, the built-in weather task
+(``prompt`` "What is the weather in CITY?", ``answer`` the city), whose example agent
+is :func:`weather_agent`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from asyncrl.config import RunConfig
+from asyncrl.gateway.app import AgentFn, Gateway
+from asyncrl.tasks.base import load_reward_fn
+
+__all__ = ["AgentSample", "agent_gateway", "agent_samples", "weather_agent"]
+
+CITIES = ["Paris", "Tokyo", "Lima", "Oslo", "Cairo", "Quito"]
+
+
+class AgentSample(msgspec.Struct, frozen=True):
+    """One task sample handed to the agent function."""
+
+    prompt: str = ""
+    messages: list[dict[str, Any]] = []
+    answer: Any = None
+    id: int = 0
+
+
+def agent_samples(cfg: RunConfig) -> Iterator[AgentSample]:
+    """The task's samples, forever (the file's rows in order, again and again)."""
+    tc = cfg.task
+    if not tc.path:
+        rng = random.Random(tc.seed)
+        for i in itertools.count():
+            city = rng.choice(CITIES)
+            yield AgentSample(prompt=f"What is the weather in {city}?", answer=city, id=i)
+    rows = []
+    for n, line in enumerate(Path(tc.path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as exc:
+            raise ValueError(f"task.path {tc.path}: line {n} is not JSON ({exc})") from None
+        if not isinstance(row, dict) or not (row.get("prompt") or row.get("messages")):
+            raise ValueError(f"task.path {tc.path}: line {n} needs 'prompt' or 'messages'")
+        rows.append(row)
+    if not rows:
+        raise ValueError(f"task.path {tc.path} holds no rows")
+    for i, row in enumerate(itertools.cycle(rows)):
+        yield AgentSample(
+            str(row.get("prompt") or ""), list(row.get("messages") or []), row.get("answer"), i
+        )
+
+
+def agent_gateway(cfg: RunConfig, model_path: str) -> Gateway:
+    """The run's gateway with the agent function ``task.agent`` (a ValueError names it)."""
+    if not cfg.task.agent:
+        raise ValueError("task.name='agent' needs task.agent='package.module:function'")
+    fn: AgentFn = load_reward_fn(cfg.task.agent)
+    budget = cfg.rollout.max_new_tokens or cfg.task.max_new_tokens
+    return Gateway(cfg.gateway, model_path, agent=fn, default_max_tokens=budget)
+
+
+async def weather_agent(client: Any, sample: AgentSample) -> float:
+    """The built-in task's agent: ask, run the ``get_weather`` tool it calls, answer.
+
+    Reward: 0.5 for a ``get_weather`` call naming the sample's city, 0.5 for a final answer
+    that states the weather the tool returned."""
+    from asyncrl.tasks.tiny_chat_model import WEATHER_TOOL
+
+    msgs: list[Any] = [{"role": "user", "content": sample.prompt}]
+    weather = random.Random(sample.id).choice(["sunny", "rainy", "cloudy", "windy"])
+    reward = 0.0
+    for _ in range(2):
+        r = await client.chat.completions.create(model="m", messages=msgs, tools=[WEATHER_TOOL])
+        msg = r.choices[0].message
+        msgs.append(msg.model_dump(exclude_none=True))
+        if not msg.tool_calls:
+            return reward + (0.5 if weather in (msg.content or "") else 0.0)
+        for call in msg.tool_calls:
+            try:
+                city = json.loads(call.function.arguments).get("city")
+            except (ValueError, AttributeError):
+                city = None
+            reward = 0.5 if city == sample.answer else reward
+            out = json.dumps({"city": city, "weather": weather})
+            msgs.append({"role": "tool", "tool_call_id": call.id, "content": out})
+    return reward

@@ -1,0 +1,374 @@
+"""The gateway's HTTP server (aiohttp, in the controller's event loop) and its episode.
+
+Routes (each also under ``/sessions/{id}``, so an agent only changes ``base_url``):
+``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``; and
+``POST /sessions/{id}/reward`` (``{"reward": float}``: the session ends, its branches
+become trajectories), ``GET /sessions/{id}`` (its branches, token by token),
+``GET /health``, ``GET /stats``. A request without a session in its path names one by
+its Bearer key (a session's own ``key``; or, when the gateway has no API key of its
+own, any key, which opens a session of that key). Errors are OpenAI's JSON
+(``{"error": {...}}``) with a 4xx for anything the client sent; 503 only when the
+engines failed the request after every retry.
+
+:meth:`Gateway.episode` is the controller's episode function: a
+:class:`~asyncrl.gateway.sessions.SessionSample` binds the session a client opened and
+waits for its end; any other sample runs the configured agent function against a new
+session (``task.name = "agent"``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from asyncrl.config import DEFAULT_MAX_NEW_TOKENS, GatewayConfig
+from asyncrl.controllers.episode import EpisodeContext, EpisodeFailed
+from asyncrl.gateway.chat import Turn
+from asyncrl.gateway.protocol import ApiError, chat_request, completion_request
+from asyncrl.gateway.sessions import Session, Sessions, SessionSample, fingerprint
+from asyncrl.gateway.stream import chat_body, completion_body, stream_turn
+from asyncrl.tasks.text import ChatTokenizer
+from asyncrl.transports.experience.types import Trajectory
+
+if TYPE_CHECKING:
+    from asyncrl.controllers.controller import Controller
+
+__all__ = ["AgentFn", "Gateway"]
+
+log = logging.getLogger("asyncrl.gateway")
+AgentFn = Callable[[Any, Any], Awaitable["float | None"]]
+
+
+class Gateway:
+    """OpenAI-compatible sessions over a controller (see the module docstring).
+
+    ``gw = Gateway(cfg.gateway, model_path)``; ``Controller(cfg, episode=gw.episode, ...)``;
+    ``gw.attach(ctl)``; ``await gw.start()`` (returns the base URL); ``await gw.close()``.
+    """
+
+    def __init__(
+        self,
+        config: GatewayConfig,
+        model_path: str,
+        agent: AgentFn | None = None,
+        default_max_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+    ):
+        self.cfg = config
+        self.tok = ChatTokenizer(model_path)
+        self.model = config.model_name or Path(model_path).name
+        self.sessions = Sessions(self.tok)
+        self.agent = agent
+        self.max_tokens = config.max_tokens or default_max_tokens
+        self.api_key: str | None = None
+        if config.api_key_env:
+            self.api_key = os.environ.get(config.api_key_env) or None
+            if self.api_key is None:
+                raise ValueError(
+                    f"gateway.api_key_env names {config.api_key_env!r}, which is not set"
+                )
+        self.controller: Controller | None = None
+        self.url = ""
+        self._runner: web.AppRunner | None = None
+
+    def attach(self, controller: Controller) -> None:
+        """The controller whose episodes the sessions are (clients may then open sessions)."""
+        self.controller = controller
+
+    # -- lifecycle ------------------------------------------------------------------------
+    async def start(self) -> str:
+        app = web.Application(middlewares=[_errors], client_max_size=32 << 20)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/stats", self._stats)
+        for prefix in ("", "/sessions/{sid}"):
+            app.router.add_post(prefix + "/v1/chat/completions", self._chat)
+            app.router.add_post(prefix + "/v1/completions", self._completions)
+            app.router.add_get(prefix + "/v1/models", self._models)
+        app.router.add_post("/sessions/{sid}/reward", self._reward)
+        app.router.add_get("/sessions/{sid}", self._show)
+        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.cfg.host, self.cfg.port)
+        await site.start()
+        port = self._runner.addresses[0][1]
+        host = self.cfg.host if ":" not in self.cfg.host else f"[{self.cfg.host}]"
+        self.url = f"http://{host}:{port}"
+        return self.url
+
+    async def close(self) -> None:
+        for s in list(self.sessions.by_id.values()):
+            s.end(None)
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    def stats(self) -> dict[str, int]:
+        return {**self.sessions.counters, "open": len(self.sessions.by_id)}
+
+    # -- episodes -------------------------------------------------------------------------
+    def open(self, ctx: EpisodeContext) -> Session:
+        """A new session of episode ``ctx`` (already admitted); ``session_url(s)`` is its
+        base URL, ``s.key`` its API key."""
+        s = self.sessions.create()
+        s.admit(ctx)
+        return s
+
+    def session_url(self, s: Session) -> str:
+        return f"{self.url}/sessions/{s.id}/v1"
+
+    async def episode(self, ctx: EpisodeContext, sample: Any) -> list[Trajectory] | None:
+        if isinstance(sample, SessionSample):
+            s = self.sessions.by_id.get(sample.session)
+            if s is None or s.closed:
+                return None
+            s.admit(ctx)
+            reward = await self._until_end(s)
+        else:
+            if self.agent is None:
+                raise TypeError("the gateway has no agent function for this sample")
+            s = self.open(ctx)
+            reward = await self._run_agent(s, sample)
+        self.sessions.forget(s)
+        if reward is None or s.dropped:
+            self.sessions.counters["dropped"] += 1
+            return None
+        self.sessions.counters["rewarded"] += 1
+        return s.trajectories(reward) or None
+
+    async def _run_agent(self, s: Session, sample: Any) -> float | None:
+        import openai
+
+        assert self.agent is not None
+        client = openai.AsyncOpenAI(base_url=self.session_url(s), api_key=s.key, max_retries=2)
+        try:
+            reward = await self.agent(client, sample)
+        finally:
+            await client.close()
+        s.end(None if reward is None else float(reward))
+        return None if reward is None else float(reward)
+
+    async def _until_end(self, s: Session) -> float | None:
+        timeout = self.cfg.session_timeout_s
+        while True:
+            idle = time.monotonic() - s.last_seen
+            try:
+                return await asyncio.wait_for(asyncio.shield(s.ended), max(0.05, timeout - idle))
+            except asyncio.TimeoutError:
+                if s.inflight == 0 and time.monotonic() - s.last_seen >= timeout:
+                    self.sessions.counters["timed_out"] += 1
+                    s.end(None)
+                    return None
+
+    # -- sessions of requests ---------------------------------------------------------------
+    def _token(self, request: web.Request) -> str | None:
+        auth = request.headers.get("Authorization", "")
+        return auth[7:].strip() if auth[:7].lower() == "bearer " else None
+
+    async def _session(self, request: web.Request) -> Session:
+        token = self._token(request)
+        sid = request.match_info.get("sid")
+        if sid is not None:
+            s = self.sessions.by_id.get(sid)
+            if self.api_key is not None and token != self.api_key:
+                if s is None or token != s.key:
+                    raise ApiError(401, "invalid API key", kind="authentication_error")
+            if s is None:
+                s = self._external(sid, None)
+        else:
+            s = self.sessions.by_key.get(token or "")
+            if s is None:
+                if token is None or self.api_key is not None:
+                    msg = "name a session: /sessions/{id}/v1/..., or a session's key as Bearer"
+                    raise ApiError(400 if token == self.api_key else 401, msg)
+                sid = "key-" + hashlib.sha256(token.encode()).hexdigest()[:16]
+                s = self.sessions.by_id.get(sid) or self._external(sid, token)
+        if s.closed:
+            raise ApiError(409, f"session {s.id} has ended", kind="session_ended")
+        s.last_seen = time.monotonic()
+        if not s.admitted.is_set():
+            try:
+                await asyncio.wait_for(asyncio.shield(s.admitted.wait()), self._admit_wait())
+            except asyncio.TimeoutError:
+                raise self._busy() from None
+        return s
+
+    def _admit_wait(self) -> float:
+        return 0.0 if self.cfg.admission == "reject" else self.cfg.admission_timeout_s
+
+    def _busy(self) -> ApiError:
+        after = str(self.cfg.retry_after_s)
+        msg = "no episode may start now (staleness bound): retry later"
+        return ApiError(429, msg, kind="rate_limit_error", headers={"Retry-After": after})
+
+    def _external(self, sid: str, key: str | None) -> Session:
+        ctl = self.controller
+        if ctl is None:
+            raise ApiError(404, f"no session {sid!r} (this gateway opens none for clients)")
+        if len(sid) > 128 or not sid.replace("-", "").replace("_", "").isalnum():
+            raise ApiError(400, "a session id is 1-128 letters, digits, '-' or '_'")
+        if self.cfg.admission == "reject" and not ctl.staleness.can_admit():
+            raise self._busy()
+        s = self.sessions.create(sid, key)
+        ctl.submit([SessionSample(sid)])
+        return s
+
+    # -- handlers ---------------------------------------------------------------------------
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        params, msgs = chat_request(_json(raw), self.cfg.max_n)
+        s = await self._session(request)
+
+        def make() -> Turn:
+            branch, text = s.transcript.prompt(msgs, params.tools)
+            turn = self._turn(s, params, branch, "chat")
+
+            def record(t: Turn) -> None:
+                for c in t.choices:
+                    s.transcript.record(
+                        c.branch, msgs, text, (c.ids, c.logprobs, c.versions), c.reply()
+                    )
+                self.sessions.counters["turns"] += 1
+
+            turn.start(record)
+            return turn
+
+        turn = self._join_or(s, fingerprint("chat", raw), make)
+        return await self._answer(request, s, turn, chat_body)
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        params, prompt = completion_request(_json(raw), self.cfg.max_n)
+        s = await self._session(request)
+        if isinstance(prompt, list) and max(prompt) >= self.tok.tokenizer.get_vocab_size(True):
+            raise ApiError(400, "prompt holds a token id outside the vocabulary", "prompt")
+
+        def make() -> Turn:
+            branch = s.transcript.completion_prompt(prompt)
+            turn = self._turn(s, params, branch, "text")
+
+            def record(t: Turn) -> None:
+                for c in t.choices:
+                    out = (c.ids, c.logprobs, c.versions)
+                    s.transcript.record_completion(c.branch, prompt, out, c.text)
+                self.sessions.counters["turns"] += 1
+
+            turn.start(record)
+            return turn
+
+        turn = self._join_or(s, fingerprint("text", raw), make)
+        return await self._answer(request, s, turn, completion_body)
+
+    def _turn(self, s: Session, params: Any, branch: Any, kind: str) -> Turn:
+        assert s.ctx is not None
+        budget = params.max_tokens or self.max_tokens
+        return Turn(s.ctx, self.tok, s.transcript, params, branch, budget, kind)
+
+    def _join_or(self, s: Session, fp: str, make: Callable[[], Turn]) -> Turn:
+        """The turn of an identical earlier request (an SDK retry) unless it failed; else a
+        new one."""
+        turn = s.turns.get(fp)
+        if turn is not None and not (turn.done.is_set() and turn.error is not None):
+            self.sessions.counters["retries_answered"] += 1
+            return turn
+        turn = s.turns[fp] = make()
+        return turn
+
+    async def _answer(
+        self, request: web.Request, s: Session, turn: Turn, body: Callable[..., Any]
+    ) -> web.StreamResponse:
+        turn.readers += 1
+        s.inflight += 1
+        try:
+            if turn.params.stream:
+                return await stream_turn(request, turn, self.model)
+            await asyncio.shield(turn.done.wait())
+            if turn.error is not None:
+                raise turn.error
+            return web.json_response(body(turn, self.model))
+        except (asyncio.CancelledError, ConnectionError):
+            if turn.readers == 1 and not turn.done.is_set():
+                self._disconnected(s, turn)
+            raise
+        except EpisodeFailed as exc:
+            msg = f"the engines failed this request: {exc}"
+            raise ApiError(503, msg, kind="server_error") from exc
+        finally:
+            turn.readers -= 1
+            s.inflight -= 1
+            s.last_seen = time.monotonic()
+
+    def _disconnected(self, s: Session, turn: Turn) -> None:
+        """The last reader of an unfinished turn hung up: ``on_disconnect`` decides."""
+        self.sessions.counters["disconnects"] += 1
+        turn.cancel()
+        if self.cfg.on_disconnect == "drop":
+            s.end(None)
+
+    async def _models(self, request: web.Request) -> web.Response:
+        if self.api_key is not None and self._token(request) != self.api_key:
+            s = self.sessions.by_key.get(self._token(request) or "")
+            if s is None:
+                raise ApiError(401, "invalid API key", kind="authentication_error")
+        model = {"id": self.model, "object": "model", "created": 0, "owned_by": "asyncrl"}
+        return web.json_response({"object": "list", "data": [model]})
+
+    async def _reward(self, request: web.Request) -> web.Response:
+        s = self._named(request)
+        body = _json(await request.read())
+        reward = body.get("reward") if isinstance(body, dict) else None
+        if isinstance(reward, bool) or not isinstance(reward, int | float) or reward != reward:
+            raise ApiError(400, 'the body must be {"reward": number}', "reward")
+        if s.closed:
+            raise ApiError(409, f"session {s.id} has ended", kind="session_ended")
+        s.end(float(reward))
+        return web.json_response({"session": s.id, "reward": float(reward)})
+
+    async def _show(self, request: web.Request) -> web.Response:
+        return web.json_response(self._named(request).snapshot())
+
+    def _named(self, request: web.Request) -> Session:
+        s = self.sessions.by_id.get(request.match_info["sid"])
+        if s is None:
+            raise ApiError(404, f"no session {request.match_info['sid']!r}", kind="not_found")
+        token = self._token(request)
+        if self.api_key is not None and token not in (self.api_key, s.key):
+            raise ApiError(401, "invalid API key", kind="authentication_error")
+        return s
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def _stats(self, request: web.Request) -> web.Response:
+        if self.api_key is not None and self._token(request) != self.api_key:
+            raise ApiError(401, "invalid API key", kind="authentication_error")
+        return web.json_response(self.stats())
+
+
+def _json(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError):
+        raise ApiError(400, "the body is not valid JSON") from None
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except ApiError as exc:
+        if exc.status >= 500:
+            log.warning("%s: %s", request.path, exc.message)
+        return web.json_response(exc.body(), status=exc.status, headers=exc.headers)
+    except web.HTTPException as exc:  # aiohttp's own: 404 route, 405 method, 413 too large
+        if exc.status < 400:
+            raise
+        body = ApiError(exc.status, exc.reason or "request refused").body()
+        return web.json_response(body, status=exc.status)

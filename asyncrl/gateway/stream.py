@@ -1,0 +1,176 @@
+"""Answers of a turn in OpenAI's shapes: whole (JSON) or streamed (server-sent events).
+
+Streaming is real: a reader wakes on every token batch of the turn and sends what is
+safe to send (:class:`~asyncrl.gateway.tools.Holdback`): content deltas, log-probs of
+the tokens they cover, then tool calls and ``finish_reason`` per choice, the usage
+chunk when ``stream_options.include_usage``, and ``data: [DONE]``. Several readers
+(an SDK retry joining the turn) each get the whole stream.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from aiohttp import web
+
+from asyncrl.gateway.chat import Choice, Turn
+from asyncrl.gateway.tools import Holdback
+
+__all__ = ["chat_body", "completion_body", "stream_turn"]
+
+
+def _token_logprobs(turn: Turn, c: Choice, lo: int, hi: int) -> list[dict[str, Any]]:
+    out = []
+    for tid, lp in zip(c.ids[lo:hi], c.logprobs[lo:hi], strict=True):
+        text = turn.tok.tokenizer.decode([tid], skip_special_tokens=False)
+        entry: dict[str, Any] = {"token": text, "logprob": lp, "bytes": list(text.encode())}
+        # only the sampled token's log-prob is known: top_logprobs lists it alone
+        entry["top_logprobs"] = [dict(entry)] if turn.params.top_logprobs else []
+        out.append(entry)
+    return out
+
+
+def chat_body(turn: Turn, model: str) -> dict[str, Any]:
+    choices = []
+    for c in turn.choices:
+        msg: dict[str, Any] = {"role": "assistant", "content": c.content}
+        if c.tool_calls:
+            msg["tool_calls"] = c.tool_calls
+        choice: dict[str, Any] = {"index": c.index, "message": msg, "finish_reason": c.finish}
+        choice["logprobs"] = (
+            {"content": _token_logprobs(turn, c, 0, len(c.ids))} if turn.params.logprobs else None
+        )
+        choices.append(choice)
+    return {
+        "id": turn.id,
+        "object": "chat.completion",
+        "created": turn.created,
+        "model": model,
+        "choices": choices,
+        "usage": turn.usage(),
+    }
+
+
+def completion_body(turn: Turn, model: str) -> dict[str, Any]:
+    choices = []
+    for c in turn.choices:
+        lps = None
+        if turn.params.logprobs:
+            toks = [turn.tok.tokenizer.decode([t], skip_special_tokens=False) for t in c.ids]
+            top = [{t: lp} for t, lp in zip(toks, c.logprobs, strict=True)]
+            offsets, at = [], 0
+            for t in toks:
+                offsets.append(at)
+                at += len(t)
+            lps = {
+                "tokens": toks,
+                "token_logprobs": list(c.logprobs),
+                "top_logprobs": top if turn.params.top_logprobs else None,
+                "text_offset": offsets,
+            }
+        choices.append(
+            {"index": c.index, "text": c.text, "logprobs": lps, "finish_reason": c.finish}
+        )
+    return {
+        "id": turn.id,
+        "object": "text_completion",
+        "created": turn.created,
+        "model": model,
+        "choices": choices,
+        "usage": turn.usage(),
+    }
+
+
+async def stream_turn(request: web.Request, turn: Turn, model: str) -> web.StreamResponse:
+    """Stream ``turn`` to this reader (raises the turn's error if it failed)."""
+    resp = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    )
+    await resp.prepare(request)
+    chat = turn.kind == "chat"
+    p = turn.params
+    holds = [Holdback(p.stop, p.parse_tools) for _ in turn.choices]
+    sent_tokens = [0] * len(turn.choices)
+    finished = [False] * len(turn.choices)
+
+    async def send(choices: list[dict[str, Any]], usage: Any = None) -> None:
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        chunk = {"id": turn.id, "object": obj, "created": turn.created, "model": model}
+        chunk["choices"] = choices
+        if p.include_usage:
+            chunk["usage"] = usage
+        await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+
+    if chat:
+        await send([_delta(i, {"role": "assistant", "content": ""}) for i in range(p.n)])
+    while True:
+        wake = turn.wake
+        done = turn.done.is_set()
+        if done and turn.error is not None:  # the answer has begun: the error as an event
+            err = {
+                "message": f"the completion failed: {turn.error!r}"[:500],
+                "type": "server_error",
+            }
+            await resp.write(b"data: " + json.dumps({"error": err}).encode() + b"\n\n")
+            break
+        for c in turn.choices:
+            i = c.index
+            if finished[i]:
+                continue
+            final = c.finish is not None and done
+            text = holds[i].delta(c.text, final)
+            if not text and not final:
+                continue
+            hi = len(c.ids) if final else _covered(turn, c, holds[i].sent)
+            lps = _token_logprobs(turn, c, sent_tokens[i], hi) if p.logprobs else None
+            sent_tokens[i] = max(sent_tokens[i], hi)
+            if text or lps:
+                await send([_piece(chat, i, text, lps)])
+            if final:
+                finished[i] = True
+                await send([_end(chat, c)])
+        if all(finished):
+            break
+        await wake.wait()
+    if p.include_usage:
+        await send([], turn.usage())
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
+
+
+def _covered(turn: Turn, c: Choice, chars: int) -> int:
+    """How many of ``c``'s tokens the first ``chars`` characters of its text cover."""
+    if chars >= len(c.text):
+        return len(c.ids)
+    n = 0
+    while n < len(c.ids) and len(turn.tok.decode(c.ids[: n + 1])) <= chars:
+        n += 1
+    return n
+
+
+def _delta(i: int, delta: dict[str, Any]) -> dict[str, Any]:
+    return {"index": i, "delta": delta, "logprobs": None, "finish_reason": None}
+
+
+def _piece(chat: bool, i: int, text: str, lps: list[dict[str, Any]] | None) -> dict[str, Any]:
+    if chat:
+        out = _delta(i, {"content": text})
+        out["logprobs"] = {"content": lps} if lps is not None else None
+        return out
+    lp = None
+    if lps is not None:
+        lp = {"tokens": [e["token"] for e in lps], "token_logprobs": [e["logprob"] for e in lps]}
+    return {"index": i, "text": text, "logprobs": lp, "finish_reason": None}
+
+
+def _end(chat: bool, c: Choice) -> dict[str, Any]:
+    if not chat:
+        return {"index": c.index, "text": "", "logprobs": None, "finish_reason": c.finish}
+    delta: dict[str, Any] = {}
+    if c.tool_calls:
+        delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(c.tool_calls)]
+    out = _delta(c.index, delta)
+    out["finish_reason"] = c.finish
+    return out

@@ -1,0 +1,116 @@
+"""One receiving worker rank of a vLLM 0.33 engine, for the stand-in (``standin.py``).
+
+Run as ``python -m tests.engines.rollout.vllm.rank`` with vLLM's source on ``PYTHONPATH``
+(``code.vllm_env``). One JSON command per stdin line, one JSON answer per stdout line:
+
+- ``init`` {master_address, master_port, rank_offset, world_size, tp_rank}: joins as rank
+  ``rank_offset + dp·TP·PP + rank`` (vllm/distributed/weight_transfer/nccl_common.py:
+  239-244; dp 0, PP 1 here) through vLLM's own ``StatelessProcessGroup.create`` (the TCP
+  store rank 0 hosts, vllm/distributed/utils.py:537-581, as nccl_common.py:194-214 does).
+  NCCL cannot run on a CPU: the data plane is a Gloo group built on that very store
+  (asyncrl's ``collective_wire.group_on_store``) in place of vLLM's ``PyNcclCommunicator``.
+- ``recv`` {names, dtype_names, shapes, cap, load}: what one ``/update_weights`` call
+  receives with ``packed=True`` (nccl_engine.py:211-228): the tensors cut into chunks by
+  vLLM's rule — a chunk closes after the tensor that takes it over ``cap``
+  (``packed_buffer_size_bytes``) or at the last one (packed_tensor.py:259-284) — one uint8
+  broadcast per chunk from rank 0, rebuilt with vLLM's own ``unpack_tensor``
+  (packed_tensor.py:27-55). ``load``: kept by name (the live model, layerwise reload);
+  False: received, then the load fails (the stand-in's injected failure).
+- ``checksums``: sha256 of every loaded tensor's bytes (as ``/weight_checker``,
+  model_loader/weight_checksum.py:32-38); ``destroy``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import sys
+import traceback
+from typing import Any
+
+import torch
+
+from asyncrl.config import GlooWeightsConfig
+from asyncrl.transports.weights.collective_wire import (
+    broadcast,
+    destroy_weight_group,
+    group_on_store,
+)
+from tests.engines.rollout.vllm.code import packed_tensor
+
+GROUP = GlooWeightsConfig().group_name
+"""The Gloo group's store prefix: asyncrl's default ``weights.group_name`` (vLLM's init info
+has no group name; its PyNccl group uses the store's keys directly)."""
+
+
+class Rank:
+    def __init__(self) -> None:
+        from vllm.distributed.utils import StatelessProcessGroup
+
+        self.spg_cls = StatelessProcessGroup
+        self.unpack = packed_tensor().unpack_tensor
+        self.group: Any = None
+        self.spg: Any = None
+        self.loaded: dict[str, torch.Tensor] = {}
+
+    def init(self, c: dict[str, Any]) -> dict[str, Any]:
+        rank = int(c["rank_offset"]) + int(c["tp_rank"])
+        world = int(c["world_size"])
+        self.spg = self.spg_cls.create(
+            host=c["master_address"], port=int(c["master_port"]), rank=rank, world_size=world
+        )
+        self.group = group_on_store("gloo", self.spg.store, rank, world, GROUP, 120.0)
+        return {"rank": rank}
+
+    def recv(self, c: dict[str, Any]) -> dict[str, Any]:
+        names, shapes = c["names"], c["shapes"]
+        dtypes = [getattr(torch, d) for d in c["dtype_names"]]
+        sizes = [math.prod(s) * d.itemsize for s, d in zip(shapes, dtypes, strict=True)]
+        got: list[tuple[str, torch.Tensor]] = []
+        start, total, chunks = 0, 0, 0
+        for i, size in enumerate(sizes):
+            total += size
+            if total > int(c["cap"]) or i == len(sizes) - 1:
+                packed = torch.empty(total, dtype=torch.uint8)
+                broadcast(self.group, packed, 0)
+                end = i + 1
+                part = self.unpack(
+                    packed, names[start:end], shapes[start:end], dtypes[start:end],
+                    sizes[start:end],
+                )  # fmt: skip
+                got += [(n, t.clone()) for n, t in part]
+                start, total, chunks = end, 0, chunks + 1
+        if c.get("load", True):
+            self.loaded.update(got)
+        return {"chunks": chunks, "sha256": {n: _sha(t) for n, t in got}}
+
+    def checksums(self, c: dict[str, Any]) -> dict[str, Any]:
+        return {"sha256": {n: _sha(t) for n, t in sorted(self.loaded.items())}}
+
+    def destroy(self, c: dict[str, Any]) -> dict[str, Any]:
+        destroy_weight_group(self.group)
+        self.group, self.spg = None, None
+        return {}
+
+
+def _sha(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    rank = Rank()
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        c = json.loads(line)
+        try:
+            out = {"ok": True, **getattr(rank, c.pop("op"))(c)}
+        except Exception as exc:  # answered, named: the stand-in turns it into vLLM's error
+            out = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+            traceback.print_exc(file=sys.stderr)
+        print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""Start and stop the vLLM stand-in (``standin.py``) as a server process."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from asyncrl.procs import free_port, python_env, spawn, stop
+from tests.engines.rollout.vllm.code import vllm_env, vllm_src
+
+__all__ = ["VLLMStandIn", "start_vllm"]
+
+
+@dataclass
+class VLLMStandIn:
+    url: str
+    proc: Any
+    calls: Path
+    log: Path
+
+    def get(self, path: str, timeout_s: float = 60.0) -> Any:
+        with urllib.request.urlopen(self.url + path, timeout=timeout_s) as resp:
+            return json.loads(resp.read())
+
+    def state(self) -> dict[str, Any]:
+        return self.get("/standin/state")
+
+    def wire(self) -> list[dict[str, Any]]:
+        """Every request the stand-in served, in order (method, path, query, status, body)."""
+        return [json.loads(x) for x in self.calls.read_text().splitlines()]
+
+    def stop(self) -> None:
+        stop([self.proc])
+
+
+def start_vllm(
+    model_dir: Path,
+    folder: Path,
+    tp_size: int = 1,
+    fail_calls: str = "",
+    step_s: float = 0.0,
+    timeout_s: float = 120.0,
+) -> VLLMStandIn:
+    """The vLLM 0.33 stand-in on a free loopback port, once its ``/health`` answers."""
+    vllm_src()
+    port = free_port()
+    folder.mkdir(parents=True, exist_ok=True)
+    calls, log = folder / f"calls-{port}.jsonl", folder / f"standin-{port}.log"
+    args = ["-m", "tests.engines.rollout.vllm.standin", "--port", str(port)]
+    args += ["--model-path", str(model_dir), "--tp-size", str(tp_size), "--calls", str(calls)]
+    args += ["--fail-calls", fail_calls, "--step-s", str(step_s), "--log", str(log)]
+    proc = spawn(args, log, env=python_env(vllm_env()))
+    server = VLLMStandIn(f"http://127.0.0.1:{port}", proc, calls, log)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vLLM stand-in exited: {log.read_text()[-3000:]}")
+        try:
+            urllib.request.urlopen(server.url + "/health", timeout=2).close()
+            return server
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            if time.monotonic() > deadline:
+                server.stop()
+                raise TimeoutError(
+                    f"vLLM stand-in on port {port} silent for {timeout_s}s"
+                ) from None
+            time.sleep(0.2)

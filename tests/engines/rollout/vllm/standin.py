@@ -1,0 +1,524 @@
+"""A protocol-faithful vLLM 0.33.0 RL server for the tests, written from vLLM's source.
+
+Run as ``python -m tests.engines.rollout.vllm.standin --port P --model-path DIR ...`` with
+vLLM's source on ``PYTHONPATH`` (``code.vllm_env``). It is not vLLM's engine (no GPU
+here): it plays what asyncrl's vLLM client meets on the wire, each behaviour cited from
+vLLM 0.33.0 (``rl`` = ``vllm/entrypoints/rl/online/api_router.py``, ``tito`` =
+``vllm/entrypoints/scale_out/token_in_token_out/``, ``gw`` = ``vllm/v1/worker/
+gpu_worker.py``, ``core`` = ``vllm/v1/engine/core.py``, ``nccl`` =
+``vllm/distributed/weight_transfer/nccl_engine.py``):
+
+- receiving ranks: TP rank 0 in this process (its tensors are the live model's), ranks
+  1.. in ``rank.py`` processes, each joined through vLLM's own
+  ``StatelessProcessGroup`` as ``rank_offset + rank`` (nccl_common.py:239-244), chunks
+  cut by vLLM's rule and rebuilt with vLLM's own ``unpack_tensor``; Gloo in place of NCCL
+  (NCCL cannot run on a CPU).
+- ``POST /inference/v1/generate`` (tito/api_router.py:46-72): ``token_ids`` in,
+  ``choices[0]`` with ``token_ids``, ``logprobs.content`` (``logprobs=0``: the sampled
+  token only), ``finish_reason`` and ``weight_versions`` spans on the final output
+  (tito/protocol.py:486-508); a span starts when a new token comes under another label
+  (v1/engine/output_processor.py:531-545); the first label is ``"default"`` (core:147).
+  ``stream``: SSE ``data:`` chunks of the delta, spans on the last, ``data: [DONE]``
+  (tito/serving.py:646-820). Abort: ``finish_reason`` ``abort``.
+- ``POST /pause?mode=``: ``abort`` finishes every request (``abort``) and rejects new ones;
+  ``wait`` lets running ones finish, rejects new ones, answers once drained; ``keep``
+  freezes everything, new requests queue (core:951-981, 2226-2233). A rejected request
+  is 503 ``{"error": {..., "code": 503}}`` (core:1796-1815, vllm/exceptions.py:139-144,
+  serve/exception_handling/error_response.py:60-67), an error chunk in a stream
+  (tito/serving.py:812-815). ``POST /resume``, ``GET /is_paused`` (rl:78-159).
+- ``POST /init_weight_transfer_engine {"init_info"}``: unknown or missing fields refused
+  (weight_transfer/base.py:517-535, nccl_common.py:75-107); answers once every rank
+  joined; clears the metadata cache (nccl:159-165).
+- sessions: ``/start_weight_update`` during a session fails (gw:1569-1573);
+  ``/update_weights`` and ``/finish_weight_update`` without one fail (gw:1608-1611,
+  1638-1641); a failed update ends the session, the model left mid-reload, ``/health``
+  still 200 (gw:1616-1631); ``/finish_weight_update {"weight_version"}`` sets the label
+  (v1/engine/async_llm.py:1432-1436); ``/shutdown_weight_transfer_engine`` during a
+  session fails (gw:1533-1537). These worker errors are RuntimeErrors: 500 with vLLM's
+  error body (serve/exception_handling/register.py:42, error_response.py:93-96).
+- ``/update_weights {"update_info"}``: names, dtype_names, shapes of equal length
+  (nccl:102-114), empty lists reuse the last call's (nccl:201-204; cached even if that
+  call then failed), every rank receives; ``--fail-calls`` makes a call's load fail after
+  the receive (the injected failure).
+- ``/update_weight_version`` (rl:217-223), ``GET /weight_info`` (rl:226-229),
+  ``/weight_checker`` (rl:232-266: ``checksum``; ``compare`` without ``baseline`` 400),
+  ``GET /get_world_size`` (rl:269-289), ``/abort_requests`` (rl:97-142), ``GET /health``.
+
+Test-only: ``GET /standin/state`` (ground truth: per request the version of the weights
+that made each token and its label; per push and rank the sha256 of every tensor).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from aiohttp import web
+
+from tests.engines.rollout.vllm.rank import Rank
+from tests.engines.rollout.vllm.ranks import VLLMRank
+
+INIT_FIELDS = {
+    "master_address",
+    "master_port",
+    "rank_offset",
+    "world_size",
+    "nccl_unique_id_b64",
+    "packed",
+    "packed_buffer_size_bytes",
+    "packed_num_buffers",
+}  # fmt: skip  (NCCLWeightTransferInitInfo, nccl_common.py:100-107)
+UPDATE_FIELDS = {"names", "dtype_names", "shapes"}  # NCCLWeightTransferUpdateInfo, nccl:98-100
+PAUSED_MSG = "Generation is paused. Please retry after it resumes."  # core:1803-1806
+
+
+@dataclass
+class Req:
+    rid: str
+    ids: list[int]
+    max_new: int
+    temperature: float
+    stop: set[int]
+    ignore_eos: bool
+    output: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    starts: list[tuple[str, int]] = field(default_factory=list)  # output_processor.py:242
+    truth: list[int | None] = field(default_factory=list)
+    labels: list[str] = field(default_factory=list)
+    finish: str | None = None
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def spans(self) -> list[dict[str, Any]]:
+        """output_processor.py:538-545."""
+        ends = [s for _, s in self.starts[1:]] + [len(self.output)]
+        return [
+            {"version": v, "start": s, "end": e}
+            for (v, s), e in zip(self.starts, ends, strict=False)
+        ]
+
+
+def _error(message: str, status: int) -> dict[str, Any]:
+    kind = {400: "BadRequestError", 503: "ServiceUnavailableError"}.get(status)
+    return {"error": {"message": message, "type": kind or "InternalServerError",
+                      "param": None, "code": status}}  # fmt: skip
+
+
+class StandIn:
+    def __init__(self, args: argparse.Namespace):
+        from transformers import AutoModelForCausalLM
+
+        self.tp = args.tp_size
+        self.step_s = args.step_s
+        self.model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=torch.float32)
+        self.model.eval()
+        self.params = dict(self.model.named_parameters())
+        self.eos = self.model.config.eos_token_id
+        log = open(args.log, "a") if args.log else None
+        self.rank0 = Rank()
+        self.ranks = [VLLMRank(log) for _ in range(self.tp - 1)]
+        self.fail_calls = {int(x) for x in args.fail_calls.split(",") if x}
+        self.calls_log = open(args.calls, "a") if args.calls else None
+        self.label = "default"  # core:147
+        self.truth: int | None = 0  # the version the live weights are wholly (None: mixed)
+        self.reqs: dict[str, Req] = {}
+        self.pause = "none"  # none | abort | wait | keep
+        self.reject_new = False  # core:2232
+        self.inited = False
+        self.cap = 1 << 30
+        self.session = False
+        self.session_loaded: set[str] = set()
+        self.last_meta: dict[str, Any] | None = None  # nccl:147, per model
+        self.update_calls = 0
+        self.pushes: dict[str, dict[str, str]] = {}  # label -> rank -> digest of all tensors
+        self.mixed_tokens = 0
+        self.label_errors = 0
+        self.lock = asyncio.Lock()  # the engine serves control calls one at a time
+        self.stepping = asyncio.Lock()  # held while a decode step runs
+        self.wake: asyncio.Event | None = None
+
+    # -- generation ----------------------------------------------------------------------
+    async def scheduler(self) -> None:
+        assert self.wake is not None
+        while True:
+            batch = [r for r in self.reqs.values() if r.finish is None]
+            if self.pause in ("keep", "abort") or not batch:  # PAUSED_ALL / nothing to do
+                self.wake.clear()
+                await self.wake.wait()
+                continue
+            async with self.stepping:  # a pause returns only after the step under way
+                await asyncio.to_thread(self._step, batch)
+            for r in batch:
+                r.changed.set()
+            await asyncio.sleep(self.step_s)
+
+    def _step(self, batch: list[Req]) -> None:
+        seqs = [r.ids + r.output for r in batch]
+        width = max(len(s) for s in seqs)
+        ids = torch.zeros(len(seqs), width, dtype=torch.long)
+        mask = torch.zeros(len(seqs), width, dtype=torch.long)
+        for i, s in enumerate(seqs):
+            ids[i, width - len(s) :] = torch.tensor(s)
+            mask[i, width - len(s) :] = 1
+        pos = (mask.cumsum(1) - 1).clamp(min=0)
+        with torch.no_grad():
+            logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -1]
+        for i, r in enumerate(batch):
+            lp = torch.log_softmax(logits[i].float() / max(r.temperature, 1e-5), -1)
+            tok = int(lp.argmax()) if r.temperature == 0 else int(torch.multinomial(lp.exp(), 1))
+            if not r.starts or r.starts[-1][0] != self.label:  # output_processor.py:531-536
+                r.starts.append((self.label, len(r.output)))
+            r.output.append(tok)
+            r.logprobs.append(float(lp[tok]))
+            r.truth.append(self.truth)
+            r.labels.append(self.label)
+            if self.truth is None:
+                self.mixed_tokens += 1
+            elif self.label != ("default" if self.truth == 0 else str(self.truth)):
+                self.label_errors += 1
+            if tok in r.stop or (tok == self.eos and not r.ignore_eos):
+                r.finish = "stop"
+            elif len(r.output) >= r.max_new:
+                r.finish = "length"
+
+    def _choice(self, r: Req, new: list[int], lps: list[float], final: bool) -> dict[str, Any]:
+        content = [
+            {"token_id": t, "logprob": lp, "top_logprobs": []}
+            for t, lp in zip(new, lps, strict=True)
+        ]
+        return {
+            "index": 0,
+            "finish_reason": r.finish if final else None,
+            "token_ids": new,
+            "logprobs": {"content": content},
+            "weight_versions": r.spans() if final else None,
+        }
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        body = await self.body(request)
+        assert self.wake is not None
+        sp = body.get("sampling_params") or {}
+        if self.reject_new:  # core:1796-1815 -> 503; in a stream an error chunk
+            if body.get("stream"):
+                return await self._stream_error(request, body)
+            return self.answer(request, body, _error(PAUSED_MSG, 503), 503)
+        r = Req(
+            str(body.get("request_id") or f"auto-{time.monotonic_ns()}"),
+            list(body["token_ids"]),
+            int(sp.get("max_tokens") or 16),
+            float(sp.get("temperature", 1.0)),
+            set(sp.get("stop_token_ids") or []),
+            bool(sp.get("ignore_eos")),
+        )
+        self.reqs[r.rid] = r
+        self.wake.set()
+        if body.get("stream"):
+            return await self._stream(request, body, r)
+        while r.finish is None:
+            r.changed.clear()
+            await r.changed.wait()
+        out = {"request_id": r.rid, "choices": [self._choice(r, r.output, r.logprobs, True)]}
+        return self.answer(request, {"rid": r.rid}, out)
+
+    async def _stream(self, request: web.Request, body: Any, r: Req) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        sent = 0
+        while True:
+            final = r.finish is not None
+            if len(r.output) > sent or final:
+                choice = self._choice(r, r.output[sent:], r.logprobs[sent:], final)
+                sent = len(r.output)
+                chunk = {"request_id": r.rid, "choices": [choice]}
+                await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            if final:
+                break
+            r.changed.clear()
+            await r.changed.wait()
+        await resp.write(b"data: [DONE]\n\n")
+        self.log_call(request, {"rid": r.rid, "stream": True}, 200)
+        return resp
+
+    async def _stream_error(self, request: web.Request, body: Any) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(f"data: {json.dumps(_error(PAUSED_MSG, 503))}\n\n".encode())
+        await resp.write(b"data: [DONE]\n\n")
+        self.log_call(request, {"stream": True}, 200, note="error 503 chunk")
+        return resp
+
+    def _abort(self, rids: list[str] | None) -> int:
+        n = 0
+        for r in self.reqs.values():
+            if r.finish is None and (rids is None or r.rid in rids):
+                r.finish, n = "abort", n + 1
+                r.changed.set()
+        return n
+
+    # -- pause ---------------------------------------------------------------------------
+    async def pause_route(self, request: web.Request) -> web.Response:
+        mode = request.query.get("mode", "abort")  # rl:34
+        if mode not in ("abort", "wait", "keep"):  # core:966-967 ValueError -> rl:65-69 400
+            return self.answer(
+                request, {"mode": mode}, {"error": f"Invalid pause mode: {mode}"}, 400
+            )
+        self.pause, self.reject_new = mode, mode != "keep"
+        async with self.stepping:  # keep/abort: the pause completes once the step ends
+            pass  # (core:951-981: the returned future waits for the outputs in flight)
+        if mode == "abort":
+            self._abort(None)
+        while mode == "wait" and any(r.finish is None for r in self.reqs.values()):
+            await asyncio.sleep(0.01)  # the pause completes once drained
+        return self.answer(request, {"mode": mode}, {"status": "paused"})
+
+    async def resume(self, request: web.Request) -> web.Response:
+        assert self.wake is not None
+        self.pause, self.reject_new = "none", False
+        self.wake.set()
+        return self.answer(request, None, {"status": "resumed"})
+
+    async def is_paused(self, request: web.Request) -> web.Response:
+        return self.answer(request, None, {"is_paused": self.pause != "none"})
+
+    async def abort_requests(self, request: web.Request) -> web.Response:
+        body = await self.body(request)
+        ids = body.get("request_ids") or None
+        n = self._abort(ids)
+        return self.answer(
+            request, body, {"status": "aborted", "aborted": n if ids is None else len(ids)}
+        )
+
+    # -- weights -------------------------------------------------------------------------
+    async def _ranks(self, op: str, **fields: Any) -> list[dict[str, Any]]:
+        """``op`` on every TP rank at once (rank 0 here, in a thread); their answers."""
+        for i, r in enumerate(self.ranks, start=1):
+            r.send(op, tp_rank=i, **fields)
+        try:
+            first = {
+                "ok": True,
+                **await asyncio.to_thread(getattr(self.rank0, op), {"tp_rank": 0, **fields}),
+            }
+        except Exception as exc:  # answered as the worker's error
+            first = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        return [first, *[await asyncio.to_thread(r.answer, 300) for r in self.ranks]]
+
+    def _fail(self, request: web.Request, body: Any, msg: str, status: int = 500) -> web.Response:
+        return self.answer(request, body, _error(msg, status), status)
+
+    async def init_engine(self, request: web.Request) -> web.Response:
+        body = await self.body(request)
+        info = body.get("init_info")
+        if not isinstance(info, dict):
+            return self._fail(request, body, "init_info: field required", 400)  # FastAPI 422
+        if bad := sorted(set(info) - INIT_FIELDS) or sorted(
+            {"rank_offset", "world_size"} - set(info)
+        ):
+            return self._fail(request, body, f"Invalid init_info for NCCL: {bad}", 500)
+        async with self.lock:
+            self.cap = int(info.get("packed_buffer_size_bytes", 1 << 30))
+            self.last_meta, self.inited = None, True
+            got = await self._ranks(
+                "init",
+                **{
+                    k: info[k]
+                    for k in ("master_address", "master_port", "rank_offset", "world_size")
+                },
+            )
+        if bad := [g["error"] for g in got if not g["ok"]]:
+            return self._fail(request, body, bad[0])
+        return self.answer(request, body, {"message": "Weight transfer initialized"})
+
+    async def start(self, request: web.Request) -> web.Response:
+        body = await self.body(request)
+        if self.session:  # gw:1569-1573
+            return self._fail(
+                request,
+                body,
+                "start_weight_update called while a weight update is already active. "
+                "Call finish_weight_update first.",
+            )
+        self.session, self.session_loaded = True, set()
+        return self.answer(request, body, {"message": "Weight update started"})
+
+    async def update(self, request: web.Request) -> web.Response:
+        body = await self.body(request)
+        if not self.session:  # gw:1608-1611
+            return self._fail(
+                request, body, "start_weight_update must be called before update_weights."
+            )
+        info = body.get("update_info") or {}
+        if set(info) - UPDATE_FIELDS or len({len(info.get(k, [])) for k in UPDATE_FIELDS}) != 1:
+            self.session = False  # gw:1622-1626
+            return self._fail(request, body, f"invalid update_info keys {sorted(info)}")
+        if info["names"]:
+            self.last_meta = info  # nccl:201-202, before the receive
+        meta = info if info["names"] else (self.last_meta or info)
+        async with self.lock:
+            self.update_calls += 1
+            failing = self.update_calls in self.fail_calls
+            got = await self._ranks("recv", cap=self.cap, load=not failing, **meta)
+            if failing or not all(g["ok"] for g in got):
+                self.session = False  # the session ends, the model mid-reload (gw:1616-1631)
+                self.truth = None
+                msg = next((g["error"] for g in got if not g["ok"]), "injected load failure")
+                return self._fail(request, body, f"update_weights failed: {msg}")
+            for name in got[0]["sha256"]:  # layerwise reload: into the live model at once
+                self.truth = None  # mid-update until the finish
+                self.session_loaded.add(name)
+                self.params[name].data.copy_(self.rank0.loaded[name])
+        note = f"chunks={got[0]['chunks']}"
+        return self.answer(request, body, {"message": "Weights updated"}, note=note)
+
+    async def finish(self, request: web.Request) -> web.Response:
+        body = await self.body(request)
+        if not self.session:  # gw:1638-1641
+            return self._fail(
+                request, body, "finish_weight_update called without a matching start_weight_update."
+            )
+        self.session = False
+        version = body.get("weight_version") if isinstance(body, dict) else None
+        if version is not None:  # async_llm.py:1432-1436
+            self.label = str(version)
+        sums = await self._ranks("checksums")
+        self.pushes[self.label] = {f"rank{i}": _digest(s["sha256"]) for i, s in enumerate(sums)}
+        self._finalize()
+        return self.answer(request, body, {"message": "Weight update finished"})
+
+    def _finalize(self) -> None:
+        """finalize_layerwise_reload (nccl:175-181): the live model is whole again; its
+        version is the label's when every parameter came in this session."""
+        whole = set(self.params) <= self.session_loaded
+        try:
+            self.truth = int(self.label) if whole else None
+        except ValueError:
+            self.truth = None
+
+    async def update_version(self, request: web.Request) -> web.Response:
+        body = await self.body(request)
+        self.label = str(body["new_version"])
+        return self.answer(request, body, {"success": True, "new_version": self.label})
+
+    async def weight_info(self, request: web.Request) -> web.Response:
+        return self.answer(request, None, {"weight_version": self.label})
+
+    async def world_size(self, request: web.Request) -> web.Response:
+        return self.answer(request, None, {"world_size": self.tp})
+
+    async def shutdown(self, request: web.Request) -> web.Response:
+        if self.session:  # gw:1533-1537
+            return self._fail(
+                request, None, "Cannot release a trainer connection during a weight update"
+            )
+        await self._ranks("destroy")
+        return self.answer(request, None, {"message": "Weight transfer shut down"})
+
+    async def weight_checker(self, request: web.Request) -> web.Response:
+        body = await self.body(request)
+        action = body.get("action")
+        if action == "compare" and body.get("baseline") is None:  # rl:243-247
+            return self._fail(request, body, "action='compare' requires a 'baseline' object", 400)
+        sums = await self._ranks("checksums")
+        checks = {
+            f"dp0:pp0:pcp0:tp{i}:{n}": d for i, s in enumerate(sums) for n, d in s["sha256"].items()
+        }
+        if action == "checksum":
+            return self.answer(request, body, {"checksums": checks})
+        base = body["baseline"]
+        bad = sorted(k for k in checks.keys() | base.keys() if checks.get(k) != base.get(k))
+        return self.answer(request, body, {"match": not bad, "mismatches": bad})
+
+    async def health(self, request: web.Request) -> web.Response:
+        self.log_call(request, None, 200)
+        return web.Response(status=200)
+
+    async def state(self, request: web.Request) -> web.Response:
+        sums = await self._ranks("checksums")
+        return web.json_response({
+            "label": self.label, "truth": self.truth, "pushes": self.pushes,
+            "update_calls": self.update_calls, "mixed_tokens": self.mixed_tokens,
+            "label_errors": self.label_errors,
+            "sha256": {f"rank{i}": s["sha256"] for i, s in enumerate(sums)},
+            "reqs": {rid: {"truth": r.truth, "labels": r.labels, "finish": r.finish,
+                           "spans": r.spans()} for rid, r in self.reqs.items()},
+        })  # fmt: skip
+
+    # -- HTTP plumbing -------------------------------------------------------------------
+    async def body(self, request: web.Request) -> Any:
+        raw = await request.read()
+        return json.loads(raw) if raw else None
+
+    def log_call(self, request: web.Request, body: Any, status: int, note: str = "") -> None:
+        if self.calls_log is not None:
+            small = body
+            if isinstance(body, dict) and isinstance(body.get("update_info"), dict):
+                u = body["update_info"]
+                small = {"update_info": {"n_names": len(u.get("names", [])), "keys": sorted(u)}}
+            line = {
+                "t": time.time(),
+                "method": request.method,
+                "path": request.path,
+                "query": dict(request.query),
+                "status": status,
+                "body": small,
+                "note": note,
+            }
+            self.calls_log.write(json.dumps(line) + "\n")  # fmt: skip
+            self.calls_log.flush()
+
+    def answer(
+        self, request: web.Request, body: Any, content: Any, status: int = 200, note: str = ""
+    ) -> web.Response:
+        self.log_call(request, body, status, note)
+        return web.json_response(content, status=status)
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=1 << 30)
+        for path, fn in {
+            "/inference/v1/generate": self.generate, "/pause": self.pause_route,
+            "/resume": self.resume, "/abort_requests": self.abort_requests,
+            "/init_weight_transfer_engine": self.init_engine, "/start_weight_update": self.start,
+            "/update_weights": self.update, "/finish_weight_update": self.finish,
+            "/update_weight_version": self.update_version, "/weight_checker": self.weight_checker,
+            "/shutdown_weight_transfer_engine": self.shutdown,
+        }.items():  # fmt: skip
+            app.router.add_post(path, fn)
+        for path, fn in {
+            "/is_paused": self.is_paused, "/weight_info": self.weight_info,
+            "/get_world_size": self.world_size, "/health": self.health,
+            "/standin/state": self.state,
+        }.items():  # fmt: skip
+            app.router.add_get(path, fn)
+
+        async def begin(_: web.Application) -> None:
+            self.wake = asyncio.Event()
+            self._task = asyncio.ensure_future(self.scheduler())
+
+        app.on_startup.append(begin)
+        return app
+
+
+def _digest(sums: dict[str, str]) -> str:
+    return hashlib.sha256(json.dumps(sorted(sums.items())).encode()).hexdigest()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--model-path", required=True)
+    p.add_argument("--tp-size", type=int, default=1)
+    p.add_argument("--calls", default="", help="append every request here (JSON lines)")
+    p.add_argument("--log", default="", help="the ranks' stderr")
+    p.add_argument("--fail-calls", default="", help="update calls (1-based) whose load fails")
+    p.add_argument("--step-s", type=float, default=0.0, help="sleep after each decode step")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    web.run_app(StandIn(args).app(), host="127.0.0.1", port=args.port, print=None)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""Fixtures of the gateway tests: a real embedded engine (tiny chat model) and, in a thread
+of their own, a controller with the gateway in front of it."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Coroutine, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from asyncrl.config import AlgoConfig, ControllerConfig, GatewayConfig, RunConfig
+from asyncrl.engines.rollout.base import GenerateResult
+from asyncrl.engines.rollout.sglang import SGLangClient
+from asyncrl.procs import free_port, spawn, stop
+
+
+@pytest.fixture(scope="session")
+def chat_model_dir() -> Path:
+    from asyncrl.tasks.tiny_chat_model import ensure_tiny_chat_model
+
+    return ensure_tiny_chat_model()
+
+
+class RecordingEngine:
+    """The real client of the engine, keeping every final answer (rid, input, result)."""
+
+    def __init__(self, client: SGLangClient):
+        self.client = client
+        self.url = client.url
+        self.results: list[tuple[str, list[int], GenerateResult]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.client, name)
+
+    async def generate(self, input_ids: list[int], sp: dict[str, Any], rid: Any = None) -> Any:
+        res = await self.client.generate(input_ids, sp, rid=rid)
+        self.results.append((str(rid), list(input_ids), res))
+        return res
+
+    async def generate_stream(
+        self, input_ids: list[int], sp: dict[str, Any], rid: Any = None
+    ) -> AsyncIterator[GenerateResult]:
+        async for res in self.client.generate_stream(input_ids, sp, rid=rid):
+            if res.finish_reason:
+                self.results.append((str(rid), list(input_ids), res))
+            yield res
+
+
+class Served:
+    """Engine process + controller + gateway; ``run(coro)`` runs on their loop."""
+
+    def __init__(self, model: Path, engine_url: str):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.batches: list[Any] = []
+        self.run(self._start(model, engine_url))
+
+    def run(self, coro: Coroutine[Any, Any, Any], timeout: float = 120) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    async def _start(self, model: Path, engine_url: str) -> None:
+        from asyncrl.controllers.controller import Controller
+        from asyncrl.gateway import Gateway
+
+        cfg = RunConfig(
+            controller=ControllerConfig(batch_size=1, max_staleness=200),
+            algo=AlgoConfig(group_size=1),
+            gateway=GatewayConfig(enabled=True, max_tokens=48, admission_timeout_s=10),
+        )
+        self.engine = RecordingEngine(SGLangClient(engine_url))
+        await self.engine.client.wait_healthy(120)
+        self.gw = Gateway(cfg.gateway, str(model))
+        self.ctl = Controller(cfg, self.gw.episode, engines=[self.engine])
+        self.gw.attach(self.ctl)
+        await self.ctl.__aenter__()
+        self.url = await self.gw.start()
+        self.drain = asyncio.ensure_future(self._drain())
+
+    async def _drain(self) -> None:
+        while True:
+            batch = await self.ctl.next_batch()
+            self.batches.append(batch)
+            await self.ctl.set_version(self.ctl.staleness.version)
+
+    async def _stop(self) -> None:
+        self.drain.cancel()
+        await self.gw.close()
+        await self.ctl.close()
+        await self.engine.client.close()
+
+    def close(self) -> None:
+        try:
+            self.run(self._stop(), 30)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def served(chat_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    port = free_port()
+    log = tmp_path_factory.mktemp("engine") / "engine.log"
+    args = ["-m", "asyncrl.entrypoints.engine", "--model-path", str(chat_model_dir)]
+    proc = spawn([*args, "--port", str(port), "--seed", "1", "--max-batch-size", "16"], log)
+    try:
+        s = Served(chat_model_dir, f"http://127.0.0.1:{port}")
+        try:
+            yield s
+        finally:
+            s.close()
+    finally:
+        stop([proc])

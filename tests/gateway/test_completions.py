@@ -1,0 +1,100 @@
+"""``/v1/completions`` and a weight update landing mid-stream: one uninterrupted stream,
+per-token versions exact."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import Any
+
+import aiohttp
+import openai
+
+from .conftest import Served
+
+
+def test_weight_update_mid_stream_keeps_tokens_and_versions(served: Served) -> None:
+    sid = uuid.uuid4().hex[:12]
+    base = f"{served.url}/sessions/{sid}/v1"
+    ctl, engine = served.ctl, served.engine
+
+    async def go() -> tuple[str, int]:
+        client = openai.AsyncOpenAI(base_url=base, api_key="x")
+        stream = await client.completions.create(
+            model="t",
+            prompt="Hello",
+            max_tokens=120,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+        text, usage, chunks = "", 0, 0
+        async for chunk in stream:
+            chunks += 1
+            if chunk.usage is not None:
+                usage = chunk.usage.completion_tokens
+            text += "".join(c.text for c in chunk.choices)
+            if chunks == 5:  # a weight update lands mid-stream
+                v = ctl.staleness.version + 1
+                async with ctl.weight_update(v, mode="abort"):
+                    await engine.client.update_weight_version(str(v))
+        await client.close()
+        return text, usage
+
+    before = ctl.staleness.version
+    text, usage = served.run(go())
+    assert usage == 120
+    snap = served.run(_get(f"{served.url}/sessions/{sid}"))
+    (b,) = snap["branches"]
+    out = b["token_ids"][b["prompt_len"] :]
+    vers = b["versions"][b["prompt_len"] :]
+    assert len(out) == 120 and all(b["loss_mask"][b["prompt_len"] :])
+    assert served.gw.tok.decode(out) == text
+    k = vers.index(before + 1)
+    assert 0 < k and vers == [before] * k + [before + 1] * (120 - k)
+    # the engine's own answers: an aborted call, then the rest resubmitted
+    calls = [(i, r) for _, i, r in served.engine.results[-2:]]
+    assert calls[0][1].finish_reason == "abort"
+    assert calls[0][1].output_ids + calls[1][1].output_ids == out
+
+
+def test_completion_turns_extend_one_branch(served: Served) -> None:
+    sid = uuid.uuid4().hex[:12]
+    client = openai.OpenAI(base_url=f"{served.url}/sessions/{sid}/v1", api_key="x")
+    r1 = client.completions.create(model="t", prompt="Hi", max_tokens=6, logprobs=1)
+    assert r1.choices[0].logprobs is not None and len(r1.choices[0].logprobs.tokens or []) <= 6
+    client.completions.create(model="t", prompt="Hi" + r1.choices[0].text + " more", max_tokens=6)
+    snap = served.run(_get(f"{served.url}/sessions/{sid}"))
+    (b,) = snap["branches"]
+    assert b["turns"] == 2
+
+
+def test_reward_ends_the_session_into_a_trajectory(served: Served) -> None:
+    sid = uuid.uuid4().hex[:12]
+    client = openai.OpenAI(base_url=f"{served.url}/sessions/{sid}/v1", api_key="x")
+    client.completions.create(model="t", prompt="Hi", max_tokens=4)
+
+    async def reward() -> Any:
+        async with aiohttp.ClientSession() as http:
+            url = f"{served.url}/sessions/{sid}/reward"
+            async with http.post(url, json={"reward": 0.5}) as r:
+                return r.status
+
+    assert served.run(reward()) == 200
+
+    async def trained() -> Any:
+        for _ in range(200):
+            for batch in served.batches:
+                for t in batch.trajectories:
+                    if t.metadata.get("session") == sid:
+                        return t
+            await asyncio.sleep(0.05)
+        return None
+
+    t = served.run(trained())
+    assert t is not None and t.reward == 0.5
+
+
+async def _get(url: str) -> Any:
+    async with aiohttp.ClientSession() as http, http.get(url) as r:
+        return await r.json()
