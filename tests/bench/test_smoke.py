@@ -4,14 +4,16 @@ table and writes its JSON with its key columns.
 ``faults`` and ``fuzz`` have tests of their own (``test_faults.py``, ``test_fuzz.py``);
 ``weight-sync``'s full-push rows run from the installed wheel (``tests/test_wheel.py``) and
 across two nodes (``tests/launchers/test_ray.py``), its delta rows here. Most of a tiny
-bench's time is process start-up, so the benches selected in this module start together
-(one module fixture) and each test waits for its own; every process is ended by pid.
+bench's time is process start-up, so the benches selected in this module run in the
+background, three at a time (one module fixture), and each test waits for its own; every
+process is ended by pid.
 """
 
 from __future__ import annotations
 
 import json
 import subprocess
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -22,29 +24,29 @@ from asyncrl.bench import BENCHES
 from asyncrl.procs import python_env, spawn, stop
 
 # test id -> (bench name, its arguments: tiny sizes)
-SMOKE: dict[str, tuple[str, list[str]]] = {
-    "transport": ("transport", ["--trajectories=200", "--group-sizes=8", "--repeats=1"]),
-    "controller": ("controller", ["--episodes=2000", "--repeats=1", "--core=-1"]),
-    "train": (
-        "train",
-        ["--budgets=256", "--steps=1", "--hidden=32", "--layers=1", "--vocab=256", "--batch=4"],
-    ),
-    "generation": (
-        "generation",
-        ["--requests=4", "--prompt-len=16", "--short-len=4", "--long-factor=2"],
-    ),
-    "weight-sync-delta": (
-        "weight-sync",
-        ["--delta", "--model=tiny", "--lrs", "1e-6", "--repeats=1"],
-    ),
-    "trace": ("trace", ["--steps=2", "--calib=200"]),
-    # one arm: each is a whole job (the arms' comparison: tests/test_bench_learning.py)
-    "learning": ("learning", ["--seeds=0", "--steps=2", "--arms=async_decoupled"]),
+SMOKE: dict[str, tuple[str, list[str]]] = {  # the longest first
     "pipeline": (
         "pipeline",
         "--steps=2 --warmup=1 --batch-size=2 --group-size=2 --max-len=16 --prompt-len=0 "
         "--no-pin".split(),
     ),
+    "trace": ("trace", ["--steps=2", "--calib=200"]),
+    # one arm: each is a whole job (the arms' comparison: tests/test_bench_learning.py)
+    "learning": ("learning", ["--seeds=0", "--steps=2", "--arms=async_decoupled"]),
+    "weight-sync-delta": (
+        "weight-sync",
+        ["--delta", "--model=tiny", "--lrs", "1e-6", "--repeats=1"],
+    ),
+    "generation": (
+        "generation",
+        ["--requests=4", "--prompt-len=16", "--short-len=4", "--long-factor=2"],
+    ),
+    "train": (
+        "train",
+        ["--budgets=256", "--steps=1", "--hidden=32", "--layers=1", "--vocab=256", "--batch=4"],
+    ),
+    "transport": ("transport", ["--trajectories=200", "--group-sizes=8", "--repeats=1"]),
+    "controller": ("controller", ["--episodes=2000", "--repeats=1", "--core=-1"]),
 }
 COVERED_ELSEWHERE = {"faults", "fuzz", "weight-sync"}
 TIMEOUT_S = 240
@@ -54,29 +56,59 @@ def test_every_shipped_benchmark_has_a_smoke_run() -> None:
     assert set(BENCHES) == {b for b, _ in SMOKE.values()} | COVERED_ELSEWHERE
 
 
+class _Runs:
+    """Starts the selected benches' CLI processes in a thread, at most ``AT_ONCE`` at a time
+    (more only contend for the two cores), the longest first."""
+
+    AT_ONCE = 2
+
+    def __init__(self, todo: list[tuple[str, list[str], Path]]):
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.started = {test_id: threading.Event() for test_id, _, _ in todo}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(todo,), daemon=True)
+        self._thread.start()
+
+    def _run(self, todo: list[tuple[str, list[str], Path]]) -> None:
+        for test_id, cmd, folder in todo:
+            while sum(p.poll() is None for p in self.procs.values()) >= self.AT_ONCE:
+                if self._stop.wait(0.05):
+                    return
+            if self._stop.is_set():
+                return
+            self.procs[test_id] = spawn(cmd, folder / "log", python_env())
+            self.started[test_id].set()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        stop(list(self.procs.values()))
+
+
 @pytest.fixture(scope="module")
-def started(
+def runs(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path
-) -> Iterator[dict[str, tuple[subprocess.Popen, Path]]]:
-    """The selected benches' CLI processes, started together: test id -> (process, folder
-    holding ``out.json`` and ``log``)."""
-    wanted = [
+) -> Iterator[tuple[_Runs, dict[str, Path]]]:
+    """The selected benches, started in the background; test id -> folder holding its
+    ``out.json`` and ``log``."""
+    wanted = {
         item.callspec.params["bench"]
         for item in request.session.items
         if item.module is request.module and hasattr(item, "callspec")
-    ]
-    procs: dict[str, tuple[subprocess.Popen, Path]] = {}
+    }
+    todo, folders = [], {}
+    for test_id in [t for t in SMOKE if t in wanted]:  # SMOKE lists the longest first
+        name, args = SMOKE[test_id]
+        folder = folders[test_id] = tmp_path_factory.mktemp(test_id)
+        if name == "generation":
+            args = [*args, f"--model-path={tiny_model_dir}"]
+        cmd = ["-m", "asyncrl.cli", "bench", name, *args, f"--json={folder / 'out.json'}"]
+        todo.append((test_id, cmd, folder))
+    pool = _Runs(todo)
     try:
-        for test_id in wanted:
-            name, args = SMOKE[test_id]
-            folder = tmp_path_factory.mktemp(test_id)
-            if name == "generation":
-                args = [*args, f"--model-path={tiny_model_dir}"]
-            cmd = ["-m", "asyncrl.cli", "bench", name, *args, f"--json={folder / 'out.json'}"]
-            procs[test_id] = (spawn(cmd, folder / "log", python_env()), folder)
-        yield procs
+        yield pool, folders
     finally:
-        stop([p for p, _ in procs.values()])
+        pool.close()
 
 
 def _transport(res: dict[str, Any], out: str) -> None:
@@ -147,16 +179,18 @@ CHECKS: dict[str, Callable[[Any, str], None]] = {
 }
 
 
-@pytest.mark.timeout(TIMEOUT_S + 30)
+@pytest.mark.timeout(TIMEOUT_S * 2)
 @pytest.mark.parametrize("bench", list(SMOKE))
 def test_bench_runs_prints_its_table_and_writes_its_json(
-    bench: str, started: dict[str, tuple[subprocess.Popen, Path]]
+    bench: str, runs: tuple[_Runs, dict[str, Path]]
 ) -> None:
-    proc, folder = started[bench]
+    pool, folders = runs
+    assert pool.started[bench].wait(TIMEOUT_S), f"{bench} was not started"
+    proc = pool.procs[bench]
     try:
         code = proc.wait(TIMEOUT_S)
     finally:
         stop([proc])
-    out = (folder / "log").read_text(errors="replace")
+    out = (folders[bench] / "log").read_text(errors="replace")
     assert code == 0, out[-4000:]
-    CHECKS[bench](json.loads((folder / "out.json").read_text()), out)
+    CHECKS[bench](json.loads((folders[bench] / "out.json").read_text()), out)
