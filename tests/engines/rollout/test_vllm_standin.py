@@ -37,7 +37,8 @@ def _sha(t: torch.Tensor) -> str:
 
 
 def _pushes(server: VLLMStandIn) -> list[list[dict[str, Any]]]:
-    """The weight calls of each push, from its ``/pause`` to its ``/resume``."""
+    """The weight calls of each push, from its ``/pause`` to its ``/resume`` or to the call
+    that failed (a failed round is left paused: what follows belongs to the next round)."""
     calls = [c for c in server.wire() if c["method"] == "POST" and "generate" not in c["path"]]
     out: list[list[dict[str, Any]]] = []
     inside = False
@@ -47,7 +48,7 @@ def _pushes(server: VLLMStandIn) -> list[list[dict[str, Any]]]:
             inside = True
         if inside:
             out[-1].append(c)
-        inside = inside and c["path"] != "/resume"
+        inside = inside and c["path"] != "/resume" and c["status"] < 400
     return out
 
 
