@@ -22,10 +22,10 @@ import argparse
 import json
 import os
 import random
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from asyncrl.tasks.tiny_model import build_once
 
 __all__ = ["TINY_CHAT_VERSION", "WEATHER_TOOL", "default_chat_model_dir", "ensure_tiny_chat_model"]
 
@@ -215,21 +215,7 @@ def _warm_start(
 
 def ensure_tiny_chat_model(path: Path | None = None, seed: int = 0) -> Path:
     """Build the tiny chat model at ``path`` unless it is already there; returns the folder."""
-    path = Path(path or default_chat_model_dir())
-    if (path / "config.json").is_file() and (path / "tokenizer.json").is_file():
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=".building-"))
-    try:
-        _build(tmp, seed)
-        try:
-            tmp.rename(path)  # atomic: concurrent builders race harmlessly
-        except OSError:
-            if not (path / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return path
+    return build_once(Path(path or default_chat_model_dir()), _build, seed)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -12,6 +12,7 @@ import argparse
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 __all__ = ["TINY_CONTEXT", "TINY_VERSION", "default_model_dir", "ensure_tiny_model"]
@@ -63,23 +64,29 @@ def _build(out: Path, seed: int) -> None:
     fast.save_pretrained(out)
 
 
-def ensure_tiny_model(path: Path | None = None, seed: int = 0) -> Path:
-    """Build the tiny model at ``path`` unless it is already there; returns the directory."""
-    path = Path(path or default_model_dir())
+def build_once(path: Path, build: Callable[[Path, int], None], seed: int) -> Path:
+    """Run ``build(folder, seed)`` into a temporary folder beside ``path`` and rename it to
+    ``path``, unless a model (config.json and tokenizer.json) is already there. The rename is
+    atomic, so concurrent builders race harmlessly: one wins, the others' copies are removed."""
     if (path / "config.json").is_file() and (path / "tokenizer.json").is_file():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=".building-"))
     try:
-        _build(tmp, seed)
+        build(tmp, seed)
         try:
-            tmp.rename(path)  # atomic: concurrent builders race harmlessly
+            tmp.rename(path)
         except OSError:
             if not (path / "config.json").is_file():
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return path
+
+
+def ensure_tiny_model(path: Path | None = None, seed: int = 0) -> Path:
+    """Build the tiny model at ``path`` unless it is already there; returns the directory."""
+    return build_once(Path(path or default_model_dir()), _build, seed)
 
 
 def main(argv: list[str] | None = None) -> None:
