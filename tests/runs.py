@@ -9,6 +9,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from asyncrl.controllers.checkpoints import latest_checkpoint
 from asyncrl.procs import finish, pid_alive
 
 MARK = "ASYNCRL_TEST_MARK"
@@ -52,11 +53,29 @@ def wait_rows(run: Path, proc: subprocess.Popen, n: int, timeout_s: float = 240)
     raise AssertionError(f"no {n} metrics rows (rc {proc.poll()}): {finish(proc, 5)[1][-3000:]}")
 
 
+def wait_checkpoint(run: Path, proc: subprocess.Popen, timeout_s: float = 120) -> int:
+    """Poll until the run has a complete checkpoint (a loaded machine writes it steps after
+    it is asked for); returns its step. AssertionError with the run's output if it exits
+    first or ``timeout_s`` passes (the process is then ended)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        if (found := latest_checkpoint(run)) is not None:
+            return found[0]
+        time.sleep(0.05)
+    raise AssertionError(f"no complete checkpoint (rc {proc.poll()}): {finish(proc, 5)[1][-3000:]}")
+
+
 def kill_when_rows(
-    proc: subprocess.Popen, run: Path, name: str, after_rows: int, timeout_s: float = 300
+    proc: subprocess.Popen,
+    run: Path,
+    name: str,
+    after_rows: int,
+    timeout_s: float = 300,
+    checkpointed: bool = False,
 ) -> tuple[dict[str, int], int, str]:
     """SIGKILL the run's process ``name`` (from ``processes.json``) once ``after_rows`` metrics
-    rows are logged, then wait for the run to end within ``timeout_s`` in all.
+    rows are logged (and, with ``checkpointed``, a checkpoint is complete), then wait for the
+    run to end within ``timeout_s`` in all.
 
     Returns (the run's pids as read at the kill, its return code, its output).
     AssertionError if the run ended before the kill; the run is killed if it outlives
@@ -65,7 +84,8 @@ def kill_when_rows(
     deadline, pids = time.monotonic() + timeout_s, {}
     try:
         while proc.poll() is None and time.monotonic() < deadline and not pids:
-            if _count(run) >= after_rows:
+            ready = not checkpointed or latest_checkpoint(run) is not None
+            if ready and _count(run) >= after_rows:
                 pids = json.loads((run / "processes.json").read_text())
                 os.kill(pids[name], signal.SIGKILL)
             time.sleep(0.05)

@@ -19,7 +19,7 @@ import pytest
 
 from asyncrl.controllers import checkpoints as ckpts
 from asyncrl.procs import finish, free_port, pid_alive, python_env
-from tests.runs import metrics_rows, wait_rows
+from tests.runs import metrics_rows, wait_checkpoint, wait_rows
 
 _SMALL = ("--controller.batch_size=4", "--controller.max_staleness=2")
 _SINKS = (
@@ -158,6 +158,7 @@ def test_sigkilled_run_leaves_nothing_and_resumes(tmp_path: Path) -> None:
         *_SINKS,
     )
     wait_rows(run, proc, 7)  # at least two checkpoints asked for
+    wait_checkpoint(run, proc)  # ... one of them complete
     pids = json.loads((run / "processes.json").read_text())
     rings = [p for p in Path("/dev/shm").glob(f"asyncrl-xp-{proc.pid}-*")]
     proc.send_signal(signal.SIGKILL)
@@ -187,10 +188,7 @@ def test_trainer_sigkilled_restarts_from_checkpoint_and_trains_each_sample_once(
     args = (f"--controller.total_steps={steps}", "--checkpoint.every_steps=4", *_SMALL, *_SINKS)
     proc = _cli("--run-dir", str(run), *args)
     wait_rows(run, proc, 6)  # the checkpoint of step 4 is asked for; steps past it trained
-    deadline = time.monotonic() + 120  # ... and complete (a loaded box writes it steps later)
-    while ckpts.latest_checkpoint(run) is None and proc.poll() is None:
-        assert time.monotonic() < deadline, "no complete checkpoint within 120 s"
-        time.sleep(0.05)
+    wait_checkpoint(run, proc)  # ... and complete (a loaded box writes it steps later)
     pids = json.loads((run / "processes.json").read_text())
     os.kill(pids["trainer0"], signal.SIGKILL)
     rc, out = finish(proc, 300)

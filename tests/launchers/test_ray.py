@@ -28,7 +28,7 @@ from tests.launchers.cluster import (
     listening,
     read_json,
 )
-from tests.runs import kill_when_rows, metrics_rows, wait_rows
+from tests.runs import kill_when_rows, metrics_rows, wait_checkpoint, wait_rows
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
 
@@ -177,7 +177,7 @@ def test_trainer_killed_on_its_node_restarts_from_the_checkpoint(
     proc = subprocess.Popen(
         cmd, env=python_env(ray_cluster.env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
     )
-    _, rc, text = kill_when_rows(proc, run, "trainer0", after_rows=6)
+    _, rc, text = kill_when_rows(proc, run, "trainer0", after_rows=6, checkpointed=True)
     assert rc == 0, text
     recs = [json.loads(line) for line in (run / "recoveries.jsonl").read_text().splitlines()]
     assert [r["restart"] for r in recs] == [1] and recs[0]["from_step"] >= 4, recs
@@ -212,6 +212,7 @@ def test_driver_sigkilled_leaves_no_process_on_either_node_and_resumes(
         "--controller.total_steps=1000", "--checkpoint.every_steps=3", *ray_cluster.run_flags(),
     )  # fmt: skip
     wait_rows(run, proc, 5)
+    wait_checkpoint(run, proc)
     pids = read_json(run / "processes.json")
     assert set(pids) == {"engine0", "trainer0"}
     proc.send_signal(signal.SIGKILL)
