@@ -34,6 +34,7 @@ from asyncrl.engines.rollout.base import (
     GenerateResult,
 )
 from asyncrl.engines.rollout.sse import read_generate_stream
+from asyncrl.secret import auth_headers
 
 if TYPE_CHECKING:
     from asyncrl.config import RolloutConfig
@@ -95,7 +96,9 @@ class SGLangClient:
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
-                timeout=self._timeout, connector=aiohttp.TCPConnector(limit=0)
+                timeout=self._timeout,
+                connector=aiohttp.TCPConnector(limit=0),
+                headers=auth_headers(),  # the run secret (asyncrl.secret)
             )
         return self._session
 
