@@ -21,6 +21,7 @@ from asyncrl.engines.rollout.vllm.client import VLLMClient, expand_spans, vllm_s
 from asyncrl.engines.rollout.vllm.control import packed_chunks
 from asyncrl.engines.rollout.vllm.launcher import VLLM_CLI, vllm_spec
 from asyncrl.entrypoints.keyed import keyed_argv
+from asyncrl.secret import auth_headers
 from asyncrl.transports.weights.bucket import BucketManifest, pack_into, plan_buckets, spec_of
 from tests.engines.rollout.vllm.code import packed_tensor
 from tests.engines.rollout.vllm.server import VLLMStandIn, start_vllm
@@ -37,7 +38,9 @@ def vllm(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iter
 
 def _post(server: VLLMStandIn, path: str, body: object = None) -> None:
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(server.url + path, data=data, method="POST")
+    req = urllib.request.Request(
+        server.url + path, data=data, method="POST", headers=auth_headers()
+    )
     req.add_header("Content-Type", "application/json")
     urllib.request.urlopen(req, timeout=30).close()
 
