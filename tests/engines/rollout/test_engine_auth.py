@@ -16,8 +16,10 @@ import json
 from typing import Any
 
 import aiohttp
+import pytest
 
 from asyncrl import secret
+from asyncrl.engines.rollout.base import EngineUnavailable
 from asyncrl.engines.rollout.launcher import LaunchedServer
 from asyncrl.engines.rollout.local.server import ROUTES
 from asyncrl.engines.rollout.sglang import SGLangClient
@@ -108,6 +110,9 @@ def test_every_route_refuses_without_the_key_and_changes_nothing(
             assert len(refused) == len(ROUTES) * len(BAD_HEADERS)
             assert await _state(client) == before
             assert not long.done()
+            assert engine_server.log_path is not None
+            log = engine_server.log_path.read_text()
+            assert "without the run's key" in log and KEY not in log  # counted, never the key
         finally:
             await client.abort_request("kept")
             await asyncio.wait_for(asyncio.gather(long, return_exceptions=True), 30)
@@ -132,5 +137,29 @@ def test_the_key_opens_every_route_and_health(engine_server: LaunchedServer) -> 
             assert len(out.output_ids) == 2
         finally:
             await client.close()
+
+    asyncio.run(main())
+
+
+def test_a_client_with_another_secret_fails_fast_naming_the_fix(
+    engine_server: LaunchedServer,
+) -> None:
+    """An engine started with another secret (``rollout.urls`` by hand): the health wait
+    ends at the first 401 with what to do, not after the start-up timeout."""
+
+    async def main() -> None:
+        secret.use(secret.generate())  # this process, for one client: another run's secret
+        try:
+            client = SGLangClient(engine_server.url, timeout_s=10)
+            client._http()  # its session (and headers) made now, under that secret
+        finally:
+            secret.use(KEY)
+        t0 = asyncio.get_running_loop().time()
+        try:
+            with pytest.raises(EngineUnavailable, match=r"refused the run.s secret.*secret_file"):
+                await client.wait_healthy(60)
+        finally:
+            await client.close()
+        assert asyncio.get_running_loop().time() - t0 < 30
 
     asyncio.run(main())

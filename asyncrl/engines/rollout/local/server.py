@@ -399,11 +399,16 @@ def _authenticated(secret: str) -> Any:
     """The middleware that answers 401 to every request without ``secret`` as its Bearer key,
     before the handler (or any other middleware) sees it."""
 
+    refused = 0
+
     @web.middleware
     async def check(request: web.Request, handler: Any) -> web.StreamResponse:
+        nonlocal refused
         if not check_bearer(request.headers.get("Authorization"), secret):
-            log.warning("refused %s %s from %s: no valid key", request.method, request.path,
-                        request.remote)  # fmt: skip
+            refused += 1
+            if refused & (refused - 1) == 0:  # 1, 2, 4, ...: bounded, never silent
+                what = f"{request.method} {request.path} from {request.remote}"
+                log.warning("refused %d request(s) without the run's key (last: %s)", refused, what)
             return web.json_response(
                 {"error": {"message": "Unauthorized"}, "success": False},
                 status=401,

@@ -373,6 +373,12 @@ class SGLangClient:
         while (why := await self._why_unhealthy()) is not None:
             if gone is not None and (reason := gone()) is not None:
                 raise EngineUnavailable(f"engine {self.url} is gone: {reason}")
+            if " -> 401: " in why:  # no retry mends it (docs/security.md)
+                raise EngineUnavailable(
+                    f"engine {self.url} refused the run's secret ({why}): start it with the "
+                    "run's secret file (asyncrl serve --secret-file F; SGLang --api-key) and "
+                    "give the run the same file (--cluster.secret_file=F)"
+                )
             if loop.time() > deadline:
                 raise EngineUnavailable(
                     f"engine {self.url} did not answer within {timeout_s:g}s (last: {why})"[:500]
