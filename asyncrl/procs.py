@@ -54,25 +54,34 @@ def spawn(
     log_path: Path | None = None,
     env: dict[str, str] | None = None,
     die_with_parent: bool = False,
+    secret: str | None = None,
 ) -> subprocess.Popen:
     """Start ``python -m ...``-style args in a new session; output to ``log_path`` (or inherit).
+
+    The child gets the run secret (``secret``, default this process's: :func:`asyncrl.secret.load`)
+    through an inherited pipe (:func:`asyncrl.secret.handoff`): never on its command line
+    or in an inherited environment value.
 
     ``die_with_parent`` (Linux): the child is SIGKILLed when this process dies, however it
     dies (a SIGKILL, the OOM killer; a Ray actor killed with its node's raylet), see
     :func:`die_with_parent_fn`. Only the child itself: a child that starts processes of its
     own ends them itself (as ``asyncrl run`` does with its guardian).
     """
+    from asyncrl.secret import ENV_SECRET, handoff
+
     out = open(log_path, "ab") if log_path is not None else None
     try:
-        return subprocess.Popen(
-            [sys.executable, *args],
-            stdout=out,
-            stderr=subprocess.STDOUT if out else None,
-            stdin=subprocess.DEVNULL,
-            env=env or python_env(),
-            start_new_session=True,
-            preexec_fn=die_with_parent_fn() if die_with_parent else None,
-        )
+        with handoff(secret) as (fd_env, fds):
+            return subprocess.Popen(
+                [sys.executable, *args],
+                stdout=out,
+                stderr=subprocess.STDOUT if out else None,
+                stdin=subprocess.DEVNULL,
+                env={k: v for k, v in (env or python_env()).items() if k != ENV_SECRET} | fd_env,
+                start_new_session=True,
+                preexec_fn=die_with_parent_fn() if die_with_parent else None,
+                pass_fds=fds,
+            )
     finally:
         if out is not None:
             out.close()

@@ -38,7 +38,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from asyncrl import trace
+from asyncrl import secret, trace
 from asyncrl.config import RunConfig, to_dict
 from asyncrl.controllers import checkpoints as ckpts
 from asyncrl.controllers import episode as episode_api
@@ -570,6 +570,9 @@ async def run_job(
     checkpoint and raise :class:`RunStopped`.
     """
     preflight(cfg)
+    if cfg.cluster.secret_file:
+        secret.use(secret.read_file(cfg.cluster.secret_file))
+    secret.load()  # the run secret: handed to every process the launcher starts
     run_dir.mkdir(parents=True, exist_ok=True)
     launcher = make_launcher(cfg, run_dir, pin)
     job = _Run(cfg, run_dir, quiet, launcher)

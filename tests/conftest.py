@@ -14,6 +14,28 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
+def _session_secret() -> None:
+    """One run secret for this test process and every process it starts: in a 0600 file
+    named by ASYNCRL_SECRET_FILE (children started by ``procs.spawn`` get it through their
+    pipe first; ``asyncrl run`` subprocesses and engines started by hand read the file)."""
+    import atexit
+    import tempfile
+
+    from asyncrl import secret
+
+    if os.environ.get(secret.ENV_FILE):
+        return
+    fd, path = tempfile.mkstemp(prefix="asyncrl-test-", suffix=".secret")
+    with os.fdopen(fd, "w") as f:  # mkstemp: mode 0600
+        f.write(secret.generate())
+    os.environ[secret.ENV_FILE] = path
+    atexit.register(os.unlink, path)  # the process that made it; workers share it
+    secret.load()
+
+
+_session_secret()
+
+
 @pytest.fixture
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""

@@ -96,3 +96,32 @@ def kill_when_rows(
     rc, out = finish(proc, max(1.0, deadline - time.monotonic()))
     assert pids, f"the run ended before {name} could be killed: {out[-3000:]}"
     return pids, rc, out
+
+
+def secret_forms(key: str) -> list[bytes]:
+    """The run secret and what is derived from it that must stay as private (its CURVE
+    secret keys), as bytes to look for."""
+    from asyncrl.secret import curve_keys
+
+    _, server_secret, _, client_secret = curve_keys(key)
+    return [key.encode(), server_secret, client_secret]
+
+
+def leaks(key: str, run_dir: Path, pids: list[int]) -> list[str]:
+    """Where the run secret (:func:`secret_forms`) shows: any file under ``run_dir`` (logs,
+    config.json, processes.json, metrics, trace, checkpoints: every byte), and the
+    ``/proc/PID/cmdline`` and ``/proc/PID/environ`` of each of ``pids`` still alive."""
+    forms = secret_forms(key)
+    found = []
+    for f in sorted(run_dir.rglob("*")):
+        if f.is_file() and any(x in f.read_bytes() for x in forms):
+            found.append(str(f))
+    for pid in pids:
+        for part in ("cmdline", "environ"):
+            try:
+                data = Path(f"/proc/{pid}/{part}").read_bytes()
+            except OSError:  # gone meanwhile
+                continue
+            if any(x in data for x in forms):
+                found.append(f"/proc/{pid}/{part}")
+    return found

@@ -19,6 +19,7 @@ import pytest
 
 from asyncrl.controllers import checkpoints as ckpts
 from asyncrl.procs import finish, free_port, pid_alive, python_env
+from asyncrl.secret import auth_headers
 from tests.runs import metrics_rows, wait_checkpoint, wait_rows
 
 _SMALL = ("--controller.batch_size=4", "--controller.max_staleness=2")
@@ -273,7 +274,7 @@ def test_a_stop_keeps_the_tokens_in_flight_and_the_resume_does_not_regenerate_th
             while not ((run / "metrics.jsonl").is_file() and len(metrics_rows(run)) >= 2):
                 await asyncio.sleep(0.05)
             url = json.loads((run / "resume.json").read_text())["engines"][0]
-            async with aiohttp.ClientSession() as http:
+            async with aiohttp.ClientSession(headers=auth_headers()) as http:
                 count, base = -1, 0
                 while True:  # the engine is early in decoding the requests it holds
                     async with http.get(url + "/get_server_info") as resp:

@@ -11,8 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from asyncrl import secret
 from asyncrl.procs import pid_alive, python_env
 from tests.launchers.cluster import descendants, listeners, listening
+from tests.runs import leaks
 
 _SHORT_RUN = (
     "--controller.total_steps=6",
@@ -70,6 +72,10 @@ def _check_finished_run(tmp_path: Path, proc: subprocess.Popen, steps: int) -> N
     pids = json.loads((run / "processes.json").read_text())
     assert set(pids) == {"engine0", "trainer0"}
     assert not [name for name, pid in pids.items() if pid_alive(pid)]
+    # the run secret (this session's: the run read ASYNCRL_SECRET_FILE) is in no file of the
+    # run folder: logs, config.json, processes.json, metrics, trace, checkpoints
+    assert (run / "trace.json").is_file() and list(run.glob("*.log"))
+    assert leaks(secret.load(), run, []) == []
 
 
 def test_sigint_stops_every_process_and_nothing_listened_beyond_loopback(
@@ -77,7 +83,9 @@ def test_sigint_stops_every_process_and_nothing_listened_beyond_loopback(
 ) -> None:
     """A default run mid-way (after two steps: trainer rendezvous, weight group, engine HTTP,
     experience channel all up): every socket any of its processes listens on is bound to
-    127.0.0.1, the configured address (never ``*`` / ``::``); then SIGINT ends them all."""
+    127.0.0.1, the configured address (never ``*`` / ``::``); the run secret is in no
+    process's command line or environment (engine, trainer, guard, controller) nor in any file
+    of the run folder, then or after; then SIGINT ends them all."""
     proc = _run_cli(tmp_path, tiny_model_dir, "--controller.total_steps=10000")
     metrics = tmp_path / "run" / "metrics.jsonl"
     try:
@@ -92,12 +100,16 @@ def test_sigint_stops_every_process_and_nothing_listened_beyond_loopback(
         bound = set().union(*(listening(p, table) for p in descendants(proc.pid)))
         assert len(bound) >= 3, bound  # engine HTTP, experience ROUTER, trainer and weight stores
         assert {addr for addr, _ in bound} == {"127.0.0.1"}, bound
+        running = [proc.pid, *descendants(proc.pid)]
+        assert set(pids.values()) <= set(running)
+        assert leaks(secret.load(), tmp_path / "run", running) == []
         t0 = time.monotonic()
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=20)
         assert time.monotonic() - t0 < 15
         assert proc.returncode == 130
         assert not [name for name, pid in pids.items() if pid_alive(pid)]
+        assert leaks(secret.load(), tmp_path / "run", []) == []  # checkpoint on SIGINT included
     finally:
         if proc.poll() is None:
             proc.kill()

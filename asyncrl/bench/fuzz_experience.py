@@ -49,6 +49,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from asyncrl.procs import die_with_parent_fn, python_env, stop
 from asyncrl.transports.experience.codec import decode, encode, encode_batch, header_limits
+from asyncrl.transports.experience.curve import curve_client, curve_server
 from asyncrl.transports.experience.types import (
     ARRAY_FIELDS,
     SCHEMA_VERSION,
@@ -288,6 +289,7 @@ async def _fuzz_producer(
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        curve_client(sock)  # a holder of the run secret: the fuzz is of what comes after
         sock.connect(tx.endpoint)
         hello = Hello(rank=0, world_size=1, incarnation=incarnation, control=True)
         sock.send_multipart(encode(hello))
@@ -341,6 +343,7 @@ async def run(
     router = ctx.socket(zmq.ROUTER)
     router.setsockopt(zmq.SNDHWM, 0)
     router.setsockopt(zmq.LINGER, 0)
+    curve_server(router)  # the consumer speaks CURVE on tcp, as to the run's producer
     port = router.bind_to_random_port("tcp://127.0.0.1")
     child = _Child([tx.endpoint, f"tcp://127.0.0.1:{port}"], limit)
     t0 = time.perf_counter()

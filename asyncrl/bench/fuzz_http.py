@@ -21,6 +21,8 @@ import time
 from collections import Counter
 from typing import Any
 
+from asyncrl.secret import auth_headers
+
 __all__ = ["Case", "cases", "send"]
 
 Case = tuple[str, str, bytes | None]  # method, path, raw body (None: no body)
@@ -271,7 +273,7 @@ async def send(
                 if len(lost) < 5:
                     lost.append(f"{method} {path[:60]} {(raw or b'')[:200]!r}: {exc!r}")
 
-    async with aiohttp.ClientSession(timeout=timeout) as http:
+    async with aiohttp.ClientSession(timeout=timeout, headers=auth_headers()) as http:
         await asyncio.gather(*(worker(http) for _ in range(concurrency)))
     return {
         "sent": len(reqs),

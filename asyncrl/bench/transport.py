@@ -15,6 +15,10 @@ process, which decodes every message into ``Trajectory`` objects and acks.
 - ours, frames only (``frames``, ``shm = "off"``, what a consumer on another host
   gets): a header frame + one payload frame through the socket, ``np.frombuffer``
   views of the frame on receipt.
+- ``--transport tcp`` only: the same two rows with ZeroMQ CURVE off (``shm_plain``,
+  ``frames_plain``): ours runs CURVE (keys from the run secret, asyncrl.secret) on every
+  TCP connection, so ``msgspec_zmq`` / ``frames`` vs these rows is what authentication and
+  encryption cost, measured side by side in the same run (``curve`` in the JSON).
 - baseline: ``pickle.dumps(list_of_trajectories, protocol=5)`` over a PUSH/PULL
   pair, the same trajectories per message, sent with ``copy=True`` (measured: less
   CPU than pyzmq's zero-copy send), received without copying the frame, then
@@ -84,8 +88,10 @@ def make_trajectories(n: int, seed: int = 0) -> list[Trajectory]:
 
 
 # -- consumer processes -------------------------------------------------------------------
-def _consume_ours(endpoint: str, total: int, credits: int) -> None:
-    rx = ExperienceReceiver([endpoint], 0, 1, credits=credits, max_message_bytes=1 << 30)
+def _consume_ours(endpoint: str, total: int, credits: int, curve: bool = True) -> None:
+    rx = ExperienceReceiver(
+        [endpoint], 0, 1, credits=credits, max_message_bytes=1 << 30, curve=curve
+    )
     got = 0
     cpu0 = 0.0
     try:
@@ -149,7 +155,11 @@ def _end(proc: Any) -> None:
 
 
 async def _run_ours(
-    args: argparse.Namespace, trajs: list[Trajectory], group: int, shm: str = "auto"
+    args: argparse.Namespace,
+    trajs: list[Trajectory],
+    group: int,
+    shm: str = "auto",
+    curve: bool = True,
 ) -> tuple[float, float, float]:
     """(wall seconds, producer CPU seconds, consumer CPU seconds) of the timed messages."""
     tx = ExperienceSender(
@@ -158,8 +168,11 @@ async def _run_ours(
         max_message_bytes=1 << 30,
         shm=shm,
         shm_bytes=args.shm_mb << 20,
+        curve=curve,
     )
-    child = _start(args, _child_args(args, "ours", tx.endpoint, "", group))
+    assert tx.curve == (curve and args.transport == "tcp")
+    child_args = _child_args(args, "ours", tx.endpoint, "", group)
+    child = _start(args, child_args if curve else [*child_args, "--no-curve"])
     try:
         msgs = [trajs[i : i + group] for i in range(0, len(trajs), group)]
         await tx.send(msgs[0], rank=0)  # waits for the consumer's hello (not timed)
@@ -231,9 +244,17 @@ async def _bench(args: argparse.Namespace) -> list[dict]:
         timed = n - group  # the first message is not timed
         res: dict[str, list[tuple[float, float, float]]] = {"msgspec_zmq": [], "pickle_zmq": []}
         res["frames"] = []
+        plain = args.transport == "tcp"  # CURVE runs on TCP only: its cost, same run
+        if plain:
+            res["shm_plain"], res["frames_plain"] = [], []
         for _ in range(args.repeats):  # interleaved, so all see the same machine load
             res["msgspec_zmq"].append(await _run_ours(args, trajs, group))
             res["frames"].append(await _run_ours(args, trajs, group, shm="off"))
+            if plain:
+                res["shm_plain"].append(await _run_ours(args, trajs, group, curve=False))
+                res["frames_plain"].append(
+                    await _run_ours(args, trajs, group, shm="off", curve=False)
+                )
             res["pickle_zmq"].append(await _run_pickle(args, trajs, group))
         for impl, triples in res.items():
             runs = [r[0] for r in triples]
@@ -278,9 +299,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--endpoint", help=argparse.SUPPRESS)
     p.add_argument("--done-endpoint", help=argparse.SUPPRESS)
     p.add_argument("--total", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--no-curve", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.role == "ours":
-        return _consume_ours(args.endpoint, args.total, args.credits)
+        return _consume_ours(args.endpoint, args.total, args.credits, not args.no_curve)
     if args.role == "pickle":
         return _consume_pickle(args.endpoint, args.done_endpoint, args.total, args.credits)
     args.group_sizes = [int(g) for g in args.group_sizes.split(",")]
@@ -330,6 +352,15 @@ def main(argv: list[str] | None = None) -> None:
         frames_speedup=frames["eps"] / base["eps"],
         frames_payload_gbps=frames["gbps"],
     )
+    if "frames_plain" in first:  # tcp: what CURVE costs, same run
+        result["curve"] = _curve_cost(first)
+        c = result["curve"]
+        print(
+            f"CURVE on vs off over tcp: frames {c['frames_eps_on']:.0f} vs "
+            f"{c['frames_eps_off']:.0f} eps ({c['frames_gbps_on']:.2f} vs "
+            f"{c['frames_gbps_off']:.2f} GB/s, x{c['frames_ratio']:.2f}); shm ring "
+            f"{c['shm_eps_on']:.0f} vs {c['shm_eps_off']:.0f} eps (x{c['shm_ratio']:.2f})"
+        )
     print(
         f"\nheadline (group {args.group_sizes[0]}): ours ({channel}) {head['eps']:.0f} eps, "
         f"pickle {base['eps']:.0f} eps, x{result['speedup']:.2f}, payload "
@@ -341,11 +372,25 @@ def main(argv: list[str] | None = None) -> None:
         print(f"wrote {args.json}")
 
 
+def _curve_cost(first: dict[str, dict]) -> dict[str, float]:
+    """CURVE on (``frames``, ``msgspec_zmq``) vs off (``*_plain``): eps, GB/s, on/off ratio."""
+    out: dict[str, float] = {}
+    for name, on, off in (
+        ("frames", "frames", "frames_plain"),
+        ("shm", "msgspec_zmq", "shm_plain"),
+    ):
+        out[f"{name}_eps_on"], out[f"{name}_eps_off"] = first[on]["eps"], first[off]["eps"]
+        out[f"{name}_gbps_on"], out[f"{name}_gbps_off"] = first[on]["gbps"], first[off]["gbps"]
+        out[f"{name}_ratio"] = first[on]["eps"] / first[off]["eps"]
+    return out
+
+
 def _print(rows: list[dict], args: argparse.Namespace) -> None:
     print(
         f"experience transport, {PROMPT}+{RESPONSE} tokens/trajectory, {args.transport}, "
         f"credits/HWM {args.credits}; msgspec_zmq = ours, default channel "
         f"({', '.join(sorted(args.paths['auto']))}); frames = ours with shm off"
+        + ("; *_plain = the same with CURVE off" if args.transport == "tcp" else "")
     )
     print(
         f"{'impl':<12} {'group':>5} {'traj':>6} {'seconds':>8} {'eps':>9} {'GB/s':>6} "

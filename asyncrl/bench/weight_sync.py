@@ -100,6 +100,7 @@ def _serve_engine(args: argparse.Namespace) -> None:
     from aiohttp import web
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    from asyncrl import secret
     from asyncrl.engines.rollout.local.engine import LocalEngine
     from asyncrl.engines.rollout.local.server import EngineServer, build_app
     from asyncrl.loops import new_event_loop
@@ -111,7 +112,7 @@ def _serve_engine(args: argparse.Namespace) -> None:
     model = model.to_empty(device=device).to(getattr(torch, args.dtype))
     model.tie_weights()  # to_empty unties: the served model must have the sender's parameters
     engine = LocalEngine(model, {0}, device=device)
-    app = build_app(EngineServer(engine, f"{args.model}-shapes", args.recv_host))
+    app = build_app(EngineServer(engine, f"{args.model}-shapes", args.recv_host), secret.load())
     loop = new_event_loop()  # as the engine server's main does
     web.run_app(app, host=args.recv_host, port=args.port, print=None, access_log=None, loop=loop)
 

@@ -162,6 +162,12 @@ class ClusterConfig(_Section, frozen=True):
     ``weights.backend = "cuda-ipc"``, which works only within one GPU)."""
     start_timeout_s: PositiveFloat = 300.0
     """``ray``: how long the run waits for the cluster to place an actor."""
+    secret_file: str = ""
+    """A file (mode 0600) holding the run secret: the Bearer key of every engine and the
+    root of the experience channel's CURVE keys (docs/security.md). Give one when engines
+    run outside the run (``rollout.urls``: start them with the same key). Empty:
+    ``ASYNCRL_SECRET`` / ``ASYNCRL_SECRET_FILE`` from the environment, else a fresh secret
+    per run. Only the path is recorded, never the secret."""
 
 
 class CheckpointConfig(_Section, frozen=True):

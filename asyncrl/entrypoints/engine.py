@@ -14,11 +14,12 @@ import argparse
 import logging
 import os
 import sys
+from pathlib import Path
 
 import torch
 from aiohttp import web
 
-from asyncrl import trace
+from asyncrl import secret, trace
 from asyncrl.engines.rollout.local.lora import LoraSpec
 from asyncrl.engines.rollout.local.server import EngineServer, build_app, load_engine
 from asyncrl.engines.rollout.local.weights import WeightReceiver
@@ -103,6 +104,13 @@ def _parser() -> argparse.ArgumentParser:
         help="adapter versions held at once (the run's max_staleness + 1)",
     )
     p.add_argument("--lora-name", default="policy", help="versions are served as NAME-vN")
+    p.add_argument(
+        "--secret-file",
+        default="",
+        help="file (mode 0600) holding the key every request must carry as 'Authorization: "
+        "Bearer KEY' (default: the run's, handed over by asyncrl; else ASYNCRL_SECRET or "
+        "ASYNCRL_SECRET_FILE; else a fresh key, written to a 0600 file named in the log)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of sampling")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (CPU)")
     # SGLang launch_server flags, so the SGLang launcher can start this server too.
@@ -118,6 +126,26 @@ def _lora_spec(args: argparse.Namespace) -> LoraSpec | None:
     return LoraSpec(
         args.max_lora_rank, args.lora_alpha, targets, args.max_loaded_loras, args.lora_name
     )
+
+
+def _secret(args: argparse.Namespace) -> str:
+    """The key every request must carry; a fresh one (nobody gave one) is written to a file
+    only this user can read, and that file's path is logged (never the key)."""
+    given = any(os.environ.get(k) for k in (secret.ENV_FD, secret.ENV_SECRET, secret.ENV_FILE))
+    key = secret.load(args.secret_file)
+    if not (given or args.secret_file):
+        folder = Path(os.environ.get("XDG_RUNTIME_DIR") or Path.home() / ".cache" / "asyncrl")
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"engine-{args.port}.secret"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(key + "\n")
+        os.chmod(path, 0o600)
+        logging.getLogger("asyncrl.engine").warning(
+            "no run secret given: requests must carry the key in %s (Authorization: Bearer)",
+            path,
+        )
+    return key
 
 
 def main(argv: list[str] | None = None, receiver: type[WeightReceiver] = WeightReceiver) -> None:
@@ -147,7 +175,7 @@ def main(argv: list[str] | None = None, receiver: type[WeightReceiver] = WeightR
         _lora_spec(args),
     )
     server = EngineServer(engine, args.model_path, args.host, args.weight_masters, receiver)
-    app = build_app(server)
+    app = build_app(server, _secret(args))
     loop = new_event_loop()  # uvloop when installed: lower latency of every control call
     web.run_app(  # handler_cancellation: a client that hangs up aborts its requests
         app,

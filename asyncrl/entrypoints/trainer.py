@@ -23,7 +23,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from asyncrl import trace
+from asyncrl import secret, trace
 from asyncrl.algorithms.base import make_algorithm
 from asyncrl.config import RunConfig
 from asyncrl.engines.train.fsdp import FSDPEngine, init_process_group
@@ -327,6 +327,7 @@ def main(argv: list[str] | None = None) -> None:
         help='JSON {"trainer": DIR}: start from that checkpoint (read at every (re)start)',
     )
     args = p.parse_args(argv)
+    secret.load()  # the run's, from the pipe the launcher handed over (closed once read)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s trainer %(levelname)s %(message)s")
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)

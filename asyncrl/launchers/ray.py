@@ -20,7 +20,10 @@ same. Ray is used for placement and for finding addresses:
   only from trainer rank 0's node (``--weight-masters``, plus its own loopback);
 - tracing: the driver's ``logging.trace`` settings travel to every process (its
   environment), each writes ``RUN_DIR/trace/`` on its node, and :meth:`stop` copies
-  the files of other nodes to the driver's run folder before the trace is merged.
+  the files of other nodes to the driver's run folder before the trace is merged;
+- the run secret travels to each actor as an argument of its ``start`` call (Ray's own,
+  token-authenticated channel; never in the actor's command line or runtime environment),
+  and from the actor to its process through a pipe (``asyncrl.secret``).
 
 Restarts are asyncrl's decision, never Ray's: actors are created with
 ``max_restarts=0``; a process that exits, or an actor lost with its node, is a
@@ -38,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from asyncrl import secret
 from asyncrl.config import LocalRolloutConfig, RunConfig
 from asyncrl.engines.rollout.launcher import engine_spec, launch_command, lora_engine_args
 from asyncrl.launchers.base import Death, Placed, TrainerArgs, trainer_command
@@ -159,7 +163,7 @@ class RayLauncher:
             with contextlib.suppress(OSError):
                 proc.files[path] = Path(path).read_bytes()
         env = {k: os.environ[k] for k in TRACE_ENV if k in os.environ}  # trace.start_run's
-        ref = proc.actor.start.remote(proc.name, proc.args, proc.files, env)
+        ref = proc.actor.start.remote(proc.name, proc.args, proc.files, env, secret.load())
         proc.pid = self._call(ref, f"{proc.name}.start()")
         proc.dead = False
         self._reported.discard(proc.name)
@@ -427,7 +431,7 @@ class NodeProcess:
 
     def start(self, name: str, args: list[str]) -> None:
         """Start ``python args`` there (output in ``log_dir/name.log`` on that node)."""
-        ref = self._actor.start.remote(name, args, {}, {})
+        ref = self._actor.start.remote(name, args, {}, {}, secret.load())
         self.pid = ray.get(ref, timeout=_CALL_TIMEOUT_S)
 
     def stop(self) -> None:

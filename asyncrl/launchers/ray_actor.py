@@ -59,10 +59,17 @@ class ProcActor:
         return str(out)
 
     def start(
-        self, name: str, args: list[str], files: dict[str, bytes], env: dict[str, str]
+        self,
+        name: str,
+        args: list[str],
+        files: dict[str, bytes],
+        env: dict[str, str],
+        secret: str,
     ) -> int:
         """Write ``files`` (absolute path -> bytes) on this node, then start ``python args`` as
-        process ``name`` (the last process of this actor is stopped first); returns its pid."""
+        process ``name`` (the last process of this actor is stopped first); returns its pid.
+        ``secret``: the run secret, which came here as this call's argument (Ray's own
+        channel) and goes on to the process through a pipe (:func:`asyncrl.secret.handoff`)."""
         self.stop(5.0)
         self.name = name
         for path, data in files.items():
@@ -70,7 +77,7 @@ class ProcActor:
             Path(path).write_bytes(data)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         log = self.run_dir / f"{self.name}.log"
-        self.proc = spawn(args, log, env=python_env(env), die_with_parent=True)
+        self.proc = spawn(args, log, env=python_env(env), die_with_parent=True, secret=secret)
         self.pids.append(self.proc.pid)
         self.trace_dir = env.get(ENV_DIR, "")
         return self.proc.pid

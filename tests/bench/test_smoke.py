@@ -45,7 +45,10 @@ SMOKE: dict[str, tuple[str, list[str]]] = {  # the longest first
         "train",
         ["--budgets=256", "--steps=1", "--hidden=32", "--layers=1", "--vocab=256", "--batch=4"],
     ),
-    "transport": ("transport", ["--trajectories=200", "--group-sizes=8", "--repeats=1"]),
+    "transport": (
+        "transport",
+        ["--trajectories=200", "--group-sizes=8", "--repeats=1", "--transport=tcp"],
+    ),
     "controller": ("controller", ["--episodes=2000", "--repeats=1", "--core=-1"]),
 }
 COVERED_ELSEWHERE = {"faults", "fuzz", "weight-sync"}
@@ -115,6 +118,10 @@ def _transport(res: dict[str, Any], out: str) -> None:
     assert "headline (group 8)" in out
     assert res["msgspec_zmq_eps"] > 0 and res["pickle_baseline_eps"] > 0 and res["speedup"] > 0
     assert res["group_size"] == 8 and res["runs"]
+    assert "CURVE on vs off over tcp" in out  # CURVE's cost, measured in the same run
+    c = res["curve"]
+    assert c["frames_eps_on"] > 0 and c["frames_eps_off"] > 0 and c["shm_eps_off"] > 0
+    assert {r["impl"] for r in res["runs"]} >= {"frames", "frames_plain", "shm_plain"}
 
 
 def _controller(res: dict[str, Any], out: str) -> None:

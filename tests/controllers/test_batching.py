@@ -13,13 +13,17 @@ from asyncrl.controllers.router import Router
 from asyncrl.engines.rollout.base import EngineError
 from asyncrl.engines.rollout.sglang import SGLangClient
 from asyncrl.procs import free_port
+from asyncrl.secret import auth_headers
 
 PROMPT = [1, 5, 6, 7, 14, 3]
 GREEDY = {"temperature": 0, "ignore_eos": True}
 
 
 async def _server_info(url: str) -> dict:
-    async with aiohttp.ClientSession() as http, http.get(url + "/get_server_info") as resp:
+    async with (
+        aiohttp.ClientSession(headers=auth_headers()) as http,
+        http.get(url + "/get_server_info") as resp,
+    ):
         return await resp.json()
 
 

@@ -22,6 +22,7 @@ from asyncrl.controllers.controller import Controller, NoMoreSamples
 from asyncrl.controllers.episode import EpisodeContext, Sample
 from asyncrl.controllers.state import ControllerState
 from asyncrl.engines.rollout.sglang import SGLangClient
+from asyncrl.secret import auth_headers
 from tests.controllers.fakes import FakeEngine, VirtualTimeLoop
 
 TOOL = [13, 13]
@@ -53,7 +54,7 @@ async def test_interrupted_episodes_resume_with_their_tokens(engine_url: str) ->
         rollout=LocalRolloutConfig(max_new_tokens=budget),
     )
     client = SGLangClient(engine_url)
-    http = aiohttp.ClientSession()
+    http = aiohttp.ClientSession(headers=auth_headers())
     try:
         await client.update_weight_version("3")
         start = await _tokens(http, engine_url)

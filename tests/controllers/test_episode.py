@@ -19,6 +19,7 @@ from asyncrl.controllers.episode import EpisodeContext, EpisodeFailed, Gate, Rew
 from asyncrl.controllers.router import Router
 from asyncrl.engines.rollout.sglang import SGLangClient
 from asyncrl.procs import free_port
+from asyncrl.secret import auth_headers
 from tests.controllers.fakes import FakeEngine, VirtualTimeLoop
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -67,7 +68,10 @@ async def test_tool_tokens_masked_and_versions_exact(engine_url: str) -> None:
 
 
 async def _tokens_generated(url: str) -> int:
-    async with aiohttp.ClientSession() as http, http.get(url + "/get_server_info") as resp:
+    async with (
+        aiohttp.ClientSession(headers=auth_headers()) as http,
+        http.get(url + "/get_server_info") as resp,
+    ):
         return int((await resp.json())["tokens"])
 
 

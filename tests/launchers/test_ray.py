@@ -18,17 +18,19 @@ from pathlib import Path
 
 import pytest
 
+from asyncrl import secret
 from asyncrl.procs import finish, pid_alive, python_env
 from tests.launchers.cluster import (
     HEAD,
     WORKER,
     Cluster,
+    cluster_pids,
     descendants,
     listeners,
     listening,
     read_json,
 )
-from tests.runs import kill_when_rows, metrics_rows, wait_checkpoint, wait_rows
+from tests.runs import kill_when_rows, leaks, metrics_rows, wait_checkpoint, wait_rows
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
 
@@ -66,12 +68,22 @@ def test_default_job_runs_across_two_nodes_and_learns(
         engine = read_json(run / "processes.json")["engine0"]
         argv = Path(f"/proc/{engine}/cmdline").read_bytes().split(b"\0")
         masters = argv[argv.index(b"--weight-masters") + 1].decode()
+        # the run secret (handed to the actors through Ray's calls) in no command line or
+        # environment of the driver, Ray's daemons and workers (the actors), their children
+        ray_side = cluster_pids(ray_cluster.temp_dir)
+        procs = {proc.pid, *descendants(proc.pid), *ray_side}
+        procs |= {c for p in ray_side for c in descendants(p)}
+        assert {engine, read_json(run / "processes.json")["trainer0"]} <= procs
+        mid_run = leaks(secret.load(), run, sorted(procs))
     except BaseException:
         proc.kill()
         proc.wait()
         raise
     rc, text = finish(proc, 300)
     assert rc == 0, text
+    assert mid_run == []
+    assert leaks(secret.load(), run, []) == []  # nor in the run folder, nor in Ray's logs
+    assert leaks(secret.load(), ray_cluster.temp_dir, []) == []
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(40))
     first = sum(r["reward_mean"] for r in rows[:10]) / 10

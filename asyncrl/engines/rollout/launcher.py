@@ -77,6 +77,11 @@ class LaunchSpec:
     entry_point: tuple[str, ...] = ()
     """``(module:function, *args)``: run this console-script entry point with ``args``
     before the flags (``sglang serve``: ``(SGLANG_CLI, "serve")``) instead of ``-m module``."""
+    key_flag: str = ""
+    """The server's flag for its API key (SGLang's and vLLM's ``--api-key``): the server is
+    started through :mod:`asyncrl.entrypoints.keyed`, which gives it the run secret behind
+    this flag in memory (never on the command line); "" for the embedded engine, which
+    reads the run secret itself."""
     own_flags: bool = True
     """Pass SGLang-style ``--model-path/--tp-size/--host/--port`` before ``extra_args``;
     False: ``extra_args`` are the whole command line (``vllm serve MODEL ...``)."""
@@ -109,8 +114,17 @@ class LaunchedServer:
         return self.log_path.read_bytes()[-chars:].decode(errors="replace")
 
 
+KEYED = "asyncrl.entrypoints.keyed"
+
+
 def launch_command(spec: LaunchSpec) -> list[str]:
-    """The interpreter arguments (after ``python``) that start ``spec``'s server."""
+    """The interpreter arguments (after ``python``) that start ``spec``'s server; with a
+    ``key_flag``, behind ``-m asyncrl.entrypoints.keyed FLAG --`` (no key in them)."""
+    args = _server_command(spec)
+    return ["-m", KEYED, spec.key_flag, "--", *args] if spec.key_flag else args
+
+
+def _server_command(spec: LaunchSpec) -> list[str]:
     if spec.tp_size < 1:
         raise ValueError(f"tp_size must be >= 1, got {spec.tp_size}")
     if spec.mem_fraction_static is not None and not 0 < spec.mem_fraction_static < 1:

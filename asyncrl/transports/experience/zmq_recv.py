@@ -40,6 +40,7 @@ from asyncrl.transports.experience.codec import (
     encode,
     nbytes,
 )
+from asyncrl.transports.experience.curve import curve_client, uses_curve
 from asyncrl.transports.experience.shm import RingReader, host_token
 from asyncrl.transports.experience.types import (
     Credit,
@@ -106,7 +107,11 @@ class ExperienceReceiver:
         heartbeat_s: float = 1.0,
         shm: bool = True,
         copy: bool = False,
+        curve: bool = True,
+        secret: str | None = None,
     ):
+        """``curve``: CURVE to every TCP endpoint, keys from ``secret`` (default: this
+        process's run secret), as the producer's :class:`ExperienceSender` expects."""
         if credits <= 0:
             raise ValueError(f"credits must be > 0, got {credits}")
         self.rank, self.world_size, self.credits = rank, world_size, credits
@@ -127,6 +132,7 @@ class ExperienceReceiver:
         self._controls = [0] * len(self.endpoints)  # broadcasts (Save, Shutdown) received
         self._links = itertools.count()  # numbers the routing ids of this incarnation
         self._cuts = [0, 0]  # data connections restored (this thread), control ones (any)
+        self._curve, self._secret = curve, secret
         self._ctx = zmq.Context()
         self._poller = zmq.Poller()
         self._index: dict[zmq.Socket, tuple[int, bool]] = {}  # -> (producer, is a monitor)
@@ -254,6 +260,8 @@ class ExperienceReceiver:
         s.setsockopt(zmq.RCVHWM, 0)  # credits bound what can arrive
         s.setsockopt(zmq.LINGER, 0)
         mon = s.get_monitor_socket(zmq.EVENT_DISCONNECTED, f"inproc://xport-{next(_MONITOR_IDS)}")
+        if uses_curve(self.endpoints[producer], self._curve):
+            curve_client(s, self._secret)
         s.connect(self.endpoints[producer])
         unacked = [] if control else sorted(self._unacked[producer])
         hello = Hello(

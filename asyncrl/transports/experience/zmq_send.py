@@ -46,6 +46,12 @@ a new routing id and says Hello again (a resume, see ``types.Hello``): this prod
 redelivers, in order, what the cut lost. A send that finds no route to a rank
 (``EHOSTUNREACH``: its connection is gone) keeps the message pending and waits for
 that resume; only silence (``peer_timeout_s`` without a heartbeat) reports the rank lost.
+
+Authentication (``curve``, on by default): on a TCP endpoint the ROUTER is a ZeroMQ CURVE
+server whose keys derive from the run secret (:mod:`.curve`); only consumers holding the
+secret complete the handshake, and everything on the wire is encrypted. Refused handshakes
+are counted in ``counters["refused"]`` (the monitor's HANDSHAKE_FAILED events) and change
+nothing else.
 """
 
 from __future__ import annotations
@@ -75,6 +81,7 @@ from asyncrl.transports.experience.codec import (
     header_limits,
     payload_size,
 )
+from asyncrl.transports.experience.curve import REFUSED_EVENTS, Zap, curve_server, uses_curve
 from asyncrl.transports.experience.shm import RingWriter, host_token, sweep_orphans
 from asyncrl.transports.experience.types import (
     ConsumerLost,
@@ -181,7 +188,11 @@ class ExperienceSender:
         assigner: Assigner | None = None,
         shm: str = "auto",
         shm_bytes: int = 64 << 20,
+        curve: bool = True,
+        secret: str | None = None,
     ):
+        """``curve``: CURVE on a TCP endpoint, keys from ``secret`` (default: this process's
+        run secret); False only to measure what it costs (``asyncrl bench transport``)."""
         self.world_size = world_size
         self._max_bytes = max_message_bytes
         self._timeout = peer_timeout_s
@@ -197,6 +208,11 @@ class ExperienceSender:
         self._sock.setsockopt(zmq.SNDHWM, 0)  # credits bound what is queued
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+        self._zap: Zap | None = None
+        self.curve = uses_curve(endpoint, curve)
+        if self.curve:
+            self._zap = Zap(self._ctx, secret)  # bound before any peer can connect
+            curve_server(self._sock, secret)
         self._sock.bind(endpoint)
         self.endpoint: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._shm_bytes = shm_bytes
@@ -212,7 +228,7 @@ class ExperienceSender:
         self._fd = cast(int, self._sock.getsockopt(zmq.FD))  # an int option
         asyncio.get_running_loop().add_reader(self._fd, self._readable.set)
         self._mon = self._sock.get_monitor_socket(
-            zmq.EVENT_DISCONNECTED, f"inproc://xport-router-{id(self):x}"
+            zmq.EVENT_DISCONNECTED | REFUSED_EVENTS, f"inproc://xport-router-{id(self):x}"
         )
         self._mon_fd = cast(int, self._mon.getsockopt(zmq.FD))  # an int option
         asyncio.get_running_loop().add_reader(self._mon_fd, self._count_disconnects)
@@ -220,7 +236,7 @@ class ExperienceSender:
         self.counters = collections.Counter(
             {"sent": 0, "sent_shm": 0, "ring_full": 0, "acked": 0, "redelivered": 0}
         )
-        self.counters.update(lost_reported=0, resumed=0, unreachable=0, disconnects=0)
+        self.counters.update(lost_reported=0, resumed=0, unreachable=0, disconnects=0, refused=0)
         self._tasks = [
             asyncio.get_running_loop().create_task(self._recv_loop(), name="xport-recv"),
             asyncio.get_running_loop().create_task(self._liveness_loop(), name="xport-live"),
@@ -423,6 +439,8 @@ class ExperienceSender:
                     list(peer.pending)[:20],
                 )
         self._sock.close(linger=0)
+        if self._zap is not None:
+            self._zap.close()
         self._ctx.term()
         for peer in self._peers:
             if peer.ring is not None:
@@ -468,13 +486,23 @@ class ExperienceSender:
             self._readable.set()
 
     def _count_disconnects(self) -> None:
-        """The ROUTER's monitor fired: count connections cut (by a peer or by MAXMSGSIZE)."""
+        """The ROUTER's monitor fired: count connections cut (by a peer or by MAXMSGSIZE)
+        and handshakes refused (a peer without the run's CURVE keys)."""
         while True:
             try:
                 event = recv_monitor_message(self._mon, zmq.NOBLOCK)
             except zmq.Again:
                 return
             self.counters["disconnects"] += event["event"] == zmq.EVENT_DISCONNECTED
+            if event["event"] & REFUSED_EVENTS:
+                self.counters["refused"] += 1
+                self._refused_log()
+
+    def _refused_log(self) -> None:
+        n = self.counters["refused"]
+        if n & (n - 1) == 0:  # 1, 2, 4, 8, ...: bounded, never silent
+            log.warning("experience channel: %d connection(s) refused so far (no valid CURVE "
+                        "keys: not a process of this run)", n)  # fmt: skip
 
     async def _recv_next(self) -> list[zmq.Frame]:
         """The next incoming message (waits on the socket's FD between messages)."""

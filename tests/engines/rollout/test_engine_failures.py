@@ -24,6 +24,7 @@ from asyncrl.engines.rollout.launcher import (
 from asyncrl.engines.rollout.local.engine import LocalEngine, Request
 from asyncrl.engines.rollout.local.sampling import SamplingParams
 from asyncrl.procs import free_port
+from asyncrl.secret import auth_headers
 
 EOS = 2
 
@@ -176,7 +177,10 @@ async def test_kv_cache_of_one_long_prompt_is_sized_to_it(stopping: list[LocalEn
 
 
 async def _post(url: str, path: str, body: Any) -> tuple[int, Any]:
-    async with aiohttp.ClientSession() as http, http.post(url + path, json=body) as resp:
+    async with (
+        aiohttp.ClientSession(headers=auth_headers()) as http,
+        http.post(url + path, json=body) as resp,
+    ):
         return resp.status, await resp.json(content_type=None)
 
 
@@ -209,7 +213,10 @@ def test_unset_max_new_tokens_is_clipped_to_the_context(limited: str) -> None:
 
 def test_server_health_is_200_when_idle(limited: str) -> None:
     async def get() -> tuple[int, str]:
-        async with aiohttp.ClientSession() as http, http.get(limited + "/health") as r:
+        async with (
+            aiohttp.ClientSession(headers=auth_headers()) as http,
+            http.get(limited + "/health") as r,
+        ):
             return r.status, await r.text()
 
     assert asyncio.run(get()) == (200, "ok")

@@ -20,6 +20,7 @@ from asyncrl.engines.rollout.launcher import (
 )
 from asyncrl.engines.rollout.sglang import SGLangClient
 from asyncrl.procs import free_port
+from asyncrl.secret import auth_headers
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +101,10 @@ def test_client_mistakes_get_400_with_the_reason(
         import aiohttp
 
         data = raw if isinstance(raw, bytes) else json.dumps(raw).encode()
-        async with aiohttp.ClientSession() as http, http.post(server + path, data=data) as r:
+        async with (
+            aiohttp.ClientSession(headers=auth_headers()) as http,
+            http.post(server + path, data=data) as r,
+        ):
             return r.status, await r.json(content_type=None)
 
     status, out = asyncio.run(post())
@@ -124,7 +128,7 @@ def test_non_object_bucket_field_gets_400(server: str) -> None:
         finally:
             await client.close()
         body = {**BUCKET, "shapes": [[64]], "asyncrl_bucket": [1, 2]}
-        async with aiohttp.ClientSession() as http:
+        async with aiohttp.ClientSession(headers=auth_headers()) as http:
             async with http.post(server + "/update_weights_from_distributed", json=body) as r:
                 return r.status, await r.json(content_type=None)
 

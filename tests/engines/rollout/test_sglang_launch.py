@@ -31,6 +31,7 @@ ROLLOUT = {
     "mem_fraction_static": 0.8,
     "extra_args": ["--skip-tokenizer-init"],
 }
+KEY = "k3y-of-the-run-0123456789abcdefghij"
 
 
 def _judge(version: str, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -65,7 +66,11 @@ def test_command_line_parses_with_sglangs_parser(
         {"rollout": {"backend": "sglang", "dtype": "float32"}, "model_path": model},
         {"rollout": {"backend": "sglang", "extra_args": ["--no-such-flag"]}, "model_path": model},
     ]
-    serve, module, bf16, fp32, bad = _judge(version, cases)
+    serve, module, bf16, fp32, bad = _judge(version, [{**c, "api_key": KEY} for c in cases])
+    # the key reaches SGLang's argv in memory, never the command line (entrypoints/keyed.py)
+    assert serve["keyed"] and module["keyed"]
+    assert not any(KEY in a for a in serve["cmdline"] + module["cmdline"])
+    assert serve["args"][-2:] == ["--api-key", KEY]
     # V's wheel declares the `sglang` console script (entry_points.txt) and ships cli/serve.py
     # (cli/main.py dispatches `serve` to it): asyncrl starts `sglang serve`
     assert serve["entry"]["kind"] == "script", serve["entry"]
@@ -87,6 +92,7 @@ def test_command_line_parses_with_sglangs_parser(
     assert p["host"] == "127.0.0.1" and p["port"] == 30000
     assert p["dtype"] == "bfloat16"  # the tiny model is stored in float32
     assert p["random_seed"] == 1001 and p["base_gpu_id"] == 2 and p["skip_tokenizer_init"] is True
+    assert p["api_key"] == KEY and module["parsed"]["api_key"] == KEY  # server_args.py:4435
     assert isinstance(module["parsed"], dict) and module["parsed"]["tp_size"] == 2
     assert bf16["parsed"]["dtype"] == "auto"  # stored in bf16: SGLang's auto keeps it
     assert fp32["parsed"]["dtype"] == "float32"
@@ -105,7 +111,9 @@ def test_entry_point_without_sglang_installed_here() -> None:
     assert sglang_entry_point("launch_server") == ()
     assert sglang_entry_point("serve") == (SGLANG_CLI, "serve")
     spec = engine_spec(SGLangRolloutConfig(sglang_entrypoint="serve"), "/m", 0, port=1)
-    args = launch_command(spec)
+    cmdline = launch_command(spec)
+    assert cmdline[:4] == ["-m", "asyncrl.entrypoints.keyed", "--api-key", "--"]
+    args = cmdline[4:]
     assert args[:3] == [
         "-c",
         "import sys; from sglang.cli.main import main; sys.exit(main())",

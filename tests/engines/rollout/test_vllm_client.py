@@ -16,9 +16,12 @@ import torch
 
 from asyncrl.config import VLLMRolloutConfig
 from asyncrl.engines.rollout.base import EngineUnavailable
+from asyncrl.engines.rollout.launcher import KEYED, launch_command
 from asyncrl.engines.rollout.vllm.client import VLLMClient, expand_spans, vllm_sampling
 from asyncrl.engines.rollout.vllm.control import packed_chunks
 from asyncrl.engines.rollout.vllm.launcher import VLLM_CLI, vllm_spec
+from asyncrl.entrypoints.keyed import keyed_argv
+from asyncrl.secret import auth_headers
 from asyncrl.transports.weights.bucket import BucketManifest, pack_into, plan_buckets, spec_of
 from tests.engines.rollout.vllm.code import packed_tensor
 from tests.engines.rollout.vllm.server import VLLMStandIn, start_vllm
@@ -35,7 +38,9 @@ def vllm(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iter
 
 def _post(server: VLLMStandIn, path: str, body: object = None) -> None:
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(server.url + path, data=data, method="POST")
+    req = urllib.request.Request(
+        server.url + path, data=data, method="POST", headers=auth_headers()
+    )
     req.add_header("Content-Type", "application/json")
     urllib.request.urlopen(req, timeout=30).close()
 
@@ -183,3 +188,10 @@ def test_launch_command() -> None:
     assert args[0] == "/m" and args[args.index("--tensor-parallel-size") + 1] == "2"
     assert json.loads(args[args.index("--weight-transfer-config") + 1]) == {"backend": "nccl"}
     assert args[args.index("--gpu-memory-utilization") + 1] == "0.5"
+    # the run secret as vLLM's --api-key (common/cli_args.py:335), added in memory by
+    # asyncrl.entrypoints.keyed: the command line carries the flag's name only
+    cmdline = launch_command(spec)
+    assert cmdline[:4] == ["-m", KEYED, "--api-key", "--"] and "--api-key" not in args
+    kind, _, argv = keyed_argv(cmdline[4:], "--api-key", "s3cret-0123456789abcdef")
+    assert kind == "-c" and argv[:2] == ["-c", "serve"]
+    assert argv[-2:] == ["--api-key", "s3cret-0123456789abcdef"]

@@ -22,6 +22,7 @@ import zmq
 
 from asyncrl.procs import spawn, stop
 from asyncrl.transports.experience.codec import decode, encode, encode_batch
+from asyncrl.transports.experience.curve import curve_server
 from asyncrl.transports.experience.types import Save, StepDone, TrainBatch, TrajMeta
 from asyncrl.transports.experience.zmq_recv import ExperienceReceiver
 from asyncrl.transports.experience.zmq_send import ExperienceSender
@@ -163,6 +164,7 @@ def test_a_header_of_a_million_empty_trajectories_costs_the_receiver_nothing(
     assert 7_500_000 < len(header) < 8_000_000
     ctx = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
+    curve_server(router)  # a producer of the run: the consumer speaks CURVE on tcp
     port = router.bind_to_random_port("tcp://127.0.0.1")
     out = tmp_path / "probe.json"
     probe = spawn(
@@ -206,6 +208,7 @@ def test_an_element_beyond_the_known_fields_is_rejected(case: str) -> None:
     frames = _extra_element_cases()[case]
     ctx = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
+    curve_server(router)  # a producer of the run: the consumer speaks CURVE on tcp
     port = router.bind_to_random_port("tcp://127.0.0.1")
     rx = ExperienceReceiver([f"tcp://127.0.0.1:{port}"], 0, 1, credits=2, shm=False)
     try:

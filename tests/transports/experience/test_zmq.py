@@ -21,6 +21,7 @@ import zmq
 
 from asyncrl.procs import spawn, stop
 from asyncrl.transports.experience.codec import decode, encode, encode_batch, encode_header
+from asyncrl.transports.experience.curve import curve_client, curve_server
 from asyncrl.transports.experience.shm import ALIGN, RingWriter
 from asyncrl.transports.experience.types import (
     ARRAY_FIELDS,
@@ -321,6 +322,7 @@ async def test_sender_rejects_garbage_and_keeps_serving(tmp_path: Path) -> None:
     tx = ExperienceSender(1, "tcp://127.0.0.1:*", max_message_bytes=1 << 16)
     ctx = zmq.Context()
     bad = ctx.socket(zmq.DEALER)
+    curve_client(bad)  # garbage from a holder of the run secret (strangers: test_curve.py)
     bad.connect(tx.endpoint)
     rx = ExperienceReceiver([tx.endpoint], 0, 1, credits=2)
     try:
@@ -390,6 +392,7 @@ async def test_notice_reaches_a_rank_that_never_calls_recv_and_ordered_copies_fo
 def test_credit_overrun_is_rejected(tmp_path: Path) -> None:
     ctx = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
+    curve_server(router)  # a producer of the run: the consumer speaks CURVE on tcp
     port = router.bind_to_random_port("tcp://127.0.0.1")
     rx = ExperienceReceiver([f"tcp://127.0.0.1:{port}"], 0, 1, credits=2)
     try:

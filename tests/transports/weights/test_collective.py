@@ -15,6 +15,7 @@ import torch
 from asyncrl.config import GlooWeightsConfig, WeightSyncConfig
 from asyncrl.engines.rollout.sglang import SGLangClient
 from asyncrl.procs import free_port, python_env, spawn, stop
+from asyncrl.secret import auth_headers
 from asyncrl.transports.weights import make_weight_transport
 from asyncrl.transports.weights.base import WeightSyncError
 from asyncrl.transports.weights.bucket import checksum
@@ -222,7 +223,10 @@ def test_restarted_engine_rejoins_and_gets_current_weights(
 async def _post(url: str, path: str, body: dict) -> tuple[int, dict]:
     import aiohttp
 
-    async with aiohttp.ClientSession() as http, http.post(url + path, json=body) as resp:
+    async with (
+        aiohttp.ClientSession(headers=auth_headers()) as http,
+        http.post(url + path, json=body) as resp,
+    ):
         return resp.status, await resp.json()
 
 

@@ -8,6 +8,11 @@ serve``). Endpoints: ``/generate``, ``/abort_request``,
 ``/get_model_info``, ``/get_server_info`` (step and token counters), ``/health``.
 Bad requests get HTTP 400 with a message and the server keeps serving.
 
+Every route, ``/health`` included, answers only requests that carry the run secret as
+``Authorization: Bearer`` (:func:`asyncrl.secret.check_bearer`); any other request gets
+HTTP 401 before its handler runs (its body is not read, nothing changes). Stricter than
+SGLang, which leaves ``/health*`` and ``/metrics`` open (0.5.10 srt/utils/auth.py:100).
+
 Weight sync (``/init_weights_update_group``, ``/destroy_weights_update_group``,
 ``/update_weights_from_distributed``, ``/update_weights_from_tensor``,
 ``/update_weight_version``, ``/get_weights_checksum``) is handled by
@@ -33,9 +38,10 @@ from asyncrl.engines.rollout.checks import BadRequest
 from asyncrl.engines.rollout.local.engine import LocalEngine, Request, SamplingParams
 from asyncrl.engines.rollout.local.lora import LoraSpec
 from asyncrl.engines.rollout.local.weights import WeightReceiver, WeightRequestError
+from asyncrl.secret import check_bearer
 from asyncrl.transports.weights.delta import DELTA_CAPABILITY
 
-__all__ = ["EngineServer", "build_app", "load_engine"]
+__all__ = ["ROUTES", "EngineServer", "build_app", "load_engine"]
 
 log = logging.getLogger("asyncrl.engine")
 
@@ -367,33 +373,61 @@ async def _traced(request: web.Request, handler: Any) -> web.StreamResponse:
                 tracer.set_step(int(request.app[_SERVER].engine.weight_version))
 
 
-def build_app(server: EngineServer) -> web.Application:
-    app = web.Application(middlewares=[_traced, _errors], client_max_size=64 << 20)
+ROUTES: tuple[tuple[str, str, str], ...] = (
+    ("POST", "/generate", "generate"),
+    ("POST", "/abort_request", "abort_request"),
+    ("POST", "/pause_generation", "pause_generation"),
+    ("POST", "/continue_generation", "continue_generation"),
+    ("POST", "/init_weights_update_group", "init_weights_update_group"),
+    ("POST", "/update_weights_from_distributed", "update_weights_from_distributed"),
+    ("POST", "/update_weights_from_tensor", "update_weights_from_tensor"),
+    ("POST", "/destroy_weights_update_group", "destroy_weights_update_group"),
+    ("POST", "/update_weight_version", "update_weight_version"),
+    ("POST", "/flush_cache", "flush_cache"),
+    ("GET", "/get_weight_version", "get_weight_version"),
+    ("POST", "/get_weight_version", "get_weight_version"),
+    ("GET", "/get_model_info", "get_model_info"),
+    ("GET", "/get_weights_checksum", "get_weights_checksum"),
+    ("GET", "/get_server_info", "get_server_info"),
+    ("GET", "/health", "health"),
+)
+"""Every route the engine serves: ``(method, path, EngineServer method)`` (aiohttp adds HEAD
+to each GET)."""
+
+
+def _authenticated(secret: str) -> Any:
+    """The middleware that answers 401 to every request without ``secret`` as its Bearer key,
+    before the handler (or any other middleware) sees it."""
+
+    refused = 0
+
+    @web.middleware
+    async def check(request: web.Request, handler: Any) -> web.StreamResponse:
+        nonlocal refused
+        if not check_bearer(request.headers.get("Authorization"), secret):
+            refused += 1
+            if refused & (refused - 1) == 0:  # 1, 2, 4, ...: bounded, never silent
+                what = f"{request.method} {request.path} from {request.remote}"
+                log.warning("refused %d request(s) without the run's key (last: %s)", refused, what)
+            return web.json_response(
+                {"error": {"message": "Unauthorized"}, "success": False},
+                status=401,
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+        return await handler(request)
+
+    return check
+
+
+def build_app(server: EngineServer, secret: str) -> web.Application:
+    """The engine's HTTP app: every route answers only holders of ``secret`` (Bearer)."""
+    app = web.Application(
+        middlewares=[_authenticated(secret), _traced, _errors], client_max_size=64 << 20
+    )
     app[_SERVER] = server
-    post = {
-        "/generate": server.generate,
-        "/abort_request": server.abort_request,
-        "/pause_generation": server.pause_generation,
-        "/continue_generation": server.continue_generation,
-        "/init_weights_update_group": server.init_weights_update_group,
-        "/update_weights_from_distributed": server.update_weights_from_distributed,
-        "/update_weights_from_tensor": server.update_weights_from_tensor,
-        "/destroy_weights_update_group": server.destroy_weights_update_group,
-        "/update_weight_version": server.update_weight_version,
-        "/flush_cache": server.flush_cache,
-    }
-    get = {
-        "/get_weight_version": server.get_weight_version,
-        "/get_model_info": server.get_model_info,
-        "/get_weights_checksum": server.get_weights_checksum,
-        "/get_server_info": server.get_server_info,
-        "/health": server.health,
-    }
-    for path, h in post.items():
-        app.router.add_post(path, h)
-    for path, h in get.items():
-        app.router.add_get(path, h)
-    app.router.add_post("/get_weight_version", server.get_weight_version)
+    for method, path, name in ROUTES:
+        add = app.router.add_get if method == "GET" else app.router.add_post
+        add(path, getattr(server, name))
 
     async def _on_shutdown(_: web.Application) -> None:
         server.engine.stop()

@@ -34,6 +34,7 @@ from asyncrl.engines.rollout.base import (
     GenerateResult,
 )
 from asyncrl.engines.rollout.sse import read_generate_stream
+from asyncrl.secret import auth_headers
 
 if TYPE_CHECKING:
     from asyncrl.config import RolloutConfig
@@ -95,7 +96,9 @@ class SGLangClient:
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
-                timeout=self._timeout, connector=aiohttp.TCPConnector(limit=0)
+                timeout=self._timeout,
+                connector=aiohttp.TCPConnector(limit=0),
+                headers=auth_headers(),  # the run secret (asyncrl.secret)
             )
         return self._session
 
@@ -370,6 +373,12 @@ class SGLangClient:
         while (why := await self._why_unhealthy()) is not None:
             if gone is not None and (reason := gone()) is not None:
                 raise EngineUnavailable(f"engine {self.url} is gone: {reason}")
+            if " -> 401: " in why:  # no retry mends it (docs/security.md)
+                raise EngineUnavailable(
+                    f"engine {self.url} refused the run's secret ({why}): start it with the "
+                    "run's secret file (asyncrl serve --secret-file F; SGLang --api-key) and "
+                    "give the run the same file (--cluster.secret_file=F)"
+                )
             if loop.time() > deadline:
                 raise EngineUnavailable(
                     f"engine {self.url} did not answer within {timeout_s:g}s (last: {why})"[:500]

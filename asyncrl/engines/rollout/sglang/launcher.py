@@ -66,4 +66,5 @@ def sglang_spec(
         (*extra, *rc.extra_args),
         SGLANG_SERVER,
         entry_point=sglang_entry_point(rc.sglang_entrypoint),
+        key_flag="--api-key",  # the run secret (asyncrl.entrypoints.keyed)
     )

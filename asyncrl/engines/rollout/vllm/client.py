@@ -47,6 +47,7 @@ from asyncrl.engines.rollout.base import (
     GenerateResult,
 )
 from asyncrl.engines.rollout.sglang.client import _is_json_object, _server_message
+from asyncrl.secret import auth_headers
 
 __all__ = ["VLLMClient", "expand_spans", "vllm_sampling"]
 
@@ -145,7 +146,9 @@ class VLLMClient:
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
-                timeout=self._timeout, connector=aiohttp.TCPConnector(limit=0)
+                timeout=self._timeout,
+                connector=aiohttp.TCPConnector(limit=0),
+                headers=auth_headers(),  # the run secret (asyncrl.secret)
             )
         return self._session
 

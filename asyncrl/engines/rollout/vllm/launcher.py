@@ -58,4 +58,5 @@ def vllm_spec(
         env={**VLLM_ENV, "CUDA_VISIBLE_DEVICES": gpus},
         entry_point=(VLLM_CLI, "serve"),
         own_flags=False,
+        key_flag="--api-key",  # the run secret (asyncrl.entrypoints.keyed)
     )

@@ -11,6 +11,9 @@ from stdin, writes one JSON report per case to stdout:
   imports and is callable in V (``sglang.cli.main:main``), and the flags after
   ``serve`` as V's ``cli/serve.py`` passes them on (its own argv filters, where
   the version has them); for ``-m``, whether the module exists in V;
+- ``cmdline``: :func:`launch_command` itself (the process's command line, key-free) and
+  ``keyed``: it starts the server through ``asyncrl.entrypoints.keyed``, whose
+  :func:`keyed_argv` appends ``--api-key <case's api_key>`` in memory (``args``);
 - ``parsed``: V's ``ServerArgs.add_cli_args`` parser (as ``prepare_server_args``
   builds it, srt/server_args.py) applied to those flags: every destination's
   value, or the parser's error.
@@ -30,7 +33,8 @@ from typing import Any
 import msgspec
 
 from asyncrl.config import RolloutConfig
-from asyncrl.engines.rollout.launcher import engine_spec, launch_command
+from asyncrl.engines.rollout.launcher import KEYED, engine_spec, launch_command
+from asyncrl.entrypoints.keyed import keyed_argv
 
 
 def _entry(args: list[str]) -> tuple[dict[str, Any], list[str]]:
@@ -57,12 +61,25 @@ def build_and_parse(case: dict[str, Any]) -> dict[str, Any]:
     """One case: asyncrl's command line for ``case`` and what V's parser makes of it."""
     rc = msgspec.convert(case["rollout"], RolloutConfig)
     spec = engine_spec(rc, case["model_path"], case.get("i", 0), port=int(case.get("port", 30000)))
-    args = launch_command(spec)
+    cmdline = launch_command(spec)  # what /proc/PID/cmdline shows: no key
+    keyed = cmdline[:2] == ["-m", KEYED] and cmdline[3] == "--"
+    args = cmdline
+    if keyed:  # the server's argv as asyncrl.entrypoints.keyed sets it, key appended
+        kind, target, argv = keyed_argv(cmdline[4:], cmdline[2], case["api_key"])
+        args = [kind, target, *argv[1:]]
     entry, flags = _entry(args)
     try:
         from sglang.srt.server_args import ServerArgs
     except ImportError as exc:  # 0.5.10: srt/utils/common.py:90 imports torchvision
-        return {"args": args, "entry": entry, "flags": flags, "parsed": None, "error": str(exc)}
+        return {
+            "args": args,
+            "cmdline": cmdline,
+            "keyed": keyed,
+            "entry": entry,
+            "flags": flags,
+            "parsed": None,
+            "error": str(exc),
+        }
     parser = argparse.ArgumentParser(prog="sglang serve")  # as prepare_server_args builds it
     ServerArgs.add_cli_args(parser)
     err = io.StringIO()
@@ -73,7 +90,14 @@ def build_and_parse(case: dict[str, Any]) -> dict[str, Any]:
         parsed = {k: v for k, v in vars(ns).items() if _jsonable(v)}
     except SystemExit:
         parsed = err.getvalue()
-    return {"args": args, "entry": entry, "flags": flags, "parsed": parsed}
+    return {
+        "args": args,
+        "cmdline": cmdline,
+        "keyed": keyed,
+        "entry": entry,
+        "flags": flags,
+        "parsed": parsed,
+    }
 
 
 def main() -> None:

@@ -10,7 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from asyncrl.engines.rollout.launcher import KEYED
 from asyncrl.procs import free_port, python_env, spawn, stop
+from asyncrl.secret import auth_headers
 from tests.engines.rollout.sglang.code import sglang_env
 
 __all__ = ["StandInServer", "start_standin"]
@@ -25,7 +27,8 @@ class StandInServer:
     version: str
 
     def get(self, path: str, timeout_s: float = 30.0) -> Any:
-        with urllib.request.urlopen(self.url + path, timeout=timeout_s) as resp:
+        req = urllib.request.Request(self.url + path, headers=auth_headers())
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
             return json.loads(resp.read())
 
     def state(self) -> dict[str, Any]:
@@ -52,7 +55,9 @@ def start_standin(
     port = free_port()
     folder.mkdir(parents=True, exist_ok=True)
     calls, log = folder / f"calls-{port}.jsonl", folder / f"standin-{port}.log"
-    args = ["-m", "tests.engines.rollout.sglang.standin", "--sglang-version", version]
+    # as asyncrl's SGLang launcher starts SGLang: --api-key given in memory (entrypoints/keyed.py)
+    args = ["-m", KEYED, "--api-key", "--", "-m", "tests.engines.rollout.sglang.standin"]
+    args += ["--sglang-version", version]
     args += ["--port", str(port), "--model-path", str(model_dir), "--tp-size", str(tp_size)]
     args += ["--calls", str(calls), "--fail-calls", fail_calls, "--step-s", str(step_s)]
     env = python_env(sglang_env(version))

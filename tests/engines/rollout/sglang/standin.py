@@ -42,6 +42,13 @@ unless noted):
 - ``/health``: a one-token generation, >= 1 s (hs:721-799); while paused no
   answer comes and it is 503 after 20 s.
 
+- ``--api-key``: SGLang's own ``decide_request_auth`` (srt/utils/auth.py, 0.5.10
+  lines 74-146; hs:1757 installs it only when a key is set) judges every request
+  before its route: ``/health*`` and ``/metrics`` stay open (auth.py:100), OPTIONS too
+  (auth.py:97), every other route needs ``Authorization: Bearer KEY`` (NORMAL and,
+  with no admin key, ADMIN_OPTIONAL alike: auth.py:128-144), else 401
+  ``{"error": "Unauthorized"}`` (auth.py:187-197) and the route never runs.
+
 Test-only: ``GET /standin/state`` (ground truth: per rid, the version of the
 weights that produced each token and the label it carried; per push and TP rank,
 whether every received bucket's bytes match the checksum asyncrl sent).
@@ -101,6 +108,7 @@ class StandIn:
     def __init__(self, args: argparse.Namespace):
         from transformers import AutoModelForCausalLM
 
+        self.args = args
         self.version = tuple(int(x) for x in args.sglang_version.split("."))
         self.version_text = args.sglang_version
         self.new = self.version >= (0, 5, 22)  # sessions, spans, non-fatal flush
@@ -560,7 +568,8 @@ class StandIn:
         )
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=1 << 30)
+        mw = [_api_key_middleware(self.args.api_key)] if self.args.api_key else []
+        app = web.Application(client_max_size=1 << 30, middlewares=mw)
         post = {
             "/generate": self.generate,
             "/pause_generation": self.pause_generation,
@@ -596,8 +605,33 @@ class StandIn:
         return app
 
 
+def _api_key_middleware(api_key: str) -> Any:
+    """SGLang's ``add_api_key_middleware`` (srt/utils/auth.py:149-200) on aiohttp: its own
+    ``decide_request_auth`` decides; the stand-in's routes carry no ``@auth_level`` that
+    matters without an admin key (NORMAL and ADMIN_OPTIONAL both require ``api_key``)."""
+    from sglang.srt.utils.auth import AuthLevel, decide_request_auth
+
+    @web.middleware
+    async def check(request: web.Request, handler: Any) -> web.StreamResponse:
+        decision = decide_request_auth(
+            method=request.method,
+            path=request.path,
+            authorization_header=request.headers.get("Authorization"),
+            api_key=api_key,
+            admin_api_key=None,
+            auth_level=AuthLevel.NORMAL,
+        )
+        if not decision.allowed:
+            err = "Unauthorized" if decision.error_status_code == 401 else "Forbidden"
+            return web.json_response({"error": err}, status=decision.error_status_code)
+        return await handler(request)
+
+    return check
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
+    p.add_argument("--api-key", default=None, help="SGLang's --api-key (server_args.py:4435)")
     p.add_argument("--sglang-version", required=True)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)

@@ -10,7 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from asyncrl.engines.rollout.launcher import KEYED
 from asyncrl.procs import free_port, python_env, spawn, stop
+from asyncrl.secret import auth_headers
 from tests.engines.rollout.vllm.code import vllm_env, vllm_src
 
 __all__ = ["VLLMStandIn", "start_vllm"]
@@ -24,7 +26,8 @@ class VLLMStandIn:
     log: Path
 
     def get(self, path: str, timeout_s: float = 60.0) -> Any:
-        with urllib.request.urlopen(self.url + path, timeout=timeout_s) as resp:
+        req = urllib.request.Request(self.url + path, headers=auth_headers())
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
             return json.loads(resp.read())
 
     def state(self) -> dict[str, Any]:
@@ -51,7 +54,9 @@ def start_vllm(
     port = free_port()
     folder.mkdir(parents=True, exist_ok=True)
     calls, log = folder / f"calls-{port}.jsonl", folder / f"standin-{port}.log"
-    args = ["-m", "tests.engines.rollout.vllm.standin", "--port", str(port)]
+    # as asyncrl's vLLM launcher starts vLLM: --api-key given in memory (entrypoints/keyed.py)
+    args = ["-m", KEYED, "--api-key", "--", "-m", "tests.engines.rollout.vllm.standin"]
+    args += ["--port", str(port)]
     args += ["--model-path", str(model_dir), "--tp-size", str(tp_size), "--calls", str(calls)]
     args += ["--fail-calls", fail_calls, "--step-s", str(step_s), "--log", str(log)]
     proc = spawn(args, log, env=python_env(vllm_env()))

@@ -44,6 +44,10 @@ gpu_worker.py``, ``core`` = ``vllm/v1/engine/core.py``, ``nccl`` =
   ``/weight_checker`` (rl:232-266: ``checksum``; ``compare`` without ``baseline`` 400),
   ``GET /get_world_size`` (rl:269-289), ``/abort_requests`` (rl:97-142), ``GET /health``.
 
+- ``--api-key``: vLLM's ``AuthenticationMiddleware`` (serve/middleware/authenticate.py):
+  only paths under ``/v1``, ``/v2``, ``/inference``, ``/cohere`` need the Bearer key
+  (:11, :59-61); the RL routes above are served to anyone (see ``_api_key_middleware``).
+
 Test-only: ``GET /standin/state`` (ground truth: per request the version of the weights
 that made each token and its label; per push and rank the sha256 of every tensor).
 """
@@ -54,6 +58,7 @@ import argparse
 import asyncio
 import hashlib
 import json
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -113,6 +118,7 @@ class StandIn:
     def __init__(self, args: argparse.Namespace):
         from transformers import AutoModelForCausalLM
 
+        self.args = args
         self.tp = args.tp_size
         self.step_s = args.step_s
         self.model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=torch.float32)
@@ -477,7 +483,8 @@ class StandIn:
         return web.json_response(content, status=status)
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=1 << 30)
+        mw = [_api_key_middleware(self.args.api_key)] if self.args.api_key else []
+        app = web.Application(client_max_size=1 << 30, middlewares=mw)
         for path, fn in {
             "/inference/v1/generate": self.generate, "/pause": self.pause_route,
             "/resume": self.resume, "/abort_requests": self.abort_requests,
@@ -506,8 +513,41 @@ def _digest(sums: dict[str, str]) -> str:
     return hashlib.sha256(json.dumps(sorted(sums.items())).encode()).hexdigest()
 
 
+GUARDED_PREFIX = ("/v1", "/v2", "/inference", "/cohere")
+"""vLLM 0.33 entrypoints/serve/middleware/authenticate.py:11: the only paths its key guards."""
+
+
+def _api_key_middleware(api_key: str) -> Any:
+    """vLLM's ``AuthenticationMiddleware`` (0.33 entrypoints/serve/middleware/authenticate.py,
+    installed when ``--api-key`` or ``VLLM_API_KEY`` is set: register.py:32-36), on aiohttp
+    (it imports starlette, absent here). OPTIONS passes (:51); a path under
+    ``GUARDED_PREFIX`` needs ``Authorization: Bearer KEY`` (scheme case-insensitive,
+    SHA-256 digests compared in constant time: :30-45), else 401 ``{"error":
+    "Unauthorized"}`` (:59-61). Every other path, ``/pause``, ``/update_weights`` and
+    ``/init_weight_transfer_engine`` included, is served WITHOUT the key."""
+    want = hashlib.sha256(api_key.encode()).digest()
+
+    def verify(header: str | None) -> bool:
+        if not header:
+            return False
+        scheme, _, param = header.partition(" ")
+        if scheme.lower() != "bearer":
+            return False
+        return secrets.compare_digest(hashlib.sha256(param.encode()).digest(), want)
+
+    @web.middleware
+    async def check(request: web.Request, handler: Any) -> web.StreamResponse:
+        guarded = request.method != "OPTIONS" and request.path.startswith(GUARDED_PREFIX)
+        if guarded and not verify(request.headers.get("Authorization")):
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
+
+    return check
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
+    p.add_argument("--api-key", default=None, help="vLLM's --api-key (common/cli_args.py:335)")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--model-path", required=True)
     p.add_argument("--tp-size", type=int, default=1)

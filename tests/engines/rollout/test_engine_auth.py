@@ -1,0 +1,165 @@
+"""The embedded engine answers only holders of the run secret, on every route, on loopback.
+
+Against the session's engine server process (``engine_server``, started by the launcher
+with the test session's secret through its pipe): each route of ``server.ROUTES`` with no
+key, a wrong key, the right key under another scheme, or a key with a suffix gets 401 —
+with bodies that would change the engine if they were served (pause, abort all, a new
+version, a weight group, a generation) — and afterwards the weights (checksum), the served
+version, the pause state, the queue (a request left running by the test) and the counters
+are what they were.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import aiohttp
+import pytest
+
+from asyncrl import secret
+from asyncrl.engines.rollout.base import EngineUnavailable
+from asyncrl.engines.rollout.launcher import LaunchedServer
+from asyncrl.engines.rollout.local.server import ROUTES
+from asyncrl.engines.rollout.sglang import SGLangClient
+from asyncrl.procs import free_port
+
+KEY = secret.load()
+BAD_HEADERS: list[dict[str, str]] = [
+    {},
+    {"Authorization": "Bearer " + secret.generate()},
+    {"Authorization": "Basic " + KEY},
+    {"Authorization": "Bearer " + KEY + "x"},
+    {"Authorization": "Bearer"},
+]
+BODIES: dict[str, Any] = {  # what each route would do, were it served
+    "/generate": {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4}},
+    "/abort_request": {"abort_all": True},
+    "/pause_generation": {"mode": "abort"},
+    "/init_weights_update_group": {
+        "master_address": "127.0.0.1",
+        "master_port": free_port(),
+        "rank_offset": 1,
+        "world_size": 2,
+        "group_name": "intruder",
+        "backend": "gloo",
+    },
+    "/update_weights_from_distributed": {
+        "names": ["model.embed_tokens.weight"],
+        "dtypes": ["float32"],
+        "shapes": [[1]],
+        "group_name": "intruder",
+        "weight_version": "999",
+    },
+    "/update_weights_from_tensor": {"serialized_named_tensors": [], "weight_version": "999"},
+    "/destroy_weights_update_group": {"group_name": "intruder"},
+    "/update_weight_version": {"new_version": "999"},
+}
+
+
+async def _state(client: SGLangClient) -> dict[str, Any]:
+    info = await client.get_server_info()
+    http = client._http()  # the client's own session: it carries the key
+    async with http.get(client.url + "/get_weights_checksum") as resp:
+        assert resp.status == 200, await resp.text()
+        checksum = await resp.json()
+    return {
+        "checksum": checksum,
+        "version": await client.get_weight_version(),
+        "paused": info["paused"],
+        "num_requests": info["num_requests"],
+        "counters": {k: v for k, v in info.items() if k.endswith(("aborted", "pauses"))},
+    }
+
+
+async def _running(client: SGLangClient, timeout_s: float = 60.0) -> None:
+    """Wait until the engine holds one request (the test's long generation)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while (await client.get_server_info())["num_requests"] < 1:
+        if asyncio.get_running_loop().time() > deadline:
+            raise TimeoutError(f"engine {client.url} never took the test's request")
+        await asyncio.sleep(0.05)
+
+
+def test_every_route_refuses_without_the_key_and_changes_nothing(
+    engine_server: LaunchedServer,
+) -> None:
+    async def main() -> None:
+        client = SGLangClient(engine_server.url, timeout_s=60)
+        long = asyncio.ensure_future(  # a queue to keep: runs until the test aborts it
+            client.generate([1, 2, 3], {"max_new_tokens": 100000}, rid="kept")
+        )
+        try:
+            await _running(client)
+            before = await _state(client)
+            assert before["num_requests"] == 1 and not before["paused"]
+            refused = []
+            async with aiohttp.ClientSession() as raw:
+                for method, path, _ in ROUTES:
+                    for headers in BAD_HEADERS:
+                        body = BODIES.get(path, {}) if method == "POST" else None
+                        data = None if body is None else json.dumps(body)
+                        url = engine_server.url + path
+                        async with raw.request(method, url, data=data, headers=headers) as r:
+                            assert r.status == 401, (method, path, headers, await r.text())
+                            assert r.headers["WWW-Authenticate"] == "Bearer"
+                            refused.append(path)
+                async with raw.get(engine_server.url + "/no_such_route") as r:
+                    assert r.status == 401  # unknown paths too: nothing is told without the key
+            assert len(refused) == len(ROUTES) * len(BAD_HEADERS)
+            assert await _state(client) == before
+            assert not long.done()
+            assert engine_server.log_path is not None
+            log = engine_server.log_path.read_text()
+            assert "without the run's key" in log and KEY not in log  # counted, never the key
+        finally:
+            await client.abort_request("kept")
+            await asyncio.wait_for(asyncio.gather(long, return_exceptions=True), 30)
+            await client.close()
+
+    asyncio.run(main())
+
+
+def test_the_key_opens_every_route_and_health(engine_server: LaunchedServer) -> None:
+    """The same session's key under ``bearer`` (scheme is case-insensitive, as SGLang's and
+    vLLM's servers) is served; the run's client sends it on its own."""
+
+    async def main() -> None:
+        async with aiohttp.ClientSession() as raw:
+            headers = {"Authorization": "bearer " + KEY}
+            async with raw.get(engine_server.url + "/health", headers=headers) as r:
+                assert r.status == 200 and await r.text() == "ok"
+        client = SGLangClient(engine_server.url, timeout_s=60)
+        try:
+            assert await client.health()
+            out = await client.generate([1, 2, 3], {"max_new_tokens": 2})
+            assert len(out.output_ids) == 2
+        finally:
+            await client.close()
+
+    asyncio.run(main())
+
+
+def test_a_client_with_another_secret_fails_fast_naming_the_fix(
+    engine_server: LaunchedServer,
+) -> None:
+    """An engine started with another secret (``rollout.urls`` by hand): the health wait
+    ends at the first 401 with what to do, not after the start-up timeout."""
+
+    async def main() -> None:
+        secret.use(secret.generate())  # this process, for one client: another run's secret
+        try:
+            client = SGLangClient(engine_server.url, timeout_s=10)
+            client._http()  # its session (and headers) made now, under that secret
+        finally:
+            secret.use(KEY)
+        t0 = asyncio.get_running_loop().time()
+        try:
+            with pytest.raises(EngineUnavailable, match=r"refused the run.s secret.*secret_file"):
+                await client.wait_healthy(60)
+        finally:
+            await client.close()
+        assert asyncio.get_running_loop().time() - t0 < 30
+
+    asyncio.run(main())

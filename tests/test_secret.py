@@ -1,0 +1,119 @@
+"""The run secret: where it comes from, and how it reaches a child process unseen.
+
+Real child processes (``procs.spawn``): each reports what it got (a digest of the secret,
+never the secret), what its own /proc/self/cmdline and /proc/self/environ hold, and the
+test checks that the secret is in neither, nor in its log.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from asyncrl import secret
+from asyncrl.engines.rollout.launcher import KEYED
+from asyncrl.procs import finish, python_env, spawn
+
+PROBE = """
+import hashlib, json, os, sys
+from asyncrl import secret
+key = secret.load()
+print(json.dumps({
+    "digest": hashlib.sha256(key.encode()).hexdigest(),
+    "fd_env": os.environ.get(secret.ENV_FD), "env": os.environ.get(secret.ENV_SECRET),
+    "in_cmdline": key.encode() in open("/proc/self/cmdline", "rb").read(),
+    "in_environ": key.encode() in open("/proc/self/environ", "rb").read(),
+}), flush=True)
+"""
+
+
+def _digest(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def _probe(tmp_path: Path, key: str | None = None, env: dict[str, str] | None = None) -> dict:
+    log = tmp_path / "probe.log"
+    proc = spawn(["-c", PROBE], log, env=env, secret=key)
+    code, _ = finish(proc, 60)
+    text = log.read_text()
+    assert code == 0, text
+    return json.loads(text.strip().splitlines()[-1])
+
+
+def test_a_child_gets_the_secret_through_its_pipe_only(tmp_path: Path) -> None:
+    key = secret.generate()
+    got = _probe(tmp_path, key)
+    assert got["digest"] == _digest(key)
+    assert got["fd_env"] is None and got["env"] is None  # read once, dropped
+    assert not got["in_cmdline"] and not got["in_environ"]
+    assert key not in (tmp_path / "probe.log").read_text()
+
+
+def test_a_users_env_secret_is_not_inherited(tmp_path: Path) -> None:
+    """``ASYNCRL_SECRET`` set for a process never travels on to its children's environment:
+    they get the process's secret through the pipe."""
+    key = secret.generate()
+    env = python_env({secret.ENV_SECRET: key})
+    got = _probe(tmp_path, env=env)  # secret=None: this process's (the test session's)
+    assert got["digest"] == _digest(secret.load()) and got["env"] is None
+    assert not got["in_environ"]
+
+
+def test_secret_files_must_be_private(tmp_path: Path) -> None:
+    f = tmp_path / "key"
+    f.write_text(secret.generate() + "\n")
+    f.chmod(0o644)
+    with pytest.raises(ValueError, match="chmod 600"):
+        secret.read_file(f)
+    f.chmod(0o600)
+    assert secret.read_file(f) == f.read_text().strip()
+    f.write_text("short")
+    with pytest.raises(ValueError, match="at least 16"):
+        secret.read_file(f)
+    with pytest.raises(ValueError, match="no-such"):
+        secret.read_file(tmp_path / "no-such")
+
+
+def test_bearer_check() -> None:
+    key = secret.generate()
+    assert secret.check_bearer(secret.auth_headers(key)["Authorization"], key)
+    assert secret.check_bearer("bEaReR " + key, key)
+    for bad in (None, "", key, "Basic " + key, "Bearer " + key + "x", "Bearer  " + key):
+        assert not secret.check_bearer(bad, key)
+
+
+def test_curve_keys_are_derived_and_distinct() -> None:
+    import zmq
+
+    a, b = secret.generate(), secret.generate()
+    ka, kb = secret.curve_keys(a), secret.curve_keys(a)
+    assert ka == kb and len(set(ka)) == 4
+    assert zmq.curve_public(ka[1]) == ka[0] and zmq.curve_public(ka[3]) == ka[2]
+    assert set(secret.curve_keys(b)).isdisjoint(ka)
+
+
+def test_keyed_server_gets_the_key_in_argv_and_its_output_is_redacted(tmp_path: Path) -> None:
+    """``asyncrl.entrypoints.keyed`` runs the server with ``--api-key KEY`` appended to its
+    ``sys.argv``; the command line has no key, and what the server prints (SGLang logs its
+    ServerArgs, key included) reaches the log with the key masked — a child's output too."""
+    key = secret.generate()
+    code = (
+        "import hashlib, subprocess, sys; k = sys.argv[-1]; "
+        "print('argv', sys.argv[1:-1], hashlib.sha256(k.encode()).hexdigest(), flush=True); "
+        "print('server_args=', sys.argv, file=sys.stderr, flush=True); "
+        "subprocess.run([sys.executable, '-c', 'import sys; print(sys.argv[1])', k]); "
+        "print('in cmdline', k.encode() in open('/proc/self/cmdline', 'rb').read())"
+    )
+    log = tmp_path / "server.log"
+    proc = spawn(["-m", KEYED, "--api-key", "--", "-c", code, "serve", "--x"], log, secret=key)
+    rc, _ = finish(proc, 60)
+    text = log.read_text()
+    assert rc == 0, text
+    assert f"argv ['serve', '--x', '--api-key'] {_digest(key)}" in text
+    assert "in cmdline False" in text
+    assert key not in text and text.count("***") == 2, text  # stderr and the grandchild
+    assert os.path.exists(log)
