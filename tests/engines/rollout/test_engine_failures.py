@@ -87,7 +87,7 @@ async def test_a_failing_prefill_answers_its_requests_and_the_batch_goes_on(
     model.get_input_embeddings().register_forward_pre_hook(oom)
     engine = LocalEngine(model, {EOS}, max_batch_size=4)
     stopping.append(engine)
-    running = _request([1, 3, 4], "short", max_new_tokens=3000, ignore_eos=True, temperature=0)
+    running = _request([1, 3, 4], "short", max_new_tokens=400, ignore_eos=True, temperature=0)
     engine.submit(running)
     deadline = time.monotonic() + 20
     while not running.output_ids and time.monotonic() < deadline:  # it runs: decoding
@@ -97,8 +97,8 @@ async def test_a_failing_prefill_answers_its_requests_and_the_batch_goes_on(
     done = await asyncio.wait_for(asyncio.gather(*(r.future for r in long)), 20)
     for r in done:
         assert r.finish["type"] == "abort" and "out of memory" in r.finish["message"], r.finish
-    ok = await asyncio.wait_for(running.future, 20)
-    assert ok.finish["type"] == "length" and len(ok.output_ids) == 3000
+    ok = await asyncio.wait_for(running.future, 60)  # a loaded box decodes slowly
+    assert ok.finish["type"] == "length" and len(ok.output_ids) == 400
     assert engine.num_requests == 0
 
 

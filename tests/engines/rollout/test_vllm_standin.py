@@ -150,20 +150,6 @@ def test_pushes_are_exact_and_keep_versions_exact(tmp_path: Path, tiny_model_dir
 
 
 @pytest.mark.slow
-def test_run_against_vllm(tmp_path: Path, tiny_model_dir: Path) -> None:
-    """``asyncrl run --rollout.backend=vllm`` (``keep`` pauses) completes against the
-    stand-in: every push bit-exact, every token's version exact, none aborted."""
-    server = start_vllm(tiny_model_dir, tmp_path / "vllm", step_s=0.01)
-    try:
-        rc, out = finish(_start_run(tmp_path, tiny_model_dir, [server.url]), 240)
-        assert rc == 0, out + server.log.read_text()[-3000:]
-        st = _check_state(server, STEPS, tp=1)
-        assert len(_check_wire(server)) == STEPS and st["reqs"]
-    finally:
-        server.stop()
-
-
-@pytest.mark.slow
 def test_failed_update_is_resent_as_a_new_round(tmp_path: Path, tiny_model_dir: Path) -> None:
     """The second push's update fails after the receive (vLLM ends the session, the model
     mid-reload): the push is sent again as a whole new round and the run goes on exact."""
@@ -195,13 +181,19 @@ def test_failed_update_is_resent_as_a_new_round(tmp_path: Path, tiny_model_dir: 
 
 @pytest.mark.slow
 def test_two_engines_tp2(tmp_path: Path, tiny_model_dir: Path) -> None:
-    """Two engines of two ranks each: ranks 1..4 of a world of 5 (offsets 1 and 3)."""
-    servers = [start_vllm(tiny_model_dir, tmp_path / f"v{i}", tp_size=2) for i in range(2)]
+    """``asyncrl run --rollout.backend=vllm`` (``keep`` pauses) against two engines of two
+    ranks each, ranks 1..4 of a world of 5 (offsets 1 and 3): every push bit-exact on every
+    rank, every token's version exact, none aborted."""
+    servers = [
+        start_vllm(tiny_model_dir, tmp_path / f"v{i}", tp_size=2, step_s=0.01) for i in range(2)
+    ]
     try:
         rc, out = finish(_start_run(tmp_path, tiny_model_dir, [s.url for s in servers]), 240)
         assert rc == 0, out + "".join(s.log.read_text()[-2000:] for s in servers)
-        sums = [_check_state(s, STEPS, tp=2)["sha256"]["rank0"] for s in servers]
-        assert sums[0] == sums[1]
+        states = [_check_state(s, STEPS, tp=2) for s in servers]
+        assert states[0]["sha256"]["rank0"] == states[1]["sha256"]["rank0"]
+        assert all(len(_check_wire(s)) == STEPS for s in servers)
+        assert sum(len(st["reqs"]) for st in states) > 0
         inits = [c["body"]["init_info"] for s in servers for c in s.wire()
                  if c["path"] == "/init_weight_transfer_engine"]  # fmt: skip
         assert sorted(i["rank_offset"] for i in inits) == [1, 3]
