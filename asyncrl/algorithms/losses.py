@@ -290,7 +290,7 @@ class PolicyLoss:
             "behav_rejected_frac_sum": (info.get("rejected", torch.zeros_like(mask)) * mask).sum(),
             # train/inference mismatch: the engine's log-probs vs the trainer's recomputation
             "mismatch_abs_logp_sum": ((prox - behav).abs() * mask).sum(),
-            "mismatch_k3_kl_sum": (kl_k3(behav, prox) * mask).sum(),
+            "mismatch_k3_kl_sum": (kl_k3(behav, prox).clamp(min=0.0) * mask).sum(),
             "entropy_sum": (-logp.detach() * mask).sum(),
         }
         if self.kl_coef > 0:
