@@ -68,6 +68,7 @@ ARMS: dict[str, list[str]] = {
     "async_naive": ["--controller.max_staleness={s}", "--algo.decoupled=false"],
 }
 WORKLOAD_NAMES = ("default", *WORKLOADS)
+DEFAULT_ARMS = "sync,async_decoupled,async_naive"
 
 
 def _mean(xs: list[float]) -> float:
@@ -271,7 +272,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--batch-size", type=int, default=0, help="groups per step (0: run default)")
     p.add_argument("--group-size", type=int, default=0, help="samples per group (0: default)")
     p.add_argument("--staleness", type=int, default=4, help="max_staleness of the async arms")
-    p.add_argument("--arms", default=",".join(ARMS), help="subset of: " + ", ".join(ARMS))
+    p.add_argument("--arms", default=DEFAULT_ARMS, help="subset of: " + ", ".join(ARMS))
     p.add_argument("--override", action="append", default=[], help="extra --section.key=value")
     p.add_argument("--levels", default="0.5,0.9", help="reward levels, fractions of the maximum")
     p.add_argument("--max-reward", type=float, default=1.0, help="the task's maximum reward")
