@@ -69,6 +69,8 @@ _SLOW_TESTS = (
     "tests/engines/train/test_fsdp.py::test_gradients_do_not_depend_on_micro_batches",
     "tests/engines/rollout/test_engine_failures.py::test_a_failing_prefill_answers_its_requests",
     "tests/transports/weights/test_timeouts.py::test_engine_stopped_mid_push_is_reported_in_time",
+    "tests/tasks/test_workloads.py::test_longtail_run_learns",
+    "tests/tasks/test_workloads.py::test_agentic_run_learns",
 )
 
 

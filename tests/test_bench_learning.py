@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from asyncrl.bench.learning import reach, summarize
+import pytest
+
+from asyncrl.bench.learning import _knob, reach, summarize, trainer_idle
 from asyncrl.plot import smooth
 
 
@@ -28,10 +30,28 @@ def test_summary_is_null_unless_every_seed_reached() -> None:
     def run(arm: str, seed: int, rewards: list[float]) -> dict:
         t, s = reach(_rows(rewards), [0.5], 1.0, 0.0)
         return {"arm": arm, "seed": seed, "time_to": t, "samples_to": s, "final_reward": 0.0,
-                "first_reward": 0.0, "wall_s": 1.0, "steps_wall_s": 1.0}  # fmt: skip
+                "first_reward": 0.0, "wall_s": 1.0, "steps_wall_s": 1.0,
+                "trainer_idle": 0.75 if arm == "sync" else 0.1, "staleness_mean": 0.0}  # fmt: skip
 
     runs = [run("sync", 0, [0.1, 0.6]), run("sync", 1, [0.6, 0.7])]
     runs += [run("async_decoupled", 0, [0.1, 0.2]), run("async_decoupled", 1, [0.9])]
     out = summarize(runs)
     assert out["sync_time_to"] == {"0.5": 3.0} and out["sync_samples_to"] == {"0.5": 48.0}
     assert out["async_decoupled_time_to"] == {"0.5": None}
+    assert out["async_decoupled_time_ratio"] == {"0.5": None}
+    assert out["overlap_ceiling"] == pytest.approx(4.0)  # 1 / (1 - 0.75)
+    runs[2] = run("async_decoupled", 0, [0.9])
+    assert summarize(runs)["async_decoupled_time_ratio"] == {"0.5": pytest.approx(2.0 / 3.0)}
+
+
+def test_trainer_idle_and_workload_knobs() -> None:
+    rows = [
+        {"wall_s": 10.0, "train_s": 1.0},  # the first step: start-up, not counted
+        {"wall_s": 14.0, "train_s": 1.0, "push_call_s": 0.5},
+        {"wall_s": 18.0, "train_s": 2.0, "push_call_s": 0.5},
+    ]
+    assert trainer_idle(rows) == pytest.approx(1.0 - 4.0 / 8.0)
+    assert _knob("max_len=64") == ("max_len", 64)
+    assert _knob("latency_max_s=0.5") == ("latency_max_s", 0.5)
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        _knob("max_len")

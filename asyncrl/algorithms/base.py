@@ -164,6 +164,8 @@ class PolicyUpdate:
             a.kl_coef,
             a.entropy_coef,
             a.behav_clip_eps,
+            a.behav_correction,
+            (a.behav_mask_low, a.behav_mask_high),
         )
 
     def run(self, step: int, seqs: list[Seq]) -> dict[str, float]:

@@ -17,6 +17,25 @@ with its ratio against the behaviour policy, kept here while the ratio of the cl
 surrogate stays against the proximal policy; with one update per step (ratio = 1)
 it is the only trust region that acts.
 
+Off-policy corrections (``correction``; decoupled objective only), all on the per-token
+proximal/behaviour ratio ``rho = exp(prox - behav)`` (the trainer's recomputation over the
+engine's log-prob: staleness and engine/trainer numerical mismatch together), detached:
+
+- ``tis`` (truncated importance sampling): ``w = min(rho, cap)`` (Yao et al. 2025, "Your
+  efficient RL framework secretly brings you off-policy RL training"; verl's
+  ``rollout_is_mode = "truncate"`` at token level). The default.
+- ``mis`` (masked importance sampling: importance weights plus rejection sampling, as
+  verl's ``rollout_is_mode = "mask"`` at the ``geometric`` level and Miles' MIS): a
+  sequence whose geometric-mean ratio ``exp(mean_t log rho)`` over its trained tokens lies
+  outside ``band = [lo, hi]`` is rejected (``w = 0`` for all its tokens); the others keep
+  ``w = min(rho, cap)`` per token.
+- ``icepop`` (Ring-1T / IcePop, 2025): ``w = rho`` where ``lo <= rho <= hi``, else 0 —
+  each token outside the band is dropped from the gradient, not clipped.
+
+Rejected tokens stay in the loss's denominator (the engine's ``sum(loss * w) / sum(w)``
+normalisation is fixed before the forward pass), as in IcePop's ``1/|y|``; verl's mask
+mode removes them from it, which differs by the (small) rejected fraction.
+
 The three objectives of :class:`PolicyLoss` (see ``objective``):
 
 - ``decoupled``: as above (AReaL's decoupled PPO); used when samples may be stale.
@@ -39,10 +58,12 @@ import torch
 from asyncrl.engines.train.base import Seq
 
 __all__ = [
+    "Correction",
     "Objective",
     "PolicyLoss",
     "ValueLoss",
     "aggregation_weight",
+    "behaviour_weight",
     "entropy_surrogate",
     "kl_k3",
     "ppo_token_loss",
@@ -56,6 +77,38 @@ on-policy token's weight is 1 within float rounding (engine and trainer kernels 
 
 Objective = Literal["decoupled", "on-policy", "naive"]
 Aggregation = Literal["token-mean", "seq-mean", "token-sum-norm"]
+Correction = Literal["tis", "mis", "icepop"]
+
+
+def behaviour_weight(
+    rho: torch.Tensor,
+    correction: Correction = "tis",
+    cap: float = 5.0,
+    band: tuple[float, float] = (0.5, 2.0),
+    lengths: Sequence[int] | None = None,
+    mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token weight of the decoupled objective from the detached ratio ``rho`` =
+    proximal/behaviour, and where the correction rejected the token (1.0) — see the module
+    docstring. ``lengths`` (one sequence if None) split ``rho`` into sequences for ``mis``;
+    ``mask`` (all ones if None) selects the trained tokens its geometric mean runs over."""
+    lo, hi = band
+    if correction == "tis":
+        return rho.clamp(max=cap), torch.zeros_like(rho)
+    if correction == "icepop":
+        keep = ((rho >= lo) & (rho <= hi)).to(rho.dtype)
+        return rho * keep, 1.0 - keep
+    if correction != "mis":
+        raise ValueError(f"unknown correction {correction!r} (allowed: 'tis', 'mis', 'icepop')")
+    n = [len(rho)] if lengths is None else list(lengths)
+    m = torch.ones_like(rho) if mask is None else mask.to(rho.dtype)
+    seg = torch.repeat_interleave(torch.arange(len(n)), torch.tensor(n)).to(rho.device)
+    log_rho = torch.log(rho) * m
+    sums = torch.zeros(len(n), dtype=rho.dtype, device=rho.device).index_add_(0, seg, log_rho)
+    count = torch.zeros(len(n), dtype=rho.dtype, device=rho.device).index_add_(0, seg, m)
+    geo = torch.exp(sums / count.clamp(min=1.0))
+    keep = ((geo >= lo) & (geo <= hi)).to(rho.dtype)[seg]
+    return rho.clamp(max=cap) * keep, 1.0 - keep
 
 
 def ppo_token_loss(
@@ -67,23 +120,32 @@ def ppo_token_loss(
     cap: float = 5.0,
     decoupled: bool = True,
     behav_clip_eps: float = 0.0,
+    correction: Correction = "tis",
+    band: tuple[float, float] = (0.5, 2.0),
+    lengths: Sequence[int] | None = None,
+    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-token clipped surrogate loss (shape of ``logp``) and detached per-token diagnostics.
 
     ``decoupled=True``: ratio vs ``prox`` (default ``logp.detach()``), weighted by
-    ``min(exp(prox - behav), cap)``; pass ``behav=prox`` for the plain on-policy objective.
+    :func:`behaviour_weight` of ``exp(prox - behav)`` (``correction``, ``cap``, ``band``;
+    ``lengths`` and ``mask`` for ``mis``); pass ``behav=prox`` for the plain on-policy objective.
     ``decoupled=False``: ratio vs ``behav``, weight 1. Diagnostics: ``ratio`` (current/old),
     ``clipped`` (1 where clipping cut the gradient), ``imp_weight`` (untruncated
     exp(prox - behav)), ``truncated`` (1 where the weight hit the cap), ``behav_clipped``
-    (1 where the behaviour-side trust region ``behav_clip_eps > 0`` zeroed the weight).
+    (1 where the behaviour-side trust region ``behav_clip_eps > 0`` zeroed the weight),
+    ``rejected`` (1 where ``mis``/``icepop`` rejected the token).
     """
     if prox is None:
         prox = logp.detach()
     if decoupled:
         old = prox
         raw = torch.exp(prox - behav).detach()
-        weight = raw.clamp(max=cap)
-        truncated = (raw > cap * _TRUNCATED_BY).float()  # the metric: rounding is no truncation
+        weight, rejected = behaviour_weight(raw, correction, cap, band, lengths, mask)
+        # the metric: rounding is no truncation; icepop has no cap, only its band
+        truncated = (raw > cap * _TRUNCATED_BY).float() * (1.0 - rejected)
+        if correction == "icepop":
+            truncated = torch.zeros_like(logp)
         behav_clipped = torch.zeros_like(logp)
         if behav_clip_eps > 0:
             out = ((adv > 0) & (raw > 1 + behav_clip_eps)) | (
@@ -97,6 +159,7 @@ def ppo_token_loss(
         weight = torch.ones_like(logp)
         truncated = torch.zeros_like(logp)
         behav_clipped = torch.zeros_like(logp)
+        rejected = torch.zeros_like(logp)
     ratio = torch.exp(logp - old)
     unclipped = ratio * adv
     clipped = ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv
@@ -107,6 +170,7 @@ def ppo_token_loss(
         "imp_weight": raw,
         "truncated": truncated,
         "behav_clipped": behav_clipped.detach(),
+        "rejected": rejected.detach(),
     }
     return loss, info
 
@@ -162,8 +226,9 @@ class PolicyLoss:
     """The actor's LossFn: clipped surrogate (+ KL to reference, - entropy bonus).
 
     Reads per-sequence fields ``behav``, ``adv``, ``mask`` and optionally ``prox`` and
-    ``ref``. ``scale`` multiplies the loss (``token-sum-norm`` sets it per step to
-    trained tokens / (sequences x max length)). Stats are sums over trained tokens;
+    ``ref``. ``correction`` and ``band``: the decoupled objective's off-policy correction
+    (:func:`behaviour_weight`). ``scale`` multiplies the loss (``token-sum-norm`` sets it per
+    step to trained tokens / (sequences x max length)). Stats are sums over trained tokens;
     ``extrema`` keeps the step's min/max importance weight and ratio (reset by the caller).
     """
 
@@ -176,8 +241,12 @@ class PolicyLoss:
         kl_coef: float = 0.0,
         entropy_coef: float = 0.0,
         behav_clip_eps: float = 0.0,
+        correction: Correction = "tis",
+        band: tuple[float, float] = (0.5, 2.0),
     ):
         self.objective = objective
+        self.correction: Correction = correction
+        self.band = band
         self.clip_eps = clip_eps
         self.cap = cap
         self.agg = agg
@@ -203,9 +272,11 @@ class PolicyLoss:
             info["imp_weight"] = torch.exp(prox - behav)
         else:
             decoupled = self.objective == "decoupled"
+            lengths = [len(s.fields["behav"]) for s in mb]
             loss, info = ppo_token_loss(
-                logp, behav, adv, prox, self.clip_eps, self.cap, decoupled, self.behav_clip_eps
-            )
+                logp, behav, adv, prox, self.clip_eps, self.cap, decoupled,
+                self.behav_clip_eps, self.correction, self.band, lengths, mask,
+            )  # fmt: skip
         old = behav if self.objective == "naive" else prox  # what the ratio is taken against
         stats = {
             "pg_loss_sum": (loss.detach() * mask).sum(),
@@ -216,6 +287,10 @@ class PolicyLoss:
             "behav_clip_frac_sum": (info["behav_clipped"] * mask).sum(),
             "approx_kl_sum": (0.5 * (logp.detach() - old) ** 2 * mask).sum(),
             "behav_kl_sum": ((behav - prox) * mask).sum(),
+            "behav_rejected_frac_sum": (info.get("rejected", torch.zeros_like(mask)) * mask).sum(),
+            # train/inference mismatch: the engine's log-probs vs the trainer's recomputation
+            "mismatch_abs_logp_sum": ((prox - behav).abs() * mask).sum(),
+            "mismatch_k3_kl_sum": (kl_k3(behav, prox).clamp(min=0.0) * mask).sum(),
             "entropy_sum": (-logp.detach() * mask).sum(),
         }
         if self.kl_coef > 0:

@@ -1,12 +1,24 @@
-"""Does asynchrony cost learning? Sync vs async (decoupled objective) vs async (naive PPO).
+"""Does asynchrony cost learning, and how much time to reward does it save? Sync vs async.
 
 Runs the whole ``asyncrl run`` job (``asyncrl.runner.run_job``: engines, trainer,
-controller, weight sync) on the default task with the same sample budget
-(``--steps`` x ``controller.batch_size`` groups) and the same seeds for three arms:
+controller, weight sync) on a workload (``--workload``) with the same sample budget
+(``--steps`` x ``controller.batch_size`` groups) and the same seeds for each arm:
 
 - ``sync``: ``controller.max_staleness = 0`` (the plain on-policy objective);
-- ``async_decoupled``: ``max_staleness = --staleness``, the decoupled objective;
+- ``async_decoupled``: ``max_staleness = --staleness``, the decoupled objective (its
+  off-policy correction ``algo.behav_correction``: the default, TIS);
+- ``async_mis`` / ``async_icepop``: the same with ``behav_correction = mis`` / ``icepop``;
 - ``async_naive``: ``max_staleness = --staleness``, PPO clipped against the behaviour policy.
+
+Workloads: ``default`` (the default job: the reverse task, short uniform generations);
+``longtail`` and ``agentic`` (``asyncrl.tasks.workloads``: heavy-tailed generation lengths;
+multi-turn episodes waiting on a tool with heavy-tailed latency), knobs via
+``--workload-arg KEY=VALUE``. The engine and the trainer are pinned to their own cores
+(``--engine-core``, ``--trainer-core``; ``--no-pin`` to share), as ``bench pipeline`` does,
+so the comparison measures overlap, not two processes fighting over one core.
+Per run: ``trainer_idle`` = 1 - (train steps + weight-push calls) / time from the first
+step's report to the last; ``staleness_mean``/``max`` of the trained samples. The
+trainer-bound ceiling of any async speed-up is ``1 / (1 - sync trainer_idle)``.
 
 Final reward = mean ``reward_mean`` of the last 10 steps, averaged over the seeds;
 wall time = the run's time to its last step (``wall_s``, start-up included) and
@@ -37,13 +49,26 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.config import load_config
-from asyncrl.runner import run_job
+from asyncrl.runner import resolve_model, run_job
+from asyncrl.tasks.workloads import WORKLOADS, make_workload
 
 ARMS: dict[str, list[str]] = {
     "sync": ["--controller.max_staleness=0", "--algo.decoupled=true"],
     "async_decoupled": ["--controller.max_staleness={s}", "--algo.decoupled=true"],
+    "async_mis": [
+        "--controller.max_staleness={s}",
+        "--algo.decoupled=true",
+        "--algo.behav_correction=mis",
+    ],
+    "async_icepop": [
+        "--controller.max_staleness={s}",
+        "--algo.decoupled=true",
+        "--algo.behav_correction=icepop",
+    ],
     "async_naive": ["--controller.max_staleness={s}", "--algo.decoupled=false"],
 }
+WORKLOAD_NAMES = ("default", *WORKLOADS)
+DEFAULT_ARMS = "sync,async_decoupled,async_naive"
 
 
 def _mean(xs: list[float]) -> float:
@@ -65,8 +90,16 @@ def run_arm(arm: str, seed: int, args: argparse.Namespace, root: Path) -> dict[s
         overrides.append(f"--algo.group_size={args.group_size}")
     cfg = load_config(None, overrides)
     run_dir = root / f"{arm}-seed{seed}"
+    pin = {"engine": {args.engine_core}, "trainer": {args.trainer_core}} if args.pin else None
+    job: dict[str, Any] = {"quiet": True, "pin": pin}
+    if args.workload != "default":
+        w = make_workload(
+            args.workload, resolve_model(cfg), seed, cfg.algo.group_size, **args.workload_arg
+        )
+        cfg = load_config(None, [*w.overrides(), *overrides])  # the user's overrides win
+        job.update(episode=w.episode, samples=w.samples())
     t0 = time.perf_counter()
-    rows = asyncio.run(run_job(cfg, run_dir, quiet=True))
+    rows = asyncio.run(run_job(cfg, run_dir, **job))
     total = time.perf_counter() - t0
     k = min(10, len(rows))
     rewards = [r["reward_mean"] for r in rows]
@@ -80,11 +113,24 @@ def run_arm(arm: str, seed: int, args: argparse.Namespace, root: Path) -> dict[s
         "steps_wall_s": rows[-1]["wall_s"] - rows[0]["wall_s"],
         "total_s": total,
         "staleness_max": max(r["staleness_max"] for r in rows),
+        "staleness_mean": _mean([r.get("staleness_mean", 0.0) for r in rows]),
+        "trainer_idle": trainer_idle(rows),
+        "samples": sum(r["num_samples"] for r in rows),
         "imp_weight_max": max(r.get("imp_weight_max", 1.0) for r in rows),
         "time_to": time_to,
         "samples_to": samples_to,
         "run_dir": str(run_dir),
     }
+
+
+def trainer_idle(rows: list[dict[str, Any]]) -> float:
+    """1 - (train steps + weight-push calls) / wall time, from the first step's report to the
+    last (start-up and the first batch's generation excluded)."""
+    if len(rows) < 2:
+        return float("nan")
+    span = rows[-1]["wall_s"] - rows[0]["wall_s"]
+    busy = sum(r.get("train_s", 0.0) + r.get("push_call_s", 0.0) for r in rows[1:])
+    return max(0.0, 1.0 - busy / span) if span > 0 else float("nan")
 
 
 def reach(
@@ -115,7 +161,14 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
         mine = [r for r in results if r["arm"] == arm]
         if not mine:
             continue
-        for key in ("final_reward", "first_reward", "wall_s", "steps_wall_s"):
+        for key in (
+            "final_reward",
+            "first_reward",
+            "wall_s",
+            "steps_wall_s",
+            "trainer_idle",
+            "staleness_mean",
+        ):
             out[f"{arm}_{key}"] = _mean([r[key] for r in mine])
         for key in ("time_to", "samples_to"):
             out[f"{arm}_{key}"] = {
@@ -129,16 +182,28 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
             out["sync_steps_wall_s"] / out["async_decoupled_steps_wall_s"]
         )
         out["target_met"] = bool(dec >= 0.95 * sync and out["decoupled_speedup"] > 1.0)
+    if "sync_trainer_idle" in out:
+        out["overlap_ceiling"] = 1.0 / max(1e-9, 1.0 - out["sync_trainer_idle"])
+    for arm in ARMS:  # time and samples to each level relative to sync (None: not reached)
+        if arm == "sync" or f"{arm}_time_to" not in out or "sync_time_to" not in out:
+            continue
+        out[f"{arm}_time_ratio"] = _ratios(out[f"{arm}_time_to"], out["sync_time_to"])
+        out[f"{arm}_samples_ratio"] = _ratios(out[f"{arm}_samples_to"], out["sync_samples_to"])
     return out
+
+
+def _ratios(mine: dict[str, Any], base: dict[str, Any]) -> dict[str, float | None]:
+    return {k: None if v is None or not base.get(k) else v / base[k] for k, v in mine.items()}
 
 
 def print_table(results: list[dict[str, Any]], summary: dict[str, Any]) -> None:
     head = f"{'arm':<16} {'seed':>4} {'first10':>8} {'last10':>8} {'wall_s':>7} {'steps_s':>7}"
-    print(head + f" {'stale':>5}")
+    print(head + f" {'stale':>5} {'stale_mean':>10} {'idle':>5}")
     for r in results:
         print(
             f"{r['arm']:<16} {r['seed']:>4} {r['first_reward']:>8.3f} {r['final_reward']:>8.3f}"
             f" {r['wall_s']:>7.1f} {r['steps_wall_s']:>7.1f} {r['staleness_max']:>5}"
+            f" {r['staleness_mean']:>10.2f} {r['trainer_idle']:>5.2f}"
         )
     print("-" * 60)
     for arm in ARMS:
@@ -149,6 +214,11 @@ def print_table(results: list[dict[str, Any]], summary: dict[str, Any]) -> None:
                 f" {summary[f'{arm}_steps_wall_s']:>7.1f}"
             )
     print_reach(summary)
+    if "overlap_ceiling" in summary:
+        print(
+            f"sync trainer idle {summary['sync_trainer_idle']:.2f}: no async arm can beat sync"
+            f" by more than {summary['overlap_ceiling']:.2f}x (1 / (1 - idle))"
+        )
     if "decoupled_vs_sync_reward" in summary:
         print(
             f"decoupled / sync reward: {summary['decoupled_vs_sync_reward']:.3f} (target >= 0.95)"
@@ -163,13 +233,21 @@ def print_reach(summary: dict[str, Any]) -> None:
     if not arms:
         return
     fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
-    print(f"{'time to reward':<16} {'level':>6} {'wall_s':>8} {'samples':>8} {'vs sync':>8}")
+    print(
+        f"{'time to reward':<16} {'level':>6} {'wall_s':>8} {'samples':>8} {'speedup':>8}"
+        f" {'samples/sync':>9}"
+    )
     for arm in arms:
         for lvl, t in summary[f"{arm}_time_to"].items():
             sync_t = summary.get("sync_time_to", {}).get(lvl)
             ratio = sync_t / t if sync_t is not None and t else None
             n = summary[f"{arm}_samples_to"][lvl]
-            print(f"{arm:<16} {lvl:>6} {fmt(t, '8.1f')} {fmt(n, '8.0f')} {fmt(ratio, '7.2f')}x")
+            sync_n = summary.get("sync_samples_to", {}).get(lvl)
+            nr = n / sync_n if n is not None and sync_n else None
+            print(
+                f"{arm:<16} {lvl:>6} {fmt(t, '8.1f')} {fmt(n, '8.0f')} {fmt(ratio, '7.2f')}x"
+                f" {fmt(nr, '8.2f')}x"
+            )
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -178,12 +256,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         description=__doc__,
         formatter_class=argparse.RawTextHelpFormatter,
     )
+    p.add_argument("--workload", default="default", choices=WORKLOAD_NAMES, help="what to learn")
+    p.add_argument(
+        "--workload-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a knob of the workload (e.g. max_len=256, latency_max_s=1.0)",
+    )
+    p.add_argument("--engine-core", type=int, default=0, help="core of the engine process")
+    p.add_argument("--trainer-core", type=int, default=1, help="core of the trainer process")
+    p.add_argument("--no-pin", dest="pin", action="store_false", help="do not pin processes")
     p.add_argument("--seeds", default="0,1", help="comma-separated seeds (>= 2 for the claim)")
     p.add_argument("--steps", type=int, default=30, help="train steps per run")
     p.add_argument("--batch-size", type=int, default=0, help="groups per step (0: run default)")
     p.add_argument("--group-size", type=int, default=0, help="samples per group (0: default)")
     p.add_argument("--staleness", type=int, default=4, help="max_staleness of the async arms")
-    p.add_argument("--arms", default=",".join(ARMS), help="subset of: " + ", ".join(ARMS))
+    p.add_argument("--arms", default=DEFAULT_ARMS, help="subset of: " + ", ".join(ARMS))
     p.add_argument("--override", action="append", default=[], help="extra --section.key=value")
     p.add_argument("--levels", default="0.5,0.9", help="reward levels, fractions of the maximum")
     p.add_argument("--max-reward", type=float, default=1.0, help="the task's maximum reward")
@@ -195,6 +284,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.levels = [float(x) for x in args.levels.split(",") if x]
     except ValueError:
         p.error(f"--levels must be comma-separated numbers, got {args.levels!r}")
+    try:
+        args.workload_arg = dict(_knob(kv) for kv in args.workload_arg)
+    except ValueError as exc:
+        p.error(str(exc))
     arms = [a for a in args.arms.split(",") if a]
     unknown = [a for a in arms if a not in ARMS]
     if unknown:
@@ -211,6 +304,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 results.append(r)
     summary = summarize(results)
     print_table(results, summary)
+    if args.run_root:
+        firsts = " ".join(str(root / f"{a}-seed{seeds[0]}") for a in arms)
+        print(f"pictures: asyncrl plot {firsts} --out {root / 'plots'}")
     out = {
         **summary,
         "config": {k: v for k, v in vars(args).items() if k != "json"},
@@ -219,6 +315,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))
     return out
+
+
+def _knob(kv: str) -> tuple[str, float | int | str]:
+    """``KEY=VALUE`` of ``--workload-arg``: the value as an int, else a float, else text."""
+    key, sep, val = kv.partition("=")
+    if not sep or not key:
+        raise ValueError(f"--workload-arg must be KEY=VALUE, got {kv!r}")
+    for conv in (int, float):
+        try:
+            return key, conv(val)
+        except ValueError:
+            pass
+    return key, val
 
 
 if __name__ == "__main__":

@@ -106,6 +106,17 @@ class AlgoConfig(_Section, frozen=True):
     """PPO: learning rate of the critic; 0 uses ``trainer.lr``."""
     critic_warmup_steps: NonNegative = 0
     """PPO: first steps that train only the critic (the actor is held)."""
+    behav_correction: Literal["tis", "mis", "icepop"] = "tis"
+    """Decoupled objective: off-policy correction on the per-token ratio rho = proximal /
+    behaviour (the trainer's recomputed log-prob over the engine's). ``tis``: weight
+    ``min(rho, behav_imp_weight_cap)`` (truncated IS). ``mis``: the same, but a sequence whose
+    geometric-mean rho lies outside ``[behav_mask_low, behav_mask_high]`` gets weight 0
+    (masked IS: IS plus rejection, verl's mask mode). ``icepop``: weight ``rho`` inside that
+    band and 0 outside it, token by token (IcePop). See docs/algorithms.md."""
+    behav_mask_low: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.5
+    """``mis``/``icepop``: lower end of the accepted ratio band (0 < this <= 1)."""
+    behav_mask_high: Annotated[float, msgspec.Meta(ge=1, le=_MAX)] = 2.0
+    """``mis``/``icepop``: upper end of the accepted ratio band (>= 1)."""
     behav_clip_eps: OpenFraction = 0.2
     """Decoupled objective: behaviour-side trust region. A token whose proximal/behaviour
     ratio is already above ``1 + this`` (positive advantage) or below ``1 - this`` (negative)

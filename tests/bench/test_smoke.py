@@ -31,8 +31,13 @@ SMOKE: dict[str, tuple[str, list[str]]] = {  # the longest first
         "--no-pin".split(),
     ),
     "trace": ("trace", ["--steps=2", "--calib=200"]),
-    # one arm: each is a whole job (the arms' comparison: tests/test_bench_learning.py)
-    "learning": ("learning", ["--seeds=0", "--steps=2", "--arms=async_decoupled"]),
+    # the long-tailed workload, sync and async arms at 2 x 2 samples a step (the arms'
+    # summary: tests/test_bench_learning.py; the workloads learn: tests/tasks/test_workloads.py)
+    "learning": (
+        "learning",
+        "--workload=longtail --workload-arg=max_len=16 --seeds=0 --steps=2 --batch-size=2 "
+        "--group-size=2 --arms=sync,async_decoupled --no-pin".split(),
+    ),
     "weight-sync-delta": (
         "weight-sync",
         ["--delta", "--model=tiny", "--lrs", "1e-6", "--repeats=1"],
@@ -163,9 +168,13 @@ def _trace(res: dict[str, Any], out: str) -> None:
 
 
 def _learning(res: dict[str, Any], out: str) -> None:
-    assert "async_decoupled  mean" in out
-    assert [r["arm"] for r in res["runs"]] == ["async_decoupled"]
+    assert "async_decoupled  mean" in out and "1 / (1 - idle)" in out
+    assert [r["arm"] for r in res["runs"]] == ["sync", "async_decoupled"]
+    assert res["config"]["workload"] == "longtail"
     assert res["async_decoupled_wall_s"] > 0 and "0.5" in res["async_decoupled_time_to"]
+    assert all(r["samples"] == 2 * 2 * 2 for r in res["runs"])  # steps x groups x group size
+    assert 0.0 <= res["sync_trainer_idle"] <= 1.0 and res["overlap_ceiling"] >= 1.0
+    assert "0.9" in res["async_decoupled_time_ratio"]
 
 
 def _pipeline(res: dict[str, Any], out: str) -> None:
