@@ -38,6 +38,12 @@ class LoraConfig(_Section, frozen=True):
     """Also write the merged model (base + adapter) as a Hugging Face folder to
     ``RUN_DIR/final`` at the end of a run (the adapter alone is always written to
     ``RUN_DIR/final/adapter``)."""
+    adapter_dir: str = ""
+    """Engines that load adapters from a folder (SGLang): where the trainer writes each version
+    (PEFT's folder format, ``{adapter_dir}/{name}-v{N}``); every engine must read it at this
+    same path (one node, or a shared file system). Versions no engine holds any more are
+    deleted. ``""``: ``adapters/`` in the run folder. The embedded engine gets adapters over
+    the collective transport instead."""
     name: str = "policy"
     """The adapter's name on the engines; version ``N`` is served as ``{name}-v{N}`` (SGLang's
     ``lora_path`` names)."""

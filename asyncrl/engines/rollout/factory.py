@@ -70,6 +70,7 @@ def weight_family(rollout: RolloutConfig | str, bucket_bytes: int = 1 << 30) -> 
             no_ipc=CUDA_IPC_SGLANG,
             check=sglang_check,
             received=sglang_received,
+            adapters=SGLangClient,  # /load_lora_adapter from a folder (0.5.10 .. 0.5.23)
         )
     assert isinstance(rc, LocalRolloutConfig)
     return WeightFamily("embedded engine", make_sglang, ipc=True)
