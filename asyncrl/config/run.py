@@ -260,11 +260,6 @@ class RunConfig(_Section, frozen=True):
         """What a LoRA run (``lora.rank > 0``) cannot be combined with (yet), by key."""
         if not self.lora.enabled:
             return
-        if isinstance(self.rollout, VLLMRolloutConfig):
-            raise ValueError(
-                "lora.rank > 0 works with rollout.backend = 'local' | 'sglang'; vLLM's LoRA "
-                "serving is not wired in yet (docs/rollout-engines.md, LoRA)"
-            )
         if isinstance(self.weights, CudaIpcWeightsConfig):
             raise ValueError(
                 "lora.rank > 0 pushes adapters over the collective backends (weights.backend = "

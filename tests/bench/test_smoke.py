@@ -37,6 +37,10 @@ SMOKE: dict[str, tuple[str, list[str]]] = {  # the longest first
         "weight-sync",
         ["--delta", "--model=tiny", "--lrs", "1e-6", "--repeats=1"],
     ),
+    "weight-sync-lora": (
+        "weight-sync",
+        ["--lora", "--model=tiny", "--dtype=float32", "--ranks", "4", "--repeats=1"],
+    ),
     "generation": (
         "generation",
         ["--requests=4", "--prompt-len=16", "--short-len=4", "--long-factor=2"],
@@ -149,6 +153,19 @@ def _weight_sync_delta(res: list[dict[str, Any]], out: str) -> None:
     assert delta["tree_peak_rss_bytes"] >= delta["tree_rss_after_bytes"] > 0
 
 
+def _weight_sync_lora(res: list[dict[str, Any]], out: str) -> None:
+    assert "bytes_vs_full" in out.splitlines()[0]
+    full, lora = res
+    assert (full["mode"], lora["mode"], lora["rank"]) == ("full", "lora", 4)
+    assert all(r["verified"] is True and r["total_s"] > 0 for r in res)
+    # the tiny model (hidden 64, kv 32, intermediate 128, vocab 1024): in + out of q, k, v, o,
+    # gate, up, down per layer, 2 layers, and the head; rank 4, float32
+    per_layer = 128 + 96 + 96 + 128 + 192 + 192 + 192
+    want = (2 * per_layer + 64 + 1024) * 4 * 4
+    assert lora["tensors"] == 30 and lora["bytes"] == want < full["bytes"]
+    assert lora["bytes_vs_full"] == full["bytes"] / want
+
+
 def _trace(res: dict[str, Any], out: str) -> None:
     assert "per span" in out
     assert [r["traced"] for r in res["runs"]] == [False, True]
@@ -173,6 +190,7 @@ CHECKS: dict[str, Callable[[Any, str], None]] = {
     "train": _train,
     "generation": _generation,
     "weight-sync-delta": _weight_sync_delta,
+    "weight-sync-lora": _weight_sync_lora,
     "trace": _trace,
     "learning": _learning,
     "pipeline": _pipeline,

@@ -336,3 +336,8 @@ class WeightFamily:
     """LoRA runs: how an engine of this family loads adapter versions from a folder the
     trainer writes (SGLang, vLLM); None: adapters travel over the collective transport
     into the engine's in-memory ring (the embedded engine)."""
+    adapter_folders_kept: bool = False
+    """The folder of an unloaded adapter version stays while ``capacity`` newer versions
+    load (vLLM: its unload forgets the name only, and a running request whose adapter left
+    the cache reloads it from its folder); False: deleted once unloaded (SGLang reloads an
+    unloaded name from its folder when a request names it, so the folder must go)."""

@@ -258,6 +258,10 @@ def lora_engine_args(cfg: RunConfig) -> tuple[str, ...]:
         from asyncrl.engines.rollout.sglang.launcher import sglang_lora_args
 
         return sglang_lora_args(lc, cfg.controller.max_staleness + 1)
+    if isinstance(cfg.rollout, VLLMRolloutConfig):
+        from asyncrl.engines.rollout.vllm.launcher import vllm_lora_args
+
+        return vllm_lora_args(lc, cfg.controller.max_staleness + 1)
     return (
         "--enable-lora",
         "--max-lora-rank", str(lc.rank),
@@ -296,7 +300,7 @@ def engine_spec(
     if isinstance(rc, VLLMRolloutConfig):
         from asyncrl.engines.rollout.vllm.launcher import vllm_spec
 
-        return vllm_spec(rc, model_path, port, host, gpu, seed + 1000 + i)
+        return vllm_spec(rc, model_path, port, host, gpu, seed + 1000 + i, lora)
     from asyncrl.engines.rollout.sglang.launcher import sglang_spec
 
     return sglang_spec(rc, model_path, port, host, gpu, seed + 1000 + i, lora)

@@ -54,7 +54,9 @@ def make_weight_transport(
     if adapters is not None and family.adapters is not None:
         from asyncrl.transports.weights.adapter_send import AdapterFolderSender
 
-        return AdapterFolderSender(engine_urls, adapters, family.adapters, cfg.timeout_s)
+        return AdapterFolderSender(
+            engine_urls, adapters, family.adapters, cfg.timeout_s, family.adapter_folders_kept
+        )
     if isinstance(cfg, CudaIpcWeightsConfig):
         if not family.ipc:
             raise ValueError(family.no_ipc or CUDA_IPC_OTHER)

@@ -1,4 +1,5 @@
-"""Adapter-only pushes to engines that load LoRA adapters from a folder (SGLang), trainer side.
+"""Adapter-only pushes to engines that load LoRA adapters from a folder (SGLang, vLLM): the
+trainer side.
 
 A :class:`~asyncrl.transports.weights.base.WeightTransport` for LoRA runs
 (``lora.rank > 0``) whose engine family loads adapters by name from a folder
@@ -20,11 +21,15 @@ A :class:`~asyncrl.transports.weights.base.WeightTransport` for LoRA runs
 - A version unloaded from every engine has its folder deleted: SGLang reloads a name it
   once loaded from that folder when a request names it again (0.5.10
   tokenizer_manager.py:2270-2299), which would break the ring; without the folder such a
-  request is refused with an error that names the version.
+  request is refused with an error that names the version. ``keep_folders`` (vLLM, whose
+  unload forgets only the name and whose running requests may reload their adapter from
+  its folder): deleted once ``2 * capacity`` newer versions exist.
 - ``connect`` / ``engines_changed`` only record the engine set (there is no group to
   form); ``connect`` forgets which versions each engine holds: a version an engine then
-  answers it holds already ("already loaded", 0.5.10 lora_manager.py:187-193; "already
-  exists", lora_registry.py:230-233) counts as loaded (a re-sync pushes the same weights).
+  answers it holds already (SGLang: "already loaded", 0.5.10 lora_manager.py:187-193,
+  "already exists", lora_registry.py:230-233; vLLM: "has already been loaded",
+  models/serving.py:270-278) counts as loaded (a re-sync pushes the same weights); an
+  unload of a version the engine no longer knows counts as done.
 """
 
 from __future__ import annotations
@@ -50,7 +55,8 @@ __all__ = ["AdapterFolderSender", "AdapterSpec"]
 log = logging.getLogger("asyncrl.weights")
 
 PREFIX = "base_model.model."  # PEFT's prefix of saved adapter keys
-_HELD = ("already loaded", "already exists")
+_HELD = ("already loaded", "already exists", "has already been loaded")  # SGLang; vLLM
+_GONE = ("does not exist", "cannot be found")  # SGLang lora_registry.py:107-110; vLLM ms:293-300
 
 
 @dataclass(frozen=True)
@@ -114,11 +120,13 @@ class AdapterFolderSender:
         spec: AdapterSpec,
         make: Callable[[str, float], AdapterControl],
         timeout_s: float = 300.0,
+        keep_folders: bool = False,
     ):
         if spec.capacity < 1:
             raise ValueError(f"the adapter ring needs capacity >= 1, got {spec.capacity}")
         self.spec = spec
         self.timeout_s = timeout_s
+        self.keep_folders = keep_folders
         self._make = make  # (url, timeout_s) -> AdapterControl
         self._urls = list(engine_urls)
         self._epoch = -1
@@ -218,7 +226,7 @@ class AdapterFolderSender:
             try:
                 await client.unload_lora_adapter(self.spec.label(old))
             except EngineError as exc:
-                if "does not exist" not in str(exc):  # lora_registry.py:107-110: gone already
+                if not any(m in str(exc) for m in _GONE):  # not held any more
                     raise
             held.pop(0)
             self.unloads.append((client.url, old))
@@ -232,11 +240,16 @@ class AdapterFolderSender:
         return t1 - t0, time.perf_counter() - t1
 
     def _drop_folders(self) -> None:
-        """Delete the folders of versions no engine holds (not the newest: a joining
-        engine may still be given it)."""
+        """Delete the folders of versions no engine holds (not the newest: a joining engine
+        may still be given it); ``keep_folders``: only once ``capacity`` newer versions
+        than the held ones loaded (vLLM may reload an unloaded version's folder for the
+        requests still running on it)."""
         with self._lock:
             live = {v for vs in self._held.values() for v in vs}
         newest = max(self._folders, default=-1)
-        for v in sorted(self._folders - live - {newest}):
+        drop = self._folders - live - {newest}
+        if self.keep_folders:
+            drop = {v for v in drop if v <= newest - 2 * self.spec.capacity}
+        for v in sorted(drop):
             shutil.rmtree(Path(self.spec.folder) / self.spec.label(v), ignore_errors=True)
             self._folders.discard(v)

@@ -124,6 +124,31 @@ class Adapter:
             self.layers.setdefault(layer, {})[part[0]] = t.float()
 
 
+def add_row_hooks(
+    model: nn.Module, targets: set[str], rows: Callable[[], list[Adapter | None]]
+) -> None:
+    """On every target linear: each row of the forward adds its own adapter's
+    ``B(A(x)) * scaling`` (``rows()``: the adapter of each row, None: the base model)."""
+
+    def hook_of(layer: str) -> Any:
+        def hook(mod: nn.Module, inp: tuple[torch.Tensor, ...], out: torch.Tensor) -> Any:
+            adapters = rows()
+            if not any(adapters):
+                return out
+            x, delta = inp[0], torch.zeros_like(out)
+            for i, ad in enumerate(adapters):
+                ab = ad.layers.get(layer) if ad is not None else None
+                if ab is not None:
+                    delta[i] = (x[i] @ ab["A"].T) @ ab["B"].T * ad.scaling
+            return out + delta
+
+        return hook
+
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.Linear) and name.rsplit(".", 1)[-1] in targets:
+            mod.register_forward_hook(hook_of(name))
+
+
 class LoraServing:
     def __init__(self, args: argparse.Namespace, model: nn.Module):
         self.enabled = bool(args.enable_lora)
@@ -144,22 +169,10 @@ class LoraServing:
         self.events: list[dict[str, Any]] = []  # loads and unloads, in order
         self.sha: dict[str, str] = {}  # name -> sha256 of what was loaded under it
         self.most_held = 0
-        for name, mod in model.named_modules():
-            if isinstance(mod, nn.Linear) and name.rsplit(".", 1)[-1] in self.targets:
-                mod.register_forward_hook(self._hook(name))
+        add_row_hooks(model, self.targets, self._row_adapters)
 
-    def _hook(self, layer: str) -> Any:
-        def hook(mod: nn.Module, inp: tuple[torch.Tensor, ...], out: torch.Tensor) -> Any:
-            if not any(self.rows):
-                return out
-            x, delta = inp[0], torch.zeros_like(out)
-            for i, lid in enumerate(self.rows):
-                ab = self.adapters[lid].layers.get(layer) if lid is not None else None
-                if ab is not None:
-                    delta[i] = (x[i] @ ab["A"].T) @ ab["B"].T * self.adapters[lid].scaling
-            return out + delta
-
-        return hook
+    def _row_adapters(self) -> list[Adapter | None]:
+        return [None if lid is None else self.adapters[lid] for lid in self.rows]
 
     # -- routes ---------------------------------------------------------------------------
     def output(self, ok: bool, error: str = "") -> tuple[dict[str, Any], int]:
