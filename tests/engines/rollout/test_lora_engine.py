@@ -204,6 +204,7 @@ def test_per_row_versions_on_cuda_equal_peft_forward(base: torch.nn.Module) -> N
     """The per-row LoRA path on CUDA (float32, TF32 off): rows on versions 1, 2, 0 and 2 in
     one forward equal PEFT's forward of each adapter on the same device; then a short
     generation mixing both versions runs on the GPU."""
+    tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     models = [_peft_model(base, s).cuda() for s in (5, 6)]
     eng = LocalEngine(copy.deepcopy(base), {EOS}, max_batch_size=8, device="cuda")
@@ -238,3 +239,4 @@ def test_per_row_versions_on_cuda_equal_peft_forward(base: torch.nn.Module) -> N
         assert all(len(r.output_ids) == 8 and r.min_version == "2" for r in done)
     finally:
         eng.stop()
+        torch.backends.cuda.matmul.allow_tf32 = tf32
