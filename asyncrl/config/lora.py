@@ -40,9 +40,9 @@ class LoraConfig(_Section, frozen=True):
     ``RUN_DIR/final`` at the end of a run (the adapter alone is always written to
     ``RUN_DIR/final/adapter``)."""
     adapter_dir: str = ""
-    """Engines that load adapters from a folder (SGLang, vLLM): where the trainer writes each version
-    (PEFT's folder format, ``{adapter_dir}/{name}-v{N}``); every engine must read it at this
-    same path (one node, or a shared file system). Versions no engine holds any more are
+    """Engines that load adapters from a folder (SGLang, vLLM): where the trainer writes each
+    version (PEFT's folder format, ``{adapter_dir}/{name}-v{N}``); every engine must read it at
+    this same path (one node, or a shared file system). Versions no engine holds any more are
     deleted. ``""``: ``adapters/`` in the run folder. The embedded engine gets adapters over
     the collective transport instead."""
     name: str = "policy"

@@ -43,7 +43,7 @@ SMOKE: dict[str, tuple[str, list[str]]] = {  # the longest first
     ),
     "generation": (
         "generation",
-        ["--requests=4", "--prompt-len=16", "--short-len=4", "--long-factor=2"],
+        ["--requests=4", "--prompt-len=16", "--short-len=4", "--long-factor=2", "--lora-rank=4"],
     ),
     "train": (
         "train",
@@ -137,6 +137,8 @@ def _generation(res: dict[str, Any], out: str) -> None:
     assert "speedup engine / hf generate" in out
     assert res["requests"] == 4 and res["output_tokens"] > 0
     assert res["engine_tokens_per_s"] > 0 and res["hf_generate_tokens_per_s"] > 0
+    assert "engine lora-mixed" in out and res["lora_rank"] == 4
+    assert res["lora_tokens_per_s"] > 0 and res["lora_mixed_vs_base"] > 0
 
 
 def _weight_sync_delta(res: list[dict[str, Any]], out: str) -> None:
