@@ -65,7 +65,8 @@ def bench_lora(args: argparse.Namespace, model_dir: Path, reqs: list) -> dict[st
     out: dict[str, Any] = {}
     try:
         asyncio.run(wait_healthy([server], timeout_s=300))
-        sender = make_weight_transport(GlooWeightsConfig(timeout_s=300.0), [server.url], "cpu")
+        cfg = GlooWeightsConfig(timeout_s=300.0, pause_scope="none")  # as a LoRA run's
+        sender = make_weight_transport(cfg, [server.url], "cpu")
         sender.connect()
         for v in (1, 2):
             sender.push(_factors(model_dir, lc.rank, v).items(), v).wait(300)

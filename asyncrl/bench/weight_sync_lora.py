@@ -59,11 +59,18 @@ def _random(shapes: list[tuple[str, tuple[int, ...]]], dtype: str, seed: int) ->
     return {n: torch.randn(s, generator=g).to(dt) for n, s in shapes}
 
 
-def _sender(url: str, group: str) -> Any:
+def _sender(url: str, group: str, lora: bool) -> Any:
+    """A run's sender: adapter pushes pause nothing (``pause_scope = "none"``, as the trainer
+    sets it for LoRA); a full push pauses around its commit (the default)."""
     from asyncrl.config import GlooWeightsConfig
     from asyncrl.transports.weights import make_weight_transport
 
-    cfg = GlooWeightsConfig(timeout_s=600.0, group_name=group, verify="sampled")
+    cfg = GlooWeightsConfig(
+        timeout_s=600.0,
+        group_name=group,
+        verify="sampled",
+        pause_scope="none" if lora else "commit",
+    )
     sender = make_weight_transport(cfg, [url], "cpu")
     sender.connect()
     return sender
@@ -92,7 +99,7 @@ def run_lora(args: argparse.Namespace) -> list[dict[str, Any]]:
             extra = ["--_engine", "--port", "{port}"] + (["--lora-rank", str(r)] if r else [])
             engine = children.start(key, extra)
             urls[key] = f"http://{args.recv_host}:{engine.bench_port}"
-            senders[key] = _sender(urls[key], f"bench_{key}")
+            senders[key] = _sender(urls[key], f"bench_{key}", lora=r > 0)
         runs: dict[str, list[dict[str, float]]] = {k: [] for k in senders}
         for step in range(args.repeats + 1):  # one warm-up
             for key, sender in senders.items():
