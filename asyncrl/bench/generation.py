@@ -89,22 +89,26 @@ def workload(args: argparse.Namespace, vocab: int) -> list[tuple[list[int], int]
     return reqs
 
 
-async def _engine_run(url: str, reqs: list[tuple[list[int], int]], arrival_s: float) -> float:
+async def _engine_run(url: str, reqs: list[tuple[Any, ...]], arrival_s: float) -> float:
+    """Wall seconds of ``reqs`` (``(prompt, n)``, or ``(prompt, n, lora_path)``: naming an
+    adapter version) sent at once (or spread over ``arrival_s``)."""
     from asyncrl.engines.rollout.sglang import SGLangClient
 
     client = SGLangClient(url, timeout_s=3600)
     try:
         await client.generate([1, 5, 6], {"max_new_tokens": 4, "ignore_eos": True})  # warm-up
 
-        async def one(i: int, prompt: list[int], n: int) -> int:
+        async def one(i: int, prompt: list[int], n: int, lora: str | None = None) -> int:
             await asyncio.sleep(arrival_s * i / max(1, len(reqs) - 1))
-            params = {"max_new_tokens": n, "temperature": 1.0, "ignore_eos": True}
+            params: dict[str, Any] = {"max_new_tokens": n, "temperature": 1.0, "ignore_eos": True}
+            if lora is not None:
+                params["lora_path"] = lora
             res = await client.generate(prompt, params)
             assert len(res.output_ids) == n, (len(res.output_ids), n)
             return n
 
         t0 = time.perf_counter()
-        await asyncio.gather(*(one(i, p, n) for i, (p, n) in enumerate(reqs)))
+        await asyncio.gather(*(one(i, *r) for i, r in enumerate(reqs)))
         return time.perf_counter() - t0
     finally:
         await client.close()
@@ -188,6 +192,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--arrival-s", type=float, default=0.0, help="spread arrivals over this")
     p.add_argument("--max-batch-size", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--lora-rank",
+        type=int,
+        default=0,
+        help="also the engine serving LoRA adapters of this rank: one version, and two mixed "
+        "in every batch (rows lora, lora-mixed; see generation_lora)",
+    )
     args = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -203,6 +214,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         flush=True,
     )
     engine = bench_engine(args, model_dir, reqs)
+    lora: dict[str, Any] = {}
+    if args.lora_rank:
+        from asyncrl.bench.generation_lora import bench_lora
+
+        lora = bench_lora(args, model_dir, reqs)
     hf = bench_hf(args, model_dir, reqs)
     result = {
         "engine_tokens_per_s": engine["tokens_per_s"],
@@ -220,8 +236,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "model": str(model_dir),
         "argv": sys.argv[1:] if argv is None else list(argv),
     }
+    for name, r in lora.items():  # the same engine serving LoRA, same workload
+        key = name.replace("-", "_")
+        result[f"{key}_tokens_per_s"] = r["tokens_per_s"]
+        result[f"{key}_vs_base"] = r["tokens_per_s"] / engine["tokens_per_s"]
+    if lora:
+        result["lora_rank"] = args.lora_rank
     print(f"{'':16}{'tokens/s':>12}{'wall s':>10}")
     print(f"{'engine':16}{engine['tokens_per_s']:12.1f}{engine['wall_s']:10.2f}")
+    for name, r in lora.items():
+        print(f"{'engine ' + name:16}{r['tokens_per_s']:12.1f}{r['wall_s']:10.2f}")
     print(f"{'hf generate':16}{hf['tokens_per_s']:12.1f}{hf['wall_s']:10.2f}")
     print(f"speedup engine / hf generate: {result['speedup']:.2f}x")
     if args.json:

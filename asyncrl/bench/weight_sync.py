@@ -1,7 +1,8 @@
 """Weight-sync benchmark: our bucketed stream vs. the link's floor and per-tensor broadcasts.
 
 ``asyncrl bench weight-sync --backend gloo|nccl|hccl|cuda-ipc [--model qwen2-0.5b|qwen2-1.5b]
-[--engines N] [--json PATH]``
+[--engines N] [--json PATH]`` (``--delta``: delta pushes, ``weight_sync_delta``; ``--lora``:
+adapter-only pushes vs the full push, ``weight_sync_lora``)
 
 The model's shapes come from a local ``Qwen2Config`` (no download); the sender's
 tensors hold random bits. Every engine is a real separate process (the embedded
@@ -112,6 +113,12 @@ def _serve_engine(args: argparse.Namespace) -> None:
     model = model.to_empty(device=device).to(getattr(torch, args.dtype))
     model.tie_weights()  # to_empty unties: the served model must have the sender's parameters
     engine = LocalEngine(model, {0}, device=device)
+    if args.lora_rank:  # --lora: adapters of this rank on the default targets, a ring of 2
+        from asyncrl.config import LoraConfig
+        from asyncrl.engines.rollout.local.lora import LoraSpec
+
+        targets = LoraConfig().target_modules
+        engine.enable_lora(LoraSpec(args.lora_rank, 16.0, targets, 2))
     app = build_app(EngineServer(engine, f"{args.model}-shapes", args.recv_host), secret.load())
     loop = new_event_loop()  # as the engine server's main does
     web.run_app(app, host=args.recv_host, port=args.port, print=None, access_log=None, loop=loop)
@@ -525,6 +532,14 @@ def main(argv: list[str] | None = None) -> None:
         "after real AdamW steps at each --lrs (gloo, one engine; see weight_sync_delta)",
     )
     p.add_argument("--lrs", type=float, nargs="+", default=[1e-6, 1e-5, 1e-3])
+    p.add_argument(
+        "--lora",
+        action="store_true",
+        help="adapter-only pushes (LoRA of each --ranks) vs the full push of the same model, "
+        "same run (gloo; see weight_sync_lora)",
+    )
+    p.add_argument("--ranks", type=int, nargs="+", default=[8, 64], help="--lora only")
+    p.add_argument("--lora-rank", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--delta-mode", default="auto", choices=["auto", "on"], help="weights.delta")
     p.add_argument(
         "--verify", default="sampled", choices=["full", "sampled", "off"], help="--delta only"
@@ -538,6 +553,14 @@ def main(argv: list[str] | None = None) -> None:
         return _serve_engine(args)
     if args._peer:
         return _floor_peer(args)
+    if args.lora:
+        from asyncrl.bench.weight_sync_lora import run_lora, table_lora
+
+        rows = run_lora(args)
+        print(table_lora(rows))
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=2))
+        return None
     if args.delta:
         from asyncrl.bench.weight_sync_delta import run_delta, table_delta
 

@@ -13,7 +13,8 @@ class LoraConfig(_Section, frozen=True):
     trains only the adapter; weight sync pushes only the adapter's tensors; every embedded
     engine keeps up to ``controller.max_staleness + 1`` adapter versions in memory (a request
     runs to its end on the version it was admitted under), so an update pauses and aborts
-    nothing. The run's final adapter is written in PEFT's folder format to
+    nothing; SGLang and vLLM engines load each version from a folder (``adapter_dir``) and
+    keep as many. The run's final adapter is written in PEFT's folder format to
     ``RUN_DIR/final/adapter``."""
 
     rank: NonNegative = 0
@@ -38,6 +39,12 @@ class LoraConfig(_Section, frozen=True):
     """Also write the merged model (base + adapter) as a Hugging Face folder to
     ``RUN_DIR/final`` at the end of a run (the adapter alone is always written to
     ``RUN_DIR/final/adapter``)."""
+    adapter_dir: str = ""
+    """Engines that load adapters from a folder (SGLang, vLLM): where the trainer writes each
+    version (PEFT's folder format, ``{adapter_dir}/{name}-v{N}``); every engine must read it at
+    this same path (one node, or a shared file system). Versions no engine holds any more are
+    deleted. ``""``: ``adapters/`` in the run folder. The embedded engine gets adapters over
+    the collective transport instead."""
     name: str = "policy"
     """The adapter's name on the engines; version ``N`` is served as ``{name}-v{N}`` (SGLang's
     ``lora_path`` names)."""

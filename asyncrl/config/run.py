@@ -266,12 +266,6 @@ class RunConfig(_Section, frozen=True):
         """What a LoRA run (``lora.rank > 0``) cannot be combined with (yet), by key."""
         if not self.lora.enabled:
             return
-        if not isinstance(self.rollout, LocalRolloutConfig):
-            raise ValueError(
-                "lora.rank > 0 works with rollout.backend='local' only (the embedded engine's "
-                "adapter version ring); SGLang's LoRA serving is not wired in yet "
-                "(docs/rollout-engines.md, LoRA)"
-            )
         if isinstance(self.weights, CudaIpcWeightsConfig):
             raise ValueError(
                 "lora.rank > 0 pushes adapters over the collective backends (weights.backend = "

@@ -55,6 +55,7 @@ import msgspec
 
 from asyncrl import trace
 from asyncrl.config import DEFAULT_MAX_NEW_TOKENS, RunConfig
+from asyncrl.controllers.adapters import AdapterNames
 from asyncrl.controllers.episode import Episode, EpisodeContext, EpisodeFailed, Gate
 from asyncrl.controllers.router import Router
 from asyncrl.controllers.staleness import Staleness
@@ -198,6 +199,10 @@ class Controller:
         self._changed = asyncio.Event()
         self._ready_changed = asyncio.Event()
         self._gate = Gate(cc.retry_backoff_s, cc.retry_backoff_max_s)
+        if config.lora.enabled:  # every request names its adapter version
+            self._gate.adapters = AdapterNames(
+                config.lora.name, cc.max_staleness + 1, start_version
+            )
         self._input_ended = False
         self._closing = False
         self._error: BaseException | None = None
@@ -284,6 +289,8 @@ class Controller:
         """The engines now serve ``version``: admission may open further."""
         self._raise_if_failed()
         self.staleness.set_version(version)
+        if self._gate.adapters is not None:
+            self._gate.adapters.newest = version
         tracer = trace.get()
         tracer.set_step(version)
         tracer.instant(f"version {version}", "controller")

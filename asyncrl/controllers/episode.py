@@ -48,6 +48,7 @@ import msgspec
 import numpy as np
 
 from asyncrl.config import DEFAULT_MAX_NEW_TOKENS
+from asyncrl.controllers.adapters import AdapterNames
 from asyncrl.engines.rollout.base import (
     EngineBadRequest,
     EngineError,
@@ -140,9 +141,17 @@ class Gate:
     ``inflight`` counts engine calls in progress; ``drained`` is set whenever it is 0.
     """
 
-    __slots__ = ("drained", "inflight", "open", "retry_backoff_max_s", "retry_backoff_s")
+    __slots__ = (
+        "adapters",
+        "drained",
+        "inflight",
+        "open",
+        "retry_backoff_max_s",
+        "retry_backoff_s",
+    )
 
     def __init__(self, retry_backoff_s: float = 0.05, retry_backoff_max_s: float = 2.0):
+        self.adapters: AdapterNames | None = None  # a LoRA run: the version each request names
         self.open = asyncio.Event()
         self.open.set()
         self.drained = asyncio.Event()
@@ -150,6 +159,25 @@ class Gate:
         self.inflight = 0
         self.retry_backoff_s = retry_backoff_s
         self.retry_backoff_max_s = retry_backoff_max_s
+
+
+def _name_adapter(
+    adapters: AdapterNames | None, versions: list[int], params: dict[str, Any]
+) -> int | None:
+    """A LoRA run: name the request's adapter version in ``params["lora_path"]`` (the
+    clients send it as the engine's own field) and return the version, which made every
+    token of the answer; None: no adapter named (LoRA off, or version 0: the base model)."""
+    if adapters is None:
+        return None
+    version = adapters.version_for(versions)
+    path = adapters.path(version)
+    params["lora_path"] = path
+    return None if path is None else version
+
+
+def _versions(res: GenerateResult, pinned: int | None) -> list[int]:
+    """Every token's version: the named adapter's (exact by construction), else the engine's."""
+    return res.token_versions() if pinned is None else [pinned] * len(res.output_ids)
 
 
 def _number(value: float | Awaitable[float]) -> float:
@@ -378,6 +406,7 @@ class EpisodeContext:
             # (0.5.23 scheduler.py:5688), so "7-1" would also abort "7-10"
             rid = f"{self.episode_id}-{self.next_rid}."
             self.next_rid += 1
+            pinned = _name_adapter(gate.adapters, out.versions, params)
             if not gate.open.is_set():
                 await gate.open.wait()
             if self._engine is None and not self._router.healthy():
@@ -398,7 +427,7 @@ class EpisodeContext:
                 if on_tokens is None:
                     res, applied = await self._router.call(self._engine, ids, params, rid), 0
                 else:
-                    res, applied = await self._streamed(ids, params, rid, out, on_tokens)
+                    res, applied = await self._streamed(ids, params, rid, out, on_tokens, pinned)
             except EngineBadRequest as exc:  # the request is wrong: no engine would take it
                 self._router.report_failure(self._engine, exc)
                 raise EpisodeFailed(f"episode {self.episode_id}: {exc}") from exc
@@ -423,7 +452,7 @@ class EpisodeContext:
             if n > applied:
                 out.output_ids += res.output_ids[applied:] if applied else res.output_ids
                 out.logprobs += res.logprobs[applied:] if applied else res.logprobs
-                out.versions += res.token_versions()[applied:]
+                out.versions += _versions(res, pinned)[applied:]
             out.finish_reason = "partial" if res.finish_reason == "abort" else res.finish_reason
             if res.finish_reason != "abort" or len(out.output_ids) >= budget:
                 if out.finish_reason == "partial":
@@ -439,6 +468,7 @@ class EpisodeContext:
         rid: str,
         out: Generation,
         on_tokens: Callable[[], None],
+        pinned: int | None = None,
     ) -> tuple[GenerateResult, int]:
         """One streamed engine call: its tokens go into ``out`` as they arrive (kept even if
         the call fails later); returns the final result and how many of its tokens were
@@ -450,7 +480,7 @@ class EpisodeContext:
             if n > applied:
                 out.output_ids += res.output_ids[applied:]
                 out.logprobs += res.logprobs[applied:]
-                out.versions += res.token_versions()[applied:]
+                out.versions += _versions(res, pinned)[applied:]
                 applied = n
                 on_tokens()
         if res is None or not res.finish_reason:

@@ -17,6 +17,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -40,6 +41,7 @@ from asyncrl.transports.experience.types import (
 )
 from asyncrl.transports.experience.zmq_recv import ExperienceReceiver
 from asyncrl.transports.weights import make_weight_transport
+from asyncrl.transports.weights.adapter_send import AdapterSpec
 from asyncrl.transports.weights.base import (
     EnginesLeft,
     PushHandle,
@@ -165,6 +167,17 @@ def _notice_handler(sender: WeightTransport) -> Callable[[Engines], None]:
     return handle
 
 
+def _adapter_spec(cfg: RunConfig, config_path: str, model_path: str) -> AdapterSpec | None:
+    """A LoRA run's adapters as engines that load them from a folder get them: written under
+    ``lora.adapter_dir`` (default: ``adapters/`` in the run folder, beside ``config.json``)."""
+    lc = cfg.lora
+    if not lc.enabled:
+        return None
+    folder = lc.adapter_dir or str(Path(config_path).resolve().parent / "adapters")
+    capacity = cfg.controller.max_staleness + 1
+    return AdapterSpec(lc.name, lc.rank, lc.alpha, lc.dropout, capacity, folder, model_path)
+
+
 def run(args: argparse.Namespace) -> None:
     cfg = msgspec.json.decode(open(args.config, "rb").read(), type=RunConfig)
     if args.host:  # this rank's routable address: the weight-sync master on rank 0
@@ -198,8 +211,9 @@ def run(args: argparse.Namespace) -> None:
         if cfg.lora.enabled:  # adapter pushes load beside the served versions: never pause
             wcfg = msgspec.structs.replace(wcfg, pause_scope="none")
         sender = make_weight_transport(
-            wcfg, urls, cfg.trainer.device, cfg.rollout.pause_mode, cfg.rollout
-        )
+            wcfg, urls, cfg.trainer.device, cfg.rollout.pause_mode, cfg.rollout,
+            _adapter_spec(cfg, args.config, model_path),
+        )  # fmt: skip
         sender.connect()
         chan.on_notice = _notice_handler(sender)  # engine set changes, also mid-step
     state = RunState(algorithm, args.rank, chan.report)

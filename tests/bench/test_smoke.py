@@ -42,9 +42,13 @@ SMOKE: dict[str, tuple[str, list[str]]] = {  # the longest first
         "weight-sync",
         ["--delta", "--model=tiny", "--lrs", "1e-6", "--repeats=1"],
     ),
+    "weight-sync-lora": (
+        "weight-sync",
+        ["--lora", "--model=tiny", "--dtype=float32", "--ranks", "4", "--repeats=1"],
+    ),
     "generation": (
         "generation",
-        ["--requests=4", "--prompt-len=16", "--short-len=4", "--long-factor=2"],
+        ["--requests=4", "--prompt-len=16", "--short-len=4", "--long-factor=2", "--lora-rank=4"],
     ),
     "train": (
         "train",
@@ -145,6 +149,8 @@ def _generation(res: dict[str, Any], out: str) -> None:
     assert "speedup engine / hf generate" in out
     assert res["requests"] == 4 and res["output_tokens"] > 0
     assert res["engine_tokens_per_s"] > 0 and res["hf_generate_tokens_per_s"] > 0
+    assert "engine lora-mixed" in out and res["lora_rank"] == 4
+    assert res["lora_tokens_per_s"] > 0 and res["lora_mixed_vs_base"] > 0
 
 
 def _weight_sync_delta(res: list[dict[str, Any]], out: str) -> None:
@@ -159,6 +165,19 @@ def _weight_sync_delta(res: list[dict[str, Any]], out: str) -> None:
     assert full["sender_bytes_per_param"] == 2.0
     assert 2.0 < delta["sender_bytes_per_param"] <= 2.0 + 2.0 + 2.0 / 8
     assert delta["tree_peak_rss_bytes"] >= delta["tree_rss_after_bytes"] > 0
+
+
+def _weight_sync_lora(res: list[dict[str, Any]], out: str) -> None:
+    assert "bytes_vs_full" in out.splitlines()[0]
+    full, lora = res
+    assert (full["mode"], lora["mode"], lora["rank"]) == ("full", "lora", 4)
+    assert all(r["verified"] is True and r["total_s"] > 0 for r in res)
+    # the tiny model (hidden 64, kv 32, intermediate 128, vocab 1024): in + out of q, k, v, o,
+    # gate, up, down per layer, 2 layers, and the head; rank 4, float32
+    per_layer = 128 + 96 + 96 + 128 + 192 + 192 + 192
+    want = (2 * per_layer + 64 + 1024) * 4 * 4
+    assert lora["tensors"] == 30 and lora["bytes"] == want < full["bytes"]
+    assert lora["bytes_vs_full"] == full["bytes"] / want
 
 
 def _trace(res: dict[str, Any], out: str) -> None:
@@ -189,6 +208,7 @@ CHECKS: dict[str, Callable[[Any, str], None]] = {
     "train": _train,
     "generation": _generation,
     "weight-sync-delta": _weight_sync_delta,
+    "weight-sync-lora": _weight_sync_lora,
     "trace": _trace,
     "learning": _learning,
     "pipeline": _pipeline,

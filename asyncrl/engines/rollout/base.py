@@ -14,6 +14,9 @@ in-flight requests return at once with ``finish_reason == "abort"``;
 switch ``weight_version`` only once the whole update is loaded. ``generate_stream``
 yields the same request's output as it grows: cumulative partial results
 (``finish_reason == ""``) and, last, the final one (what ``generate`` would return).
+``sampling_params["lora_path"]`` (LoRA runs; not a sampling parameter) names the adapter
+version a request runs on (``{name}-v{N}``); the client sends it where its engine takes it
+(SGLang: the request's ``lora_path``).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import Any, Protocol
 import msgspec
 
 __all__ = [
+    "AdapterControl",
     "ControlledEngine",
     "EngineBadRequest",
     "EngineControl",
@@ -256,6 +260,24 @@ class EngineControl(Protocol):
     async def update_weight_version(self, new_version: str) -> None: ...
 
 
+class AdapterControl(Protocol):
+    """An engine that loads LoRA adapters by name from a folder (SGLang's
+    ``/load_lora_adapter``, vLLM's ``/v1/load_lora_adapter``); requests then name one in
+    ``sampling_params["lora_path"]`` (see the clients). Contract: :meth:`load_lora_adapter`
+    returns once ``lora_name`` serves requests (a name already loaded is refused: EngineError
+    naming it); :meth:`unload_lora_adapter` returns once ``lora_name`` is gone, which SGLang
+    delays until no request uses it (new requests naming it are refused from the call on).
+    Both raise EngineError (the engine answered no) or EngineUnavailable."""
+
+    url: str
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> None: ...
+
+    async def unload_lora_adapter(self, lora_name: str) -> None: ...
+
+    async def close(self) -> None: ...
+
+
 class ManagedEngine(RolloutEngine, Protocol):
     """A RolloutEngine whose liveness can be waited for (launchers, restarts, the transport)."""
 
@@ -310,3 +332,12 @@ class WeightFamily:
     """Why ``weights.backend = "cuda-ipc"`` cannot serve this family (when not ``ipc``)."""
     check: Callable[[list[dict[str, Any]], str], bool] = lambda infos, mode: True
     received: Callable[[EngineError], bool] = lambda exc: exc.status == 200
+    adapters: Callable[[str, float], AdapterControl] | None = None
+    """LoRA runs: how an engine of this family loads adapter versions from a folder the
+    trainer writes (SGLang, vLLM); None: adapters travel over the collective transport
+    into the engine's in-memory ring (the embedded engine)."""
+    adapter_folders_kept: bool = False
+    """The folder of an unloaded adapter version stays while ``capacity`` newer versions
+    load (vLLM: its unload forgets the name only, and a running request whose adapter left
+    the cache reloads it from its folder); False: deleted once unloaded (SGLang reloads an
+    unloaded name from its folder when a request names it, so the folder must go)."""

@@ -18,7 +18,12 @@ from asyncrl.config import (
     SGLangRolloutConfig,
     VLLMRolloutConfig,
 )
-from asyncrl.engines.rollout.base import ControlledEngine, ManagedEngine, WeightFamily
+from asyncrl.engines.rollout.base import (
+    AdapterControl,
+    ControlledEngine,
+    ManagedEngine,
+    WeightFamily,
+)
 
 __all__ = ["make_engine", "rollout_config", "weight_family"]
 
@@ -46,13 +51,23 @@ def weight_family(rollout: RolloutConfig | str, bucket_bytes: int = 1 << 30) -> 
     transport's bucket size, which vLLM's packed chunks are cut at)."""
     rc = rollout_config(rollout)
     if isinstance(rc, VLLMRolloutConfig):
+        from asyncrl.engines.rollout.vllm.client import VLLMClient
         from asyncrl.engines.rollout.vllm.control import VLLMControl
 
         def make_vllm(url: str, timeout_s: float) -> ControlledEngine:
             return VLLMControl(url, timeout_s, bucket_bytes, retry_503_s=rc.retry_503_s)
 
+        def vllm_adapters(url: str, timeout_s: float) -> AdapterControl:
+            return VLLMClient(url, timeout_s, retry_503_s=rc.retry_503_s)
+
         return WeightFamily(
-            "vLLM", make_vllm, loads_live=True, check=_vllm_check, received=lambda e: False
+            "vLLM",
+            make_vllm,
+            loads_live=True,
+            check=_vllm_check,
+            received=lambda e: False,
+            adapters=vllm_adapters,  # /v1/load_lora_adapter from a folder
+            adapter_folders_kept=True,
         )
     from asyncrl.engines.rollout.sglang.client import SGLangClient
 
@@ -70,6 +85,7 @@ def weight_family(rollout: RolloutConfig | str, bucket_bytes: int = 1 << 30) -> 
             no_ipc=CUDA_IPC_SGLANG,
             check=sglang_check,
             received=sglang_received,
+            adapters=SGLangClient,  # /load_lora_adapter from a folder (0.5.10 .. 0.5.23)
         )
     assert isinstance(rc, LocalRolloutConfig)
     return WeightFamily("embedded engine", make_sglang, ipc=True)

@@ -28,7 +28,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from asyncrl.config import LocalRolloutConfig, RolloutConfig, RunConfig, VLLMRolloutConfig
+from asyncrl.config import (
+    LocalRolloutConfig,
+    RolloutConfig,
+    RunConfig,
+    SGLangRolloutConfig,
+    VLLMRolloutConfig,
+)
 from asyncrl.engines.rollout.base import EngineUnavailable
 from asyncrl.engines.rollout.sglang.client import SGLangClient
 from asyncrl.engines.rollout.vllm.client import VLLMClient
@@ -256,11 +262,20 @@ def start_engines(
 
 
 def lora_engine_args(cfg: RunConfig) -> tuple[str, ...]:
-    """The embedded engine's flags for the run's ``lora`` section (none when LoRA is off):
-    the adapters' shape and a ring of ``controller.max_staleness + 1`` versions."""
+    """The engines' flags for the run's ``lora`` section (none when LoRA is off): the
+    adapters' shape and a ring of ``controller.max_staleness + 1`` versions (SGLang's:
+    :func:`~asyncrl.engines.rollout.sglang.launcher.sglang_lora_args`)."""
     lc = cfg.lora
     if not lc.enabled:
         return ()
+    if isinstance(cfg.rollout, SGLangRolloutConfig):
+        from asyncrl.engines.rollout.sglang.launcher import sglang_lora_args
+
+        return sglang_lora_args(lc, cfg.controller.max_staleness + 1)
+    if isinstance(cfg.rollout, VLLMRolloutConfig):
+        from asyncrl.engines.rollout.vllm.launcher import vllm_lora_args
+
+        return vllm_lora_args(lc, cfg.controller.max_staleness + 1)
     return (
         "--enable-lora",
         "--max-lora-rank", str(lc.rank),
@@ -299,7 +314,7 @@ def engine_spec(
     if isinstance(rc, VLLMRolloutConfig):
         from asyncrl.engines.rollout.vllm.launcher import vllm_spec
 
-        return vllm_spec(rc, model_path, port, host, gpu, seed + 1000 + i)
+        return vllm_spec(rc, model_path, port, host, gpu, seed + 1000 + i, lora)
     from asyncrl.engines.rollout.sglang.launcher import sglang_spec
 
-    return sglang_spec(rc, model_path, port, host, gpu, seed + 1000 + i)
+    return sglang_spec(rc, model_path, port, host, gpu, seed + 1000 + i, lora)

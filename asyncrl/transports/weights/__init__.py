@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from asyncrl.config import CudaIpcWeightsConfig, RolloutConfig, WeightSyncConfig
 
 if TYPE_CHECKING:
+    from asyncrl.transports.weights.adapter_send import AdapterSpec
     from asyncrl.transports.weights.base import WeightTransport
 
 __all__ = ["CUDA_IPC_OTHER", "CUDA_IPC_SGLANG", "make_weight_transport"]
@@ -31,6 +32,7 @@ def make_weight_transport(
     device: str,
     pause_mode: str = "abort",
     engine: RolloutConfig | str = "local",
+    adapters: AdapterSpec | None = None,
 ) -> WeightTransport:
     """The one factory of weight transports: the backend is chosen here, once.
 
@@ -41,11 +43,20 @@ def make_weight_transport(
     engine-control factory (:func:`asyncrl.engines.rollout.factory.weight_family`) gives
     the transport: the embedded engine (staged, verified, all-or-nothing), SGLang or vLLM
     (see ``collective_send``: whole tensors, paused transfer, re-push on failure).
+    ``adapters`` (a LoRA run): a family that loads adapters from a folder (SGLang) gets the
+    :class:`~asyncrl.transports.weights.adapter_send.AdapterFolderSender`; the embedded
+    engine takes them over the collective transport.
     """
     from asyncrl.engines.rollout.factory import weight_family
 
     bucket_bytes = getattr(cfg, "bucket_mb", 1024) << 20
     family = weight_family(engine, bucket_bytes)
+    if adapters is not None and family.adapters is not None:
+        from asyncrl.transports.weights.adapter_send import AdapterFolderSender
+
+        return AdapterFolderSender(
+            engine_urls, adapters, family.adapters, cfg.timeout_s, family.adapter_folders_kept
+        )
     if isinstance(cfg, CudaIpcWeightsConfig):
         if not family.ipc:
             raise ValueError(family.no_ipc or CUDA_IPC_OTHER)

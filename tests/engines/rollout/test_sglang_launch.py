@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from asyncrl.config import LocalRolloutConfig, SGLangRolloutConfig
+from asyncrl.config import LocalRolloutConfig, LoraConfig, SGLangRolloutConfig
 from asyncrl.engines.rollout.launcher import engine_spec, launch_command, startup_timeout
 from asyncrl.engines.rollout.sglang.launcher import SGLANG_CLI, sglang_dtype, sglang_entry_point
 from tests.engines.rollout.sglang.code import VERSIONS, sglang_env, sglang_src
@@ -65,8 +65,9 @@ def test_command_line_parses_with_sglangs_parser(
         {"rollout": {"backend": "sglang"}, "model_path": str(_bf16_model(tmp_path))},
         {"rollout": {"backend": "sglang", "dtype": "float32"}, "model_path": model},
         {"rollout": {"backend": "sglang", "extra_args": ["--no-such-flag"]}, "model_path": model},
+        {"rollout": {"backend": "sglang"}, "model_path": model, "lora": {"rank": 8}, "capacity": 2},
     ]
-    serve, module, bf16, fp32, bad = _judge(version, [{**c, "api_key": KEY} for c in cases])
+    serve, module, bf16, fp32, bad, lora = _judge(version, [{**c, "api_key": KEY} for c in cases])
     # the key reaches SGLang's argv in memory, never the command line (entrypoints/keyed.py)
     assert serve["keyed"] and module["keyed"]
     assert not any(KEY in a for a in serve["cmdline"] + module["cmdline"])
@@ -97,6 +98,10 @@ def test_command_line_parses_with_sglangs_parser(
     assert bf16["parsed"]["dtype"] == "auto"  # stored in bf16: SGLang's auto keeps it
     assert fp32["parsed"]["dtype"] == "float32"
     assert isinstance(bad["parsed"], str) and "--no-such-flag" in bad["parsed"], bad["parsed"]
+    lp = lora["parsed"]  # a LoRA run: no adapter at start, room for 2 versions + the base model
+    assert lp["enable_lora"] is True and lp["max_lora_rank"] == 8 and lp["lora_paths"] is None
+    assert lp["lora_target_modules"] == list(LoraConfig().target_modules)
+    assert lp["max_loras_per_batch"] == 3 and lp["max_loaded_loras"] is None
 
 
 def test_entry_point_without_sglang_installed_here() -> None:

@@ -53,7 +53,7 @@ def _server_message(raw: bytes) -> str:
         err = body.get("error")
         if isinstance(err, dict) and err.get("message"):
             return str(err["message"])
-        for key in ("message", "detail", "error"):
+        for key in ("message", "detail", "error", "error_message"):
             if body.get(key):
                 return str(body[key])
     return text[:2000]
@@ -145,6 +145,7 @@ class SGLangClient:
             "sampling_params": dict(sampling_params),
             "return_logprob": True,
         }
+        _move_lora_path(body)
         if rid is not None:
             body["rid"] = str(rid)
         return GenerateResult.from_sglang(await self._call("POST", "/generate", body))
@@ -163,6 +164,7 @@ class SGLangClient:
             "return_logprob": True,
             "stream": True,
         }
+        _move_lora_path(body)
         if rid is not None:
             body["rid"] = str(rid)
         if self.sent is not None:
@@ -183,6 +185,7 @@ class SGLangClient:
             "sampling_params": [dict(sp) for sp in sampling_params],
             "return_logprob": True,
         }
+        _move_lora_path(body)
         if rids is not None:
             body["rid"] = [str(r) for r in rids]
         out = await self._call("POST", "/generate", body)
@@ -207,6 +210,19 @@ class SGLangClient:
     async def flush_cache(self) -> None:
         """Drop the server's prefix cache (SGLang refuses while requests run)."""
         await self._call("POST", "/flush_cache")
+
+    # -- LoRA adapters -----------------------------------------------------------------
+    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:
+        """Load the PEFT adapter folder ``lora_path`` as ``lora_name`` (SGLang's
+        ``LoadLoRAAdapterReqInput``; 400 ``error_message`` on a duplicate name, a rank or
+        target module the server was not started for, or LoRA off)."""
+        body = {"lora_name": str(lora_name), "lora_path": str(lora_path)}
+        await self._call("POST", "/load_lora_adapter", body)
+
+    async def unload_lora_adapter(self, lora_name: str) -> None:
+        """Unload ``lora_name``; SGLang answers once no request uses it
+        (``_unload_lora_adapter_locked``, tokenizer_communicator_mixin.py:619-637 in 0.5.10)."""
+        await self._call("POST", "/unload_lora_adapter", {"lora_name": str(lora_name)})
 
     # -- weights -----------------------------------------------------------------------
     async def init_weights_update_group(
@@ -384,6 +400,21 @@ class SGLangClient:
                     f"engine {self.url} did not answer within {timeout_s:g}s (last: {why})"[:500]
                 )
             await asyncio.sleep(interval_s)
+
+
+def _move_lora_path(body: dict[str, Any]) -> None:
+    """``sampling_params["lora_path"]`` (asyncrl's way to name an adapter version, not a
+    sampling parameter: SGLang's ``SamplingParams`` refuses unknown keys) becomes the
+    request's own ``lora_path`` (``GenerateReqInput.lora_path``, io_struct.py:181 in 0.5.10:
+    one name, or one per item of a batch; None: the base model)."""
+    sps = body["sampling_params"]  # the request's own copies
+    if isinstance(sps, dict):
+        if (path := sps.pop("lora_path", None)) is not None:
+            body["lora_path"] = str(path)
+        return
+    paths = [sp.pop("lora_path", None) for sp in sps]
+    if any(p is not None for p in paths):
+        body["lora_path"] = [None if p is None else str(p) for p in paths]
 
 
 def _set_optional(

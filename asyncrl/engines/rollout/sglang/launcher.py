@@ -5,12 +5,20 @@ are the generic launcher's (:mod:`asyncrl.engines.rollout.launcher`)."""
 from __future__ import annotations
 
 import importlib.metadata
+from collections.abc import Sequence
 from pathlib import Path
 
-from asyncrl.config import SGLangRolloutConfig
+from asyncrl.config import LoraConfig, SGLangRolloutConfig
 from asyncrl.engines.rollout.launcher import SGLANG_SERVER, LaunchSpec, stored_dtype
 
-__all__ = ["SGLANG_CLI", "SGLANG_SERVER", "sglang_dtype", "sglang_entry_point", "sglang_spec"]
+__all__ = [
+    "SGLANG_CLI",
+    "SGLANG_SERVER",
+    "sglang_dtype",
+    "sglang_entry_point",
+    "sglang_lora_args",
+    "sglang_spec",
+]
 
 SGLANG_CLI = "sglang.cli.main:main"
 """SGLang's ``sglang`` console script (its wheels' entry_points.txt, 0.5.10 to 0.5.23)."""
@@ -50,13 +58,36 @@ def sglang_dtype(rc: SGLangRolloutConfig, model_path: str) -> str:
     return "auto" if stored_dtype(model_path) in ("bfloat16", "float16") else "bfloat16"
 
 
+def sglang_lora_args(lc: LoraConfig, capacity: int) -> tuple[str, ...]:
+    """SGLang's LoRA flags for a run's adapters (0.5.10 server_args.py:4578-4626): LoRA on
+    with no adapter at start (``--max-lora-rank`` and ``--lora-target-modules`` are then
+    required, :6326-6329), and room for ``capacity`` versions plus the base model (version
+    0's requests) in one running batch (``--max-loras-per-batch``, which counts base-only
+    requests, :4616-4619). No ``--max-loaded-loras``: its LRU eviction runs *after* a load
+    (tokenizer_communicator_mixin.py:679-705) and may pick a version other than the oldest;
+    asyncrl's sender unloads the oldest itself before each load."""
+    return (
+        "--enable-lora",
+        "--max-lora-rank", str(lc.rank),
+        "--lora-target-modules", *lc.target_modules,
+        "--max-loras-per-batch", str(capacity + 1),
+    )  # fmt: skip
+
+
 def sglang_spec(
-    rc: SGLangRolloutConfig, model_path: str, port: int, host: str, base_gpu: int, seed: int
+    rc: SGLangRolloutConfig,
+    model_path: str,
+    port: int,
+    host: str,
+    base_gpu: int,
+    seed: int,
+    lora: Sequence[str] = (),
 ) -> LaunchSpec:
     """One SGLang server of a run: ``rc.tp_size`` GPUs from ``base_gpu`` (``--base-gpu-id``),
-    :func:`sglang_dtype`, sampling seed ``seed``, ``rc.extra_args`` last."""
+    :func:`sglang_dtype`, sampling seed ``seed``, the run's LoRA flags ``lora``
+    (:func:`sglang_lora_args`), ``rc.extra_args`` last."""
     extra = ["--dtype", sglang_dtype(rc, model_path), "--random-seed", str(seed)]
-    extra += ["--base-gpu-id", str(base_gpu)]
+    extra += ["--base-gpu-id", str(base_gpu), *lora]
     return LaunchSpec(
         model_path,
         port,

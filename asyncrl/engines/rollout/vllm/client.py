@@ -181,12 +181,19 @@ class VLLMClient:
 
     # -- generation ---------------------------------------------------------------------
     def _body(self, ids: list[int], sp: dict[str, Any], rid: str | None, stream: bool) -> Any:
-        return {
+        """``sp["lora_path"]`` (an adapter version's name) becomes the request's ``model``
+        (tito/protocol.py:284, resolved to the loaded adapter by ``_maybe_get_adapters``,
+        tito/serving.py:197-198; an unknown name: 404, models/serving.py:53-62)."""
+        lora = sp.get("lora_path")
+        body = {
             "request_id": str(rid) if rid is not None else uuid.uuid4().hex,
             "token_ids": [int(t) for t in ids],
-            "sampling_params": vllm_sampling(sp),
+            "sampling_params": vllm_sampling({k: v for k, v in sp.items() if k != "lora_path"}),
             "stream": stream,
         }
+        if lora is not None:
+            body["model"] = str(lora)
+        return body
 
     async def _until_resumed(self, first: EngineError) -> None:
         """After a 503 (paused in ``abort``/``wait`` mode): poll ``/is_paused`` until it is
@@ -286,6 +293,18 @@ class VLLMClient:
                     yield _result(list(ids), list(lps), str(finish or ""), spans)
         except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
             raise EngineUnavailable(f"{self.url}{GENERATE}: {type(exc).__name__}: {exc}") from exc
+
+    # -- LoRA adapters (VLLM_ALLOW_RUNTIME_LORA_UPDATING=1, serve/lora/api_router.py:30-96) --
+    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:
+        """Load the PEFT folder ``lora_path`` as ``lora_name`` (400 when the name is loaded
+        already, models/serving.py:270-278)."""
+        body = {"lora_name": str(lora_name), "lora_path": str(lora_path)}
+        await self._call("POST", "/v1/load_lora_adapter", body)
+
+    async def unload_lora_adapter(self, lora_name: str) -> None:
+        """Forget ``lora_name`` (404 "cannot be found" when unknown). vLLM does not wait for
+        the requests using it: they keep their adapter (models/serving.py:234-248)."""
+        await self._call("POST", "/v1/unload_lora_adapter", {"lora_name": str(lora_name)})
 
     # -- pause, abort, version, liveness -------------------------------------------------
     async def pause_generation(self, mode: str = "keep") -> None:

@@ -11,14 +11,42 @@ and stopping are the generic launcher's (:mod:`asyncrl.engines.rollout.launcher`
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 
-from asyncrl.config import VLLMRolloutConfig
+from asyncrl.config import LoraConfig, VLLMRolloutConfig
 from asyncrl.engines.rollout.launcher import LaunchSpec, stored_dtype
 
-__all__ = ["VLLM_CLI", "VLLM_ENV", "vllm_args", "vllm_dtype", "vllm_spec"]
+__all__ = [
+    "VLLM_CLI",
+    "VLLM_ENV",
+    "VLLM_LORA_ENV",
+    "vllm_args",
+    "vllm_dtype",
+    "vllm_lora_args",
+    "vllm_spec",
+]
 
 VLLM_CLI = "vllm.entrypoints.cli.main:main"
 VLLM_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
+VLLM_LORA_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
+"""A LoRA run's: ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` are mounted only
+with it (entrypoints/serve/lora/api_router.py:30-32, envs.py:1204-1206)."""
+_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # MaxLoRARanks, config/lora.py:27
+
+
+def vllm_lora_args(lc: LoraConfig, capacity: int) -> tuple[str, ...]:
+    """vLLM's LoRA flags for a run's adapters: ``--max-lora-rank`` the smallest value vLLM
+    takes at or above ``lora.rank`` (config/lora.py:27-34); ``--max-loras`` = ``capacity``
+    (adapters in one batch; the base model takes no slot); ``--max-cpu-loras`` = twice
+    that: vLLM's unload forgets the name only (models/serving.py:234-248), so requests
+    still running on an unloaded version keep it in the cache beside the held ones."""
+    rank = next((r for r in _RANKS if r >= lc.rank), lc.rank)
+    return (
+        "--enable-lora",
+        "--max-lora-rank", str(rank),
+        "--max-loras", str(capacity),
+        "--max-cpu-loras", str(2 * capacity),
+    )  # fmt: skip
 
 
 def vllm_dtype(rc: VLLMRolloutConfig, model_path: str) -> str:
@@ -41,21 +69,29 @@ def vllm_args(rc: VLLMRolloutConfig, model_path: str, port: int, host: str, seed
 
 
 def vllm_spec(
-    rc: VLLMRolloutConfig, model_path: str, port: int, host: str, base_gpu: int, seed: int
+    rc: VLLMRolloutConfig,
+    model_path: str,
+    port: int,
+    host: str,
+    base_gpu: int,
+    seed: int,
+    lora: Sequence[str] = (),
 ) -> LaunchSpec:
     """One vLLM server of a run on GPUs ``base_gpu .. base_gpu + tp_size - 1``
-    (``CUDA_VISIBLE_DEVICES``), with ``VLLM_SERVER_DEV_MODE=1``. The model path is
-    ``vllm serve``'s positional argument, so the spec's own flags are not used."""
+    (``CUDA_VISIBLE_DEVICES``), with ``VLLM_SERVER_DEV_MODE=1``; a LoRA run's flags ``lora``
+    (:func:`vllm_lora_args`) with :data:`VLLM_LORA_ENV`. The model path is ``vllm serve``'s
+    positional argument, so the spec's own flags are not used."""
     gpus = ",".join(str(base_gpu + k) for k in range(rc.tp_size))
+    args = [*vllm_args(rc, model_path, port, host, seed), *lora]
     return LaunchSpec(
         model_path,
         port,
         host,
         rc.tp_size,
         None,
-        tuple(vllm_args(rc, model_path, port, host, seed)),
+        tuple(args),
         "vllm",
-        env={**VLLM_ENV, "CUDA_VISIBLE_DEVICES": gpus},
+        env={**VLLM_ENV, **(VLLM_LORA_ENV if lora else {}), "CUDA_VISIBLE_DEVICES": gpus},
         entry_point=(VLLM_CLI, "serve"),
         own_flags=False,
         key_flag="--api-key",  # the run secret (asyncrl.entrypoints.keyed)

@@ -3,6 +3,7 @@
 Run as ``python -m tests.engines.rollout.sglang.launch_args`` with SGLang ``V``'s
 source (and its dist-info, so ``importlib.metadata`` sees V's console scripts)
 first on ``PYTHONPATH``; reads ``{"cases": [{"rollout": {...}, "model_path": P, "i": N}, ...]}``
+(a case's optional ``lora`` section and ``capacity`` add the run's LoRA flags)
 from stdin, writes one JSON report per case to stdout:
 
 - ``args``: what :func:`asyncrl.engines.rollout.launcher.launch_command` builds
@@ -32,8 +33,9 @@ from typing import Any
 
 import msgspec
 
-from asyncrl.config import RolloutConfig
+from asyncrl.config import LoraConfig, RolloutConfig
 from asyncrl.engines.rollout.launcher import KEYED, engine_spec, launch_command
+from asyncrl.engines.rollout.sglang.launcher import sglang_lora_args
 from asyncrl.entrypoints.keyed import keyed_argv
 
 
@@ -60,7 +62,11 @@ def _entry(args: list[str]) -> tuple[dict[str, Any], list[str]]:
 def build_and_parse(case: dict[str, Any]) -> dict[str, Any]:
     """One case: asyncrl's command line for ``case`` and what V's parser makes of it."""
     rc = msgspec.convert(case["rollout"], RolloutConfig)
-    spec = engine_spec(rc, case["model_path"], case.get("i", 0), port=int(case.get("port", 30000)))
+    lora = ()  # a LoRA run's flags (``lora``: the section, ``capacity``: its ring)
+    if case.get("lora"):
+        lora = sglang_lora_args(msgspec.convert(case["lora"], LoraConfig), case["capacity"])
+    port = int(case.get("port", 30000))
+    spec = engine_spec(rc, case["model_path"], case.get("i", 0), port=port, lora=lora)
     cmdline = launch_command(spec)  # what /proc/PID/cmdline shows: no key
     keyed = cmdline[:2] == ["-m", KEYED] and cmdline[3] == "--"
     args = cmdline

@@ -50,8 +50,10 @@ def start_standin(
     fail_calls: str = "",
     step_s: float = 0.0,
     timeout_s: float = 120.0,
+    flags: tuple[str, ...] = (),
 ) -> StandInServer:
-    """The stand-in of SGLang ``version`` on a free loopback port, once it answers."""
+    """The stand-in of SGLang ``version`` on a free loopback port, once it answers; ``flags``:
+    SGLang server flags it plays (the LoRA ones, ``lora.py``)."""
     port = free_port()
     folder.mkdir(parents=True, exist_ok=True)
     calls, log = folder / f"calls-{port}.jsonl", folder / f"standin-{port}.log"
@@ -60,6 +62,7 @@ def start_standin(
     args += ["--sglang-version", version]
     args += ["--port", str(port), "--model-path", str(model_dir), "--tp-size", str(tp_size)]
     args += ["--calls", str(calls), "--fail-calls", fail_calls, "--step-s", str(step_s)]
+    args += list(flags)
     env = python_env(sglang_env(version))
     proc = spawn(args, log, env=env)
     server = StandInServer(f"http://127.0.0.1:{port}", proc, calls, log, version)

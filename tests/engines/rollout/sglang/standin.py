@@ -49,6 +49,9 @@ unless noted):
   with no admin key, ADMIN_OPTIONAL alike: auth.py:128-144), else 401
   ``{"error": "Unauthorized"}`` (auth.py:187-197) and the route never runs.
 
+LoRA adapters (``/load_lora_adapter``, ``/unload_lora_adapter``, ``lora_path`` in
+``/generate``, the flags): ``lora.py``, which cites SGLang's source for each behaviour.
+
 Test-only: ``GET /standin/state`` (ground truth: per rid, the version of the
 weights that produced each token and the label it carried; per push and TP rank,
 whether every received bucket's bytes match the checksum asyncrl sent).
@@ -68,6 +71,7 @@ from typing import Any
 import torch
 from aiohttp import web
 
+from tests.engines.rollout.sglang.lora import LoraServing, add_flags
 from tests.engines.rollout.sglang.rank import Rank
 from tests.engines.rollout.sglang.ranks import SGLangRank
 
@@ -102,6 +106,9 @@ class Req:
     labels: list[str] = field(default_factory=list)  # the label when each token was made
     events: list[Any] = field(default_factory=list)  # SGLang's WeightVersionEvent list
     finish: str | None = None
+    lora_id: str | None = None  # the adapter it acquired (lora.py)
+    lora_name: str | None = None
+    adapter_truth: list[str | None] = field(default_factory=list)  # adapter of each token
 
 
 class StandIn:
@@ -143,6 +150,7 @@ class StandIn:
         self.label_errors = 0  # tokens whose label differed from the weights that made them
         self.mixed_tokens = 0  # tokens made on half-loaded weights
         self.spans_fn = self._load_spans_fn()
+        self.lora = LoraServing(args, self.model)
 
     def _load_spans_fn(self) -> Any:
         if not self.new:
@@ -166,7 +174,7 @@ class StandIn:
                 continue
             self.running += self.waiting
             self.waiting = []
-            batch = [r for r in self.running if r.finish is None]
+            batch = self.lora.admit([r for r in self.running if r.finish is None])
             await asyncio.to_thread(self._step, batch)
             if self.step_s:
                 await asyncio.sleep(self.step_s)  # test knob: decode slower, so pushes overlap
@@ -188,6 +196,7 @@ class StandIn:
             mask[i, width - len(s) :] = 1
         pos = (mask.cumsum(1) - 1).clamp(min=0)
         truth, label = self.truth(), self.label
+        self.lora.rows = [r.lora_id for r in batch]
         with torch.no_grad():
             logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -1]
         for i, r in enumerate(batch):
@@ -198,6 +207,7 @@ class StandIn:
             r.logprobs.append(float(lp[tok]))
             r.truth.append(truth)
             r.labels.append(label)
+            r.adapter_truth.append(r.lora_name)
             if truth is None:
                 self.mixed_tokens += 1
             elif str(truth) != label and not (truth == 0 and label == "default"):
@@ -287,10 +297,16 @@ class StandIn:
         sps = [sps] * len(ids) if isinstance(sps, dict) else sps
         rids = body.get("rid")
         rids = [rids] if single and rids is not None else rids
+        paths = body.get("lora_path")
+        paths = [paths] * len(ids) if paths is None or isinstance(paths, str) else paths
         async with self.cond:  # tm:938-939
             await self.cond.wait_for(lambda: not self.paused)
         self.inflight += 1  # model_update_lock.reader_lock, tm:941
         try:
+            try:
+                lora_ids = await self.lora.resolve(paths)  # tm:513-514
+            except ValueError as exc:  # hs:689-691
+                return self.answer(request, body, {"error": {"message": str(exc)}}, 400)
             reqs = []
             for i, (x, sp) in enumerate(zip(ids, sps, strict=True)):
                 rid = rids[i] if rids else f"auto-{time.monotonic_ns()}-{i}"
@@ -303,15 +319,19 @@ class StandIn:
                     stop,
                     bool(sp.get("ignore_eos")),
                 )
+                r.lora_id, r.lora_name = lora_ids[i], paths[i]
                 self.reqs[rid] = r
                 reqs.append(r)
                 self.waiting.append(r)
             self.wake.set()
             await asyncio.gather(*(r.done.wait() for r in reqs))
             out = [self.meta(r) for r in reqs]
+            for r in reqs:  # tm:1683-1684 (finished), 1229-1230 (aborted)
+                await self.lora.release(r.lora_id)
         finally:
             self.inflight -= 1
-        return self.answer(request, {"n": len(ids)}, out[0] if single else out)
+        note = {"n": len(ids), "lora_path": body.get("lora_path")}
+        return self.answer(request, note, out[0] if single else out)
 
     async def pause_generation(self, request: web.Request) -> web.Response:
         body = await self.body(request)
@@ -511,6 +531,16 @@ class StandIn:
             },
         )
 
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        body = await self.body(request)
+        out, status = await self.lora.load(str(body["lora_name"]), str(body["lora_path"]))
+        return self.answer(request, body, out, status)
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        body = await self.body(request)
+        out, status = await self.lora.unload(str(body["lora_name"]))
+        return self.answer(request, body, out, status)
+
     async def model_info(self, request: web.Request) -> web.Response:
         return self.answer(
             request,
@@ -561,9 +591,15 @@ class StandIn:
                 "sha256": sums,
                 "loaded_how": self.rank0.loaded_how,
                 "reqs": {
-                    rid: {"truth": r.truth, "labels": r.labels, "finish": r.finish}
+                    rid: {
+                        "truth": r.truth,
+                        "labels": r.labels,
+                        "finish": r.finish,
+                        "adapters": r.adapter_truth,
+                    }
                     for rid, r in self.reqs.items()
                 },
+                "lora": self.lora.state(),
             }
         )
 
@@ -582,6 +618,8 @@ class StandIn:
             "/update_weights_from_distributed": self.update_from_distributed,
             "/update_weight_version": self.update_weight_version,
             "/flush_cache": self.flush_cache,
+            "/load_lora_adapter": self.load_lora_adapter,
+            "/unload_lora_adapter": self.unload_lora_adapter,
         }
         for path, fn in post.items():
             app.router.add_post(path, fn)
@@ -599,6 +637,7 @@ class StandIn:
         async def start(_: web.Application) -> None:
             self.cond, self.wake = asyncio.Condition(), asyncio.Event()
             self.weight_lock = asyncio.Lock()
+            self.lora.lock = asyncio.Lock()  # tm lora_update_lock
             self._task = asyncio.ensure_future(self.scheduler())
 
         app.on_startup.append(start)
@@ -640,6 +679,7 @@ def main() -> None:
     p.add_argument("--calls", default="", help="append every request here (JSON lines)")
     p.add_argument("--fail-calls", default="", help="update calls (1-based) whose load fails")
     p.add_argument("--step-s", type=float, default=0.0, help="sleep after each decode step")
+    add_flags(p)
     args = p.parse_args()
     torch.set_num_threads(1)
     server = StandIn(args)

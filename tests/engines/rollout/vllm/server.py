@@ -48,8 +48,11 @@ def start_vllm(
     fail_calls: str = "",
     step_s: float = 0.0,
     timeout_s: float = 120.0,
+    flags: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
 ) -> VLLMStandIn:
-    """The vLLM 0.33 stand-in on a free loopback port, once its ``/health`` answers."""
+    """The vLLM 0.33 stand-in on a free loopback port, once its ``/health`` answers;
+    ``flags`` / ``env``: vLLM server flags and environment it plays (LoRA: ``lora.py``)."""
     vllm_src()
     port = free_port()
     folder.mkdir(parents=True, exist_ok=True)
@@ -58,8 +61,8 @@ def start_vllm(
     args = ["-m", KEYED, "--api-key", "--", "-m", "tests.engines.rollout.vllm.standin"]
     args += ["--port", str(port)]
     args += ["--model-path", str(model_dir), "--tp-size", str(tp_size), "--calls", str(calls)]
-    args += ["--fail-calls", fail_calls, "--step-s", str(step_s), "--log", str(log)]
-    proc = spawn(args, log, env=python_env(vllm_env()))
+    args += ["--fail-calls", fail_calls, "--step-s", str(step_s), "--log", str(log), *flags]
+    proc = spawn(args, log, env=python_env({**vllm_env(), **(env or {})}))
     server = VLLMStandIn(f"http://127.0.0.1:{port}", proc, calls, log)
     deadline = time.monotonic() + timeout_s
     while True:

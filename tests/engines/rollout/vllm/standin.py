@@ -66,6 +66,7 @@ from typing import Any
 import torch
 from aiohttp import web
 
+from tests.engines.rollout.vllm.lora import VLLMLora, add_flags
 from tests.engines.rollout.vllm.rank import Rank
 from tests.engines.rollout.vllm.ranks import VLLMRank
 
@@ -98,6 +99,9 @@ class Req:
     labels: list[str] = field(default_factory=list)
     finish: str | None = None
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+    adapter: Any = None  # its LoRA adapter (vllm/lora.py): kept even when unloaded by name
+    adapter_name: str | None = None
+    adapter_truth: list[str | None] = field(default_factory=list)
 
     def spans(self) -> list[dict[str, Any]]:
         """output_processor.py:538-545."""
@@ -147,6 +151,7 @@ class StandIn:
         self.lock = asyncio.Lock()  # the engine serves control calls one at a time
         self.stepping = asyncio.Lock()  # held while a decode step runs
         self.wake: asyncio.Event | None = None
+        self.lora = VLLMLora(args, self.model, args.model_path)
 
     # -- generation ----------------------------------------------------------------------
     async def scheduler(self) -> None:
@@ -172,9 +177,11 @@ class StandIn:
             ids[i, width - len(s) :] = torch.tensor(s)
             mask[i, width - len(s) :] = 1
         pos = (mask.cumsum(1) - 1).clamp(min=0)
+        self.lora.rows = [r.adapter for r in batch]
         with torch.no_grad():
             logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -1]
         for i, r in enumerate(batch):
+            r.adapter_truth.append(r.adapter_name)
             lp = torch.log_softmax(logits[i].float() / max(r.temperature, 1e-5), -1)
             tok = int(lp.argmax()) if r.temperature == 0 else int(torch.multinomial(lp.exp(), 1))
             if not r.starts or r.starts[-1][0] != self.label:  # output_processor.py:531-536
@@ -213,6 +220,9 @@ class StandIn:
             if body.get("stream"):
                 return await self._stream_error(request, body)
             return self.answer(request, body, _error(PAUSED_MSG, 503), 503)
+        adapter, missing = self.lora.resolve(body.get("model"))  # es:199-213
+        if missing is not None:
+            return self.answer(request, body, _error(missing, 404), 404)
         r = Req(
             str(body.get("request_id") or f"auto-{time.monotonic_ns()}"),
             list(body["token_ids"]),
@@ -221,6 +231,7 @@ class StandIn:
             set(sp.get("stop_token_ids") or []),
             bool(sp.get("ignore_eos")),
         )
+        r.adapter, r.adapter_name = adapter, (body.get("model") if adapter else None)
         self.reqs[r.rid] = r
         self.wake.set()
         if body.get("stream"):
@@ -229,7 +240,18 @@ class StandIn:
             r.changed.clear()
             await r.changed.wait()
         out = {"request_id": r.rid, "choices": [self._choice(r, r.output, r.logprobs, True)]}
-        return self.answer(request, {"rid": r.rid}, out)
+        return self.answer(request, {"rid": r.rid, "model": body.get("model")}, out)
+
+    async def lora_route(self, request: web.Request) -> web.Response:
+        body = await self.body(request) or {}
+        if not self.lora.routes:  # ar:30-32: not mounted
+            return self.answer(request, body, {"detail": "Not Found"}, 404)
+        load = request.path == "/v1/load_lora_adapter"
+        msg, status = (self.lora.load if load else self.lora.unload)(body)
+        if status != 200:
+            return self.answer(request, body, _error(msg, status), status)
+        self.log_call(request, body, 200)
+        return web.Response(status=200, text=msg)
 
     async def _stream(self, request: web.Request, body: Any, r: Req) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -450,7 +472,9 @@ class StandIn:
             "label_errors": self.label_errors,
             "sha256": {f"rank{i}": s["sha256"] for i, s in enumerate(sums)},
             "reqs": {rid: {"truth": r.truth, "labels": r.labels, "finish": r.finish,
-                           "spans": r.spans()} for rid, r in self.reqs.items()},
+                           "spans": r.spans(), "adapters": r.adapter_truth}
+                     for rid, r in self.reqs.items()},
+            "lora": self.lora.state(),
         })  # fmt: skip
 
     # -- HTTP plumbing -------------------------------------------------------------------
@@ -492,6 +516,7 @@ class StandIn:
             "/update_weights": self.update, "/finish_weight_update": self.finish,
             "/update_weight_version": self.update_version, "/weight_checker": self.weight_checker,
             "/shutdown_weight_transfer_engine": self.shutdown,
+            "/v1/load_lora_adapter": self.lora_route, "/v1/unload_lora_adapter": self.lora_route,
         }.items():  # fmt: skip
             app.router.add_post(path, fn)
         for path, fn in {
@@ -555,6 +580,7 @@ def main() -> None:
     p.add_argument("--log", default="", help="the ranks' stderr")
     p.add_argument("--fail-calls", default="", help="update calls (1-based) whose load fails")
     p.add_argument("--step-s", type=float, default=0.0, help="sleep after each decode step")
+    add_flags(p)
     args = p.parse_args()
     torch.set_num_threads(1)
     web.run_app(StandIn(args).app(), host="127.0.0.1", port=args.port, print=None)
