@@ -379,7 +379,10 @@ class Controller:
                 await self._ready_changed.wait()
 
     def stats(self) -> dict[str, int]:
-        """Counters and gauges (see the module docstring for the accounting identity)."""
+        """Counters and gauges (see the module docstring for the accounting identity).
+        ``generated_tokens``: every token the engines returned to this controller since it
+        started (trained or not: rejected, failed, stale and aborted-then-resumed requests'
+        tokens too; not carried over a resume)."""
         return {
             "version": self.staleness.version,
             "step": self.step,
@@ -390,6 +393,7 @@ class Controller:
             "ready": len(self._ready),
             "queued": len(self._samples),
             "engine_failures": self.router.failures,
+            "generated_tokens": self.router.generated_tokens,
             "engines_out": len(self.router.unhealthy | self.router.held),
             **self.counters,
         }
