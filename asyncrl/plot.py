@@ -7,8 +7,8 @@ Writes five PNGs (matplotlib, the ``plot`` extra) to ``--out`` (default
   average (``--smooth``), against the step and against wall time;
 - ``staleness.png``: the share of each step's samples per staleness (step - the
   oldest policy version of the sample's tokens), one panel per run;
-- ``throughput.png``: tokens generated (responses of the trained samples) and
-  trained per second of wall time, per step, smoothed;
+- ``throughput.png``: tokens generated (every token the engines returned, trained or
+  not: ``ctl_generated_tokens``) and trained per second of wall time, per step, smoothed;
 - ``time.png``: where the time went (run totals): trainer training / pushing /
   idle (metrics.jsonl), engines generating (any request in flight) / paused /
   idle (trace.json);
@@ -215,24 +215,36 @@ def _staleness(plt: Any, runs: list[Run], alpha: float, window: int) -> Any:
 
 
 def _rate(run: Run, key: str) -> tuple[list[float], list[float]]:
+    """``key`` per second of wall time, per step. ``ctl_generated_tokens`` is cumulative (since
+    the controller started: a resume restarts it), the others per step."""
     wall, vals = run.col("wall_s"), run.col(key)
+    cumulative = key == "ctl_generated_tokens"
     xs, ys = [], []
     for i in range(1, len(wall)):
         dt = wall[i] - wall[i - 1]
         if dt > 0:
+            v = vals[i] - vals[i - 1] if cumulative else vals[i]
             xs.append(run.rows[i]["step"])
-            ys.append(vals[i] / dt)
+            ys.append((v if v >= 0 else vals[i]) / dt)
     return xs, ys
+
+
+def _generated_key(run: Run) -> str:
+    """Tokens the engines generated (``ctl_generated_tokens``); runs written before it had only
+    the trained samples' responses (``response_tokens``)."""
+    has = bool(run.rows) and "ctl_generated_tokens" in run.rows[0]
+    return "ctl_generated_tokens" if has else "response_tokens"
 
 
 def _throughput(plt: Any, runs: list[Run], alpha: float, window: int) -> Any:
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
     for i, run in enumerate(runs):
-        for ax, key in zip(axes, ("response_tokens", "train_tokens"), strict=True):
+        for ax, key in zip(axes, (_generated_key(run), "train_tokens"), strict=True):
             xs, ys = _rate(run, key)
             ax.plot(xs, ys, color=f"C{i}", alpha=0.25, lw=1)
             ax.plot(xs, smooth(ys, alpha), color=f"C{i}", lw=2, label=run.label)
-    axes[0].set(xlabel="step", ylabel="tokens / s", title="generated (trained samples' responses)")
+    title = "generated (all tokens the engines returned)"
+    axes[0].set(xlabel="step", ylabel="tokens / s", title=title)
     axes[1].set(xlabel="step", title="trained (tokens per second of wall time)")
     axes[1].legend(fontsize=8)
     fig.tight_layout()

@@ -50,6 +50,9 @@ __all__ = [
 ]
 
 ENV_DIR, ENV_EVERY, ENV_MAX_MB = "ASYNCRL_TRACE_DIR", "ASYNCRL_TRACE_EVERY", "ASYNCRL_TRACE_MAX_MB"
+DEFAULT_MAX_MB = 128.0
+"""Per process: the merged trace.json of a controller, an engine and a trainer stays under
+~400 MB, which Perfetto's in-browser UI still opens (see ``logging.trace.max_mb``)."""
 
 FLUSH_S = 1.0
 
@@ -86,7 +89,7 @@ class Tracer:
 
     enabled = True
 
-    def __init__(self, path: Path, process: str, every: int = 1, max_mb: float = 512.0):
+    def __init__(self, path: Path, process: str, every: int = 1, max_mb: float = DEFAULT_MAX_MB):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.process = process
@@ -248,7 +251,7 @@ _current: Tracer = NULL
 
 
 def configure(
-    run_dir: str | Path | None, process: str, every: int = 1, max_mb: float = 512.0
+    run_dir: str | Path | None, process: str, every: int = 1, max_mb: float = DEFAULT_MAX_MB
 ) -> Tracer:
     """Make this process's tracer (``run_dir`` None: tracing off); replaces any previous one."""
     global _current
@@ -261,7 +264,9 @@ def configure(
     return _current
 
 
-def child_env(run_dir: str | Path | None, every: int = 1, max_mb: float = 512.0) -> dict[str, str]:
+def child_env(
+    run_dir: str | Path | None, every: int = 1, max_mb: float = DEFAULT_MAX_MB
+) -> dict[str, str]:
     """Environment that makes a child process's :func:`configure_from_env` trace into
     ``run_dir`` (None: an environment that turns tracing off)."""
     if run_dir is None:
@@ -273,7 +278,8 @@ def configure_from_env(process: str) -> Tracer:
     """:func:`configure` from the variables :func:`child_env` sets (unset: tracing off)."""
     run_dir = os.environ.get(ENV_DIR) or None
     every = int(os.environ.get(ENV_EVERY, "1"))
-    return configure(run_dir, process, every, float(os.environ.get(ENV_MAX_MB, "512")))
+    max_mb = float(os.environ.get(ENV_MAX_MB, str(DEFAULT_MAX_MB)))
+    return configure(run_dir, process, every, max_mb)
 
 
 def get() -> Tracer:
@@ -307,7 +313,9 @@ def merge(run_dir: str | Path) -> Path | None:
 _saved_env: dict[str, str | None] = {}
 
 
-def start_run(run_dir: Path, enabled: bool, every: int = 1, max_mb: float = 512.0) -> Tracer:
+def start_run(
+    run_dir: Path, enabled: bool, every: int = 1, max_mb: float = DEFAULT_MAX_MB
+) -> Tracer:
     """Trace this process as ``controller`` and let every child started from now on trace too
     (the variables of :func:`child_env` in ``os.environ``, restored by :func:`end_run`)."""
     env = child_env(run_dir if enabled else None, every, max_mb)

@@ -192,13 +192,29 @@ def test_a_run_whose_every_request_gets_a_4xx_stops_with_that_error(tmp_path: Pa
     assert took < 60
 
 
-def test_a_raising_reward_function_is_named_with_its_sample_and_line(tmp_path: Path) -> None:
-    """``--task.reward_fn=myreward:fn`` imports from the working directory (no PYTHONPATH);
-    when it raises, the run stops (exit 1) naming the function, the sample and the line, and
-    RUN_DIR/controller.log holds the traceback."""
-    (tmp_path / "myreward.py").write_text("def fn(sample, ids, text):\n    return [][len(ids)]\n")
+REWARD = """calls = []
+
+
+def fn(sample, ids, *, text):
+    calls.append(len(ids))
+    if len(calls) > 8:  # only after step 0 trained: admission holds 4 groups of 2 before it
+        return [][len(ids)]
+    return float(text.split()[-1:] == [str(sample.answer)])
+"""
+
+
+def test_math_trains_on_the_default_model_and_a_raising_reward_is_named(tmp_path: Path) -> None:
+    """``asyncrl run --task.name=math --task.path=F.jsonl --task.reward_fn=myreward:fn`` from
+    the folder of ``myreward.py`` (no PYTHONPATH) trains on the tiny default model (a raw
+    prompt, a budget within its context); when the reward function then raises, the run
+    stops (exit 1) naming the function, the sample and the line, and RUN_DIR/controller.log
+    holds the traceback."""
+    (tmp_path / "myreward.py").write_text(REWARD)
+    rows = [{"question": f"{a} + {b}", "answer": a + b} for a in range(3) for b in range(3)]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     run = tmp_path / "run"
-    args = ["--task.reward_fn=myreward:fn", "--controller.batch_size=2", "--algo.group_size=2"]
+    args = ["--task.name=math", "--task.path=train.jsonl", "--task.reward_fn=myreward:fn"]
+    args += ["--controller.batch_size=2", "--algo.group_size=2", "--controller.max_staleness=1"]
     out = subprocess.run(
         [sys.executable, "-m", "asyncrl.cli", "run", "--run-dir", str(run), "--quiet", *args],
         capture_output=True,
@@ -209,8 +225,10 @@ def test_a_raising_reward_function_is_named_with_its_sample_and_line(tmp_path: P
         env=python_env(),
     )
     assert out.returncode == 1, out.stderr[-2000:]
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps[:1] == [0], steps  # the math task trained on the default model
     last = out.stderr.strip().splitlines()[-1]
     assert "reward function myreward.fn raised IndexError" in last, last
-    assert f"{tmp_path / 'myreward.py'}:2" in last and "sample id" in last, last
+    assert f"{tmp_path / 'myreward.py'}:7" in last and "sample id" in last, last
     log = (run / "controller.log").read_text()
     assert "Traceback" in log and "return [][len(ids)]" in log

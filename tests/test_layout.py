@@ -31,6 +31,7 @@ TRAINER_SIDE = (
     W + "send_stream",
     W + "collective_send",
     W + "cuda_ipc_send",
+    W + "pusher_send",  # the embedding API's sender (the user's process: their trainer)
     X + "zmq_recv",  # receives experiences
 )
 ENGINE_SIDE = (

@@ -241,6 +241,18 @@ def test_plotted_values_come_from_the_runs(run: Path, sync_run: Path) -> None:
     assert len(strip["trainer: train step"]) == STEPS
     sync_hist = [r["staleness_hist"] for r in _rows(sync_run)]
     assert all(len(h) == 1 for h in sync_hist)  # a synchronous run trains fresh samples only
+    # throughput's "generated": every token the engines returned (the controller's counter),
+    # not the trained samples' responses only
+    fig = plot._throughput(plt, runs, 0.8, 4)
+    gen = [line for line in fig.axes[0].lines if line.get_alpha() == 0.25][1]
+    rows = _rows(run)
+    want = [
+        (b["ctl_generated_tokens"] - a["ctl_generated_tokens"]) / (b["wall_s"] - a["wall_s"])
+        for a, b in itertools.pairwise(rows)
+    ]
+    assert list(gen.get_ydata()) == pytest.approx(want)
+    assert rows[-1]["ctl_generated_tokens"] >= sum(r["response_tokens"] for r in rows) > 0
+    plt.close(fig)
 
 
 def test_plot_text_and_errors(run: Path, tmp_path: Path) -> None:

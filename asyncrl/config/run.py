@@ -18,6 +18,11 @@ from asyncrl.config.rollout import (
 from asyncrl.config.trainer import AlgoConfig, TrainerConfig
 from asyncrl.config.weights import AutoWeightsConfig, CudaIpcWeightsConfig, WeightSyncConfig
 
+MATH_BUDGET = 512
+"""The ``math`` task's generation budget when ``task.max_new_tokens`` is 0."""
+TINY_MATH_BUDGET = 16
+"""... on the tiny default model (a 64-token context: room for the prompt)."""
+
 
 class ModelConfig(_Section, frozen=True):
     path: str = ""
@@ -47,8 +52,14 @@ class TaskConfig(_Section, frozen=True):
     """``math``: column holding the integer answer (``#### 42`` / ``\\boxed{42}`` also accepted)."""
     system_prompt: str = ""
     """``math``: optional system message put before each problem."""
-    max_new_tokens: Positive = 512
-    """``math``: generation budget per response (``rollout.max_new_tokens`` overrides it)."""
+    prompt_format: Literal["auto", "chat", "raw"] = "auto"
+    """``math``: ``chat``: the model's chat template over ``[system?, user: problem]``;
+    ``raw``: the text itself (``system_prompt``, a space, the problem), after the model's
+    BOS token if it has one, as for a base model; ``auto``: ``chat`` when the model's
+    tokenizer has a chat template, else ``raw`` (the tiny default model has none)."""
+    max_new_tokens: NonNegative = 0
+    """``math``: generation budget per response (``rollout.max_new_tokens`` overrides it);
+    0: 512, or 16 on the tiny default model (no ``model.path``: a 64-token context)."""
     shuffle: bool = True
     """``math``: visit the rows in a seeded random order each pass (else file order)."""
     agent: str = ""
@@ -56,9 +67,13 @@ class TaskConfig(_Section, frozen=True):
     with ``client`` an ``openai.AsyncOpenAI`` on the episode's gateway session; the float is
     the reward, None rejects the sample."""
     reward_fn: str = ""
-    """Custom reward ``package.module:function`` (importable, e.g. on PYTHONPATH) replacing the
-    task's own; called as ``fn(sample, response_ids, response_text) -> float`` (may be
-    ``async def``); ``sample.answer`` holds the row's answer (``math``) or the digits."""
+    """Custom reward replacing the task's own: ``package.module:function`` (importable, or a
+    module in the working directory) or ``path/to/file.py:function``. The one reward
+    signature, as ``ctx.reward``'s: ``fn(sample, response_ids) -> float`` (may be ``async
+    def``); declare a keyword-only ``text`` (``fn(sample, response_ids, *, text)``) to get
+    the decoded response. ``sample.answer`` holds the row's answer (``math``) or the digits.
+    The old ``fn(sample, response_ids, response_text)`` still works, with a deprecation
+    warning."""
 
 
 class ControllerConfig(_Section, frozen=True):
@@ -191,8 +206,11 @@ class TraceConfig(_Section, frozen=True):
     """Write the run's timeline, ``RUN_DIR/trace.json`` (Chrome / Perfetto trace events)."""
     every: Positive = 1
     """Sampling for long runs: trace the work of every ``every``-th step (policy version)."""
-    max_mb: PositiveFloat = 512.0
-    """Each process stops tracing once its file holds this many MB (and marks where)."""
+    max_mb: PositiveFloat = 128.0
+    """Each process stops tracing once its file holds this many MB (and marks where). 128: the
+    merged ``trace.json`` of a controller, an engine and a trainer stays under ~400 MB, which
+    Perfetto's in-browser UI still opens (its ~2 GB of memory holds a JSON trace 2-4x its
+    size; a 900 MB one fails); the default job writes ~56 KB per step (~2,000 steps fit)."""
 
 
 class TensorBoardConfig(_Section, frozen=True):
@@ -281,9 +299,13 @@ class RunConfig(_Section, frozen=True):
         """Most response tokens of one episode of a built-in task (the one rule; the embedding
         API's episodes get ``rollout.max_new_tokens or DEFAULT_MAX_NEW_TOKENS``):
         ``rollout.max_new_tokens`` when set, else the task's own: ``num_digits + 1`` for
-        ``reverse`` (the digits and the end token), ``task.max_new_tokens`` for ``math``."""
+        ``reverse`` (the digits and the end token), ``task.max_new_tokens`` for ``math``
+        (0: ``MATH_BUDGET``, or ``TINY_MATH_BUDGET`` on the tiny default model, whose
+        context is 64 tokens)."""
         if self.rollout.max_new_tokens > 0:
             return self.rollout.max_new_tokens
         if self.task.name == "reverse":
             return self.task.num_digits + 1
-        return self.task.max_new_tokens
+        if self.task.max_new_tokens:
+            return self.task.max_new_tokens
+        return MATH_BUDGET if self.model.path else TINY_MATH_BUDGET

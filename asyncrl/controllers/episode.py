@@ -2,9 +2,10 @@
 
 An episode calls ``await ctx.generate(ids)`` any number of times (multi-turn,
 tools), interleaves environment tokens (tool output, user turns) that are masked
-out of the loss, computes a reward (``await ctx.reward(fn, sample, ids)``: sync
-functions run off the event loop unless they are measured cheap, async ones are
-awaited) and returns ``ctx.trajectory(...)`` — or a list of trajectories, or
+out of the loss, computes a reward (``await ctx.reward(fn, sample, ids)`` calls
+``fn(sample, ids)``, the one reward signature of asyncrl, also that of
+``task.reward_fn``: sync functions run off the event loop unless they are measured
+cheap, async ones are awaited) and returns ``ctx.trajectory(...)`` — or a list of trajectories, or
 None to reject the sample (its group then never trains).
 
 ``ctx.generate_stream`` is ``generate`` yielding the completion as it grows (the OpenAI
@@ -36,6 +37,7 @@ episode then generates afresh from there.
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import logging
 import time
@@ -55,7 +57,7 @@ from asyncrl.engines.rollout.base import (
     EngineUnavailable,
     GenerateResult,
 )
-from asyncrl.tasks.base import Sample
+from asyncrl.tasks.base import REWARD_SIGNATURE, Sample, reward_form
 from asyncrl.transports.experience.types import Trajectory
 
 if TYPE_CHECKING:
@@ -132,7 +134,7 @@ def _dotted_name(fn: Callable[..., Any]) -> str:
 
 EpisodeResult = Trajectory | list[Trajectory] | None
 Episode = Callable[["EpisodeContext", Any], Awaitable[EpisodeResult]]
-RewardFn = Callable[[Any, list[int]], "float | Awaitable[float]"]
+RewardFn = Callable[..., "float | Awaitable[float]"]  # fn(sample, response_ids[, *, text])
 
 
 class Gate:
@@ -197,9 +199,18 @@ class RewardRunner:
     ``inline_s`` (not a single preempted one) sends it back to the thread for good.
     """
 
-    __slots__ = ("_probe", "_probes", "_slow", "fn", "inline", "inline_s", "is_async")
+    __slots__ = ("_probe", "_probes", "_slow", "fn", "inline", "inline_s", "is_async", "takes_text")
 
     def __init__(self, fn: RewardFn, inline_s: float = 0.0002):
+        form = reward_form(fn)
+        if form == "legacy":
+            raise TypeError(
+                f"reward function {_dotted_name(fn)} takes (sample, response_ids, "
+                f"response_text), the deprecated form of task.reward_fn; ctx.reward calls "
+                f"fn(sample, response_ids): write it as {REWARD_SIGNATURE} and call "
+                "ctx.reward(fn, sample, response_ids, text=...) for the text"
+            )
+        self.takes_text = form == "text"
         self.fn = fn
         self.is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
             getattr(fn, "__call__", None)  # noqa: B004 - async callable objects
@@ -210,25 +221,35 @@ class RewardRunner:
         self._probes = 0
         self._probe: asyncio.Future | None = None
 
-    async def __call__(self, sample: Any, response_ids: list[int]) -> float:
-        """The reward of ``response_ids``; :class:`RewardError` if the function raised."""
+    async def __call__(
+        self, sample: Any, response_ids: list[int], text: str | None = None
+    ) -> float:
+        """The reward of ``response_ids`` (``text``: the decoded response, passed to a function
+        with a keyword-only ``text``, which then needs it); :class:`RewardError` if the
+        function raised."""
+        if self.takes_text and text is None:
+            raise TypeError(
+                f"reward function {_dotted_name(self.fn)} takes `text`: pass the decoded "
+                "response, ctx.reward(fn, sample, response_ids, text=...)"
+            )
+        fn = functools.partial(self.fn, text=text) if self.takes_text else self.fn
         try:
-            return await self._call(sample, response_ids)
+            return await self._call(fn, sample, response_ids)
         except Exception as exc:  # the user's code: any error, named and re-raised
             raise RewardError.of(self.fn, sample, exc) from exc
 
-    async def _call(self, sample: Any, response_ids: list[int]) -> float:
+    async def _call(self, fn: Callable[..., Any], sample: Any, response_ids: list[int]) -> float:
         if self.is_async:
-            out = self.fn(sample, response_ids)
+            out = fn(sample, response_ids)
             assert inspect.isawaitable(out)
             return float(await out)
         if not self.inline and self._probes < 3 and self.inline_s > 0:
             if self._probe is None or self._probe.done():
-                return await self._first(sample, response_ids)
+                return await self._first(fn, sample, response_ids)
             await asyncio.shield(self._probe)
         if self.inline:
             t0 = time.perf_counter()
-            value = self.fn(sample, response_ids)
+            value = fn(sample, response_ids)
             if time.perf_counter() - t0 > self.inline_s:
                 self._slow += 1.0  # one preemption is noise; a pattern is a slow function
                 if self._slow > 3.0:
@@ -237,27 +258,30 @@ class RewardRunner:
             elif self._slow:
                 self._slow *= 0.9
             return _number(value)
-        return _number(await asyncio.to_thread(self.fn, sample, response_ids))
+        return _number(await asyncio.to_thread(fn, sample, response_ids))
 
-    async def _first(self, sample: Any, response_ids: list[int]) -> float:
+    async def _first(self, fn: Callable[..., Any], sample: Any, response_ids: list[int]) -> float:
         self._probes += 1
         self._probe = asyncio.get_running_loop().create_future()
         try:
-            value, took = await asyncio.to_thread(self._timed, sample, response_ids)
+            value, took = await asyncio.to_thread(_timed, fn, sample, response_ids)
             self.inline = took < self.inline_s
         finally:
             self._probe.set_result(None)
         return _number(value)
 
-    def _timed(self, sample: Any, response_ids: list[int]) -> tuple[Any, float]:
-        t0 = time.perf_counter()
-        value = self.fn(sample, response_ids)
-        return value, time.perf_counter() - t0
+
+def _timed(fn: Callable[..., Any], sample: Any, response_ids: list[int]) -> tuple[Any, float]:
+    t0 = time.perf_counter()
+    value = fn(sample, response_ids)
+    return value, time.perf_counter() - t0
 
 
-async def call_reward(fn: RewardFn, sample: Any, response_ids: list[int]) -> float:
+async def call_reward(
+    fn: RewardFn, sample: Any, response_ids: list[int], text: str | None = None
+) -> float:
     """Run a reward function once: async ones awaited, sync ones in a worker thread."""
-    return await RewardRunner(fn, inline_s=0.0)(sample, response_ids)
+    return await RewardRunner(fn, inline_s=0.0)(sample, response_ids, text)
 
 
 class EpisodeContext:
@@ -488,11 +512,19 @@ class EpisodeContext:
         return res, applied
 
     async def reward(
-        self, fn: RewardFn | RewardRunner, sample: Any, response_ids: list[int]
+        self,
+        fn: RewardFn | RewardRunner,
+        sample: Any,
+        response_ids: list[int],
+        text: str | None = None,
     ) -> float:
-        """Score ``response_ids``: async functions awaited, sync ones off the event loop."""
+        """``fn(sample, response_ids)``, the one reward signature (``REWARD_SIGNATURE``; with
+        a keyword-only ``text`` parameter, ``fn(sample, response_ids, text=text)``): async
+        functions awaited, sync ones off the event loop. A function of another form is
+        refused (TypeError showing the signature to write); one that raises stops the run
+        (:class:`RewardError`)."""
         runner = fn if isinstance(fn, RewardRunner) else RewardRunner(fn, inline_s=0.0)
-        return await runner(sample, response_ids)
+        return await runner(sample, response_ids, text)
 
     def trajectory(
         self,

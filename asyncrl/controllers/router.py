@@ -77,6 +77,7 @@ class Router:
         self.unhealthy: set[int] = set()
         self.held: set[int] = set()  # out of rotation until admit() (e.g. not yet re-synced)
         self.failures = 0
+        self.generated_tokens = 0  # every token an engine returned (aborted partials too)
         self._streak = {id(e): 0 for e in self.engines}
         self._turn = itertools.count()
         self.batch_identical = batch_identical
@@ -144,6 +145,7 @@ class Router:
                 self.outstanding[id(engine)] -= 1
             if sampled:
                 _trace_call(tracer, lane, t0, rid, outcome)
+        self.generated_tokens += len(res.output_ids)
         if id(engine) in self.served:
             self._streak[id(engine)] = 0
             self._last_failure.pop(id(engine), None)
@@ -156,10 +158,13 @@ class Router:
         """``engine.generate_stream`` counted as outstanding while it runs; a stream that
         ends normally clears the engine's failure streak (as :meth:`call`)."""
         self.outstanding[id(engine)] += 1
+        got = 0  # the stream's output is cumulative: its last length is what it returned
         try:
             async for res in engine.generate_stream(input_ids, params, rid=rid):
+                got = len(res.output_ids)
                 yield res
         finally:
+            self.generated_tokens += got
             if id(engine) in self.outstanding:
                 self.outstanding[id(engine)] -= 1
         if id(engine) in self.served:

@@ -5,8 +5,10 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
+import logging
 import os
 import sys
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
@@ -15,7 +17,24 @@ import msgspec
 
 from asyncrl.config import TaskConfig
 
-__all__ = ["CustomReward", "Sample", "Task", "load_reward_fn", "make_task"]
+__all__ = [
+    "REWARD_SIGNATURE",
+    "CustomReward",
+    "Sample",
+    "Task",
+    "load_reward_fn",
+    "make_task",
+    "reward_form",
+]
+
+log = logging.getLogger(__name__)
+
+REWARD_SIGNATURE = (
+    "def fn(sample, response_ids) -> float  (or async def; add a keyword-only `*, text` "
+    "parameter to get the decoded response too)"
+)
+"""The one signature of a reward function, everywhere: ``ctx.reward(fn, ...)``,
+``task.reward_fn``, a task's ``reward`` method."""
 
 
 class Sample(msgspec.Struct, frozen=True):
@@ -38,7 +57,8 @@ class Sample(msgspec.Struct, frozen=True):
 class Task(Protocol):
     """``samples()`` yields prompts forever; ``reward`` scores response token ids in [0, 1].
 
-    ``reward`` may be ``async def``; a sync one runs off the event loop. The generation
+    ``reward`` has the one reward signature (:data:`REWARD_SIGNATURE`) and may be
+    ``async def``; a sync one runs off the event loop. The generation
     budget of a built-in task's episodes is ``RunConfig.generation_budget()``.
     """
 
@@ -62,7 +82,11 @@ def make_task(cfg: TaskConfig, model_path: str) -> Task:
     else:
         raise ValueError(f"unknown task.name {cfg.name!r} (allowed: 'reverse', 'math')")
     if cfg.reward_fn:
-        task = CustomReward(task, load_reward_fn(cfg.reward_fn), model_path)
+        fn = load_reward_fn(cfg.reward_fn)
+        try:
+            task = CustomReward(task, fn, model_path)
+        except TypeError as exc:  # a signature no form fits: the config names it
+            raise ValueError(f"task.reward_fn {cfg.reward_fn!r}: {exc}") from None
     return task
 
 
@@ -104,12 +128,61 @@ def _import_reward_module(name: str) -> Any:
         return importlib.import_module(name)
 
 
+def _reward_name(fn: Callable[..., Any]) -> str:
+    module = getattr(fn, "__module__", None) or "?"
+    return f"{module}.{getattr(fn, '__qualname__', type(fn).__qualname__)}"
+
+
+def reward_form(fn: Callable[..., Any]) -> str:
+    """How ``fn`` is called, from its signature: ``"ids"`` (``fn(sample, response_ids)``, the
+    one signature, :data:`REWARD_SIGNATURE`), ``"text"`` (the same with a keyword-only
+    ``text``: ``fn(sample, response_ids, text=decoded)``) or ``"legacy"`` (the deprecated
+    ``fn(sample, response_ids, response_text)``: three positional parameters). TypeError,
+    showing the signature to write, for a function none of these can call."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin without a signature: assume the one form
+        return "ids"
+    text = sig.parameters.get("text")
+    forms: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = [
+        ("ids", (None, []), {}),
+        ("legacy", (None, [], ""), {}),
+    ]
+    if text is not None and text.kind is inspect.Parameter.KEYWORD_ONLY:
+        forms.insert(0, ("text", (None, []), {"text": ""}))
+    for form, args, kwargs in forms:
+        try:
+            sig.bind(*args, **kwargs)
+        except TypeError:
+            continue
+        return form
+    raise TypeError(
+        f"reward function {_reward_name(fn)}{sig} cannot be called as fn(sample, "
+        f"response_ids): write it as {REWARD_SIGNATURE}"
+    )
+
+
+def _warn_legacy(fn: Callable[..., Any]) -> None:
+    msg = (
+        f"reward function {_reward_name(fn)} takes (sample, response_ids, response_text), a "
+        f"deprecated form (still called so, until asyncrl 0.2): the one reward signature is "
+        f"{REWARD_SIGNATURE}, e.g. `def {getattr(fn, '__name__', 'fn')}(sample, response_ids, "
+        "*, text)`"
+    )
+    warnings.warn(msg, DeprecationWarning, stacklevel=3)
+    log.warning("%s", msg)
+
+
 class CustomReward:
-    """A task whose reward is the user's ``fn(sample, response_ids, response_text)``."""
+    """A task whose reward is the user's ``fn`` (see :func:`reward_form` for how it is
+    called; ``text`` is the response decoded with the task's or the model's tokenizer)."""
 
     def __init__(self, task: Any, fn: Callable[..., Any], model_path: str):
         self.task = task
         self.fn = fn
+        self.form = reward_form(fn)
+        if self.form == "legacy":
+            _warn_legacy(fn)
         decode = getattr(task, "decode", None)
         if decode is None:
             from asyncrl.tasks.text import ChatTokenizer
@@ -121,8 +194,16 @@ class CustomReward:
     def samples(self) -> Iterator[Sample]:
         return self.task.samples()
 
+    def _call(self, sample: Sample, response_ids: list[int]) -> Any:
+        ids = list(response_ids)
+        if self.form == "ids":
+            return self.fn(sample, ids)
+        if self.form == "text":
+            return self.fn(sample, ids, text=self.decode(ids))
+        return self.fn(sample, ids, self.decode(ids))
+
     def _sync_reward(self, sample: Sample, response_ids: list[int]) -> float:
-        return float(self.fn(sample, list(response_ids), self.decode(list(response_ids))))
+        return float(self._call(sample, response_ids))
 
     async def _async_reward(self, sample: Sample, response_ids: list[int]) -> float:
-        return float(await self.fn(sample, list(response_ids), self.decode(list(response_ids))))
+        return float(await self._call(sample, response_ids))

@@ -3,7 +3,9 @@
 Each row holds the problem text (column ``task.prompt_key``) and the answer
 (``task.answer_key``: an int, or text such as ``"42"``, ``"1,234"``,
 ``"#### 42"``, ``"\\boxed{42}"``). The prompt is the model's chat template
-applied to ``[system?, user: problem]`` with the generation prompt. The reward
+applied to ``[system?, user: problem]`` with the generation prompt, or (``task.prompt_format
+= "raw"``, or ``"auto"`` for a tokenizer without a chat template, such as the tiny default
+model's) the text itself after the model's BOS token. The reward
 is 1 when the response's final answer — the last ``\\boxed{...}``, else the
 number after the last ``####``, else the last number in the text — normalised
 to an integer equals the row's answer, else 0.
@@ -101,12 +103,20 @@ class MathTask:
             answer = normalize_int(raw) if not isinstance(raw, str) else extract_answer(raw)
             if answer is None:
                 raise ValueError(f"{cfg.path} row {i}: answer {raw!r} is not an integer")
-            messages = [{"role": "user", "content": str(row[cfg.prompt_key])}]
-            if cfg.system_prompt:
-                messages.insert(0, {"role": "system", "content": cfg.system_prompt})
-            self.items.append((self.tok.chat_ids(messages), answer))
+            self.items.append((self._prompt(cfg, str(row[cfg.prompt_key])), answer))
         if not self.items:
             raise ValueError(f"{cfg.path} holds no rows")
+
+    def _prompt(self, cfg: TaskConfig, problem: str) -> list[int]:
+        """The prompt's ids as ``task.prompt_format`` says (``auto``: chat if the tokenizer
+        has a chat template)."""
+        if cfg.prompt_format == "chat" or (cfg.prompt_format == "auto" and self.tok.template):
+            messages = [{"role": "user", "content": problem}]
+            if cfg.system_prompt:
+                messages.insert(0, {"role": "system", "content": cfg.system_prompt})
+            return self.tok.chat_ids(messages)
+        text = f"{cfg.system_prompt} {problem}" if cfg.system_prompt else problem
+        return self.tok.raw_ids(text)
 
     def samples(self) -> Iterator[Sample]:
         rng = random.Random(self.seed)

@@ -80,7 +80,8 @@ class ChatTokenizer:
         if not self.template:
             raise ValueError(
                 "the model's tokenizer has no chat template (tokenizer_config.json "
-                "'chat_template' or chat_template.jinja): the math task needs one"
+                "'chat_template' or chat_template.jinja): set task.prompt_format='raw' (or "
+                "'auto') for a plain-text prompt"
             )
         if self._compiled is None:
             self._compiled = _environment().from_string(self.template)
@@ -93,6 +94,14 @@ class ChatTokenizer:
 
     def chat_ids(self, messages: list[dict[str, Any]]) -> list[int]:
         return self.encode(self.render(messages))
+
+    def raw_ids(self, text: str) -> list[int]:
+        """``text`` as a base model's prompt: its ids after the BOS token, when the model has
+        one (``tokenizer_config.json``'s ``bos_token``)."""
+        ids = self.encode(text)
+        name = self.special["bos_token"]
+        bos = self.tokenizer.token_to_id(name) if name else None
+        return [bos, *ids] if bos is not None else ids
 
 
 def _environment() -> Any:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import random
 import sys
 import threading
 from pathlib import Path
@@ -73,6 +74,34 @@ async def _tokens_generated(url: str) -> int:
         http.get(url + "/get_server_info") as resp,
     ):
         return int((await resp.json())["tokens"])
+
+
+async def test_generated_tokens_count_every_token_the_engine_returned(engine_url: str) -> None:
+    """``stats()["generated_tokens"]`` (the "generated" panel of ``asyncrl plot``): every token
+    the engine returned, rejected episodes' too, equal to the engine's own count."""
+    from asyncrl.tasks.base import Sample
+
+    cfg = RunConfig(
+        controller=ControllerConfig(batch_size=2, max_staleness=10),
+        algo=AlgoConfig(group_size=2),
+        rollout=LocalRolloutConfig(urls=(engine_url,), max_new_tokens=6),
+    )
+
+    async def episode(ctx: EpisodeContext, sample: Sample):  # type: ignore[no-untyped-def]
+        gen = await ctx.generate(sample.prompt_ids)
+        return ctx.trajectory(sample.prompt_ids, [gen], 0.0) if sample.id % 3 else None
+
+    start = await _tokens_generated(engine_url)
+    trained = 0
+    async with Controller(cfg, episode=episode) as ctl:
+        ctl.submit(Sample(prompt_ids=[1, 5, 6, 7], id=i) for i in range(6))
+        ctl.end_input()
+        with pytest.raises(NoMoreSamples):
+            while True:
+                trained += sum(len(t.response_ids) for t in (await ctl.next_batch()).trajectories)
+        stats = ctl.stats()
+    engine = await _tokens_generated(engine_url) - start
+    assert stats["rejected"] == 2 and stats["generated_tokens"] == engine > trained > 0
 
 
 async def test_abort_resumes_on_same_engine_with_exact_budget(engine_url: str) -> None:
@@ -152,6 +181,30 @@ async def test_reward_runner_inlines_cheap_sync_and_threads_slow() -> None:
         return 3.0
 
     assert await RewardRunner(coro)(None, []) == 3.0
+
+
+async def test_one_reward_signature_and_the_old_form_refused_with_the_new_one() -> None:
+    """``ctx.reward`` calls ``fn(sample, response_ids)``; a keyword-only ``text`` gets the
+    text passed; the old three-argument form is refused, showing the signature to write."""
+    ctx = EpisodeContext(Router([FakeEngine("e", random.Random(0), 0.01)]), 0, 1, {}, 0, Gate())
+
+    def ids_only(sample: object, response_ids: list[int]) -> float:
+        return float(len(response_ids))
+
+    async def with_text(sample: object, response_ids: list[int], *, text: str) -> float:
+        return float(text == "4 2")
+
+    def old(sample: object, response_ids: list[int], response_text: str) -> float:
+        return 1.0
+
+    assert await ctx.reward(ids_only, None, [1, 2]) == 2.0
+    assert await ctx.reward(with_text, None, [7, 5], text="4 2") == 1.0
+    with pytest.raises(TypeError, match=r"takes `text`: pass the decoded response"):
+        await ctx.reward(with_text, None, [7, 5])
+    with pytest.raises(TypeError, match=r"\.old takes \(sample, response_ids, response_text\)"):
+        await ctx.reward(old, None, [1])
+    with pytest.raises(TypeError, match=r"write it as def fn\(sample, response_ids\) -> float"):
+        await ctx.reward(lambda: 1.0, None, [1])
 
 
 def _run_virtual(coro) -> object:

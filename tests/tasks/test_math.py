@@ -78,12 +78,35 @@ def test_math_task_prompts_and_reward(chat_model_dir: Path, tmp_path: Path) -> N
     assert task.reward(second, [vocab["8"]]) == 1.0
 
 
+def test_math_on_the_tiny_default_model_is_a_raw_prompt_within_its_context(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The tiny default model has no chat template: ``prompt_format = "auto"`` makes a raw
+    prompt (BOS, the text), and the default budget fits its 64-token context, so the preflight
+    passes (``asyncrl run --task.name=math --task.path=F`` runs on it: tests/test_run.py)."""
+    from asyncrl.preflight import preflight
+    from asyncrl.tasks.tiny_model import TINY_CONTEXT
+
+    rows = _rows(tmp_path)
+    task = make_task(TaskConfig(name="math", path=str(rows), shuffle=False), str(tiny_model_dir))
+    vocab = json.loads((tiny_model_dir / "tokenizer.json").read_text())["model"]["vocab"]
+    first = next(task.samples())
+    assert first.prompt_ids == [vocab[w] for w in ["<s>", "1", "+", "2"]]
+    cfg = load_config(None, ["--task.name=math", f"--task.path={rows}"])
+    assert len(first.prompt_ids) + cfg.generation_budget() <= TINY_CONTEXT
+    preflight(cfg)  # no "exceed the engines' context"
+    with pytest.raises(ValueError, match=r"task\.max_new_tokens: at least 1 prompt \+ 512"):
+        preflight(load_config(None, ["--task.name=math", f"--task.path={rows}",
+                                     "--task.max_new_tokens=512"]))  # fmt: skip
+
+
 def test_math_task_errors(chat_model_dir: Path, tiny_model_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"task\.path"):
         make_task(TaskConfig(name="math"), str(chat_model_dir))
     rows = _rows(tmp_path)
-    with pytest.raises(ValueError, match="chat template"):
-        make_task(TaskConfig(name="math", path=str(rows)), str(tiny_model_dir))
+    with pytest.raises(ValueError, match=r"no chat template.*task\.prompt_format='raw'"):
+        chat = TaskConfig(name="math", path=str(rows), prompt_format="chat")
+        make_task(chat, str(tiny_model_dir))
     with pytest.raises(ValueError, match=r"task\.prompt_key"):
         make_task(TaskConfig(name="math", path=str(rows), prompt_key="q"), str(chat_model_dir))
     bad = tmp_path / "bad.csv"
@@ -102,17 +125,26 @@ def test_parquet_rows(tmp_path: Path) -> None:
 
 
 REWARD_MODULE = """
-def exact(sample, response_ids, text):
+def exact(sample, response_ids, *, text):
     return 1.0 if text.split()[:1] == ["7"] else 0.0
 
-async def by_length(sample, response_ids, text):
+async def by_length(sample, response_ids):
     return len(response_ids) / 10
+
+def legacy(sample, response_ids, response_text):
+    return 1.0 if response_text.split()[:1] == ["7"] else 0.0
+
+def wrong(sample):
+    return 1.0
 """
 
 
 async def test_custom_reward_from_config(
     tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """``task.reward_fn`` has the one reward signature ``fn(sample, response_ids)`` (a
+    keyword-only ``text`` gets the decoded response); the old ``(sample, ids, text)`` form
+    still works, with a deprecation warning showing the new one; anything else is refused."""
     (tmp_path / "my_rewards.py").write_text(REWARD_MODULE)
     monkeypatch.syspath_prepend(str(tmp_path))
     vocab = json.loads((tiny_model_dir / "tokenizer.json").read_text())["model"]["vocab"]
@@ -122,6 +154,11 @@ async def test_custom_reward_from_config(
     assert await call_reward(task.reward, sample, [vocab["1"]]) == 0.0
     task = make_task(TaskConfig(reward_fn="my_rewards.by_length"), str(tiny_model_dir))
     assert await call_reward(task.reward, sample, [1, 2, 3]) == pytest.approx(0.3)
+    with pytest.warns(DeprecationWarning, match=r"def legacy\(sample, response_ids, \*, text\)"):
+        task = make_task(TaskConfig(reward_fn="my_rewards:legacy"), str(tiny_model_dir))
+    assert await call_reward(task.reward, sample, [vocab["7"]]) == 1.0
+    with pytest.raises(ValueError, match=r"my_rewards.wrong\(sample\) cannot be called as"):
+        make_task(TaskConfig(reward_fn="my_rewards:wrong"), str(tiny_model_dir))
     sys.modules.pop("my_rewards", None)
 
 
@@ -146,7 +183,9 @@ def test_reverse_task_unchanged(tiny_model_dir: Path) -> None:
 def test_config_keys() -> None:
     cfg = load_config(None, ["--algo.name=ppo", "--task.name=math", "--task.max_new_tokens=64"])
     assert cfg.algo.name == "ppo" and cfg.generation_budget() == 64
-    assert load_config(None, ["--task.name=math"]).generation_budget() == 512
+    assert load_config(None, ["--task.name=math"]).generation_budget() == 16  # tiny default
+    real = load_config(None, ["--task.name=math", "--model.path=/m"])
+    assert real.generation_budget() == 512
     assert RunConfig().generation_budget() == RunConfig().task.num_digits + 1
     assert load_config(None, ["--rollout.max_new_tokens=9"]).generation_budget() == 9
     with pytest.raises(ValueError, match="allowed values"):
