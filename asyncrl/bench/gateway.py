@@ -14,6 +14,8 @@ One embedded engine (tiny chat model, CPU) serves both paths in the same run:
   recorded at the engine seam) replayed by the SGLang client (the controller's own),
   with the same concurrency: ``generate`` for whole answers, ``generate_stream`` for
   streamed ones.
+- gateway-http: the gateway path again by plain aiohttp with the same bodies (no SDK): the
+  gateway's own cost, apart from the ``openai`` client's (httpx + pydantic).
 
 Each path runs whole (``stream: false``) and streamed (``stream: true``,
 ``include_usage``); latency is from the call to the last byte, time to first token to the
@@ -148,14 +150,20 @@ def summarize(rows: list[tuple[float, float | None, int]], wall: float) -> dict[
 
 async def _phase(
     srv: Served, engine_url: str, args: argparse.Namespace, stream: bool, sessions: int, conc: int
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """One gateway run and its replay at the engine: (gateway summary, engine summary)."""
+) -> dict[str, dict[str, Any]]:
+    """One gateway run by the openai client, its replay at the engine, and one by plain
+    HTTP: their summaries by path."""
     srv.take_calls()
     rows, wall = await gateway_run(srv.url, args, stream, sessions, conc)
     calls = srv.take_calls()
     assert len(calls) == len(rows), (len(calls), len(rows))
     drows, dwall = await direct_run(engine_url, calls, stream, conc)
-    return summarize(rows, wall), summarize(drows, dwall)
+    hrows, hwall = await gateway_run(srv.url, args, stream, sessions, conc, sdk=False)
+    return {
+        "engine": summarize(drows, dwall),
+        "gateway-http": summarize(hrows, hwall),
+        "gateway": summarize(rows, wall),
+    }
 
 
 async def _bench(srv: Served, engine_url: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -165,26 +173,30 @@ async def _bench(srv: Served, engine_url: str, args: argparse.Namespace) -> dict
     plan = [(1, args.serial_sessions), (args.concurrency, args.sessions)]
     for conc, sessions in plan:
         for stream in (False, True):
-            gw, direct = await _phase(srv, engine_url, args, stream, sessions, conc)
+            paths = await _phase(srv, engine_url, args, stream, sessions, conc)
             mode = "stream" if stream else "whole"
-            for path, res in (("engine", direct), ("gateway", gw)):
+            for path, res in paths.items():
                 out["rows"].append({"path": path, "mode": mode, "concurrency": conc, **res})
-            added = {
-                "mode": mode,
-                "concurrency": conc,
-                "added_p50_ms": gw["latency_p50_ms"] - direct["latency_p50_ms"],
-                "added_p99_ms": gw["latency_p99_ms"] - direct["latency_p99_ms"],
-            }
-            if stream:
-                added["ttft_added_p50_ms"] = gw["ttft_p50_ms"] - direct["ttft_p50_ms"]
-            out.setdefault("added", []).append(added)
+            direct = paths["engine"]
+            for client in ("gateway", "gateway-http"):
+                gw = paths[client]
+                added = {
+                    "client": "openai" if client == "gateway" else "http",
+                    "mode": mode,
+                    "concurrency": conc,
+                    "added_p50_ms": gw["latency_p50_ms"] - direct["latency_p50_ms"],
+                    "added_p99_ms": gw["latency_p99_ms"] - direct["latency_p99_ms"],
+                }
+                if stream:
+                    added["ttft_added_p50_ms"] = gw["ttft_p50_ms"] - direct["ttft_p50_ms"]
+                out.setdefault("added", []).append(added)
     if args.hold:
         out["hold"] = await hold_sessions(srv, args.hold)
     return out
 
 
 def _print(res: dict[str, Any]) -> None:
-    head = f"{'path':9}{'mode':8}{'conc':>5}{'req/s':>9}{'tok/s':>9}"
+    head = f"{'path':13}{'mode':8}{'conc':>5}{'req/s':>9}{'tok/s':>9}"
     head += f"{'p50 ms':>9}{'p99 ms':>9}{'ttft50':>9}{'ttft99':>9}"
     print(head)
     for r in res["rows"]:
@@ -193,12 +205,13 @@ def _print(res: dict[str, Any]) -> None:
             for k in ("ttft_p50_ms", "ttft_p99_ms")
         )
         print(
-            f"{r['path']:9}{r['mode']:8}{r['concurrency']:5d}{r['requests_per_s']:9.1f}"
+            f"{r['path']:13}{r['mode']:8}{r['concurrency']:5d}{r['requests_per_s']:9.1f}"
             f"{r['tokens_per_s']:9.1f}{r['latency_p50_ms']:9.1f}{r['latency_p99_ms']:9.1f}{ttft}"
         )
     for a in res["added"]:
         line = (
-            f"added by the gateway ({a['mode']}, concurrency {a['concurrency']}): "
+            f"added by the gateway ({a['client']} client, {a['mode']}, concurrency "
+            f"{a['concurrency']}): "
             f"p50 {a['added_p50_ms']:.2f} ms, p99 {a['added_p99_ms']:.2f} ms"
         )
         if "ttft_added_p50_ms" in a:

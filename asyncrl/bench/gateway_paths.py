@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import time
 import uuid
 from typing import Any
@@ -49,11 +50,46 @@ async def _turn(client: Any, msgs: list[dict[str, Any]], stream: bool, n: int) -
     return (lat, ttft, tokens), text
 
 
+async def _raw_turn(
+    http: Any, url: str, msgs: list[dict[str, Any]], stream: bool, n: int
+) -> tuple[Row, str]:
+    """:func:`_turn` by plain aiohttp (no SDK): the gateway's own cost, apart from the
+    ``openai`` client's."""
+    body: dict[str, Any] = {"model": "tiny", "messages": msgs, "max_tokens": n, "ignore_eos": True}
+    if stream:
+        body.update(stream=True, stream_options={"include_usage": True})
+    t0 = time.perf_counter()
+    ttft = None
+    text, tokens = "", 0
+    async with http.post(f"{url}/chat/completions", json=body) as r:
+        if r.status != 200:
+            raise RuntimeError(f"the gateway answered {r.status}: {await r.text()}")
+        if not stream:
+            out = await r.json()
+            text = out["choices"][0]["message"]["content"]
+            tokens = out["usage"]["completion_tokens"]
+        else:
+            async for line in r.content:
+                if not line.startswith(b"data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                piece = chunk["choices"][0]["delta"].get("content") if chunk["choices"] else None
+                if piece:
+                    ttft = time.perf_counter() - t0 if ttft is None else ttft
+                    text += piece
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+    if tokens != n:
+        raise RuntimeError(f"the gateway answered {tokens} tokens, asked for exactly {n}")
+    return (time.perf_counter() - t0, ttft, tokens), text
+
+
 async def gateway_run(
-    url: str, args: argparse.Namespace, stream: bool, sessions: int, conc: int
+    url: str, args: argparse.Namespace, stream: bool, sessions: int, conc: int, sdk: bool = True
 ) -> tuple[list[Row], float]:
     """``sessions`` sessions of ``args.turns`` turns, ``conc`` at a time, each ended by a
-    reward: the rows of every request and the wall time."""
+    reward, by the ``openai`` client (``sdk``) or plain aiohttp: the rows of every
+    request and the wall time."""
     import aiohttp
 
     base = _client(conc + 4)
@@ -66,7 +102,11 @@ async def gateway_run(
             client = base.with_options(base_url=f"{url}/sessions/{sid}/v1")
             msgs: list[dict[str, Any]] = [{"role": "user", "content": f"Weather in city {k}?"}]
             for t in range(args.turns):
-                row, text = await _turn(client, msgs, stream, args.max_tokens)
+                if sdk:
+                    row, text = await _turn(client, msgs, stream, args.max_tokens)
+                else:
+                    turl = f"{url}/sessions/{sid}/v1"
+                    row, text = await _raw_turn(http, turl, msgs, stream, args.max_tokens)
                 rows.append(row)
                 msgs += [{"role": "assistant", "content": text}]
                 msgs += [{"role": "user", "content": f"And tomorrow, day {t + 1}?"}]
@@ -75,7 +115,8 @@ async def gateway_run(
                     raise RuntimeError(f"reward of session {sid}: {r.status} {await r.text()}")
 
     try:
-        async with aiohttp.ClientSession() as http:
+        conn = aiohttp.TCPConnector(limit=conc + 4)
+        async with aiohttp.ClientSession(connector=conn) as http:
             t0 = time.perf_counter()
             await asyncio.gather(*(session(k, http) for k in range(sessions)))
             wall = time.perf_counter() - t0

@@ -141,9 +141,9 @@ def _generation(res: dict[str, Any], out: str) -> None:
 
 
 def _gateway(res: dict[str, Any], out: str) -> None:
-    assert "added by the gateway (stream, concurrency 2)" in out
+    assert "added by the gateway (openai client, stream, concurrency 2)" in out
     rows = {(r["path"], r["mode"], r["concurrency"]): r for r in res["rows"]}
-    assert len(rows) == 8  # engine and gateway x whole and stream x concurrency 1 and 2
+    assert len(rows) == 12  # engine, gateway, gateway-http x whole, stream x concurrency 1, 2
     for (_path, mode, conc), r in rows.items():
         assert r["requests"] == (2 if conc == 1 else 4) and r["tokens"] == 3 * r["requests"]
         assert r["requests_per_s"] > 0 and r["latency_p50_ms"] > 0
