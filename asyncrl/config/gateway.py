@@ -28,7 +28,8 @@ class GatewayConfig(_Section, frozen=True):
     (OpenAI's answer). Off: any name is served (agents keep the name they were set up with)."""
     admission: Literal["wait", "reject"] = "wait"
     """A new session while the staleness bound admits no episode: ``wait`` (up to
-    ``admission_timeout_s``, then 429) or ``reject`` (429 with ``Retry-After`` at once)."""
+    ``admission_timeout_s``, then 429) or ``reject`` (429 with ``Retry-After`` at once; a
+    session that fitted is then admitted, its first request waiting for that)."""
     admission_timeout_s: PositiveFloat = 60.0
     """How long a new session's first request waits for admission before its 429."""
     retry_after_s: Positive = 1

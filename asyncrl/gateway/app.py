@@ -189,13 +189,11 @@ class Gateway:
         s.last_seen = time.monotonic()
         if not s.admitted.is_set():
             try:
-                await asyncio.wait_for(asyncio.shield(s.admitted.wait()), self._admit_wait())
+                wait = self.cfg.admission_timeout_s  # under "reject", _external checked it fits
+                await asyncio.wait_for(asyncio.shield(s.admitted.wait()), wait)
             except asyncio.TimeoutError:
                 raise self._busy() from None
         return s
-
-    def _admit_wait(self) -> float:
-        return 0.0 if self.cfg.admission == "reject" else self.cfg.admission_timeout_s
 
     def _busy(self) -> ApiError:
         self.sessions.counters["rejected"] += 1

@@ -231,7 +231,8 @@ def test_back_pressure_429_then_the_clients_retry_gets_in(guarded: Served) -> No
     gw, model = guarded.gw, guarded.gw.model
     msgs = [{"role": "user", "content": "Hi"}]
     a = _sid()
-    client_a = openai.OpenAI(base_url=f"{guarded.url}/sessions/{a}/v1", api_key=KEY)
+    # a session that fits is admitted: its first request is answered, not refused
+    client_a = openai.OpenAI(base_url=f"{guarded.url}/sessions/{a}/v1", api_key=KEY, max_retries=0)
     client_a.chat.completions.create(model=model, messages=msgs, max_tokens=2)
     # the run takes one episode at a time: a second session is refused, with Retry-After
     b = f"{guarded.url}/sessions/{_sid()}/v1"
