@@ -18,11 +18,18 @@ class GatewayConfig(_Section, frozen=True):
     """Name of an environment variable holding the gateway's API key: when set, every request
     must carry it (or its session's own key) as ``Authorization: Bearer``. The key itself
     never appears in a config, a command line or a log."""
+    api_key_file: str = ""
+    """Path of a file holding the gateway's API key (its first line), as ``api_key_env``; at
+    most one of the two. A request without it (or its session's key) gets 401."""
     model_name: str = ""
     """The model id ``/v1/models`` lists and responses name; empty: the model folder's name."""
+    strict_model: bool = False
+    """A request naming another model than ``/v1/models`` lists gets 404 ``model_not_found``
+    (OpenAI's answer). Off: any name is served (agents keep the name they were set up with)."""
     admission: Literal["wait", "reject"] = "wait"
     """A new session while the staleness bound admits no episode: ``wait`` (up to
-    ``admission_timeout_s``, then 429) or ``reject`` (429 with ``Retry-After`` at once)."""
+    ``admission_timeout_s``, then 429) or ``reject`` (429 with ``Retry-After`` at once; a
+    session that fitted is then admitted, its first request waiting for that)."""
     admission_timeout_s: PositiveFloat = 60.0
     """How long a new session's first request waits for admission before its 429."""
     retry_after_s: Positive = 1

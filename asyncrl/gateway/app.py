@@ -68,13 +68,7 @@ class Gateway:
         self.sessions = Sessions(self.tok)
         self.agent = agent
         self.max_tokens = config.max_tokens or default_max_tokens
-        self.api_key: str | None = None
-        if config.api_key_env:
-            self.api_key = os.environ.get(config.api_key_env) or None
-            if self.api_key is None:
-                raise ValueError(
-                    f"gateway.api_key_env names {config.api_key_env!r}, which is not set"
-                )
+        self.api_key = _api_key(config)
         self.controller: Controller | None = None
         self.url = ""
         self._runner: web.AppRunner | None = None
@@ -179,7 +173,7 @@ class Gateway:
             s = self.sessions.by_id.get(sid)
             if self.api_key is not None and token != self.api_key:
                 if s is None or token != s.key:
-                    raise ApiError(401, "invalid API key", kind="authentication_error")
+                    raise _unauthorized(self._token(request))
             if s is None:
                 s = self._external(sid, None)
         else:
@@ -195,18 +189,20 @@ class Gateway:
         s.last_seen = time.monotonic()
         if not s.admitted.is_set():
             try:
-                await asyncio.wait_for(asyncio.shield(s.admitted.wait()), self._admit_wait())
+                wait = self.cfg.admission_timeout_s  # under "reject", _external checked it fits
+                await asyncio.wait_for(asyncio.shield(s.admitted.wait()), wait)
             except asyncio.TimeoutError:
                 raise self._busy() from None
         return s
 
-    def _admit_wait(self) -> float:
-        return 0.0 if self.cfg.admission == "reject" else self.cfg.admission_timeout_s
-
     def _busy(self) -> ApiError:
+        self.sessions.counters["rejected"] += 1
         after = str(self.cfg.retry_after_s)
         msg = "no episode may start now (staleness bound): retry later"
-        return ApiError(429, msg, kind="rate_limit_error", headers={"Retry-After": after})
+        headers = {"Retry-After": after}
+        return ApiError(
+            429, msg, kind="rate_limit_error", headers=headers, code="rate_limit_exceeded"
+        )
 
     def _external(self, sid: str, key: str | None) -> Session:
         ctl = self.controller
@@ -221,9 +217,35 @@ class Gateway:
         return s
 
     # -- handlers ---------------------------------------------------------------------------
+    def _authorize(self, request: web.Request) -> None:
+        """401 unless the request carries the gateway's key or its session's (when the
+        gateway has a key): checked before anything else of the request."""
+        if self.api_key is None:
+            return
+        token = self._token(request)
+        if token == self.api_key:
+            return
+        sid = request.match_info.get("sid")
+        s = (
+            self.sessions.by_id.get(sid)
+            if sid is not None
+            else self.sessions.by_key.get(token or "")
+        )
+        if s is None or token != s.key:
+            raise _unauthorized(token)
+
+    def _check_model(self, body: Any) -> None:
+        name = body.get("model") if isinstance(body, dict) else None
+        if self.cfg.strict_model and name != self.model:
+            msg = f"The model `{name}` does not exist (this gateway serves `{self.model}`)"
+            raise ApiError(404, msg, "model", code="model_not_found")
+
     async def _chat(self, request: web.Request) -> web.StreamResponse:
+        self._authorize(request)
         raw = await request.read()
-        params, msgs = chat_request(_json(raw), self.cfg.max_n)
+        body = _json(raw)
+        params, msgs = chat_request(body, self.cfg.max_n)
+        self._check_model(body)
         s = await self._session(request)
 
         def make() -> Turn:
@@ -244,8 +266,11 @@ class Gateway:
         return await self._answer(request, s, turn, chat_body)
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
+        self._authorize(request)
         raw = await request.read()
-        params, prompt = completion_request(_json(raw), self.cfg.max_n)
+        body = _json(raw)
+        params, prompt = completion_request(body, self.cfg.max_n)
+        self._check_model(body)
         s = await self._session(request)
         if isinstance(prompt, list) and max(prompt) >= self.tok.tokenizer.get_vocab_size(True):
             raise ApiError(400, "prompt holds a token id outside the vocabulary", "prompt")
@@ -316,7 +341,7 @@ class Gateway:
         if self.api_key is not None and self._token(request) != self.api_key:
             s = self.sessions.by_key.get(self._token(request) or "")
             if s is None:
-                raise ApiError(401, "invalid API key", kind="authentication_error")
+                raise _unauthorized(self._token(request))
         model = {"id": self.model, "object": "model", "created": 0, "owned_by": "asyncrl"}
         return web.json_response({"object": "list", "data": [model]})
 
@@ -340,7 +365,7 @@ class Gateway:
             raise ApiError(404, f"no session {request.match_info['sid']!r}", kind="not_found")
         token = self._token(request)
         if self.api_key is not None and token not in (self.api_key, s.key):
-            raise ApiError(401, "invalid API key", kind="authentication_error")
+            raise _unauthorized(self._token(request))
         return s
 
     async def _health(self, request: web.Request) -> web.Response:
@@ -348,8 +373,36 @@ class Gateway:
 
     async def _stats(self, request: web.Request) -> web.Response:
         if self.api_key is not None and self._token(request) != self.api_key:
-            raise ApiError(401, "invalid API key", kind="authentication_error")
+            raise _unauthorized(self._token(request))
         return web.json_response(self.stats())
+
+
+def _unauthorized(token: str | None) -> ApiError:
+    """OpenAI's 401 (its body as api.openai.com writes it; the key itself is not echoed)."""
+    msg = "Incorrect API key provided" if token else "You didn't provide an API key"
+    return ApiError(401, msg, kind="invalid_request_error", code="invalid_api_key")
+
+
+def _api_key(cfg: GatewayConfig) -> str | None:
+    """The gateway's key, from ``api_key_env`` or ``api_key_file`` (never from the config
+    itself); None when neither is named."""
+    if cfg.api_key_env and cfg.api_key_file:
+        raise ValueError("gateway.api_key_env and gateway.api_key_file: name at most one")
+    if cfg.api_key_env:
+        key = os.environ.get(cfg.api_key_env, "").strip()
+        if not key:
+            raise ValueError(f"gateway.api_key_env names {cfg.api_key_env!r}, which is not set")
+        return key
+    if cfg.api_key_file:
+        try:
+            lines = Path(cfg.api_key_file).read_text().splitlines()
+        except OSError as exc:
+            raise ValueError(f"gateway.api_key_file: cannot read it: {exc.strerror}") from None
+        key = lines[0].strip() if lines else ""
+        if not key:
+            raise ValueError(f"gateway.api_key_file {cfg.api_key_file!r} is empty")
+        return key
+    return None
 
 
 def _json(raw: bytes) -> Any:

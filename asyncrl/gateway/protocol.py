@@ -63,15 +63,16 @@ class ApiError(Exception):
         param: str | None = None,
         kind: str = "invalid_request_error",
         headers: dict[str, str] | None = None,
+        code: str | None = None,
     ):
         super().__init__(message)
         self.status, self.message, self.param, self.kind = status, message, param, kind
         self.headers = headers or {}
+        self.code = code
 
     def body(self) -> dict[str, Any]:
-        return {
-            "error": {"message": self.message, "type": self.kind, "param": self.param, "code": None}
-        }
+        err = {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}
+        return {"error": err}
 
 
 @dataclass

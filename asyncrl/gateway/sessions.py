@@ -142,6 +142,7 @@ class Sessions:
                 "timed_out",
                 "rewarded",
                 "branches_opened",
+                "rejected",
             ),
             0,
         )

@@ -54,6 +54,11 @@ SMOKE: dict[str, tuple[str, list[str]]] = {  # the longest first
         "train",
         ["--budgets=256", "--steps=1", "--hidden=32", "--layers=1", "--vocab=256", "--batch=4"],
     ),
+    "gateway": (
+        "gateway",
+        "--sessions=2 --concurrency=2 --serial-sessions=1 --turns=2 --max-tokens=3 "
+        "--hold=4".split(),
+    ),
     "transport": (
         "transport",
         ["--trajectories=200", "--group-sizes=8", "--repeats=1", "--transport=tcp"],
@@ -153,6 +158,18 @@ def _generation(res: dict[str, Any], out: str) -> None:
     assert res["lora_tokens_per_s"] > 0 and res["lora_mixed_vs_base"] > 0
 
 
+def _gateway(res: dict[str, Any], out: str) -> None:
+    assert "added by the gateway (openai client, stream, concurrency 2)" in out
+    rows = {(r["path"], r["mode"], r["concurrency"]): r for r in res["rows"]}
+    assert len(rows) == 12  # engine, gateway, gateway-http x whole, stream x concurrency 1, 2
+    for (_path, mode, conc), r in rows.items():
+        assert r["requests"] == (2 if conc == 1 else 4) and r["tokens"] == 3 * r["requests"]
+        assert r["requests_per_s"] > 0 and r["latency_p50_ms"] > 0
+        assert (r["ttft_p50_ms"] is not None) == (mode == "stream")
+    assert res["hold"]["errors"] == 0 and res["hold"]["open_at_peak"] == 4
+    assert res["hold"]["trajectories"] == 4
+
+
 def _weight_sync_delta(res: list[dict[str, Any]], out: str) -> None:
     assert "sender_bytes_per_param" in out.splitlines()[0]
     rows = {r["mode"]: r for r in res}
@@ -207,6 +224,7 @@ CHECKS: dict[str, Callable[[Any, str], None]] = {
     "controller": _controller,
     "train": _train,
     "generation": _generation,
+    "gateway": _gateway,
     "weight-sync-delta": _weight_sync_delta,
     "weight-sync-lora": _weight_sync_lora,
     "trace": _trace,

@@ -49,28 +49,36 @@ class RecordingEngine:
             yield res
 
 
+DEFAULT_CFG = RunConfig(
+    controller=ControllerConfig(batch_size=1, max_staleness=200),
+    algo=AlgoConfig(group_size=1),
+    gateway=GatewayConfig(enabled=True, max_tokens=48, admission_timeout_s=10),
+)
+
+
 class Served:
     """Engine process + controller + gateway; ``run(coro)`` runs on their loop."""
 
-    def __init__(self, model: Path, engine_url: str):
+    def __init__(
+        self, model: Path, engine_url: str, cfg: RunConfig | None = None, advance: bool = False
+    ):
+        """``cfg``: the run's config (default: a lenient gateway, staleness 200).
+        ``advance``: each batch handed out advances the controller's version by one, as a
+        trainer step would (admission opens by it)."""
+        self.advance = advance
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.batches: list[Any] = []
-        self.run(self._start(model, engine_url))
+        self.run(self._start(model, engine_url, cfg or DEFAULT_CFG))
 
     def run(self, coro: Coroutine[Any, Any, Any], timeout: float = 120) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
-    async def _start(self, model: Path, engine_url: str) -> None:
+    async def _start(self, model: Path, engine_url: str, cfg: RunConfig) -> None:
         from asyncrl.controllers.controller import Controller
         from asyncrl.gateway import Gateway
 
-        cfg = RunConfig(
-            controller=ControllerConfig(batch_size=1, max_staleness=200),
-            algo=AlgoConfig(group_size=1),
-            gateway=GatewayConfig(enabled=True, max_tokens=48, admission_timeout_s=10),
-        )
         self.engine = RecordingEngine(SGLangClient(engine_url))
         await self.engine.client.wait_healthy(120)
         self.gw = Gateway(cfg.gateway, str(model))
@@ -84,7 +92,7 @@ class Served:
         while True:
             batch = await self.ctl.next_batch()
             self.batches.append(batch)
-            await self.ctl.set_version(self.ctl.staleness.version)
+            await self.ctl.set_version(self.ctl.staleness.version + self.advance)
 
     async def _stop(self) -> None:
         self.drain.cancel()
@@ -101,16 +109,22 @@ class Served:
 
 
 @pytest.fixture(scope="module")
-def served(chat_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+def engine_url(chat_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One embedded engine process (tiny chat model) per test module."""
     port = free_port()
     log = tmp_path_factory.mktemp("engine") / "engine.log"
     args = ["-m", "asyncrl.entrypoints.engine", "--model-path", str(chat_model_dir)]
     proc = spawn([*args, "--port", str(port), "--seed", "1", "--max-batch-size", "16"], log)
     try:
-        s = Served(chat_model_dir, f"http://127.0.0.1:{port}")
-        try:
-            yield s
-        finally:
-            s.close()
+        yield f"http://127.0.0.1:{port}"
     finally:
         stop([proc])
+
+
+@pytest.fixture(scope="module")
+def served(chat_model_dir: Path, engine_url: str) -> Iterator[Served]:
+    s = Served(chat_model_dir, engine_url)
+    try:
+        yield s
+    finally:
+        s.close()
