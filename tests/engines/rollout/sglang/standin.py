@@ -648,7 +648,20 @@ def _api_key_middleware(api_key: str) -> Any:
     """SGLang's ``add_api_key_middleware`` (srt/utils/auth.py:149-200) on aiohttp: its own
     ``decide_request_auth`` decides; the stand-in's routes carry no ``@auth_level`` that
     matters without an admin key (NORMAL and ADMIN_OPTIONAL both require ``api_key``)."""
-    from sglang.srt.utils.auth import AuthLevel, decide_request_auth
+    import importlib.util
+    import sys
+
+    # auth.py imports only the standard library; loaded by its file, since the package's
+    # __init__ (srt/utils/common.py:90 in 0.5.10) imports torchvision, absent beside CPU torch
+    found = importlib.util.find_spec("sglang")  # the package's folder, its __init__ not run
+    assert found is not None and found.submodule_search_locations, "SGLang's source"
+    path = os.path.join(found.submodule_search_locations[0], "srt", "utils", "auth.py")
+    spec = importlib.util.spec_from_file_location("sglang_srt_utils_auth", path)
+    assert spec is not None and spec.loader is not None, path
+    auth = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = auth  # dataclasses resolve their module by name
+    spec.loader.exec_module(auth)
+    AuthLevel, decide_request_auth = auth.AuthLevel, auth.decide_request_auth
 
     @web.middleware
     async def check(request: web.Request, handler: Any) -> web.StreamResponse:
