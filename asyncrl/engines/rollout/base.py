@@ -25,7 +25,10 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import aiohttp
 import msgspec
+
+from asyncrl.secret import auth_headers
 
 __all__ = [
     "AdapterControl",
@@ -35,6 +38,7 @@ __all__ = [
     "EngineError",
     "EngineUnavailable",
     "GenerateResult",
+    "KeyedHttp",
     "ManagedEngine",
     "RolloutEngine",
     "TensorHandoff",
@@ -137,6 +141,31 @@ def _parse_version(v: Any) -> int:
         return int(v)
     except (TypeError, ValueError):
         return 0  # SGLang's "default" before any update
+
+
+class KeyedHttp:
+    """A lazily opened ``aiohttp`` session that sends the run secret on every request
+    (:func:`asyncrl.secret.auth_headers`), shared by the HTTP engine clients. The class
+    using it sets ``self._timeout`` and ``self._session = None`` in its ``__init__``; the
+    session belongs to the event loop of its first request."""
+
+    _timeout: aiohttp.ClientTimeout
+    _session: aiohttp.ClientSession | None
+
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                timeout=self._timeout,
+                connector=aiohttp.TCPConnector(limit=0),
+                headers=auth_headers(),
+            )
+        return self._session
+
+    async def close(self) -> None:
+        """Close the session (a later request opens a new one)."""
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
 
 
 class RolloutEngine(Protocol):

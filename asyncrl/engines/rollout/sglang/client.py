@@ -32,9 +32,9 @@ from asyncrl.engines.rollout.base import (
     EngineError,
     EngineUnavailable,
     GenerateResult,
+    KeyedHttp,
 )
 from asyncrl.engines.rollout.sse import read_generate_stream
-from asyncrl.secret import auth_headers
 
 if TYPE_CHECKING:
     from asyncrl.config import RolloutConfig
@@ -73,7 +73,7 @@ def make_client(rollout: RolloutConfig, url: str) -> SGLangClient:
     return SGLangClient(url, timeout_s=rollout.request_timeout_s)
 
 
-class SGLangClient:
+class SGLangClient(KeyedHttp):
     """One SGLang-protocol server at ``base_url``. Create and use it inside one event loop.
 
     ``record=True`` keeps every request sent as ``(method, path, body)`` in
@@ -92,20 +92,6 @@ class SGLangClient:
 
     def __repr__(self) -> str:
         return f"SGLangClient({self.url!r})"
-
-    def _http(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(
-                timeout=self._timeout,
-                connector=aiohttp.TCPConnector(limit=0),
-                headers=auth_headers(),  # the run secret (asyncrl.secret)
-            )
-        return self._session
-
-    async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
 
     async def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
         if self.sent is not None:

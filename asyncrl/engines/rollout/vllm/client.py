@@ -45,9 +45,9 @@ from asyncrl.engines.rollout.base import (
     EngineError,
     EngineUnavailable,
     GenerateResult,
+    KeyedHttp,
 )
 from asyncrl.engines.rollout.sglang.client import _is_json_object, _server_message
-from asyncrl.secret import auth_headers
 
 __all__ = ["VLLMClient", "expand_spans", "vllm_sampling"]
 
@@ -121,7 +121,7 @@ def _logprobs(choice: dict[str, Any]) -> list[float]:
     return [float(c["logprob"]) for c in content]
 
 
-class VLLMClient:
+class VLLMClient(KeyedHttp):
     """One vLLM 0.33 server at ``base_url`` (module docstring); one event loop.
 
     ``record=True`` keeps every request sent as ``(method, path, body)`` in ``self.sent``.
@@ -142,20 +142,6 @@ class VLLMClient:
 
     def __repr__(self) -> str:
         return f"VLLMClient({self.url!r})"
-
-    def _http(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(
-                timeout=self._timeout,
-                connector=aiohttp.TCPConnector(limit=0),
-                headers=auth_headers(),  # the run secret (asyncrl.secret)
-            )
-        return self._session
-
-    async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
 
     async def _call(
         self, method: str, path: str, body: Any = None, params: dict[str, str] | None = None
