@@ -10,12 +10,15 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from asyncrl import secret
 from asyncrl.engines.rollout.launcher import KEYED
+from asyncrl.entrypoints.keyed import Redactor
 from asyncrl.procs import finish, python_env, spawn
 
 PROBE = """
@@ -117,3 +120,33 @@ def test_keyed_server_gets_the_key_in_argv_and_its_output_is_redacted(tmp_path: 
     assert "in cmdline False" in text
     assert key not in text and text.count("***") == 2, text  # stderr and the grandchild
     assert os.path.exists(log)
+
+
+class _Collect(Redactor):
+    """The redactor's copy loop on a pipe of the test's, collecting what it writes."""
+
+    def __init__(self, key: str):  # no fd juggling: this process's stdout stays as it is
+        self.key = key.encode()
+        self.got = bytearray()
+        self._r, self.w = os.pipe()
+
+    def _write(self, data: bytes) -> None:
+        self.got += data
+
+
+@pytest.mark.parametrize("step", [1, 7, 41, 42, 43, 44, 85, 1000])
+def test_redaction_whatever_the_reads_cut(step: int) -> None:
+    """A key cut anywhere between two reads (with or without a newline near it) is masked."""
+    key = secret.generate()
+    k = key.encode()
+    text = b"a" * 50 + k + b"b" * 3 + k + b"\n" + k + b"c" * 90 + k + b"\nend" + k
+    r = _Collect(key)
+    t = threading.Thread(target=r._copy)
+    t.start()
+    for i in range(0, len(text), step):
+        os.write(r.w, text[i : i + step])
+        time.sleep(0.0005)  # separate reads (mostly)
+    os.close(r.w)
+    t.join(10)
+    os.close(r._r)
+    assert bytes(r.got) == text.replace(k, b"***")

@@ -60,9 +60,9 @@ class Redactor:
         keep = len(self.key) - 1  # a key cut between two reads is joined before replacing
         buf = b""
         while chunk := os.read(self._r, 1 << 16):
-            buf += chunk
-            cut = buf.rfind(b"\n") + 1 or max(0, len(buf) - keep)
-            self._write(buf[:cut].replace(self.key, MASK))
+            buf = (buf + chunk).replace(self.key, MASK)  # what is left: no whole key
+            cut = buf.rfind(b"\n") + 1 or max(0, len(buf) - keep)  # keep a key's start
+            self._write(buf[:cut])
             buf = buf[cut:]
         self._write(buf.replace(self.key, MASK))
 

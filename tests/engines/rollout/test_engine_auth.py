@@ -13,6 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
+import time
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -23,7 +27,7 @@ from asyncrl.engines.rollout.base import EngineUnavailable
 from asyncrl.engines.rollout.launcher import LaunchedServer
 from asyncrl.engines.rollout.local.server import ROUTES
 from asyncrl.engines.rollout.sglang import SGLangClient
-from asyncrl.procs import free_port
+from asyncrl.procs import free_port, python_env, stop
 
 KEY = secret.load()
 BAD_HEADERS: list[dict[str, str]] = [
@@ -163,3 +167,45 @@ def test_a_client_with_another_secret_fails_fast_naming_the_fix(
         assert asyncio.get_running_loop().time() - t0 < 30
 
     asyncio.run(main())
+
+
+def test_an_engine_started_by_hand_without_a_secret_makes_one_only_its_user_reads(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """``asyncrl serve`` with no secret at all (no pipe, no ASYNCRL_SECRET(_FILE)): auth is
+    still on; the key it made is in a 0600 file whose path (not the key) it logs."""
+    port = free_port()
+    env = {k: v for k, v in python_env().items() if not k.startswith("ASYNCRL_SECRET")}
+    env["XDG_RUNTIME_DIR"] = str(tmp_path)
+    cmd = [sys.executable, "-m", "asyncrl.entrypoints.engine", "--port", str(port)]
+    cmd += ["--model-path", str(tiny_model_dir), "--threads", "1"]
+    log = tmp_path / "engine.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    try:
+        key_file = tmp_path / f"engine-{port}.secret"
+        deadline = time.monotonic() + 120
+        while not (key_file.is_file() and "no run secret given" in log.read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+        assert key_file.stat().st_mode & 0o777 == 0o600
+        key = secret.read_file(key_file)
+        assert key != KEY and key not in log.read_text() and str(key_file) in log.read_text()
+
+        async def main() -> None:
+            client = SGLangClient(f"http://127.0.0.1:{port}", timeout_s=10)
+            try:  # this session's key is not that engine's
+                with pytest.raises(EngineUnavailable, match="refused the run's secret"):
+                    await client.wait_healthy(100)
+            finally:
+                await client.close()
+            url = f"http://127.0.0.1:{port}/get_model_info"
+            async with aiohttp.ClientSession(headers=secret.auth_headers(key)) as http:
+                async with http.get(url) as r:
+                    assert r.status == 200
+
+        asyncio.run(main())
+    finally:
+        stop([proc])
