@@ -36,6 +36,18 @@ unless noted):
   scheduling. New requests wait while paused (tm:938-939).
 - ``/abort_request``: ``rid`` is matched as a prefix (scheduler.py:5688), only when
   that exact rid is known (tm:2241-2253).
+- ``/generate`` with ``stream: true`` (0.5.10 lines: ``hs`` = http_server.py:662-681,
+  ``tm`` = tokenizer_manager.py): a ``text/event-stream`` of ``data: {json}\n\n`` events,
+  one per decode step (``stream_interval`` 1, scheduler_output_processor_mixin.py:998-1005),
+  each the request's output *so far* (``output_ids`` and ``meta_info.output_token_logprobs``
+  cumulative: tm:1616-1617, 1725-1735; a slow reader gets only the latest, tm:1148-1180),
+  ``finish_reason`` null until the last (tm:1551, 1638); after it, or after an abort's
+  event (``finish_reason.type == "abort"``), ``data: [DONE]\n\n`` (hs:676). An error
+  raised while generating (a rid already in flight, tm:774-783; 0.5.23 tm:3833-3836) becomes
+  ``data: {"error": {"message": ...}}`` then ``data: [DONE]``, HTTP 200 (hs:672-676);
+  non-streamed it is a 400 ``{"error": {"message"}}`` (hs:684-689, 1723-1726). A reader
+  that hangs up: the request is aborted 2 s after the response ends (the background
+  ``create_abort_task``, hs:681, tm:1484-1496).
 - ``/get_weight_version``: 404 (0.5.10: hs:581-587; gone after); ``/model_info``
   has the served label; ``/server_info`` (alias ``/get_server_info``) the launch
   arguments (``tp_size``, ``version``, launch ``weight_version``).
@@ -109,6 +121,7 @@ class Req:
     lora_id: str | None = None  # the adapter it acquired (lora.py)
     lora_name: str | None = None
     adapter_truth: list[str | None] = field(default_factory=list)  # adapter of each token
+    changed: asyncio.Event = field(default_factory=asyncio.Event)  # a step or an end
 
 
 class StandIn:
@@ -179,6 +192,7 @@ class StandIn:
             if self.step_s:
                 await asyncio.sleep(self.step_s)  # test knob: decode slower, so pushes overlap
             for r in batch:
+                r.changed.set()
                 if r.finish is not None:
                     r.done.set()
             self.running = [r for r in self.running if r.finish is None]
@@ -227,11 +241,15 @@ class StandIn:
                     r.events.append(self.spans_fn.WeightVersionEvent(self.label, len(r.output)))
         self.label = new
 
-    def meta(self, r: Req) -> dict[str, Any]:
+    def meta(self, r: Req, partial: bool = False) -> dict[str, Any]:
+        """The answer of ``r``; ``partial``: a stream event before the end (no
+        ``finish_reason``)."""
         n = len(r.output)
-        reason: dict[str, Any] = {"type": r.finish or "abort"}
+        reason: dict[str, Any] | None = {"type": r.finish or "abort"}
         if r.finish == "length":
             reason["length"] = n
+        if partial:
+            reason = None
         meta: dict[str, Any] = {
             "id": r.rid,
             "finish_reason": reason,
@@ -252,6 +270,7 @@ class StandIn:
             if r.finish is None and (abort_all or r.rid.startswith(rid)):
                 r.finish = "abort"
                 r.done.set()
+                r.changed.set()
         self.running = [r for r in self.running if r.finish is None]
         self.waiting = [r for r in self.waiting if r.finish is None]
 
@@ -297,10 +316,22 @@ class StandIn:
         sps = [sps] * len(ids) if isinstance(sps, dict) else sps
         rids = body.get("rid")
         rids = [rids] if single and rids is not None else rids
+        live = [r for r in rids or [] if r in self.reqs and self.reqs[r].finish is None]
+        if live:  # a ValueError inside generate_request: tm:774-783 (0.5.10), 3833-3836
+            msg = f"Duplicate request ID detected: {live[0]}"
+            if not self.new:
+                msg = f"Duplicate request IDs detected: {live}"
+            if body.get("stream"):
+                return await self.stream_error(request, body, msg)
+            return self.answer(request, body, {"error": {"message": msg}}, status=400)
         paths = body.get("lora_path")
         paths = [paths] * len(ids) if paths is None or isinstance(paths, str) else paths
         async with self.cond:  # tm:938-939
             await self.cond.wait_for(lambda: not self.paused)
+        if body.get("stream"):
+            if not single or any(paths):
+                raise web.HTTPBadRequest(text="the stand-in streams single base-model requests")
+            return await self.generate_stream(request, body, ids[0], sps[0], rids)
         self.inflight += 1  # model_update_lock.reader_lock, tm:941
         try:
             try:
@@ -309,18 +340,8 @@ class StandIn:
                 return self.answer(request, body, {"error": {"message": str(exc)}}, 400)
             reqs = []
             for i, (x, sp) in enumerate(zip(ids, sps, strict=True)):
-                rid = rids[i] if rids else f"auto-{time.monotonic_ns()}-{i}"
-                stop = set(sp.get("stop_token_ids") or [])
-                r = Req(
-                    rid,
-                    list(x),
-                    int(sp.get("max_new_tokens", 128)),
-                    float(sp.get("temperature", 1.0)),
-                    stop,
-                    bool(sp.get("ignore_eos")),
-                )
+                r = self.new_req(rids[i] if rids else f"auto-{time.monotonic_ns()}-{i}", x, sp)
                 r.lora_id, r.lora_name = lora_ids[i], paths[i]
-                self.reqs[rid] = r
                 reqs.append(r)
                 self.waiting.append(r)
             self.wake.set()
@@ -332,6 +353,59 @@ class StandIn:
             self.inflight -= 1
         note = {"n": len(ids), "lora_path": body.get("lora_path")}
         return self.answer(request, note, out[0] if single else out)
+
+    def new_req(self, rid: str, x: list[int], sp: dict[str, Any]) -> Req:
+        r = Req(
+            rid,
+            list(x),
+            int(sp.get("max_new_tokens", 128)),
+            float(sp.get("temperature", 1.0)),
+            set(sp.get("stop_token_ids") or []),
+            bool(sp.get("ignore_eos")),
+        )
+        self.reqs[rid] = r
+        return r
+
+    async def generate_stream(
+        self, request: web.Request, body: Any, x: list[int], sp: dict[str, Any], rids: Any
+    ) -> web.StreamResponse:
+        """hs:664-681: one event per step with the output so far, ``[DONE]`` last."""
+        assert self.wake is not None
+        r = self.new_req(rids[0] if rids else f"auto-{time.monotonic_ns()}", x, sp)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        self.inflight += 1
+        self.waiting.append(r)
+        self.wake.set()
+        try:
+            sent = 0
+            while True:
+                await r.changed.wait()
+                r.changed.clear()  # a reader behind gets only the latest (tm:1148-1180)
+                end = r.finish is not None
+                if len(r.output) > sent or end:
+                    sent = len(r.output)
+                    event = self.meta(r, partial=not end)
+                    await resp.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+                if end:
+                    break
+            await resp.write(b"data: [DONE]\n\n")
+        except (ConnectionResetError, asyncio.CancelledError):  # the reader hung up
+            asyncio.get_running_loop().call_later(2.0, self.abort, r.rid)  # hs:681, tm:1487
+            raise
+        finally:
+            self.inflight -= 1
+        self.log_call(request, {"stream": True, "rid": r.rid}, 200)
+        return resp
+
+    async def stream_error(self, request: web.Request, body: Any, msg: str) -> web.StreamResponse:
+        """hs:672-676: a ValueError while streaming: an error event, then ``[DONE]``."""
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b"data: " + json.dumps({"error": {"message": msg}}).encode() + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        self.log_call(request, {"stream": True}, 200, note=msg)
+        return resp
 
     async def pause_generation(self, request: web.Request) -> web.Response:
         body = await self.body(request)
