@@ -11,10 +11,11 @@ its first token repeats the tool's answer. An episode whose turn 1 holds no digi
 made no tool call and is rejected (returns None). The reward function is async
 (awaited on the loop); a sync one would run off the loop.
 
-The loop below is where your own trainer goes: take a batch, train on it, load
-the new weights inside ``ctl.weight_update(version)`` (the engines pause, and go
-on afterwards even if loading fails). Here, "loading weights" only bumps the
-engine's version, so the example runs in seconds on a CPU.
+The loop below is where your own trainer goes: take a batch, train on it, push the
+new weights with :class:`asyncrl.WeightPusher` (it returns once the engines serve the
+new version, and moves the controller's). Here no trainer runs: the model file's own
+weights are pushed each step (real pushes, the same values), so the example runs in
+seconds on a CPU; ``examples/embedding.py`` trains them.
 """
 
 from __future__ import annotations
@@ -29,9 +30,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from asyncrl import Controller, EpisodeContext, RunConfig, Trajectory
+from asyncrl import Controller, EpisodeContext, RunConfig, Sample, Trajectory, WeightPusher
 from asyncrl.config import AlgoConfig, ControllerConfig, LocalRolloutConfig
-from asyncrl.controllers.episode import Sample
 
 
 def vocabulary(model_path: str) -> dict[str, int]:
@@ -82,7 +82,10 @@ async def drive(url: str, model_path: str, steps: int, batch_size: int, group_si
         rollout=LocalRolloutConfig(urls=(url,), max_new_tokens=8, pause_mode="abort"),
     )
     vocab = vocabulary(model_path)
-    async with Controller(cfg, episode=make_episode(vocab)) as ctl:
+    from safetensors.torch import load_file  # your trainer's weights stand here
+
+    params = load_file(str(Path(model_path) / "model.safetensors"))
+    async with Controller(cfg, episode=make_episode(vocab)) as ctl, WeightPusher(ctl) as weights:
         stream = prompts(vocab)
         ctl.submit(next(stream) for _ in range(steps * batch_size * 2))
         for step in range(steps):
@@ -93,9 +96,7 @@ async def drive(url: str, model_path: str, steps: int, batch_size: int, group_si
                 f"step {batch.step}: {len(batch.groups)} groups, reward {batch.reward_mean:.2f},"
                 f" {masked} tool tokens masked, staleness {batch.staleness_max}"
             )
-            async with ctl.weight_update(step + 1):
-                for engine in ctl.router.engines:  # stands in for loading new weights
-                    await engine.update_weight_version(str(step + 1))  # type: ignore[attr-defined]
+            await weights.push(params.items(), step + 1)  # engines serve version step + 1
         stats = ctl.stats()
     print("controller stats:", stats)
     return stats
@@ -106,7 +107,7 @@ def start_engine(model_path: str) -> tuple[Any, str]:
 
     port = free_port()
     log = Path(tempfile.mkdtemp(prefix="asyncrl-example-")) / "engine.log"
-    args = ["-m", "asyncrl.engines.rollout.local.server", "--model-path", model_path]
+    args = ["-m", "asyncrl.cli", "serve", "--model-path", model_path]
     proc = spawn([*args, "--port", str(port)], log)
     return proc, f"http://127.0.0.1:{port}"
 

@@ -76,6 +76,21 @@ async def _tokens_generated(url: str) -> int:
         return int((await resp.json())["tokens"])
 
 
+async def _tokens_when_idle(url: str, timeout_s: float = 30.0) -> int:
+    """The engine's token count once it runs no request (an earlier test's controller may
+    have left requests it cancelled running to their budget)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    async with aiohttp.ClientSession() as http:
+        while True:
+            async with http.get(url + "/get_server_info") as resp:
+                info = await resp.json()
+            if info["num_requests"] == 0:
+                return int(info["tokens"])
+            if asyncio.get_running_loop().time() > deadline:
+                raise TimeoutError(f"engine {url} still runs {info['num_requests']} requests")
+            await asyncio.sleep(0.05)
+
+
 async def test_generated_tokens_count_every_token_the_engine_returned(engine_url: str) -> None:
     """``stats()["generated_tokens"]`` (the "generated" panel of ``asyncrl plot``): every token
     the engine returned, rejected episodes' too, equal to the engine's own count."""
@@ -91,7 +106,7 @@ async def test_generated_tokens_count_every_token_the_engine_returned(engine_url
         gen = await ctx.generate(sample.prompt_ids)
         return ctx.trajectory(sample.prompt_ids, [gen], 0.0) if sample.id % 3 else None
 
-    start = await _tokens_generated(engine_url)
+    start = await _tokens_when_idle(engine_url)
     trained = 0
     async with Controller(cfg, episode=episode) as ctl:
         ctl.submit(Sample(prompt_ids=[1, 5, 6, 7], id=i) for i in range(6))
@@ -100,7 +115,7 @@ async def test_generated_tokens_count_every_token_the_engine_returned(engine_url
             while True:
                 trained += sum(len(t.response_ids) for t in (await ctl.next_batch()).trajectories)
         stats = ctl.stats()
-    engine = await _tokens_generated(engine_url) - start
+    engine = await _tokens_when_idle(engine_url) - start
     assert stats["rejected"] == 2 and stats["generated_tokens"] == engine > trained > 0
 
 
