@@ -21,6 +21,7 @@ import pytest
 
 from asyncrl.engines.rollout.base import EngineBadRequest
 from asyncrl.engines.rollout.sglang import SGLangClient
+from asyncrl.secret import auth_headers
 from tests.engines.rollout.sglang.code import sglang_src
 from tests.engines.rollout.sglang.server import StandInServer, start_standin
 
@@ -75,7 +76,7 @@ async def test_the_wire_framing(standin: StandInServer) -> None:
     body = {"input_ids": [1, 3, 4], "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}
     body |= {"stream": True, "return_logprob": True}
     async with (
-        aiohttp.ClientSession() as http,
+        aiohttp.ClientSession(headers=auth_headers()) as http,
         http.post(standin.url + "/generate", json=body) as r,
     ):
         assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
