@@ -80,7 +80,7 @@ async def _tokens_when_idle(url: str, timeout_s: float = 30.0) -> int:
     """The engine's token count once it runs no request (an earlier test's controller may
     have left requests it cancelled running to their budget)."""
     deadline = asyncio.get_running_loop().time() + timeout_s
-    async with aiohttp.ClientSession() as http:
+    async with aiohttp.ClientSession(headers=auth_headers()) as http:
         while True:
             async with http.get(url + "/get_server_info") as resp:
                 info = await resp.json()

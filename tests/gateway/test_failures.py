@@ -22,6 +22,7 @@ import pytest
 
 from asyncrl.config import AlgoConfig, ControllerConfig, GatewayConfig, RunConfig
 from asyncrl.gateway import Gateway
+from asyncrl.secret import auth_headers
 
 from .conftest import Served
 
@@ -60,8 +61,12 @@ def _sid() -> str:
     return uuid.uuid4().hex[:12]
 
 
-async def _http(method: str, url: str, body: Any = None, key: str | None = None) -> Any:
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
+async def _http(
+    method: str, url: str, body: Any = None, key: str | None = None, engine: bool = False
+) -> Any:
+    """One call: to the gateway with its ``key``, or (``engine``) to the engine with the
+    run's secret."""
+    headers = auth_headers() if engine else {"Authorization": f"Bearer {key}"} if key else {}
     async with aiohttp.ClientSession() as http:
         async with http.request(method, url, json=body, headers=headers) as r:
             return r.status, await r.json()
@@ -76,7 +81,7 @@ def _poll(what: str, ok: Callable[[], bool], timeout: float = 30.0) -> None:
 
 
 def _engine_info(srv: Served) -> dict[str, Any]:
-    return srv.run(_http("GET", f"{srv.engine.url}/get_server_info"))[1]
+    return srv.run(_http("GET", f"{srv.engine.url}/get_server_info", engine=True))[1]
 
 
 def _engine_idle(srv: Served) -> None:

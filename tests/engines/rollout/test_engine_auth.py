@@ -77,10 +77,24 @@ async def _state(client: SGLangClient) -> dict[str, Any]:
     }
 
 
-async def _running(client: SGLangClient, timeout_s: float = 60.0) -> None:
+async def _idle(client: SGLangClient, timeout_s: float = 120.0) -> None:
+    """Wait until the session's engine runs no request (an earlier test on this worker may
+    have left requests running to their budget: they would end mid-test)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while (await client.get_server_info())["num_requests"] > 0:
+        if asyncio.get_running_loop().time() > deadline:
+            raise TimeoutError(f"engine {client.url} still runs an earlier test's requests")
+        await asyncio.sleep(0.05)
+
+
+async def _running(
+    client: SGLangClient, long: asyncio.Future | None = None, timeout_s: float = 60.0
+) -> None:
     """Wait until the engine holds one request (the test's long generation)."""
     deadline = asyncio.get_running_loop().time() + timeout_s
     while (await client.get_server_info())["num_requests"] < 1:
+        if long is not None and long.done():  # refused or failed: say why
+            raise AssertionError(f"the test's request ended: {long.exception() or long.result()}")
         if asyncio.get_running_loop().time() > deadline:
             raise TimeoutError(f"engine {client.url} never took the test's request")
         await asyncio.sleep(0.05)
@@ -91,11 +105,12 @@ def test_every_route_refuses_without_the_key_and_changes_nothing(
 ) -> None:
     async def main() -> None:
         client = SGLangClient(engine_server.url, timeout_s=60)
+        await _idle(client)
         long = asyncio.ensure_future(  # a queue to keep: runs until the test aborts it
-            client.generate([1, 2, 3], {"max_new_tokens": 100000}, rid="kept")
+            client.generate([1, 2, 3], {"max_new_tokens": 100000, "ignore_eos": True}, rid="kept")
         )
         try:
-            await _running(client)
+            await _running(client, long)
             before = await _state(client)
             assert before["num_requests"] == 1 and not before["paused"]
             refused = []
