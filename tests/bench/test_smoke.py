@@ -69,8 +69,32 @@ COVERED_ELSEWHERE = {"faults", "fuzz", "weight-sync"}
 TIMEOUT_S = 240
 
 
+PARTS = {  # module of asyncrl/bench -> (the bench that runs it, the flag its run needs)
+    "fuzz_experience": ("fuzz", ""),  # tests/bench/test_fuzz.py checks its "experience" half
+    "fuzz_http": ("fuzz", ""),
+    "gateway_paths": ("gateway", ""),  # both paths and the hold phase: every gateway run
+    "generation_lora": ("generation", "--lora-rank"),  # rows lora, lora-mixed (_generation)
+    "weight_sync_delta": ("weight-sync", "--delta"),
+    "weight_sync_lora": ("weight-sync", "--lora"),
+}
+
+
 def test_every_shipped_benchmark_has_a_smoke_run() -> None:
     assert set(BENCHES) == {b for b, _ in SMOKE.values()} | COVERED_ELSEWHERE
+
+
+def test_every_bench_module_is_run_by_a_test() -> None:
+    """Each module of asyncrl/bench is a shipped benchmark or a part of one whose smoke (or
+    covered-elsewhere) run drives it: a module no test runs would break silently."""
+    folder = Path(__file__).resolve().parents[2] / "asyncrl" / "bench"
+    mains = {module.rsplit(".", 1)[1] for module, _ in BENCHES.values()}
+    modules = {f.stem for f in folder.glob("*.py")} - {"__init__"}
+    assert modules == mains | set(PARTS), modules ^ (mains | set(PARTS))
+    for part, (bench, flag) in PARTS.items():
+        assert bench in BENCHES, part
+        if flag:  # the smoke entry that runs this part passes its flag
+            runs = [args for b, args in SMOKE.values() if b == bench]
+            assert any(a.split("=")[0] == flag for args in runs for a in args), part
 
 
 class _Runs:
