@@ -14,8 +14,11 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Protocol
 
 __all__ = [
+    "Proc",
+    "Spawner",
     "descendants",
     "die_with_parent_fn",
     "finish",
@@ -26,6 +29,25 @@ __all__ = [
     "spawn",
     "stop",
 ]
+
+
+class Proc(Protocol):
+    """What the launchers use of a started process: ``subprocess.Popen`` or a process forked
+    by the run's fork server (:class:`asyncrl.forkserver.Forked`)."""
+
+    pid: int
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
+Spawner = Callable[[Sequence[str], "Path | None", dict[str, str]], Proc]
+"""Starts ``python ARGS`` with its output to a log file and the given environment (the
+launchers' seam: :func:`spawn`, or the run's fork server)."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -55,6 +77,7 @@ def spawn(
     env: dict[str, str] | None = None,
     die_with_parent: bool = False,
     secret: str | None = None,
+    pass_fds: Sequence[int] = (),
 ) -> subprocess.Popen:
     """Start ``python -m ...``-style args in a new session; output to ``log_path`` (or inherit).
 
@@ -65,7 +88,8 @@ def spawn(
     ``die_with_parent`` (Linux): the child is SIGKILLed when this process dies, however it
     dies (a SIGKILL, the OOM killer; a Ray actor killed with its node's raylet), see
     :func:`die_with_parent_fn`. Only the child itself: a child that starts processes of its
-    own ends them itself (as ``asyncrl run`` does with its guardian).
+    own ends them itself (as ``asyncrl run`` does with its guardian). ``pass_fds``: more
+    descriptors the child inherits (``subprocess.Popen``'s).
     """
     from asyncrl.secret import ENV_SECRET, handoff
 
@@ -80,7 +104,7 @@ def spawn(
                 env={k: v for k, v in (env or python_env()).items() if k != ENV_SECRET} | fd_env,
                 start_new_session=True,
                 preexec_fn=die_with_parent_fn() if die_with_parent else None,
-                pass_fds=fds,
+                pass_fds=(*fds, *pass_fds),
             )
     finally:
         if out is not None:
@@ -111,7 +135,7 @@ def die_with_parent_fn() -> Callable[[], None] | None:
     return arm
 
 
-def wait_exit(procs: Sequence[subprocess.Popen], timeout_s: float) -> bool:
+def wait_exit(procs: Sequence[Proc], timeout_s: float) -> bool:
     """Wait up to ``timeout_s`` for every process to exit on its own; True when all did."""
     deadline = time.monotonic() + timeout_s
     for p in procs:
@@ -185,7 +209,7 @@ def finish(proc: subprocess.Popen, timeout_s: float) -> tuple[int, str]:
     return proc.returncode, text
 
 
-def stop(procs: Sequence[subprocess.Popen], timeout_s: float = 5.0) -> None:
+def stop(procs: Sequence[Proc], timeout_s: float = 5.0) -> None:
     """SIGTERM each process group, wait up to ``timeout_s``, then SIGKILL the rest."""
     for p in procs:
         if p.poll() is None:

@@ -583,9 +583,11 @@ async def run_job(
     job.startup_s = startup_timeout(cfg.rollout, model_path)
     (run_dir / "pids.json").write_text("{}")
     guard = start_guard(run_dir / "pids.json")  # ends the children if this process dies
+    launcher.prepare(model_path)  # the fork server imports while the rest is set up
     try:
         chan = _experience_sender(cfg, run_dir, launcher.advertise_host())
     except BaseException:
+        await asyncio.to_thread(launcher.stop)
         await asyncio.to_thread(release_guard, guard)
         raise
     ctl_log = _controller_log(run_dir)  # warnings and errors with tracebacks, in the run folder

@@ -82,6 +82,11 @@ class Launcher(Protocol):
         """The address the driver binds what it serves to the run's processes."""
         ...
 
+    def prepare(self, model_path: str) -> None:
+        """Start, before anything else of the run, what makes its processes start faster
+        (the local launcher's fork server); may do nothing."""
+        ...
+
     def start_engines(self, model_path: str) -> list[str]:
         """Start ``rollout.num_engines`` engine servers; their URLs, in order."""
         ...

@@ -5,24 +5,30 @@ output in ``run_dir/<name>.log``. Addresses are the configured ones (loopback by
 default): engines bind ``rollout.host``, trainer rank 0 advertises
 ``weights.master_address`` for the rendezvous and the weight-sync group, the
 driver binds ``experience.host``. A restarted process gets the very same command
-line (an engine keeps its port, so its URL is unchanged).
+line (an engine keeps its port, so its URL is unchanged). With ``cluster.fork_server``
+on, trainer ranks and embedded engines are forks of the run's fork server
+(:mod:`asyncrl.forkserver`, its output in ``run_dir/forkserver.log``): same command
+lines, environment, sessions and logs, without importing torch again.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
-import subprocess
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from asyncrl.config import RunConfig
+from asyncrl.config import LocalRolloutConfig, RunConfig
 from asyncrl.engines.rollout.launcher import launch_command, lora_engine_args
 from asyncrl.engines.rollout.launcher import start_engines as launch_engines
+from asyncrl.forkserver import ForkServer, model_module
 from asyncrl.launchers.base import Death, Placed, TrainerArgs, log_tail, trainer_command
-from asyncrl.procs import free_port, python_env, spawn, stop, wait_exit
+from asyncrl.procs import Proc, free_port, python_env, spawn, stop, wait_exit
 
-__all__ = ["LocalLauncher"]
+__all__ = ["LocalLauncher", "fork_server_wanted"]
+
+log_ = logging.getLogger("asyncrl.launcher")
 
 
 class LocalLauncher:
@@ -35,7 +41,8 @@ class LocalLauncher:
         self.cfg = cfg
         self.run_dir = run_dir
         self.pin = pin or {}
-        self.procs: dict[str, subprocess.Popen] = {}
+        self.procs: dict[str, Proc] = {}
+        self.fork_server: ForkServer | None = None
         self._cmds: dict[str, tuple[list[str], dict[str, str]]] = {}
         self._urls: dict[str, str] = {}
         self._hosts: dict[str, str] = {}
@@ -44,8 +51,12 @@ class LocalLauncher:
     def advertise_host(self) -> str:
         return self.cfg.experience.host
 
+    def prepare(self, model_path: str) -> None:
+        self._start_fork_server(model_path)
+
     def start_engines(self, model_path: str) -> list[str]:
         cfg = self.cfg
+        self._start_fork_server(model_path)
         with _pinned(self.pin.get("engine")):
             urls, servers = launch_engines(
                 cfg.rollout,
@@ -55,6 +66,7 @@ class LocalLauncher:
                 cfg.seed,
                 cfg.weights.master_address,
                 lora=lora_engine_args(cfg),
+                spawner=lambda args, log, env: self._start("engine", args, log, env),
             )
         for i, server in enumerate(servers):
             name = f"engine{i}"
@@ -65,6 +77,7 @@ class LocalLauncher:
         return urls
 
     def start_trainers(self, args: TrainerArgs) -> None:
+        self._start_fork_server(args.model_path)
         host = self.cfg.weights.master_address
         port = free_port(host)
         for r in range(args.world_size):
@@ -92,11 +105,14 @@ class LocalLauncher:
         return self._urls.get(name, "")
 
     def processes(self) -> dict[str, Placed]:
-        return {
+        out = {
             name: Placed(p.pid, self._hosts[name], True)
             for name, p in self.procs.items()
             if p.poll() is None
         }
+        if self.fork_server is not None and self.fork_server.alive():
+            out["forkserver"] = Placed(self.fork_server.proc.pid, "127.0.0.1", True)
+        return out
 
     def stop(self, trainer_grace_s: float = 0.0) -> None:
         self._reported.update(self.procs)  # exits from here on are ours
@@ -104,12 +120,47 @@ class LocalLauncher:
         if trainer_grace_s > 0 and trainers:
             wait_exit(trainers, trainer_grace_s)
         stop(list(self.procs.values()), 5.0)
+        if self.fork_server is not None:
+            self.fork_server.close()
 
     def _spawn(self, name: str) -> None:
         args, env = self._cmds[name]
         role = "engine" if name.startswith("engine") else "trainer"
+        self.procs[name] = self._start(role, args, self.run_dir / f"{name}.log", env)
+
+    def _start(self, role: str, args: Sequence[str], log: Path | None, env: dict[str, str]) -> Proc:
+        """Fork ``args`` from the fork server when it serves them, else a fresh process."""
+        fs = self.fork_server
+        if fs is not None and fs.serves(args) and fs.alive():
+            try:
+                return fs.spawn(args, log, env, self.pin.get(role))
+            except RuntimeError as exc:  # e.g. a preload failed: start fresh processes
+                log_.warning("%s; starting processes without it", exc)
+                self.fork_server = None
+                fs.close()
         with _pinned(self.pin.get(role)):
-            self.procs[name] = spawn(args, self.run_dir / f"{name}.log", env=env)
+            return spawn(args, log, env=env)
+
+    def _start_fork_server(self, model_path: str) -> None:
+        """Start the fork server (``cluster.fork_server``), preloading what the trainer and
+        the embedded engine import and the model's class."""
+        if self.fork_server is not None or not fork_server_wanted(self.cfg):
+            return
+        preload = ["asyncrl.entrypoints.trainer"]
+        if isinstance(self.cfg.rollout, LocalRolloutConfig) and not self.cfg.rollout.urls:
+            preload.append("asyncrl.entrypoints.engine")
+        model = model_module(model_path)
+        preload += [model] if model else []
+        self.fork_server = ForkServer.start(preload, self.run_dir / "forkserver.log")
+
+
+def fork_server_wanted(cfg: RunConfig) -> bool:
+    """``cluster.fork_server``: on, off, or (auto) on when no process of the run uses CUDA."""
+    mode = cfg.cluster.fork_server
+    if mode != "auto":
+        return mode == "on"
+    engine_cpu = not isinstance(cfg.rollout, LocalRolloutConfig) or cfg.rollout.device == "cpu"
+    return cfg.trainer.device == "cpu" and engine_cpu
 
 
 @contextlib.contextmanager

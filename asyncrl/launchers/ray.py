@@ -172,6 +172,9 @@ class RayLauncher:
     def advertise_host(self) -> str:
         return self._driver
 
+    def prepare(self, model_path: str) -> None:
+        pass  # every process is a Ray actor: nothing to start ahead
+
     def start_engines(self, model_path: str) -> list[str]:
         del model_path  # the model is found (or built) on each node: see _model_on
         cc, rc = self.cfg.cluster, self.cfg.rollout

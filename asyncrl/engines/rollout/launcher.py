@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,7 +37,7 @@ from asyncrl.config import (
 from asyncrl.engines.rollout.base import EngineUnavailable
 from asyncrl.engines.rollout.sglang.client import SGLangClient
 from asyncrl.engines.rollout.vllm.client import VLLMClient
-from asyncrl.procs import free_port, python_env, spawn, stop
+from asyncrl.procs import Proc, Spawner, free_port, python_env, spawn, stop
 
 __all__ = [
     "LOCAL_SERVER",
@@ -103,7 +102,7 @@ class LaunchedServer:
     """A started server: its process (stop it by pid), URL and log file."""
 
     spec: LaunchSpec
-    proc: subprocess.Popen
+    proc: Proc
     log_path: Path | None
 
     @property
@@ -181,13 +180,18 @@ def startup_timeout(rc: RolloutConfig, model_path: str) -> float:
 
 
 def launch(
-    spec: LaunchSpec, log_path: Path | None = None, die_with_parent: bool = False
+    spec: LaunchSpec,
+    log_path: Path | None = None,
+    die_with_parent: bool = False,
+    spawner: Spawner | None = None,
 ) -> LaunchedServer:
     """Start ``spec``'s server in a new session; returns at once (see :func:`wait_healthy`).
-    ``die_with_parent``: as :func:`asyncrl.procs.spawn`'s."""
-    proc = spawn(
-        launch_command(spec), log_path, env=python_env(spec.env), die_with_parent=die_with_parent
-    )
+    ``die_with_parent``: as :func:`asyncrl.procs.spawn`'s; ``spawner``: what starts it
+    (the run's fork server; default :func:`asyncrl.procs.spawn`)."""
+    args, env = launch_command(spec), python_env(spec.env)
+    if spawner is not None:
+        return LaunchedServer(spec, spawner(args, log_path, env), log_path)
+    proc = spawn(args, log_path, env=env, die_with_parent=die_with_parent)
     return LaunchedServer(spec, proc, log_path)
 
 
@@ -236,6 +240,7 @@ def start_engines(
     seed: int = 0,
     weight_master: str = "127.0.0.1",
     lora: Sequence[str] = (),
+    spawner: Spawner | None = None,
 ) -> tuple[list[str], list[LaunchedServer]]:
     """Engine URLs for a run, and the servers started for it (empty when ``rc.urls`` is set).
 
@@ -244,7 +249,7 @@ def start_engines(
     consecutive GPUs via ``--base-gpu-id``). Embedded engines may join weight groups on
     loopback and at ``weight_master`` (the trainer's ``weights.master_address``). Callers
     wait with :func:`wait_healthy` and stop with :func:`stop_servers`. ``lora``: the
-    embedded engines' LoRA flags (:func:`lora_engine_args`).
+    embedded engines' LoRA flags (:func:`lora_engine_args`); ``spawner``: as :func:`launch`'s.
     """
     if rc.urls:
         return list(rc.urls), []
@@ -254,7 +259,7 @@ def start_engines(
             spec = engine_spec(
                 rc, model_path, i, dtype, seed, weight_master=weight_master, lora=lora
             )
-            servers.append(launch(spec, log_dir / f"engine{i}.log"))
+            servers.append(launch(spec, log_dir / f"engine{i}.log", spawner=spawner))
     except BaseException:
         stop_servers(servers)
         raise

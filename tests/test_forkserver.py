@@ -1,0 +1,103 @@
+"""The fork server (asyncrl/forkserver.py): a forked child is what ``python -m MODULE ARGS``
+would be (argv, environment, session, log, cores, the run secret in memory only), its exit
+codes are Popen's, and nothing it started outlives it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from asyncrl import secret
+from asyncrl.forkserver import ForkServer, model_module
+from asyncrl.procs import pid_alive, python_env
+
+CHILD = "tests.forkserver_child"
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ForkServer]:
+    fs = ForkServer.start(["xml.dom.minidom", CHILD], timeout_s=60)
+    yield fs
+    fs.close()
+
+
+def _seen(path: Path, timeout_s: float = 30) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        assert time.monotonic() < deadline, f"the forked child wrote no {path} in {timeout_s} s"
+        time.sleep(0.02)
+    return json.loads(path.read_text())
+
+
+def test_a_fork_is_what_python_dash_m_would_be(server: ForkServer, tmp_path: Path) -> None:
+    out, log = tmp_path / "seen.json", tmp_path / "child.log"
+    env = python_env({"MARK_FOR_TEST": "yes"})
+    proc = server.spawn(["-m", CHILD, str(out), "0"], log, env, cores={0})
+    assert proc.wait(30) == 0 and proc.poll() == 0
+    seen = _seen(out)
+    assert seen["argv"][1:] == [str(out), "0"] and seen["argv"][0].endswith("forkserver_child.py")
+    assert seen["env"]["MARK_FOR_TEST"] == "yes" and seen["env"]["PYTHONPATH"] == env["PYTHONPATH"]
+    assert not {secret.ENV_FD, secret.ENV_SECRET} & set(seen["env"])  # never in its environment
+    assert seen["secret"] == secret.load()  # ... but in memory
+    assert seen["sid"] == seen["pid"] == proc.pid  # its own session: stopped by pid
+    assert seen["cores"] == [0] and seen["preloaded"]
+    assert f"child {proc.pid} says hello" in log.read_text()
+
+
+@pytest.mark.parametrize(("mode", "code"), [("3", 3), ("raise", 1)])
+def test_exit_codes_are_popens(server: ForkServer, tmp_path: Path, mode: str, code: int) -> None:
+    log = tmp_path / "child.log"
+    proc = server.spawn(["-m", CHILD, str(tmp_path / "seen.json"), mode], log, python_env())
+    assert proc.wait(30) == code
+    if mode == "raise":
+        assert "ValueError: the child raised" in log.read_text()
+
+
+def test_a_killed_child_and_waits_that_time_out(server: ForkServer, tmp_path: Path) -> None:
+    out = tmp_path / "seen.json"
+    proc = server.spawn(["-m", CHILD, str(out), "sleep"], None, python_env())
+    _seen(out)
+    assert proc.poll() is None
+    with pytest.raises(subprocess.TimeoutExpired):
+        proc.wait(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.wait(30) == -signal.SIGKILL
+
+
+def test_closing_the_server_ends_what_it_started(tmp_path: Path) -> None:
+    fs = ForkServer.start([CHILD], timeout_s=60)
+    out = tmp_path / "seen.json"
+    proc = fs.spawn(["-m", CHILD, str(out), "sleep"], None, python_env())
+    _seen(out)
+    fs.close()
+    deadline = time.monotonic() + 10
+    while pid_alive(proc.pid):
+        assert time.monotonic() < deadline, "the fork server's child outlived it"
+        time.sleep(0.05)
+    assert not pid_alive(fs.proc.pid)
+
+
+def test_a_failed_preload_is_named(tmp_path: Path) -> None:
+    fs = ForkServer.start(["no_such_module_here"], timeout_s=60)
+    try:
+        with pytest.raises(RuntimeError, match="no_such_module_here"):
+            fs.spawn(["-m", CHILD, str(tmp_path / "x"), "0"], None, python_env())
+        assert not fs.alive()
+        with pytest.raises(ValueError, match="-m MODULE"):
+            fs.spawn(["-c", "pass"], None, python_env())
+    finally:
+        fs.close()
+
+
+def test_model_module_names_the_class_module(tiny_model_dir: Path, tmp_path: Path) -> None:
+    assert model_module(str(tiny_model_dir)) == "transformers.models.qwen2.modeling_qwen2"
+    assert model_module(str(tmp_path)) is None
+    (tmp_path / "config.json").write_text('{"model_type": "../evil"}')
+    assert model_module(str(tmp_path)) is None
