@@ -386,8 +386,11 @@ def _become(
     os.environ.update(env)
     if cores and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, cores)
-    if "OMP_NUM_THREADS" in env and "torch" in sys.modules:
-        sys.modules["torch"].set_num_threads(int(env["OMP_NUM_THREADS"]))
+    threads = env.get("OMP_NUM_THREADS", "") or (str(len(cores)) if cores else "")
+    if threads.isdigit() and int(threads) > 0 and "torch" in sys.modules:
+        # OpenMP sized its pool when torch loaded it in the server: size it as a fresh
+        # interpreter on these cores (or with this OMP_NUM_THREADS) would
+        sys.modules["torch"].set_num_threads(int(threads))
     sys.argv = [args[1], *args[2:]]  # runpy puts the module's file in argv[0]
 
 

@@ -20,6 +20,7 @@ if __name__ == "__main__":
         "cores": sorted(os.sched_getaffinity(0)),
         "secret": secret.load(),
         "preloaded": "xml.dom.minidom" in sys.modules,
+        "threads": sys.modules["torch"].get_num_threads() if "torch" in sys.modules else None,
     }
     with open(out + ".tmp", "w") as f:
         json.dump(seen, f)

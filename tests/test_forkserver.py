@@ -23,7 +23,7 @@ CHILD = "tests.forkserver_child"
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ForkServer]:
-    fs = ForkServer.start(["xml.dom.minidom", CHILD], timeout_s=60)
+    fs = ForkServer.start(["xml.dom.minidom", "torch", CHILD], timeout_s=60)
     yield fs
     fs.close()
 
@@ -48,6 +48,7 @@ def test_a_fork_is_what_python_dash_m_would_be(server: ForkServer, tmp_path: Pat
     assert seen["secret"] == secret.load()  # ... but in memory
     assert seen["sid"] == seen["pid"] == proc.pid  # its own session: stopped by pid
     assert seen["cores"] == [0] and seen["preloaded"]
+    assert seen["threads"] == 1  # torch's pool sized for its one core, as a fresh process's
     assert f"child {proc.pid} says hello" in log.read_text()
 
 
