@@ -47,6 +47,9 @@ from asyncrl.procs import pid_alive, python_env, spawn
 
 __all__ = ["ForkServer", "Forked", "model_module"]
 
+_TITLE_ROOM = 2048
+"""Bytes of the server's command line kept for its children's (what ``ps`` shows)."""
+
 _START_TIMEOUT_S = 60.0
 """Seconds a fork may take to be answered (the server is idle otherwise)."""
 
@@ -100,6 +103,7 @@ class ForkServer:
         ours, theirs = socket.socketpair()
         os.set_inheritable(theirs.fileno(), True)
         args = ["-m", "asyncrl.forkserver", "--fd", str(theirs.fileno()), "--preload", *preload]
+        args += ["--title-room", " " * _TITLE_ROOM]  # room for the children's command lines
         proc = spawn(args, log_path, env=python_env(), pass_fds=(theirs.fileno(),))
         theirs.close()
         server = cls(proc, ours)
@@ -392,6 +396,27 @@ def _become(
         # interpreter on these cores (or with this OMP_NUM_THREADS) would
         sys.modules["torch"].set_num_threads(int(threads))
     sys.argv = [args[1], *args[2:]]  # runpy puts the module's file in argv[0]
+    _set_title([sys.executable, *args])
+
+
+def _set_title(words: list[str]) -> None:
+    """What ``ps`` and ``/proc/PID/cmdline`` show for this process becomes ``words`` (as if
+    started as ``words``; cut to the room the server's command line holds), and its short
+    name (``top``, ``comm``) the module's last part. Linux: rewrites the argv area as
+    ``setproctitle`` does; elsewhere nothing."""
+    import ctypes
+
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        start, end = int(fields[45]), int(fields[46])  # arg_start, arg_end (proc(5): 48, 49)
+        libc = ctypes.CDLL(None)
+    except (OSError, ValueError, IndexError):
+        return
+    data = b"\0".join(w.encode() for w in words)[: end - start - 1]
+    ctypes.memmove(start, data + b"\0" * (end - start - len(data)), end - start)
+    name = words[2].rsplit(".", 1)[-1].encode()[:15] if len(words) > 2 else b""
+    libc.prctl(15, ctypes.c_char_p(name), 0, 0, 0)  # PR_SET_NAME
 
 
 def _exit_status(code: object) -> int:
@@ -421,6 +446,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m asyncrl.forkserver")
     p.add_argument("--fd", type=int, required=True, help="the socket to the parent")
     p.add_argument("--preload", nargs="*", default=[], help="modules to import first")
+    p.add_argument("--title-room", default="", help="blank room for children's titles")
     a = p.parse_args(argv)
     _serve(a.fd, a.preload)
 

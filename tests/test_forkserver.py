@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -47,6 +48,9 @@ def test_a_fork_is_what_python_dash_m_would_be(server: ForkServer, tmp_path: Pat
     assert not {secret.ENV_FD, secret.ENV_SECRET} & set(seen["env"])  # never in its environment
     assert seen["secret"] == secret.load()  # ... but in memory
     assert seen["sid"] == seen["pid"] == proc.pid  # its own session: stopped by pid
+    # what ps shows: the command line it would have had, and its short name
+    assert seen["cmdline"][:5] == [sys.executable, "-m", CHILD, str(out), "0"], seen["cmdline"]
+    assert seen["comm"] == "forkserver_chil"  # 15 characters: the kernel's limit
     assert seen["cores"] == [0] and seen["preloaded"]
     assert seen["threads"] == 1  # torch's pool sized for its one core, as a fresh process's
     assert f"child {proc.pid} says hello" in log.read_text()
