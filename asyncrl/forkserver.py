@@ -24,28 +24,36 @@ Contract:
   over a socketpair: no pickle.
 - When the server's parent closes the socket (or dies), the server SIGKILLs every child it
   started that is still running, then exits.
+
+A server can also be shared by several runs (sweeps of small runs, a test session):
+``python -m asyncrl.entrypoints.forkserver --listen PATH --preload MOD ...`` serves a unix
+socket (mode 0600), and every run whose environment has ``ASYNCRL_FORK_SERVER=PATH``
+forks its processes there instead of starting its own (:meth:`ForkServer.connect`). Each
+run's connection owns its children (killed when it closes); the run's secret and working
+directory travel with each request (over the socket: never argv or environment). The
+shared server is not the run's: it is not in ``processes.json``, and the run's processes
+are not descendants of ``asyncrl run`` (their ``/proc/PID/environ`` is the server's).
 """
 
 from __future__ import annotations
 
-import argparse
-import importlib
 import json
 import os
-import selectors
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 from asyncrl.procs import pid_alive, python_env, spawn
 
-__all__ = ["ForkServer", "Forked", "model_module"]
+__all__ = ["ENV_SHARED", "ForkServer", "Forked", "model_module"]
+
+ENV_SHARED = "ASYNCRL_FORK_SERVER"
+"""A shared server's socket path: runs started with it fork their processes there."""
 
 _TITLE_ROOM = 2048
 """Bytes of the server's command line kept for its children's (what ``ps`` shows)."""
@@ -84,8 +92,10 @@ class ForkServer:
     """The run's fork server: start with :meth:`start`, fork with :meth:`spawn`, end with
     :meth:`close`. Thread-safe; the launcher calls it from its own threads."""
 
-    def __init__(self, proc: subprocess.Popen, sock: socket.socket):
-        self.proc = proc
+    def __init__(self, proc: subprocess.Popen | None, sock: socket.socket, where: str):
+        self.proc = proc  # None: a shared server (not ours to stop)
+        self.where = where  # for messages: "pid N" or the shared socket's path
+        self._gone = False  # the connection closed
         self._sock = sock
         self._buf = b""
         self._lock = threading.Lock()
@@ -102,11 +112,27 @@ class ForkServer:
         :meth:`spawn` waits for that, up to ``timeout_s``)."""
         ours, theirs = socket.socketpair()
         os.set_inheritable(theirs.fileno(), True)
-        args = ["-m", "asyncrl.forkserver", "--fd", str(theirs.fileno()), "--preload", *preload]
+        args = ["-m", "asyncrl.entrypoints.forkserver", "--fd", str(theirs.fileno())]
+        args += ["--preload", *preload]
         args += ["--title-room", " " * _TITLE_ROOM]  # room for the children's command lines
         proc = spawn(args, log_path, env=python_env(), pass_fds=(theirs.fileno(),))
         theirs.close()
-        server = cls(proc, ours)
+        server = cls(proc, ours, f"pid {proc.pid}")
+        server._ready_timeout_s = timeout_s
+        return server
+
+    @classmethod
+    def connect(cls, path: str, timeout_s: float = 10.0) -> ForkServer:
+        """A connection to the shared server listening on ``path`` (see the module's
+        docstring). OSError naming ``path`` when nothing answers there."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout_s)
+        try:
+            sock.connect(path)
+        except OSError as exc:
+            sock.close()
+            raise OSError(f"no fork server answers at {path} ({ENV_SHARED}): {exc}") from exc
+        server = cls(None, sock, path)
         server._ready_timeout_s = timeout_s
         return server
 
@@ -117,7 +143,7 @@ class ForkServer:
             got = self._reply_locked(self._ready_timeout_s, "ready")
             self._ready = got.get("error", "")
         if self._ready:
-            raise RuntimeError(f"fork server (pid {self.proc.pid}) failed: {self._ready}")
+            raise RuntimeError(f"fork server ({self.where}) failed: {self._ready}")
 
     @staticmethod
     def serves(args: Sequence[str]) -> bool:
@@ -125,8 +151,9 @@ class ForkServer:
         return len(args) >= 2 and args[0] == "-m"
 
     def alive(self) -> bool:
-        """Running, and not known to have failed its preload."""
-        return self.proc.poll() is None and not self._ready
+        """Running (connected), and not known to have failed its preload."""
+        running = not self._gone if self.proc is None else self.proc.poll() is None
+        return running and not self._ready
 
     def spawn(
         self,
@@ -146,21 +173,28 @@ class ForkServer:
         with self._lock:
             self._wait_ready()
             self._ids += 1
-            req = {"id": self._ids, "args": list(args), "env": env}
+            req = {"id": self._ids, "args": list(args), "env": env, "cwd": os.getcwd()}
             req |= {"log": str(log_path) if log_path else None, "cores": sorted(cores or ())}
+            if self.proc is None:  # a shared server: this run's secret goes with the request
+                from asyncrl.secret import load
+
+                req["secret"] = load()
             self._send(req)
             got = self._reply_locked(_START_TIMEOUT_S, self._ids)
         if "error" in got:
-            raise RuntimeError(f"fork server (pid {self.proc.pid}): {got['error']}")
+            raise RuntimeError(f"fork server ({self.where}): {got['error']}")
         return Forked(self, int(got["pid"]), args)
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """End the server (it SIGKILLs what it started that still runs) and reap it."""
+        """End the server (it SIGKILLs what it started that still runs) and reap it; a
+        shared server only ends this connection (and so its children)."""
         try:
             self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
         self._sock.close()
+        if self.proc is None:
+            return
         try:
             self.proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
@@ -183,9 +217,9 @@ class ForkServer:
                 if msg.get("id") == want:
                     return msg
             if time.monotonic() >= deadline or self._sock.fileno() < 0:
+                code = "" if self.proc is None else f" (exit code {self.proc.poll()})"
                 raise RuntimeError(
-                    f"fork server (pid {self.proc.pid}) gave no answer in {timeout_s:.0f} s"
-                    f" (exit code {self.proc.poll()})"
+                    f"fork server ({self.where}) gave no answer in {timeout_s:.0f} s{code}"
                 )
 
     def _read(self, timeout_s: float) -> list[dict[str, Any]]:
@@ -198,6 +232,7 @@ class ForkServer:
         except OSError:
             chunk = b""
         if not chunk:  # the server is gone
+            self._gone = True
             time.sleep(min(timeout_s, 0.05))
             return []
         self._buf += chunk
@@ -239,217 +274,3 @@ def model_module(model_path: str) -> str | None:
     if not isinstance(model_type, str) or not model_type.isidentifier():
         return None
     return f"transformers.models.{model_type}.modeling_{model_type}"
-
-
-# -- the server ---------------------------------------------------------------------------
-
-
-def _serve(fd: int, preload: Sequence[str]) -> None:
-    from asyncrl import secret
-
-    sock = socket.socket(fileno=fd)
-    secret.load()  # from the pipe spawn() handed over: children inherit it in memory
-    try:
-        for name in preload:
-            importlib.import_module(name)
-    except BaseException as exc:
-        err = f"import {name}: {exc!r}"
-        sock.sendall(json.dumps({"id": "ready", "error": err}).encode() + b"\n")
-        return
-    if threading.active_count() > 1:  # forking a threaded process is not a fresh start
-        err = f"preloading started threads: {[t.name for t in threading.enumerate()]}"
-        sock.sendall(json.dumps({"id": "ready", "error": err}).encode() + b"\n")
-        return
-    wake_r, wake_w = os.pipe()
-    os.set_blocking(wake_w, False)
-    signal.set_wakeup_fd(wake_w)
-    signal.signal(signal.SIGCHLD, lambda *_: None)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    children: set[int] = set()
-    sock.sendall(b'{"id": "ready"}\n')
-    sel = selectors.DefaultSelector()
-    sel.register(sock, selectors.EVENT_READ)
-    sel.register(wake_r, selectors.EVENT_READ)
-    buf = b""
-    try:
-        while True:
-            for key, _ in sel.select():
-                if key.fileobj == wake_r:
-                    os.read(wake_r, 4096)
-                    _reap(sock, children)
-                    continue
-                chunk = sock.recv(65536)
-                if not chunk:
-                    return
-                buf += chunk
-                *lines, buf = buf.split(b"\n")
-                for line in lines:
-                    req = json.loads(line)
-                    reply = _fork(req, sock, (wake_r, wake_w), sel)
-                    if "pid" in reply:
-                        children.add(reply["pid"])
-                    sock.sendall(json.dumps(reply).encode() + b"\n")
-    finally:
-        for pid in children:
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except OSError:
-                pass
-
-
-def _reap(sock: socket.socket, children: set[int]) -> None:
-    while children:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-        children.discard(pid)
-        code = os.waitstatus_to_exitcode(status)
-        try:
-            sock.sendall(json.dumps({"exit": pid, "code": code}).encode() + b"\n")
-        except OSError:
-            pass
-
-
-def _fork(
-    req: dict[str, Any],
-    sock: socket.socket,
-    wake: tuple[int, int],
-    sel: selectors.BaseSelector,
-) -> dict[str, Any]:
-    args: list[str] = req["args"]
-    log = req.get("log")
-    try:
-        out = os.open(log or os.devnull, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    except OSError as exc:
-        return {"id": req["id"], "error": f"cannot open log {log}: {exc}"}
-    sys.stdout.flush()
-    sys.stderr.flush()
-    pid = os.fork()
-    if pid:
-        os.close(out)
-        return {"id": req["id"], "pid": pid}
-    sel.close()
-    _child(args, req["env"], out if log else None, set(req.get("cores") or ()), sock, wake)
-
-
-def _child(
-    args: list[str],
-    env: dict[str, str],
-    out: int | None,
-    cores: set[int],
-    sock: socket.socket,
-    wake: tuple[int, int],
-) -> NoReturn:
-    """The forked child: become ``python -m MODULE ARGS``, run it, exit with its status."""
-    code = 1
-    try:
-        _become(args, env, out, cores, sock, wake)
-        import runpy
-
-        runpy.run_module(args[1], run_name="__main__", alter_sys=True)
-        code = 0
-    except SystemExit as exc:
-        code = _exit_status(exc.code)
-    except BaseException:
-        import traceback
-
-        traceback.print_exc()
-    finally:
-        _exit(code)
-
-
-def _become(
-    args: list[str],
-    env: dict[str, str],
-    out: int | None,
-    cores: set[int],
-    sock: socket.socket,
-    wake: tuple[int, int],
-) -> None:
-    """Turn the forked child into ``python -m MODULE ARGS``: own session, signals at their
-    defaults, its output, environment, cores and ``sys.argv``."""
-    os.setsid()
-    signal.set_wakeup_fd(-1)
-    for fd in wake:
-        os.close(fd)
-    sock.close()
-    for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    os.close(null)
-    if out is not None:
-        os.dup2(out, 1)
-        os.dup2(out, 2)
-        os.close(out)
-    os.environ.clear()
-    os.environ.update(env)
-    if cores and hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, cores)
-    threads = env.get("OMP_NUM_THREADS", "") or (str(len(cores)) if cores else "")
-    if threads.isdigit() and int(threads) > 0 and "torch" in sys.modules:
-        # OpenMP sized its pool when torch loaded it in the server: size it as a fresh
-        # interpreter on these cores (or with this OMP_NUM_THREADS) would
-        sys.modules["torch"].set_num_threads(int(threads))
-    sys.argv = [args[1], *args[2:]]  # runpy puts the module's file in argv[0]
-    _set_title([sys.executable, *args])
-
-
-def _set_title(words: list[str]) -> None:
-    """What ``ps`` and ``/proc/PID/cmdline`` show for this process becomes ``words`` (as if
-    started as ``words``; cut to the room the server's command line holds), and its short
-    name (``top``, ``comm``) the module's last part. Linux: rewrites the argv area as
-    ``setproctitle`` does; elsewhere nothing."""
-    import ctypes
-
-    try:
-        with open("/proc/self/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        start, end = int(fields[45]), int(fields[46])  # arg_start, arg_end (proc(5): 48, 49)
-        libc = ctypes.CDLL(None)
-    except (OSError, ValueError, IndexError):
-        return
-    data = b"\0".join(w.encode() for w in words)[: end - start - 1]
-    ctypes.memmove(start, data + b"\0" * (end - start - len(data)), end - start)
-    name = words[2].rsplit(".", 1)[-1].encode()[:15] if len(words) > 2 else b""
-    libc.prctl(15, ctypes.c_char_p(name), 0, 0, 0)  # PR_SET_NAME
-
-
-def _exit_status(code: object) -> int:
-    if code is None:
-        return 0
-    if isinstance(code, int):
-        return code
-    print(code, file=sys.stderr)
-    return 1
-
-
-def _exit(code: int) -> NoReturn:
-    """Leave the child as an interpreter would: atexit handlers, flushed output."""
-    import atexit
-    import logging
-
-    try:
-        atexit._run_exitfuncs()
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-    finally:
-        os._exit(code)
-
-
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m asyncrl.forkserver")
-    p.add_argument("--fd", type=int, required=True, help="the socket to the parent")
-    p.add_argument("--preload", nargs="*", default=[], help="modules to import first")
-    p.add_argument("--title-room", default="", help="blank room for children's titles")
-    a = p.parse_args(argv)
-    _serve(a.fd, a.preload)
-
-
-if __name__ == "__main__":
-    main()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -96,3 +97,41 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_fork_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str | None]:
+    """One fork server per test process, shared by every `asyncrl run` the tests start
+    (``ASYNCRL_FORK_SERVER``, docs/cluster.md): a run's trainer and engine are forked from
+    it instead of from a server of the run's own, saving each run ~5 CPU-s of imports.
+    Started in the background (a run that comes before its socket starts its own server);
+    ``ASYNCRL_TEST_SHARED_FORK_SERVER=0`` turns it off. Tests that look at a run's own
+    process tree are marked ``own_fork_server``."""
+    from asyncrl.forkserver import ENV_SHARED
+    from asyncrl.procs import spawn, stop
+
+    if os.environ.get("ASYNCRL_TEST_SHARED_FORK_SERVER", "1") == "0" or ENV_SHARED in os.environ:
+        yield None
+        return
+    folder = tmp_path_factory.mktemp("forkserver")
+    path = str(folder / "fs.sock")
+    preload = ["asyncrl.entrypoints.trainer", "asyncrl.entrypoints.engine"]
+    preload.append("transformers.models.qwen2.modeling_qwen2")  # the tiny models' class
+    args = ["-m", "asyncrl.entrypoints.forkserver", "--listen", path, "--preload", *preload]
+    proc = spawn([*args, "--title-room", " " * 2048], folder / "forkserver.log")
+    os.environ[ENV_SHARED] = path
+    try:
+        yield path
+    finally:
+        os.environ.pop(ENV_SHARED, None)
+        stop([proc])
+
+
+@pytest.fixture(autouse=True)
+def _own_fork_server(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``@pytest.mark.own_fork_server``: runs of this test start their own fork server (the
+    test checks the run's process tree: descendants, environments, processes.json)."""
+    if request.node.get_closest_marker("own_fork_server") is not None:
+        from asyncrl.forkserver import ENV_SHARED
+
+        monkeypatch.delenv(ENV_SHARED, raising=False)

@@ -17,6 +17,8 @@ if __name__ == "__main__":
         "env": dict(os.environ),
         "sid": os.getsid(0),
         "pid": os.getpid(),
+        "ppid": os.getppid(),
+        "cwd": os.getcwd(),
         "cmdline": open("/proc/self/cmdline", "rb").read().decode().split("\0"),
         "comm": open("/proc/self/comm").read().strip(),
         "cores": sorted(os.sched_getaffinity(0)),

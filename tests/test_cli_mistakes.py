@@ -20,6 +20,8 @@ from asyncrl.preflight import cuda_devices
 from asyncrl.procs import python_env
 from tests.runs import MARK, marked_pids
 
+pytestmark = pytest.mark.own_fork_server  # finds a run's leftovers by their environment
+
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(

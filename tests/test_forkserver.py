@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from asyncrl import secret
-from asyncrl.forkserver import ForkServer, model_module
-from asyncrl.procs import pid_alive, python_env
+from asyncrl.forkserver import ENV_SHARED, ForkServer, model_module
+from asyncrl.procs import finish, pid_alive, python_env, spawn, stop
 
 CHILD = "tests.forkserver_child"
 
@@ -106,3 +106,74 @@ def test_model_module_names_the_class_module(tiny_model_dir: Path, tmp_path: Pat
     assert model_module(str(tmp_path)) is None
     (tmp_path / "config.json").write_text('{"model_type": "../evil"}')
     assert model_module(str(tmp_path)) is None
+
+
+@pytest.fixture
+def shared(tmp_path: Path) -> Iterator[tuple[subprocess.Popen, str]]:
+    """A shared server on a unix socket, as a user starts one (``--listen``)."""
+    path = str(tmp_path / "fs.sock")
+    args = ["-m", "asyncrl.entrypoints.forkserver", "--listen", path]
+    proc = spawn([*args, "--preload", CHILD, "--title-room", " " * 512], tmp_path / "fs.log")
+    deadline = time.monotonic() + 60
+    while not Path(path).exists():
+        assert proc.poll() is None, (tmp_path / "fs.log").read_text()
+        assert time.monotonic() < deadline, "the shared fork server made no socket in 60 s"
+        time.sleep(0.05)
+    yield proc, path
+    stop([proc])
+
+
+def test_a_shared_server_keeps_each_runs_children_apart(
+    shared: tuple[subprocess.Popen, str], tmp_path: Path
+) -> None:
+    proc, path = shared
+    assert os.stat(path).st_mode & 0o777 == 0o600  # this user only
+    a, b = ForkServer.connect(path), ForkServer.connect(path)
+    try:
+        outs = [tmp_path / "a.json", tmp_path / "b.json"]
+        ka = a.spawn(["-m", CHILD, str(outs[0]), "sleep"], None, python_env())
+        kb = b.spawn(["-m", CHILD, str(outs[1]), "sleep"], None, python_env())
+        seen = [_seen(o) for o in outs]
+        assert {s["ppid"] for s in seen} == {proc.pid} and seen[0]["cwd"] == os.getcwd()
+        assert seen[0]["secret"] == secret.load()  # handed over the socket, not inherited
+        assert not {secret.ENV_FD, secret.ENV_SECRET} & set(seen[0]["env"])
+        a.close()  # a run's connection closes: its children end, the other run's do not
+        deadline = time.monotonic() + 10
+        while pid_alive(ka.pid):
+            assert time.monotonic() < deadline, "a closed connection's child outlived it"
+            time.sleep(0.05)
+        assert kb.poll() is None and pid_alive(kb.pid)
+    finally:
+        a.close()
+        b.close()
+    with pytest.raises(OSError, match="no fork server answers"):
+        ForkServer.connect(str(tmp_path / "nothing.sock"))
+
+
+def test_a_run_forks_from_the_shared_server(
+    shared: tuple[subprocess.Popen, str], tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """ASYNCRL_FORK_SERVER set: the run's trainer and engine are the shared server's
+    children; the server is not the run's (not in processes.json) and outlives it."""
+    proc, path = shared
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "asyncrl.cli", "run", "--run-dir", str(run), "--quiet"]
+    cmd += [f"--model.path={tiny_model_dir}", "--controller.total_steps=2"]
+    cmd += ["--controller.batch_size=2"]
+    env = python_env({ENV_SHARED: path})
+    run_proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    parents = {}
+    try:
+        deadline = time.monotonic() + 120
+        while run_proc.poll() is None and not parents:
+            assert time.monotonic() < deadline, "the run started no process in 120 s"
+            if (run / "processes.json").is_file():
+                for name, pid in json.loads((run / "processes.json").read_text()).items():
+                    parents[name] = Path(f"/proc/{pid}/stat").read_text().rsplit(")")[1].split()[1]
+            time.sleep(0.05)
+    finally:
+        rc, out = finish(run_proc, 180)
+    assert rc == 0, out[-3000:]
+    assert set(parents) == {"engine0", "trainer0"}  # no forkserver of its own
+    assert set(parents.values()) == {str(proc.pid)}
+    assert proc.poll() is None

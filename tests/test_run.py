@@ -16,6 +16,8 @@ from asyncrl.procs import pid_alive, python_env
 from tests.launchers.cluster import descendants, listeners, listening
 from tests.runs import leaks
 
+pytestmark = pytest.mark.own_fork_server  # reads the run's process tree and its own fork server
+
 _SHORT_RUN = (
     "--controller.total_steps=6",
     "--controller.batch_size=4",

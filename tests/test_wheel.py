@@ -102,7 +102,9 @@ def fresh_venv(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    # nor the session's shared fork server (its processes would run this tree's asyncrl)
+    drop = ("PYTHONPATH", "VIRTUAL_ENV", "ASYNCRL_FORK_SERVER")
+    env = {k: v for k, v in os.environ.items() if k not in drop}
     env["HF_HUB_OFFLINE"] = "1"
     return env
 

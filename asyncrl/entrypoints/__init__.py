@@ -8,6 +8,9 @@
 - :mod:`asyncrl.entrypoints.keyed`: the front of an SGLang or vLLM server the run
   launches: gives it the run secret as ``--api-key`` in memory, then runs the server's
   own module in the same process (docs/security.md).
+- :mod:`asyncrl.entrypoints.forkserver`: the fork server (:mod:`asyncrl.forkserver`):
+  imports the trainer's and engine's modules once and forks them; its children run
+  their own entry module and become that process.
 
 Code reachable from an entry module runs in that process only; the import check in
 ``tests/test_layout.py`` keeps the sides apart.

@@ -22,7 +22,7 @@ from pathlib import Path
 from asyncrl.config import LocalRolloutConfig, RunConfig
 from asyncrl.engines.rollout.launcher import launch_command, lora_engine_args
 from asyncrl.engines.rollout.launcher import start_engines as launch_engines
-from asyncrl.forkserver import ForkServer, model_module
+from asyncrl.forkserver import ENV_SHARED, ForkServer, model_module
 from asyncrl.launchers.base import Death, Placed, TrainerArgs, log_tail, trainer_command
 from asyncrl.procs import Proc, free_port, python_env, spawn, stop, wait_exit
 
@@ -110,8 +110,9 @@ class LocalLauncher:
             for name, p in self.procs.items()
             if p.poll() is None
         }
-        if self.fork_server is not None and self.fork_server.alive():
-            out["forkserver"] = Placed(self.fork_server.proc.pid, "127.0.0.1", True)
+        fs = self.fork_server
+        if fs is not None and fs.proc is not None and fs.alive():  # ours, not a shared one
+            out["forkserver"] = Placed(fs.proc.pid, "127.0.0.1", True)
         return out
 
     def stop(self, trainer_grace_s: float = 0.0) -> None:
@@ -146,6 +147,12 @@ class LocalLauncher:
         the embedded engine import and the model's class."""
         if self.fork_server is not None or not fork_server_wanted(self.cfg):
             return
+        if os.environ.get(ENV_SHARED):  # a server shared by several runs (sweeps, tests)
+            try:
+                self.fork_server = ForkServer.connect(os.environ[ENV_SHARED])
+                return
+            except OSError as exc:
+                log_.warning("%s; this run starts its own", exc)
         preload = ["asyncrl.entrypoints.trainer"]
         if isinstance(self.cfg.rollout, LocalRolloutConfig) and not self.cfg.rollout.urls:
             preload.append("asyncrl.entrypoints.engine")

@@ -15,6 +15,8 @@ import pytest
 from asyncrl.guard import proc_start_time
 from asyncrl.procs import descendants, python_env, spawn, stop
 
+pytestmark = pytest.mark.own_fork_server  # finds what is left of a bench among its descendants
+
 
 def _alive(started: dict[int, int]) -> list[int]:
     """The pids of ``started`` (pid -> start time) that still run as the same process."""
