@@ -10,10 +10,30 @@ import time
 from pathlib import Path
 
 from asyncrl.controllers.checkpoints import latest_checkpoint
-from asyncrl.procs import finish, pid_alive
+from asyncrl.forkserver import ENV_SHARED, ForkServer
+from asyncrl.procs import Proc, finish, pid_alive, spawn
 
 MARK = "ASYNCRL_TEST_MARK"
 """Environment variable a test sets on a run: every process the run starts inherits it."""
+
+
+_shared: dict[str, ForkServer] = {}
+
+
+def spawn_shared(args: list[str], log: Path, env: dict[str, str]) -> Proc:
+    """Start ``python ARGS`` (``-m MODULE ...``) as :func:`asyncrl.procs.spawn` would, forked
+    from the test session's shared fork server when there is one (tests/conftest.py): a
+    stand-in server then skips importing torch. Its own session, log, environment
+    (``PYTHONPATH`` first on its path); stopped by pid like any other."""
+    path = os.environ.get(ENV_SHARED)
+    if path and ForkServer.serves(args):
+        try:
+            if path not in _shared or not _shared[path].alive():
+                _shared[path] = ForkServer.connect(path)
+            return _shared[path].spawn(args, log, env)
+        except (OSError, RuntimeError):
+            pass  # not up yet, or gone: a fresh process
+    return spawn(args, log, env=env)
 
 
 def marked_pids(mark: str) -> list[int]:

@@ -11,9 +11,10 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.engines.rollout.launcher import KEYED
-from asyncrl.procs import free_port, python_env, spawn, stop
+from asyncrl.procs import free_port, python_env, stop
 from asyncrl.secret import auth_headers
 from tests.engines.rollout.sglang.code import sglang_env
+from tests.runs import spawn_shared
 
 __all__ = ["StandInServer", "start_standin"]
 
@@ -64,7 +65,7 @@ def start_standin(
     args += ["--calls", str(calls), "--fail-calls", fail_calls, "--step-s", str(step_s)]
     args += list(flags)
     env = python_env(sglang_env(version))
-    proc = spawn(args, log, env=env)
+    proc = spawn_shared(args, log, env)
     server = StandInServer(f"http://127.0.0.1:{port}", proc, calls, log, version)
     deadline = time.monotonic() + timeout_s
     while True:

@@ -11,9 +11,10 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.engines.rollout.launcher import KEYED
-from asyncrl.procs import free_port, python_env, spawn, stop
+from asyncrl.procs import free_port, python_env, stop
 from asyncrl.secret import auth_headers
 from tests.engines.rollout.vllm.code import vllm_env, vllm_src
+from tests.runs import spawn_shared
 
 __all__ = ["VLLMStandIn", "start_vllm"]
 
@@ -62,7 +63,7 @@ def start_vllm(
     args += ["--port", str(port)]
     args += ["--model-path", str(model_dir), "--tp-size", str(tp_size), "--calls", str(calls)]
     args += ["--fail-calls", fail_calls, "--step-s", str(step_s), "--log", str(log), *flags]
-    proc = spawn(args, log, env=python_env({**vllm_env(), **(env or {})}))
+    proc = spawn_shared(args, log, python_env({**vllm_env(), **(env or {})}))
     server = VLLMStandIn(f"http://127.0.0.1:{port}", proc, calls, log)
     deadline = time.monotonic() + timeout_s
     while True:
