@@ -4,7 +4,8 @@ Runs the whole ``asyncrl run`` job (``asyncrl.runner.run_job``: engines, trainer
 controller, weight sync) on a workload (``--workload``) with the same sample budget
 (``--steps`` x ``controller.batch_size`` groups) and the same seeds for each arm:
 
-- ``sync``: ``controller.max_staleness = 0`` (the plain on-policy objective);
+- ``sync``: ``controller.max_staleness = 0`` (the on-policy objective; its correction sees only
+  the engine/trainer mismatch);
 - ``async_decoupled``: ``max_staleness = --staleness``, the decoupled objective (its
   off-policy correction ``algo.behav_correction``: the default, TIS);
 - ``async_mis`` / ``async_icepop``: the same with ``behav_correction = mis`` / ``icepop``;

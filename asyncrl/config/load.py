@@ -17,7 +17,10 @@ from asyncrl.config.run import WORKLOAD_TASKS, LongTailConfig, RunConfig
 
 _RETIRED = {
     "controller.pause_mode": "rollout.pause_mode (one knob for the run's pushes and "
-    "Controller.weight_update; pass mode='wait' to Controller.weight_update for a drain)"
+    "Controller.weight_update; pass mode='wait' to Controller.weight_update for a drain)",
+    "algo.behav_mask_low": "algo.behav_mis_low or algo.behav_icepop_low (one band per correction)",
+    "algo.behav_mask_high": "algo.behav_mis_high or algo.behav_icepop_high (one band per "
+    "correction)",
 }
 """Keys of earlier versions -> where they went: named when given, dropped from a recorded
 config.json (``--resume`` of a run made by an earlier version)."""
