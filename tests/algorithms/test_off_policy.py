@@ -168,6 +168,11 @@ def test_correction_config_is_validated() -> None:
         load_config(None, ["--algo.behav_reject_norm=some"])
     with pytest.raises(ValueError, match=r"behav_mask_low is now algo\.behav_mis_low or"):
         load_config(None, ["--algo.behav_mask_low=0.3"])  # the shared band of before
+    from asyncrl.config import RunConfig, to_dict
+
+    old = to_dict(RunConfig())  # a run recorded with the shared band still resumes
+    old["algo"].update(behav_mask_low=0.5, behav_mask_high=2.0)
+    assert load_config(None, [], base=old) == RunConfig()
 
 
 @pytest.mark.parametrize("correction", ["tis", "mis", "icepop"])
