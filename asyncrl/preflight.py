@@ -130,15 +130,25 @@ def _check_context(cfg: RunConfig) -> None:
     if found is None:
         return
     ctx, source = found
-    prompt = cfg.task.num_digits + 2 if cfg.task.name == "reverse" else 1  # math: at least 1
+    t = cfg.task
+    digits = t.name in ("reverse", "longtail", "agentic")
+    prompt = t.num_digits + 2 if digits else 1  # math: at least 1
+    if t.name == "agentic":  # the last turn's prompt: every earlier question and answer
+        prompt += (t.agentic.turns - 1) * (2 * t.num_digits + 3)
     budget = cfg.generation_budget()
     if prompt + budget <= ctx:
         return
     key = "rollout.max_new_tokens" if cfg.rollout.max_new_tokens else "task.max_new_tokens"
-    if cfg.task.name == "reverse" and not cfg.rollout.max_new_tokens:
-        key = "task.num_digits"
-    what = f"{prompt} prompt" if cfg.task.name == "reverse" else "at least 1 prompt"
+    if digits and not cfg.rollout.max_new_tokens:
+        key = {"longtail": "task.longtail.max_len", "agentic": "task.agentic.turns"}.get(
+            t.name, "task.num_digits"
+        )
+    what = f"{prompt} prompt" if digits else "at least 1 prompt"
+    fix = "set rollout.max_new_tokens"
+    if t.name in ("longtail", "agentic"):
+        need = prompt + budget
+        fix = f'lower it, or give the engines rollout.extra_args=["--context-length", "{need}"]'
     raise ValueError(
         f"{key}: {what} + {budget} new tokens exceed the engines' context length of {ctx} "
-        f"tokens ({source}); at most {ctx - prompt} new tokens fit (set rollout.max_new_tokens)"
+        f"tokens ({source}); at most {ctx - prompt} new tokens fit ({fix})"
     )

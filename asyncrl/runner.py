@@ -39,7 +39,7 @@ import msgspec
 import zmq
 
 from asyncrl import secret, trace
-from asyncrl.config import RunConfig, to_dict
+from asyncrl.config import WORKLOAD_TASKS, RunConfig, to_dict
 from asyncrl.controllers import checkpoints as ckpts
 from asyncrl.controllers import episode as episode_api
 from asyncrl.controllers.controller import Batch, Controller
@@ -603,6 +603,12 @@ async def run_job(
 
             gateway = agent_gateway(cfg, model_path)
             episode, samples, sample_type = gateway.episode, agent_samples(cfg), AgentSample
+        if episode is None and cfg.task.name in WORKLOAD_TASKS:  # longtail, agentic
+            from asyncrl.tasks.workloads import workload_from_config
+
+            workload = workload_from_config(cfg, model_path)
+            sampling = {"max_new_tokens": cfg.generation_budget()}
+            episode, samples = workload.episode, workload.samples()
         if episode is None:  # built before any process starts: a bad task fails fast
             task = make_task(cfg.task, model_path)
             sampling = {"max_new_tokens": cfg.generation_budget()}

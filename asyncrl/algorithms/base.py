@@ -9,7 +9,8 @@ Step structure shared by GRPO and PPO (:class:`PolicyUpdate`)::
 
     seqs   <- trajectories (behaviour log-probs, loss mask) + advantages
     ref    <- reference model forward            (only if algo.kl_coef > 0)
-    prox   <- actor forward, no grad             (only if epochs x minibatches > 1)
+    prox   <- actor forward, no grad             (only if epochs x minibatches > 1, or
+                                                  behav_reject_norm = "kept" with mis/icepop)
     for epoch in epochs: for minibatch in shuffled split: actor.train_batch(mb, PolicyLoss)
 """
 
@@ -36,6 +37,7 @@ __all__ = [
     "Algorithm",
     "EngineFactory",
     "PolicyUpdate",
+    "correction_band",
     "make_algorithm",
     "objective_for",
     "seqs_from_trajs",
@@ -70,6 +72,14 @@ def make_algorithm(cfg: RunConfig, build: EngineFactory) -> Algorithm:
 
         return PPO(cfg, build)
     raise ValueError(f"unknown algo.name {cfg.algo.name!r} (allowed: 'grpo', 'ppo')")
+
+
+def correction_band(algo: AlgoConfig) -> tuple[float, float]:
+    """The accepted ratio band of ``algo.behav_correction``: ``behav_mis_low/high`` for
+    ``mis``, ``behav_icepop_low/high`` for ``icepop`` (``tis`` has none: the icepop band)."""
+    if algo.behav_correction == "mis":
+        return (algo.behav_mis_low, algo.behav_mis_high)
+    return (algo.behav_icepop_low, algo.behav_icepop_high)
 
 
 def objective_for(cfg: RunConfig) -> Objective:
@@ -165,7 +175,8 @@ class PolicyUpdate:
             a.entropy_coef,
             a.behav_clip_eps,
             a.behav_correction,
-            (a.behav_mask_low, a.behav_mask_high),
+            correction_band(a),
+            a.behav_reject_norm,
         )
 
     def run(self, step: int, seqs: list[Seq]) -> dict[str, float]:
@@ -173,7 +184,8 @@ class PolicyUpdate:
         if self.ref is not None:
             for s, lp in zip(seqs, self.ref.forward_batch(seqs), strict=True):
                 s.fields["ref"] = lp.float().cpu()
-        if a.epochs * a.num_minibatches > 1 and self.loss.objective != "naive":
+        several = a.epochs * a.num_minibatches > 1
+        if (several or self.loss.needs_prox) and self.loss.objective != "naive":
             for s, lp in zip(seqs, self.actor.forward_batch(seqs), strict=True):
                 s.fields["prox"] = lp.float().cpu()
         self.loss.extrema = {}
@@ -189,7 +201,7 @@ class PolicyUpdate:
         if self.cfg.algo.loss_agg != "token-sum-norm":
             return
         tokens, n = all_reduce_floats(
-            sum(float(s.fields["mask"].sum()) for s in mb), float(len(mb))
+            sum(float(self.loss.trained_mask(s).sum()) for s in mb), float(len(mb))
         )
         self.loss.scale = tokens / max(n * self.budget, 1.0)
 

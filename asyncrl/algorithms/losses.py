@@ -17,9 +17,11 @@ with its ratio against the behaviour policy, kept here while the ratio of the cl
 surrogate stays against the proximal policy; with one update per step (ratio = 1)
 it is the only trust region that acts.
 
-Off-policy corrections (``correction``; decoupled objective only), all on the per-token
+Off-policy corrections (``correction``; the ``decoupled`` and ``on-policy`` objectives, i.e.
+wherever the trainer's own log-prob of the behaviour tokens is known), all on the per-token
 proximal/behaviour ratio ``rho = exp(prox - behav)`` (the trainer's recomputation over the
-engine's log-prob: staleness and engine/trainer numerical mismatch together), detached:
+engine's log-prob: staleness and engine/trainer numerical mismatch together; at staleness 0
+the mismatch alone), detached:
 
 - ``tis`` (truncated importance sampling): ``w = min(rho, cap)`` (Yao et al. 2025, "Your
   efficient RL framework secretly brings you off-policy RL training"; verl's
@@ -32,16 +34,20 @@ engine's log-prob: staleness and engine/trainer numerical mismatch together), de
 - ``icepop`` (Ring-1T / IcePop, 2025): ``w = rho`` where ``lo <= rho <= hi``, else 0 —
   each token outside the band is dropped from the gradient, not clipped.
 
-Rejected tokens stay in the loss's denominator (the engine's ``sum(loss * w) / sum(w)``
-normalisation is fixed before the forward pass), as in IcePop's ``1/|y|``; verl's mask
-mode removes them from it, which differs by the (small) rejected fraction.
+Each correction has its own band (``algo.behav_mis_low/high``, ``algo.behav_icepop_low/
+high``). Where a rejected token counts (``reject_norm``): ``all`` keeps it in the loss's
+normaliser (the engine's ``sum(loss * w) / sum(w)``, ``w`` from :meth:`PolicyLoss.token_weight`
+before the forward pass) as a zero, as IcePop's ``1/|y|``; ``kept`` treats it as masked
+there too, as verl's rejection sampling does, which needs ``prox`` before the forward pass.
 
 The three objectives of :class:`PolicyLoss` (see ``objective``):
 
 - ``decoupled``: as above (AReaL's decoupled PPO); used when samples may be stale.
-- ``on-policy``: ratio against the proximal policy, ``w = 1``; the plain objective of
-  synchronous training (staleness 0), where behaviour and proximal are the same weights.
-- ``naive``: ratio against the behaviour policy, ``w = 1`` (standard PPO run off-policy).
+- ``on-policy``: the same without the behaviour-side trust region: the objective of
+  synchronous training (staleness 0), where behaviour and proximal are the same weights up
+  to the engine/trainer mismatch, which the correction's weight handles.
+- ``naive``: ratio against the behaviour policy, ``w = 1`` (standard PPO run off-policy;
+  its clip against the behaviour policy is its only correction).
 
 With one optimizer step per batch ``prox`` is ``logp``'s value (detached), so the proximal
 policy costs no extra forward pass; with several minibatches or epochs the trainer
@@ -61,6 +67,7 @@ __all__ = [
     "Correction",
     "Objective",
     "PolicyLoss",
+    "RejectNorm",
     "ValueLoss",
     "aggregation_weight",
     "behaviour_weight",
@@ -78,6 +85,7 @@ on-policy token's weight is 1 within float rounding (engine and trainer kernels 
 Objective = Literal["decoupled", "on-policy", "naive"]
 Aggregation = Literal["token-mean", "seq-mean", "token-sum-norm"]
 Correction = Literal["tis", "mis", "icepop"]
+RejectNorm = Literal["all", "kept"]
 
 
 def behaviour_weight(
@@ -129,7 +137,8 @@ def ppo_token_loss(
 
     ``decoupled=True``: ratio vs ``prox`` (default ``logp.detach()``), weighted by
     :func:`behaviour_weight` of ``exp(prox - behav)`` (``correction``, ``cap``, ``band``;
-    ``lengths`` and ``mask`` for ``mis``); pass ``behav=prox`` for the plain on-policy objective.
+    ``lengths`` and ``mask`` for ``mis``); with ``behav_clip_eps = 0`` this is the
+    ``on-policy`` objective (``behav=prox``: no correction at all).
     ``decoupled=False``: ratio vs ``behav``, weight 1. Diagnostics: ``ratio`` (current/old),
     ``clipped`` (1 where clipping cut the gradient), ``imp_weight`` (untruncated
     exp(prox - behav)), ``truncated`` (1 where the weight hit the cap), ``behav_clipped``
@@ -226,9 +235,12 @@ class PolicyLoss:
     """The actor's LossFn: clipped surrogate (+ KL to reference, - entropy bonus).
 
     Reads per-sequence fields ``behav``, ``adv``, ``mask`` and optionally ``prox`` and
-    ``ref``. ``correction`` and ``band``: the decoupled objective's off-policy correction
-    (:func:`behaviour_weight`). ``scale`` multiplies the loss (``token-sum-norm`` sets it per
-    step to trained tokens / (sequences x max length)). Stats are sums over trained tokens;
+    ``ref``. ``correction`` and ``band`` (that correction's band): the off-policy correction
+    of the ``decoupled`` and ``on-policy`` objectives (:func:`behaviour_weight`);
+    ``reject_norm``: whether a token it rejects stays in the normaliser (``all``) or leaves
+    it (``kept``: then every sequence needs its ``prox`` field, see :attr:`needs_prox`).
+    ``scale`` multiplies the loss (``token-sum-norm`` sets it per step to counted tokens /
+    (sequences x max length)). Stats are sums over trained tokens;
     ``extrema`` keeps the step's min/max importance weight and ratio (reset by the caller).
     """
 
@@ -243,10 +255,12 @@ class PolicyLoss:
         behav_clip_eps: float = 0.0,
         correction: Correction = "tis",
         band: tuple[float, float] = (0.5, 2.0),
+        reject_norm: RejectNorm = "all",
     ):
         self.objective = objective
         self.correction: Correction = correction
         self.band = band
+        self.reject_norm: RejectNorm = reject_norm
         self.clip_eps = clip_eps
         self.cap = cap
         self.agg = agg
@@ -256,8 +270,28 @@ class PolicyLoss:
         self.scale = 1.0
         self.extrema: dict[str, float] = {}
 
+    @property
+    def needs_prox(self) -> bool:
+        """True when :meth:`token_weight` needs each sequence's ``prox`` (the trainer's
+        log-probs at the start of the step) before the forward pass: ``reject_norm = "kept"``
+        with a correction that rejects, on an objective that applies it."""
+        rejects = self.correction in ("mis", "icepop")
+        return self.reject_norm == "kept" and rejects and self.objective != "naive"
+
+    def trained_mask(self, seq: Seq) -> torch.Tensor:
+        """The tokens the normaliser counts: the loss mask, less the tokens the correction
+        rejects when :attr:`needs_prox` (a rejected token then counts as masked)."""
+        mask = seq.fields["mask"]
+        if not self.needs_prox:
+            return mask
+        if "prox" not in seq.fields:
+            raise ValueError("algo.behav_reject_norm='kept' needs the prox field of every seq")
+        rho = torch.exp(seq.fields["prox"] - seq.fields["behav"]).to(mask.dtype)
+        _, rejected = behaviour_weight(rho, self.correction, self.cap, self.band, None, mask)
+        return mask * (1.0 - rejected)
+
     def token_weight(self, seq: Seq) -> torch.Tensor:
-        return aggregation_weight(seq.fields["mask"], self.agg)
+        return aggregation_weight(self.trained_mask(seq), self.agg)
 
     def __call__(
         self, logp: torch.Tensor, mb: Sequence[Seq]
@@ -267,16 +301,13 @@ class PolicyLoss:
 
         behav, adv, mask = cat("behav"), cat("adv"), cat("mask")
         prox = cat("prox") if all("prox" in s.fields for s in mb) else logp.detach()
-        if self.objective == "on-policy":
-            loss, info = ppo_token_loss(logp, prox, adv, prox, self.clip_eps, self.cap)
-            info["imp_weight"] = torch.exp(prox - behav)
-        else:
-            decoupled = self.objective == "decoupled"
-            lengths = [len(s.fields["behav"]) for s in mb]
-            loss, info = ppo_token_loss(
-                logp, behav, adv, prox, self.clip_eps, self.cap, decoupled,
-                self.behav_clip_eps, self.correction, self.band, lengths, mask,
-            )  # fmt: skip
+        corrected = self.objective != "naive"  # decoupled and on-policy: prox/behav weighted
+        trust = self.behav_clip_eps if self.objective == "decoupled" else 0.0
+        lengths = [len(s.fields["behav"]) for s in mb]
+        loss, info = ppo_token_loss(
+            logp, behav, adv, prox, self.clip_eps, self.cap, corrected,
+            trust, self.correction, self.band, lengths, mask,
+        )  # fmt: skip
         old = behav if self.objective == "naive" else prox  # what the ratio is taken against
         stats = {
             "pg_loss_sum": (loss.detach() * mask).sum(),

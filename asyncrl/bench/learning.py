@@ -4,16 +4,18 @@ Runs the whole ``asyncrl run`` job (``asyncrl.runner.run_job``: engines, trainer
 controller, weight sync) on a workload (``--workload``) with the same sample budget
 (``--steps`` x ``controller.batch_size`` groups) and the same seeds for each arm:
 
-- ``sync``: ``controller.max_staleness = 0`` (the plain on-policy objective);
+- ``sync``: ``controller.max_staleness = 0`` (the on-policy objective; its correction sees only
+  the engine/trainer mismatch);
 - ``async_decoupled``: ``max_staleness = --staleness``, the decoupled objective (its
   off-policy correction ``algo.behav_correction``: the default, TIS);
 - ``async_mis`` / ``async_icepop``: the same with ``behav_correction = mis`` / ``icepop``;
 - ``async_naive``: ``max_staleness = --staleness``, PPO clipped against the behaviour policy.
 
 Workloads: ``default`` (the default job: the reverse task, short uniform generations);
-``longtail`` and ``agentic`` (``asyncrl.tasks.workloads``: heavy-tailed generation lengths;
-multi-turn episodes waiting on a tool with heavy-tailed latency), knobs via
-``--workload-arg KEY=VALUE``. The engine and the trainer are pinned to their own cores
+``longtail`` and ``agentic`` (``task.name = "longtail" | "agentic"``, the episodes of
+``asyncrl.tasks.workloads``: heavy-tailed generation lengths; multi-turn episodes waiting
+on a tool with heavy-tailed latency), knobs via ``--workload-arg KEY=VALUE``
+(``task.<workload>.KEY``). The engine and the trainer are pinned to their own cores
 (``--engine-core``, ``--trainer-core``; ``--no-pin`` to share), as ``bench pipeline`` does,
 so the comparison measures overlap, not two processes fighting over one core.
 Per run: ``trainer_idle`` = 1 - (train steps + weight-push calls) / time from the first
@@ -49,8 +51,8 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.config import load_config
-from asyncrl.runner import resolve_model, run_job
-from asyncrl.tasks.workloads import WORKLOADS, make_workload
+from asyncrl.runner import run_job
+from asyncrl.tasks.workloads import WORKLOADS
 
 ARMS: dict[str, list[str]] = {
     "sync": ["--controller.max_staleness=0", "--algo.decoupled=true"],
@@ -77,7 +79,8 @@ def _mean(xs: list[float]) -> float:
 
 def run_arm(arm: str, seed: int, args: argparse.Namespace, root: Path) -> dict[str, Any]:
     """One full job; returns its summary (first/last-10 reward, wall time, staleness)."""
-    overrides = [o.format(s=args.staleness) for o in ARMS[arm]]
+    overrides = workload_overrides(args.workload, args.workload_arg)
+    overrides += [o.format(s=args.staleness) for o in ARMS[arm]]
     overrides += [
         f"--seed={seed}",
         f"--task.seed={seed}",
@@ -92,12 +95,6 @@ def run_arm(arm: str, seed: int, args: argparse.Namespace, root: Path) -> dict[s
     run_dir = root / f"{arm}-seed{seed}"
     pin = {"engine": {args.engine_core}, "trainer": {args.trainer_core}} if args.pin else None
     job: dict[str, Any] = {"quiet": True, "pin": pin}
-    if args.workload != "default":
-        w = make_workload(
-            args.workload, resolve_model(cfg), seed, cfg.algo.group_size, **args.workload_arg
-        )
-        cfg = load_config(None, [*w.overrides(), *overrides])  # the user's overrides win
-        job.update(episode=w.episode, samples=w.samples())
     t0 = time.perf_counter()
     rows = asyncio.run(run_job(cfg, run_dir, **job))
     total = time.perf_counter() - t0
@@ -121,6 +118,19 @@ def run_arm(arm: str, seed: int, args: argparse.Namespace, root: Path) -> dict[s
         "samples_to": samples_to,
         "run_dir": str(run_dir),
     }
+
+
+def workload_overrides(workload: str, knobs: dict[str, Any]) -> list[str]:
+    """The run-config overrides of ``--workload`` and its ``--workload-arg`` knobs: the task
+    (``asyncrl run --task.name=longtail`` is the same run) and ``task.<workload>.<knob>``
+    (``num_digits``: ``task.num_digits``)."""
+    if workload == "default":
+        return [f"--task.{k}={v}" for k, v in knobs.items()]
+    out = [f"--task.name={workload}"]
+    for key, value in knobs.items():
+        dotted = "task.num_digits" if key == "num_digits" else f"task.{workload}.{key}"
+        out.append(f"--{dotted}={value}")
+    return out
 
 
 def trainer_idle(rows: list[dict[str, Any]]) -> float:
@@ -262,7 +272,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="a knob of the workload (e.g. max_len=256, latency_max_s=1.0)",
+        help="a knob of the workload: a key of task.longtail / task.agentic (e.g. max_len=256,"
+        " latency_max_s=1.0) or num_digits",
     )
     p.add_argument("--engine-core", type=int, default=0, help="core of the engine process")
     p.add_argument("--trainer-core", type=int, default=1, help="core of the trainer process")

@@ -13,11 +13,14 @@ from typing import Any, Literal
 import msgspec
 
 from asyncrl.config.base import _hints, _limit_message, _section_types
-from asyncrl.config.run import RunConfig
+from asyncrl.config.run import WORKLOAD_TASKS, LongTailConfig, RunConfig
 
 _RETIRED = {
     "controller.pause_mode": "rollout.pause_mode (one knob for the run's pushes and "
-    "Controller.weight_update; pass mode='wait' to Controller.weight_update for a drain)"
+    "Controller.weight_update; pass mode='wait' to Controller.weight_update for a drain)",
+    "algo.behav_mask_low": "algo.behav_mis_low or algo.behav_icepop_low (one band per correction)",
+    "algo.behav_mask_high": "algo.behav_mis_high or algo.behav_icepop_high (one band per "
+    "correction)",
 }
 """Keys of earlier versions -> where they went: named when given, dropped from a recorded
 config.json (``--resume`` of a run made by an earlier version)."""
@@ -169,7 +172,37 @@ def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
+def workload_defaults(tree: dict[str, Any]) -> dict[str, Any]:
+    """The defaults a workload task (``task.name`` in :data:`WORKLOAD_TASKS`) changes, as
+    dotted keys -> values, for the config tree ``tree`` (documented at ``TaskConfig.name``):
+    ``task.num_digits = 1``; ``longtail``: ``algo.loss_agg = "seq-mean"`` (each response
+    weighs 1, however long its tail) and, where the engines are the embedded one the run
+    starts on the tiny default model (64 positions), ``--context-length`` for the longest
+    prompt + response. Empty for any other task."""
+    name = _lookup(tree, ["task", "name"])
+    if name not in WORKLOAD_TASKS:
+        return {}
+    out: dict[str, Any] = {"task.num_digits": 1}
+    if name == "longtail":
+        out["algo.loss_agg"] = "seq-mean"
+        digits = _lookup(tree, ["task", "num_digits"]) or 1
+        max_len = _lookup(tree, ["task", "longtail", "max_len"]) or LongTailConfig().max_len
+        local = _lookup(tree, ["rollout", "backend"]) in (None, "local")
+        tiny = not _lookup(tree, ["model", "path"]) and not _lookup(tree, ["rollout", "urls"])
+        if local and tiny and isinstance(digits, int) and isinstance(max_len, int):
+            out["rollout.extra_args"] = ["--context-length", str(digits + 2 + max_len)]
+    return out
+
+
+def _apply_workload_defaults(tree: dict[str, Any]) -> None:
+    """Set :func:`workload_defaults` in ``tree`` where the tree gives no value."""
+    for key, value in workload_defaults(tree).items():
+        if _lookup(tree, key.split(".")) is None:
+            _set_dotted(tree, key, value)
+
+
 def _convert(tree: dict[str, Any]) -> RunConfig:
+    _apply_workload_defaults(tree)
     _fill_backends(tree)
     try:
         return msgspec.convert(tree, RunConfig, strict=False)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Final, Literal
 
 import msgspec
 
@@ -31,17 +31,70 @@ class ModelConfig(_Section, frozen=True):
     """Parameter dtype of the trainer and the embedded engine."""
 
 
+class LongTailConfig(_Section, frozen=True):
+    """``task.name = "longtail"``: the reverse task, each response continuing for a length
+    drawn per episode from Pareto(``alpha``) of scale ``min_len``, capped at ``max_len``
+    (``asyncrl.tasks.workloads.LongTail``). With the defaults half the responses are <= 8
+    tokens and ~1 in 128 reaches the cap of 512: a synchronous step waits for its longest."""
+
+    min_len: Positive = 4
+    """Shortest response (the Pareto scale), >= ``task.num_digits``."""
+    alpha: PositiveFloat = 1.0
+    """Pareto shape: smaller is a heavier tail."""
+    max_len: Positive = 512
+    """Longest response (the cap), also the run's generation budget."""
+
+
+class AgenticConfig(_Section, frozen=True):
+    """``task.name = "agentic"``: ``turns`` rounds of the reverse task in one episode, a tool
+    call between rounds that waits (``asyncio.sleep``, no CPU) a Pareto(``alpha``) latency of
+    scale ``latency_min_s``, capped at ``latency_max_s`` (``asyncrl.tasks.workloads.Agentic``)."""
+
+    turns: Annotated[int, msgspec.Meta(ge=2)] = 2
+    """Rounds per episode (>= 2: a tool call between rounds)."""
+    latency_min_s: PositiveFloat = 0.02
+    """Shortest tool latency (the Pareto scale), seconds."""
+    alpha: PositiveFloat = 1.0
+    """Pareto shape of the tool latency: smaller is a heavier tail."""
+    latency_max_s: PositiveFloat = 0.6
+    """Longest tool latency (the cap), seconds."""
+
+
+WORKLOAD_TASKS: Final[tuple[str, ...]] = ("longtail", "agentic")
+"""Task names that are learning workloads (``asyncrl.tasks.workloads``): each changes some
+defaults, see :data:`TaskConfig.name`."""
+
+
 class TaskConfig(_Section, frozen=True):
-    name: Literal["reverse", "math", "agent"] = "reverse"
+    name: Literal["reverse", "math", "agent", "longtail", "agentic"] = "reverse"
     """Built-in task. ``reverse``: repeat n digits in reverse order; reward = fraction right;
     generation budget ``num_digits + 1`` (the digits and the end token). ``math``: prompts
     from a local JSONL/Parquet file (``path``), rendered with the model's chat template;
     reward 1 when the last integer in the response equals the answer, else 0. ``agent``:
     ``agent`` (an OpenAI-API agent) runs once per episode against the gateway, on samples
     from ``path`` (JSONL rows: ``prompt`` or ``messages``, ``answer``) or, without a path,
-    the built-in weather chat task."""
+    the built-in weather chat task. ``longtail`` / ``agentic``: the learning workloads where
+    asynchrony pays (heavy-tailed response lengths; multi-turn episodes waiting on a slow
+    tool), knobs in ``task.longtail`` / ``task.agentic``, reward the reverse task's partial
+    credit. They change these defaults (a key the file or the command line sets wins):
+    ``task.num_digits = 1``; ``longtail`` also ``algo.loss_agg = "seq-mean"`` and, on the
+    embedded engine with the tiny default model (64 positions), ``rollout.extra_args =
+    ["--context-length", num_digits + 2 + max_len]``."""
     num_digits: Positive = 2
-    """Digits per prompt for the ``reverse`` task."""
+    """Digits per prompt of the ``reverse`` task and of the workloads (their default: 1)."""
+    longtail: LongTailConfig = msgspec.field(default_factory=LongTailConfig)
+    """``longtail``: the response-length distribution."""
+    agentic: AgenticConfig = msgspec.field(default_factory=AgenticConfig)
+    """``agentic``: turns and the tool's latency distribution."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.name == "longtail" and self.longtail.min_len < self.num_digits:
+            raise ValueError(
+                f"task.longtail.min_len ({self.longtail.min_len}) must be >= task.num_digits "
+                f"({self.num_digits}): the answer is the response's first num_digits tokens"
+            )
+
     seed: int = 0
     """Seed of the prompt stream."""
     path: str = ""
@@ -306,12 +359,15 @@ class RunConfig(_Section, frozen=True):
         """Most response tokens of one episode of a built-in task (the one rule; the embedding
         API's episodes get ``rollout.max_new_tokens or DEFAULT_MAX_NEW_TOKENS``):
         ``rollout.max_new_tokens`` when set, else the task's own: ``num_digits + 1`` for
-        ``reverse`` (the digits and the end token), ``task.max_new_tokens`` for ``math``
+        ``reverse`` and per turn of ``agentic`` (the digits and the end token),
+        ``task.longtail.max_len`` for ``longtail``, ``task.max_new_tokens`` for ``math``
         (0: ``MATH_BUDGET``, or ``TINY_MATH_BUDGET`` on the tiny default model, whose
         context is 64 tokens)."""
         if self.rollout.max_new_tokens > 0:
             return self.rollout.max_new_tokens
-        if self.task.name == "reverse":
+        if self.task.name == "longtail":
+            return self.task.longtail.max_len
+        if self.task.name in ("reverse", "agentic"):
             return self.task.num_digits + 1
         if self.task.max_new_tokens:
             return self.task.max_new_tokens

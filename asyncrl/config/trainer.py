@@ -107,16 +107,37 @@ class AlgoConfig(_Section, frozen=True):
     critic_warmup_steps: NonNegative = 0
     """PPO: first steps that train only the critic (the actor is held)."""
     behav_correction: Literal["tis", "mis", "icepop"] = "tis"
-    """Decoupled objective: off-policy correction on the per-token ratio rho = proximal /
-    behaviour (the trainer's recomputed log-prob over the engine's). ``tis``: weight
-    ``min(rho, behav_imp_weight_cap)`` (truncated IS). ``mis``: the same, but a sequence whose
-    geometric-mean rho lies outside ``[behav_mask_low, behav_mask_high]`` gets weight 0
-    (masked IS: IS plus rejection, verl's mask mode). ``icepop``: weight ``rho`` inside that
-    band and 0 outside it, token by token (IcePop). See docs/algorithms.md."""
-    behav_mask_low: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.5
-    """``mis``/``icepop``: lower end of the accepted ratio band (0 < this <= 1)."""
-    behav_mask_high: Annotated[float, msgspec.Meta(ge=1, le=_MAX)] = 2.0
-    """``mis``/``icepop``: upper end of the accepted ratio band (>= 1)."""
+    """Off-policy correction on the per-token ratio rho = proximal / behaviour (the trainer's
+    log-prob of the sampled token at the start of the step over the engine's): staleness and
+    the engine/trainer numerical mismatch together. Applied by the ``decoupled`` objective and
+    the ``on-policy`` one (staleness 0: rho is then the pure mismatch, ~1 on the embedded
+    engine, not on SGLang/vLLM); not by ``naive`` (``decoupled = false``), whose clipped ratio
+    against the behaviour policy is its only correction. ``tis``: weight ``min(rho,
+    behav_imp_weight_cap)`` (truncated IS). ``mis``: the same, but a sequence whose
+    geometric-mean rho lies outside ``[behav_mis_low, behav_mis_high]`` gets weight 0 (masked
+    IS: IS plus rejection, verl's mask mode). ``icepop``: weight ``rho`` inside
+    ``[behav_icepop_low, behav_icepop_high]`` and 0 outside it, token by token (IcePop). See
+    docs/algorithms.md."""
+    behav_mis_low: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.5
+    """``mis``: lower end of the accepted geometric-mean ratio (0 < this <= 1). 0.5 and 2 are
+    slime's MIS defaults (examples/train_infer_mismatch_helper/mis.yaml: ``mis_lower_bound``,
+    ``mis_upper_bound``); the far tighter bands of verl's/slime's geometric rejection presets
+    for pure engine mismatch (1 +- 1e-4 ... 1e-3) would reject every stale sequence here."""
+    behav_mis_high: Annotated[float, msgspec.Meta(ge=1, le=_MAX)] = 2.0
+    """``mis``: upper end of the accepted geometric-mean ratio (>= 1)."""
+    behav_icepop_low: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.5
+    """``icepop``: lower end of the accepted per-token ratio (0 < this <= 1): IcePop's alpha
+    = 0.5 (Ring-1T report, arXiv 2510.18855, and its IcePop write-up)."""
+    behav_icepop_high: Annotated[float, msgspec.Meta(ge=1, le=_MAX)] = 5.0
+    """``icepop``: upper end of the accepted per-token ratio (>= 1): IcePop's beta = 5."""
+    behav_reject_norm: Literal["all", "kept"] = "all"
+    """``mis``/``icepop``: what the loss's normaliser counts. ``all`` (default): every trained
+    token, a rejected one as a zero (IcePop's ``1/|y|``): the step shrinks by the rejected
+    share, and no extra pass is needed. ``kept``: only the tokens the correction kept, a
+    rejected token counting as masked (verl's rejection sampling: rejected tokens leave the
+    denominator); it needs the trainer's log-probs before the update, i.e. one extra forward
+    pass per step when ``epochs x num_minibatches = 1``. ``token-sum-norm``'s constant
+    normaliser is the same either way."""
     behav_clip_eps: OpenFraction = 0.2
     """Decoupled objective: behaviour-side trust region. A token whose proximal/behaviour
     ratio is already above ``1 + this`` (positive advantage) or below ``1 - this`` (negative)

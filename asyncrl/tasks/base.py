@@ -80,7 +80,11 @@ def make_task(cfg: TaskConfig, model_path: str) -> Task:
 
         task = MathTask(cfg, model_path)
     else:
-        raise ValueError(f"unknown task.name {cfg.name!r} (allowed: 'reverse', 'math')")
+        raise ValueError(
+            f"task.name {cfg.name!r} has no single-turn Task (allowed here: 'reverse', 'math'; "
+            "'agent' runs through the gateway, 'longtail' and 'agentic' are episodes of "
+            "asyncrl.tasks.workloads, which asyncrl run builds)"
+        )
     if cfg.reward_fn:
         fn = load_reward_fn(cfg.reward_fn)
         try:

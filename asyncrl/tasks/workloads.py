@@ -16,9 +16,13 @@ default model on a CPU in minutes, with a verifiable reward in [0, 1] (maximum 1
   distribution (scale ``latency_min_s``, shape ``alpha``, capped at ``latency_max_s``), as a
   sandbox, search or environment service does. Reward: the mean partial credit of the turns.
 
-Both streams are deterministic in ``seed``: a group's lengths (``longtail``) live in its
-sample, and a tool call's latency (``agentic``) is seeded by the sample, the episode's index in
-its group and the turn, so a synchronous and an asynchronous run see the same workload.
+``asyncrl run --task.name=longtail`` / ``--task.name=agentic`` trains on them
+(:func:`workload_from_config`; knobs ``task.longtail.*`` / ``task.agentic.*``, and the defaults
+a workload changes, such as ``task.num_digits = 1`` and the engine's context length: see
+``TaskConfig.name``). Both streams are deterministic in ``seed``: a group's lengths
+(``longtail``) live in its sample, and a tool call's latency (``agentic``) is seeded by the
+sample, the episode's index in its group and the turn, so a synchronous and an asynchronous
+run see the same workload.
 """
 
 from __future__ import annotations
@@ -29,12 +33,21 @@ import random
 from collections.abc import Iterator
 from typing import Any, Literal
 
+from asyncrl.config import RunConfig
 from asyncrl.controllers.episode import EpisodeContext
 from asyncrl.tasks.base import Sample
 from asyncrl.tasks.reverse import ReverseTask
 from asyncrl.transports.experience.types import Trajectory
 
-__all__ = ["WORKLOADS", "Agentic", "LongTail", "Workload", "make_workload", "pareto"]
+__all__ = [
+    "WORKLOADS",
+    "Agentic",
+    "LongTail",
+    "Workload",
+    "make_workload",
+    "pareto",
+    "workload_from_config",
+]
 
 WorkloadName = Literal["longtail", "agentic"]
 WORKLOADS: tuple[WorkloadName, ...] = ("longtail", "agentic")
@@ -68,12 +81,6 @@ class LongTail:
         self.task = ReverseTask.from_tokenizer_dir(model_path, num_digits, seed)
         self.seed, self.group_size = seed, group_size
         self.min_len, self.alpha, self.max_len = min_len, alpha, max_len
-
-    def overrides(self, prompt_len: int = 8) -> list[str]:
-        """Run-config overrides it needs: the engine serves a context beyond the tiny model's
-        64 positions (rotary positions extend), and each sequence weighs 1 in the loss."""
-        ctx = prompt_len + self.max_len
-        return [f'--rollout.extra_args=["--context-length", "{ctx}"]', "--algo.loss_agg=seq-mean"]
 
     def samples(self) -> Iterator[Sample]:
         """The reverse task's prompts; ``answer = [digits reversed, one length per episode]``."""
@@ -113,9 +120,6 @@ class Agentic:
         self.latency = (latency_min_s, alpha, latency_max_s)
         self.tool_calls = 0  # calls made (for tests and reports)
         self.tool_wait_s = 0.0  # total time the tool slept
-
-    def overrides(self) -> list[str]:
-        return []
 
     def samples(self) -> Iterator[Sample]:
         """``turns`` questions per sample: ``answer = [[question ids, answer ids], ...]``;
@@ -163,3 +167,19 @@ def make_workload(name: str, model_path: str, seed: int, group_size: int, **kw: 
     if name == "agentic":
         return Agentic(model_path, seed, group_size, **kw)
     raise ValueError(f"unknown workload {name!r} (allowed: {', '.join(WORKLOADS)})")
+
+
+def workload_from_config(cfg: RunConfig, model_path: str) -> Workload:
+    """The workload a run with ``task.name = "longtail" | "agentic"`` trains on: seeded by
+    ``task.seed``, ``algo.group_size`` episodes a sample, ``task.num_digits`` digits, the knobs
+    of ``task.longtail`` / ``task.agentic`` (``asyncrl run --task.name=longtail``)."""
+    t = cfg.task
+    if t.name == "longtail":
+        lt = t.longtail
+        return LongTail(model_path, t.seed, cfg.algo.group_size, t.num_digits, lt.min_len,
+                        lt.alpha, lt.max_len)  # fmt: skip
+    if t.name == "agentic":
+        ag = t.agentic
+        return Agentic(model_path, t.seed, cfg.algo.group_size, t.num_digits, ag.turns,
+                       ag.latency_min_s, ag.alpha, ag.latency_max_s)  # fmt: skip
+    raise ValueError(f"task.name {t.name!r} is no workload (allowed: {', '.join(WORKLOADS)})")

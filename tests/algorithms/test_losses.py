@@ -112,8 +112,9 @@ def test_policy_loss_masks_stats_and_objectives() -> None:
     assert float(stats["imp_weight_sum"]) == pytest.approx(3.0)
     assert loss_fn.extrema["imp_weight_max"] == pytest.approx(2.0)
     assert loss_fn.extrema["imp_weight_min"] == pytest.approx(1.0)
-    on, _ = PolicyLoss("on-policy", 0.2, 5.0)(logp, [s])  # no behaviour weight at staleness 0
-    torch.testing.assert_close(on[:2], torch.tensor([-1.0, -1.0]))
+    # staleness 0: the correction weighs the engine/trainer mismatch the same way (TIS, cap 5)
+    on, _ = PolicyLoss("on-policy", 0.2, 5.0)(logp, [s])
+    torch.testing.assert_close(on[:2], torch.tensor([-2.0, -1.0]))
     naive, _ = PolicyLoss("naive", 0.2, 5.0)(logp, [s])  # ratio vs behaviour: 2 -> 1.2
     torch.testing.assert_close(naive[:2], torch.tensor([-1.2, -1.0]))
 

@@ -49,22 +49,19 @@ def test_agentic_tool_waits_its_long_tailed_latency(tiny_model_dir: Path) -> Non
         make_workload("chess", str(tiny_model_dir), 0, 4)
 
 
-def _learns(tmp_path: Path, name: str, steps: int, extra: list[str], **kw: float) -> list[float]:
+def _learns(tmp_path: Path, name: str, steps: int, knobs: list[str]) -> list[float]:
+    """A short run of ``asyncrl run --task.name=NAME`` (the run config builds the workload)."""
     overrides = [
+        f"--task.name={name}",
+        *knobs,
         "--controller.batch_size=16",
         "--algo.group_size=8",
         f"--controller.total_steps={steps}",
         "--controller.max_staleness=1",
         "--trainer.lr=8e-3",
-        *extra,
     ]
     cfg = load_config(None, overrides)
-    from asyncrl.runner import resolve_model
-
-    w = make_workload(name, resolve_model(cfg), 0, cfg.algo.group_size, **kw)
-    cfg = load_config(None, [*w.overrides(), *overrides])
-    job = run_job(cfg, tmp_path / name, True, w.episode, w.samples())
-    rows = asyncio.run(asyncio.wait_for(job, 300))
+    rows = asyncio.run(asyncio.wait_for(run_job(cfg, tmp_path / name, True), 300))
     assert [r["step"] for r in rows] == list(range(steps))
     return [r["reward_mean"] for r in rows]
 
@@ -79,8 +76,42 @@ def _rose(rewards: list[float]) -> None:
 
 
 def test_longtail_run_learns(tmp_path: Path) -> None:
-    _rose(_learns(tmp_path, "longtail", 50, [], max_len=64))
+    _rose(_learns(tmp_path, "longtail", 50, ["--task.longtail.max_len=64"]))
 
 
 def test_agentic_run_learns(tmp_path: Path) -> None:
-    _rose(_learns(tmp_path, "agentic", 50, [], latency_min_s=0.002, latency_max_s=0.1))
+    knobs = ["--task.agentic.latency_min_s=0.002", "--task.agentic.latency_max_s=0.1"]
+    _rose(_learns(tmp_path, "agentic", 50, knobs))
+
+
+def test_workloads_are_tasks_of_the_run_config(tiny_model_dir: Path) -> None:
+    """``asyncrl run --task.name=longtail|agentic``: the defaults a workload changes (a key the
+    user sets wins), its knobs, the workload the run builds, and preflight's context check."""
+    from asyncrl.config import load_config
+    from asyncrl.preflight import preflight
+    from asyncrl.tasks.workloads import workload_from_config
+
+    cfg = load_config(None, ["--task.name=longtail", "--task.longtail.max_len=40"])
+    assert (cfg.task.num_digits, cfg.algo.loss_agg) == (1, "seq-mean")
+    assert cfg.rollout.extra_args == ("--context-length", "43")  # <s> d = + 40 response tokens
+    assert cfg.generation_budget() == 40
+    preflight(cfg)
+    w = workload_from_config(cfg, str(tiny_model_dir))
+    assert isinstance(w, LongTail) and (w.min_len, w.max_len, w.task.num_digits) == (4, 40, 1)
+    lens = next(w.samples()).answer[1]
+    assert len(lens) == cfg.algo.group_size and max(lens) <= 40
+    mine = ["--task.name=longtail", "--task.num_digits=2", "--algo.loss_agg=token-mean"]
+    cfg = load_config(None, [*mine, '--rollout.extra_args=["--threads", "1"]'])
+    assert (cfg.task.num_digits, cfg.algo.loss_agg) == (2, "token-mean")
+    with pytest.raises(ValueError, match=r"task\.longtail\.max_len: 4 prompt \+ 512 .*context"):
+        preflight(cfg)  # the user's engine args lack the context the tail needs: named
+    with pytest.raises(ValueError, match=r"task\.longtail\.min_len"):
+        load_config(None, ["--task.name=longtail", "--task.num_digits=5"])
+    cfg = load_config(None, ["--task.name=agentic", "--task.agentic.turns=3"])
+    assert (cfg.task.num_digits, cfg.algo.loss_agg, cfg.rollout.extra_args) == (1, "token-mean", ())
+    w = workload_from_config(cfg, str(tiny_model_dir))
+    assert isinstance(w, Agentic) and w.turns == 3 and w.latency == (0.02, 1.0, 0.6)
+    assert len(next(w.samples()).answer) == 3
+    with pytest.raises(ValueError, match=r"task\.agentic\.turns"):
+        load_config(None, ["--task.name=agentic", "--task.agentic.turns=1"])
+    assert load_config(None, []).task.num_digits == 2  # the reverse task keeps its default
