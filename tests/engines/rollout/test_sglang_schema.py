@@ -68,6 +68,29 @@ def judge(version: str, requests: list[Any], answers: list[Any]) -> dict[str, An
     return _judge(version, json.dumps({"requests": requests, "answers": answers}))
 
 
+DRIFT = [  # what SGLang's code must reject (test_sglangs_code_rejects_drift)
+    ["POST", "/generate", {"input_ids": [1, 2], "return_logprob": True}],  # fine
+    ["POST", "/generate", {"input_ids": ["x"], "return_logprob": True}],
+    ["POST", "/generate", {"input_ids": [1], "sampling_params": {"max_tokens": 3}}],
+    ["POST", "/generate", {"prompt_ids": [1]}],
+    ["GET", "/pause_generation", {"mode": "abort"}],
+    ["POST", "/pause_generation", {"mode": "hold"}],
+    ["POST", "/update_weight_version", {"version": "1"}],
+    ["POST", "/init_weights_update_group", {"master_address": "h"}],
+    ["POST", "/nonexistent_route", {}],
+]
+
+
+def reports(version: str, recorded: tuple[list, list]) -> tuple[dict[str, Any], list[Any]]:
+    """One judge process per version for every test here: the report on the recorded
+    requests and answers, and the judged :data:`DRIFT` requests (sent after them)."""
+    requests, answers = recorded
+    report = dict(judge(version, [*requests, *DRIFT], answers))
+    judged = report["requests"]
+    report["requests"] = judged[: len(requests)]
+    return report, judged[len(requests) :]
+
+
 async def _exercise(client: SGLangClient, pusher: Any) -> None:
     """Every request the client makes, with the argument shapes the run uses."""
     sp = {"max_new_tokens": 3, "temperature": 0.7, "top_p": 0.9, "top_k": 5}
@@ -132,8 +155,8 @@ def recorded(engine_server: LaunchedServer, weight_pusher: Any) -> tuple[list, l
 def test_routes_and_methods_exist_in_sglangs_http_server(
     version: str, recorded: tuple[list, list]
 ) -> None:
-    requests, answers = recorded
-    report = judge(version, requests, answers)
+    requests, _ = recorded
+    report, _ = reports(version, recorded)
     missing = {r["path"] for r in report["requests"] if not r["route"]}
     sent = {p for _, p, _ in requests}
     assert missing == ABSENT[version] & sent, missing  # (after a 404 the client stops asking)
@@ -149,8 +172,7 @@ def test_bodies_parse_into_sglangs_request_classes(
 ) -> None:
     """Each body through pydantic into the route's io_struct class (as FastAPI does), then
     GenerateReqInput's own normalization, SamplingParams, and the 0.5.22+ contract gate."""
-    requests, answers = recorded
-    report = judge(version, requests, answers)
+    report, _ = reports(version, recorded)
     judged = [r for r in report["requests"] if r["route"]]
     for r in judged:
         assert r["problems"] == [], r
@@ -177,7 +199,7 @@ def test_answers_hold_to_sglangs_response_types(version: str, recorded: tuple[li
     """0.5.22+: SGLang's API types decode every /generate, /model_info and /server_info answer
     the client read, and narrowing an answer to those types changes nothing the client reads;
     0.5.10 (no API types): every key the client reads is one SGLang's code builds."""
-    got = judge(version, [], recorded[1])["answers"]
+    got = reports(version, recorded)[0]["answers"]
     assert got["problems"] == [], got
     assert got["api_types"] == (version >= "0.5.22")
     if version >= "0.5.23":  # WeightVersionSpan joined the contract in 0.5.23
@@ -187,20 +209,9 @@ def test_answers_hold_to_sglangs_response_types(version: str, recorded: tuple[li
 
 
 @pytest.mark.parametrize("version", VERSIONS)
-def test_sglangs_code_rejects_drift(version: str) -> None:
+def test_sglangs_code_rejects_drift(version: str, recorded: tuple[list, list]) -> None:
     """The judge is SGLang's code, and it does reject what SGLang would reject."""
-    bad = [
-        ["POST", "/generate", {"input_ids": [1, 2], "return_logprob": True}],  # fine
-        ["POST", "/generate", {"input_ids": ["x"], "return_logprob": True}],
-        ["POST", "/generate", {"input_ids": [1], "sampling_params": {"max_tokens": 3}}],
-        ["POST", "/generate", {"prompt_ids": [1]}],
-        ["GET", "/pause_generation", {"mode": "abort"}],
-        ["POST", "/pause_generation", {"mode": "hold"}],
-        ["POST", "/update_weight_version", {"version": "1"}],
-        ["POST", "/init_weights_update_group", {"master_address": "h"}],
-        ["POST", "/nonexistent_route", {}],
-    ]
-    r = judge(version, bad, [])["requests"]
+    r = reports(version, recorded)[1]
     assert r[0]["problems"] == []
     assert any("max_tokens" in p for p in r[2]["problems"]), r[2]  # SamplingParams: TypeError
     if version >= "0.5.22":  # the contract gate: a token id must be an int
