@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from asyncrl.engines.rollout.sglang import SGLangClient
-from asyncrl.procs import free_port, spawn, stop
+from asyncrl.procs import free_port, python_env, stop
+from tests.runs import spawn_shared
 
 
 @pytest.fixture(scope="module")
@@ -19,7 +20,11 @@ def engine_url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
     log = tmp_path_factory.mktemp("engine") / "engine.log"
     args = ["-m", "asyncrl.entrypoints.engine", "--model-path", str(tiny_model_dir)]
     # tests run requests that only an abort ends: a context far beyond the model's 64
-    proc = spawn([*args, "--port", str(port), "--seed", "1", "--context-length", "1000000"], log)
+    proc = spawn_shared(
+        [*args, "--port", str(port), "--seed", "1", "--context-length", "1000000"],
+        log,
+        python_env(),
+    )
     url = f"http://127.0.0.1:{port}"
     try:
 

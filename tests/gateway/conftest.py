@@ -14,7 +14,8 @@ import pytest
 from asyncrl.config import AlgoConfig, ControllerConfig, GatewayConfig, RunConfig
 from asyncrl.engines.rollout.base import GenerateResult
 from asyncrl.engines.rollout.sglang import SGLangClient
-from asyncrl.procs import free_port, spawn, stop
+from asyncrl.procs import free_port, python_env, stop
+from tests.runs import spawn_shared
 
 
 @pytest.fixture(scope="session")
@@ -114,7 +115,9 @@ def engine_url(chat_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
     port = free_port()
     log = tmp_path_factory.mktemp("engine") / "engine.log"
     args = ["-m", "asyncrl.entrypoints.engine", "--model-path", str(chat_model_dir)]
-    proc = spawn([*args, "--port", str(port), "--seed", "1", "--max-batch-size", "16"], log)
+    proc = spawn_shared(
+        [*args, "--port", str(port), "--seed", "1", "--max-batch-size", "16"], log, python_env()
+    )
     try:
         yield f"http://127.0.0.1:{port}"
     finally:

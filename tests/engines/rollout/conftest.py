@@ -19,6 +19,7 @@ from asyncrl.engines.rollout.launcher import (
 )
 from asyncrl.engines.rollout.sglang import SGLangClient
 from asyncrl.procs import free_port
+from tests.runs import spawn_shared
 
 
 @pytest.fixture(scope="session")
@@ -34,7 +35,7 @@ def engine_server(
         extra_args=("--max-batch-size", "8", "--threads", "1", "--context-length", "1000000"),
         module=LOCAL_SERVER,
     )
-    server = launch(spec, log)
+    server = launch(spec, log, spawner=spawn_shared)
     try:
         asyncio.run(wait_healthy([server], timeout_s=120))
         yield server

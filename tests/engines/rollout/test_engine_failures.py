@@ -25,6 +25,7 @@ from asyncrl.engines.rollout.local.engine import LocalEngine, Request
 from asyncrl.engines.rollout.local.sampling import SamplingParams
 from asyncrl.procs import free_port
 from asyncrl.secret import auth_headers
+from tests.runs import spawn_shared
 
 EOS = 2
 
@@ -52,7 +53,7 @@ def limited(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
     spec = LaunchSpec(
         str(tiny_model_dir), free_port(), extra_args=("--threads", "1"), module=LOCAL_SERVER
     )
-    server = launch(spec, log)
+    server = launch(spec, log, spawner=spawn_shared)
     try:
         asyncio.run(wait_healthy([server], timeout_s=120))
         yield server.url

@@ -21,6 +21,7 @@ from asyncrl.engines.rollout.launcher import (
 from asyncrl.engines.rollout.sglang import SGLangClient
 from asyncrl.procs import free_port
 from asyncrl.secret import auth_headers
+from tests.runs import spawn_shared
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +29,7 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     spec = LaunchSpec(
         str(tiny_model_dir), free_port(), extra_args=("--threads", "1"), module=LOCAL_SERVER
     )
-    proc = launch(spec, tmp_path_factory.mktemp("engine") / "engine.log")
+    proc = launch(spec, tmp_path_factory.mktemp("engine") / "engine.log", spawner=spawn_shared)
     try:
         asyncio.run(wait_healthy([proc], timeout_s=120))
         yield proc.url

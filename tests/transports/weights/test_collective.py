@@ -14,11 +14,12 @@ import torch
 
 from asyncrl.config import GlooWeightsConfig, WeightSyncConfig
 from asyncrl.engines.rollout.sglang import SGLangClient
-from asyncrl.procs import free_port, python_env, spawn, stop
+from asyncrl.procs import free_port, python_env, stop
 from asyncrl.secret import auth_headers
 from asyncrl.transports.weights import make_weight_transport
 from asyncrl.transports.weights.base import WeightSyncError
 from asyncrl.transports.weights.bucket import checksum
+from tests.runs import spawn_shared
 
 CFG = GlooWeightsConfig(bucket_mb=1, min_buckets=2, timeout_s=60.0)
 ENGINE = ["-m", "asyncrl.entrypoints.engine"]
@@ -68,7 +69,7 @@ def engines(
             args = [*(FAULTY if fault else ENGINE), "--model-path", str(model_dir)]
             args += ["--faults", fault] if fault else []
             args += ["--port", str(port), "--device", device]
-            procs.append(spawn(args, tmp / f"engine{i}_{port}.log", python_env()))
+            procs.append(spawn_shared(args, tmp / f"engine{i}_{port}.log", python_env()))
             urls.append(f"http://127.0.0.1:{port}")
         asyncio.run(_healthy(urls))
         yield urls

@@ -5,7 +5,6 @@ generation is never paused or aborted, and a request pinned to an older version 
 from __future__ import annotations
 
 import asyncio
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,11 +16,12 @@ from asyncrl.config import GlooWeightsConfig, load_config
 from asyncrl.engines.rollout.base import EngineError
 from asyncrl.engines.rollout.sglang import SGLangClient
 from asyncrl.engines.train.fsdp import FSDPEngine
-from asyncrl.procs import python_env, spawn, stop
+from asyncrl.procs import python_env, stop
 from asyncrl.transports.weights import make_weight_transport
 from asyncrl.transports.weights.base import WeightSyncError
 from asyncrl.transports.weights.bucket import checksum
 from tests.engines.train._ranks import TokenMeanLoss, make_batch
+from tests.runs import spawn_shared
 
 pytest.importorskip("peft")
 
@@ -39,7 +39,7 @@ def url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
     args = ["-m", "asyncrl.entrypoints.engine", "--model-path", str(tiny_model_dir)]
     args += ["--port", str(port), "--context-length", "100000", "--threads", "1", *ENGINE_LORA]
     log = tmp_path_factory.mktemp("lora_sync") / "engine.log"
-    proc: subprocess.Popen = spawn(args, log, python_env())
+    proc = spawn_shared(args, log, python_env())
     try:
         asyncio.run(_call(f"http://127.0.0.1:{port}", "wait_healthy", 180))
         yield f"http://127.0.0.1:{port}"

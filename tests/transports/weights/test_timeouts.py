@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 
 from asyncrl.config import GlooWeightsConfig
-from asyncrl.procs import free_port, python_env, spawn, stop
+from asyncrl.procs import free_port, python_env, stop
 from asyncrl.transports.weights import make_weight_transport
 from asyncrl.transports.weights.base import WeightSyncError
+from tests.runs import spawn_shared
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_collective import ENGINE, FAULTY, _healthy, _model_weights, expected, state
@@ -40,7 +41,7 @@ def test_engine_stopped_mid_push_is_reported_in_time_and_the_next_push_reforms(
             port = free_port()
             args = [*(FAULTY if fault else ENGINE), "--model-path", str(tiny_model_dir)]
             args += ["--port", str(port)] + (["--faults", fault] if fault else [])
-            procs.append(spawn(args, tmp_path / f"engine{i}.log", python_env()))
+            procs.append(spawn_shared(args, tmp_path / f"engine{i}.log", python_env()))
             urls.append(f"http://127.0.0.1:{port}")
         asyncio.run(_healthy(urls))
         cfg = GlooWeightsConfig(bucket_mb=1, min_buckets=2, timeout_s=TIMEOUT_S)
@@ -86,7 +87,7 @@ def test_push_waiting_on_an_engine_that_left_goes_to_the_others_at_once(
             port = free_port()
             args = ["-m", "asyncrl.entrypoints.engine", "--model-path"]
             args += [str(tiny_model_dir), "--port", str(port)]
-            procs.append(spawn(args, tmp_path / f"engine{i}.log"))
+            procs.append(spawn_shared(args, tmp_path / f"engine{i}.log", python_env()))
             urls.append(f"http://127.0.0.1:{port}")
         asyncio.run(_healthy(urls))
         cfg = GlooWeightsConfig(bucket_mb=1, min_buckets=2, timeout_s=120.0)
