@@ -8,7 +8,6 @@ checkpoint); the tests compare their outputs.
 from __future__ import annotations
 
 import json
-import subprocess
 import time
 from pathlib import Path
 
@@ -16,9 +15,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from asyncrl.procs import free_port, python_env, spawn, stop
+from asyncrl.procs import Proc, free_port, python_env, stop
+from tests.runs import spawn_shared
 
-RANKS = Path(__file__).with_name("_ranks.py")
+RANKS = "tests.engines.train._ranks"  # run with -m: forked from the shared fork server
 TIMEOUT_S = 240.0
 
 
@@ -27,13 +27,13 @@ def _launch(scenario: str, world: int, model: Path, out: Path) -> None:
     env = python_env(
         {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
     )
-    procs: list[subprocess.Popen] = []
+    procs: list[Proc] = []
     logs = [out / f"{scenario}_rank{r}.log" for r in range(world)]
     try:
         for r in range(world):
-            args = [str(RANKS), scenario, "--rank", str(r), "--world", str(world)]
+            args = ["-m", RANKS, scenario, "--rank", str(r), "--world", str(world)]
             args += ["--port", str(port), "--model", str(model), "--out", str(out)]
-            procs.append(spawn(args, logs[r], env=env))
+            procs.append(spawn_shared(args, logs[r], env))
         deadline = time.monotonic() + TIMEOUT_S
         while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
             if any(p.poll() not in (None, 0) for p in procs):
