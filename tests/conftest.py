@@ -71,6 +71,7 @@ _SLOW_TESTS = (
     "tests/transports/weights/test_timeouts.py::test_engine_stopped_mid_push_is_reported_in_time",
     "tests/tasks/test_workloads.py::test_longtail_run_learns",
     "tests/tasks/test_workloads.py::test_agentic_run_learns",
+    "tests/engines/rollout/test_vllm_verify.py::test_sampled_verify_finds_a_silent_fault",
 )
 
 

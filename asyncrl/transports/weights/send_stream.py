@@ -38,6 +38,7 @@ from asyncrl import trace
 from asyncrl.engines.rollout.base import EngineError, EngineUnavailable
 from asyncrl.transports.weights.base import EnginesLeft, WeightsUndefined, WeightSyncError
 from asyncrl.transports.weights.bucket import BucketManifest
+from asyncrl.transports.weights.send_digests import DigestCheck, bucket_digests
 from asyncrl.transports.weights.send_engines import EngineGroup
 from asyncrl.transports.weights.send_staging import BucketStager, Packed
 
@@ -81,6 +82,10 @@ class BucketStream:
         self._packer = ThreadPoolExecutor(1, thread_name_prefix="weight-pack")
         self._started = False  # the attempt under way has sent something to an engine
         self._left_undefined: WeightsUndefined | None = None  # sticky: no push after it
+        family, mode = group.family, stager.cfg.verify
+        # engines that report their tensors' digests (vLLM): compared after each push
+        self.digest = None if family.digests is None else DigestCheck(mode, family.digests)
+        self.expected: dict[str, str] = {}  # the trainer's digests of this attempt's tensors
 
     def close(self) -> None:
         self._packer.shutdown(wait=False)
@@ -177,6 +182,8 @@ class BucketStream:
                 await group.end_sessions()  # without a version: these weights are not it
                 raise
             await group.end_sessions(version)
+            if self.digest is not None:
+                await self.digest.check(version, group.clients, self.expected)
             await group.commit(version)
             ok = True
         finally:
@@ -207,6 +214,8 @@ class BucketStream:
         n, depth = len(plan), self.stager.depth
         self.stager.in_place = set()
         self.packed = []
+        self.expected = {}
+        hashed = set() if self.digest is None else self.digest.names(version, tensors)
         packed: list[asyncio.Future[Any]] = [loop.create_future() for _ in plan]
         sent: list[asyncio.Future[None]] = [loop.create_future() for _ in plan]
 
@@ -230,6 +239,10 @@ class BucketStream:
                 packed[k].set_result(item)
                 if self.group.loads_live:  # kept for a re-push (engines that load live)
                     self.packed.append(item)
+                if hashed:  # while it is sent; before its slot is reused or the snapshot let go
+                    self.expected.update(
+                        await loop.run_in_executor(self._packer, bucket_digests, *item, hashed)
+                    )
             for k in sorted(self.stager.in_place):  # buckets sent from the tensors must have left
                 await sent[k]
             self.snap_at = time.perf_counter()
@@ -247,6 +260,7 @@ class BucketStream:
         moving: list[asyncio.Future[None]] = []
         try:
             acks = await self._send(plan, version, packed, announced, sent, moving)
+            await producer  # every bucket sent: it ends once the last one's digests are taken
         finally:
             await self._wind_down([producer, announcer, *moving], sent, announced, len(moving) < n)
         return acks

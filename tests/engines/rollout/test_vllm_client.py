@@ -192,6 +192,6 @@ def test_launch_command() -> None:
     # asyncrl.entrypoints.keyed: the command line carries the flag's name only
     cmdline = launch_command(spec)
     assert cmdline[:4] == ["-m", KEYED, "--api-key", "--"] and "--api-key" not in args
-    kind, _, argv = keyed_argv(cmdline[4:], "--api-key", "s3cret-0123456789abcdef")
+    kind, _, argv = keyed_argv(cmdline[4:], "--api-key", "-s3cret-0123456789abcdef")
     assert kind == "-c" and argv[:2] == ["-c", "serve"]
-    assert argv[-2:] == ["--api-key", "s3cret-0123456789abcdef"]
+    assert argv[-1] == "--api-key=-s3cret-0123456789abcdef"  # one word: a leading "-" is kept

@@ -39,7 +39,9 @@ gpu_worker.py``, ``core`` = ``vllm/v1/engine/core.py``, ``nccl`` =
 - ``/update_weights {"update_info"}``: names, dtype_names, shapes of equal length
   (nccl:102-114), empty lists reuse the last call's (nccl:201-204; cached even if that
   call then failed), every rank receives; ``--fail-calls`` makes a call's load fail after
-  the receive (the injected failure).
+  the receive (the injected failure); ``--corrupt-calls`` makes a call load one element
+  wrong on the last TP rank and answer 200 (a silent fault, test-only: what ``weights.verify``
+  must find through ``/weight_checker``).
 - ``/update_weight_version`` (rl:217-223), ``GET /weight_info`` (rl:226-229),
   ``/weight_checker`` (rl:232-266: ``checksum``; ``compare`` without ``baseline`` 400),
   ``GET /get_world_size`` (rl:269-289), ``/abort_requests`` (rl:97-142), ``GET /health``.
@@ -133,6 +135,7 @@ class StandIn:
         self.rank0 = Rank()
         self.ranks = [VLLMRank(log) for _ in range(self.tp - 1)]
         self.fail_calls = {int(x) for x in args.fail_calls.split(",") if x}
+        self.corrupt_calls = {int(x) for x in args.corrupt_calls.split(",") if x}
         self.calls_log = open(args.calls, "a") if args.calls else None
         self.label = "default"  # core:147
         self.truth: int | None = 0  # the version the live weights are wholly (None: mixed)
@@ -389,7 +392,10 @@ class StandIn:
         async with self.lock:
             self.update_calls += 1
             failing = self.update_calls in self.fail_calls
-            got = await self._ranks("recv", cap=self.cap, load=not failing, **meta)
+            bad = self.tp - 1 if self.update_calls in self.corrupt_calls else -1
+            got = await self._ranks(
+                "recv", cap=self.cap, load=not failing, corrupt_rank=bad, **meta
+            )
             if failing or not all(g["ok"] for g in got):
                 self.session = False  # the session ends, the model mid-reload (gw:1616-1631)
                 self.truth = None
@@ -579,6 +585,11 @@ def main() -> None:
     p.add_argument("--calls", default="", help="append every request here (JSON lines)")
     p.add_argument("--log", default="", help="the ranks' stderr")
     p.add_argument("--fail-calls", default="", help="update calls (1-based) whose load fails")
+    p.add_argument(
+        "--corrupt-calls",
+        default="",
+        help="update calls (1-based) that load one element wrong on the last TP rank, silently",
+    )
     p.add_argument("--step-s", type=float, default=0.0, help="sleep after each decode step")
     add_flags(p)
     args = p.parse_args()
