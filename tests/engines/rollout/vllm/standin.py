@@ -19,7 +19,11 @@ gpu_worker.py``, ``core`` = ``vllm/v1/engine/core.py``, ``nccl`` =
   (tito/protocol.py:486-508); a span starts when a new token comes under another label
   (v1/engine/output_processor.py:531-545); the first label is ``"default"`` (core:147).
   ``stream``: SSE ``data:`` chunks of the delta, spans on the last, ``data: [DONE]``
-  (tito/serving.py:646-820). Abort: ``finish_reason`` ``abort``.
+  (tito/serving.py:646-820). Abort: ``finish_reason`` ``abort``. The engine's id of a
+  request is ``generate-tokens-{request_id}`` (tito/serving.py:202-204), the id
+  ``/abort_requests`` matches. ``sampling_params.n > 1`` (not streamed): ``n`` children
+  ``{i}_{request_id}`` decoded in the batch, answered once all finished as choices by
+  ``index`` (v1/engine/parallel_sampling.py:84-126).
 - ``POST /pause?mode=``: ``abort`` finishes every request (``abort``) and rejects new ones;
   ``wait`` lets running ones finish, rejects new ones, answers once drained; ``keep``
   freezes everything, new requests queue (core:951-981, 2226-2233). A rejected request
@@ -104,6 +108,7 @@ class Req:
     adapter: Any = None  # its LoRA adapter (vllm/lora.py): kept even when unloaded by name
     adapter_name: str | None = None
     adapter_truth: list[str | None] = field(default_factory=list)
+    ext: str = ""  # the engine's external id: generate-tokens-{request_id} (tito/serving.py:203)
 
     def spans(self) -> list[dict[str, Any]]:
         """output_processor.py:538-545."""
@@ -202,13 +207,15 @@ class StandIn:
             elif len(r.output) >= r.max_new:
                 r.finish = "length"
 
-    def _choice(self, r: Req, new: list[int], lps: list[float], final: bool) -> dict[str, Any]:
+    def _choice(
+        self, r: Req, new: list[int], lps: list[float], final: bool, index: int = 0
+    ) -> dict[str, Any]:
         content = [
             {"token_id": t, "logprob": lp, "top_logprobs": []}
             for t, lp in zip(new, lps, strict=True)
         ]
         return {
-            "index": 0,
+            "index": index,
             "finish_reason": r.finish if final else None,
             "token_ids": new,
             "logprobs": {"content": content},
@@ -226,24 +233,37 @@ class StandIn:
         adapter, missing = self.lora.resolve(body.get("model"))  # es:199-213
         if missing is not None:
             return self.answer(request, body, _error(missing, 404), 404)
-        r = Req(
-            str(body.get("request_id") or f"auto-{time.monotonic_ns()}"),
+        base = str(body.get("request_id") or f"auto-{time.monotonic_ns()}")
+        n = int(sp.get("n") or 1)
+        if n > 1 and body.get("stream"):
+            return self.answer(
+                request, body, _error("stand-in: n > 1 streams not played", 400), 400
+            )
+        reqs = [self._request(f"{i}_{base}" if n > 1 else base, body, sp) for i in range(n)]
+        for r in reqs:  # parallel_sampling.py:84-96: children {i}_{id}, one external id
+            r.adapter, r.adapter_name = adapter, (body.get("model") if adapter else None)
+            r.ext = f"generate-tokens-{base}"  # tito/serving.py:202-204
+            self.reqs[r.rid] = r
+        self.wake.set()
+        if body.get("stream"):
+            return await self._stream(request, body, reqs[0])
+        for r in reqs:  # FINAL_ONLY: answered once every child finished (:120-126)
+            while r.finish is None:
+                r.changed.clear()
+                await r.changed.wait()
+        choices = [self._choice(r, r.output, r.logprobs, True, i) for i, r in enumerate(reqs)]
+        out = {"request_id": reqs[0].ext, "choices": choices}
+        return self.answer(request, {"rid": base, "n": n, "model": body.get("model")}, out)
+
+    def _request(self, rid: str, body: Any, sp: dict[str, Any]) -> Req:
+        return Req(
+            rid,
             list(body["token_ids"]),
             int(sp.get("max_tokens") or 16),
             float(sp.get("temperature", 1.0)),
             set(sp.get("stop_token_ids") or []),
             bool(sp.get("ignore_eos")),
         )
-        r.adapter, r.adapter_name = adapter, (body.get("model") if adapter else None)
-        self.reqs[r.rid] = r
-        self.wake.set()
-        if body.get("stream"):
-            return await self._stream(request, body, r)
-        while r.finish is None:
-            r.changed.clear()
-            await r.changed.wait()
-        out = {"request_id": r.rid, "choices": [self._choice(r, r.output, r.logprobs, True)]}
-        return self.answer(request, {"rid": r.rid, "model": body.get("model")}, out)
 
     async def lora_route(self, request: web.Request) -> web.Response:
         body = await self.body(request) or {}
@@ -265,7 +285,7 @@ class StandIn:
             if len(r.output) > sent or final:
                 choice = self._choice(r, r.output[sent:], r.logprobs[sent:], final)
                 sent = len(r.output)
-                chunk = {"request_id": r.rid, "choices": [choice]}
+                chunk = {"request_id": r.ext, "choices": [choice]}
                 await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
             if final:
                 break
@@ -283,10 +303,12 @@ class StandIn:
         self.log_call(request, {"stream": True}, 200, note="error 503 chunk")
         return resp
 
-    def _abort(self, rids: list[str] | None) -> int:
+    def _abort(self, ids: list[str] | None) -> int:
+        """``ids``: external ids (rl:118-120); a parent's aborts its children
+        (output_processor.py:599-629); None: all."""
         n = 0
         for r in self.reqs.values():
-            if r.finish is None and (rids is None or r.rid in rids):
+            if r.finish is None and (ids is None or r.ext in ids):
                 r.finish, n = "abort", n + 1
                 r.changed.set()
         return n
@@ -478,6 +500,7 @@ class StandIn:
             "label_errors": self.label_errors,
             "sha256": {f"rank{i}": s["sha256"] for i, s in enumerate(sums)},
             "reqs": {rid: {"truth": r.truth, "labels": r.labels, "finish": r.finish,
+                           "output": r.output, "ext": r.ext,
                            "spans": r.spans(), "adapters": r.adapter_truth}
                      for rid, r in self.reqs.items()},
             "lora": self.lora.state(),
