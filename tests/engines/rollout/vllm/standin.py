@@ -416,7 +416,12 @@ class StandIn:
             failing = self.update_calls in self.fail_calls
             bad = self.tp - 1 if self.update_calls in self.corrupt_calls else -1
             got = await self._ranks(
-                "recv", cap=self.cap, load=not failing, corrupt_rank=bad, **meta
+                "recv",
+                cap=self.cap,
+                load=not failing,
+                corrupt_rank=bad,
+                truth=self.args.truth,
+                **meta,
             )
             if failing or not all(g["ok"] for g in got):
                 self.session = False  # the session ends, the model mid-reload (gw:1616-1631)
@@ -440,8 +445,9 @@ class StandIn:
         version = body.get("weight_version") if isinstance(body, dict) else None
         if version is not None:  # async_llm.py:1432-1436
             self.label = str(version)
-        sums = await self._ranks("checksums")
-        self.pushes[self.label] = {f"rank{i}": _digest(s["sha256"]) for i, s in enumerate(sums)}
+        if self.args.truth:  # --no-truth (a benchmark): no ground-truth hashing per push
+            sums = await self._ranks("checksums")
+            self.pushes[self.label] = {f"rank{i}": _digest(s["sha256"]) for i, s in enumerate(sums)}
         self._finalize()
         return self.answer(request, body, {"message": "Weight update finished"})
 
@@ -612,6 +618,12 @@ def main() -> None:
         "--corrupt-calls",
         default="",
         help="update calls (1-based) that load one element wrong on the last TP rank, silently",
+    )
+    p.add_argument(
+        "--no-truth",
+        dest="truth",
+        action="store_false",
+        help="keep no ground truth per push (no hashing beyond /weight_checker): benchmarks",
     )
     p.add_argument("--step-s", type=float, default=0.0, help="sleep after each decode step")
     add_flags(p)
