@@ -83,8 +83,10 @@ class BucketStream:
         self._started = False  # the attempt under way has sent something to an engine
         self._left_undefined: WeightsUndefined | None = None  # sticky: no push after it
         family, mode = group.family, stager.cfg.verify
-        # engines that report their tensors' digests (vLLM): compared after each push
-        self.digest = None if family.digests is None else DigestCheck(mode, family.digests)
+        # engines that report their tensors' digests (vLLM): compared after each push; they
+        # load live, so every bucket's staged copy is kept (hashed after the snapshot)
+        checks = family.digests is not None and family.loads_live
+        self.digest = DigestCheck(mode, family.digests) if checks and family.digests else None
         self.expected: dict[str, str] = {}  # the trainer's digests of this attempt's tensors
 
     def close(self) -> None:
@@ -239,14 +241,15 @@ class BucketStream:
                 packed[k].set_result(item)
                 if self.group.loads_live:  # kept for a re-push (engines that load live)
                     self.packed.append(item)
-                if hashed:  # while it is sent; before its slot is reused or the snapshot let go
-                    self.expected.update(
-                        await loop.run_in_executor(self._packer, bucket_digests, *item, hashed)
-                    )
             for k in sorted(self.stager.in_place):  # buckets sent from the tensors must have left
                 await sent[k]
             self.snap_at = time.perf_counter()
             snap.set()  # every tensor read: the trainer may step its optimizer
+            # the trainer's digests, from the staged copy (kept for a re-push: no slot reused,
+            # nothing sent in place), while the buckets travel
+            for m, flat in self.packed if hashed else ():
+                got = await loop.run_in_executor(self._packer, bucket_digests, m, flat, hashed)
+                self.expected.update(got)
 
         announced: list[asyncio.Future[Acks]] = [loop.create_future() for _ in plan]
 
