@@ -72,6 +72,9 @@ _SLOW_TESTS = (
     "tests/transports/weights/test_timeouts.py::test_engine_stopped_mid_push_is_reported_in_time",
     "tests/tasks/test_workloads.py::test_longtail_run_learns",
     "tests/tasks/test_workloads.py::test_agentic_run_learns",
+    "tests/engines/rollout/test_vllm_verify.py::test_sampled_verify_finds_a_silent_fault",
+    "tests/bench/test_smoke.py::test_weight_sync_into_the_vllm_standin",
+    "tests/engines/rollout/test_lora_ring_repair.py::test_a_replaced_engine_gets_back",
 )
 
 

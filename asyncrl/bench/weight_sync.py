@@ -1,8 +1,10 @@
 """Weight-sync benchmark: our bucketed stream vs. the link's floor and per-tensor broadcasts.
 
 ``asyncrl bench weight-sync --backend gloo|nccl|hccl|cuda-ipc [--model qwen2-0.5b|qwen2-1.5b]
-[--engines N] [--json PATH]`` (``--delta``: delta pushes, ``weight_sync_delta``; ``--lora``:
-adapter-only pushes vs the full push, ``weight_sync_lora``)
+[--engines N] [--engine sglang|vllm --urls URL[,URL]] [--json PATH]`` (``--delta``: delta
+pushes, ``weight_sync_delta``; ``--lora``: adapter-only pushes vs the full push,
+``weight_sync_lora``; ``--engine``: the same pushes into running SGLang or vLLM servers too,
+rows beside the embedded engine's, ``weight_sync_engines``)
 
 The model's shapes come from a local ``Qwen2Config`` (no download); the sender's
 tensors hold random bits. Every engine is a real separate process (the embedded
@@ -357,11 +359,7 @@ def _verified_sums(urls: list[str], want: dict[str, int], version: int) -> bool:
 
 
 def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
-    import msgspec
     import torch
-
-    from asyncrl.config import WeightSyncConfig
-    from asyncrl.transports.weights import make_weight_transport
 
     torch.set_num_threads(args.threads)
     logs = Path(tempfile.mkdtemp(prefix="asyncrl-bench-ws-"))
@@ -375,106 +373,163 @@ def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
     ]
     urls = [f"http://{args.recv_host}:{e.bench_port}" for e in engines]
     rows = []
-    floor = None
     try:
         device = DEVICE[args.backend]
         separate = args.layout == "separate" or args.backend == "cuda-ipc"
         weights = _weights(args.model, args.dtype, device, separate=separate)
         nbytes = sum(t.numel() * t.element_size() for t in weights.values())
         floor = _Floor(args.backend, nbytes, children, args.send_host)
-        for mode in args.modes.split(","):
-            floors = [floor.once()]
-            floor_s = floors[0]
-            own: dict[str, Any] = (  # the options of this backend's config type
-                {"ipc_verify": args.ipc_verify, "ipc_copy": args.ipc_copy}
-                if args.backend == "cuda-ipc"
-                else {
-                    "bucket_mb": args.bucket_mb,
-                    "min_buckets": args.min_buckets,
-                    "staging_buckets": args.staging_buckets,
-                    "zero_copy_frac": args.zero_copy_frac,
-                    "verify": {"unverified": "off", "full-verify": "full"}.get(mode, "sampled"),
-                }
-            )
-            cfg = msgspec.convert(
-                {"backend": args.backend, "snapshot": mode == "snapshot", "timeout_s": 600.0,
-                 "master_address": args.send_host, **own},
-                WeightSyncConfig,
-            )  # fmt: skip
-            sender = make_weight_transport(cfg, urls, device)
-            try:
-                sender.connect()
-                version = 1
-                for _ in range(2):  # warm-up: plans, both receive-buffer sets, connections
-                    _ours(sender, weights, version, floor_s)
-                    version += 1
-                ours, naive, cpu_floor, cpu_ours, sums = [], [], [], [], []
-                for _ in range(args.repeats):
-                    c0 = _cpu_s(*children.local(floor.peer))
-                    floors.append(floor.once())  # the floor, interleaved with ours
-                    cpu_floor.append(_cpu_s(*children.local(floor.peer)) - c0)
-                    sums.append(_checksum_s(weights))
-                    floor_s = statistics.median(floors)
-                    version += 1
-                    weights[next(iter(weights))].view(-1)[:1024].random_()  # new bits every version
-                    c0 = _cpu_s(*children.local(*engines))
-                    ours.append(_ours(sender, weights, version, floor_s))
-                    cpu_ours.append(_cpu_s(*children.local(*engines)) - c0)
-                    if args.naive and args.backend != "cuda-ipc" and mode == "overlap":
-                        version += 1
-                        naive.append(_naive(sender, weights, version))
-                verified = _verified(urls, weights, version)
-            finally:
-                sender.close()
-            total_s = statistics.median(r["total_s"] for r in ours)
-            stall_s = statistics.median(r["stall_s"] for r in ours)
-            naive_s = statistics.median(naive) if naive else None
-            rows.append(
-                {
-                    "backend": args.backend,
-                    "model": args.model,
-                    "mode": mode,
-                    "engines": args.engines,
-                    "send_host": args.send_host,
-                    "recv_host": args.recv_host,
-                    "bytes": nbytes,
-                    "num_tensors": len(weights),
-                    "bucket_mb": args.bucket_mb,
-                    "min_buckets": args.min_buckets,
-                    "staging_buckets": args.staging_buckets,
-                    "zero_copy_frac": args.zero_copy_frac,
-                    "layout": "separate" if separate else "flat",
-                    "floor_s": floor_s,
-                    "naive_s": naive_s,
-                    "total_s": total_s,
-                    "stall_s": stall_s,
-                    "push_s": statistics.median(r["push_s"] for r in ours),
-                    "checksum_s": statistics.median(sums),
-                    "floor_cpu_s": statistics.median(cpu_floor),
-                    "cpu_s": statistics.median(cpu_ours),
-                    "verified": verified,
-                    "total_over_floor": total_s / floor_s,
-                    "floor_over_total": floor_s / total_s,
-                    "ipc_verify": args.ipc_verify,
-                    "ipc_copy": args.ipc_copy,
-                    "naive_over_total": None if naive_s is None else naive_s / total_s,
-                    "stall_over_total": stall_s / total_s,
-                    "floor_runs_s": floors,
-                    "total_runs_s": [r["total_s"] for r in ours],
-                    "sender_stats_ms": {  # the sender's own phases (medians), e.g. engine_copy_s
-                        k: 1e3 * statistics.median(r[k] for r in ours)
-                        for k in ours[0]
-                        if k.endswith("_s") and all(k in r for r in ours)
-                    },
-                }
-            )
+        targets: list[tuple[str, list[str], list[Any]]] = [("embedded", urls, engines)]
+        if args.engine != "embedded":  # running servers, measured beside the embedded rows
+            targets.append((args.engine, [u for u in args.urls.split(",") if u], []))
+        for engine, where, procs in targets:
+            for mode in args.modes.split(","):
+                rows.append(_measure(args, engine, mode, where, weights, floor, children, procs))
     finally:
         children.stop()
     return rows
 
 
+def _measure(
+    args: argparse.Namespace,
+    engine: str,
+    mode: str,
+    urls: list[str],
+    weights: dict[str, Any],
+    floor: _Floor,
+    children: _Children,
+    procs: list[Any],
+) -> dict[str, Any]:
+    """One row: ``mode``'s pushes of ``weights`` into the ``engine`` family at ``urls``."""
+    import msgspec
+
+    from asyncrl.bench.weight_sync_engines import verified_by
+    from asyncrl.config import WeightSyncConfig
+    from asyncrl.engines.rollout.factory import rollout_config
+    from asyncrl.transports.weights import make_weight_transport
+
+    device = DEVICE[args.backend]
+    floors = [floor.once()]
+    floor_s = floors[0]
+    own: dict[str, Any] = (  # the options of this backend's config type
+        {"ipc_verify": args.ipc_verify, "ipc_copy": args.ipc_copy}
+        if args.backend == "cuda-ipc"
+        else {
+            "bucket_mb": args.bucket_mb,
+            "min_buckets": args.min_buckets,
+            "staging_buckets": args.staging_buckets,
+            "zero_copy_frac": args.zero_copy_frac,
+            "verify": {"unverified": "off", "full-verify": "full"}.get(mode, "sampled"),
+        }
+    )
+    cfg = msgspec.convert(
+        {"backend": args.backend, "snapshot": mode == "snapshot", "timeout_s": 600.0,
+         "master_address": args.send_host, **own},
+        WeightSyncConfig,
+    )  # fmt: skip
+    rollout = rollout_config("local" if engine == "embedded" else engine)
+    sender = make_weight_transport(cfg, urls, device, rollout.pause_mode, rollout)
+    naive_ok = args.naive and args.backend != "cuda-ipc" and mode == "overlap"
+    naive_ok = naive_ok and engine == "embedded"  # SGLang/vLLM: sessions, no per-tensor form
+    try:
+        sender.connect()
+        version = 1
+        for _ in range(2):  # warm-up: plans, both receive-buffer sets, connections
+            _ours(sender, weights, version, floor_s)
+            version += 1
+        ours, naive, cpu_floor, cpu_ours, sums = [], [], [], [], []
+        for _ in range(args.repeats):
+            c0 = _cpu_s(*children.local(floor.peer))
+            floors.append(floor.once())  # the floor, interleaved with ours
+            cpu_floor.append(_cpu_s(*children.local(floor.peer)) - c0)
+            sums.append(_checksum_s(weights))
+            floor_s = statistics.median(floors)
+            version += 1
+            weights[next(iter(weights))].view(-1)[:1024].random_()  # new bits every version
+            c0 = _cpu_s(*children.local(*procs))
+            ours.append(_ours(sender, weights, version, floor_s))
+            cpu_ours.append(_cpu_s(*children.local(*procs)) - c0)
+            if naive_ok:
+                version += 1
+                naive.append(_naive(sender, weights, version))
+        verified = _verified(urls, weights, version) if engine == "embedded" else None
+        verified = verified_by(engine, urls, weights, version, verified)
+    finally:
+        sender.close()
+    return _row(args, engine, mode, len(urls), weights, floors, ours, naive, sums,
+                cpu_floor, cpu_ours, verified)  # fmt: skip
+
+
+def _row(
+    args: argparse.Namespace,
+    engine: str,
+    mode: str,
+    n_engines: int,
+    weights: dict[str, Any],
+    floors: list[float],
+    ours: list[dict[str, Any]],
+    naive: list[float],
+    sums: list[float],
+    cpu_floor: list[float],
+    cpu_ours: list[float],
+    verified: bool | None,
+) -> dict[str, Any]:
+    floor_s = statistics.median(floors)
+    total_s = statistics.median(r["total_s"] for r in ours)
+    stall_s = statistics.median(r["stall_s"] for r in ours)
+    naive_s = statistics.median(naive) if naive else None
+    return {
+        "engine": engine,
+        "backend": args.backend,
+        "model": args.model,
+        "mode": mode,
+        "engines": n_engines,
+        "send_host": args.send_host,
+        "recv_host": args.recv_host,
+        "bytes": sum(t.numel() * t.element_size() for t in weights.values()),
+        "num_tensors": len(weights),
+        "bucket_mb": args.bucket_mb,
+        "min_buckets": args.min_buckets,
+        "staging_buckets": args.staging_buckets,
+        "zero_copy_frac": args.zero_copy_frac,
+        "layout": "separate" if args.layout == "separate" or args.backend == "cuda-ipc" else "flat",
+        "floor_s": floor_s,
+        "naive_s": naive_s,
+        "total_s": total_s,
+        "stall_s": stall_s,
+        "push_s": statistics.median(r["push_s"] for r in ours),
+        "checksum_s": statistics.median(sums),
+        "floor_cpu_s": statistics.median(cpu_floor),
+        "cpu_s": statistics.median(cpu_ours),
+        "verified": verified,
+        "total_over_floor": total_s / floor_s,
+        "floor_over_total": floor_s / total_s,
+        "ipc_verify": args.ipc_verify,
+        "ipc_copy": args.ipc_copy,
+        "naive_over_total": None if naive_s is None else naive_s / total_s,
+        "stall_over_total": stall_s / total_s,
+        "floor_runs_s": floors,
+        "total_runs_s": [r["total_s"] for r in ours],
+        "sender_stats_ms": {  # the sender's own phases (medians), e.g. engine_copy_s
+            k: 1e3 * statistics.median(r[k] for r in ours)
+            for k in ours[0]
+            if k.endswith("_s") and all(k in r for r in ours)
+        },
+    }
+
+
 def _table(rows: list[dict[str, Any]]) -> str:
-    cols = ["backend", "mode", "bytes", "num_tensors", "floor_s", "naive_s", "total_s", "stall_s"]
+    cols = [
+        "engine",
+        "backend",
+        "mode",
+        "bytes",
+        "num_tensors",
+        "floor_s",
+        "naive_s",
+        "total_s",
+        "stall_s",
+    ]
     cols += [
         "total_over_floor",
         "floor_over_total",
@@ -496,7 +551,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--backend", default="gloo", choices=sorted(DEVICE))
     p.add_argument("--model", default="qwen2-0.5b", choices=sorted(MODELS))
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    p.add_argument("--engines", type=int, default=1, help="engine processes")
+    p.add_argument("--engines", type=int, default=1, help="embedded engine processes")
+    p.add_argument(
+        "--engine",
+        default="embedded",
+        choices=["embedded", "sglang", "vllm"],
+        help="also push into running SGLang / vLLM servers (--urls) holding a model of "
+        "--model's shapes, rows beside the embedded engine's (see weight_sync_engines)",
+    )
+    p.add_argument("--urls", default="", help="--engine sglang|vllm: the servers, comma-separated")
     p.add_argument("--repeats", type=int, default=3, help="timed pushes (median reported)")
     p.add_argument("--bucket-mb", type=int, default=512, help="weights.bucket_mb")
     p.add_argument("--min-buckets", type=int, default=8, help="weights.min_buckets")
@@ -569,11 +632,13 @@ def main(argv: list[str] | None = None) -> None:
         if args.json:
             Path(args.json).write_text(json.dumps(rows, indent=2))
         return None
+    if args.engine != "embedded" and not args.urls:
+        p.error(f"--engine {args.engine} needs --urls of running servers")
     rows = _run(args)
     print(_table(rows))
     for r in rows:
         phases = ", ".join(f"{k} {v:.3f}" for k, v in r["sender_stats_ms"].items())
-        print(f"{r['backend']} {r['mode']} phases (ms, medians): {phases}")
+        print(f"{r['engine']} {r['backend']} {r['mode']} phases (ms, medians): {phases}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
         print(f"wrote {args.json}", file=sys.stderr)

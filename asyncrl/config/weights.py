@@ -70,7 +70,10 @@ class CollectiveWeightsConfig(_WeightsBase, frozen=True):
     every tensor's first and last bytes plus evenly spread blocks (catches a misordered,
     shifted, truncated or torn bucket, not a lone flipped bit; costs almost nothing). ``off``:
     none (TCP and NCCL protect the bytes on the wire). A delta bucket's payload is always
-    checked in full (it is small), and the resulting bucket as this mode says."""
+    checked in full (it is small), and the resulting bucket as this mode says. vLLM engines:
+    after each push, their ``/weight_checker`` digests against the trainer's (``full``: every
+    engine and tensor; ``sampled``: one engine per push, 8 tensors; a mismatch re-sends the
+    push; see docs/weight-sync.md, "Integrity"). SGLang: not checked."""
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     """Dtype floating-point weights travel in (and engines load): ``auto`` keeps each tensor's
     own; ``bfloat16`` syncs fp32 master weights as bf16 (the cast is fused into the packing)."""

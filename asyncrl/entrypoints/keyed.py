@@ -32,13 +32,15 @@ MASK = b"***"
 
 def keyed_argv(args: list[str], flag: str, key: str) -> tuple[str, str, list[str]]:
     """``(kind, target, argv)`` to run ``args`` (``-m MODULE ...`` or ``-c CODE ...``, as after
-    ``python``) with ``flag key`` appended: ``kind`` is ``"-m"`` or ``"-c"``, ``argv`` what
+    ``python``) with ``flag=key`` appended: ``kind`` is ``"-m"`` or ``"-c"``, ``argv`` what
     ``sys.argv`` is set to (``python`` sets ``argv[0]`` to the module name / ``-c``)."""
     if len(args) < 2 or args[0] not in ("-m", "-c"):
         raise ValueError(f"keyed: expected '-m MODULE ...' or '-c CODE ...', got {args[:2]!r}")
     kind, target, rest = args[0], args[1], args[2:]
     argv0 = target if kind == "-m" else "-c"
-    return kind, target, [argv0, *rest, flag, key]
+    # one ``FLAG=KEY`` word: a key that starts with "-" (token_urlsafe's alphabet has it, 1 in
+    # 64 secrets) would be read by argparse as the next flag after a separate ``FLAG``
+    return kind, target, [argv0, *rest, f"{flag}={key}"]
 
 
 class Redactor:

@@ -76,6 +76,8 @@ PARTS = {  # module of asyncrl/bench -> (the bench that runs it, the flag its ru
     "generation_lora": ("generation", "--lora-rank"),  # rows lora, lora-mixed (_generation)
     "weight_sync_delta": ("weight-sync", "--delta"),
     "weight_sync_lora": ("weight-sync", "--lora"),
+    # its --engine rows: test_weight_sync_into_the_vllm_standin below (a server to start first)
+    "weight_sync_engines": ("weight-sync", ""),
 }
 
 
@@ -272,3 +274,41 @@ def test_bench_runs_prints_its_table_and_writes_its_json(
     out = (folders[bench] / "log").read_text(errors="replace")
     assert code == 0, out[-4000:]
     CHECKS[bench](json.loads((folders[bench] / "out.json").read_text()), out)
+
+
+def test_weight_sync_into_the_vllm_standin(tmp_path: Path) -> None:
+    """``bench weight-sync --engine vllm`` at the tiny shapes into the vLLM 0.33 stand-in
+    (tests/engines/rollout/vllm/standin.py, ``--no-truth``): the embedded and vLLM rows side
+    by side with the same columns and bytes, each push verified (vLLM's: every tensor's
+    ``/weight_checker`` sha256 = the sender's), the vLLM pushes through vLLM's session routes."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from asyncrl.bench.weight_sync import MODELS
+    from asyncrl.procs import finish
+    from tests.engines.rollout.vllm.server import start_vllm
+
+    model_dir = tmp_path / "tiny-shapes"
+    Qwen2ForCausalLM(Qwen2Config(**MODELS["tiny"])).save_pretrained(model_dir)
+    server = start_vllm(model_dir, tmp_path / "vllm", flags=("--no-truth",))
+    try:
+        out = tmp_path / "out.json"
+        cmd = ["-m", "asyncrl.cli", "bench", "weight-sync", "--engine=vllm", f"--urls={server.url}"]
+        cmd += ["--model=tiny", "--dtype=float32", "--repeats=1", "--modes=overlap,full-verify"]
+        cmd += ["--bucket-mb=1", f"--json={out}"]
+        code, log = finish(spawn(cmd, tmp_path / "log", python_env()), TIMEOUT_S)
+        log = (tmp_path / "log").read_text(errors="replace")
+        assert code == 0, log[-4000:]
+        rows = json.loads(out.read_text())
+        assert [(r["engine"], r["mode"]) for r in rows] == [
+            ("embedded", "overlap"), ("embedded", "full-verify"),
+            ("vllm", "overlap"), ("vllm", "full-verify"),
+        ]  # fmt: skip
+        assert all(r["verified"] is True and r["total_s"] > 0 for r in rows), rows
+        assert len({r["bytes"] for r in rows}) == 1 and len({frozenset(r) for r in rows}) == 1
+        assert rows[0]["naive_s"] is not None and rows[2]["naive_s"] is None
+        assert log.splitlines()[0].startswith("engine | backend | mode")
+        paths = [c["path"] for c in server.wire()]
+        assert paths.count("/finish_weight_update") == 2 * (2 + 1)  # 2 modes x (warm-ups + 1)
+        assert paths.count("/weight_checker") == 2 * (3 + 1)  # each push (one engine), the check
+    finally:
+        server.stop()

@@ -21,7 +21,7 @@ version a request runs on (``{name}-v{N}``); the client sends it where its engin
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -365,6 +365,11 @@ class WeightFamily:
     """LoRA runs: how an engine of this family loads adapter versions from a folder the
     trainer writes (SGLang, vLLM); None: adapters travel over the collective transport
     into the engine's in-memory ring (the embedded engine)."""
+    digests: Callable[[ControlledEngine], Awaitable[dict[str, str]]] | None = None
+    """Engines that report the sha256 of every loaded tensor (vLLM's ``/weight_checker``):
+    how to ask one; ``weights.verify`` then compares them with the trainer's after each push
+    (``transports/weights/send_digests.py``). None: the engine checks buckets itself (the
+    embedded engine) or cannot be asked (SGLang)."""
     adapter_folders_kept: bool = False
     """The folder of an unloaded adapter version stays while ``capacity`` newer versions
     load (vLLM: its unload forgets the name only, and a running request whose adapter left

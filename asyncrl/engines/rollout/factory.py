@@ -60,6 +60,10 @@ def weight_family(rollout: RolloutConfig | str, bucket_bytes: int = 1 << 30) -> 
         def vllm_adapters(url: str, timeout_s: float) -> AdapterControl:
             return VLLMClient(url, timeout_s, retry_503_s=rc.retry_503_s)
 
+        async def vllm_digests(engine: ControlledEngine) -> dict[str, str]:
+            assert isinstance(engine, VLLMControl)
+            return await engine.weight_checksums()  # /weight_checker {"action": "checksum"}
+
         return WeightFamily(
             "vLLM",
             make_vllm,
@@ -67,6 +71,7 @@ def weight_family(rollout: RolloutConfig | str, bucket_bytes: int = 1 << 30) -> 
             check=_vllm_check,
             received=lambda e: False,
             adapters=vllm_adapters,  # /v1/load_lora_adapter from a folder
+            digests=vllm_digests,
             adapter_folders_kept=True,
         )
     from asyncrl.engines.rollout.sglang.client import SGLangClient

@@ -30,6 +30,15 @@ A :class:`~asyncrl.transports.weights.base.WeightTransport` for LoRA runs
   "already exists", lora_registry.py:230-233; vLLM: "has already been loaded",
   models/serving.py:270-278) counts as loaded (a re-sync pushes the same weights); an
   unload of a version the engine no longer knows counts as done.
+- An engine whose versions are unknown (joining, restarted, or after ``connect``: the
+  trainer's re-sync) gets the ring rebuilt before the push's version: the older versions a
+  request may still name reloaded from their folders (kept while any engine holds them),
+  the one no request may name any more unloaded. So a resubmission that keeps its version
+  (``controllers/adapters.py``) finds it on a restarted engine too.
+- Refusals SGLang expects to be retried are: a failed unload stays pending on SGLang
+  0.5.22+ and is retried once; a load refused after a partial failure ("has an incomplete
+  unload") gets the unload retried, then the load (0.5.23 tokenizer_control_mixin.py:
+  642-656, 682-686, 700-706).
 """
 
 from __future__ import annotations
@@ -57,6 +66,7 @@ log = logging.getLogger("asyncrl.weights")
 PREFIX = "base_model.model."  # PEFT's prefix of saved adapter keys
 _HELD = ("already loaded", "already exists", "has already been loaded")  # SGLang; vLLM
 _GONE = ("does not exist", "cannot be found")  # SGLang lora_registry.py:107-110; vLLM ms:293-300
+INCOMPLETE = "has an incomplete unload"  # SGLang 0.5.22+ (0.5.23 tokenizer_control_mixin:682-686)
 
 
 @dataclass(frozen=True)
@@ -215,29 +225,82 @@ class AdapterFolderSender:
         return max(t[0] for t in times), max(t[1] for t in times)
 
     async def _one(self, client: AdapterControl, version: int, path: str) -> tuple[float, float]:
-        """On one engine: unload the oldest until there is room, then load ``version``."""
+        """On one engine: unload the oldest until there is room, then load ``version``. An
+        engine whose versions are unknown (new, restarted, or after ``connect``) first gets
+        the ring rebuilt (:meth:`_rebuild`)."""
         with self._lock:
+            known = client.url in self._held
             held = self._held.setdefault(client.url, [])
         t0 = time.perf_counter()
+        if not known:
+            await self._rebuild(client, version, held)
         if version in held:  # a re-sync of the version it holds: the same weights
-            return 0.0, 0.0
+            return 0.0, time.perf_counter() - t0
         while len(held) >= self.spec.capacity:
             old = held[0]
-            try:
-                await client.unload_lora_adapter(self.spec.label(old))
-            except EngineError as exc:
-                if not any(m in str(exc) for m in _GONE):  # not held any more
-                    raise
+            await self._unload(client, old)
             held.pop(0)
             self.unloads.append((client.url, old))
         t1 = time.perf_counter()
-        try:
-            await client.load_lora_adapter(self.spec.label(version), path)
-        except EngineError as exc:
-            if not any(m in str(exc) for m in _HELD):
-                raise
+        await self._load(client, version, path)
         held.append(version)
         return t1 - t0, time.perf_counter() - t1
+
+    async def _rebuild(self, client: AdapterControl, version: int, held: list[int]) -> None:
+        """The ring of an engine whose versions are unknown, as of ``version`` (the newest):
+        the older versions a request may still name (``version - capacity + 2 ..``, the
+        controller's rule for a resubmission, ``controllers/adapters.py``) loaded from their
+        folders, oldest first (a restarted engine lost them: a resubmission naming one
+        would be refused and fail its episode); the ring's oldest (``version - capacity +
+        1``, which no request may name any more) unloaded if the engine still holds it, so
+        an engine that kept its versions holds no more than ``capacity`` afterwards."""
+        oldest = version - self.spec.capacity + 1
+        if 1 <= oldest < version:
+            await self._unload(client, oldest)
+        for v in range(max(1, oldest + 1), version):
+            folder = Path(self.spec.folder) / self.spec.label(v)
+            if v in self._folders and folder.is_dir():
+                await self._load(client, v, str(folder))
+                held.append(v)
+        if held:
+            log.info("adapter ring of %s rebuilt at v%d: %s", client.url, version, held)
+
+    async def _load(self, client: AdapterControl, version: int, path: str) -> None:
+        """Load ``version``; a name it holds already counts as loaded. A refused load is
+        tried twice more: SGLang 0.5.22+ answers a load after a partial failure (some ranks
+        loaded it) with "has an incomplete unload. Retry the unload before loading it
+        again" (0.5.23 tokenizer_control_mixin.py:682-686, 700-706): the unload is retried
+        first (it completes the pending one, :642-656), then the load."""
+        label = self.spec.label(version)
+        for attempt in range(3):
+            try:
+                await client.load_lora_adapter(label, path)
+                return
+            except EngineError as exc:
+                if any(m in str(exc) for m in _HELD):
+                    return
+                if attempt == 2:
+                    raise
+                log.warning("%s: loading %s failed, retrying: %s", client.url, label, exc)
+                if INCOMPLETE in str(exc):
+                    await self._unload(client, version)
+
+    async def _unload(self, client: AdapterControl, version: int) -> None:
+        """Unload ``version``; a name the engine does not hold counts as done. A refused
+        unload is tried once more: SGLang 0.5.22+ keeps a failed unload pending (the name
+        refused to new requests) and completes it when asked again (0.5.23
+        tokenizer_control_mixin.py:642-656)."""
+        label = self.spec.label(version)
+        for attempt in range(2):
+            try:
+                await client.unload_lora_adapter(label)
+                return
+            except EngineError as exc:
+                if any(m in str(exc) for m in _GONE):  # not held (any more)
+                    return
+                if attempt == 1:
+                    raise
+                log.warning("%s: unloading %s failed, retrying: %s", client.url, label, exc)
 
     def _drop_folders(self) -> None:
         """Delete the folders of versions no engine holds (not the newest: a joining engine

@@ -120,6 +120,46 @@ async def _drain(c: VLLMClient, rid: str) -> int:
     return len(parts[-1].output_ids)
 
 
+async def test_generate_batch_sends_a_group_as_one_request_with_n(vllm: VLLMStandIn) -> None:
+    """Three equal prompts and one other: two requests, the group's with ``n = 3`` named by
+    its first rid; each result is the stand-in's child ``{i}_{rid}`` (parallel_sampling.py:
+    84-96) in index order. Aborting any member's rid aborts the group (sent as the engine's
+    id ``generate-tokens-{rid}``, tito/serving.py:202-204)."""
+    c = VLLMClient(vllm.url, record=True)
+    try:
+        sp = {**SP, "max_new_tokens": 6}
+        out = await c.generate_batch(
+            [[1, 3], [1, 3], [1, 3], [4]], [sp] * 4, ["n0", "n1", "n2", "x"]
+        )
+        assert c.sent is not None
+        bodies = sorted(
+            (b for _, p, b in c.sent if p.endswith("generate")), key=lambda b: b["request_id"]
+        )
+        assert [(b["request_id"], b["sampling_params"].get("n")) for b in bodies] == [
+            ("n0", 3),
+            ("x", None),
+        ]
+        st = vllm.state()["reqs"]
+        for i, res in enumerate(out[:3]):
+            child = st[f"{i}_n0"]
+            labels = [0 if x == "default" else int(x) for x in child["labels"]]
+            assert res.output_ids == child["output"] and res.token_versions() == labels
+            assert child["ext"] == "generate-tokens-n0" and len(res.logprobs) == 6
+        assert out[3].output_ids == st["x"]["output"]
+
+        long = {**SP, "max_new_tokens": 500}
+        task = asyncio.ensure_future(c.generate_batch([[2], [2]], [long, long], ["b0", "b1"]))
+        await _until_tokens(vllm, "1_b0")
+        await c.abort_request("b1")  # a member: vLLM aborts the parent with its children
+        res = await asyncio.wait_for(task, 30)
+        assert [r.finish_reason for r in res] == ["abort", "abort"]
+        assert c.sent[-1][2] == {"request_ids": ["generate-tokens-b0"]}
+        with pytest.raises(ValueError, match="generate_batch"):
+            await c.generate([1], {**SP, "n": 2})
+    finally:
+        await c.close()
+
+
 async def test_abort_one_request_and_the_503_deadline(vllm: VLLMStandIn) -> None:
     c = VLLMClient(vllm.url, retry_503_s=0.3)
     try:
@@ -192,6 +232,6 @@ def test_launch_command() -> None:
     # asyncrl.entrypoints.keyed: the command line carries the flag's name only
     cmdline = launch_command(spec)
     assert cmdline[:4] == ["-m", KEYED, "--api-key", "--"] and "--api-key" not in args
-    kind, _, argv = keyed_argv(cmdline[4:], "--api-key", "s3cret-0123456789abcdef")
+    kind, _, argv = keyed_argv(cmdline[4:], "--api-key", "-s3cret-0123456789abcdef")
     assert kind == "-c" and argv[:2] == ["-c", "serve"]
-    assert argv[-2:] == ["--api-key", "s3cret-0123456789abcdef"]
+    assert argv[-1] == "--api-key=-s3cret-0123456789abcdef"  # one word: a leading "-" is kept

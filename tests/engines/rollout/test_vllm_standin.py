@@ -52,9 +52,13 @@ def _pushes(server: VLLMStandIn) -> list[list[dict[str, Any]]]:
     return out
 
 
-def _check_wire(server: VLLMStandIn, mode: str = "keep") -> list[list[dict[str, Any]]]:
+def _check_wire(
+    server: VLLMStandIn, mode: str = "keep", checked: bool | None = None
+) -> list[list[dict[str, Any]]]:
     """Per push: /pause?mode, /start_weight_update, /update_weights..., /finish_weight_update
-    {weight_version}, /resume; the first update after the group formed carries the names."""
+    {weight_version}, [/weight_checker: weights.verify, sampled by default: one engine per
+    push], /resume; the first update after the group formed carries the names. ``checked``:
+    whether every push (True) or none (False) of this engine was checked."""
     pushes = _pushes(server)
     for one in pushes:
         ok = [c for c in one if c["status"] == 200]
@@ -63,7 +67,10 @@ def _check_wire(server: VLLMStandIn, mode: str = "keep") -> list[list[dict[str, 
         k = paths.index("/start_weight_update")
         updates = [p for p in paths[k + 1 :] if p == "/update_weights"]
         assert updates and paths[k + 1 : k + 1 + len(updates)] == updates, paths
-        assert paths[k + 1 + len(updates) :][-2:] == ["/finish_weight_update", "/resume"], paths
+        tail = paths[k + 1 + len(updates) :]
+        check = tail == ["/finish_weight_update", "/weight_checker", "/resume"]
+        assert check or tail == ["/finish_weight_update", "/resume"], paths
+        assert checked is None or check == checked, paths
         fin = [c for c in ok if c["path"] == "/finish_weight_update"][-1]
         assert fin["body"]["weight_version"], fin
     return pushes
@@ -138,7 +145,7 @@ def test_pushes_are_exact_and_keep_versions_exact(tmp_path: Path, tiny_model_dir
         assert st["mixed_tokens"] == 0 and st["label_errors"] == 0
         want = {n: _sha(w + 2) for n, w in weights.items()}
         assert st["sha256"]["rank0"] == want and st["sha256"]["rank1"] == want
-        pushes = _check_wire(server)
+        pushes = _check_wire(server, checked=True)  # one engine: each push checked
         assert len(pushes) == 2
         first, second = ([c for c in p if c["path"] == "/update_weights"] for p in pushes)
         assert first[0]["body"]["update_info"]["n_names"] == len(weights)
@@ -169,8 +176,9 @@ def test_failed_update_is_resent_as_a_new_round(tmp_path: Path, tiny_model_dir: 
         if again[0]["path"] == "/init_weight_transfer_engine":  # the group was re-formed
             again = again[1:]
         paths = [c["path"] for c in again]
-        assert paths[:5] == ["/pause", "/start_weight_update", "/update_weights",
-                             "/finish_weight_update", "/resume"], paths  # fmt: skip
+        assert paths[:6] == ["/pause", "/start_weight_update", "/update_weights",
+                             "/finish_weight_update", "/weight_checker",
+                             "/resume"], paths  # fmt: skip
         assert again[2]["body"]["update_info"]["n_names"] > 0  # metadata unknown: sent whole
         assert again[3]["body"]["weight_version"] == "2"
         log = (tmp_path / "run" / "trainer0.log").read_text()
@@ -193,6 +201,9 @@ def test_two_engines_tp2(tmp_path: Path, tiny_model_dir: Path) -> None:
         states = [_check_state(s, STEPS, tp=2) for s in servers]
         assert states[0]["sha256"]["rank0"] == states[1]["sha256"]["rank0"]
         assert all(len(_check_wire(s)) == STEPS for s in servers)
+        # weights.verify=sampled: one engine's /weight_checker per push, in turn (v mod 2)
+        checks = [len([c for c in s.wire() if c["path"] == "/weight_checker"]) for s in servers]
+        assert sorted(checks) == [1, 2], checks
         assert sum(len(st["reqs"]) for st in states) > 0
         inits = [c["body"]["init_info"] for s in servers for c in s.wire()
                  if c["path"] == "/init_weight_transfer_engine"]  # fmt: skip

@@ -21,7 +21,15 @@ token_in_token_out/``, ``rl`` = ``vllm/entrypoints/rl/online/api_router.py``):
   entrypoints/serve/exception_handling/error_response.py:60-67); in a stream it is an
   error chunk (tito/serving.py:812-815). The client then polls ``/is_paused`` and sends
   the request again (``retry_503_s``): it waits, it does not fail.
-- abort: ``POST /abort_requests`` ``{"request_ids": [...]}``, empty: all (rl:97-142).
+- abort: ``POST /abort_requests`` ``{"request_ids": [...]}``, empty: all (rl:97-142). The
+  ids are the engine's external ids, which the generate route makes ``generate-tokens-{rid}``
+  (tito/serving.py:202-204; v1/engine/input_processor.py:363-371; an id matches those
+  requests only, v1/engine/output_processor.py:599-629): the client sends that form.
+- ``n > 1``: :meth:`VLLMClient.generate_batch` sends equal prompts with equal sampling
+  parameters as one request with ``n`` (vLLM's parallel sampling: one prefill, children
+  ``{i}_{id}`` seeded ``seed + i``, v1/engine/parallel_sampling.py:52-96; the final answer's
+  choices ordered by ``index``, each with its own log-probs and spans,
+  parallel_sampling.py:120-126, tito/serving.py:455-512).
 - version: ``GET /weight_info`` (rl:226-229); liveness: ``GET /health``.
 
 Errors as :mod:`asyncrl.engines.rollout.base` (vLLM's error body is ``{"error": {"message",
@@ -52,6 +60,8 @@ from asyncrl.engines.rollout.sglang.client import _is_json_object, _server_messa
 __all__ = ["VLLMClient", "expand_spans", "vllm_sampling"]
 
 GENERATE = "/inference/v1/generate"
+ENGINE_ID = "generate-tokens-{}"
+"""The engine's (external) id of a generate request ``rid`` (tito/serving.py:202-204)."""
 
 _RENAMED = {"max_new_tokens": "max_tokens"}
 _KEPT = ("temperature", "top_p", "top_k", "min_p", "stop_token_ids", "ignore_eos", "seed", "n")
@@ -121,6 +131,18 @@ def _logprobs(choice: dict[str, Any]) -> list[float]:
     return [float(c["logprob"]) for c in content]
 
 
+def _parse_choice(choice: dict[str, Any]) -> GenerateResult:
+    """A final (non-streamed) choice as a result, per-token versions from its spans."""
+    if not isinstance(choice, dict):
+        raise EngineError(GENERATE, 200, f"unexpected choice: {str(choice)[:200]}")
+    ids = [int(t) for t in choice.get("token_ids") or []]
+    lps = _logprobs(choice)
+    if len(lps) != len(ids):
+        raise EngineError(GENERATE, 200, f"{len(ids)} tokens but {len(lps)} log-probs")
+    finish = str(choice.get("finish_reason") or "stop")
+    return _result(ids, lps, finish, choice.get("weight_versions"))
+
+
 class VLLMClient(KeyedHttp):
     """One vLLM 0.33 server at ``base_url`` (module docstring); one event loop.
 
@@ -139,6 +161,7 @@ class VLLMClient(KeyedHttp):
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._session: aiohttp.ClientSession | None = None
         self.sent: list[tuple[str, str, Any]] | None = [] if record else None
+        self._runs: dict[str, str] = {}  # rid of an n>1 run's member -> the run's request rid
 
     def __repr__(self) -> str:
         return f"VLLMClient({self.url!r})"
@@ -196,26 +219,25 @@ class VLLMClient(KeyedHttp):
                     f"{self.url} paused for over {self.retry_503_s:g}s (503: {first.message})"
                 )
 
-    async def generate(
-        self, input_ids: list[int], sampling_params: dict[str, Any], rid: str | None = None
-    ) -> GenerateResult:
-        """One completion of ``input_ids``; a 503 (paused) waits for the resume and resends."""
-        body = self._body(input_ids, sampling_params, rid, stream=False)
+    async def _post_generate(self, body: dict[str, Any]) -> Any:
+        """POST a non-streamed generate; a 503 (paused) waits for the resume and resends."""
         while True:
             try:
-                out = await self._call("POST", GENERATE, body)
-                break
+                return await self._call("POST", GENERATE, body)
             except EngineError as exc:
                 if exc.status != 503:
                     raise
                 await self._until_resumed(exc)
-        choice = _choice(out)
-        ids = [int(t) for t in choice.get("token_ids") or []]
-        lps = _logprobs(choice)
-        if len(lps) != len(ids):
-            raise EngineError(GENERATE, 200, f"{len(ids)} tokens but {len(lps)} log-probs")
-        finish = str(choice.get("finish_reason") or "stop")
-        return _result(ids, lps, finish, choice.get("weight_versions"))
+
+    async def generate(
+        self, input_ids: list[int], sampling_params: dict[str, Any], rid: str | None = None
+    ) -> GenerateResult:
+        """One completion of ``input_ids``; a 503 (paused) waits for the resume and resends.
+        ``sampling_params["n"] > 1`` is refused (one result only: :meth:`generate_batch`)."""
+        if int(sampling_params.get("n", 1)) != 1:
+            raise ValueError("generate returns one completion: use generate_batch for n > 1")
+        out = await self._post_generate(self._body(input_ids, sampling_params, rid, False))
+        return _parse_choice(_choice(out))
 
     async def generate_batch(
         self,
@@ -223,14 +245,54 @@ class VLLMClient(KeyedHttp):
         sampling_params: list[dict[str, Any]],
         rids: list[str] | None = None,
     ) -> list[GenerateResult]:
-        """Several completions (vLLM's generate route takes one prompt: one request each,
-        sent together), answered in order once all finished."""
-        names: list[str | None] = list(rids) if rids is not None else [None] * len(input_ids)
-        calls = (
-            self.generate(i, s, r)
-            for i, s, r in zip(input_ids, sampling_params, names, strict=True)
-        )
-        return list(await asyncio.gather(*calls))
+        """Several completions, answered in order once all finished. Runs of equal prompts
+        with equal sampling parameters (a GRPO group's samples) go as one request with ``n``
+        = the run's length (module docstring), named by the run's first rid; the others as
+        requests of their own, all at once. :meth:`abort_request` of any rid of a run
+        aborts the whole run (vLLM aborts a parallel-sampling parent with its children and
+        cannot abort one child by its external id, output_processor.py:610-629)."""
+        names = list(rids) if rids is not None else [uuid.uuid4().hex for _ in input_ids]
+        if not len(input_ids) == len(sampling_params) == len(names):
+            raise ValueError("generate_batch: input_ids, sampling_params and rids differ in length")
+        runs: list[list[int]] = []
+        for i, (ids, sp) in enumerate(zip(input_ids, sampling_params, strict=True)):
+            first = runs[-1][0] if runs else -1
+            same = first >= 0 and ids == input_ids[first] and sp == sampling_params[first]
+            if same and "n" not in sp:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        answers = await asyncio.gather(
+            *(self._generate_n(input_ids[r[0]], sampling_params[r[0]], [names[i] for i in r])
+              for r in runs)
+        )  # fmt: skip
+        return [res for answer in answers for res in answer]
+
+    async def _generate_n(
+        self, input_ids: list[int], sp: dict[str, Any], rids: list[str]
+    ) -> list[GenerateResult]:
+        """``len(rids)`` completions of one prompt in one request (``n``), by choice index."""
+        if len(rids) == 1:
+            return [await self.generate(input_ids, sp, rids[0])]
+        body = self._body(input_ids, {**sp, "n": len(rids)}, rids[0], stream=False)
+        for r in rids[1:]:
+            self._runs[r] = rids[0]
+        try:
+            out = await self._post_generate(body)
+        finally:
+            for r in rids[1:]:
+                self._runs.pop(r, None)
+        choices = out.get("choices") if isinstance(out, dict) else None
+        if not isinstance(choices, list) or len(choices) != len(rids):
+            got = len(choices) if isinstance(choices, list) else type(out).__name__
+            raise EngineError(GENERATE, 200, f"n={len(rids)}: got {got} choices")
+        try:
+            ordered = sorted(choices, key=lambda c: int(c["index"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise EngineError(GENERATE, 200, f"choices without an index: {out!r:.200}") from exc
+        if [int(c["index"]) for c in ordered] != list(range(len(rids))):
+            raise EngineError(GENERATE, 200, f"choice indexes {[c['index'] for c in ordered]}")
+        return [_parse_choice(c) for c in ordered]
 
     async def generate_stream(
         self, input_ids: list[int], sampling_params: dict[str, Any], rid: str | None = None
@@ -308,8 +370,11 @@ class VLLMClient(KeyedHttp):
         return bool(isinstance(out, dict) and out.get("is_paused"))
 
     async def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
-        """Abort request ``rid`` (or all): its generate answers with what it has, ``abort``."""
-        body: dict[str, Any] = {} if abort_all else {"request_ids": [str(rid)]}
+        """Abort request ``rid`` (or all): its generate answers with what it has, ``abort``.
+        Sent as the engine's id ``generate-tokens-{rid}``; a member of an ``n > 1`` run
+        aborts the whole run (:meth:`generate_batch`)."""
+        request = ENGINE_ID.format(self._runs.get(str(rid), str(rid)))
+        body: dict[str, Any] = {} if abort_all else {"request_ids": [request]}
         await self._call("POST", "/abort_requests", body)
 
     async def get_weight_version(self) -> str:

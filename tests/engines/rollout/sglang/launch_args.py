@@ -14,7 +14,7 @@ from stdin, writes one JSON report per case to stdout:
   the version has them); for ``-m``, whether the module exists in V;
 - ``cmdline``: :func:`launch_command` itself (the process's command line, key-free) and
   ``keyed``: it starts the server through ``asyncrl.entrypoints.keyed``, whose
-  :func:`keyed_argv` appends ``--api-key <case's api_key>`` in memory (``args``);
+  :func:`keyed_argv` appends ``--api-key=<case's api_key>`` in memory (``args``);
 - ``parsed``: V's ``ServerArgs.add_cli_args`` parser (as ``prepare_server_args``
   builds it, srt/server_args.py) applied to those flags: every destination's
   value, or the parser's error.

@@ -25,6 +25,16 @@
   (an unknown name: 400 "does not exist", lora_registry.py:105-111; from here new requests
   naming it are refused), wait until no request uses it (``wait_for_unload``), then drop it
   (tcm:619-637, 787-813).
+- 0.5.22+ (0.5.23 ``tokenizer_control_mixin.py``, ``tcm23``): an unload whose backend step
+  failed stays *pending* (the name unregistered, its lora_id kept; 400 with the ranks'
+  error); the next unload of that name skips the unregister and retries the backend step
+  (tcm23:636-657). A load whose ranks failed while some rank loaded it leaves the name
+  pending too (not registered, tcm23:697-706, ``_lora_load_needs_cleanup`` :171-177); a
+  load of a pending name is refused: "LoRA adapter 'NAME' has an incomplete unload. Retry
+  the unload before loading it again." (tcm23:681-686). 0.5.10 has none of this.
+  Test-only faults (SGLang has no such switch): ``--lora-fail-load NAME`` (its first load
+  fails on the last rank after the others loaded it), ``--lora-fail-unload NAME`` (its
+  first unload's backend step fails).
 - ``/generate`` ``lora_path`` (one name, or one per item; io_struct.py:181, 413-421): LoRA
   off: 400 (tm:2239-2250); a name not registered that was loaded before is *reloaded from
   its folder* (tm:2270-2299; a failed reload: 400 "Failed to implicitly load LoRA adapter
@@ -68,6 +78,8 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-target-modules", nargs="*", default=None)
     p.add_argument("--max-loras-per-batch", type=int, default=8)
     p.add_argument("--max-loaded-loras", type=int, default=None)
+    p.add_argument("--lora-fail-load", action="append", default=[], help="test-only fault")
+    p.add_argument("--lora-fail-unload", action="append", default=[], help="test-only fault")
 
 
 def load_registry() -> tuple[Any, Any, str]:
@@ -169,6 +181,9 @@ class LoraServing:
         self.events: list[dict[str, Any]] = []  # loads and unloads, in order
         self.sha: dict[str, str] = {}  # name -> sha256 of what was loaded under it
         self.most_held = 0
+        version = tuple(int(x) for x in args.sglang_version.split("."))
+        self.pending: dict[str, str] | None = {} if version >= (0, 5, 22) else None
+        self.fail_load, self.fail_unload = set(args.lora_fail_load), set(args.lora_fail_unload)
         add_row_hooks(model, self.targets, self._row_adapters)
 
     def _row_adapters(self) -> list[Adapter | None]:
@@ -185,7 +200,14 @@ class LoraServing:
             return self.output(False, OFF)
         assert self.lock is not None
         async with self.lock:
-            err = self._load_locked(name, path)
+            if self.pending is not None and name in self.pending:  # tcm23:681-686
+                return self.output(
+                    False,
+                    f"LoRA adapter '{name}' has an incomplete unload. "
+                    "Retry the unload before loading it again.",
+                )
+            err = self._partial_load(name, path) if name in self.fail_load else ""
+            err = err or self._load_locked(name, path)
             if err:
                 return self.output(False, err)
             cap = self.max_loaded
@@ -219,6 +241,17 @@ class LoraServing:
         self.most_held = max(self.most_held, len(self.adapters))
         return ""
 
+    def _partial_load(self, name: str, path: str) -> str:
+        """The injected fault: the ranks but the last loaded ``name``; not registered, and on
+        0.5.22+ pending (tcm23:697-706)."""
+        self.fail_load.discard(name)
+        ref = self.Ref(lora_name=name, lora_path=path, pinned=False)
+        self.adapters[ref.lora_id], self.names[ref.lora_id] = Adapter(path), name
+        if self.pending is not None:
+            self.pending[name] = ref.lora_id
+        self.events.append({"partial_load": name})
+        return f"rank {len(self.names)}: injected load failure of {name}"
+
     async def unload(self, name: str) -> tuple[dict[str, Any], int]:
         if not self.enabled:
             return self.output(False, OFF)
@@ -231,10 +264,20 @@ class LoraServing:
         return self.output(True)
 
     async def _unload_locked(self, name: str, note: str = "") -> None:
-        lid = await self.registry.unregister(name)
-        self.events.append({"unregister": name, "note": note})
+        lid = None if self.pending is None else self.pending.get(name)  # tcm23:642-646
+        if lid is None:
+            lid = await self.registry.unregister(name)
+            self.events.append({"unregister": name, "note": note})
+            if self.pending is not None:
+                self.pending[name] = lid
         await self.registry.wait_for_unload(lid)
+        if name in self.fail_unload:  # the injected fault: the ranks' step fails
+            self.fail_unload.discard(name)
+            self.events.append({"failed_unload": name})
+            raise ValueError(f"injected unload failure of {name}")
         del self.adapters[lid], self.names[lid]
+        if self.pending is not None:
+            self.pending.pop(name, None)  # tcm23:655-656
         self.events.append({"unload": name})
 
     async def resolve(self, paths: list[str | None]) -> list[str | None]:
@@ -283,4 +326,5 @@ class LoraServing:
             "events": self.events,
             "sha256": self.sha,
             "most_held": self.most_held,
+            "pending": sorted(self.pending or {}),
         }

@@ -15,7 +15,9 @@ Run as ``python -m tests.engines.rollout.vllm.rank`` with vLLM's source on ``PYT
   (``packed_buffer_size_bytes``) or at the last one (packed_tensor.py:259-284) — one uint8
   broadcast per chunk from rank 0, rebuilt with vLLM's own ``unpack_tensor``
   (packed_tensor.py:27-55). ``load``: kept by name (the live model, layerwise reload);
-  False: received, then the load fails (the stand-in's injected failure).
+  False: received, then the load fails (the stand-in's injected failure). ``corrupt_rank``
+  equal to this rank's: the first tensor loaded one off in its first element, answered as
+  loaded (a silent fault for ``/weight_checker`` to find; vLLM has no such switch).
 - ``checksums``: sha256 of every loaded tensor's bytes (as ``/weight_checker``,
   model_loader/weight_checksum.py:32-38); ``destroy``.
 """
@@ -81,9 +83,12 @@ class Rank:
                 )  # fmt: skip
                 got += [(n, t.clone()) for n, t in part]
                 start, total, chunks = end, 0, chunks + 1
+        if got and c.get("corrupt_rank", -1) == c["tp_rank"]:  # the stand-in's silent fault
+            got[0][1].view(-1)[0] += 1
         if c.get("load", True):
             self.loaded.update(got)
-        return {"chunks": chunks, "sha256": {n: _sha(t) for n, t in got}}
+        truth = c.get("truth", True)  # False (a benchmark's stand-in): names only, no hashing
+        return {"chunks": chunks, "sha256": {n: _sha(t) if truth else "" for n, t in got}}
 
     def checksums(self, c: dict[str, Any]) -> dict[str, Any]:
         return {"sha256": {n: _sha(t) for n, t in sorted(self.loaded.items())}}

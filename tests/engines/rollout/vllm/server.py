@@ -47,6 +47,7 @@ def start_vllm(
     folder: Path,
     tp_size: int = 1,
     fail_calls: str = "",
+    corrupt_calls: str = "",
     step_s: float = 0.0,
     timeout_s: float = 120.0,
     flags: tuple[str, ...] = (),
@@ -62,7 +63,8 @@ def start_vllm(
     args = ["-m", KEYED, "--api-key", "--", "-m", "tests.engines.rollout.vllm.standin"]
     args += ["--port", str(port)]
     args += ["--model-path", str(model_dir), "--tp-size", str(tp_size), "--calls", str(calls)]
-    args += ["--fail-calls", fail_calls, "--step-s", str(step_s), "--log", str(log), *flags]
+    args += ["--fail-calls", fail_calls, "--corrupt-calls", corrupt_calls]
+    args += ["--step-s", str(step_s), "--log", str(log), *flags]
     proc = spawn_shared(args, log, python_env({**vllm_env(), **(env or {})}))
     server = VLLMStandIn(f"http://127.0.0.1:{port}", proc, calls, log)
     deadline = time.monotonic() + timeout_s

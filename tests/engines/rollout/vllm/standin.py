@@ -19,7 +19,11 @@ gpu_worker.py``, ``core`` = ``vllm/v1/engine/core.py``, ``nccl`` =
   (tito/protocol.py:486-508); a span starts when a new token comes under another label
   (v1/engine/output_processor.py:531-545); the first label is ``"default"`` (core:147).
   ``stream``: SSE ``data:`` chunks of the delta, spans on the last, ``data: [DONE]``
-  (tito/serving.py:646-820). Abort: ``finish_reason`` ``abort``.
+  (tito/serving.py:646-820). Abort: ``finish_reason`` ``abort``. The engine's id of a
+  request is ``generate-tokens-{request_id}`` (tito/serving.py:202-204), the id
+  ``/abort_requests`` matches. ``sampling_params.n > 1`` (not streamed): ``n`` children
+  ``{i}_{request_id}`` decoded in the batch, answered once all finished as choices by
+  ``index`` (v1/engine/parallel_sampling.py:84-126).
 - ``POST /pause?mode=``: ``abort`` finishes every request (``abort``) and rejects new ones;
   ``wait`` lets running ones finish, rejects new ones, answers once drained; ``keep``
   freezes everything, new requests queue (core:951-981, 2226-2233). A rejected request
@@ -39,7 +43,9 @@ gpu_worker.py``, ``core`` = ``vllm/v1/engine/core.py``, ``nccl`` =
 - ``/update_weights {"update_info"}``: names, dtype_names, shapes of equal length
   (nccl:102-114), empty lists reuse the last call's (nccl:201-204; cached even if that
   call then failed), every rank receives; ``--fail-calls`` makes a call's load fail after
-  the receive (the injected failure).
+  the receive (the injected failure); ``--corrupt-calls`` makes a call load one element
+  wrong on the last TP rank and answer 200 (a silent fault, test-only: what ``weights.verify``
+  must find through ``/weight_checker``).
 - ``/update_weight_version`` (rl:217-223), ``GET /weight_info`` (rl:226-229),
   ``/weight_checker`` (rl:232-266: ``checksum``; ``compare`` without ``baseline`` 400),
   ``GET /get_world_size`` (rl:269-289), ``/abort_requests`` (rl:97-142), ``GET /health``.
@@ -102,6 +108,7 @@ class Req:
     adapter: Any = None  # its LoRA adapter (vllm/lora.py): kept even when unloaded by name
     adapter_name: str | None = None
     adapter_truth: list[str | None] = field(default_factory=list)
+    ext: str = ""  # the engine's external id: generate-tokens-{request_id} (tito/serving.py:203)
 
     def spans(self) -> list[dict[str, Any]]:
         """output_processor.py:538-545."""
@@ -133,6 +140,7 @@ class StandIn:
         self.rank0 = Rank()
         self.ranks = [VLLMRank(log) for _ in range(self.tp - 1)]
         self.fail_calls = {int(x) for x in args.fail_calls.split(",") if x}
+        self.corrupt_calls = {int(x) for x in args.corrupt_calls.split(",") if x}
         self.calls_log = open(args.calls, "a") if args.calls else None
         self.label = "default"  # core:147
         self.truth: int | None = 0  # the version the live weights are wholly (None: mixed)
@@ -199,13 +207,15 @@ class StandIn:
             elif len(r.output) >= r.max_new:
                 r.finish = "length"
 
-    def _choice(self, r: Req, new: list[int], lps: list[float], final: bool) -> dict[str, Any]:
+    def _choice(
+        self, r: Req, new: list[int], lps: list[float], final: bool, index: int = 0
+    ) -> dict[str, Any]:
         content = [
             {"token_id": t, "logprob": lp, "top_logprobs": []}
             for t, lp in zip(new, lps, strict=True)
         ]
         return {
-            "index": 0,
+            "index": index,
             "finish_reason": r.finish if final else None,
             "token_ids": new,
             "logprobs": {"content": content},
@@ -223,24 +233,37 @@ class StandIn:
         adapter, missing = self.lora.resolve(body.get("model"))  # es:199-213
         if missing is not None:
             return self.answer(request, body, _error(missing, 404), 404)
-        r = Req(
-            str(body.get("request_id") or f"auto-{time.monotonic_ns()}"),
+        base = str(body.get("request_id") or f"auto-{time.monotonic_ns()}")
+        n = int(sp.get("n") or 1)
+        if n > 1 and body.get("stream"):
+            return self.answer(
+                request, body, _error("stand-in: n > 1 streams not played", 400), 400
+            )
+        reqs = [self._request(f"{i}_{base}" if n > 1 else base, body, sp) for i in range(n)]
+        for r in reqs:  # parallel_sampling.py:84-96: children {i}_{id}, one external id
+            r.adapter, r.adapter_name = adapter, (body.get("model") if adapter else None)
+            r.ext = f"generate-tokens-{base}"  # tito/serving.py:202-204
+            self.reqs[r.rid] = r
+        self.wake.set()
+        if body.get("stream"):
+            return await self._stream(request, body, reqs[0])
+        for r in reqs:  # FINAL_ONLY: answered once every child finished (:120-126)
+            while r.finish is None:
+                r.changed.clear()
+                await r.changed.wait()
+        choices = [self._choice(r, r.output, r.logprobs, True, i) for i, r in enumerate(reqs)]
+        out = {"request_id": reqs[0].ext, "choices": choices}
+        return self.answer(request, {"rid": base, "n": n, "model": body.get("model")}, out)
+
+    def _request(self, rid: str, body: Any, sp: dict[str, Any]) -> Req:
+        return Req(
+            rid,
             list(body["token_ids"]),
             int(sp.get("max_tokens") or 16),
             float(sp.get("temperature", 1.0)),
             set(sp.get("stop_token_ids") or []),
             bool(sp.get("ignore_eos")),
         )
-        r.adapter, r.adapter_name = adapter, (body.get("model") if adapter else None)
-        self.reqs[r.rid] = r
-        self.wake.set()
-        if body.get("stream"):
-            return await self._stream(request, body, r)
-        while r.finish is None:
-            r.changed.clear()
-            await r.changed.wait()
-        out = {"request_id": r.rid, "choices": [self._choice(r, r.output, r.logprobs, True)]}
-        return self.answer(request, {"rid": r.rid, "model": body.get("model")}, out)
 
     async def lora_route(self, request: web.Request) -> web.Response:
         body = await self.body(request) or {}
@@ -262,7 +285,7 @@ class StandIn:
             if len(r.output) > sent or final:
                 choice = self._choice(r, r.output[sent:], r.logprobs[sent:], final)
                 sent = len(r.output)
-                chunk = {"request_id": r.rid, "choices": [choice]}
+                chunk = {"request_id": r.ext, "choices": [choice]}
                 await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
             if final:
                 break
@@ -280,10 +303,12 @@ class StandIn:
         self.log_call(request, {"stream": True}, 200, note="error 503 chunk")
         return resp
 
-    def _abort(self, rids: list[str] | None) -> int:
+    def _abort(self, ids: list[str] | None) -> int:
+        """``ids``: external ids (rl:118-120); a parent's aborts its children
+        (output_processor.py:599-629); None: all."""
         n = 0
         for r in self.reqs.values():
-            if r.finish is None and (rids is None or r.rid in rids):
+            if r.finish is None and (ids is None or r.ext in ids):
                 r.finish, n = "abort", n + 1
                 r.changed.set()
         return n
@@ -389,7 +414,15 @@ class StandIn:
         async with self.lock:
             self.update_calls += 1
             failing = self.update_calls in self.fail_calls
-            got = await self._ranks("recv", cap=self.cap, load=not failing, **meta)
+            bad = self.tp - 1 if self.update_calls in self.corrupt_calls else -1
+            got = await self._ranks(
+                "recv",
+                cap=self.cap,
+                load=not failing,
+                corrupt_rank=bad,
+                truth=self.args.truth,
+                **meta,
+            )
             if failing or not all(g["ok"] for g in got):
                 self.session = False  # the session ends, the model mid-reload (gw:1616-1631)
                 self.truth = None
@@ -412,8 +445,9 @@ class StandIn:
         version = body.get("weight_version") if isinstance(body, dict) else None
         if version is not None:  # async_llm.py:1432-1436
             self.label = str(version)
-        sums = await self._ranks("checksums")
-        self.pushes[self.label] = {f"rank{i}": _digest(s["sha256"]) for i, s in enumerate(sums)}
+        if self.args.truth:  # --no-truth (a benchmark): no ground-truth hashing per push
+            sums = await self._ranks("checksums")
+            self.pushes[self.label] = {f"rank{i}": _digest(s["sha256"]) for i, s in enumerate(sums)}
         self._finalize()
         return self.answer(request, body, {"message": "Weight update finished"})
 
@@ -472,6 +506,7 @@ class StandIn:
             "label_errors": self.label_errors,
             "sha256": {f"rank{i}": s["sha256"] for i, s in enumerate(sums)},
             "reqs": {rid: {"truth": r.truth, "labels": r.labels, "finish": r.finish,
+                           "output": r.output, "ext": r.ext,
                            "spans": r.spans(), "adapters": r.adapter_truth}
                      for rid, r in self.reqs.items()},
             "lora": self.lora.state(),
@@ -579,6 +614,17 @@ def main() -> None:
     p.add_argument("--calls", default="", help="append every request here (JSON lines)")
     p.add_argument("--log", default="", help="the ranks' stderr")
     p.add_argument("--fail-calls", default="", help="update calls (1-based) whose load fails")
+    p.add_argument(
+        "--corrupt-calls",
+        default="",
+        help="update calls (1-based) that load one element wrong on the last TP rank, silently",
+    )
+    p.add_argument(
+        "--no-truth",
+        dest="truth",
+        action="store_false",
+        help="keep no ground truth per push (no hashing beyond /weight_checker): benchmarks",
+    )
     p.add_argument("--step-s", type=float, default=0.0, help="sleep after each decode step")
     add_flags(p)
     args = p.parse_args()
