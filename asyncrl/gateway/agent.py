@@ -71,7 +71,9 @@ def agent_gateway(cfg: RunConfig, model_path: str) -> Gateway:
         raise ValueError("task.name='agent' needs task.agent='package.module:function'")
     fn: AgentFn = load_reward_fn(cfg.task.agent)
     budget = cfg.rollout.max_new_tokens or cfg.task.max_new_tokens
-    return Gateway(cfg.gateway, model_path, agent=fn, default_max_tokens=budget)
+    return Gateway(
+        cfg.gateway, model_path, agent=fn, default_max_tokens=budget, sample_type=AgentSample
+    )
 
 
 async def weather_agent(client: Any, sample: AgentSample) -> float:

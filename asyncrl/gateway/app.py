@@ -23,11 +23,13 @@ import hashlib
 import json
 import logging
 import os
+import secrets
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 from aiohttp import web
 
 from asyncrl.config import DEFAULT_MAX_NEW_TOKENS, GatewayConfig
@@ -61,8 +63,14 @@ class Gateway:
         model_path: str,
         agent: AgentFn | None = None,
         default_max_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+        sample_type: Any = None,
     ):
+        """``sample_type``: the agent's sample type, which a sample restored from a
+        checkpoint as a plain dict is converted to (the controller decodes an agent run's
+        samples untyped: its queue holds client-opened groups too)."""
         self.cfg = config
+        self.sample_type = sample_type
+        self.instance = secrets.token_hex(8)  # this gateway, apart from one before a restart
         self.tok = ChatTokenizer(model_path)
         self.model = config.model_name or Path(model_path).name
         self.sessions = Sessions(self.tok)
@@ -119,7 +127,13 @@ class Gateway:
         return f"{self.url}/sessions/{s.id}/v1"
 
     async def episode(self, ctx: EpisodeContext, sample: Any) -> list[Trajectory] | None:
+        if isinstance(sample, dict):  # restored from a checkpoint
+            kind = SessionSample if "session" in sample else self.sample_type
+            sample = msgspec.convert(sample, kind) if kind is not None else sample
         if isinstance(sample, SessionSample):
+            if sample.gateway != self.instance:  # opened before a restart: its transcript is
+                self.sessions.counters["restart_dropped"] += 1  # not in the checkpoint
+                return None
             s = self.sessions.bind(sample.session, ctx)
             if s is None:
                 return None
@@ -220,7 +234,7 @@ class Gateway:
             raise self._busy()
         s = self.sessions.join(group, k, size, sid, key)
         if new:
-            ctl.submit([SessionSample(group)])
+            ctl.submit([SessionSample(group, gateway=self.instance)])
         return s
 
     # -- handlers ---------------------------------------------------------------------------

@@ -53,6 +53,7 @@ class SessionSample(msgspec.Struct, frozen=True):
 
     session: str
     id: int = 0
+    gateway: str = ""  # the instance of the gateway that opened it (a restart makes another)
 
 
 def member_of(name: str, group_size: int) -> tuple[str, int]:
@@ -186,6 +187,7 @@ class Sessions:
                 "rewarded",
                 "branches_opened",
                 "rejected",
+                "restart_dropped",
             ),
             0,
         )
