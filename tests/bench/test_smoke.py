@@ -72,6 +72,7 @@ TIMEOUT_S = 240
 PARTS = {  # module of asyncrl/bench -> (the bench that runs it, the flag its run needs)
     "fuzz_experience": ("fuzz", ""),  # tests/bench/test_fuzz.py checks its "experience" half
     "fuzz_http": ("fuzz", ""),
+    "fuzz_gateway": ("fuzz", ""),  # tests/bench/test_fuzz.py: --gateway-requests
     "gateway_paths": ("gateway", ""),  # both paths and the hold phase: every gateway run
     "generation_lora": ("generation", "--lora-rank"),  # rows lora, lora-mixed (_generation)
     "weight_sync_delta": ("weight-sync", "--delta"),
