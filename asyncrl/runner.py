@@ -599,10 +599,12 @@ async def run_job(
     try:
         sampling: dict[str, Any] = {}
         if episode is None and cfg.task.name == "agent":  # OpenAI-API agents via the gateway
-            from asyncrl.gateway.agent import AgentSample, agent_gateway, agent_samples
+            from asyncrl.gateway.agent import agent_gateway, agent_samples
 
             gateway = agent_gateway(cfg, model_path)
-            episode, samples, sample_type = gateway.episode, agent_samples(cfg), AgentSample
+            episode, samples = gateway.episode, agent_samples(cfg)
+            sample_type = Any  # a checkpoint's queue holds AgentSamples and client-opened
+            # groups (SessionSample): restored as dicts, typed again by gateway.episode
         if episode is None and cfg.task.name in WORKLOAD_TASKS:  # longtail, agentic
             from asyncrl.tasks.workloads import workload_from_config
 

@@ -14,6 +14,11 @@
   limit that cut connections, then one valid message from each producer that must
   arrive bit-exact; rejects counted vs sent, reconnects vs cuts, the consumer's RSS.
 
+- ``gateway``: :mod:`asyncrl.bench.fuzz_gateway`: ``--gateway-requests`` hostile OpenAI
+  requests at the gateway (a controller over a tiny chat model engine), among them valid
+  requests each sent 3 times to a session of its own: every answer a 4xx in OpenAI's
+  error JSON or a 200, 0 5xx, 0 never answered, each retried session one turn.
+
 The baseline is what must hold: 0 answers of 5xx, 0 never answered, every malformed
 message counted as rejected (a frame over the size limit is no reject: libzmq cuts the
 connection on it), every cut restored or seen (the consumer reconnects exactly once per
@@ -114,6 +119,13 @@ def _table(res: dict[str, Any]) -> str:
         rows.append(("experience -> producer", str(p["sent"]), f"{by} cut:{p['cuts_sent']}", "-",
                      "-", "-", f"{p['rejected']}/{p['expected_rejects']}, "
                      f"cuts seen {p['cuts_seen']}/{p['cuts_sent']}", ok))  # fmt: skip
+    if "gateway" in res:
+        g = res["gateway"]
+        by = " ".join(f"{k}:{v}" for k, v in g["by_status"].items())
+        rows.append(("http -> gateway", str(g["sent"]), by, str(g["5xx"]), str(g["unanswered"]),
+                     "-", f"{g['not_openai_error']} not OpenAI JSON",
+                     f"{g['retried_sessions']} retried sessions, "
+                     f"{g['recorded_twice']} recorded twice"))  # fmt: skip
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)) for r in rows]
     return "\n".join(lines)
@@ -130,6 +142,14 @@ def verdict(res: dict[str, Any]) -> list[str]:
             bad.append(f"http: {h['unanswered']} never answered: {h['unanswered_examples']}")
         if not h["greedy_unchanged"] or not h["alive"]:
             bad.append("http: the engine's greedy output changed or it died")
+    if "gateway" in res:
+        g = res["gateway"]
+        for k in ("5xx", "unanswered", "not_openai_error", "recorded_twice"):
+            if g[k]:
+                bad.append(f"gateway: {g[k]} {k}: {g['examples']}")
+        if g["retried_without_turn"] or not g["alive"]:
+            bad.append(f"gateway: {g['retried_without_turn']} retried sessions without their "
+                       f"turn; engine alive: {g['alive']}")  # fmt: skip
     if "experience" in res:
         c, p, v = (res["experience"][k] for k in ("consumer", "producer", "valid_after"))
         if c["rejected"] != c["expected_rejects"] or c["reconnects"] != c["cuts_sent"]:
@@ -155,13 +175,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--heavy", type=int, default=3, help="messages of each heavy kind")
     p.add_argument("--limit-mb", type=int, default=16, help="experience.max_message_mb")
     p.add_argument("--model-path", default="", help="engine model (default: the tiny one)")
-    p.add_argument("--only", choices=["http", "experience"], default="")
+    p.add_argument("--gateway-requests", type=int, default=1000, help="... to the gateway")
+    p.add_argument("--only", choices=["http", "experience", "gateway"], default="")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--json", default="", help="write the results here")
     a = p.parse_args(argv)
     res: dict[str, Any] = {"argv": sys.argv[1:] if argv is None else list(argv)}
     with tempfile.TemporaryDirectory(prefix="asyncrl-fuzz-") as tmp:
-        if a.only != "experience":
+        if a.only in ("", "http"):
             model = a.model_path
             if not model:
                 from asyncrl.tasks.tiny_model import ensure_tiny_model
@@ -170,7 +191,13 @@ def main(argv: list[str] | None = None) -> None:
             res["http"] = asyncio.run(
                 http_fuzz(a.requests, model, a.concurrency, a.seed, Path(tmp) / "engine.log")
             )
-        if a.only != "http":
+        if a.only in ("", "gateway") and a.gateway_requests:
+            from asyncrl.bench.fuzz_gateway import run as gateway_run
+
+            res["gateway"] = asyncio.run(
+                gateway_run(a.gateway_requests, a.concurrency, a.seed, Path(tmp) / "gw.log")
+            )
+        if a.only in ("", "experience"):
             from asyncrl.bench.fuzz_experience import run
 
             res["experience"] = asyncio.run(

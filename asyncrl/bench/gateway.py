@@ -21,8 +21,11 @@ Each path runs whole (``stream: false``) and streamed (``stream: true``,
 ``include_usage``); latency is from the call to the last byte, time to first token to the
 first content chunk (the engine: its first event with a token). Added latency = gateway -
 engine (p50, p99) at concurrency 1 (``--serial-sessions``), where it is the gateway's own
-cost per request, and at ``--concurrency``. ``--hold N`` then opens N sessions at once
-(one 1-token completion each, all open together) and counts errors.
+cost per request, and at ``--concurrency``. Paired (the number to read on a shared
+machine): ``--serial-sessions`` sessions again, each gateway call followed at once by its
+own engine call replayed, the added latency per call a difference of neighbours.
+``--hold N`` then opens N sessions at once (one 1-token completion each, all open
+together) and counts errors.
 
 ``asyncrl bench gateway [--json PATH] [--model-path DIR] [--sessions 16] [--turns 3] ...``
 """
@@ -40,7 +43,7 @@ from collections.abc import AsyncIterator, Coroutine
 from pathlib import Path
 from typing import Any
 
-from asyncrl.bench.gateway_paths import Call, direct_run, gateway_run, hold_sessions
+from asyncrl.bench.gateway_paths import Call, direct_run, gateway_run, hold_sessions, paired_run
 
 __all__ = ["main"]
 
@@ -190,6 +193,18 @@ async def _bench(srv: Served, engine_url: str, args: argparse.Namespace) -> dict
                 if stream:
                     added["ttft_added_p50_ms"] = gw["ttft_p50_ms"] - direct["ttft_p50_ms"]
                 out.setdefault("added", []).append(added)
+    for stream in (False, True):
+        for sdk in (False, True):
+            diffs = await paired_run(srv, engine_url, args, stream, sdk)
+            out.setdefault("paired", []).append(
+                {
+                    "client": "openai" if sdk else "http",
+                    "mode": "stream" if stream else "whole",
+                    "requests": len(diffs),
+                    "added_p50_ms": 1e3 * _pct(diffs, 0.5),
+                    "added_p99_ms": 1e3 * _pct(diffs, 0.99),
+                }
+            )
     if args.hold:
         out["hold"] = await hold_sessions(srv, args.hold)
     return out
@@ -217,6 +232,12 @@ def _print(res: dict[str, Any]) -> None:
         if "ttft_added_p50_ms" in a:
             line += f", time to first token p50 {a['ttft_added_p50_ms']:+.2f} ms"
         print(line)
+    for a in res["paired"]:
+        print(
+            f"added by the gateway, paired ({a['client']} client, {a['mode']}, each call then "
+            f"its engine replay, {a['requests']} calls): p50 {a['added_p50_ms']:.2f} ms, "
+            f"p99 {a['added_p99_ms']:.2f} ms"
+        )
     if "hold" in res:
         h = res["hold"]
         print(

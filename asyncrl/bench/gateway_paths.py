@@ -11,7 +11,7 @@ import time
 import uuid
 from typing import Any
 
-__all__ = ["Call", "direct_run", "gateway_run", "hold_sessions"]
+__all__ = ["Call", "direct_run", "gateway_run", "hold_sessions", "paired_run"]
 
 Call = tuple[list[int], dict[str, Any]]  # (input ids, sampling params) of one /generate
 Row = tuple[float, "float | None", int]  # latency s, time to first token s, tokens
@@ -154,6 +154,51 @@ async def direct_run(
     finally:
         await client.close()
     return rows, wall
+
+
+async def paired_run(
+    srv: Any, engine_url: str, args: argparse.Namespace, stream: bool, sdk: bool
+) -> list[float]:
+    """Serial sessions where each gateway call is followed at once by its own engine call
+    (recorded at the engine seam) replayed to the engine: the added latency of every call
+    as a difference of two neighbouring measurements, so a load that drifts over the run
+    (a shared machine) moves both alike. Returns the differences (s)."""
+    import aiohttp
+
+    from asyncrl.engines.rollout.sglang import SGLangClient
+
+    base = _client(4)
+    engine = SGLangClient(engine_url, timeout_s=600)
+    added: list[float] = []
+    try:
+        async with aiohttp.ClientSession() as http:
+            for k in range(args.serial_sessions):
+                sid = uuid.uuid4().hex[:16]
+                client = base.with_options(base_url=f"{srv.url}/sessions/{sid}/v1")
+                msgs: list[dict[str, Any]] = [{"role": "user", "content": f"Weather in {k}?"}]
+                for t in range(args.turns):
+                    srv.take_calls()
+                    if sdk:
+                        row, text = await _turn(client, msgs, stream, args.max_tokens)
+                    else:
+                        turl = f"{srv.url}/sessions/{sid}/v1"
+                        row, text = await _raw_turn(http, turl, msgs, stream, args.max_tokens)
+                    ((ids, sp),) = srv.take_calls()
+                    t0 = time.perf_counter()
+                    if stream:
+                        async for _ in engine.generate_stream(ids, sp):
+                            pass
+                    else:
+                        await engine.generate(ids, sp)
+                    added.append(row[0] - (time.perf_counter() - t0))
+                    msgs += [{"role": "assistant", "content": text}]
+                    msgs += [{"role": "user", "content": f"And tomorrow, day {t + 1}?"}]
+                async with http.post(f"{srv.url}/sessions/{sid}/reward", json={"reward": 1}):
+                    pass
+    finally:
+        await base.close()
+        await engine.close()
+    return added
 
 
 async def hold_sessions(srv: Any, n: int) -> dict[str, Any]:

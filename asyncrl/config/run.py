@@ -119,6 +119,12 @@ class TaskConfig(_Section, frozen=True):
     """``agent``: ``package.module:function``, ``async def fn(client, sample) -> float | None``
     with ``client`` an ``openai.AsyncOpenAI`` on the episode's gateway session; the float is
     the reward, None rejects the sample."""
+    agent_command: list[str] = []
+    """``agent`` without ``agent``: an external command (argv) run once per episode with
+    ``OPENAI_BASE_URL`` (the episode's session), ``OPENAI_API_KEY`` (its key),
+    ``ASYNCRL_SAMPLE`` (the sample as JSON) and ``ASYNCRL_REWARD_URL`` set; it posts
+    ``{"reward": x}`` there before it exits (no reward, a non-zero exit or
+    ``gateway.session_timeout_s`` passing: the sample is rejected)."""
     reward_fn: str = ""
     """Custom reward replacing the task's own: ``package.module:function`` (importable, or a
     module in the working directory) or ``path/to/file.py:function``. The one reward

@@ -66,12 +66,47 @@ def agent_samples(cfg: RunConfig) -> Iterator[AgentSample]:
 
 
 def agent_gateway(cfg: RunConfig, model_path: str) -> Gateway:
-    """The run's gateway with the agent function ``task.agent`` (a ValueError names it)."""
-    if not cfg.task.agent:
-        raise ValueError("task.name='agent' needs task.agent='package.module:function'")
-    fn: AgentFn = load_reward_fn(cfg.task.agent)
-    budget = cfg.rollout.max_new_tokens or cfg.task.max_new_tokens
-    return Gateway(cfg.gateway, model_path, agent=fn, default_max_tokens=budget)
+    """The run's gateway with the agent function ``task.agent`` or the external command
+    ``task.agent_command`` (a ValueError names what is missing)."""
+    tc = cfg.task
+    if bool(tc.agent) == bool(tc.agent_command):
+        raise ValueError(
+            "task.name='agent' needs task.agent='package.module:function' or "
+            "task.agent_command=[argv...] (one of the two)"
+        )
+    budget = cfg.rollout.max_new_tokens or tc.max_new_tokens
+    gw = Gateway(cfg.gateway, model_path, default_max_tokens=budget, sample_type=AgentSample)
+    gw.agent = load_reward_fn(tc.agent) if tc.agent else command_agent(gw, tc.agent_command)
+    return gw
+
+
+def command_agent(gw: Gateway, argv: list[str]) -> AgentFn:
+    """An agent function that runs ``argv`` per episode (see ``TaskConfig.agent_command``):
+    the reward is what the command posted to its session; the process is killed (by its
+    pid) when the episode is cancelled or ``session_timeout_s`` passes."""
+    import asyncio
+    import os
+
+    async def run(client: Any, sample: Any) -> float | None:
+        base = str(client.base_url).rstrip("/")
+        s = gw.sessions.by_id[base.split("/")[-2]]
+        env = {**os.environ, "OPENAI_BASE_URL": base, "OPENAI_API_KEY": s.key}
+        env["ASYNCRL_SAMPLE"] = msgspec.json.encode(sample).decode()
+        env["ASYNCRL_REWARD_URL"] = base[: -len("/v1")] + "/reward"
+        proc = await asyncio.create_subprocess_exec(*argv, env=env)
+        try:
+            code = await asyncio.wait_for(proc.wait(), gw.cfg.session_timeout_s)
+        except asyncio.TimeoutError:
+            code = None
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+        if code != 0 or not s.ended.done():
+            return None
+        return s.ended.result()
+
+    return run
 
 
 async def weather_agent(client: Any, sample: AgentSample) -> float:

@@ -11,9 +11,9 @@ own, any key, which opens a session of that key). Errors are OpenAI's JSON
 engines failed the request after every retry.
 
 :meth:`Gateway.episode` is the controller's episode function: a
-:class:`~asyncrl.gateway.sessions.SessionSample` binds the session a client opened and
-waits for its end; any other sample runs the configured agent function against a new
-session (``task.name = "agent"``).
+:class:`~asyncrl.gateway.sessions.SessionSample` (a group a client opened) binds the
+group's next member session and waits for its end; any other sample runs the configured
+agent function against a new session (``task.name = "agent"``).
 """
 
 from __future__ import annotations
@@ -23,18 +23,20 @@ import hashlib
 import json
 import logging
 import os
+import secrets
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 from aiohttp import web
 
 from asyncrl.config import DEFAULT_MAX_NEW_TOKENS, GatewayConfig
 from asyncrl.controllers.episode import EpisodeContext, EpisodeFailed
 from asyncrl.gateway.chat import Turn
 from asyncrl.gateway.protocol import ApiError, chat_request, completion_request
-from asyncrl.gateway.sessions import Session, Sessions, SessionSample, fingerprint
+from asyncrl.gateway.sessions import Session, Sessions, SessionSample, fingerprint, member_of
 from asyncrl.gateway.stream import chat_body, completion_body, stream_turn
 from asyncrl.tasks.text import ChatTokenizer
 from asyncrl.transports.experience.types import Trajectory
@@ -61,8 +63,14 @@ class Gateway:
         model_path: str,
         agent: AgentFn | None = None,
         default_max_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+        sample_type: Any = None,
     ):
+        """``sample_type``: the agent's sample type, which a sample restored from a
+        checkpoint as a plain dict is converted to (the controller decodes an agent run's
+        samples untyped: its queue holds client-opened groups too)."""
         self.cfg = config
+        self.sample_type = sample_type
+        self.instance = secrets.token_hex(8)  # this gateway, apart from one before a restart
         self.tok = ChatTokenizer(model_path)
         self.model = config.model_name or Path(model_path).name
         self.sessions = Sessions(self.tok)
@@ -119,11 +127,16 @@ class Gateway:
         return f"{self.url}/sessions/{s.id}/v1"
 
     async def episode(self, ctx: EpisodeContext, sample: Any) -> list[Trajectory] | None:
+        if isinstance(sample, dict):  # restored from a checkpoint
+            kind = SessionSample if "session" in sample else self.sample_type
+            sample = msgspec.convert(sample, kind) if kind is not None else sample
         if isinstance(sample, SessionSample):
-            s = self.sessions.by_id.get(sample.session)
-            if s is None or s.closed:
+            if sample.gateway != self.instance:  # opened before a restart: its transcript is
+                self.sessions.counters["restart_dropped"] += 1  # not in the checkpoint
                 return None
-            s.admit(ctx)
+            s = self.sessions.bind(sample.session, ctx)
+            if s is None:
+                return None
             reward = await self._until_end(s)
         else:
             if self.agent is None:
@@ -182,8 +195,11 @@ class Gateway:
                 if token is None or self.api_key is not None:
                     msg = "name a session: /sessions/{id}/v1/..., or a session's key as Bearer"
                     raise ApiError(400 if token == self.api_key else 401, msg)
-                sid = "key-" + hashlib.sha256(token.encode()).hexdigest()[:16]
+                stem, dot, k = token.rpartition(".")
+                stem, k = (stem, "." + k) if dot and k.isdigit() else (token, "")
+                sid = "key-" + hashlib.sha256(stem.encode()).hexdigest()[:16] + k
                 s = self.sessions.by_id.get(sid) or self._external(sid, token)
+                self.sessions.alias(s, token)  # a member its episode opened: now by key too
         if s.closed:
             raise ApiError(409, f"session {s.id} has ended", kind="session_ended")
         s.last_seen = time.monotonic()
@@ -208,12 +224,17 @@ class Gateway:
         ctl = self.controller
         if ctl is None:
             raise ApiError(404, f"no session {sid!r} (this gateway opens none for clients)")
-        if len(sid) > 128 or not sid.replace("-", "").replace("_", "").isalnum():
-            raise ApiError(400, "a session id is 1-128 letters, digits, '-' or '_'")
-        if self.cfg.admission == "reject" and not ctl.staleness.can_admit():
+        size = ctl.config.algo.group_size
+        try:
+            group, k = member_of(sid, size)
+        except ValueError as exc:
+            raise ApiError(400, str(exc)) from None
+        new = group not in self.sessions.groups
+        if new and self.cfg.admission == "reject" and not ctl.staleness.can_admit():
             raise self._busy()
-        s = self.sessions.create(sid, key)
-        ctl.submit([SessionSample(sid)])
+        s = self.sessions.join(group, k, size, sid, key)
+        if new:
+            ctl.submit([SessionSample(group, gateway=self.instance)])
         return s
 
     # -- handlers ---------------------------------------------------------------------------

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from asyncrl.controllers.episode import EpisodeContext
     from asyncrl.tasks.text import ChatTokenizer
 
-__all__ = ["Choice", "Turn"]
+__all__ = ["Choice", "Detokenizer", "Turn"]
 
 
 @dataclass
@@ -62,6 +62,29 @@ def _args(text: str) -> Any:
         return json.loads(text)
     except ValueError:
         return text
+
+
+class Detokenizer:
+    """The text of a growing list of token ids, decoded incrementally (vLLM's prefix/read
+    offsets): each :meth:`update` decodes only the tokens since the last point where the
+    text was whole, so a completion of n tokens costs O(n) decoding, not O(n^2). The text
+    holds no incomplete character (those tokens wait for the next update); with a
+    byte-level tokenizer it is always a prefix of ``decode(ids)``."""
+
+    def __init__(self, tok: ChatTokenizer):
+        self.tok = tok
+        self.text = ""
+        self.prefix = 0  # ids[prefix:read] decode to the text's last whole piece
+        self.read = 0  # ids[:read] are in the text
+
+    def update(self, ids: list[int]) -> str:
+        if len(ids) > self.read:
+            before = self.tok.decode(ids[self.prefix : self.read]) if self.read else ""
+            now = self.tok.decode(ids[self.prefix :])
+            if len(now) > len(before) and not now.endswith("\ufffd"):
+                self.text += now[len(before) :]
+                self.prefix, self.read = self.read, len(ids)
+        return self.text
 
 
 class Turn:
@@ -116,19 +139,27 @@ class Turn:
         self.wake = asyncio.Event()
 
     async def _choice(self, c: Choice) -> None:
+        """Generate choice ``c``: streamed from the engine when the client streams or a stop
+        string may cut it early, else one whole engine call (no per-token work here)."""
         p = self.params
         sp = p.sampling(self.budget)
-        gen = None
-        async for gen in self.ctx.generate_stream(self.prompt_ids, **sp):
+        if p.stream or p.stop:
+            gen = None
+            text = Detokenizer(self.tok)
+            async for gen in self.ctx.generate_stream(self.prompt_ids, **sp):
+                c.ids, c.logprobs, c.versions = gen.output_ids, gen.logprobs, gen.versions
+                c.text = text.update(c.ids)
+                if p.stop and self._stopped(c):
+                    break
+                self._notify()
+            assert gen is not None
+        else:
+            gen = await self.ctx.generate(self.prompt_ids, **sp)
             c.ids, c.logprobs, c.versions = gen.output_ids, gen.logprobs, gen.versions
-            c.text = self.tok.decode(c.ids)
-            if p.stop and self._stopped(c):
-                break
-            self._notify()
-        assert gen is not None
         c.ids, c.logprobs, c.versions = list(c.ids), list(c.logprobs), list(c.versions)
         if c.finish is None:
             c.finish = "length" if gen.finish_reason == "length" else "stop"
+            c.text = self.tok.decode(c.ids)  # the exact text (a stop string cut it already)
         c.content = c.text
         if p.parse_tools and c.finish == "stop":
             c.content, c.tool_calls = toolcalls.parse(c.text)

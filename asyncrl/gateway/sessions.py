@@ -5,9 +5,14 @@ Contract:
 - A session opened by an episode (:meth:`Sessions.open`, what ``task.name = "agent"``
   does) is admitted already. A session first named by a client
   (``/sessions/{id}/v1/...`` with an unknown id, or an unknown Bearer key when the
-  gateway has no API key) is submitted to the controller as a :class:`SessionSample`;
-  its requests wait for the episode that claims it (admission under the staleness
-  bound), or get 429 per ``gateway.admission``.
+  gateway has no API key) is one member of a client-opened group: id (or key)
+  ``GROUP.K`` is member ``K`` of ``GROUP``, ``K`` in ``0..group_size-1`` (a plain
+  ``GROUP`` is member 0, and only when ``group_size`` is 1). The group's first member
+  submits a :class:`SessionSample` to the controller; each of the group's
+  ``group_size`` episodes binds one member (:meth:`Sessions.bind`; a member no client
+  named yet is opened for it and waits for its client, up to ``session_timeout_s``).
+  Requests wait for their episode (admission under the staleness bound), or get 429
+  per ``gateway.admission``.
 - A session ends with ``POST /sessions/{id}/reward`` (or its episode's own end): each
   branch with a turn becomes a :class:`Trajectory` with that reward
   (``metadata = {"session", "branch"}``). Idle for ``session_timeout_s``, or cut by a
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import re
 import secrets
 import time
 from typing import TYPE_CHECKING, Any
@@ -35,14 +41,50 @@ if TYPE_CHECKING:
     from asyncrl.controllers.episode import EpisodeContext
     from asyncrl.tasks.text import ChatTokenizer
 
-__all__ = ["Session", "SessionSample", "Sessions"]
+__all__ = ["Session", "SessionGroup", "SessionSample", "Sessions", "member_of"]
+
+_MEMBER = re.compile(r"([A-Za-z0-9_-]{1,128})(?:\.([0-9]{1,4}))?")
 
 
 class SessionSample(msgspec.Struct, frozen=True):
-    """The sample of a session a client opened: the controller admits it as any sample."""
+    """The sample of a group of sessions a client opened (``session``: the group's name):
+    the controller admits it as any sample, and each of its ``group_size`` episodes binds
+    one member session."""
 
     session: str
     id: int = 0
+    gateway: str = ""  # the instance of the gateway that opened it (a restart makes another)
+
+
+def member_of(name: str, group_size: int) -> tuple[str, int]:
+    """``(group, k)`` of a client-named session ``GROUP`` or ``GROUP.K`` (an ApiError-ready
+    ValueError, naming the form, for anything else or a ``K`` outside ``0..group_size-1``).
+    A plain ``GROUP`` is member 0 of a group of one: with ``group_size > 1`` it is refused
+    (each episode of the group is its own session, so the client names which)."""
+    m = _MEMBER.fullmatch(name)
+    if m is None:
+        raise ValueError("a session id is GROUP or GROUP.K: 1-128 letters, digits, '-', '_'")
+    group, k = m.group(1), m.group(2)
+    if k is None:
+        if group_size > 1:
+            raise ValueError(
+                f"algo.group_size is {group_size}: each episode of a group is its own session;"
+                f" name it GROUP.K with K in 0..{group_size - 1} (e.g. {group}.0)"
+            )
+        return group, 0
+    if int(k) >= group_size:
+        raise ValueError(f"session {name!r}: K must be in 0..{group_size - 1} (algo.group_size)")
+    return group, int(k)
+
+
+class SessionGroup:
+    """The ``size`` member sessions of one client-opened group, by index; an episode of the
+    group binds the next unbound member (opening it if no client named it yet)."""
+
+    def __init__(self, name: str, size: int):
+        self.name = name
+        self.members: list[Session | None] = [None] * size
+        self.bound = 0
 
 
 class Session:
@@ -57,6 +99,7 @@ class Session:
         self.last_seen = time.monotonic()
         self.dropped = False
         self.inflight = 0
+        self.aliases: list[str] = []  # other keys naming it (see Sessions.alias)
 
     def admit(self, ctx: EpisodeContext) -> None:
         self.ctx = ctx
@@ -132,6 +175,7 @@ class Sessions:
         self.tok = tok
         self.by_id: dict[str, Session] = {}
         self.by_key: dict[str, Session] = {}
+        self.groups: dict[str, SessionGroup] = {}  # client-opened groups not fully bound
         self.counters = dict.fromkeys(
             (
                 "sessions",
@@ -143,6 +187,7 @@ class Sessions:
                 "rewarded",
                 "branches_opened",
                 "rejected",
+                "restart_dropped",
             ),
             0,
         )
@@ -157,7 +202,42 @@ class Sessions:
         self.counters["sessions"] += 1
         return s
 
+    def join(self, group: str, k: int, size: int, sid: str, key: str | None) -> Session:
+        """Open member ``k`` of ``group`` as session ``sid`` (the group too, when new: the
+        caller then submits its :class:`SessionSample`)."""
+        g = self.groups.get(group)
+        if g is None:
+            g = self.groups[group] = SessionGroup(group, size)
+        prior = g.members[k]
+        if prior is not None:  # the member was opened under another name (id vs key)
+            return prior
+        s = g.members[k] = self.create(sid, key)
+        return s
+
+    def bind(self, group: str, ctx: EpisodeContext) -> Session | None:
+        """The session of the next episode of ``group`` (admitted as ``ctx``); None when
+        the group is unknown (e.g. a run resumed from a checkpoint) or fully bound."""
+        g = self.groups.get(group)
+        if g is None or g.bound >= len(g.members):
+            return None
+        k = g.bound
+        g.bound += 1
+        if g.bound == len(g.members):
+            del self.groups[group]  # every member has its episode: the name is free again
+        s = g.members[k]
+        if s is None:
+            s = g.members[k] = self.create(f"{group}.{k}")
+        s.admit(ctx)
+        return s
+
+    def alias(self, s: Session, key: str) -> None:
+        """Name ``s`` by ``key`` too (until it is forgotten)."""
+        if key not in self.by_key:
+            self.by_key[key] = s
+            s.aliases.append(key)
+
     def forget(self, s: Session) -> None:
         self.by_id.pop(s.id, None)
-        self.by_key.pop(s.key, None)
+        for key in (s.key, *s.aliases):
+            self.by_key.pop(key, None)
         self.counters["branches_opened"] += s.transcript.branches_opened

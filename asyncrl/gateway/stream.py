@@ -122,9 +122,11 @@ async def stream_turn(request: web.Request, turn: Turn, model: str) -> web.Strea
             text = holds[i].delta(c.text, final)
             if not text and not final:
                 continue
-            hi = len(c.ids) if final else _covered(turn, c, holds[i].sent)
-            lps = _token_logprobs(turn, c, sent_tokens[i], hi) if p.logprobs else None
-            sent_tokens[i] = max(sent_tokens[i], hi)
+            lps = None
+            if p.logprobs:  # the tokens the text sent so far covers
+                hi = len(c.ids) if final else _covered(turn, c, holds[i].sent, sent_tokens[i])
+                lps = _token_logprobs(turn, c, sent_tokens[i], hi)
+                sent_tokens[i] = max(sent_tokens[i], hi)
             if text or lps:
                 await send([_piece(chat, i, text, lps)])
             if final:
@@ -140,11 +142,12 @@ async def stream_turn(request: web.Request, turn: Turn, model: str) -> web.Strea
     return resp
 
 
-def _covered(turn: Turn, c: Choice, chars: int) -> int:
-    """How many of ``c``'s tokens the first ``chars`` characters of its text cover."""
+def _covered(turn: Turn, c: Choice, chars: int, start: int) -> int:
+    """How many of ``c``'s tokens the first ``chars`` characters of its text cover (at
+    least ``start``: as many as an earlier answer)."""
     if chars >= len(c.text):
         return len(c.ids)
-    n = 0
+    n = start
     while n < len(c.ids) and len(turn.tok.decode(c.ids[: n + 1])) <= chars:
         n += 1
     return n

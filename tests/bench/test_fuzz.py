@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 REQUESTS, MESSAGES, PRODUCER_MESSAGES, CUTS, HEAVY = 100, 200, 60, 2, 1
+GATEWAY_REQUESTS = 80
 
 
 @pytest.mark.timeout(120)
@@ -20,7 +21,8 @@ def test_bench_fuzz_small(tiny_model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "fuzz.json"
     args = ["--requests", REQUESTS, "--concurrency", 16, "--messages", MESSAGES,
             "--producer-messages", PRODUCER_MESSAGES, "--cuts", CUTS, "--heavy", HEAVY,
-            "--limit-mb", 1, "--model-path", tiny_model_dir, "--json", out]  # fmt: skip
+            "--limit-mb", 1, "--model-path", tiny_model_dir, "--json", out,
+            "--gateway-requests", GATEWAY_REQUESTS]  # fmt: skip
     proc = subprocess.run(
         [sys.executable, "-m", "asyncrl.cli", "bench", "fuzz", *map(str, args)],
         capture_output=True,
@@ -48,3 +50,8 @@ def test_bench_fuzz_small(tiny_model_dir: Path, tmp_path: Path) -> None:
     assert p["rejected"] == p["expected_rejects"] == PRODUCER_MESSAGES - CUTS
     assert p["disconnects"] >= CUTS
     assert e["valid_after"] == {"bit_exact": True, "report_received": True}
+    g = res["gateway"]  # hostile OpenAI requests: 4xx in OpenAI's JSON, retries one turn
+    assert "http -> gateway" in proc.stdout and g["sent"] >= GATEWAY_REQUESTS
+    assert g["5xx"] == g["unanswered"] == g["not_openai_error"] == 0 and g["alive"]
+    assert g["by_status"].get("400", 0) > 0 and g["retried_sessions"] > 0
+    assert g["recorded_twice"] == g["retried_without_turn"] == 0

@@ -72,6 +72,7 @@ TIMEOUT_S = 240
 PARTS = {  # module of asyncrl/bench -> (the bench that runs it, the flag its run needs)
     "fuzz_experience": ("fuzz", ""),  # tests/bench/test_fuzz.py checks its "experience" half
     "fuzz_http": ("fuzz", ""),
+    "fuzz_gateway": ("fuzz", ""),  # tests/bench/test_fuzz.py: --gateway-requests
     "gateway_paths": ("gateway", ""),  # both paths and the hold phase: every gateway run
     "generation_lora": ("generation", "--lora-rank"),  # rows lora, lora-mixed (_generation)
     "weight_sync_delta": ("weight-sync", "--delta"),
@@ -192,6 +193,10 @@ def _gateway(res: dict[str, Any], out: str) -> None:
         assert r["requests"] == (2 if conc == 1 else 4) and r["tokens"] == 3 * r["requests"]
         assert r["requests_per_s"] > 0 and r["latency_p50_ms"] > 0
         assert (r["ttft_p50_ms"] is not None) == (mode == "stream")
+    assert "added by the gateway, paired (http client, whole" in out
+    paired = {(a["client"], a["mode"]): a for a in res["paired"]}
+    assert set(paired) == {(c, m) for c in ("http", "openai") for m in ("whole", "stream")}
+    assert all(a["requests"] == 2 for a in paired.values())  # 1 serial session x 2 turns
     assert res["hold"]["errors"] == 0 and res["hold"]["open_at_peak"] == 4
     assert res["hold"]["trajectories"] == 4
 

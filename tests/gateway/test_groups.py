@@ -1,0 +1,134 @@
+"""``algo.group_size > 1`` with client-opened sessions, with the real ``openai`` client: a
+group's G episodes are G sessions ``GROUP.0 .. GROUP.{G-1}`` (each its own conversation,
+reward and trajectory); a plain id is refused; a member that never comes times out."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+
+from asyncrl.config import AlgoConfig, ControllerConfig, GatewayConfig, RunConfig
+
+from .conftest import Served
+
+G = 2
+TIMEOUT_S = 4.0
+
+
+@pytest.fixture(scope="module")
+def grouped(chat_model_dir: Path, engine_url: str) -> Iterator[Served]:
+    cfg = RunConfig(
+        controller=ControllerConfig(batch_size=1, max_staleness=200),
+        algo=AlgoConfig(group_size=G),
+        gateway=GatewayConfig(
+            enabled=True, max_tokens=12, admission_timeout_s=10, session_timeout_s=TIMEOUT_S
+        ),
+    )
+    s = Served(chat_model_dir, engine_url, cfg)
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+async def _http(method: str, url: str, body: Any = None, key: str = "") -> tuple[int, Any]:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    async with aiohttp.ClientSession() as http:
+        async with http.request(method, url, json=body, headers=headers) as r:
+            return r.status, await r.json()
+
+
+def _poll(what: str, ok: Callable[[], bool], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not ok():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"waited {timeout:.0f} s for {what}")
+        time.sleep(0.02)
+
+
+def _chat(client: openai.OpenAI, text: str) -> None:
+    msgs = [{"role": "user", "content": text}]
+    client.chat.completions.create(model="m", messages=msgs, max_tokens=8)  # type: ignore[arg-type]
+
+
+def _batch_after(served: Served, n: int) -> Any:
+    _poll("the group's batch", lambda: len(served.batches) > n)
+    return served.batches[n]
+
+
+def test_group_members_are_distinct_episodes(grouped: Served) -> None:
+    """Two members of one group: two conversations, two trajectories (each its session's
+    own ids and reward), one group in one batch. Before: both episodes bound one session
+    and the same trajectories came back twice."""
+    g = "grp" + uuid.uuid4().hex[:8]
+    n = len(grouped.batches)
+    snaps = {}
+    for k, text in enumerate(["Hello!", "What is the weather in Oslo?"]):
+        sid = f"{g}.{k}"
+        _chat(openai.OpenAI(base_url=f"{grouped.url}/sessions/{sid}/v1", api_key="x"), text)
+        snaps[sid] = grouped.run(_http("GET", f"{grouped.url}/sessions/{sid}"))[1]
+    for k, reward in enumerate([1.0, 0.25]):
+        url = f"{grouped.url}/sessions/{g}.{k}/reward"
+        assert grouped.run(_http("POST", url, {"reward": reward}))[0] == 200
+    batch = _batch_after(grouped, n)
+    (group,) = batch.groups
+    assert len(group) == G
+    by_session = {t.metadata["session"]: t for t in group}
+    assert set(by_session) == {f"{g}.0", f"{g}.1"}
+    assert by_session[f"{g}.0"].reward == 1.0 and by_session[f"{g}.1"].reward == 0.25
+    assert len({t.episode_id for t in group}) == G
+    for sid, t in by_session.items():
+        (b,) = snaps[sid]["branches"]
+        assert list(t.prompt_ids) + list(t.response_ids) == b["token_ids"]
+    assert batch.samples[0].session == g
+
+
+def test_keys_name_members_too(grouped: Served) -> None:
+    """A Bearer key ``KEY.K`` opens member K of group KEY (a gateway without its own key)."""
+    stem = "sk-" + uuid.uuid4().hex[:12]
+    n = len(grouped.batches)
+    for k in range(G):
+        _chat(openai.OpenAI(base_url=f"{grouped.url}/v1", api_key=f"{stem}.{k}"), f"Hi {k}")
+    sids = []
+    for k in range(G):
+        s = grouped.gw.sessions.by_key[f"{stem}.{k}"]
+        sids.append(s.id)
+        url = f"{grouped.url}/sessions/{s.id}/reward"
+        assert grouped.run(_http("POST", url, {"reward": k}))[0] == 200
+    (group,) = _batch_after(grouped, n).groups
+    assert sorted(t.metadata["session"] for t in group) == sorted(sids)
+    assert sids[0].rsplit(".", 1)[0] == sids[1].rsplit(".", 1)[0]  # one group
+
+
+def test_plain_id_or_member_out_of_range_is_400(grouped: Served) -> None:
+    g = "plain" + uuid.uuid4().hex[:8]
+    for sid, needle in [(g, "GROUP.K"), (f"{g}.{G}", f"0..{G - 1}"), ("a.b", "GROUP.K")]:
+        client = openai.OpenAI(base_url=f"{grouped.url}/sessions/{sid}/v1", api_key="x")
+        with pytest.raises(openai.BadRequestError) as err:
+            _chat(client, "Hello!")
+        assert needle in str(err.value)
+    assert not any(name.startswith(g) for name in grouped.gw.sessions.groups)
+    with pytest.raises(openai.BadRequestError, match=r"GROUP\.K"):
+        _chat(openai.OpenAI(base_url=f"{grouped.url}/v1", api_key="sk-no-member"), "Hello!")
+
+
+def test_member_that_never_comes_times_out(grouped: Served) -> None:
+    """Only member 0 talks: member 1's episode waits ``session_timeout_s`` for it, is
+    dropped (counted), and the group trains on member 0 alone."""
+    g = "lone" + uuid.uuid4().hex[:8]
+    n = len(grouped.batches)
+    timed_out = grouped.gw.sessions.counters["timed_out"]
+    _chat(openai.OpenAI(base_url=f"{grouped.url}/sessions/{g}.0/v1", api_key="x"), "Hello!")
+    url = f"{grouped.url}/sessions/{g}.0/reward"
+    assert grouped.run(_http("POST", url, {"reward": 1}))[0] == 200
+    (group,) = _batch_after(grouped, n).groups
+    assert [t.metadata["session"] for t in group] == [f"{g}.0"]
+    assert grouped.gw.sessions.counters["timed_out"] == timed_out + 1
+    assert f"{g}.1" not in grouped.gw.sessions.by_id
