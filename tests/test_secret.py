@@ -100,13 +100,15 @@ def test_curve_keys_are_derived_and_distinct() -> None:
 
 
 def test_keyed_server_gets_the_key_in_argv_and_its_output_is_redacted(tmp_path: Path) -> None:
-    """``asyncrl.entrypoints.keyed`` runs the server with ``--api-key KEY`` appended to its
-    ``sys.argv``; the command line has no key, and what the server prints (SGLang logs its
-    ServerArgs, key included) reaches the log with the key masked — a child's output too."""
+    """``asyncrl.entrypoints.keyed`` runs the server with ``--api-key=KEY`` (one word: a key
+    may start with '-') appended to its ``sys.argv``; the command line has no key, and what
+    the server prints (SGLang logs its ServerArgs, key included) reaches the log with the key
+    masked — a child's output too."""
     key = secret.generate()
     code = (
-        "import hashlib, subprocess, sys; k = sys.argv[-1]; "
-        "print('argv', sys.argv[1:-1], hashlib.sha256(k.encode()).hexdigest(), flush=True); "
+        "import hashlib, subprocess, sys; flag, _, k = sys.argv[-1].partition('='); "
+        "print('argv', sys.argv[1:-1] + [flag], hashlib.sha256(k.encode()).hexdigest(), "
+        "flush=True); "
         "print('server_args=', sys.argv, file=sys.stderr, flush=True); "
         "subprocess.run([sys.executable, '-c', 'import sys; print(sys.argv[1])', k]); "
         "print('in cmdline', k.encode() in open('/proc/self/cmdline', 'rb').read())"
