@@ -4,19 +4,18 @@ reward and trajectory); a plain id is refused; a member that never comes times o
 
 from __future__ import annotations
 
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import openai
 import pytest
 
 from asyncrl.config import AlgoConfig, ControllerConfig, GatewayConfig, RunConfig
 
 from .conftest import Served
+from .test_failures import _http, _poll
 
 G = 2
 TIMEOUT_S = 4.0
@@ -36,21 +35,6 @@ def grouped(chat_model_dir: Path, engine_url: str) -> Iterator[Served]:
         yield s
     finally:
         s.close()
-
-
-async def _http(method: str, url: str, body: Any = None, key: str = "") -> tuple[int, Any]:
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
-    async with aiohttp.ClientSession() as http:
-        async with http.request(method, url, json=body, headers=headers) as r:
-            return r.status, await r.json()
-
-
-def _poll(what: str, ok: Callable[[], bool], timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not ok():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"waited {timeout:.0f} s for {what}")
-        time.sleep(0.02)
 
 
 def _chat(client: openai.OpenAI, text: str) -> None:

@@ -22,13 +22,11 @@ import pytest
 import torch
 
 from asyncrl.controllers.adapters import AdapterNames
-from asyncrl.controllers.episode import EpisodeContext, Gate, Generation
-from asyncrl.controllers.router import Router
 from asyncrl.engines.rollout.sglang import SGLangClient
 from asyncrl.transports.weights.adapter_send import AdapterFolderSender, AdapterSpec
 from tests.engines.rollout.sglang.code import sglang_src
 from tests.engines.rollout.sglang.server import StandInServer, start_standin
-from tests.engines.rollout.test_sglang_lora import FLAGS, _adapters, _sha
+from tests.engines.rollout.test_sglang_lora import FLAGS, _adapters, _resubmitted, _sha
 
 pytest.importorskip("peft")
 
@@ -47,19 +45,6 @@ def _start(servers: Any, tmp_path: Path, tiny_model_dir: Path, *flags: str) -> S
     )
     servers.append(server)
     return server
-
-
-async def _continue_on(url: str, names: AdapterNames, made: int) -> Generation:
-    """A request resubmitted after 2 tokens under version ``made`` (as after its engine died)."""
-    client = SGLangClient(url)
-    gate = Gate()
-    gate.adapters = names
-    ctx = EpisodeContext(Router([client]), 0, 0, {}, 0, gate)
-    try:
-        partial = Generation([5, 6], [-1.0, -1.0], [made, made], "partial")
-        return await ctx._generate([1, 3, 4], partial, {"ignore_eos": True}, 5)
-    finally:
-        await client.close()
 
 
 def test_a_replaced_engine_gets_back_the_versions_a_request_may_name(
@@ -89,7 +74,7 @@ def test_a_replaced_engine_gets_back_the_versions_a_request_may_name(
             new, kept = b2.state()["lora"], a.state()["lora"]
             assert new["held"] == ["policy-v2", "policy-v3"] == kept["held"]
             assert new["sha256"]["policy-v2"] == _sha(versions[1])
-            out = asyncio.run(_continue_on(b2.url, AdapterNames("policy", 3, 3), 2))
+            out = asyncio.run(_resubmitted(b2.url, AdapterNames("policy", 3, 3), 2))
             assert out.versions == [2] * 5
             reqs = b2.state()["reqs"]
             assert [r["adapters"] for r in reqs.values()] == [["policy-v2"] * 3]
