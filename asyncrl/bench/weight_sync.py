@@ -616,19 +616,15 @@ def main(argv: list[str] | None = None) -> None:
         return _serve_engine(args)
     if args._peer:
         return _floor_peer(args)
-    if args.lora:
-        from asyncrl.bench.weight_sync_lora import run_lora, table_lora
-
-        rows = run_lora(args)
-        print(table_lora(rows))
-        if args.json:
-            Path(args.json).write_text(json.dumps(rows, indent=2))
-        return None
-    if args.delta:
-        from asyncrl.bench.weight_sync_delta import run_delta, table_delta
-
-        rows = run_delta(args)
-        print(table_delta(rows))
+    if args.lora or args.delta:  # the variants: their own rows and table
+        if args.lora:
+            from asyncrl.bench.weight_sync_lora import run_lora as run
+            from asyncrl.bench.weight_sync_lora import table_lora as table
+        else:
+            from asyncrl.bench.weight_sync_delta import run_delta as run
+            from asyncrl.bench.weight_sync_delta import table_delta as table
+        rows = run(args)
+        print(table(rows))
         if args.json:
             Path(args.json).write_text(json.dumps(rows, indent=2))
         return None
