@@ -152,7 +152,7 @@ def test_the_key_opens_every_route_and_health(engine_server: LaunchedServer) -> 
         client = SGLangClient(engine_server.url, timeout_s=60)
         try:
             assert await client.health()
-            out = await client.generate([1, 2, 3], {"max_new_tokens": 2})
+            out = await client.generate([1, 2, 3], {"max_new_tokens": 2, "ignore_eos": True})
             assert len(out.output_ids) == 2
         finally:
             await client.close()
