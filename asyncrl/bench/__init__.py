@@ -9,9 +9,14 @@ module; nothing here imports a benchmark (or torch) until one is run.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Sequence
+import shutil
+import sys
+import tempfile
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
 
-__all__ = ["BENCHES", "run_bench"]
+__all__ = ["BENCHES", "log_dir", "run_bench"]
 
 BENCHES: dict[str, tuple[str, str]] = {
     "weight-sync": ("asyncrl.bench.weight_sync", "weight-sync latency and bandwidth per backend"),
@@ -37,3 +42,18 @@ def run_bench(name: str, argv: Sequence[str]) -> int:
     module = importlib.import_module(BENCHES[name][0])
     module.main(list(argv))
     return 0
+
+
+@contextmanager
+def log_dir(prefix: str) -> Iterator[Path]:
+    """A fresh folder under the temporary directory for a benchmark's child processes'
+    logs, as long as the run: removed when the block ends normally, kept (its path printed
+    to stderr) when it ends with an exception, so a failed run's logs stay readable and a
+    passing one leaves nothing behind."""
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        yield path
+    except BaseException:
+        print(f"benchmark failed: its processes' logs are kept in {path}", file=sys.stderr)
+        raise
+    shutil.rmtree(path, ignore_errors=True)

@@ -37,12 +37,12 @@ import asyncio
 import json
 import os
 import sys
-import tempfile
 import threading
 from collections.abc import AsyncIterator, Coroutine
 from pathlib import Path
 from typing import Any
 
+from asyncrl.bench import log_dir
 from asyncrl.bench.gateway_paths import Call, direct_run, gateway_run, hold_sessions, paired_run
 
 __all__ = ["main"]
@@ -275,23 +275,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     model = Path(args.model_path) if args.model_path else ensure_tiny_chat_model()
     extra = ("--threads", str(args.threads), "--max-batch-size", "256", "--seed", "0")
     spec = LaunchSpec(str(model), free_port(), module=LOCAL_SERVER, extra_args=extra)
-    log = Path(tempfile.mkdtemp(prefix="asyncrl-bench-")) / "engine.log"
     print(
         f"gateway bench: model {model.name}, {args.turns} turns x {args.max_tokens} tokens per "
         f"session; {args.serial_sessions} sessions one at a time, {args.sessions} "
         f"{args.concurrency} at a time; hold {args.hold}",
         flush=True,
     )
-    server = launch(spec, log, die_with_parent=True)
-    try:
-        asyncio.run(wait_healthy([server], timeout_s=300))
-        srv = Served(model, server.url)
+    with log_dir("asyncrl-bench-gw-") as logs:
+        server = launch(spec, logs / "engine.log", die_with_parent=True)
         try:
-            res = asyncio.run(_bench(srv, server.url, args))
+            asyncio.run(wait_healthy([server], timeout_s=300))
+            srv = Served(model, server.url)
+            try:
+                res = asyncio.run(_bench(srv, server.url, args))
+            finally:
+                srv.close()
         finally:
-            srv.close()
-    finally:
-        stop_servers([server])
+            stop_servers([server])
     res.update(
         model=str(model),
         turns=args.turns,

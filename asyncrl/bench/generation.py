@@ -34,6 +34,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from asyncrl.bench import log_dir
+
 BENCH_MODEL = "bench-qwen2-35m-v1"
 
 
@@ -127,13 +129,13 @@ def bench_engine(args: argparse.Namespace, model_dir: Path, reqs: list) -> dict[
     extra: tuple[str, ...] = ("--device", args.device, "--threads", str(args.threads))
     extra += ("--max-batch-size", str(args.max_batch_size), "--dtype", args.dtype)
     spec = LaunchSpec(str(model_dir), free_port(), module=LOCAL_SERVER, extra_args=extra)
-    log = Path(tempfile.mkdtemp(prefix="asyncrl-bench-")) / "engine.log"
-    server = launch(spec, log, die_with_parent=True)
-    try:
-        asyncio.run(wait_healthy([server], timeout_s=300))
-        wall = asyncio.run(_engine_run(server.url, reqs, args.arrival_s))
-    finally:
-        stop_servers([server])
+    with log_dir("asyncrl-bench-gen-") as logs:
+        server = launch(spec, logs / "engine.log", die_with_parent=True)
+        try:
+            asyncio.run(wait_healthy([server], timeout_s=300))
+            wall = asyncio.run(_engine_run(server.url, reqs, args.arrival_s))
+        finally:
+            stop_servers([server])
     tokens = sum(n for _, n in reqs)
     return {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall}
 

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from asyncrl.bench import log_dir
 
 __all__ = ["bench_lora"]
 
@@ -40,6 +41,12 @@ def _factors(model_dir: Path, rank: int, seed: int) -> dict[str, Any]:
 
 
 def bench_lora(args: argparse.Namespace, model_dir: Path, reqs: list) -> dict[str, Any]:
+    """The embedded engine serving LoRA versions (one, then two mixed) vs nothing else."""
+    with log_dir("asyncrl-bench-lora-") as logs:
+        return _bench_lora(args, model_dir, reqs, logs / "engine.log")
+
+
+def _bench_lora(args: argparse.Namespace, model_dir: Path, reqs: list, log: Path) -> dict[str, Any]:
     """Tokens/s of one LoRA engine: ``lora`` (one version) then ``lora-mixed`` (two)."""
     from asyncrl.bench.generation import _engine_run
     from asyncrl.config import GlooWeightsConfig, LoraConfig
@@ -59,7 +66,6 @@ def bench_lora(args: argparse.Namespace, model_dir: Path, reqs: list) -> dict[st
     extra += ("--enable-lora", "--max-lora-rank", str(lc.rank), "--lora-alpha", repr(lc.alpha))
     extra += ("--lora-target-modules", ",".join(lc.target_modules), "--max-loaded-loras", "3")
     spec = LaunchSpec(str(model_dir), free_port(), module=LOCAL_SERVER, extra_args=extra)
-    log = Path(tempfile.mkdtemp(prefix="asyncrl-bench-lora-")) / "engine.log"
     server = launch(spec, log, die_with_parent=True)
     sender = None
     out: dict[str, Any] = {}

@@ -50,10 +50,11 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from asyncrl.bench import log_dir
 
 MODELS: dict[str, dict[str, Any]] = {  # Qwen2Config keyword arguments
     "tiny": dict(  # a smoke run (the wheel test), not a measurement
@@ -359,10 +360,14 @@ def _verified_sums(urls: list[str], want: dict[str, int], version: int) -> bool:
 
 
 def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    with log_dir("asyncrl-bench-ws-") as logs:
+        return _run_logged(args, logs)
+
+
+def _run_logged(args: argparse.Namespace, logs: Path) -> list[dict[str, Any]]:
     import torch
 
     torch.set_num_threads(args.threads)
-    logs = Path(tempfile.mkdtemp(prefix="asyncrl-bench-ws-"))
     me = ["-m", "asyncrl.bench.weight_sync", "--backend", args.backend, "--model", args.model]
     me += ["--dtype", args.dtype, "--repeats", str(args.repeats)]
 

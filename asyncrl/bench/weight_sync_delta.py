@@ -39,9 +39,10 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from asyncrl.bench import log_dir
 
 __all__ = ["run_delta", "table_delta"]
 
@@ -137,12 +138,16 @@ def _release_memory() -> None:
 
 
 def run_delta(args: argparse.Namespace) -> list[dict[str, Any]]:
+    with log_dir("asyncrl-bench-ws-delta-") as logs:
+        return _run_delta(args, logs)
+
+
+def _run_delta(args: argparse.Namespace, logs: Path) -> list[dict[str, Any]]:
     import torch
 
     from asyncrl.bench.weight_sync import _Children, _Floor
 
     torch.set_num_threads(args.threads)
-    logs = Path(tempfile.mkdtemp(prefix="asyncrl-bench-ws-delta-"))
     me = ["-m", "asyncrl.bench.weight_sync", "--backend", "gloo", "--model", args.model]
     me += ["--dtype", "bfloat16", "--send-host", args.send_host, "--recv-host", args.recv_host]
     children = _Children(args, me, logs)

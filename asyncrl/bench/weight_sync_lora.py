@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from asyncrl.bench import log_dir
 
 __all__ = ["adapter_shapes", "run_lora", "table_lora"]
 
@@ -77,12 +78,16 @@ def _sender(url: str, group: str, lora: bool) -> Any:
 
 
 def run_lora(args: argparse.Namespace) -> list[dict[str, Any]]:
+    with log_dir("asyncrl-bench-ws-lora-") as logs:
+        return _run_lora(args, logs)
+
+
+def _run_lora(args: argparse.Namespace, logs: Path) -> list[dict[str, Any]]:
     import torch
 
     from asyncrl.bench.weight_sync import _Children, _ours, _weights
 
     torch.set_num_threads(args.threads)
-    logs = Path(tempfile.mkdtemp(prefix="asyncrl-bench-ws-lora-"))
     me = ["-m", "asyncrl.bench.weight_sync", "--backend", "gloo", "--model", args.model]
     me += ["--dtype", args.dtype, "--send-host", args.send_host, "--recv-host", args.recv_host]
     children = _Children(args, me, logs)

@@ -120,7 +120,9 @@ class _Runs:
                     return
             if self._stop.is_set():
                 return
-            self.procs[test_id] = spawn(cmd, folder / "log", python_env())
+            tmp = folder / "tmp"  # the bench's temporary files: none may be left behind
+            tmp.mkdir()
+            self.procs[test_id] = spawn(cmd, folder / "log", python_env({"TMPDIR": str(tmp)}))
             self.started[test_id].set()
 
     def close(self) -> None:
@@ -279,6 +281,8 @@ def test_bench_runs_prints_its_table_and_writes_its_json(
     out = (folders[bench] / "log").read_text(errors="replace")
     assert code == 0, out[-4000:]
     CHECKS[bench](json.loads((folders[bench] / "out.json").read_text()), out)
+    # a passing run removes its processes' log folders (a failing one keeps and names them)
+    assert not list((folders[bench] / "tmp").glob("asyncrl-bench-*"))
 
 
 def test_weight_sync_into_the_vllm_standin(tmp_path: Path) -> None:
