@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from asyncrl.procs import free_port as _free_port
+from tests import runs
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -123,9 +124,11 @@ def shared_fork_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str
     args = ["-m", "asyncrl.entrypoints.forkserver", "--listen", path, "--preload", *preload]
     proc = spawn([*args, "--title-room", " " * 2048], folder / "forkserver.log")
     os.environ[ENV_SHARED] = path
+    runs.shared_server_pid = proc.pid
     try:
         yield path
     finally:
+        runs.shared_server_pid = None
         os.environ.pop(ENV_SHARED, None)
         stop([proc])
 

@@ -11,13 +11,21 @@ from pathlib import Path
 
 from asyncrl.controllers.checkpoints import latest_checkpoint
 from asyncrl.forkserver import ENV_SHARED, ForkServer
-from asyncrl.procs import Proc, finish, pid_alive, spawn
+from asyncrl.procs import Proc, descendants, finish, pid_alive, spawn
 
 MARK = "ASYNCRL_TEST_MARK"
 """Environment variable a test sets on a run: every process the run starts inherits it."""
 
 
 _shared: dict[str, ForkServer] = {}
+shared_server_pid: int | None = None
+"""The test session's shared fork server (tests/conftest.py), while it runs."""
+
+
+def forked_by_shared_server() -> set[int]:
+    """Live processes the shared fork server forked (its children), empty without one."""
+    pid = shared_server_pid
+    return set(descendants(pid)) - {pid} if pid is not None else set()
 
 
 def spawn_shared(args: list[str], log: Path, env: dict[str, str]) -> Proc:

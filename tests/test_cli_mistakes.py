@@ -18,9 +18,7 @@ import pytest
 from asyncrl.config import load_config
 from asyncrl.preflight import cuda_devices
 from asyncrl.procs import python_env
-from tests.runs import MARK, marked_pids
-
-pytestmark = pytest.mark.own_fork_server  # finds a run's leftovers by their environment
+from tests.runs import MARK, forked_by_shared_server, marked_pids
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -97,6 +95,7 @@ def _timed_run(tmp_path: Path, *overrides: str) -> tuple[subprocess.CompletedPro
     (marked through the environment its children inherit) has ended when it returns."""
     mark = uuid.uuid4().hex
     run = ["run", "--run-dir", str(tmp_path / "run"), "--quiet", *overrides]
+    forked_before = forked_by_shared_server()
     t0 = time.monotonic()
     out = subprocess.run(
         [sys.executable, "-m", "asyncrl.cli", *run],
@@ -108,6 +107,12 @@ def _timed_run(tmp_path: Path, *overrides: str) -> tuple[subprocess.CompletedPro
     )
     took = time.monotonic() - t0
     assert marked_pids(mark) == [], "a process of the run outlived it"
+    # what the session's shared fork server forked for the run (their environment is the
+    # server's, unmarked): the run ended them; the server reaps them (poll, 10 s)
+    deadline = time.monotonic() + 10
+    while (left := forked_by_shared_server() - forked_before) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not left, f"processes forked for the run outlived it: {sorted(left)}"
     return out, took
 
 

@@ -15,11 +15,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from asyncrl import secret
-from asyncrl.procs import finish, pid_alive, python_env
+from asyncrl.procs import finish, pid_alive, python_env, spawn, stop
 from tests.launchers.cluster import (
     HEAD,
     WORKER,
@@ -125,25 +126,34 @@ def test_engine_killed_on_its_node_is_restarted_resynced_and_back_in_rotation(
     assert read_json(run / "placement.json")["engine0"] == HEAD
 
 
+def _both_layouts(ray_cluster: Cluster, tmp_path: Path, args: list[str]) -> dict[str, Any]:
+    """``asyncrl ARGS`` on one host and across the two nodes, both at once (their results
+    are compared, not timed); layout -> its JSON."""
+    layouts = {
+        "one-host": [],
+        "two-node": ["--send-host", WORKER, "--recv-host", HEAD, "--ray", ray_cluster.address],
+    }
+    procs = {}
+    try:
+        for layout, extra in layouts.items():
+            cmd = ["-m", "asyncrl.cli", *args, "--json", str(tmp_path / f"{layout}.json")]
+            log = tmp_path / f"{layout}.log"
+            procs[layout] = spawn([*cmd, *extra], log, python_env(ray_cluster.env))
+        for layout, proc in procs.items():
+            code = proc.wait(240)
+            assert code == 0, (tmp_path / f"{layout}.log").read_text(errors="replace")[-4000:]
+    finally:
+        stop(list(procs.values()))
+    return {layout: json.loads((tmp_path / f"{layout}.json").read_text()) for layout in layouts}
+
+
 def test_bench_weight_sync_measures_the_link_between_two_nodes(
     ray_cluster: Cluster, tmp_path: Path
 ) -> None:
     """The engines and the floor's peer run on the head (via Ray), the sender on the worker's
     address; the rows have the same columns as a one-host run and the push is bit-exact."""
-    rows = {}
-    for layout, extra in {
-        "one-host": [],
-        "two-node": ["--send-host", WORKER, "--recv-host", HEAD, "--ray", ray_cluster.address],
-    }.items():
-        out = tmp_path / f"{layout}.json"
-        cmd = [sys.executable, "-m", "asyncrl.cli", "bench", "weight-sync", "--model", "tiny"]
-        cmd += ["--dtype", "float32", "--repeats", "1", "--modes", "overlap", "--no-naive"]
-        cmd += ["--json", str(out), *extra]
-        done = subprocess.run(
-            cmd, env=python_env(ray_cluster.env), capture_output=True, timeout=240
-        )
-        assert done.returncode == 0, done.stdout.decode() + done.stderr.decode()
-        rows[layout] = json.loads(out.read_text())
+    cmd = ["bench", "weight-sync", "--model", "tiny", "--dtype", "float32", "--repeats", "1"]
+    rows = _both_layouts(ray_cluster, tmp_path, [*cmd, "--modes", "overlap", "--no-naive"])
     (local,), (remote,) = rows["one-host"], rows["two-node"]
     assert set(local) == set(remote)
     assert remote["verified"] is True and local["verified"] is True
@@ -155,20 +165,8 @@ def test_bench_transport_measures_the_link_between_two_nodes(
     ray_cluster: Cluster, tmp_path: Path
 ) -> None:
     """The consumer runs on the head (via Ray), the producer binds the worker's address."""
-    results = {}
-    for layout, extra in {
-        "one-host": [],
-        "two-node": ["--send-host", WORKER, "--recv-host", HEAD, "--ray", ray_cluster.address],
-    }.items():
-        out = tmp_path / f"{layout}.json"
-        cmd = [sys.executable, "-m", "asyncrl.cli", "bench", "transport", "--transport", "tcp"]
-        cmd += ["--trajectories", "400", "--group-sizes", "8", "--repeats", "1"]
-        cmd += ["--json", str(out), *extra]
-        done = subprocess.run(
-            cmd, env=python_env(ray_cluster.env), capture_output=True, timeout=240
-        )
-        assert done.returncode == 0, done.stdout.decode() + done.stderr.decode()
-        results[layout] = json.loads(out.read_text())
+    cmd = ["bench", "transport", "--transport", "tcp", "--trajectories", "400"]
+    results = _both_layouts(ray_cluster, tmp_path, [*cmd, "--group-sizes", "8", "--repeats", "1"])
     local, remote = results["one-host"], results["two-node"]
     assert set(local) == set(remote)
     assert [set(r) for r in local["runs"]] == [set(r) for r in remote["runs"]]
