@@ -58,7 +58,7 @@ def test_default_job_runs_across_two_nodes_and_learns(
 ) -> None:
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "asyncrl.cli", "run", "--run-dir", str(run), "--quiet"]
-    cmd += [f"--model.path={tiny_model_dir}", "--controller.total_steps=40"]
+    cmd += [f"--model.path={tiny_model_dir}", "--controller.total_steps=30"]
     cmd += ["--experience.shm=off", *ray_cluster.run_flags()]
     proc = subprocess.Popen(
         cmd, env=python_env(ray_cluster.env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
@@ -86,11 +86,12 @@ def test_default_job_runs_across_two_nodes_and_learns(
     assert leaks(secret.load(), run, []) == []  # nor in the run folder, nor in Ray's logs
     assert leaks(secret.load(), ray_cluster.temp_dir, []) == []
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(40))
+    assert [r["step"] for r in rows] == list(range(30))
     first = sum(r["reward_mean"] for r in rows[:10]) / 10
     last = sum(r["reward_mean"] for r in rows[-10:]) / 10
-    assert last > first + 0.1, (first, last)  # it learns (README: 0.085 -> ~0.3 by step 40)
-    assert rows[-1]["weight_version"] == 40
+    # it learns (README: 0.085 in steps 0-9, 0.21 in 20-29; a 10-step mean's sd ~0.006)
+    assert last > first + 0.08, (first, last)
+    assert rows[-1]["weight_version"] == 30
 
     assert read_json(run / "placement.json") == {"engine0": HEAD, "trainer0": WORKER}
     assert not [s for ss in seen.values() for s in ss if _wildcard(s[0])], seen
