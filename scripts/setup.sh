@@ -25,55 +25,38 @@ fi
 extras=test
 python -c "import sglang" >/dev/null 2>&1 || extras=test,sglang-wire
 pip_install -e ".[$extras]"
-# SGLang's own source for the tests that play SGLang's side with SGLang's code (the weight
-# group's receiving ranks, its flattened-bucket class): each covered version's wheel is
-# unpacked, Python files only, under .cache/sglang/VERSION (not installed: one venv cannot
-# hold three versions, and SGLang's GPU dependencies are not needed for these modules), with
-# its dist-info's METADATA and entry_points.txt (importlib.metadata then sees that version's
-# console scripts when the folder is on the path: the launcher tests read them).
-# Without a package registry the download fails and those tests skip, naming this step.
+# SGLang's and vLLM's own source for the tests that play their side with their code (the
+# weight group's receiving ranks, SGLang's flattened-bucket class, vLLM's StatelessProcessGroup
+# and packed_tensor.py; tests/engines/rollout/vllm/code.py says what imports here): each
+# covered version's wheel is unpacked, Python files only, under .cache/PKG/VERSION (not
+# installed: one venv cannot hold three SGLang versions, vLLM's is a 336 MB CUDA wheel, and
+# their GPU dependencies are not needed for these modules), with its dist-info's METADATA and
+# entry_points.txt (importlib.metadata then sees that version's console scripts when the
+# folder is on the path: the launcher tests read them). Without a package registry the
+# download fails and those tests skip, naming this step.
+unpack_source() {  # PKG VERSION FILE: skipped when .cache/PKG/VERSION/FILE is there
+  local pkg=$1 v=$2 dest=.cache/$1/$2 tmp
+  [ -f "$dest/$3" ] && return 0
+  tmp=$(mktemp -d)
+  if python -m pip download -q --no-deps "$pkg==$v" -d "$tmp" 2>&1 \
+      | { grep -v "^WARNING: Location 'file:" || true; }; then
+    mkdir -p "$dest" && python - "$tmp" "$dest" "$pkg" <<'PY'
+import pathlib, sys, zipfile
+src, dest, pkg = pathlib.Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+with zipfile.ZipFile(next(src.glob(f"{pkg}-*.whl"))) as z:
+    meta = (".dist-info/METADATA", ".dist-info/entry_points.txt")
+    z.extractall(dest, [n for n in z.namelist() if n.startswith(f"{pkg}/") and n.endswith(".py")
+                        or n.startswith(f"{pkg}-") and n.endswith(meta)])
+PY
+  else
+    echo "setup: could not download $pkg==$v; tests against its code will skip" >&2
+  fi
+  rm -rf "$tmp"
+}
 for v in 0.5.10 0.5.22 0.5.23; do
-  dest=.cache/sglang/$v
-  [ -f "$dest/sglang/__init__.py" ] && [ -f "$dest/sglang-$v.dist-info/entry_points.txt" ] && continue
-  tmp=$(mktemp -d)
-  if python -m pip download -q --no-deps "sglang==$v" -d "$tmp" 2>&1 \
-      | { grep -v "^WARNING: Location 'file:" || true; }; then
-    mkdir -p "$dest" && python - "$tmp" "$dest" <<'PY'
-import pathlib, sys, zipfile
-src, dest = pathlib.Path(sys.argv[1]), sys.argv[2]
-with zipfile.ZipFile(next(src.glob("sglang-*.whl"))) as z:
-    meta = (".dist-info/METADATA", ".dist-info/entry_points.txt")
-    z.extractall(dest, [n for n in z.namelist() if n.startswith("sglang/") and n.endswith(".py")
-                        or n.startswith("sglang-") and n.endswith(meta)])
-PY
-  else
-    echo "setup: could not download sglang==$v; tests against SGLang's code will skip" >&2
-  fi
-  rm -rf "$tmp"
+  unpack_source sglang "$v" "sglang-$v.dist-info/entry_points.txt"
 done
-# vLLM 0.33.0's own source, the same way (Python files and dist-info only, under
-# .cache/vllm/0.33.0, not installed: a 336 MB CUDA wheel): the tests of the vLLM family
-# run its StatelessProcessGroup and packed_tensor.py on this CPU and cite its file:line
-# (tests/engines/rollout/vllm/code.py says what imports here and what does not).
-v=0.33.0
-dest=.cache/vllm/$v
-if [ ! -f "$dest/vllm/distributed/utils.py" ]; then
-  tmp=$(mktemp -d)
-  if python -m pip download -q --no-deps "vllm==$v" -d "$tmp" 2>&1 \
-      | { grep -v "^WARNING: Location 'file:" || true; }; then
-    mkdir -p "$dest" && python - "$tmp" "$dest" <<'PY'
-import pathlib, sys, zipfile
-src, dest = pathlib.Path(sys.argv[1]), sys.argv[2]
-with zipfile.ZipFile(next(src.glob("vllm-*.whl"))) as z:
-    meta = (".dist-info/METADATA", ".dist-info/entry_points.txt")
-    z.extractall(dest, [n for n in z.namelist() if n.startswith("vllm/") and n.endswith(".py")
-                        or n.startswith("vllm-") and n.endswith(meta)])
-PY
-  else
-    echo "setup: could not download vllm==$v; tests against vLLM's code will skip" >&2
-  fi
-  rm -rf "$tmp"
-fi
+unpack_source vllm 0.33.0 vllm/distributed/utils.py
 # The type checker scripts/test runs (also in the test extra), pinned: another mypy reports
 # other errors. Skipped when that version is there.
 MYPY=2.4.1
