@@ -69,20 +69,20 @@ def _learns(tmp_path: Path, name: str, steps: int, knobs: list[str]) -> list[flo
 def _rose(rewards: list[float]) -> None:
     # 128 samples a step, reward 0/1 per digit: the untrained model is right ~8 % of the time
     # (sd of a 5-step mean ~0.011); a later 5-step mean lies 0.12 (> 7 sd) above the first
-    # 5 steps' only if the model learnt (one run each, 2026-11-27: by step 40 +0.28 longtail,
-    # +0.22 agentic; by step 50 +0.45, +0.36)
+    # 5 steps' only if the model learnt. When it takes off varies from run to run (async): one
+    # run reached +0.28 by step 40, another only +0.02 (longtail), so 50 steps
     first = statistics.mean(rewards[:5])
     best = max(statistics.mean(rewards[i : i + 5]) for i in range(5, len(rewards) - 4))
     assert best >= first + 0.12, rewards
 
 
 def test_longtail_run_learns(tmp_path: Path) -> None:
-    _rose(_learns(tmp_path, "longtail", 40, ["--task.longtail.max_len=64"]))
+    _rose(_learns(tmp_path, "longtail", 50, ["--task.longtail.max_len=64"]))
 
 
 def test_agentic_run_learns(tmp_path: Path) -> None:
     knobs = ["--task.agentic.latency_min_s=0.002", "--task.agentic.latency_max_s=0.1"]
-    _rose(_learns(tmp_path, "agentic", 40, knobs))
+    _rose(_learns(tmp_path, "agentic", 50, knobs))
 
 
 def test_workloads_are_tasks_of_the_run_config(tiny_model_dir: Path) -> None:
