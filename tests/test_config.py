@@ -31,6 +31,18 @@ def test_defaults_are_the_embedded_job() -> None:
         cfg.seed = 3  # type: ignore[misc]  # frozen
 
 
+def test_each_backend_pauses_without_re_prefilling_where_it_can() -> None:
+    """The embedded engine pauses in place and keeps its KV cache (docs/algorithms.md,
+    "Pausing for an update"), vLLM keeps; SGLang aborts (per-token versions on every SGLang)."""
+    local = load_config().rollout
+    assert isinstance(local, LocalRolloutConfig)
+    assert (local.pause_mode, local.kv_after_update) == ("in_place", "keep")
+    assert load_config(None, ["--rollout.backend=sglang"]).rollout.pause_mode == "abort"
+    assert load_config(None, ["--rollout.backend=vllm"]).rollout.pause_mode == "keep"
+    cfg = load_config(None, ["--rollout.pause_mode=abort", "--rollout.kv_after_update=recompute"])
+    assert (cfg.rollout.pause_mode, cfg.rollout.kv_after_update) == ("abort", "recompute")
+
+
 def test_toml_then_overrides(tmp_path: Path) -> None:
     f = tmp_path / "c.toml"
     f.write_text('seed = 7\n[controller]\nbatch_size = 4\n[rollout]\nurls = ["http://h:1"]\n')

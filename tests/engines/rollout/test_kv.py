@@ -99,6 +99,7 @@ async def test_kv_after_update(model: torch.nn.Module, mode: str) -> None:
         engine.load_weights(old, "0")  # the module-scoped model back as it was
         for p, r, b in zip(prompts, done, before, strict=True):
             assert r.min_version == "0" and len(r.output_ids) == 600
+            assert r.versions == ["0"] * b + ["1"] * (600 - b)  # exact per token, both modes
             engine.load_weights(new, None)
             want = _recompute(model, p, r.output_ids)
             engine.load_weights(old, None)

@@ -14,9 +14,11 @@ Pause modes (SGLang's): ``abort`` returns every request (running and waiting)
 at once with its partial output; ``in_place`` keeps them and their cache;
 ``retract`` moves running requests back to the queue and frees their cache
 (recomputed on continue). Weights loaded while requests are in flight make
-their cache stale: with ``kv_after_update="recompute"`` (default) they are
-re-prefilled under the new weights before their next token; with ``"keep"``
-they go on with the old weights' keys/values for their prefix (no re-prefill).
+their cache stale: with ``kv_after_update="recompute"`` (this class's default) they
+are re-prefilled under the new weights before their next token; with ``"keep"``
+(``asyncrl run``'s default, ``rollout.kv_after_update``) they go on with the old
+weights' keys/values for their prefix (no re-prefill). Either way each token's entry
+in ``Request.versions`` is the version whose weights ran its step.
 
 Reported ``weight_version`` of a request is the *oldest* version that produced
 any of its tokens (conservative for staleness accounting).
