@@ -20,6 +20,7 @@ honour ``CUDA_VISIBLE_DEVICES``).
 from __future__ import annotations
 
 import ctypes
+import importlib.metadata
 import importlib.util
 import json
 import re
@@ -27,11 +28,13 @@ from functools import cache
 from pathlib import Path
 
 from asyncrl.config import (
+    AutoWeightsConfig,
     CudaIpcWeightsConfig,
     HcclWeightsConfig,
     LocalRolloutConfig,
     NcclWeightsConfig,
     RunConfig,
+    VLLMRolloutConfig,
 )
 
 __all__ = ["cuda_devices", "preflight"]
@@ -82,6 +85,7 @@ def preflight(cfg: RunConfig) -> None:
     _check_context(cfg)
     if cfg.cluster.backend != "local":
         return
+    _check_vllm_trainer(cfg)
     _check_device("trainer.device", cfg.trainer.device)
     if isinstance(cfg.rollout, LocalRolloutConfig) and not cfg.rollout.urls:
         _check_device("rollout.device", cfg.rollout.device)
@@ -96,6 +100,26 @@ def preflight(cfg: RunConfig) -> None:
             "weights.backend='hccl' needs an Ascend NPU and torch_npu, which is not installed "
             "here (use 'gloo' or 'auto')"
         )
+
+
+def _check_vllm_trainer(cfg: RunConfig) -> None:
+    """vLLM engines over NCCL (``nccl``, or ``auto`` on a CUDA trainer) need vLLM's own
+    trainer-side code in the trainer's environment (``engines/rollout/vllm/trainer_nccl.py``):
+    refused now, naming the extra, rather than when the trainer forms the group."""
+    if not isinstance(cfg.rollout, VLLMRolloutConfig):
+        return
+    weights = cfg.weights
+    nccl = isinstance(weights, NcclWeightsConfig) or (
+        isinstance(weights, AutoWeightsConfig) and cfg.trainer.device.startswith("cuda")
+    )
+    if not nccl:
+        return
+    try:  # installed (its metadata; importing vLLM here would load torch into the controller)
+        importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        from asyncrl.engines.rollout.vllm import TRAINER_MISSING
+
+        raise ValueError(TRAINER_MISSING) from None
 
 
 def _context_length(cfg: RunConfig) -> tuple[int, str] | None:

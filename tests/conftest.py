@@ -65,6 +65,7 @@ _SLOW_FILES = (
     "tests/engines/rollout/test_sglang_standin.py",
 )
 _SLOW_TESTS = (
+    "tests/engines/rollout/test_vllm_trainer_nccl.py::test_trainer_side_rendezvous_against_the_standin",
     "tests/test_run.py::test_short_run_end_to_end",
     "tests/test_run.py::test_sigint_stops_every_process_and_nothing_listened_beyond_loopback",
     "tests/controllers/test_schedules.py::test_random_schedules_respect_bound_and_lose_nothing",

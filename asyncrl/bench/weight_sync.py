@@ -311,8 +311,6 @@ def _ours(sender: Any, weights: dict[str, Any], version: int, train_s: float) ->
 
 async def _naive_async(sender: Any, weights: dict[str, Any], version: int) -> None:
     """One control call and one broadcast per tensor, in turn (every engine concurrently)."""
-    from asyncrl.transports.weights.collective_wire import broadcast
-
     loop = asyncio.get_running_loop()
     items = list(weights.items())
     for i, (name, t) in enumerate(items):
@@ -328,7 +326,12 @@ async def _naive_async(sender: Any, weights: dict[str, Any], version: int) -> No
             )
             for c in sender.engines.clients
         ]
-        await asyncio.gather(loop.run_in_executor(None, broadcast, sender._group, t), *calls)
+        link = sender._link  # rank 0's end of the formed group
+        await asyncio.gather(loop.run_in_executor(None, _broadcast, link, t), *calls)
+
+
+def _broadcast(link: Any, t: Any) -> None:
+    link.finish(link.post(t), t)
 
 
 def _naive(sender: Any, weights: dict[str, Any], version: int) -> float:

@@ -350,12 +350,7 @@ class RunConfig(_Section, frozen=True):
         """What a LoRA run (``lora.rank > 0``) cannot be combined with (yet), by key."""
         if not self.lora.enabled:
             return
-        if isinstance(self.weights, CudaIpcWeightsConfig):
-            raise ValueError(
-                "lora.rank > 0 pushes adapters over the collective backends (weights.backend = "
-                "auto | gloo | nccl | hccl); weights.backend='cuda-ipc' is not supported with LoRA"
-            )
-        if self.weights.delta != "off":
+        if not isinstance(self.weights, CudaIpcWeightsConfig) and self.weights.delta != "off":
             raise ValueError(
                 "weights.delta must be 'off' with lora.rank > 0 (an adapter push is small and "
                 "loads beside the served versions, never into them)"

@@ -23,12 +23,15 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import aiohttp
 import msgspec
 
 from asyncrl.secret import auth_headers
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "AdapterControl",
@@ -42,6 +45,7 @@ __all__ = [
     "ManagedEngine",
     "RolloutEngine",
     "TensorHandoff",
+    "TrainerLink",
     "WeightFamily",
 ]
 
@@ -338,6 +342,22 @@ class TensorHandoff(Protocol):
     ) -> Any: ...
 
 
+class TrainerLink(Protocol):
+    """Trainer rank 0's end of a formed weight group (the collective transport's data path).
+
+    Contract: :meth:`post` starts the broadcast of ``tensor`` (a bucket's bytes, ``uint8``)
+    from rank 0 to every engine rank and returns at once with a handle; broadcasts reach the
+    ranks in the order they were posted. :meth:`finish` blocks until the posted broadcast
+    read ``tensor`` (it may be reused). :meth:`close` leaves the group (best effort). Posts
+    come from one thread, finishes from another, in the same order."""
+
+    def post(self, tensor: torch.Tensor) -> Any: ...
+
+    def finish(self, work: Any, tensor: torch.Tensor) -> None: ...
+
+    def close(self) -> None: ...
+
+
 @dataclass(frozen=True)
 class WeightFamily:
     """What the weight transport must know of an engine family (built by the factory).
@@ -370,6 +390,12 @@ class WeightFamily:
     how to ask one; ``weights.verify`` then compares them with the trainer's after each push
     (``transports/weights/send_digests.py``). None: the engine checks buckets itself (the
     embedded engine) or cannot be asked (SGLang)."""
+    nccl_group: Callable[[str, int, int, str], TrainerLink] | None = None
+    """``weights.backend = "nccl"``: how trainer rank 0 joins the group when the engines' ranks
+    do not speak torch's NCCL process group (vLLM: its ``PyNcclCommunicator``, formed by
+    vLLM's own trainer-side code). Called as ``(master_address, master_port, world_size,
+    device)`` in a thread, concurrently with the engines' join calls; it returns once every
+    rank joined. None: torch's own group (``collective_wire.new_weight_group``)."""
     adapter_folders_kept: bool = False
     """The folder of an unloaded adapter version stays while ``capacity`` newer versions
     load (vLLM: its unload forgets the name only, and a running request whose adapter left

@@ -22,6 +22,7 @@ from asyncrl.engines.rollout.base import (
     AdapterControl,
     ControlledEngine,
     ManagedEngine,
+    TrainerLink,
     WeightFamily,
 )
 
@@ -72,6 +73,7 @@ def weight_family(rollout: RolloutConfig | str, bucket_bytes: int = 1 << 30) -> 
             received=lambda e: False,
             adapters=vllm_adapters,  # /v1/load_lora_adapter from a folder
             digests=vllm_digests,
+            nccl_group=_vllm_nccl_group,  # vLLM's own trainer_init (PyNcclCommunicator)
             adapter_folders_kept=True,
         )
     from asyncrl.engines.rollout.sglang.client import SGLangClient
@@ -94,6 +96,14 @@ def weight_family(rollout: RolloutConfig | str, bucket_bytes: int = 1 << 30) -> 
         )
     assert isinstance(rc, LocalRolloutConfig)
     return WeightFamily("embedded engine", make_sglang, ipc=True)
+
+
+def _vllm_nccl_group(address: str, port: int, world_size: int, device: str) -> TrainerLink:
+    """Rank 0 of a vLLM NCCL weight group, with vLLM's trainer-side code (imported only now:
+    the optional extra ``asyncrl[vllm-trainer]``; see ``vllm/trainer_nccl.py``)."""
+    from asyncrl.engines.rollout.vllm.trainer_nccl import join_vllm_nccl
+
+    return join_vllm_nccl(address, port, world_size, device)
 
 
 def _vllm_check(infos: list[dict[str, Any]], pause_mode: str) -> bool:

@@ -50,6 +50,7 @@ from asyncrl.engines.rollout.base import (
     EngineControl,
     EngineError,
     EngineUnavailable,
+    TrainerLink,
     WeightFamily,
 )
 from asyncrl.procs import free_port
@@ -59,11 +60,9 @@ from asyncrl.transports.weights.base import (
 )
 from asyncrl.transports.weights.bucket import BucketManifest
 from asyncrl.transports.weights.collective_wire import (
+    TorchLink,
     bucket_extra,
-    destroy_weight_group,
-    finish_broadcast,
     new_weight_group,
-    post_broadcast,
 )
 from asyncrl.transports.weights.delta import DELTA_CAPABILITY
 from asyncrl.transports.weights.send_engines import EngineGroup, settle
@@ -157,6 +156,7 @@ class CollectiveWeightSender:
     ):
         self.cfg = cfg
         self.backend = backend
+        self.device = device
         self.engines = EngineGroup(engine_urls, cfg, self, pause_mode=pause_mode, family=family)
         live = self.engines.loads_live
         # a broadcast has read its buffer when it returns; a delta is one broadcast too
@@ -167,7 +167,7 @@ class CollectiveWeightSender:
         self._last: PushHandle | None = None
         self._flush = True  # flush SGLang's prefix cache with the last bucket (see form)
         self._chain: dict[str, asyncio.Future[Any]] = {}  # live loaders: each engine's last call
-        self._group: dist.ProcessGroup | None = None
+        self._link: TrainerLink | None = None  # rank 0's end of the formed group
         self._bcast = ThreadPoolExecutor(1, thread_name_prefix="weight-bcast")  # waits, in order
         # posts, in order, off the event loop: NCCL/HCCL set up their communicator on the
         # group's first collective, which blocks until every rank joins it
@@ -293,8 +293,17 @@ class CollectiveWeightSender:
             )
             for i, c in enumerate(clients)
         ]
-        own = asyncio.to_thread(
-            new_weight_group,
+        own = asyncio.to_thread(self._join, port, world)
+        results = await asyncio.gather(own, *calls)
+        self._link = results[0]
+
+    def _join(self, port: int, world: int) -> TrainerLink:
+        """Rank 0's join (in a thread): the family's own NCCL group where it has one (vLLM's
+        ``PyNcclCommunicator``, ``vllm/trainer_nccl.py``), else torch's group."""
+        own = self.engines.family.nccl_group
+        if self.backend == "nccl" and own is not None:
+            return own(self.cfg.master_address, port, world, self.device)
+        group = new_weight_group(
             self.backend,
             self.cfg.master_address,
             port,
@@ -304,15 +313,14 @@ class CollectiveWeightSender:
             self.cfg.timeout_s,
             self.cfg.master_address,
         )
-        results = await asyncio.gather(own, *calls)
-        self._group = results[0]
+        return TorchLink(group)
 
     async def teardown(self) -> None:
         """Leave the group (a stuck destroy is retried when re-formed); engines leave it."""
-        group, self._group = self._group, None
-        if group is not None:  # release the group's name (a stuck one is retried when re-formed)
+        link, self._link = self._link, None
+        if link is not None:  # release the group's name (a stuck one is retried when re-formed)
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(asyncio.to_thread(destroy_weight_group, group), 10.0)
+                await asyncio.wait_for(asyncio.to_thread(link.close), 10.0)
         for pool in (self._bcast, self._poster):
             pool.shutdown(wait=False)  # a broadcast stuck on a dead peer times out alone
         self._bcast = ThreadPoolExecutor(1, thread_name_prefix="weight-bcast")
@@ -360,11 +368,12 @@ class CollectiveWeightSender:
 
         It fails fast when an engine refused the bucket (it will never receive it).
         """
-        assert self._group is not None, "connect() first"
+        link = self._link
+        assert link is not None, "connect() first"
         loop = asyncio.get_running_loop()
         wire = flat.view(torch.uint8)  # bytes: SGLang's FlattenedTensorBucket, vLLM's packed chunk
-        work = await loop.run_in_executor(self._poster, post_broadcast, self._group, wire)
-        sent = loop.run_in_executor(self._bcast, finish_broadcast, work, flat)
+        work = await loop.run_in_executor(self._poster, link.post, wire)
+        sent = loop.run_in_executor(self._bcast, link.finish, work, flat)
         sent.add_done_callback(_seen)  # its error, when _watch raised first, is that one's
         return asyncio.ensure_future(self._watch(m, sent, acks, deadline))
 

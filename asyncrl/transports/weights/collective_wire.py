@@ -26,6 +26,7 @@ from asyncrl.net import gloo_options, tcp_store
 from asyncrl.transports.weights.bucket import BucketManifest
 
 __all__ = [
+    "TorchLink",
     "broadcast",
     "bucket_extra",
     "destroy_weight_group",
@@ -195,6 +196,23 @@ def finish_broadcast(work: dist.Work, tensor: torch.Tensor) -> None:
 def broadcast(group: dist.ProcessGroup, tensor: torch.Tensor, src: int = 0) -> None:
     """One broadcast on ``group``; returns once ``tensor`` may be reused (device synced)."""
     finish_broadcast(post_broadcast(group, tensor, src), tensor)
+
+
+class TorchLink:
+    """Trainer rank 0's :class:`~asyncrl.engines.rollout.base.TrainerLink` over a torch
+    process group made by :func:`new_weight_group` (Gloo, NCCL, HCCL)."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+
+    def post(self, tensor: torch.Tensor) -> dist.Work:
+        return post_broadcast(self.group, tensor)
+
+    def finish(self, work: dist.Work, tensor: torch.Tensor) -> None:
+        finish_broadcast(work, tensor)
+
+    def close(self) -> None:
+        destroy_weight_group(self.group)
 
 
 def bucket_extra(m: BucketManifest) -> dict[str, Any]:

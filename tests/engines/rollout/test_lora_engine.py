@@ -192,6 +192,33 @@ async def test_an_adapter_that_does_not_fit_is_refused_before_loading(
     assert info["bytes"] == 3 * per_version and info["capacity"] == 3
 
 
+async def test_an_adapter_handed_over_loads_beside_the_served_ones(
+    engine: LocalEngine, base: torch.nn.Module
+) -> None:
+    """What a CUDA IPC adapter push does once it copied the trainer's tensors (the copy needs
+    a GPU: tests/transports/weights/test_cuda_ipc_lora.py): ``WeightReceiver.commit`` with
+    them loads the version into the ring as a staged collective push does; a misfit one is
+    refused and nothing loads."""
+    from asyncrl.engines.rollout.local.weights import WeightReceiver
+
+    ring = engine.lora
+    assert ring is not None
+    recv = WeightReceiver(engine)
+    try:
+        good = _adapter(_peft_model(base, 7))
+        out = await recv.commit({"new_version": "1"}, good)
+        assert out["success"], out
+        assert ring.held() == ["0", "1"] and engine.weight_version == "1"
+        held = ring.factors("1")
+        assert all(torch.equal(held[n], t) for n, t in good)
+        bad = [(n, t[:, :-1] if "lora_A" in n else t) for n, t in good]
+        out = await recv.commit({"new_version": "2"}, bad)
+        assert not out["success"] and "shape (4, 63) != (4, 64)" in out["message"], out
+        assert ring.held() == ["0", "1"] and engine.weight_version == "1"
+    finally:
+        recv.close()
+
+
 async def _until(cond: Any, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not cond():

@@ -160,6 +160,39 @@ async def test_generate_batch_sends_a_group_as_one_request_with_n(vllm: VLLMStan
         await c.close()
 
 
+async def test_a_stream_with_n_interleaves_its_choices(vllm: VLLMStandIn) -> None:
+    """vLLM streams ``n = 2`` as one choice per chunk with its ``index``, the children's
+    chunks interleaved (tito/serving.py:681-754), each child's spans on its last chunk: the
+    stand-in plays it so; the client's ``generate_stream`` (one completion) refuses ``n``."""
+    import aiohttp
+
+    sp = {"n": 2, "max_tokens": 12, "ignore_eos": True, "logprobs": 0}
+    body = {"request_id": "sn", "token_ids": [1, 3], "stream": True, "sampling_params": sp}
+    chunks = []
+    async with aiohttp.ClientSession(headers=auth_headers()) as http:
+        async with http.post(vllm.url + "/inference/v1/generate", json=body) as resp:
+            async for line in resp.content:
+                text = line.decode().strip()
+                if text.startswith("data: ") and text != "data: [DONE]":
+                    chunks.append(json.loads(text[6:]))
+    order = [c["choices"][0]["index"] for c in chunks]
+    assert all(len(c["choices"]) == 1 for c in chunks) and set(order) == {0, 1}
+    assert order != sorted(order), order  # interleaved as the children decode
+    st = vllm.state()["reqs"]
+    for i in (0, 1):
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == i]
+        assert [t for m in mine for t in m["token_ids"]] == st[f"{i}_sn"]["output"]
+        assert [m["finish_reason"] for m in mine][-1] == "length"
+        spans = [m["weight_versions"] is not None for m in mine]
+        assert spans == [False] * (len(mine) - 1) + [True]
+    c = VLLMClient(vllm.url)
+    try:
+        with pytest.raises(ValueError, match="generate_batch"):
+            [p async for p in c.generate_stream([1, 3], {**SP, "n": 2})]
+    finally:
+        await c.close()
+
+
 async def test_abort_one_request_and_the_503_deadline(vllm: VLLMStandIn) -> None:
     c = VLLMClient(vllm.url, retry_503_s=0.3)
     try:

@@ -18,7 +18,9 @@ Protocol (SGLang's endpoints and field names, plus an ``asyncrl_bucket`` field):
   standby parameter set on a side stream (a CUDA graph of per-tensor copies or
   one multi-tensor copy); with ``commit`` switch to it at once (one call per
   sync), else stage it for ``/update_weight_version``. ``{"release": true}``
-  unmaps the sender's tensors (it closes).
+  unmaps the sender's tensors (it closes). An engine serving LoRA takes adapters this way
+  too: the mapped adapter tensors are copied aside and loaded into the ring beside the
+  served versions (``_ipc_adapter``), nothing pauses.
 - ``/update_weight_version`` {new_version}: the commit. When a verified update
   of that version is staged, the model switches to it between two decoding
   steps and only then reports the new version; otherwise only the label
@@ -72,7 +74,8 @@ log = logging.getLogger("asyncrl.engine.weights")
 
 _LORA_STAGED = (
     "this engine serves LoRA adapters: push them staged (update_weights_from_distributed with "
-    "asyncrl_bucket, then update_weight_version), which loads each version beside the others"
+    "asyncrl_bucket, then update_weight_version) or over CUDA IPC (update_weights_from_tensor), "
+    "which load each version beside the others"
 )
 
 
@@ -173,12 +176,12 @@ class WeightReceiver:
             )
         if self.engine.device.type != "cuda":
             raise WeightRequestError("update_weights_from_tensor (CUDA IPC) needs a CUDA engine")
-        if self.engine.lora is not None:
-            raise WeightRequestError(_LORA_STAGED)
         if desc.get("release"):  # the sender closes: unmap its tensors
             if self._ipc is not None:
                 self._ipc.release()
             return {"success": True, "message": "released"}
+        if self.engine.lora is not None:
+            return await self._ipc_adapter(desc)
         try:
             version, commit = int(desc["version"]), bool(desc.get("commit", False))
             pause = desc.get("pause")
@@ -244,6 +247,51 @@ class WeightReceiver:
             await asyncio.to_thread(self._ipc_switch, ready, str(version), pause_mode)
         timing |= {"gpu_wait_s": t3 - t2, "verify_s": t4 - t3, "switch_s": time.perf_counter() - t4}
         return ready, timing
+
+    async def _ipc_adapter(self, desc: dict[str, Any]) -> dict[str, Any]:
+        """A LoRA engine's CUDA IPC push: the sender's adapter tensors (PEFT's names), checked
+        against the base model once per layout, copied aside after the sender's event (the
+        answer comes once they are read), then loaded into the ring beside the served
+        versions (``commit``), or at ``/update_weight_version`` (several engines), exactly as
+        the collective path's staged buckets are. Nothing pauses."""
+        try:
+            version, commit = int(desc["version"]), bool(desc.get("commit", False))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise WeightRequestError(f"bad asyncrl_ipc descriptor: {exc!r}") from None
+        self._update = None
+        try:
+            staged = await asyncio.to_thread(self._ipc_adapter_copy, desc)
+        except (ValueError, RuntimeError, KeyError, TypeError) as exc:
+            return {"success": False, "message": f"adapter v{version}: {type(exc).__name__}: {exc}"}
+        if not commit:
+            self._update = _Update(version, 1, ready=staged)
+            return {"success": True, "message": f"adapter v{version} staged"}
+        return await self.commit({"new_version": str(version)}, staged)
+
+    def _ipc_adapter_copy(self, desc: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
+        from asyncrl.transports.weights.cuda_ipc_recv import IpcReceiver
+
+        ring = self.engine.lora
+        assert ring is not None
+        if self._ipc is None:
+            self._ipc = IpcReceiver(self.engine.device, {})  # mapping only: no standby sets
+        if self._ipc.map(desc):  # a new layout: checked against the base model once
+            try:
+                ring.check(list(zip(self._ipc.names, self._ipc.sources, strict=True)))
+            except ValueError:
+                self._ipc.layout_id = None
+                raise
+        stream = torch.cuda.current_stream(self.engine.device)
+        sender = self._ipc.event(desc.get("event"))
+        if sender is not None:
+            stream.wait_event(sender)  # the trainer's writes of this adapter are done
+        pairs = zip(self._ipc.names, self._ipc.sources, strict=True)
+        with torch.no_grad():
+            staged = [(n, t.clone()) for n, t in pairs]
+        stream.synchronize()  # read: the trainer may write its tensors again
+        if desc.get("verify") is not None:
+            self._ipc_verify([(n, t.contiguous()) for n, t in staged], list(desc["verify"]))
+        return staged
 
     def _ipc_map(self, desc: dict[str, Any]) -> None:
         from asyncrl.transports.weights.cuda_ipc_recv import IpcReceiver
@@ -445,12 +493,16 @@ class WeightReceiver:
         return {"success": True, "message": "updated"}
 
     # -- commit ------------------------------------------------------------------------
-    async def commit(self, body: dict[str, Any]) -> dict[str, Any]:
+    async def commit(
+        self, body: dict[str, Any], adapter: list[tuple[str, torch.Tensor]] | None = None
+    ) -> dict[str, Any]:
+        """``/update_weight_version``: switch to the staged update (``adapter``: a LoRA
+        engine's IPC push, loaded at once, not staged)."""
         version = body.get("new_version")
         if isinstance(version, bool) or not isinstance(version, str | int):
             raise WeightRequestError(f"new_version must be a string or an integer, got {version!r}")
         version = str(version)
-        up = self._update
+        up = self._update if adapter is None else _Update(int(version), 1, ready=adapter)
         if up is None:  # no staged update: SGLang's meaning, relabel only
             self.engine.weight_version = version
             return {"success": True, "message": "version label updated"}

@@ -300,7 +300,14 @@ class VLLMClient(KeyedHttp):
         """Yield the cumulative partial result after every chunk; the last one carries the
         finish reason and per-token versions from vLLM's spans (earlier ones: none, vLLM
         sends spans on the final chunk only). A 503 (or a retryable error
-        chunk before any token) waits for the resume and resends."""
+        chunk before any token) waits for the resume and resends. One completion only:
+        ``n > 1`` is refused (vLLM streams it as one choice per chunk, the children's chunks
+        interleaved by ``index``, tito/serving.py:681-754; use :meth:`generate_batch`)."""
+        if int(sampling_params.get("n", 1)) != 1:
+            raise ValueError(
+                "generate_stream streams one completion (vLLM interleaves the chunks of n > 1 "
+                "choices by index): use generate_batch for n > 1"
+            )
         body = self._body(input_ids, sampling_params, rid, stream=True)
         while True:
             try:
@@ -334,6 +341,10 @@ class VLLMClient(KeyedHttp):
                     if not chunk.get("choices"):
                         continue  # the usage chunk
                     choice = _choice(chunk)
+                    if choice.get("index", 0) != 0:  # n == 1: vLLM's one choice is index 0
+                        raise EngineError(
+                            GENERATE, 200, f"a stream chunk of choice {choice.get('index')!r}"
+                        )
                     ids += [int(t) for t in choice.get("token_ids") or []]
                     lps += _logprobs(choice)
                     finish = choice.get("finish_reason")

@@ -21,9 +21,10 @@ gpu_worker.py``, ``core`` = ``vllm/v1/engine/core.py``, ``nccl`` =
   ``stream``: SSE ``data:`` chunks of the delta, spans on the last, ``data: [DONE]``
   (tito/serving.py:646-820). Abort: ``finish_reason`` ``abort``. The engine's id of a
   request is ``generate-tokens-{request_id}`` (tito/serving.py:202-204), the id
-  ``/abort_requests`` matches. ``sampling_params.n > 1`` (not streamed): ``n`` children
+  ``/abort_requests`` matches. ``sampling_params.n > 1``: ``n`` children
   ``{i}_{request_id}`` decoded in the batch, answered once all finished as choices by
-  ``index`` (v1/engine/parallel_sampling.py:84-126).
+  ``index`` (v1/engine/parallel_sampling.py:84-126); streamed: one choice per chunk, the
+  children's chunks interleaved, each with its ``index`` (tito/serving.py:681-754).
 - ``POST /pause?mode=``: ``abort`` finishes every request (``abort``) and rejects new ones;
   ``wait`` lets running ones finish, rejects new ones, answers once drained; ``keep``
   freezes everything, new requests queue (core:951-981, 2226-2233). A rejected request
@@ -235,10 +236,6 @@ class StandIn:
             return self.answer(request, body, _error(missing, 404), 404)
         base = str(body.get("request_id") or f"auto-{time.monotonic_ns()}")
         n = int(sp.get("n") or 1)
-        if n > 1 and body.get("stream"):
-            return self.answer(
-                request, body, _error("stand-in: n > 1 streams not played", 400), 400
-            )
         reqs = [self._request(f"{i}_{base}" if n > 1 else base, body, sp) for i in range(n)]
         for r in reqs:  # parallel_sampling.py:84-96: children {i}_{id}, one external id
             r.adapter, r.adapter_name = adapter, (body.get("model") if adapter else None)
@@ -246,7 +243,7 @@ class StandIn:
             self.reqs[r.rid] = r
         self.wake.set()
         if body.get("stream"):
-            return await self._stream(request, body, reqs[0])
+            return await self._stream(request, body, reqs)
         for r in reqs:  # FINAL_ONLY: answered once every child finished (:120-126)
             while r.finish is None:
                 r.changed.clear()
@@ -276,23 +273,31 @@ class StandIn:
         self.log_call(request, body, 200)
         return web.Response(status=200, text=msg)
 
-    async def _stream(self, request: web.Request, body: Any, r: Req) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, body: Any, reqs: list[Req]) -> web.StreamResponse:
+        """SSE as tito/serving.py:646-820 writes it: one chunk per output that brought tokens
+        or finished, with that one choice and its ``index`` (:681-683, 690-698, 727-754); with
+        ``n > 1`` the children's chunks interleave as they decode (DELTA outputs are passed on
+        child by child, parallel_sampling.py:116-122; a finished child is not sent again);
+        spans on a child's final chunk only (output_processor.py:528); ``data: [DONE]``."""
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
-        sent = 0
-        while True:
-            final = r.finish is not None
-            if len(r.output) > sent or final:
-                choice = self._choice(r, r.output[sent:], r.logprobs[sent:], final)
-                sent = len(r.output)
+        sent = [0] * len(reqs)
+        done = [False] * len(reqs)
+        while not all(done):
+            for r in reqs:  # before reading their state: a change from here on wakes the wait
+                r.changed.clear()
+            for i, r in enumerate(reqs):
+                final = r.finish is not None
+                if done[i] or not (len(r.output) > sent[i] or final):
+                    continue
+                choice = self._choice(r, r.output[sent[i] :], r.logprobs[sent[i] :], final, i)
+                sent[i], done[i] = len(r.output), final
                 chunk = {"request_id": r.ext, "choices": [choice]}
                 await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
-            if final:
-                break
-            r.changed.clear()
-            await r.changed.wait()
+            if not all(done):
+                await _any_change([r for i, r in enumerate(reqs) if not done[i]])
         await resp.write(b"data: [DONE]\n\n")
-        self.log_call(request, {"rid": r.rid, "stream": True}, 200)
+        self.log_call(request, {"rid": reqs[0].rid, "stream": True, "n": len(reqs)}, 200)
         return resp
 
     async def _stream_error(self, request: web.Request, body: Any) -> web.StreamResponse:
@@ -567,6 +572,17 @@ class StandIn:
 
         app.on_startup.append(begin)
         return app
+
+
+async def _any_change(reqs: list[Req]) -> None:
+    """Wait until one of ``reqs`` made a token or finished since its ``changed`` event was
+    cleared."""
+    waits = [asyncio.ensure_future(r.changed.wait()) for r in reqs]
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()
 
 
 def _digest(sums: dict[str, str]) -> str:
