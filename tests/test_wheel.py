@@ -27,7 +27,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = 300
 # modules of optional backends that this environment does not install: their distributions
-NOT_INSTALLED = {"torch_npu": "torch-npu", "sglang": "sglang"}
+NOT_INSTALLED = {"torch_npu": "torch-npu", "sglang": "sglang", "vllm": "vllm"}
 
 
 def _norm(name: str) -> str:

@@ -47,7 +47,7 @@ def _samples(n: int) -> list[Sample]:
 
 
 async def test_interrupted_episodes_resume_with_their_tokens(engine_url: str) -> None:
-    budget = 3000
+    budget = 800
     cfg = RunConfig(
         controller=ControllerConfig(batch_size=3, max_staleness=1, batch_requests=False),
         algo=AlgoConfig(group_size=2),
@@ -60,7 +60,7 @@ async def test_interrupted_episodes_resume_with_their_tokens(engine_url: str) ->
         start = await _tokens(http, engine_url)
         ctl = Controller(cfg, _two_turns, [client], _samples(3), start_version=3)
         async with ctl:
-            # 6 x 6 turn-1 tokens, then every episode is decoding turn 2; its budget is far
+            # 6 x 6 turn-1 tokens, then every episode is decoding turn 2; its budget (800) is far
             # more than the engine decodes between two polls, even on a loaded machine
             while await _tokens(http, engine_url) < start + 90:
                 await asyncio.sleep(0.01)
