@@ -179,9 +179,12 @@ async def start_proxy(engine_url: str) -> tuple[str, Any]:
                 )
             out = web.StreamResponse(status=r.status, headers={"Content-Type": r.content_type})
             await out.prepare(request)
-            async for chunk in r.content.iter_any():
-                await out.write(chunk)
-            await out.write_eof()
+            try:
+                async for chunk in r.content.iter_any():
+                    await out.write(chunk)
+                await out.write_eof()
+            except ConnectionResetError:  # the client read its last event and hung up
+                pass
             return out
 
     app = web.Application()
