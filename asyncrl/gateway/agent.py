@@ -24,7 +24,7 @@ from asyncrl.config import RunConfig
 from asyncrl.gateway.app import AgentFn, Gateway
 from asyncrl.tasks.base import load_reward_fn
 
-__all__ = ["AgentSample", "agent_gateway", "agent_samples", "weather_agent"]
+__all__ = ["AgentSample", "agent_gateway", "agent_samples", "reverse_agent", "weather_agent"]
 
 CITIES = ["Paris", "Tokyo", "Lima", "Oslo", "Cairo", "Quito"]
 
@@ -137,3 +137,15 @@ async def weather_agent(client: Any, sample: AgentSample) -> float:
             out = json.dumps({"city": city, "weather": weather})
             msgs.append({"role": "tool", "tool_call_id": call.id, "content": out})
     return reward
+
+
+async def reverse_agent(client: Any, sample: AgentSample) -> float:
+    """The reverse task through ``/v1/completions`` (a base model: no chat template), for the
+    tiny default model (``asyncrl.tasks.tiny_model``): ``sample.prompt`` is ``<s> D1 .. Dn =``,
+    ``sample.answer`` the digits reversed (``"Dn .. D1"``); the reward is the fraction of
+    positions right, as the built-in ``reverse`` task's. ``examples/reverse_agent.jsonl``
+    holds every 2-digit sample."""
+    answer = str(sample.answer).split()
+    r = await client.completions.create(model="m", prompt=sample.prompt, max_tokens=len(answer) + 1)
+    out = r.choices[0].text.split()
+    return sum(a == b for a, b in zip(out, answer, strict=False)) / len(answer)
