@@ -23,7 +23,9 @@ first content chunk (the engine: its first event with a token). Added latency = 
 engine (p50, p99) at concurrency 1 (``--serial-sessions``), where it is the gateway's own
 cost per request, and at ``--concurrency``. Paired (the number to read on a shared
 machine): ``--serial-sessions`` sessions again, each gateway call followed at once by its
-own engine call replayed, the added latency per call a difference of neighbours.
+own engine call replayed, the added latency per call a difference of neighbours; and
+the same call through a pass-through proxy (aiohttp on the gateway's event loop, forwarding
+bytes only): the floor of any HTTP hop there, so gateway - floor is the gateway's own work.
 ``--hold N`` then opens N sessions at once (one 1-token completion each, all open
 together) and counts errors.
 
@@ -43,7 +45,14 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.bench import log_dir
-from asyncrl.bench.gateway_paths import Call, direct_run, gateway_run, hold_sessions, paired_run
+from asyncrl.bench.gateway_paths import (
+    Call,
+    direct_run,
+    gateway_run,
+    hold_sessions,
+    paired_run,
+    start_proxy,
+)
 
 __all__ = ["main"]
 
@@ -193,18 +202,26 @@ async def _bench(srv: Served, engine_url: str, args: argparse.Namespace) -> dict
                 if stream:
                     added["ttft_added_p50_ms"] = gw["ttft_p50_ms"] - direct["ttft_p50_ms"]
                 out.setdefault("added", []).append(added)
-    for stream in (False, True):
-        for sdk in (False, True):
-            diffs = await paired_run(srv, engine_url, args, stream, sdk)
-            out.setdefault("paired", []).append(
-                {
-                    "client": "openai" if sdk else "http",
-                    "mode": "stream" if stream else "whole",
-                    "requests": len(diffs),
-                    "added_p50_ms": 1e3 * _pct(diffs, 0.5),
-                    "added_p99_ms": 1e3 * _pct(diffs, 0.99),
-                }
-            )
+    proxy_url, proxy = srv.run(start_proxy(engine_url))
+    try:
+        for stream in (False, True):
+            for sdk in (False, True):
+                diffs, floor = await paired_run(srv, engine_url, args, stream, sdk, proxy_url)
+                own = [d - f for d, f in zip(diffs, floor, strict=True)]
+                out.setdefault("paired", []).append(
+                    {
+                        "client": "openai" if sdk else "http",
+                        "mode": "stream" if stream else "whole",
+                        "requests": len(diffs),
+                        "added_p50_ms": 1e3 * _pct(diffs, 0.5),
+                        "added_p99_ms": 1e3 * _pct(diffs, 0.99),
+                        "floor_p50_ms": 1e3 * _pct(floor, 0.5),
+                        "floor_p99_ms": 1e3 * _pct(floor, 0.99),
+                        "over_floor_p50_ms": 1e3 * _pct(own, 0.5),
+                    }
+                )
+    finally:
+        srv.run(proxy.cleanup())
     if args.hold:
         out["hold"] = await hold_sessions(srv, args.hold)
     return out
@@ -236,7 +253,9 @@ def _print(res: dict[str, Any]) -> None:
         print(
             f"added by the gateway, paired ({a['client']} client, {a['mode']}, each call then "
             f"its engine replay, {a['requests']} calls): p50 {a['added_p50_ms']:.2f} ms, "
-            f"p99 {a['added_p99_ms']:.2f} ms"
+            f"p99 {a['added_p99_ms']:.2f} ms; pass-through proxy floor p50 "
+            f"{a['floor_p50_ms']:.2f} ms, p99 {a['floor_p99_ms']:.2f} ms; gateway over the "
+            f"floor p50 {a['over_floor_p50_ms']:.2f} ms"
         )
     if "hold" in res:
         h = res["hold"]

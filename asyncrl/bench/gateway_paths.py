@@ -11,7 +11,7 @@ import time
 import uuid
 from typing import Any
 
-__all__ = ["Call", "direct_run", "gateway_run", "hold_sessions", "paired_run"]
+__all__ = ["Call", "direct_run", "gateway_run", "hold_sessions", "paired_run", "start_proxy"]
 
 Call = tuple[list[int], dict[str, Any]]  # (input ids, sampling params) of one /generate
 Row = tuple[float, "float | None", int]  # latency s, time to first token s, tokens
@@ -156,20 +156,79 @@ async def direct_run(
     return rows, wall
 
 
+async def start_proxy(engine_url: str) -> tuple[str, Any]:
+    """The floor of any HTTP service in front of the engine: an aiohttp server on the
+    caller's event loop (the gateway's own stack and loop) that forwards each request's
+    method, path, body and ``Authorization`` to the engine and sends the answer back
+    unchanged (an event stream chunk by chunk), nothing else. Returns (its URL, its
+    ``AppRunner``: ``await runner.cleanup()`` ends it)."""
+    import aiohttp
+    from aiohttp import web
+
+    http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600))
+
+    async def forward(request: web.Request) -> web.StreamResponse:
+        headers = {k: v for k in ("Authorization", "Content-Type") if (v := request.headers.get(k))}
+        url = engine_url + request.rel_url.path_qs
+        async with http.request(
+            request.method, url, data=await request.read(), headers=headers
+        ) as r:
+            if r.content_type != "text/event-stream":
+                return web.Response(
+                    body=await r.read(), status=r.status, content_type=r.content_type
+                )
+            out = web.StreamResponse(status=r.status, headers={"Content-Type": r.content_type})
+            await out.prepare(request)
+            try:
+                async for chunk in r.content.iter_any():
+                    await out.write(chunk)
+                await out.write_eof()
+            except ConnectionResetError:  # the client read its last event and hung up
+                pass
+            return out
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", forward)
+    app.on_cleanup.append(lambda _: http.close())
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return f"http://127.0.0.1:{runner.addresses[0][1]}", runner
+
+
+async def _replay(client: Any, ids: list[int], sp: dict[str, Any], stream: bool) -> float:
+    t0 = time.perf_counter()
+    if stream:
+        async for _ in client.generate_stream(ids, sp):
+            pass
+    else:
+        await client.generate(ids, sp)
+    return time.perf_counter() - t0
+
+
 async def paired_run(
-    srv: Any, engine_url: str, args: argparse.Namespace, stream: bool, sdk: bool
-) -> list[float]:
+    srv: Any,
+    engine_url: str,
+    args: argparse.Namespace,
+    stream: bool,
+    sdk: bool,
+    proxy_url: str = "",
+) -> tuple[list[float], list[float]]:
     """Serial sessions where each gateway call is followed at once by its own engine call
-    (recorded at the engine seam) replayed to the engine: the added latency of every call
-    as a difference of two neighbouring measurements, so a load that drifts over the run
-    (a shared machine) moves both alike. Returns the differences (s)."""
+    (recorded at the engine seam) replayed to the engine, and (``proxy_url``) the same call
+    through the pass-through proxy (:func:`start_proxy`): the added latency of every call
+    as a difference of neighbouring measurements, so a load that drifts over the run
+    (a shared machine) moves them alike. Returns the gateway's and the proxy's differences
+    from the engine call (s; the second list empty without a proxy)."""
     import aiohttp
 
     from asyncrl.engines.rollout.sglang import SGLangClient
 
     base = _client(4)
     engine = SGLangClient(engine_url, timeout_s=600)
+    proxy = SGLangClient(proxy_url, timeout_s=600) if proxy_url else None
     added: list[float] = []
+    floor: list[float] = []
     try:
         async with aiohttp.ClientSession() as http:
             for k in range(args.serial_sessions):
@@ -184,13 +243,10 @@ async def paired_run(
                         turl = f"{srv.url}/sessions/{sid}/v1"
                         row, text = await _raw_turn(http, turl, msgs, stream, args.max_tokens)
                     ((ids, sp),) = srv.take_calls()
-                    t0 = time.perf_counter()
-                    if stream:
-                        async for _ in engine.generate_stream(ids, sp):
-                            pass
-                    else:
-                        await engine.generate(ids, sp)
-                    added.append(row[0] - (time.perf_counter() - t0))
+                    direct = await _replay(engine, ids, sp, stream)
+                    added.append(row[0] - direct)
+                    if proxy is not None:
+                        floor.append(await _replay(proxy, ids, sp, stream) - direct)
                     msgs += [{"role": "assistant", "content": text}]
                     msgs += [{"role": "user", "content": f"And tomorrow, day {t + 1}?"}]
                 async with http.post(f"{srv.url}/sessions/{sid}/reward", json={"reward": 1}):
@@ -198,7 +254,9 @@ async def paired_run(
     finally:
         await base.close()
         await engine.close()
-    return added
+        if proxy is not None:
+            await proxy.close()
+    return added, floor
 
 
 async def hold_sessions(srv: Any, n: int) -> dict[str, Any]:

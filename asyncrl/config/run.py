@@ -10,6 +10,7 @@ from asyncrl.config.base import NonNegative, NonNegativeFloat, Positive, Positiv
 from asyncrl.config.gateway import GatewayConfig
 from asyncrl.config.lora import LoraConfig
 from asyncrl.config.rollout import (
+    DEFAULT_MAX_NEW_TOKENS,
     LocalRolloutConfig,
     RolloutConfig,
     SGLangRolloutConfig,
@@ -363,9 +364,12 @@ class RunConfig(_Section, frozen=True):
         ``reverse`` and per turn of ``agentic`` (the digits and the end token),
         ``task.longtail.max_len`` for ``longtail``, ``task.max_new_tokens`` for ``math``
         (0: ``MATH_BUDGET``, or ``TINY_MATH_BUDGET`` on the tiny default model, whose
-        context is 64 tokens)."""
+        context is 64 tokens); per completion of ``agent`` (a request naming no
+        ``max_tokens``), ``task.max_new_tokens`` or ``DEFAULT_MAX_NEW_TOKENS``."""
         if self.rollout.max_new_tokens > 0:
             return self.rollout.max_new_tokens
+        if self.task.name == "agent":
+            return self.task.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
         if self.task.name == "longtail":
             return self.task.longtail.max_len
         if self.task.name in ("reverse", "agentic"):

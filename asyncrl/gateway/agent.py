@@ -24,7 +24,7 @@ from asyncrl.config import RunConfig
 from asyncrl.gateway.app import AgentFn, Gateway
 from asyncrl.tasks.base import load_reward_fn
 
-__all__ = ["AgentSample", "agent_gateway", "agent_samples", "weather_agent"]
+__all__ = ["AgentSample", "agent_gateway", "agent_samples", "reverse_agent", "weather_agent"]
 
 CITIES = ["Paris", "Tokyo", "Lima", "Oslo", "Cairo", "Quito"]
 
@@ -74,7 +74,7 @@ def agent_gateway(cfg: RunConfig, model_path: str) -> Gateway:
             "task.name='agent' needs task.agent='package.module:function' or "
             "task.agent_command=[argv...] (one of the two)"
         )
-    budget = cfg.rollout.max_new_tokens or tc.max_new_tokens
+    budget = cfg.generation_budget()  # a completion naming no max_tokens (0 would be nothing)
     gw = Gateway(cfg.gateway, model_path, default_max_tokens=budget, sample_type=AgentSample)
     gw.agent = load_reward_fn(tc.agent) if tc.agent else command_agent(gw, tc.agent_command)
     return gw
@@ -112,8 +112,10 @@ def command_agent(gw: Gateway, argv: list[str]) -> AgentFn:
 async def weather_agent(client: Any, sample: AgentSample) -> float:
     """The built-in task's agent: ask, run the ``get_weather`` tool it calls, answer.
 
-    Reward: 0.5 for a ``get_weather`` call naming the sample's city, 0.5 for a final answer
-    that states the weather the tool returned."""
+    Reward (verifiable, from the transcript alone): 0.25 for a ``get_weather`` call naming
+    the sample's city, 0.75 for a final answer that is exactly ``It is WEATHER in CITY.``
+    (the weather the tool returned, the city asked about). The tiny chat model starts near
+    0.3 (it calls the tool, but often misstates the weather or the city) and learns both."""
     from asyncrl.tasks.tiny_chat_model import WEATHER_TOOL
 
     msgs: list[Any] = [{"role": "user", "content": sample.prompt}]
@@ -124,13 +126,26 @@ async def weather_agent(client: Any, sample: AgentSample) -> float:
         msg = r.choices[0].message
         msgs.append(msg.model_dump(exclude_none=True))
         if not msg.tool_calls:
-            return reward + (0.5 if weather in (msg.content or "") else 0.0)
+            answer = (msg.content or "").strip()
+            return reward + (0.75 if answer == f"It is {weather} in {sample.answer}." else 0.0)
         for call in msg.tool_calls:
             try:
                 city = json.loads(call.function.arguments).get("city")
             except (ValueError, AttributeError):
                 city = None
-            reward = 0.5 if city == sample.answer else reward
+            reward = 0.25 if city == sample.answer else reward
             out = json.dumps({"city": city, "weather": weather})
             msgs.append({"role": "tool", "tool_call_id": call.id, "content": out})
     return reward
+
+
+async def reverse_agent(client: Any, sample: AgentSample) -> float:
+    """The reverse task through ``/v1/completions`` (a base model: no chat template), for the
+    tiny default model (``asyncrl.tasks.tiny_model``): ``sample.prompt`` is ``<s> D1 .. Dn =``,
+    ``sample.answer`` the digits reversed (``"Dn .. D1"``); the reward is the fraction of
+    positions right, as the built-in ``reverse`` task's. ``examples/reverse_agent.jsonl``
+    holds every 2-digit sample."""
+    answer = str(sample.answer).split()
+    r = await client.completions.create(model="m", prompt=sample.prompt, max_tokens=len(answer) + 1)
+    out = r.choices[0].text.split()
+    return sum(a == b for a, b in zip(out, answer, strict=False)) / len(answer)

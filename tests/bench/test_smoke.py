@@ -199,6 +199,8 @@ def _gateway(res: dict[str, Any], out: str) -> None:
     paired = {(a["client"], a["mode"]): a for a in res["paired"]}
     assert set(paired) == {(c, m) for c in ("http", "openai") for m in ("whole", "stream")}
     assert all(a["requests"] == 2 for a in paired.values())  # 1 serial session x 2 turns
+    assert "pass-through proxy floor p50" in out  # the baseline of the paired phase
+    assert all(a["floor_p50_ms"] == a["floor_p50_ms"] for a in paired.values())  # not NaN
     assert res["hold"]["errors"] == 0 and res["hold"]["open_at_peak"] == 4
     assert res["hold"]["trajectories"] == 4
 

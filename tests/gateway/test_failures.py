@@ -198,6 +198,26 @@ def test_api_key_from_a_file(guarded: Served) -> None:
     assert [m.id for m in client.models.list()] == [guarded.gw.model]
 
 
+def test_reward_by_key_on_a_keyed_gateway(guarded: Served) -> None:
+    """``POST /v1/reward`` names its session by the session's own key (what an agent-mode
+    episode hands its client); the gateway's key names none (400); a missing or wrong key
+    is a 401 before anything else."""
+    sid = _sid()
+    client = openai.OpenAI(base_url=f"{guarded.url}/sessions/{sid}/v1", api_key=KEY)
+    client.chat.completions.create(
+        model=guarded.gw.model, messages=[{"role": "user", "content": "Hi"}], max_tokens=2
+    )
+    url = f"{guarded.url}/v1/reward"
+    for key, status in ((None, 401), ("wrong", 401), (KEY, 400)):
+        got, body = guarded.run(_http("POST", url, {"reward": 1}, key=key))
+        assert got == status and set(body["error"]) == {"message", "type", "param", "code"}
+    own = openai.OpenAI(base_url=f"{guarded.url}/v1", api_key=guarded.gw.sessions.by_id[sid].key)
+    assert own.post("/reward", body={"reward": 0.75}, cast_to=object) == {
+        "session": sid,
+        "reward": 0.75,
+    }
+
+
 def test_api_key_sources(chat_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ASYNCRL_TEST_GW_KEY", KEY)
     assert (

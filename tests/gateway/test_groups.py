@@ -75,20 +75,49 @@ def test_group_members_are_distinct_episodes(grouped: Served) -> None:
 
 
 def test_keys_name_members_too(grouped: Served) -> None:
-    """A Bearer key ``KEY.K`` opens member K of group KEY (a gateway without its own key)."""
+    """A Bearer key ``KEY.K`` opens member K of group KEY (a gateway without its own key),
+    and the same client posts its reward to ``base_url + "/reward"`` (``/v1/reward``: the
+    key names the session; the real client's own ``post``). Before: no such route (404)."""
     stem = "sk-" + uuid.uuid4().hex[:12]
     n = len(grouped.batches)
-    for k in range(G):
-        _chat(openai.OpenAI(base_url=f"{grouped.url}/v1", api_key=f"{stem}.{k}"), f"Hi {k}")
-    sids = []
-    for k in range(G):
-        s = grouped.gw.sessions.by_key[f"{stem}.{k}"]
-        sids.append(s.id)
-        url = f"{grouped.url}/sessions/{s.id}/reward"
-        assert grouped.run(_http("POST", url, {"reward": k}))[0] == 200
+    clients = [openai.OpenAI(base_url=f"{grouped.url}/v1", api_key=f"{stem}.{k}") for k in range(G)]
+    for k, client in enumerate(clients):
+        _chat(client, f"Hi {k}")
+    sids = [grouped.gw.sessions.by_key[f"{stem}.{k}"].id for k in range(G)]
+    for k, client in enumerate(clients):
+        got = client.post("/reward", body={"reward": k + 0.5}, cast_to=object)
+        assert got == {"session": sids[k], "reward": k + 0.5}
+    by_key = grouped.gw.sessions.by_key
+    _poll("the ended session to be forgotten", lambda: f"{stem}.0" not in by_key)
+    with pytest.raises(openai.NotFoundError):  # its episode is over: no open session
+        clients[0].post("/reward", body={"reward": 1}, cast_to=object)
     (group,) = _batch_after(grouped, n).groups
-    assert sorted(t.metadata["session"] for t in group) == sorted(sids)
+    assert {t.metadata["session"]: t.reward for t in group} == {sids[0]: 0.5, sids[1]: 1.5}
     assert sids[0].rsplit(".", 1)[0] == sids[1].rsplit(".", 1)[0]  # one group
+
+
+def test_reward_at_base_url_and_bad_rewards(grouped: Served) -> None:
+    """``POST {base_url}/reward`` for a session named in the URL too; bad input is a 4xx in
+    OpenAI's error JSON: no key on ``/v1/reward`` 400, a key of no session 404, a reward
+    that is no number 400 naming ``reward`` (the session stays open and takes a good one)."""
+    g = "rw" + uuid.uuid4().hex[:8]
+    n = len(grouped.batches)
+    for k in range(G):
+        client = openai.OpenAI(base_url=f"{grouped.url}/sessions/{g}.{k}/v1", api_key="x")
+        _chat(client, "Hello!")
+        for bad in ({"reward": "1"}, {"reward": True}, {"score": 1}, [1]):
+            with pytest.raises(openai.BadRequestError) as err:
+                client.post("/reward", body=bad, cast_to=object)
+            assert err.value.param == "reward"
+        assert client.post("/reward", body={"reward": -k}, cast_to=object)["reward"] == -k
+    status, body = grouped.run(_http("POST", f"{grouped.url}/v1/reward", {"reward": 1}))
+    assert status == 400 and "name a session" in body["error"]["message"]
+    status, body = grouped.run(
+        _http("POST", f"{grouped.url}/v1/reward", {"reward": 1}, key="sk-no-such-session")
+    )
+    assert status == 404 and body["error"]["type"] == "not_found"
+    (group,) = _batch_after(grouped, n).groups
+    assert sorted(t.reward for t in group) == [-1.0, 0.0]
 
 
 def test_plain_id_or_member_out_of_range_is_400(grouped: Served) -> None:
