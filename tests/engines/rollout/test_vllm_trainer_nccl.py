@@ -27,9 +27,10 @@ from asyncrl.config import load_config
 from asyncrl.engines.rollout.factory import weight_family
 from asyncrl.engines.rollout.vllm import TRAINER_EXTRA
 from asyncrl.preflight import preflight
-from asyncrl.procs import free_port, python_env
+from asyncrl.procs import free_port, python_env, stop
 from tests.engines.rollout.vllm.code import vllm_env
 from tests.engines.rollout.vllm.server import start_vllm
+from tests.runs import spawn_shared
 
 
 def _installed(dist: str) -> bool:
@@ -83,16 +84,16 @@ def test_trainer_side_rendezvous_against_the_standin(tmp_path: Path, tiny_model_
     two pushes arrive bit-exact on both ranks."""
     server = start_vllm(tiny_model_dir, tmp_path / "vllm", tp_size=2)
     try:
-        cmd = [sys.executable, "-m", "tests.engines.rollout.vllm.trainer_side", server.url]
-        out = subprocess.run(
-            [*cmd, str(tiny_model_dir)],
-            env=python_env(vllm_env()),
-            capture_output=True,
-            text=True,
-            timeout=180,
-        )
-        assert out.returncode == 0, out.stderr[-3000:] + server.log.read_text()[-2000:]
-        got = json.loads(out.stdout.splitlines()[-1])
+        cmd = ["-m", "tests.engines.rollout.vllm.trainer_side", server.url, str(tiny_model_dir)]
+        log = tmp_path / "trainer_side.log"  # forked from the shared server: torch imported
+        proc = spawn_shared(cmd, log, python_env(vllm_env()))
+        try:
+            code = proc.wait(180)
+        finally:
+            stop([proc])
+        text = log.read_text(errors="replace")
+        assert code == 0, text[-3000:] + server.log.read_text()[-2000:]
+        got = json.loads([ln for ln in text.splitlines() if ln.startswith("{")][-1])
         assert got["joins"] == [{"address": "127.0.0.1", "world_size": 3, "device": "cpu"}]
         st = server.state()
         assert st["label"] == "2"
