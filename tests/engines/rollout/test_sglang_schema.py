@@ -19,6 +19,7 @@ import functools
 import json
 import subprocess
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import msgspec
@@ -48,16 +49,30 @@ IGNORED = {  # fields SGLang drops (FastAPI ignores keys its body class does not
 }
 
 
-@functools.cache
-def _judge(version: str, payload: str) -> dict[str, Any]:
-    sglang_src(version)
-    proc = subprocess.run(
+def _run_judge(version: str, payload: str) -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run(
         [sys.executable, "-m", "tests.engines.rollout.sglang.wire_schema"],
         input=payload.encode(),
         capture_output=True,
         env=sglang_env(version),
         timeout=240,
     )
+
+
+@functools.cache
+def _judges(payload: str) -> dict[str, Future[subprocess.CompletedProcess[bytes]]]:
+    """Every version's judge started at once on ``payload`` (each imports its SGLang: most
+    of their time), so the first test waits for one judge and the next versions' are done."""
+    pool = ThreadPoolExecutor(len(VERSIONS))
+    try:
+        return {v: pool.submit(_run_judge, v, payload) for v in VERSIONS}
+    finally:
+        pool.shutdown(wait=False)
+
+
+def _judge(version: str, payload: str) -> dict[str, Any]:
+    sglang_src(version)  # skips, naming why, when that version's source is absent
+    proc = _judges(payload)[version].result(timeout=300)
     assert proc.returncode == 0, proc.stderr.decode()[-4000:]
     return json.loads(proc.stdout)
 
