@@ -139,7 +139,7 @@ def test_sigint_while_starting_exits_at_once_leaving_no_process(
         text = out.decode(errors="replace")
         assert proc.returncode == 130, text
         assert "Traceback" not in text and "before the first step" in text
-        assert took < 5, took
+        assert took < 15, took  # not waiting for a step: stop()'s SIGTERM grace is 5 s, then KILL
         assert not [name for name, pid in pids.items() if pid_alive(pid)]
     finally:
         if proc.poll() is None:

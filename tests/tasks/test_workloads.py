@@ -69,15 +69,16 @@ def _learns(tmp_path: Path, name: str, steps: int, knobs: list[str]) -> list[flo
 def _rose(rewards: list[float]) -> None:
     # 128 samples a step, reward 0/1 per digit: the untrained model is right ~8 % of the time
     # (sd of a 5-step mean ~0.011); a later 5-step mean lies 0.12 (> 7 sd) above the first
-    # 5 steps' only if the model learnt. When it takes off varies from run to run (async): one
-    # run reached +0.28 by step 40, another only +0.02 (longtail), so 50 steps
+    # 5 steps' only if the model learnt. When it takes off varies from run to run (async), most
+    # under load: quiet longtail runs reach +0.6 by step 50, one in a loaded CI run only +0.06
+    # (another at 40 steps +0.02), so longtail runs 60 steps
     first = statistics.mean(rewards[:5])
     best = max(statistics.mean(rewards[i : i + 5]) for i in range(5, len(rewards) - 4))
     assert best >= first + 0.12, rewards
 
 
 def test_longtail_run_learns(tmp_path: Path) -> None:
-    _rose(_learns(tmp_path, "longtail", 50, ["--task.longtail.max_len=64"]))
+    _rose(_learns(tmp_path, "longtail", 60, ["--task.longtail.max_len=64"]))
 
 
 def test_agentic_run_learns(tmp_path: Path) -> None:
