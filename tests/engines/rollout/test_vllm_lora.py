@@ -143,7 +143,12 @@ def test_lora_run_against_vllm(tmp_path: Path, tiny_model_dir: Path) -> None:
             want += [("unload", f"policy-v{v - 2}"), ("load", f"policy-v{v}")]
         assert [next(iter(e.items())) for e in lora["events"]] == want
         named = [c["body"]["model"] for c in wire if c["path"] == "/inference/v1/generate"]
-        assert named[0] is None and {f"policy-v{v}" for v in range(1, STEPS)} <= set(named)
+        # The first requests: version 0, the base model. Later ones name held versions only
+        # (all answered 200); which versions get requests depends on timing, but the
+        # last step's samples are at most max_staleness=1 behind: v{STEPS-2} or v{STEPS-1}.
+        adapters = set(named) - {None}
+        assert named[0] is None and adapters <= {f"policy-v{v}" for v in range(1, STEPS + 1)}
+        assert adapters & {f"policy-v{STEPS - 2}", f"policy-v{STEPS - 1}"}, named
         final = load_file(str(tmp_path / "run" / "final" / "adapter" / "adapter_model.safetensors"))
         assert lora["sha256"][f"policy-v{STEPS}"] == _sha(final)
     finally:

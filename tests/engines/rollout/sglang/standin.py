@@ -188,7 +188,12 @@ class StandIn:
             self.running += self.waiting
             self.waiting = []
             batch = self.lora.admit([r for r in self.running if r.finish is None])
-            await asyncio.to_thread(self._step, batch)
+            if batch:  # the forward in a thread; its tokens land here, on the event loop, where
+                # aborts are taken too: between steps, as SGLang's scheduler loop ingests them
+                # before each batch (scheduler.py:2026-2040), so no answer sees half a step
+                truth, label = self.truth(), self.label
+                logits = await asyncio.to_thread(self._forward, batch)
+                self._emit(batch, logits, truth, label)
             if self.step_s:
                 await asyncio.sleep(self.step_s)  # test knob: decode slower, so pushes overlap
             for r in batch:
@@ -198,9 +203,8 @@ class StandIn:
             self.running = [r for r in self.running if r.finish is None]
             await asyncio.sleep(0)
 
-    def _step(self, batch: list[Req]) -> None:
-        if not batch:
-            return
+    def _forward(self, batch: list[Req]) -> torch.Tensor:
+        """The last position's logits of each request of ``batch`` (in a worker thread)."""
         seqs = [r.input_ids + r.output for r in batch]
         width = max(len(s) for s in seqs)
         ids = torch.zeros(len(seqs), width, dtype=torch.long)
@@ -209,11 +213,16 @@ class StandIn:
             ids[i, width - len(s) :] = torch.tensor(s)
             mask[i, width - len(s) :] = 1
         pos = (mask.cumsum(1) - 1).clamp(min=0)
-        truth, label = self.truth(), self.label
         self.lora.rows = [r.lora_id for r in batch]
         with torch.no_grad():
-            logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -1]
+            return self.model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -1]
+
+    def _emit(self, batch: list[Req], logits: torch.Tensor, truth: Any, label: str) -> None:
+        """Each request's next token from ``logits``; a request aborted during the forward
+        gets none (its answer may be out already)."""
         for i, r in enumerate(batch):
+            if r.finish is not None:
+                continue
             t = max(r.temperature, 1e-5)
             lp = torch.log_softmax(logits[i].float() / t, -1)
             tok = int(lp.argmax()) if r.temperature == 0 else int(torch.multinomial(lp.exp(), 1))

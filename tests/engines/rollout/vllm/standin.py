@@ -346,7 +346,8 @@ class StandIn:
     async def abort_requests(self, request: web.Request) -> web.Response:
         body = await self.body(request)
         ids = body.get("request_ids") or None
-        n = self._abort(ids)
+        async with self.stepping:  # the core takes aborts between steps (core.py:1621-1630)
+            n = self._abort(ids)
         return self.answer(
             request, body, {"status": "aborted", "aborted": n if ids is None else len(ids)}
         )
