@@ -33,6 +33,7 @@ run's connection owns its children (killed when it closes); the run's secret and
 directory travel with each request (over the socket: never argv or environment). The
 shared server is not the run's: it is not in ``processes.json``, and the run's processes
 are not descendants of ``asyncrl run`` (their ``/proc/PID/environ`` is the server's).
+Benchmarks that start helper processes use it the same way (:func:`spawn_shared`).
 """
 
 from __future__ import annotations
@@ -48,9 +49,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from asyncrl.procs import pid_alive, python_env, spawn
+from asyncrl.procs import Proc, pid_alive, python_env, spawn
 
-__all__ = ["ENV_SHARED", "ForkServer", "Forked", "model_module"]
+__all__ = ["ENV_SHARED", "ForkServer", "Forked", "model_module", "spawn_shared"]
 
 ENV_SHARED = "ASYNCRL_FORK_SERVER"
 """A shared server's socket path: runs started with it fork their processes there."""
@@ -60,6 +61,9 @@ _TITLE_ROOM = 2048
 
 _START_TIMEOUT_S = 60.0
 """Seconds a fork may take to be answered (the server is idle otherwise)."""
+
+_connections: dict[str, ForkServer] = {}
+_connections_lock = threading.Lock()
 
 
 class Forked:
@@ -274,3 +278,28 @@ def model_module(model_path: str) -> str | None:
     if not isinstance(model_type, str) or not model_type.isidentifier():
         return None
     return f"transformers.models.{model_type}.modeling_{model_type}"
+
+
+def spawn_shared(
+    args: Sequence[str],
+    log_path: Path | None = None,
+    env: dict[str, str] | None = None,
+    die_with_parent: bool = False,
+) -> Proc:
+    """Start ``python ARGS`` forked from the shared fork server named by ``ASYNCRL_FORK_SERVER``
+    when one is set, answers and serves ``ARGS`` (``-m MODULE ...``); else a fresh process
+    (:func:`asyncrl.procs.spawn`, with ``die_with_parent``). A forked child ends when this
+    process's connection closes, however this process dies (the server SIGKILLs what a
+    closed connection started): what ``die_with_parent`` gives a fresh one. One connection
+    per server per process, opened at the first call."""
+    path = (env or os.environ).get(ENV_SHARED)
+    if path and ForkServer.serves(args):
+        try:
+            with _connections_lock:
+                server = _connections.get(path)
+                if server is None or not server.alive():
+                    server = _connections[path] = ForkServer.connect(path)
+            return server.spawn(args, log_path, env or python_env())
+        except (OSError, RuntimeError):
+            pass  # not up (yet), or gone: a fresh process
+    return spawn(args, log_path, env=env, die_with_parent=die_with_parent)

@@ -194,11 +194,19 @@ def rss_bytes(pid: int, peak: bool = False) -> int:
     return 0
 
 
-def finish(proc: subprocess.Popen, timeout_s: float) -> tuple[int, str]:
-    """Wait up to ``timeout_s`` for ``proc`` to exit; its return code and output as text.
+def finish(proc: Proc, timeout_s: float) -> tuple[int, str]:
+    """Wait up to ``timeout_s`` for ``proc`` to exit; its return code and output as text
+    (a ``Popen`` with pipes; "" for any other, whose output went to its log).
 
-    The process is killed if it is still running when the time is up (or on any error).
+    The process is killed if it is still running when the time is up (or on any error):
+    ``subprocess.TimeoutExpired`` then.
     """
+    if not isinstance(proc, subprocess.Popen):  # e.g. forked by a fork server
+        try:
+            return proc.wait(timeout_s), ""
+        finally:
+            if proc.poll() is None:
+                stop([proc], 0.0)
     try:
         out, _ = proc.communicate(timeout=timeout_s)
     finally:

@@ -10,21 +10,6 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 . .venv/bin/activate
-# pip, minus this kind of machine's noise about local index folders it does not have
-pip_install() { python -m pip install -q "$@" 2>&1 | { grep -v "^WARNING: Location 'file:" || true; }; }
-python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-if ! python -c "import torch" >/dev/null 2>&1; then
-  if [ -n "${ASYNCRL_TORCH_SPEC:-}" ]; then
-    pip_install "$ASYNCRL_TORCH_SPEC"
-  elif ! command -v nvidia-smi >/dev/null 2>&1; then
-    pip_install "torch==2.13.0"
-  fi
-fi
-# sglang-wire: what SGLang's weight-sync modules need to import here (skipped where SGLang
-# itself is installed, e.g. a GPU machine, which brings its own, possibly other, versions)
-extras=test
-python -c "import sglang" >/dev/null 2>&1 || extras=test,sglang-wire
-pip_install -e ".[$extras]"
 # SGLang's and vLLM's own source for the tests that play their side with their code (the
 # weight group's receiving ranks, SGLang's flattened-bucket class, vLLM's StatelessProcessGroup
 # and packed_tensor.py; tests/engines/rollout/vllm/code.py says what imports here): each
@@ -57,6 +42,25 @@ for v in 0.5.10 0.5.22 0.5.23; do
   unpack_source sglang "$v" "sglang-$v.dist-info/entry_points.txt"
 done
 unpack_source vllm 0.33.0 vllm/distributed/utils.py
+# The packages (a function, run below): skipped when this set-up already ran with this very
+# pyproject.toml and setup.sh into this .venv (pip's resolver alone takes ~10 s, paid by every
+# `bash scripts/test`); ASYNCRL_SETUP=force runs them anyway. A new .venv always runs them.
+install_packages() {
+# pip, minus this kind of machine's noise about local index folders it does not have
+pip_install() { python -m pip install -q "$@" 2>&1 | { grep -v "^WARNING: Location 'file:" || true; }; }
+python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+if ! python -c "import torch" >/dev/null 2>&1; then
+  if [ -n "${ASYNCRL_TORCH_SPEC:-}" ]; then
+    pip_install "$ASYNCRL_TORCH_SPEC"
+  elif ! command -v nvidia-smi >/dev/null 2>&1; then
+    pip_install "torch==2.13.0"
+  fi
+fi
+# sglang-wire: what SGLang's weight-sync modules need to import here (skipped where SGLang
+# itself is installed, e.g. a GPU machine, which brings its own, possibly other, versions)
+extras=test
+python -c "import sglang" >/dev/null 2>&1 || extras=test,sglang-wire
+pip_install -e ".[$extras]"
 # The type checker scripts/test runs (also in the test extra), pinned: another mypy reports
 # other errors. Skipped when that version is there.
 MYPY=2.4.1
@@ -75,4 +79,13 @@ sys.exit(any(version(n) != v for n, v in (a.split("==") for a in sys.argv[1:])))
 PY
 then
   pip_install $EXTRAS
+fi
+}
+stamp=.venv/.asyncrl-setup
+want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
+if [ "${ASYNCRL_SETUP:-}" = force ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] \
+    || ! python -c "import asyncrl" >/dev/null 2>&1; then
+  rm -f "$stamp"
+  install_packages
+  echo "$want" > "$stamp"
 fi

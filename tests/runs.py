@@ -9,15 +9,14 @@ import subprocess
 import time
 from pathlib import Path
 
+from asyncrl import forkserver
 from asyncrl.controllers.checkpoints import latest_checkpoint
-from asyncrl.forkserver import ENV_SHARED, ForkServer
-from asyncrl.procs import Proc, descendants, finish, pid_alive, spawn
+from asyncrl.procs import Proc, descendants, finish, pid_alive
 
 MARK = "ASYNCRL_TEST_MARK"
 """Environment variable a test sets on a run: every process the run starts inherits it."""
 
 
-_shared: dict[str, ForkServer] = {}
 shared_server_pid: int | None = None
 """The test session's shared fork server (tests/conftest.py), while it runs."""
 
@@ -29,19 +28,11 @@ def forked_by_shared_server() -> set[int]:
 
 
 def spawn_shared(args: list[str], log: Path, env: dict[str, str]) -> Proc:
-    """Start ``python ARGS`` (``-m MODULE ...``) as :func:`asyncrl.procs.spawn` would, forked
-    from the test session's shared fork server when there is one (tests/conftest.py): a
-    stand-in server then skips importing torch. Its own session, log, environment
+    """Start ``python ARGS`` (``-m MODULE ...``) forked from the test session's shared fork
+    server when there is one (tests/conftest.py; :func:`asyncrl.forkserver.spawn_shared`):
+    a stand-in server then skips importing torch. Its own session, log, environment
     (``PYTHONPATH`` first on its path); stopped by pid like any other."""
-    path = os.environ.get(ENV_SHARED)
-    if path and ForkServer.serves(args):
-        try:
-            if path not in _shared or not _shared[path].alive():
-                _shared[path] = ForkServer.connect(path)
-            return _shared[path].spawn(args, log, env)
-        except (OSError, RuntimeError):
-            pass  # not up yet, or gone: a fresh process
-    return spawn(args, log, env=env)
+    return forkserver.spawn_shared(args, log, env)
 
 
 def marked_pids(mark: str) -> list[int]:

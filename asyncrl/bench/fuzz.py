@@ -64,11 +64,12 @@ async def http_fuzz(n: int, model_path: str, concurrency: int, seed: int, log: P
     from asyncrl.bench.fuzz_experience import rss_kb
     from asyncrl.bench.fuzz_http import cases, send
     from asyncrl.engines.rollout.sglang import SGLangClient
-    from asyncrl.procs import free_port, spawn, stop
+    from asyncrl.forkserver import spawn_shared
+    from asyncrl.procs import free_port, stop
 
     port = free_port()
     args = ["-m", "asyncrl.cli", "serve", "--model-path", model_path, "--port", str(port)]
-    proc = spawn([*args, "--threads", "1"], log, die_with_parent=True)
+    proc = spawn_shared([*args, "--threads", "1"], log, die_with_parent=True)
     url = f"http://127.0.0.1:{port}"
     try:
         probe = SGLangClient(url)

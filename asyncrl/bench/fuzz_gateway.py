@@ -137,14 +137,17 @@ async def run(n: int, concurrency: int, seed: int, log: Path) -> dict[str, Any]:
     from asyncrl.config import AlgoConfig, ControllerConfig, GatewayConfig, RunConfig
     from asyncrl.controllers.controller import Controller
     from asyncrl.engines.rollout.sglang import SGLangClient
+    from asyncrl.forkserver import spawn_shared
     from asyncrl.gateway import Gateway
-    from asyncrl.procs import free_port, spawn, stop
+    from asyncrl.procs import free_port, stop
     from asyncrl.tasks.tiny_chat_model import ensure_tiny_chat_model
 
     model = ensure_tiny_chat_model()
     port = free_port()
     args = ["-m", "asyncrl.entrypoints.engine", "--model-path", str(model), "--port", str(port)]
-    proc = spawn([*args, "--threads", "1", "--max-batch-size", "64"], log, die_with_parent=True)
+    proc = spawn_shared(
+        [*args, "--threads", "1", "--max-batch-size", "64"], log, die_with_parent=True
+    )
     engine = SGLangClient(f"http://127.0.0.1:{port}")
     cfg = RunConfig(
         controller=ControllerConfig(batch_size=1, max_staleness=1 << 30),

@@ -225,7 +225,8 @@ class _Children:
 
     def start(self, name: str, extra: list[str], port: int = 0) -> Any:
         """Start ``extra`` (``{port}`` in it: a port free on the receiving node)."""
-        from asyncrl.procs import free_port, python_env, spawn
+        from asyncrl.forkserver import spawn_shared
+        from asyncrl.procs import free_port, python_env
 
         proc: Any  # a NodeProcess or a Popen, tagged with the port it serves on
         if self.args.ray:
@@ -237,21 +238,25 @@ class _Children:
         else:
             port = free_port(self.args.recv_host)
             log = self.logs / f"{name}-{len(self.procs)}.log"
-            proc = spawn([*self.me, *_fill(extra, port)], log, python_env(), die_with_parent=True)
+            cmd = [*self.me, *_fill(extra, port)]
+            proc = spawn_shared(cmd, log, python_env(), die_with_parent=True)
         self.procs.append(proc)
         proc.bench_port = port
         return proc
 
     def local(self, *procs: Any) -> list[Any]:
         """The ones whose pid means something in this /proc (for the CPU columns)."""
-        return [p for p in procs if isinstance(p, subprocess.Popen)]
+        from asyncrl.forkserver import Forked
+
+        return [p for p in procs if isinstance(p, (subprocess.Popen, Forked))]
 
     def stop(self) -> None:
         from asyncrl.procs import stop
 
-        stop(self.local(*self.procs))
+        local = self.local(*self.procs)
+        stop(local)
         for p in self.procs:
-            if not isinstance(p, subprocess.Popen):  # a Ray NodeProcess
+            if p not in local:  # a Ray NodeProcess
                 p.stop()
         if self.args.ray:
             import ray

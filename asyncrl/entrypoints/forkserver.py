@@ -193,6 +193,10 @@ def _become(req: dict[str, Any], out: int | None) -> None:
         os.chdir(req["cwd"])
     os.environ.clear()
     os.environ.update(env)
+    if "tempfile" in sys.modules:  # its folder comes from TMPDIR, read once: read it anew
+        import tempfile
+
+        tempfile.tempdir = None
     # a fresh interpreter puts PYTHONPATH first on sys.path: entries the server lacks go
     # there (what it imported already stays as imported)
     extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]

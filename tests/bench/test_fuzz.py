@@ -6,11 +6,12 @@ is restored (not a reject), the valid messages after it all bit-exact."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from asyncrl.forkserver import spawn_shared
+from asyncrl.procs import finish, python_env
 
 REQUESTS, MESSAGES, PRODUCER_MESSAGES, CUTS, HEAVY = 100, 200, 60, 2, 1
 GATEWAY_REQUESTS = 80
@@ -23,14 +24,12 @@ def test_bench_fuzz_small(tiny_model_dir: Path, tmp_path: Path) -> None:
             "--producer-messages", PRODUCER_MESSAGES, "--cuts", CUTS, "--heavy", HEAVY,
             "--limit-mb", 1, "--model-path", tiny_model_dir, "--json", out,
             "--gateway-requests", GATEWAY_REQUESTS]  # fmt: skip
-    proc = subprocess.run(
-        [sys.executable, "-m", "asyncrl.cli", "bench", "fuzz", *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=100,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "asyncrl serve" in proc.stdout and "experience -> consumer" in proc.stdout
+    log = tmp_path / "log"
+    cmd = ["-m", "asyncrl.cli", "bench", "fuzz", *map(str, args)]
+    code, _ = finish(spawn_shared(cmd, log, python_env()), 100)  # forked: no imports
+    text = log.read_text(errors="replace")
+    assert code == 0, text[-4000:]
+    assert "asyncrl serve" in text and "experience -> consumer" in text
     res = json.loads(out.read_text())
     assert res["failures"] == []
     h, e = res["http"], res["experience"]
@@ -51,7 +50,7 @@ def test_bench_fuzz_small(tiny_model_dir: Path, tmp_path: Path) -> None:
     assert p["disconnects"] >= CUTS
     assert e["valid_after"] == {"bit_exact": True, "report_received": True}
     g = res["gateway"]  # hostile OpenAI requests: 4xx in OpenAI's JSON, retries one turn
-    assert "http -> gateway" in proc.stdout and g["sent"] >= GATEWAY_REQUESTS
+    assert "http -> gateway" in text and g["sent"] >= GATEWAY_REQUESTS
     assert g["5xx"] == g["unanswered"] == g["not_openai_error"] == 0 and g["alive"]
     assert g["by_status"].get("400", 0) > 0 and g["retried_sessions"] > 0
     assert g["recorded_twice"] == g["retried_without_turn"] == 0

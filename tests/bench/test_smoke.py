@@ -12,7 +12,6 @@ process is ended by pid.
 from __future__ import annotations
 
 import json
-import subprocess
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,7 +20,8 @@ from typing import Any
 import pytest
 
 from asyncrl.bench import BENCHES
-from asyncrl.procs import python_env, spawn, stop
+from asyncrl.forkserver import spawn_shared
+from asyncrl.procs import Proc, python_env, stop
 
 # test id -> (bench name, its arguments: tiny sizes)
 SMOKE: dict[str, tuple[str, list[str]]] = {  # the longest first
@@ -107,7 +107,7 @@ class _Runs:
     AT_ONCE = 2
 
     def __init__(self, todo: list[tuple[str, list[str], Path]]):
-        self.procs: dict[str, subprocess.Popen] = {}
+        self.procs: dict[str, Proc] = {}
         self.started = {test_id: threading.Event() for test_id, _, _ in todo}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(todo,), daemon=True)
@@ -122,7 +122,8 @@ class _Runs:
                 return
             tmp = folder / "tmp"  # the bench's temporary files: none may be left behind
             tmp.mkdir()
-            self.procs[test_id] = spawn(cmd, folder / "log", python_env({"TMPDIR": str(tmp)}))
+            env = python_env({"TMPDIR": str(tmp)})
+            self.procs[test_id] = spawn_shared(cmd, folder / "log", env)  # forked: no imports
             self.started[test_id].set()
 
     def close(self) -> None:
@@ -306,7 +307,7 @@ def test_weight_sync_into_the_vllm_standin(tmp_path: Path) -> None:
         cmd = ["-m", "asyncrl.cli", "bench", "weight-sync", "--engine=vllm", f"--urls={server.url}"]
         cmd += ["--model=tiny", "--dtype=float32", "--repeats=1", "--modes=overlap,full-verify"]
         cmd += ["--bucket-mb=1", f"--json={out}"]
-        code, log = finish(spawn(cmd, tmp_path / "log", python_env()), TIMEOUT_S)
+        code, log = finish(spawn_shared(cmd, tmp_path / "log", python_env()), TIMEOUT_S)
         log = (tmp_path / "log").read_text(errors="replace")
         assert code == 0, log[-4000:]
         rows = json.loads(out.read_text())

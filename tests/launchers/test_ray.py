@@ -20,7 +20,8 @@ from typing import Any
 import pytest
 
 from asyncrl import secret
-from asyncrl.procs import finish, pid_alive, python_env, spawn, stop
+from asyncrl.forkserver import spawn_shared
+from asyncrl.procs import finish, pid_alive, python_env, stop
 from tests.launchers.cluster import (
     HEAD,
     WORKER,
@@ -139,7 +140,7 @@ def _both_layouts(ray_cluster: Cluster, tmp_path: Path, args: list[str]) -> dict
         for layout, extra in layouts.items():
             cmd = ["-m", "asyncrl.cli", *args, "--json", str(tmp_path / f"{layout}.json")]
             log = tmp_path / f"{layout}.log"
-            procs[layout] = spawn([*cmd, *extra], log, python_env(ray_cluster.env))
+            procs[layout] = spawn_shared([*cmd, *extra], log, python_env(ray_cluster.env))
         for layout, proc in procs.items():
             code = proc.wait(240)
             assert code == 0, (tmp_path / f"{layout}.log").read_text(errors="replace")[-4000:]

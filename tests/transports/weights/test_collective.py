@@ -23,7 +23,7 @@ from tests.runs import spawn_shared
 
 CFG = GlooWeightsConfig(bucket_mb=1, min_buckets=2, timeout_s=60.0)
 ENGINE = ["-m", "asyncrl.entrypoints.engine"]
-FAULTY = [str(Path(__file__).with_name("faulty_engine.py"))]  # the engine, failing as told
+FAULTY = ["-m", "tests.transports.weights.faulty_engine"]  # the engine, failing as told (forked)
 
 
 @pytest.fixture(scope="module")
