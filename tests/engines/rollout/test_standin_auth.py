@@ -27,6 +27,7 @@ from asyncrl import secret
 from tests.engines.rollout.sglang.code import sglang_src
 from tests.engines.rollout.sglang.server import start_standin
 from tests.engines.rollout.vllm.server import start_vllm
+from tests.runs import leaks
 
 
 def _status(url: str, method: str = "GET", key: str | None = None, body: object = None) -> int:
@@ -116,5 +117,8 @@ def test_vllm_standin_with_the_launchers_middleware_guards_every_route(
         assert server.state() == before  # label, pushes, update calls, weights' sha256, reqs
         assert _status(server.url + "/pause?mode=keep", "POST", secret.load()) == 200
         assert server.get("/is_paused")["is_paused"] is True  # the key opens it
+        # the guard's flag is an import path: the key is in the server's memory only
+        assert leaks(secret.load(), tmp_path, [server.proc.pid]) == []
+        assert b"--middleware=" in Path(f"/proc/{server.proc.pid}/cmdline").read_bytes()
     finally:
         server.stop()
