@@ -42,6 +42,7 @@ __all__ = [
     "curve_keys",
     "generate",
     "handoff",
+    "held",
     "load",
     "read_file",
     "use",
@@ -114,6 +115,16 @@ def load(path: str = "") -> str:
     global _current
     if _current is None:
         _current = _from_pipe() or _from_user(path) or generate()
+    return _current
+
+
+def held(path: str = "") -> str | None:
+    """This process's secret as :func:`load` finds it, but never a fresh one: None when
+    neither this process, its parent's pipe, ``ASYNCRL_SECRET`` nor a file gives one (a
+    server guarded by a key nobody holds, :mod:`asyncrl.engines.rollout.vllm.auth`)."""
+    global _current
+    if _current is None:
+        _current = _from_pipe() or _from_user(path)
     return _current
 
 

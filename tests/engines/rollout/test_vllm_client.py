@@ -17,6 +17,8 @@ import torch
 from asyncrl.config import VLLMRolloutConfig
 from asyncrl.engines.rollout.base import EngineUnavailable
 from asyncrl.engines.rollout.launcher import KEYED, launch_command
+from asyncrl.engines.rollout.vllm import auth
+from asyncrl.engines.rollout.vllm.auth import MIDDLEWARE
 from asyncrl.engines.rollout.vllm.client import VLLMClient, expand_spans, vllm_sampling
 from asyncrl.engines.rollout.vllm.control import packed_chunks
 from asyncrl.engines.rollout.vllm.launcher import VLLM_CLI, vllm_spec
@@ -25,6 +27,7 @@ from asyncrl.secret import auth_headers
 from asyncrl.transports.weights.bucket import BucketManifest, pack_into, plan_buckets, spec_of
 from tests.engines.rollout.vllm.code import packed_tensor
 from tests.engines.rollout.vllm.server import VLLMStandIn, start_vllm
+from tests.engines.rollout.vllm.standin import arg_parser
 
 SP = {"max_new_tokens": 30, "ignore_eos": True}
 
@@ -268,3 +271,11 @@ def test_launch_command() -> None:
     kind, _, argv = keyed_argv(cmdline[4:], "--api-key", "-s3cret-0123456789abcdef")
     assert kind == "-c" and argv[:2] == ["-c", "serve"]
     assert argv[-1] == "--api-key=-s3cret-0123456789abcdef"  # one word: a leading "-" is kept
+    # every route guarded by the run secret: vLLM's --middleware (common/cli_args.py:361,
+    # append action :406-411; vLLM's parser does not import here), read by the stand-in's
+    assert f"--middleware={MIDDLEWARE}" in args
+    assert MIDDLEWARE == f"{auth.__name__}.{auth.RunSecretMiddleware.__name__}"
+    own = ["--port", "1", "--model-path", "/m"]  # the stand-in's required flags
+    got, _ = arg_parser().parse_known_args([*argv[2:], *own])
+    assert got.middleware == [MIDDLEWARE] and got.api_key == "-s3cret-0123456789abcdef"
+    assert not any("s3cret" in a for a in cmdline)  # the key is in memory only

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 from asyncrl.config import LoraConfig, VLLMRolloutConfig
 from asyncrl.engines.rollout.launcher import LaunchSpec, stored_dtype
+from asyncrl.engines.rollout.vllm.auth import MIDDLEWARE
 
 __all__ = [
     "VLLM_CLI",
@@ -58,8 +59,11 @@ def vllm_dtype(rc: VLLMRolloutConfig, model_path: str) -> str:
 
 
 def vllm_args(rc: VLLMRolloutConfig, model_path: str, port: int, host: str, seed: int) -> list[str]:
-    """``vllm serve`` arguments of one engine (``rc.extra_args`` last)."""
-    args = [model_path, "--host", host, "--port", str(port)]
+    """``vllm serve`` arguments of one engine (``rc.extra_args`` last). ``--middleware``:
+    the run secret on every route (:mod:`asyncrl.engines.rollout.vllm.auth`; vLLM's own
+    ``--api-key``, added by :mod:`asyncrl.entrypoints.keyed`, guards ``/v1`` and
+    ``/inference`` only)."""
+    args = [model_path, "--host", host, "--port", str(port), f"--middleware={MIDDLEWARE}"]
     args += ["--dtype", vllm_dtype(rc, model_path), "--seed", str(seed)]
     args += ["--tensor-parallel-size", str(rc.tp_size)]
     args += ["--weight-transfer-config", json.dumps({"backend": "nccl"})]

@@ -10,7 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from asyncrl.config import VLLMRolloutConfig
 from asyncrl.engines.rollout.launcher import KEYED
+from asyncrl.engines.rollout.vllm.launcher import vllm_args
 from asyncrl.procs import free_port, python_env, stop
 from asyncrl.secret import auth_headers
 from tests.engines.rollout.vllm.code import vllm_env, vllm_src
@@ -52,9 +54,12 @@ def start_vllm(
     timeout_s: float = 120.0,
     flags: tuple[str, ...] = (),
     env: dict[str, str] | None = None,
+    guard: bool = True,
 ) -> VLLMStandIn:
     """The vLLM 0.33 stand-in on a free loopback port, once its ``/health`` answers;
-    ``flags`` / ``env``: vLLM server flags and environment it plays (LoRA: ``lora.py``)."""
+    ``flags`` / ``env``: vLLM server flags and environment it plays (LoRA: ``lora.py``);
+    ``guard``: with the ``--middleware`` flag of asyncrl's launcher (the run secret on every
+    route); False: vLLM's ``--api-key`` alone."""
     vllm_src()
     port = free_port()
     folder.mkdir(parents=True, exist_ok=True)
@@ -65,6 +70,9 @@ def start_vllm(
     args += ["--model-path", str(model_dir), "--tp-size", str(tp_size), "--calls", str(calls)]
     args += ["--fail-calls", fail_calls, "--corrupt-calls", corrupt_calls]
     args += ["--step-s", str(step_s), "--log", str(log), *flags]
+    if guard:  # the launcher's own flag, taken from the arguments it gives vLLM
+        launched = vllm_args(VLLMRolloutConfig(), str(model_dir), port, "127.0.0.1", 0)
+        args += [a for a in launched if a.startswith("--middleware")]
     proc = spawn_shared(args, log, python_env({**vllm_env(), **(env or {})}))
     server = VLLMStandIn(f"http://127.0.0.1:{port}", proc, calls, log)
     deadline = time.monotonic() + timeout_s
@@ -72,8 +80,12 @@ def start_vllm(
         if proc.poll() is not None:
             raise RuntimeError(f"vLLM stand-in exited: {log.read_text()[-3000:]}")
         try:
-            urllib.request.urlopen(server.url + "/health", timeout=2).close()
+            req = urllib.request.Request(server.url + "/health", headers=auth_headers())
+            urllib.request.urlopen(req, timeout=2).close()
             return server
+        except urllib.error.HTTPError as exc:  # it answered, and not 200: no use waiting
+            server.stop()
+            raise RuntimeError(f"vLLM stand-in's /health: HTTP {exc.code}") from None
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             if time.monotonic() > deadline:
                 server.stop()

@@ -54,6 +54,10 @@ gpu_worker.py``, ``core`` = ``vllm/v1/engine/core.py``, ``nccl`` =
 - ``--api-key``: vLLM's ``AuthenticationMiddleware`` (serve/middleware/authenticate.py):
   only paths under ``/v1``, ``/v2``, ``/inference``, ``/cohere`` need the Bearer key
   (:11, :59-61); the RL routes above are served to anyone (see ``_api_key_middleware``).
+- ``--middleware MODULE.NAME`` (repeatable, common/cli_args.py:361-366, :406-411): the
+  class imported and run as vLLM adds it, outside vLLM's own middleware (register.py:57-66);
+  here on aiohttp through an ASGI bridge (``_asgi_middleware``): asyncrl's launcher passes
+  its run-secret guard (asyncrl/engines/rollout/vllm/auth.py).
 
 Test-only: ``GET /standin/state`` (ground truth: per request the version of the weights
 that made each token and its label; per push and rank the sha256 of every tensor).
@@ -64,6 +68,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
+import importlib
+import inspect
 import json
 import secrets
 import time
@@ -548,7 +554,10 @@ class StandIn:
         return web.json_response(content, status=status)
 
     def app(self) -> web.Application:
-        mw = [_api_key_middleware(self.args.api_key)] if self.args.api_key else []
+        # register.py: --api-key's middleware (:32-36) is added before --middleware's
+        # (:57-66), and Starlette runs the last added first (applications.py:107)
+        mw = [_asgi_middleware(path) for path in self.args.middleware]
+        mw += [_api_key_middleware(self.args.api_key)] if self.args.api_key else []
         app = web.Application(client_max_size=1 << 30, middlewares=mw)
         for path, fn in {
             "/inference/v1/generate": self.generate, "/pause": self.pause_route,
@@ -622,9 +631,55 @@ def _api_key_middleware(api_key: str) -> Any:
     return check
 
 
-def main() -> None:
+def _asgi_middleware(path: str) -> Any:
+    """vLLM's ``--middleware path`` (register.py:57-66): the object imported by its dotted
+    path; a class is built with the app as its only argument (``app.add_middleware(cls)``);
+    a coroutine function (``app.middleware("http")``, FastAPI's) is not played here. The
+    ASGI middleware then sees each request as an ASGI ``http`` scope (method, path,
+    ``root_path`` "", query, headers); what it passes on reaches the aiohttp handler, what
+    it answers itself (it never reaches the inner app) is sent back as it sent it."""
+    module_path, name = path.rsplit(".", 1)
+    imported = getattr(importlib.import_module(module_path), name)
+    if not inspect.isclass(imported):
+        raise SystemExit(f"stand-in: --middleware {path}: only a class is played here")
+
+    async def inner(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        scope["standin.passed"] = True
+
+    asgi = imported(inner)
+
+    @web.middleware
+    async def run(request: web.Request, handler: Any) -> web.StreamResponse:
+        scope: dict[str, Any] = {
+            "type": "http", "method": request.method, "path": request.path, "root_path": "",
+            "query_string": request.query_string.encode(),
+            "headers": [(k.lower().encode("latin-1"), v.encode("latin-1"))
+                        for k, v in request.headers.items()],
+        }  # fmt: skip
+        sent: list[dict[str, Any]] = []
+
+        async def receive() -> dict[str, Any]:
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        await asgi(scope, receive, send)
+        if scope.get("standin.passed"):
+            return await handler(request)
+        head = {k.decode(): v.decode() for k, v in sent[0]["headers"]}
+        head.pop("content-length", None)
+        body = b"".join(m.get("body", b"") for m in sent[1:])
+        return web.Response(status=sent[0]["status"], body=body, headers=head)
+
+    return run
+
+
+def arg_parser() -> argparse.ArgumentParser:
+    """The stand-in's flags: vLLM's where it plays one (cited), the test's own otherwise."""
     p = argparse.ArgumentParser()
     p.add_argument("--api-key", default=None, help="vLLM's --api-key (common/cli_args.py:335)")
+    p.add_argument("--middleware", action="append", default=[], help="cli_args.py:361, :406")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--model-path", required=True)
     p.add_argument("--tp-size", type=int, default=1)
@@ -644,7 +699,11 @@ def main() -> None:
     )
     p.add_argument("--step-s", type=float, default=0.0, help="sleep after each decode step")
     add_flags(p)
-    args = p.parse_args()
+    return p
+
+
+def main() -> None:
+    args = arg_parser().parse_args()
     torch.set_num_threads(1)
     web.run_app(StandIn(args).app(), host="127.0.0.1", port=args.port, print=None)
 
