@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from asyncrl.procs import python_env
+from tests.marks import needs_peft
 
-pytest.importorskip("peft")
+pytestmark = needs_peft  # (not importorskip: see tests/marks.py)
 
 STEPS = 50
 

@@ -17,8 +17,9 @@ import torch
 from asyncrl.engines.rollout.local.engine import LocalEngine, Request
 from asyncrl.engines.rollout.local.lora import LoraSpec, UnknownAdapter
 from asyncrl.engines.rollout.local.sampling import SamplingParams
+from tests.marks import needs_peft
 
-peft = pytest.importorskip("peft")
+pytestmark = needs_peft  # (not importorskip: see tests/marks.py)
 
 EOS = 2
 TARGETS = ("q_proj", "v_proj", "down_proj")
@@ -36,6 +37,8 @@ def base(tiny_model_dir: Path) -> torch.nn.Module:
 
 def _peft_model(base: torch.nn.Module, seed: int) -> Any:
     """A PEFT LoRA model on a copy of ``base`` with random (non-zero) A and B."""
+    import peft
+
     cfg = peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=list(TARGETS))
     model = peft.get_peft_model(copy.deepcopy(base), cfg)
     g = torch.Generator().manual_seed(seed)
@@ -47,6 +50,8 @@ def _peft_model(base: torch.nn.Module, seed: int) -> Any:
 
 
 def _adapter(model: Any) -> list[tuple[str, torch.Tensor]]:
+    import peft
+
     return list(peft.get_peft_model_state_dict(model).items())
 
 

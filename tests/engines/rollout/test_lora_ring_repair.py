@@ -27,8 +27,9 @@ from asyncrl.transports.weights.adapter_send import AdapterFolderSender, Adapter
 from tests.engines.rollout.sglang.code import sglang_src
 from tests.engines.rollout.sglang.server import StandInServer, start_standin
 from tests.engines.rollout.test_sglang_lora import FLAGS, _adapters, _resubmitted, _sha
+from tests.marks import needs_peft
 
-pytest.importorskip("peft")
+pytestmark = needs_peft  # (not importorskip: see tests/marks.py)
 
 VERSION = "0.5.23"
 

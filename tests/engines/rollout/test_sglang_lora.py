@@ -34,8 +34,9 @@ from asyncrl.engines.rollout.sglang import SGLangClient
 from asyncrl.transports.weights.adapter_send import AdapterFolderSender, AdapterSpec
 from tests.engines.rollout.sglang.code import sglang_src
 from tests.engines.rollout.sglang.server import start_standin
+from tests.marks import needs_peft
 
-pytest.importorskip("peft")
+pytestmark = needs_peft  # (not importorskip: see tests/marks.py)
 
 RANK = 4
 TARGETS = ("q_proj", "v_proj", "down_proj", "lm_head")

@@ -29,8 +29,9 @@ from asyncrl.procs import finish, python_env
 from asyncrl.transports.weights.adapter_send import AdapterFolderSender, AdapterSpec
 from tests.engines.rollout.test_sglang_lora import RANK, TARGETS, _adapters, _peft_logprobs, _sha
 from tests.engines.rollout.vllm.server import start_vllm
+from tests.marks import needs_peft
 
-pytest.importorskip("peft")
+pytestmark = needs_peft  # (not importorskip: see tests/marks.py)
 
 
 def _flags(lc: LoraConfig, targets: tuple[str, ...]) -> tuple[str, ...]:

@@ -12,8 +12,9 @@ import torch
 from asyncrl.config import load_config
 from asyncrl.engines.train.fsdp import FSDPEngine
 from tests.engines.train._ranks import TokenMeanLoss, make_batch
+from tests.marks import needs_peft
 
-pytest.importorskip("peft")
+pytestmark = needs_peft  # (not importorskip: see tests/marks.py)
 
 LORA = ["--lora.rank=4", "--lora.alpha=8", "--lora.target_modules=q_proj,v_proj,up_proj"]
 

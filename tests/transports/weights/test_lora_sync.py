@@ -21,9 +21,10 @@ from asyncrl.transports.weights import make_weight_transport
 from asyncrl.transports.weights.base import WeightSyncError
 from asyncrl.transports.weights.bucket import checksum
 from tests.engines.train._ranks import TokenMeanLoss, make_batch
+from tests.marks import needs_peft
 from tests.runs import spawn_shared
 
-pytest.importorskip("peft")
+pytestmark = needs_peft  # (not importorskip: see tests/marks.py)
 
 CFG = GlooWeightsConfig(bucket_mb=1, min_buckets=2, timeout_s=60.0, pause_scope="none")
 LORA = ["--lora.rank=4", "--lora.alpha=8", "--lora.target_modules=q_proj,v_proj"]
