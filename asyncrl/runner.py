@@ -127,6 +127,10 @@ class _Run:
         self.launcher = launcher
         self.engines = EngineSet(cfg, launcher, [])
         self.batches: dict[int, Batch] = {}
+        # set by dispatch once every step's batch is registered in ``batches`` and the final
+        # checkpoint in ``saves``: not ``ctl.step``, which counts a batch the moment the
+        # controller forms it, one scheduling turn before dispatch registers it
+        self.all_sent = False
         self.t0 = time.perf_counter()
         self.t_controller = self.t0
         self.rows: list[dict[str, Any]] = []
@@ -240,6 +244,7 @@ class _Run:
                 await self.checkpoint(ctl, chan)
         while failed.is_set():
             await self.recover(chan)
+        self.all_sent = True  # checkpoint() registers the final save before its first await
         await self.checkpoint(ctl, chan, final=True)
         # all sent: the run ends when the reporter has every step (a stop waits for the end)
         while await _unless(asyncio.get_running_loop().create_future(), stop_event, failed) is None:
@@ -306,10 +311,9 @@ class _Run:
         done.set_result(stats)
 
     async def report(self, ctl: Controller, chan: ExperienceSender) -> None:
-        total = self.cfg.controller.total_steps
-        while ctl.step < total or self.batches or self.saves:
+        while not self.all_sent or self.batches or self.saves:
             timeout = None
-            if ctl.step >= total and not self.batches and not self.trainer_failed.is_set():
+            if self.all_sent and not self.batches and not self.trainer_failed.is_set():
                 timeout = self.cfg.checkpoint.timeout_s  # only checkpoints are awaited
             try:
                 msg = await asyncio.wait_for(chan.recv_report(), timeout)
