@@ -24,7 +24,14 @@ from asyncrl.config import RunConfig
 from asyncrl.gateway.app import AgentFn, Gateway
 from asyncrl.tasks.base import load_reward_fn
 
-__all__ = ["AgentSample", "agent_gateway", "agent_samples", "reverse_agent", "weather_agent"]
+__all__ = [
+    "AgentSample",
+    "agent_gateway",
+    "agent_samples",
+    "reverse_agent",
+    "reverse_chat_agent",
+    "weather_agent",
+]
 
 CITIES = ["Paris", "Tokyo", "Lima", "Oslo", "Cairo", "Quito"]
 
@@ -150,4 +157,19 @@ async def reverse_agent(client: Any, sample: AgentSample) -> float:
     answer = str(sample.answer).split()
     r = await client.completions.create(model="m", prompt=sample.prompt, max_tokens=len(answer) + 1)
     out = r.choices[0].text.split()
+    return sum(a == b for a, b in zip(out, answer, strict=False)) / len(answer)
+
+
+async def reverse_chat_agent(client: Any, sample: AgentSample) -> float:
+    """A chat task for the tiny chat model, through ``/v1/chat/completions``: the user asks
+    ``Reverse: D1 D2 D3``, the reply should be ``Answer: D3 D2 D1``; the reward is the
+    fraction of positions right (``sample.answer`` is ``"D3 D2 D1"``). The chat model's warm
+    start answers every request with its own digits in a random order (it knows the format,
+    not the rule): it starts near 0.3 with real entropy on the order.
+    ``examples/reverse_chat.jsonl`` holds all 720 requests of three distinct digits."""
+    answer = str(sample.answer).split()
+    msgs: Any = [{"role": "user", "content": sample.prompt}]
+    r = await client.chat.completions.create(model="m", messages=msgs, max_tokens=16)
+    text = (r.choices[0].message.content or "").strip()
+    out = text.removeprefix("Answer:").split()
     return sum(a == b for a, b in zip(out, answer, strict=False)) / len(answer)
