@@ -121,10 +121,11 @@ async def weather_agent(client: Any, sample: AgentSample) -> float:
 
     Reward (verifiable, from the transcript alone): 0.25 for a ``get_weather`` call naming
     the sample's city, 0.75 for a final answer that is exactly ``It is WEATHER in CITY.``
-    (the weather the tool returned, the city asked about). The tiny chat model starts near
-    0.3-0.45 (it calls the tool, but often misstates the weather or the city) and, being
+    (the weather the tool returned, the city asked about). v1 of the tiny chat model started
+    near 0.3-0.45 (it calls the tool, but often misstates the weather or the city) and, being
     nearly deterministic after its warm start, did not learn it within 5 minutes at any
-    learning rate tried (docs/results/gateway.md)."""
+    learning rate tried (docs/results/gateway.md; not re-run on v2). The chat task that
+    learns in minutes is :func:`reverse_chat_agent`."""
     from asyncrl.tasks.tiny_chat_model import WEATHER_TOOL
 
     msgs: list[Any] = [{"role": "user", "content": sample.prompt}]
