@@ -359,15 +359,22 @@ class EpisodeContext:
             return
         out = out or Generation([], [], [], "partial")
         out.finish_reason = "partial"
-        changed = asyncio.Event()
-        task = asyncio.ensure_future(self._journaled(prefix, out, params, budget, changed.set))
+        # one future per wake-up, resolved by new tokens or the call's end: the reader wakes
+        # in the loop iteration after the engine's event (no waiter task per event)
+        loop = asyncio.get_running_loop()
+        wake = [loop.create_future()]
+
+        def changed(_: Any = None) -> None:
+            if not wake[0].done():
+                wake[0].set_result(None)
+
+        task = asyncio.ensure_future(self._journaled(prefix, out, params, budget, changed))
+        task.add_done_callback(changed)
         seen = len(out.output_ids)
         try:
             while not task.done():
-                waiter = asyncio.ensure_future(changed.wait())
-                await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
-                waiter.cancel()
-                changed.clear()
+                await wake[0]
+                wake[0] = loop.create_future()
                 if len(out.output_ids) > seen and not task.done():
                     seen = len(out.output_ids)
                     yield out

@@ -24,7 +24,14 @@ from asyncrl.config import RunConfig
 from asyncrl.gateway.app import AgentFn, Gateway
 from asyncrl.tasks.base import load_reward_fn
 
-__all__ = ["AgentSample", "agent_gateway", "agent_samples", "reverse_agent", "weather_agent"]
+__all__ = [
+    "AgentSample",
+    "agent_gateway",
+    "agent_samples",
+    "reverse_agent",
+    "reverse_chat_agent",
+    "weather_agent",
+]
 
 CITIES = ["Paris", "Tokyo", "Lima", "Oslo", "Cairo", "Quito"]
 
@@ -114,10 +121,11 @@ async def weather_agent(client: Any, sample: AgentSample) -> float:
 
     Reward (verifiable, from the transcript alone): 0.25 for a ``get_weather`` call naming
     the sample's city, 0.75 for a final answer that is exactly ``It is WEATHER in CITY.``
-    (the weather the tool returned, the city asked about). The tiny chat model starts near
-    0.3-0.45 (it calls the tool, but often misstates the weather or the city) and, being
+    (the weather the tool returned, the city asked about). v1 of the tiny chat model started
+    near 0.3-0.45 (it calls the tool, but often misstates the weather or the city) and, being
     nearly deterministic after its warm start, did not learn it within 5 minutes at any
-    learning rate tried (docs/results/gateway.md)."""
+    learning rate tried (docs/results/gateway.md; not re-run on v2). The chat task that
+    learns in minutes is :func:`reverse_chat_agent`."""
     from asyncrl.tasks.tiny_chat_model import WEATHER_TOOL
 
     msgs: list[Any] = [{"role": "user", "content": sample.prompt}]
@@ -150,4 +158,19 @@ async def reverse_agent(client: Any, sample: AgentSample) -> float:
     answer = str(sample.answer).split()
     r = await client.completions.create(model="m", prompt=sample.prompt, max_tokens=len(answer) + 1)
     out = r.choices[0].text.split()
+    return sum(a == b for a, b in zip(out, answer, strict=False)) / len(answer)
+
+
+async def reverse_chat_agent(client: Any, sample: AgentSample) -> float:
+    """A chat task for the tiny chat model, through ``/v1/chat/completions``: the user asks
+    ``Reverse: D1 D2 D3``, the reply should be ``Answer: D3 D2 D1``; the reward is the
+    fraction of positions right (``sample.answer`` is ``"D3 D2 D1"``). The chat model's warm
+    start answers every request with its own digits in a random order (it knows the format,
+    not the rule): it starts near 0.3 with real entropy on the order.
+    ``examples/reverse_chat.jsonl`` holds all 720 requests of three distinct digits."""
+    answer = str(sample.answer).split()
+    msgs: Any = [{"role": "user", "content": sample.prompt}]
+    r = await client.chat.completions.create(model="m", messages=msgs, max_tokens=16)
+    text = (r.choices[0].message.content or "").strip()
+    out = text.removeprefix("Answer:").split()
     return sum(a == b for a, b in zip(out, answer, strict=False)) / len(answer)

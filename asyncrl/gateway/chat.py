@@ -121,7 +121,10 @@ class Turn:
 
     async def _run(self, record: Any) -> None:
         try:
-            await asyncio.gather(*(self._choice(c) for c in self.choices))
+            if len(self.choices) == 1:  # no child task: one loop hop less per engine event
+                await self._choice(self.choices[0])
+            else:
+                await asyncio.gather(*(self._choice(c) for c in self.choices))
             record(self)
         except BaseException as exc:
             self.error = exc

@@ -9,9 +9,9 @@ chunk when ``stream_options.include_usage``, and ``data: [DONE]``. Several reade
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
+import msgspec
 from aiohttp import web
 
 from asyncrl.gateway.chat import Choice, Turn
@@ -83,7 +83,9 @@ def completion_body(turn: Turn, model: str) -> dict[str, Any]:
 
 
 async def stream_turn(request: web.Request, turn: Turn, model: str) -> web.StreamResponse:
-    """Stream ``turn`` to this reader (raises the turn's error if it failed)."""
+    """Stream ``turn`` to this reader (raises the turn's error if it failed). The events of
+    one wake-up go out in one write, the last ones (the final piece, ``finish_reason``,
+    usage, ``[DONE]``) with the end of the response: one send each, not one per event."""
     resp = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
     )
@@ -93,17 +95,18 @@ async def stream_turn(request: web.Request, turn: Turn, model: str) -> web.Strea
     holds = [Holdback(p.stop, p.parse_tools) for _ in turn.choices]
     sent_tokens = [0] * len(turn.choices)
     finished = [False] * len(turn.choices)
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    head = {"id": turn.id, "object": obj, "created": turn.created, "model": model}
+    out: list[bytes] = []
 
-    async def send(choices: list[dict[str, Any]], usage: Any = None) -> None:
-        obj = "chat.completion.chunk" if chat else "text_completion"
-        chunk = {"id": turn.id, "object": obj, "created": turn.created, "model": model}
-        chunk["choices"] = choices
+    def send(choices: list[dict[str, Any]], usage: Any = None) -> None:
+        chunk = {**head, "choices": choices}
         if p.include_usage:
             chunk["usage"] = usage
-        await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        out.append(b"data: " + _encode(chunk) + b"\n\n")
 
     if chat:
-        await send([_delta(i, {"role": "assistant", "content": ""}) for i in range(p.n)])
+        send([_delta(i, {"role": "assistant", "content": ""}) for i in range(p.n)])
     while True:
         wake = turn.wake
         done = turn.done.is_set()
@@ -112,7 +115,7 @@ async def stream_turn(request: web.Request, turn: Turn, model: str) -> web.Strea
                 "message": f"the completion failed: {turn.error!r}"[:500],
                 "type": "server_error",
             }
-            await resp.write(b"data: " + json.dumps({"error": err}).encode() + b"\n\n")
+            out.append(b"data: " + _encode({"error": err}) + b"\n\n")
             break
         for c in turn.choices:
             i = c.index
@@ -128,18 +131,24 @@ async def stream_turn(request: web.Request, turn: Turn, model: str) -> web.Strea
                 lps = _token_logprobs(turn, c, sent_tokens[i], hi)
                 sent_tokens[i] = max(sent_tokens[i], hi)
             if text or lps:
-                await send([_piece(chat, i, text, lps)])
+                send([_piece(chat, i, text, lps)])
             if final:
                 finished[i] = True
-                await send([_end(chat, c)])
+                send([_end(chat, c)])
         if all(finished):
             break
+        if out:
+            await resp.write(b"".join(out))
+            out.clear()
         await wake.wait()
     if p.include_usage:
-        await send([], turn.usage())
-    await resp.write(b"data: [DONE]\n\n")
-    await resp.write_eof()
+        send([], turn.usage())
+    out.append(b"data: [DONE]\n\n")
+    await resp.write_eof(b"".join(out))
     return resp
+
+
+_encode = msgspec.json.Encoder().encode
 
 
 def _covered(turn: Turn, c: Choice, chars: int, start: int) -> int:

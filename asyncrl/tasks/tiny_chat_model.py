@@ -9,16 +9,21 @@ calls, ``<tool_response>`` results in a user turn). The special tokens
 ``</tool_call>`` are single ids; generation ends at ``<|im_end|>``.
 
 The weights are warm-started by a few hundred steps of training on those transcripts
-(seconds on a CPU), so that the model speaks the format: offered tools, it answers a
+(about a minute on a CPU), so that the model speaks the format: offered tools, it answers a
 user with a ``get_weather`` tool call; given a tool result, it answers in text;
-without tools, it replies in a sentence. Everything is seeded: the same files every
-build. Written in Hugging Face format and cached like :mod:`asyncrl.tasks.tiny_model`;
-``python -m asyncrl.tasks.tiny_chat_model --out DIR`` builds it.
+without tools, it replies in a sentence. Half of each warm-start batch is requests
+``Reverse: D1 D2 D3`` answered by every permutation of their digits: the model learns to
+answer ``Answer:`` with the request's digits but keeps the order undecided (real entropy),
+which RL through the gateway then learns (``asyncrl.gateway.agent.reverse_chat_agent``).
+Everything is seeded: the same files every build. Written in Hugging Face format and
+cached like :mod:`asyncrl.tasks.tiny_model`; ``python -m asyncrl.tasks.tiny_chat_model --out
+DIR`` builds it.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -29,7 +34,7 @@ from asyncrl.tasks.tiny_model import build_once
 
 __all__ = ["TINY_CHAT_VERSION", "WEATHER_TOOL", "default_chat_model_dir", "ensure_tiny_chat_model"]
 
-TINY_CHAT_VERSION = "tiny-qwen2-chat-v1"
+TINY_CHAT_VERSION = "tiny-qwen2-chat-v2"
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 ADDED = ["<tool_call>", "</tool_call>"]
 CITIES = ["Paris", "Tokyo", "Lima", "Oslo", "Cairo", "Quito"]
@@ -62,6 +67,8 @@ SDK_WEATHER_TOOL: dict[str, Any] = {  # the same tool as the OpenAI Agents SDK d
         "strict": True,
     },
 }
+STEPS = 600
+"""Warm-start steps: each 8 rows of the weather/greeting chats and 8 of the reverse requests."""
 TEMPLATE = (Path(__file__).parent / "chat_template.jinja").read_text()
 
 
@@ -99,6 +106,22 @@ def transcripts(seed: int, n: int = 96) -> list[list[dict[str, Any]]]:
     return out
 
 
+def reverse_transcripts(seed: int, n: int = 120) -> list[list[dict[str, Any]]]:
+    """``n`` requests "Reverse: D1 D2 D3" (three distinct digits), each answered once by every
+    permutation of its digits ("Answer: D3 D1 D2", ...): the warm start learns the answer's
+    format (the request's own digits) but not the rule, so the order keeps real entropy
+    (up to log 6 nats per answer) for :func:`asyncrl.gateway.agent.reverse_chat_agent`."""
+    rng = random.Random(seed + 1)
+    out = []
+    for _ in range(n):
+        digits = rng.sample(range(10), 3)
+        ask = {"role": "user", "content": "Reverse: " + " ".join(map(str, digits))}
+        for perm in itertools.permutations(digits):
+            answer = "Answer: " + " ".join(map(str, perm))
+            out.append([ask, {"role": "assistant", "content": answer}])
+    return out
+
+
 def _render(env: Any, conv: list[dict[str, Any]], upto: int | None = None) -> str:
     tools = (
         [[WEATHER_TOOL], [SDK_WEATHER_TOOL]][conv[0]["_tools"] - 1]
@@ -127,8 +150,8 @@ def _build(out: Path, seed: int) -> None:
     from asyncrl.tasks.text import _environment
 
     env = _environment().from_string(TEMPLATE)
-    convs = transcripts(seed)
-    examples = _examples(env, convs)
+    chats, reverse = transcripts(seed), reverse_transcripts(seed)
+    examples = _examples(env, chats + reverse)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
@@ -164,7 +187,7 @@ def _build(out: Path, seed: int) -> None:
     )
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config)
-    _warm_start(model, tok, examples, end, seed)
+    _warm_start(model, tok, examples, end, seed, len(chats))
     model.generation_config.eos_token_id = [end]
     model.generation_config.bos_token_id = end
     model.save_pretrained(out, safe_serialization=True)
@@ -173,9 +196,10 @@ def _build(out: Path, seed: int) -> None:
 
 
 def _warm_start(
-    model: Any, tok: Any, examples: list[tuple[str, list[str]]], end: int, seed: int
+    model: Any, tok: Any, examples: list[tuple[str, list[str]]], end: int, seed: int, first: int
 ) -> None:
-    """A few hundred AdamW steps on the transcripts, loss on the assistant turns only."""
+    """A few hundred AdamW steps on the transcripts, loss on the assistant turns only; each
+    batch draws half its rows from the first ``first`` examples, half from the rest."""
     import torch
 
     rows, masks = [], []
@@ -199,16 +223,19 @@ def _warm_start(
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     model.train()
-    for _ in range(300):
-        pick = torch.randint(0, len(rows), (16,), generator=gen)
-        logits = model(input_ids=ids_t[pick], attention_mask=attn[pick]).logits[:, :-1]
-        target, weight = ids_t[pick][:, 1:], mask_t[pick][:, 1:]
-        nll = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="none"
-        )
-        loss = (nll * weight.reshape(-1)).sum() / weight.sum()
+    for _ in range(STEPS):
+        halves = []
+        for lo, hi in ((0, first), (first, len(rows))):
+            pick = torch.randint(lo, hi, (8,), generator=gen)
+            width = int(attn[pick].sum(1).max())  # the longest picked row: no wasted padding
+            ids, weight = ids_t[pick, :width], mask_t[pick, 1:width]
+            logits = model(input_ids=ids, attention_mask=attn[pick, :width]).logits[:, :-1]
+            nll = torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none"
+            )
+            halves.append((nll * weight.reshape(-1)).sum() / weight.sum())
         opt.zero_grad()
-        loss.backward()
+        (halves[0] + halves[1]).div(2).backward()
         opt.step()
     model.eval()
 

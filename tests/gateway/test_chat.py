@@ -215,3 +215,28 @@ def test_metadata_is_accepted_and_models_listed(served: Served) -> None:
     )
     assert r.choices[0].finish_reason in ("stop", "length")
     assert [m.id for m in client.models.list()] == [served.gw.model]
+
+
+def test_reverse_chat_task_knows_the_format_not_the_order(served: Served) -> None:
+    """The chat model's warm start for the learnable chat task (``reverse_chat_agent``):
+    asked ``Reverse: 3 8 1``, it answers ``Answer:`` and (mostly) the request's own digits,
+    in orders that differ between samples (the entropy RL learns from); the agent's reward is
+    the fraction of positions right."""
+    from asyncrl.gateway.agent import AgentSample, reverse_chat_agent
+
+    client = openai.OpenAI(base_url=f"{served.url}/sessions/{_sid()}/v1", api_key="x")
+    msgs: Any = [{"role": "user", "content": "Reverse: 3 8 1"}]
+    r = client.chat.completions.create(model="t", messages=msgs, n=8, max_tokens=16)
+    replies = [(c.message.content or "").split() for c in r.choices]
+    assert all(w[0] == "Answer:" and len(w) == 4 for w in replies), replies
+    perms = [tuple(w[1:]) for w in replies if sorted(w[1:]) == ["1", "3", "8"]]
+    assert len(perms) >= 5 and len(set(perms)) > 1, replies  # its digits, not one fixed order
+
+    async def agent() -> float:
+        aclient = openai.AsyncOpenAI(base_url=f"{served.url}/sessions/{_sid()}/v1", api_key="x")
+        try:
+            return await reverse_chat_agent(aclient, AgentSample("Reverse: 3 8 1", answer="1 8 3"))
+        finally:
+            await aclient.close()
+
+    assert asyncio.run(agent()) in (0.0, 1 / 3, 2 / 3, 1.0)
