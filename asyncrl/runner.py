@@ -141,6 +141,10 @@ class _Run:
         self.save_stats: list[dict[str, float]] = []
         self.sent: dict[int, Batch] = {}  # batches sent since the last committed checkpoint
         self.committed = 0  # step of the newest complete checkpoint
+        # a recovery is choosing its checkpoint and re-sending from it: a commit meanwhile
+        # (the dead trainer's last Saved, still queued) must not prune the batches or the
+        # checkpoint it restores from
+        self.recovering = False
         self.trainer_failed = asyncio.Event()
         self.trainer_restarts = 0
         self.failed_at = 0.0
@@ -294,9 +298,10 @@ class _Run:
             raise RuntimeError(f"trainer failed to write checkpoint {folder}: {msg.error}")
         t0 = time.perf_counter()
         await asyncio.to_thread(ckpts.write_manifest, folder, msg.step)
-        await asyncio.to_thread(ckpts.prune, self.run_dir, self.cfg.checkpoint.keep)
+        if not self.recovering:  # (else the restored checkpoint could go: pruned later)
+            await asyncio.to_thread(ckpts.prune, self.run_dir, self.cfg.checkpoint.keep)
         self.committed = max(self.committed, msg.step)
-        for step in [s for s in self.sent if s < self.committed]:
+        for step in [s for s in self.sent if s < self.committed and not self.recovering]:
             del self.sent[step]  # never sent again: the checkpoint holds their training
         stats = {"step": msg.step, "stall_s": msg.stall_s, "save_s": msg.save_s}
         stats["manifest_s"] = time.perf_counter() - t0
@@ -362,6 +367,7 @@ class _Run:
         the lost steps had trained is trained once more from the restored state."""
         self.trainer_failed.clear()
         self.trainer_restarts += 1
+        self.recovering = True  # until every batch from n on is sent again (below)
         t0 = time.perf_counter()
         found = await asyncio.to_thread(ckpts.latest_checkpoint, self.run_dir)
         n, folder = found if found is not None else (0, None)
@@ -389,6 +395,7 @@ class _Run:
                 return
             if step + 1 in self.saves:
                 await self.resave(chan, step + 1)
+        self.recovering = False
         self.recoveries.append(
             {
                 "restart": self.trainer_restarts,
