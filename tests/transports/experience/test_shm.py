@@ -13,6 +13,7 @@ import sys
 import time
 import zlib
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -187,6 +188,19 @@ def _rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+async def _in_this_task(coro: Any, timeout_s: float) -> Any:
+    """``await coro`` in this task, cancelled after ``timeout_s`` (``asyncio.wait_for`` runs it
+    in a task of its own: the consumer's ack could land, and pop the pending batch, in the
+    loop turn before the caller resumes)."""
+    task = asyncio.current_task()
+    assert task is not None
+    timer = asyncio.get_running_loop().call_later(timeout_s, task.cancel)
+    try:
+        return await coro
+    finally:
+        timer.cancel()
+
+
 async def test_wraparound_with_a_slow_consumer_loses_nothing(tmp_path: Path) -> None:
     credits, n, ring_bytes = 4, 150, 24 << 10
     tx = ExperienceSender(1, f"ipc://{tmp_path}/x.ipc", shm_bytes=ring_bytes)
@@ -200,7 +214,7 @@ async def test_wraparound_with_a_slow_consumer_loses_nothing(tmp_path: Path) -> 
         for i in range(n):
             t = make_traj(i, i, n_resp=rng.randrange(100, 900))  # 0.9 .. 8 KiB payloads
             sent[i] = crc(t)
-            seq = await asyncio.wait_for(tx.send([t], rank=0), 20)
+            seq = await _in_this_task(tx.send([t], rank=0), 20)  # pending[seq] still there
             assert tx.pending(0) <= credits
             assert tx._peers[0].ring.used <= ring_bytes  # memory bounded by the ring
             batch = msgspec.msgpack.decode(tx._peers[0].pending[seq].frames[0], type=TrainBatch)
