@@ -301,8 +301,9 @@ class _Run:
         if not self.recovering:  # (else the restored checkpoint could go: pruned later)
             await asyncio.to_thread(ckpts.prune, self.run_dir, self.cfg.checkpoint.keep)
         self.committed = max(self.committed, msg.step)
-        for step in [s for s in self.sent if s < self.committed and not self.recovering]:
-            del self.sent[step]  # never sent again: the checkpoint holds their training
+        if not self.recovering:  # (looked at again: a recovery may have begun meanwhile)
+            for step in [s for s in self.sent if s < self.committed]:
+                del self.sent[step]  # never sent again: the checkpoint holds their training
         stats = {"step": msg.step, "stall_s": msg.stall_s, "save_s": msg.save_s}
         stats["manifest_s"] = time.perf_counter() - t0
         self.save_stats.append(stats)

@@ -114,7 +114,7 @@ def load(path: str = "") -> str:
     when neither the parent's pipe nor ``ASYNCRL_SECRET`` gives one), then the same."""
     global _current
     if _current is None:
-        _current = _from_pipe() or _from_user(path) or generate()
+        _current = held(path) or generate()
     return _current
 
 

@@ -157,8 +157,7 @@ async def reverse_agent(client: Any, sample: AgentSample) -> float:
     holds every 2-digit sample."""
     answer = str(sample.answer).split()
     r = await client.completions.create(model="m", prompt=sample.prompt, max_tokens=len(answer) + 1)
-    out = r.choices[0].text.split()
-    return sum(a == b for a, b in zip(out, answer, strict=False)) / len(answer)
+    return _positions_right(r.choices[0].text.split(), answer)
 
 
 async def reverse_chat_agent(client: Any, sample: AgentSample) -> float:
@@ -172,5 +171,9 @@ async def reverse_chat_agent(client: Any, sample: AgentSample) -> float:
     msgs: Any = [{"role": "user", "content": sample.prompt}]
     r = await client.chat.completions.create(model="m", messages=msgs, max_tokens=16)
     text = (r.choices[0].message.content or "").strip()
-    out = text.removeprefix("Answer:").split()
+    return _positions_right(text.removeprefix("Answer:").split(), answer)
+
+
+def _positions_right(out: list[str], answer: list[str]) -> float:
+    """The fraction of ``answer``'s positions that ``out`` has right."""
     return sum(a == b for a, b in zip(out, answer, strict=False)) / len(answer)
