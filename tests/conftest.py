@@ -123,6 +123,7 @@ def shared_fork_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str
     preload = ["asyncrl.entrypoints.trainer", "asyncrl.entrypoints.engine"]
     preload.append("transformers.models.qwen2.modeling_qwen2")  # the tiny models' class
     args = ["-m", "asyncrl.entrypoints.forkserver", "--listen", path, "--preload", *preload]
+    args += ["--exit-with", str(os.getpid())]  # a crashed worker leaves no server behind
     proc = spawn([*args, "--title-room", " " * 2048], folder / "forkserver.log")
     os.environ[ENV_SHARED] = path
     runs.shared_server_pid = proc.pid

@@ -177,3 +177,47 @@ def test_a_run_forks_from_the_shared_server(
     assert set(parents) == {"engine0", "trainer0"}  # no forkserver of its own
     assert set(parents.values()) == {str(proc.pid)}
     assert proc.poll() is None
+
+
+_WORKER = """
+import json, os, sys, time
+from pathlib import Path
+from asyncrl.forkserver import ForkServer
+from asyncrl.procs import python_env, spawn
+folder = Path(sys.argv[1])
+path = str(folder / "fs.sock")
+args = ["-m", "asyncrl.entrypoints.forkserver", "--listen", path, "--preload", sys.argv[2]]
+server = spawn([*args, "--exit-with", str(os.getpid())], folder / "fs.log")
+deadline = time.monotonic() + 60
+while not os.path.exists(path):
+    assert time.monotonic() < deadline and server.poll() is None, "no socket"
+    time.sleep(0.05)
+conn = ForkServer.connect(path)
+child = conn.spawn(["-m", sys.argv[2], str(folder / "child.json"), "sleep"], None, python_env())
+(folder / "pids.json").write_text(json.dumps({"server": server.pid, "child": child.pid}))
+time.sleep(600)
+"""
+
+
+def test_a_shared_server_ends_with_the_process_it_was_told_to_exit_with(tmp_path: Path) -> None:
+    """``--exit-with PID`` (what each test worker passes for its shared server): the worker
+    SIGKILLed, its server and the server's children end (a crashed xdist worker left its
+    ~460 MB server running for 90 minutes before)."""
+    worker = spawn(["-c", _WORKER, str(tmp_path), CHILD], tmp_path / "worker.log")
+    try:
+        deadline = time.monotonic() + 90
+        while not (tmp_path / "pids.json").exists():
+            assert worker.poll() is None, (tmp_path / "worker.log").read_text()
+            assert time.monotonic() < deadline, "the worker forked no child in 90 s"
+            time.sleep(0.05)
+        pids = json.loads((tmp_path / "pids.json").read_text())
+        _seen(tmp_path / "child.json")
+        assert pid_alive(pids["server"]) and pid_alive(pids["child"])
+        os.kill(worker.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while pid_alive(pids["server"]) or pid_alive(pids["child"]):
+            assert time.monotonic() < deadline, f"still running 30 s after the worker died: {pids}"
+            time.sleep(0.05)
+        assert not (tmp_path / "fs.sock").exists()  # removed on the way out
+    finally:
+        stop([worker])

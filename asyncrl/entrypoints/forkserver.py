@@ -3,7 +3,10 @@
 ``python -m asyncrl.entrypoints.forkserver --fd N --preload MOD ...``: one run's server,
 whose only connection is the inherited socket ``N``; it exits once that closes.
 ``... --listen PATH --preload MOD ...``: a server shared by the runs that name ``PATH``
-in ``ASYNCRL_FORK_SERVER`` (a unix socket, mode 0600); it runs until SIGTERM/SIGINT.
+in ``ASYNCRL_FORK_SERVER`` (a unix socket, mode 0600); it runs until SIGTERM/SIGINT, or,
+with ``--exit-with PID``, until process ``PID`` ends, however it ends (a SIGKILLed test
+worker must not leave a ~460 MB server and its children behind: the server watches a
+``pidfd`` of ``PID``, Linux >= 5.3, and falls back to polling ``PID`` once a second).
 
 Each connection sends JSON lines ``{"id", "args", "env", "cwd", "log", "cores",
 "secret"?}`` and gets ``{"id", "pid"}`` or ``{"id", "error"}``, and ``{"exit": PID,
@@ -38,8 +41,9 @@ class _Conn:
 
 
 class _Server:
-    def __init__(self, listener: socket.socket | None):
+    def __init__(self, listener: socket.socket | None, watch: int | None = None):
         self.listener = listener
+        self.watch = watch
         self.sel = selectors.DefaultSelector()
         self.conns: dict[int, _Conn] = {}  # by fileno
         self.owner_of: dict[int, _Conn] = {}  # child pid -> its connection
@@ -50,6 +54,26 @@ class _Server:
         self.sel.register(self.wake_r, selectors.EVENT_READ)
         if listener is not None:
             self.sel.register(listener, selectors.EVENT_READ)
+        self.pidfd: int | None = None
+        if watch is not None and hasattr(os, "pidfd_open"):
+            try:
+                self.pidfd = os.pidfd_open(watch)
+            except OSError:  # already gone (ProcessLookupError) or no pidfd in this kernel
+                self.pidfd = None
+            if self.pidfd is not None:
+                self.sel.register(self.pidfd, selectors.EVENT_READ)
+
+    def watched_gone(self) -> bool:
+        """``--exit-with PID`` without a pidfd: whether that process has ended (polled)."""
+        if self.watch is None:
+            return False
+        try:
+            os.kill(self.watch, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        return False
 
     def add(self, sock: socket.socket, owner: bool) -> None:
         conn = _Conn(sock, owner)
@@ -58,9 +82,18 @@ class _Server:
         _send(sock, {"id": "ready"})
 
     def loop(self) -> None:
-        """Serve until the owner's connection closes (or, shared, until a signal)."""
+        """Serve until the owner's connection closes (or, shared, until a signal or the
+        ``--exit-with`` process's end)."""
+        poll_s = 1.0 if self.watch is not None and self.pidfd is None else None
+        if poll_s is not None and self.watched_gone():
+            return
         while True:
-            for key, _ in self.sel.select():
+            events = self.sel.select(poll_s)
+            if poll_s is not None and not events and self.watched_gone():
+                return
+            for key, _ in events:
+                if self.pidfd is not None and key.fileobj == self.pidfd:
+                    return  # the watched process ended
                 if key.fileobj == self.wake_r:
                     os.read(self.wake_r, 4096)
                     self.reap()
@@ -126,6 +159,8 @@ class _Server:
         """In a forked child: drop every descriptor and handler of the server."""
         signal.set_wakeup_fd(-1)
         self.sel.close()
+        if self.pidfd is not None:
+            os.close(self.pidfd)
         for fd in (self.wake_r, self.wake_w):
             os.close(fd)
         for conn in self.conns.values():
@@ -289,6 +324,12 @@ def main(argv: list[str] | None = None) -> None:
     where.add_argument("--listen", help="a unix socket path to serve many runs on")
     p.add_argument("--preload", nargs="*", default=[], help="modules to import first")
     p.add_argument("--title-room", default="", help="blank room for children's titles")
+    p.add_argument(
+        "--exit-with",
+        type=int,
+        metavar="PID",
+        help="exit (ending every child) when process PID ends, however it ends",
+    )
     a = p.parse_args(argv)
     from asyncrl import secret
 
@@ -302,7 +343,7 @@ def main(argv: list[str] | None = None) -> None:
     elif error:
         sys.exit(f"fork server: {error}")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    server = _Server(_listen(a.listen) if a.listen else None)
+    server = _Server(_listen(a.listen) if a.listen else None, a.exit_with)
     try:
         if a.fd is not None:
             server.add(sock, owner=True)
