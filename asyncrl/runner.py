@@ -45,6 +45,7 @@ from asyncrl.controllers import episode as episode_api
 from asyncrl.controllers.controller import Batch, Controller
 from asyncrl.controllers.episode import Sample, single_turn
 from asyncrl.controllers.membership import EngineSet
+from asyncrl.controllers.restarts import RestartBudget
 from asyncrl.controllers.state import ControllerState
 from asyncrl.engines.rollout.launcher import startup_timeout
 from asyncrl.guard import proc_start_time, release_guard, start_guard
@@ -147,6 +148,8 @@ class _Run:
         self.recovering = False
         self.trainer_failed = asyncio.Event()
         self.trainer_restarts = 0
+        tc = cfg.trainer
+        self.trainer_budget = RestartBudget(tc.max_restarts, tc.restart_window_s)
         self.failed_at = 0.0
         self.synced: asyncio.Future | None = None  # a restarted trainer's Synced
         self.recoveries: list[dict[str, float]] = []
@@ -353,14 +356,18 @@ class _Run:
     def trainer_failure(self, why: str) -> None:
         """A trainer rank died or failed: recover (restart every rank from the last
         checkpoint) while restarts remain, else fail the run with ``why``."""
-        if self.trainer_restarts >= self.cfg.trainer.max_restarts:
+        if self.trainer_failed.is_set():
+            return  # this failure's recovery is already asked for
+        if not self.trainer_budget.take(time.monotonic()):
+            tc = self.cfg.trainer
             raise RuntimeError(
-                f"{why} (trainer.max_restarts={self.cfg.trainer.max_restarts} used up)"
+                f"{why} (trainer.max_restarts={tc.max_restarts} per "
+                f"trainer.restart_window_s={tc.restart_window_s:g} used up: "
+                f"{self.trainer_budget.describe()})"
             )
-        if not self.trainer_failed.is_set():
-            log.warning("%s: restarting the trainer from the last checkpoint", why)
-            self.failed_at = time.perf_counter()
-            self.trainer_failed.set()
+        log.warning("%s: restarting the trainer from the last checkpoint", why)
+        self.failed_at = time.perf_counter()
+        self.trainer_failed.set()
 
     async def recover(self, chan: ExperienceSender) -> None:
         """Restart every trainer rank from the newest complete checkpoint (step n), then send

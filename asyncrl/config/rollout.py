@@ -7,7 +7,14 @@ from typing import Annotated, Final, Literal, TypeAlias
 
 import msgspec
 
-from asyncrl.config.base import NonNegative, OpenFraction, Positive, PositiveFloat, _Section
+from asyncrl.config.base import (
+    NonNegative,
+    NonNegativeFloat,
+    OpenFraction,
+    Positive,
+    PositiveFloat,
+    _Section,
+)
 
 PauseMode: TypeAlias = Literal["abort", "retract", "in_place"]
 """How an engine pauses generation for a weight update (SGLang's ``/pause_generation`` modes,
@@ -47,7 +54,10 @@ class _RolloutBase(_Section, frozen=True, tag_field="backend"):
     folder (900 s when none is found there, e.g. a hub id)."""
     max_restarts: NonNegative = 3
     """Times the run restarts each engine it started that died (re-synced with the current
-    weights before it takes requests again); one more death fails the run. 0: never."""
+    weights before it takes requests again) in any ``restart_window_s``; one more death in
+    that window takes the engine out of the run (the run fails when none is left). 0: never."""
+    restart_window_s: NonNegativeFloat = 600.0
+    """The window of ``max_restarts``, per engine; 0: ``max_restarts`` per run."""
     pause_mode: PauseMode = "abort"
     """How engines pause for a weight update, both the trainer's pushes in ``asyncrl run``
     and ``Controller.weight_update`` (embedding API; which may also be told ``mode="wait"``:

@@ -54,8 +54,12 @@ class TrainerConfig(_Section, frozen=True):
     ``auto``: packed when the model's attention backend supports it, padded otherwise."""
     max_restarts: NonNegative = 2
     """A trainer rank that dies restarts every rank from the last checkpoint (the steps
-    after it are trained again, exactly once) at most this many times per run; 0: a trainer
-    death ends the run."""
+    after it are trained again, exactly once) at most this many times in any
+    ``restart_window_s``; one more failure in that window ends the run. 0: a trainer death
+    ends the run."""
+    restart_window_s: NonNegativeFloat = 600.0
+    """The window of ``max_restarts`` (a rate, so a run of any length survives faults that
+    come no faster than it allows); 0: ``max_restarts`` per run."""
     reshard_after_forward: bool | None = None
     """FSDP2: free gathered parameters after forward (ZeRO-3); False keeps them until backward.
     None: True when more than one rank shares the model, False at world size 1."""

@@ -35,6 +35,7 @@ from collections.abc import Callable
 from typing import Any
 
 from asyncrl.config import RunConfig
+from asyncrl.controllers.restarts import RestartBudget
 from asyncrl.controllers.router import Router
 from asyncrl.engines.rollout.base import ManagedEngine
 from asyncrl.engines.rollout.factory import make_engine
@@ -62,7 +63,8 @@ class EngineSet:
         self.died_at: dict[str, tuple[str, int, float]] = {}  # url -> name, restart, wall time
         self.startup_s = cfg.rollout.startup_timeout_s or 120.0  # the run sets the scaled one
         self.clients = {f"engine{i}": make_engine(cfg.rollout, u) for i, u in enumerate(urls)}
-        self.restarts: dict[str, int] = {}
+        self.restarts: dict[str, int] = {}  # per engine, over the run
+        self.budgets: dict[str, RestartBudget] = {}  # per engine: max_restarts per window
         self.gone: dict[str, str] = {}  # engines out of the run for good: why
         self.waiting: dict[str, ManagedEngine] = {}  # url -> client held until re-synced
         self.send_lock = asyncio.Lock()  # one step's messages, or one Engines, at a time
@@ -82,18 +84,24 @@ class EngineSet:
         """Restart the engine of ``death`` and start its re-sync; raises RuntimeError when
         it may not be restarted (again)."""
         name = death.name
-        limit = self.cfg.rollout.max_restarts
-        count = self.restarts[name] = self.restarts.get(name, 0) + 1
+        rc = self.cfg.rollout
         if name not in self.clients:
             raise RuntimeError(f"{death.describe()}\n(not ours to restart)")
-        if count > limit:
+        budget = self.budgets.setdefault(name, RestartBudget(rc.max_restarts, rc.restart_window_s))
+        if not budget.take(time.monotonic()):
             await self.give_up(name, death, router, chan)
             return
+        count = self.restarts[name] = self.restarts.get(name, 0) + 1
+        in_window = budget.in_window(time.monotonic())
         old = self.clients[name]
         detected = time.time()
         router.hold(old)
         self.waiting.pop(old.url, None)  # died again before its re-sync: not admitted by it
-        log.warning("%s exited with %s; restart %d of %d", name, death.code, count, limit)
+        per = f" per {rc.restart_window_s:g} s" if rc.restart_window_s > 0 else ""
+        log.warning(
+            "%s exited with %s; restart %d of %d%s (%d over the run)",
+            name, death.code, in_window, rc.max_restarts, per, count,
+        )  # fmt: skip
         self.down.add(name)
         if len(self.live_urls()) < len(self.clients):  # pushes go on to the others meanwhile
             self.notify(chan)
@@ -111,20 +119,24 @@ class EngineSet:
         await self.announce(chan)
 
     async def give_up(self, name: str, death: Death, router: Router, chan: Any) -> None:
-        """``name`` died once more than ``rollout.max_restarts`` allows: it leaves the run
-        (router, weight group); RuntimeError when it was the last engine."""
-        limit = self.cfg.rollout.max_restarts
+        """``name`` died once more than ``rollout.max_restarts`` per ``restart_window_s``
+        allows: it leaves the run (router, weight group); RuntimeError when it was the last
+        engine."""
+        rc = self.cfg.rollout
+        limit = rc.max_restarts
+        count = self.restarts.get(name, 0)
         client = self.clients.pop(name)
         self.down.discard(name)
-        self.gone[name] = f"{death.describe()} (restarted {limit} times)"
+        self.gone[name] = f"{death.describe()} (restarted {count} times)"
         if not self.clients:
+            per = f" per {rc.restart_window_s:g} s" if rc.restart_window_s > 0 and limit else ""
             raise RuntimeError(
                 "no rollout engine left (each died more than rollout.max_restarts="
-                f"{limit} times):\n" + "\n".join(f"{n}: {w}" for n, w in self.gone.items())
+                f"{limit} times{per}):\n" + "\n".join(f"{n}: {w}" for n, w in self.gone.items())
             )
         log.error(
             "%s exited with %s after %d restarts: out of the run; %d engine(s) left",
-            name, death.code, limit, len(self.clients),
+            name, death.code, count, len(self.clients),
         )  # fmt: skip
         router.remove(client)
         self.waiting.pop(client.url, None)
