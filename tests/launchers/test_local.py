@@ -18,6 +18,7 @@ from asyncrl.engines.rollout.sglang import SGLangClient
 from asyncrl.launchers import Launcher, make_launcher
 from asyncrl.launchers.base import TrainerArgs, trainer_command
 from asyncrl.procs import pid_alive, python_env
+from asyncrl.transports.experience.shm import PREFIX, SHM_DIR
 from tests.runs import kill_when_rows
 
 
@@ -111,6 +112,8 @@ def test_no_engine_left_stops_the_run_with_an_error(tiny_model_dir: Path, tmp_pa
     assert "no rollout engine left (each died more than rollout.max_restarts=0 times)" in text
     assert "engine0: engine0 exited with -9" in text, text
     assert not [p for p in pids.values() if pid_alive(p)], pids
+    # a failed run removes its experience rings too (the producer is the run's process)
+    assert not list(SHM_DIR.glob(f"{PREFIX}{proc.pid}-*")), "a failed run left its shm ring"
 
 
 def _kill_engine_mid_run(cmd: list[str], env: dict[str, str], run: Path, after_rows: int) -> str:
@@ -169,3 +172,39 @@ def test_engine_leaving_for_good_does_not_stall_the_weight_push(
     text = out.decode(errors="replace")
     assert "engine1 exited with -9 after 0 restarts: out of the run; 1 engine(s) left" in text
     assert not [p for p in pids.values() if pid_alive(p)], pids
+
+
+def test_a_trainer_failure_past_its_budget_fails_the_run_and_leaves_no_ring(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """``trainer.max_restarts=0``: the trainer's death ends the run (exit 1, naming the
+    budget), and that failed exit removes the run's shared-memory rings like a clean one
+    (a soak left a ring behind on exactly this path)."""
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "asyncrl.cli", "run", "--run-dir", str(run), "--quiet"]
+    cmd += [f"--model.path={tiny_model_dir}", "--controller.total_steps=40"]
+    cmd += ["--controller.batch_size=4", "--trainer.max_restarts=0"]
+    proc = subprocess.Popen(cmd, env=python_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    rings: list[Path] = []
+    try:
+        deadline = time.monotonic() + 120
+        while proc.poll() is None and not rings:
+            assert time.monotonic() < deadline, "no ring and no 2 steps in 120 s"
+            if _rows(run) >= 2:
+                rings = list(SHM_DIR.glob(f"{PREFIX}{proc.pid}-*"))
+            time.sleep(0.05)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    assert rings, "the run made no shared-memory ring (experience.shm=auto, one host)"
+    pids, rc, text = kill_when_rows(proc, run, "trainer0", after_rows=2, timeout_s=120)
+    assert rc == 1, text
+    assert "trainer.max_restarts=0 per trainer.restart_window_s=600 used up" in text, text
+    assert not [p for p in pids.values() if pid_alive(p)], pids
+    assert not [r for r in rings if r.exists()], "a failed run left its shm ring"
+
+
+def _rows(run: Path) -> int:
+    metrics = run / "metrics.jsonl"
+    return len(metrics.read_text().splitlines()) if metrics.is_file() else 0
