@@ -210,10 +210,6 @@ class ForkServer:
     def _send(self, msg: dict[str, Any]) -> None:
         self._sock.sendall(json.dumps(msg).encode() + b"\n")
 
-    def _reply(self, timeout_s: float, want: int | str) -> dict[str, Any]:
-        with self._lock:
-            return self._reply_locked(timeout_s, want)
-
     def _reply_locked(self, timeout_s: float, want: int | str) -> dict[str, Any]:
         deadline = time.monotonic() + timeout_s
         while True:

@@ -22,8 +22,6 @@ from asyncrl.config import DEFAULT_MAX_NEW_TOKENS
 
 __all__ = ["SamplingParams", "sample"]
 
-TOP_K_ALL = 1 << 30  # SGLang's "whole vocabulary"
-
 # SGLang sampling keys the embedded engine accepts only at their default value.
 _INERT_DEFAULTS: dict[str, Any] = {
     "min_p": 0.0,

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import aiohttp
 import msgspec
@@ -36,10 +36,7 @@ from asyncrl.engines.rollout.base import (
 )
 from asyncrl.engines.rollout.sse import read_generate_stream
 
-if TYPE_CHECKING:
-    from asyncrl.config import RolloutConfig
-
-__all__ = ["SGLangClient", "make_client"]
+__all__ = ["SGLangClient"]
 
 
 def _server_message(raw: bytes) -> str:
@@ -64,13 +61,6 @@ def _is_json_object(raw: bytes) -> bool:
         return isinstance(msgspec.json.decode(raw), dict)
     except msgspec.DecodeError:
         return False
-
-
-def make_client(rollout: RolloutConfig, url: str) -> SGLangClient:
-    """The client of the rollout engine at ``url`` with the run's request timeout: the one
-    factory the run's engines are reached through (both ``rollout.backend`` values speak
-    SGLang's HTTP protocol, so both get an :class:`SGLangClient`)."""
-    return SGLangClient(url, timeout_s=rollout.request_timeout_s)
 
 
 class SGLangClient(KeyedHttp):
