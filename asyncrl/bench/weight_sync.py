@@ -122,7 +122,9 @@ def _serve_engine(args: argparse.Namespace) -> None:
 
         targets = LoraConfig().target_modules
         engine.enable_lora(LoraSpec(args.lora_rank, 16.0, targets, 2))
-    app = build_app(EngineServer(engine, f"{args.model}-shapes", args.recv_host), secret.load())
+    masters = f"loopback,{args.send_host}"  # the sender: this host, or --send-host's node
+    server = EngineServer(engine, f"{args.model}-shapes", args.recv_host, masters)
+    app = build_app(server, secret.load())
     loop = new_event_loop()  # as the engine server's main does
     web.run_app(app, host=args.recv_host, port=args.port, print=None, access_log=None, loop=loop)
 
@@ -216,7 +218,8 @@ class _Children:
     (``--ray``) processes in Ray actors on the Ray node at ``--recv-host``."""
 
     def __init__(self, args: argparse.Namespace, me: list[str], logs: Path):
-        self.args, self.me, self.logs = args, me, logs
+        netns = getattr(args, "netns", "")
+        self.args, self.me, self.logs = args, [*me, *(["--_netns", netns] if netns else [])], logs
         self.procs: list[Any] = []
         if args.ray:
             import ray
@@ -236,7 +239,10 @@ class _Children:
             port = proc.free_port()
             proc.start(f"{name}-{len(self.procs)}", [*self.me, *_fill(extra, port)])
         else:
-            port = free_port(self.args.recv_host)
+            # in an emulated link's namespace nothing else listens: any port free here will do
+            port = free_port(
+                "127.0.0.1" if getattr(self.args, "netns", "") else self.args.recv_host
+            )
             log = self.logs / f"{name}-{len(self.procs)}.log"
             cmd = [*self.me, *_fill(extra, port)]
             proc = spawn_shared(cmd, log, python_env(), die_with_parent=True)
@@ -624,11 +630,38 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--_peer", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--nbytes", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument(
+        "--link-gbit",
+        type=float,
+        nargs="+",
+        default=[],
+        metavar="N",
+        help="receivers in their own network namespace behind a veth pair shaped to N Gbit/s "
+        "(tc tbf; root only); several values: one run per link (default: loopback)",
+    )
+    p.add_argument("--_netns", default="", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args._netns:  # a receiving process of an emulated link: into its namespace first
+        from asyncrl.bench.netlink import enter
+
+        enter(args._netns)
+    if args.link_gbit and not (args._engine or args._peer):
+        return _over_links(p, args)
     if args._engine:
         return _serve_engine(args)
     if args._peer:
         return _floor_peer(args)
+    if args.engine != "embedded" and not args.urls:
+        p.error(f"--engine {args.engine} needs --urls of running servers")
+    rows = _one(args)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+        print(f"wrote {args.json}", file=sys.stderr)
+
+
+def _one(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One benchmark (full pushes, or the ``--delta`` / ``--lora`` variant): its table
+    printed, its rows returned."""
     if args.lora or args.delta:  # the variants: their own rows and table
         if args.lora:
             from asyncrl.bench.weight_sync_lora import run_lora as run
@@ -638,19 +671,38 @@ def main(argv: list[str] | None = None) -> None:
             from asyncrl.bench.weight_sync_delta import table_delta as table
         rows = run(args)
         print(table(rows))
-        if args.json:
-            Path(args.json).write_text(json.dumps(rows, indent=2))
-        return None
-    if args.engine != "embedded" and not args.urls:
-        p.error(f"--engine {args.engine} needs --urls of running servers")
+        return rows
     rows = _run(args)
     print(_table(rows))
     for r in rows:
         phases = ", ".join(f"{k} {v:.3f}" for k, v in r["sender_stats_ms"].items())
         print(f"{r['engine']} {r['backend']} {r['mode']} phases (ms, medians): {phases}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2))
-        print(f"wrote {args.json}", file=sys.stderr)
+    return rows
+
+
+def _over_links(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--link-gbit N [N ...]``: the whole benchmark once per emulated link, the rows of
+    each tagged ``link_gbit``; one JSON of them all."""
+    from asyncrl.bench.netlink import EmulatedLink, refusal
+
+    why = refusal()
+    if why:
+        p.error(why)
+    if args.ray or args.engine != "embedded":
+        p.error("--link-gbit emulates the link to this host's own engines: not with --ray/--engine")
+    rows: list[dict[str, Any]] = []
+    out = args.json
+    for gbit in args.link_gbit:
+        with EmulatedLink(gbit) as link:
+            one = argparse.Namespace(**vars(args))
+            one.link_gbit, one.json = [], None
+            one.send_host, one.recv_host, one.netns = link.host_addr, link.ns_addr, link.name
+            print(f"-- link: {gbit:g} Gbit/s (veth + tc tbf, namespace {link.name})")
+            for r in _one(one):
+                rows.append({**r, "link_gbit": gbit})
+    if out:
+        Path(out).write_text(json.dumps(rows, indent=2))
+        print(f"wrote {out}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -79,6 +79,8 @@ PARTS = {  # module of asyncrl/bench -> (the bench that runs it, the flag its ru
     "weight_sync_lora": ("weight-sync", "--lora"),
     # its --engine rows: test_weight_sync_into_the_vllm_standin below (a server to start first)
     "weight_sync_engines": ("weight-sync", ""),
+    # --link-gbit: test_weight_sync_over_an_emulated_link below (root only; else its refusal)
+    "netlink": ("weight-sync", ""),
 }
 
 
@@ -324,3 +326,31 @@ def test_weight_sync_into_the_vllm_standin(tmp_path: Path) -> None:
         assert paths.count("/weight_checker") == 2 * (3 + 1)  # each push (one engine), the check
     finally:
         server.stop()
+
+
+def test_weight_sync_over_an_emulated_link(tmp_path: Path) -> None:
+    """``bench weight-sync --link-gbit 1``: the engine and the floor's peer in a network
+    namespace of their own behind a veth pair shaped to 1 Gbit/s, every push verified across
+    it, the namespace gone afterwards. Without root, the bench refuses at once, saying why."""
+    import subprocess
+
+    from asyncrl.bench.netlink import refusal
+    from asyncrl.procs import finish
+
+    out = tmp_path / "out.json"
+    cmd = ["-m", "asyncrl.cli", "bench", "weight-sync", "--model=tiny", "--link-gbit", "1"]
+    cmd += ["--repeats=1", "--modes=overlap", "--no-naive", f"--json={out}"]
+    bench = spawn_shared(cmd, tmp_path / "log", python_env())
+    code, _ = finish(bench, TIMEOUT_S)
+    log = (tmp_path / "log").read_text(errors="replace")
+    why = refusal()
+    if why:  # not root (or no iproute2): a clear refusal before anything is made
+        assert code == 2 and why in log, log[-2000:]
+        return
+    assert code == 0, log[-4000:]
+    (row,) = json.loads(out.read_text())
+    assert row["link_gbit"] == 1 and row["verified"] is True and row["floor_s"] > 0
+    assert row["send_host"].startswith("10.213.") and row["recv_host"].startswith("10.213.")
+    assert "-- link: 1 Gbit/s" in log
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert f"asyncrl-link-{bench.pid}-" not in listed, listed  # removed on the way out
