@@ -28,6 +28,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "learning": ("asyncrl.bench.learning", "sync vs async learning: reward and time-to-reward"),
     "trace": ("asyncrl.bench.trace", "the timeline's cost: the default job traced vs not"),
     "faults": ("asyncrl.bench.faults", "killed trainer / engines / run: recovery, nothing lost"),
+    "soak": ("asyncrl.bench.soak", "a long run under random kills and hangs: nothing lost"),
     "gateway": ("asyncrl.bench.gateway", "OpenAI gateway vs the engine's own /generate"),
     "fuzz": ("asyncrl.bench.fuzz", "hostile HTTP and experience messages: all answered, none lost"),
 }

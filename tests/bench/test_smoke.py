@@ -65,7 +65,7 @@ SMOKE: dict[str, tuple[str, list[str]]] = {  # the longest first
     ),
     "controller": ("controller", ["--episodes=2000", "--repeats=1", "--core=-1"]),
 }
-COVERED_ELSEWHERE = {"faults", "fuzz", "weight-sync"}
+COVERED_ELSEWHERE = {"faults", "fuzz", "weight-sync", "soak"}  # soak: test_faults.py
 TIMEOUT_S = 240
 
 
