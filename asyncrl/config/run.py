@@ -308,6 +308,11 @@ class LoggingConfig(_Section, frozen=True):
 
 
 class RunConfig(_Section, frozen=True):
+    """A whole run's configuration: one section per part (``RunConfig()`` is the embedded
+    default job). Built by :func:`~asyncrl.load_config` from a TOML file and
+    ``--section.key=value`` overrides; every field, its default and meaning:
+    docs/config.md (``asyncrl config``)."""
+
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     task: TaskConfig = msgspec.field(default_factory=TaskConfig)
     rollout: RolloutConfig = msgspec.field(default_factory=LocalRolloutConfig)

@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import numpy as np
 
+from asyncrl import secret
 from asyncrl.config import DEFAULT_MAX_NEW_TOKENS
 from asyncrl.controllers.adapters import AdapterNames
 from asyncrl.engines.rollout.base import (
@@ -64,6 +65,7 @@ if TYPE_CHECKING:
     from asyncrl.controllers.router import Router
 
 __all__ = [
+    "EngineKeyRefused",
     "Episode",
     "EpisodeContext",
     "EpisodeFailed",
@@ -102,6 +104,13 @@ def input_crc(ids: Sequence[int]) -> int:
 
 class EpisodeFailed(RuntimeError):
     """An episode's generation failed after every retry; its group is reported failed."""
+
+
+class EngineKeyRefused(EpisodeFailed):
+    """An engine answered 401: it holds another key than this process's run secret
+    (``cluster.secret_file``, docs/security.md). No retry and no other engine mends that,
+    so the controller stops at the first one (``next_batch`` raises, naming the engine and
+    where this process's secret came from) instead of failing group after group."""
 
 
 class RewardError(RuntimeError):
@@ -461,6 +470,9 @@ class EpisodeContext:
                     res, applied = await self._streamed(ids, params, rid, out, on_tokens, pinned)
             except EngineBadRequest as exc:  # the request is wrong: no engine would take it
                 self._router.report_failure(self._engine, exc)
+                if exc.status == 401:
+                    url = getattr(self._engine, "url", "?")
+                    raise EngineKeyRefused(f"{secret.refused(url)} ({exc})") from exc
                 raise EpisodeFailed(f"episode {self.episode_id}: {exc}") from exc
             except (EngineError, EngineUnavailable) as exc:
                 failed, self._engine = self._engine, None

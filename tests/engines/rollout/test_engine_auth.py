@@ -212,7 +212,7 @@ def test_an_engine_started_by_hand_without_a_secret_makes_one_only_its_user_read
         async def main() -> None:
             client = SGLangClient(f"http://127.0.0.1:{port}", timeout_s=10)
             try:  # this session's key is not that engine's
-                with pytest.raises(EngineUnavailable, match="refused the run's secret"):
+                with pytest.raises(EngineUnavailable, match="refused this process's run secret"):
                     await client.wait_healthy(100)
             finally:
                 await client.close()
