@@ -166,7 +166,8 @@ def test_embedding_example_with_secret_file_trains_against_a_hand_started_engine
         assert stats["trained"] == 8 and stats["version"] == 2 and stats["failed"] == 0, stats
 
         async def version() -> str:
-            async with aiohttp.ClientSession(headers=secret.auth_headers(secret.read_file(key))) as s:
+            headers = secret.auth_headers(secret.read_file(key))
+            async with aiohttp.ClientSession(headers=headers) as s:
                 async with s.get(f"{url}/get_weight_version") as r:
                     assert r.status == 200
                     return str((await r.json())["weight_version"])

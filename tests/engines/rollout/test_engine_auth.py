@@ -175,7 +175,7 @@ def test_a_client_with_another_secret_fails_fast_naming_the_fix(
             secret.use(KEY)
         t0 = asyncio.get_running_loop().time()
         try:
-            with pytest.raises(EngineUnavailable, match=r"refused the run.s secret.*secret_file"):
+            with pytest.raises(EngineUnavailable, match=r"refused this process.s.*secret_file"):
                 await client.wait_healthy(60)
         finally:
             await client.close()
@@ -224,3 +224,5 @@ def test_an_engine_started_by_hand_without_a_secret_makes_one_only_its_user_read
         asyncio.run(main())
     finally:
         stop([proc])
+    assert proc.returncode == 0, log.read_text()[-2000:]  # SIGTERM: an orderly exit
+    assert not key_file.exists()  # the key it made left with it (issue 37 item 10)
