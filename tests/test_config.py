@@ -205,3 +205,13 @@ def test_a_typo_gets_did_you_mean() -> None:
         load_config(None, ["--controller.batch_sise=3"])
     with pytest.raises(ValueError, match=r"\(did you mean controller\?\)"):
         load_config(None, ["--contrller.batch_size=3"])
+
+
+def test_config_json_records_the_gateway_an_agent_run_serves() -> None:
+    """Issue 37 item 10: an agent run's recorded config says ``gateway.enabled = true`` (the
+    gateway runs), and a resume reading it back gets the same config."""
+    cfg = load_config(None, ["--task.name=agent", "--task.agent=pkg.mod:fn"])
+    tree = to_dict(cfg)
+    assert tree["gateway"]["enabled"] is True
+    assert load_config(None, [], base=tree).task.name == "agent"
+    assert to_dict(RunConfig())["gateway"]["enabled"] is False

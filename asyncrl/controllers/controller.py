@@ -271,7 +271,11 @@ class Controller:
             return
         exc = task.exception()
         if exc is not None and self._error is None:
-            log.error("controller task %s failed: %r", task.get_name(), exc, exc_info=exc)
+            # next_batch raises it (the run's console says it): the file only, with its
+            # traceback unless that was logged already (a reward function's, RewardError)
+            trace_info = None if getattr(exc, "logged", False) else exc
+            log.error("controller task %s failed: %r", task.get_name(), exc,
+                      exc_info=trace_info, extra={"console": False})  # fmt: skip
             self._error = exc
             self._ready_changed.set()
 
