@@ -8,6 +8,7 @@ module; nothing here imports a benchmark (or torch) until one is run.
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import shutil
 import sys
@@ -16,7 +17,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-__all__ = ["BENCHES", "log_dir", "run_bench"]
+__all__ = ["BENCHES", "HelpFormatter", "RawHelpFormatter", "log_dir", "run_bench"]
 
 BENCHES: dict[str, tuple[str, str]] = {
     "weight-sync": ("asyncrl.bench.weight_sync", "weight-sync latency and bandwidth per backend"),
@@ -31,6 +32,25 @@ BENCHES: dict[str, tuple[str, str]] = {
     "gateway": ("asyncrl.bench.gateway", "OpenAI gateway vs the engine's own /generate"),
     "fuzz": ("asyncrl.bench.fuzz", "hostile HTTP and experience messages: all answered, none lost"),
 }
+
+
+class _Defaults(argparse.HelpFormatter):
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        shown = default not in (None, False, argparse.SUPPRESS, "") and default != []
+        if action.option_strings and shown and "%(default)" not in text:
+            text += (" " if text else "") + "(default: %(default)s)"
+        return text
+
+
+class HelpFormatter(_Defaults, argparse.RawDescriptionHelpFormatter):
+    """Every benchmark's ``--help``: each option's line ends with its default (options
+    without a help text too), and the description keeps its own line breaks."""
+
+
+class RawHelpFormatter(_Defaults, argparse.RawTextHelpFormatter):
+    """:class:`HelpFormatter` for help texts laid out by hand (their line breaks kept)."""
 
 
 def run_bench(name: str, argv: Sequence[str]) -> int:
