@@ -9,6 +9,7 @@ module; nothing here imports a benchmark (or torch) until one is run.
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib
 import shutil
 import sys
@@ -35,12 +36,25 @@ BENCHES: dict[str, tuple[str, str]] = {
 
 
 class _Defaults(argparse.HelpFormatter):
+    @staticmethod
+    def _shows_default(action: argparse.Action) -> bool:
+        default = action.default
+        if not action.option_strings or default is None or default is False:  # 0 is shown
+            return False
+        if default == argparse.SUPPRESS or default == "":
+            return False
+        return default != [] and "%(default)" not in (action.help or "")
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if action.help is None and self._shows_default(action):  # no help text: its default
+            action = copy.copy(action)
+            action.help = "(default: %(default)s)"
+        return super()._format_action(action)
+
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        default = action.default
-        shown = default not in (None, False, argparse.SUPPRESS, "") and default != []
-        if action.option_strings and shown and "%(default)" not in text:
-            text += (" " if text else "") + "(default: %(default)s)"
+        if self._shows_default(action) and "(default: %(default)s)" not in text:
+            text += " (default: %(default)s)"
         return text
 
 
