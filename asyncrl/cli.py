@@ -1,4 +1,4 @@
-"""The ``asyncrl`` command: run | serve | bench | plot.
+"""The ``asyncrl`` command: run | serve | bench | plot | config.
 
 Parsing is done before any heavy import (torch, transformers), so ``--help``
 answers at once and config errors show before anything starts.
@@ -61,6 +61,16 @@ def _parser() -> argparse.ArgumentParser:
     for name, (_, summary) in BENCHES.items():
         one = names.add_parser(name, help=summary, add_help=False)
         one.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the benchmark")
+    config = sub.add_parser(
+        "config",
+        help="the configuration reference: every key, its type, default and meaning",
+        description="Print the configuration reference (Markdown, as docs/config.md): every key "
+        "of asyncrl run's config with its type and limits, default and meaning, from the config "
+        "structs' docstrings. Set keys in a TOML file or as --section.key=value.",
+    )
+    config.add_argument(
+        "section", nargs="?", default="", help="only this section (e.g. rollout, logging.trace)"
+    )
     plot = sub.add_parser(
         "plot",
         help="PNGs of runs (reward, staleness, throughput, time, timeline); several overlay",
@@ -150,6 +160,15 @@ def main(argv: list[str] | None = None) -> None:
         from asyncrl.entrypoints.engine import main as serve_main
 
         serve_main(ns.args)
+    elif ns.cmd == "config":
+        from asyncrl.config.reference import render, sections
+
+        keys = [k for k, _ in sections()]
+        if ns.section and not any(k == ns.section or k.startswith(ns.section + ".") for k in keys):
+            print(f"asyncrl config: no section {ns.section!r} (sections: {', '.join(keys)})",
+                  file=sys.stderr)  # fmt: skip
+            sys.exit(2)
+        print(render(ns.section), end="")
     elif ns.cmd == "plot":
         from asyncrl.plot import main_plot
 
