@@ -387,6 +387,7 @@ class _Run:
         redo = sorted(step for step in self.sent if step >= n)
         self.rows = [r for r in self.rows if r["step"] < n]
         await asyncio.to_thread(ckpts.truncate_metrics, self.run_dir / "metrics.jsonl", n)
+        await asyncio.to_thread(ckpts.truncate_metrics, self.run_dir / "trajectories.jsonl", n)
         rewind_sinks(self.sinks, n)
         for step in redo:
             batch = self.batches[step] = self.sent[step]
@@ -749,6 +750,7 @@ def _resume_state(job: _Run) -> ControllerState:
             f"{state.step}, to train further)"
         )
     dropped = ckpts.truncate_metrics(job.run_dir / "metrics.jsonl", state.step)
+    ckpts.truncate_metrics(job.run_dir / "trajectories.jsonl", state.step)  # retrained: again
     if not job.quiet:
         print(
             f"resuming from {job.resume_from}: step {state.step}, {len(state.ready)} ready "
