@@ -155,11 +155,15 @@ class _Run:
         self.startup_s = cfg.rollout.startup_timeout_s or 120.0  # set from the model: run_job
 
     def record_pids(self) -> None:
-        """processes.json (name -> pid), placement.json (name -> node address) and pids.json
-        (this host's processes with their start times, for the guardian)."""
+        """processes.json (name -> pid), placement.json (name -> node address), engines.json
+        (name -> URL of every engine, started by the run or given in ``rollout.urls``; a
+        restarted engine's new one) and pids.json (this host's processes with their start
+        times, for the guardian)."""
         placed = self.launcher.processes()
         pids = {n: p.pid for n, p in placed.items()}
         (self.run_dir / "processes.json").write_text(json.dumps(pids))
+        urls = {n: c.url for n, c in self.engines.clients.items()}
+        (self.run_dir / "engines.json").write_text(json.dumps(urls))
         (self.run_dir / "placement.json").write_text(
             json.dumps({n: p.address for n, p in placed.items()})
         )

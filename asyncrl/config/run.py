@@ -309,7 +309,8 @@ class LoggingConfig(_Section, frozen=True):
     """Every metric to Weights & Biases as well (the ``wandb`` extra)."""
     trajectories: bool = False
     """Write every trained trajectory to ``RUN_DIR/trajectories.jsonl`` (step, session,
-    reward, and per token: token_ids, loss_mask, logprobs, versions)."""
+    episode, group, reward, and per token of the prompt then the response: token_ids,
+    loss_mask, logprobs, versions; the schema: docs/trajectories.md)."""
 
 
 class RunConfig(_Section, frozen=True):
