@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import subprocess
 import sys
 from collections import defaultdict
@@ -367,6 +368,7 @@ def test_progress_lines(run_and_output: tuple[Path, str]) -> None:
     assert len(lines) == STEPS and "\r" not in stdout  # not a terminal: plain lines
     assert lines[0].startswith(f"step 1/{STEPS} | reward ") and "ETA" in lines[-1]
     assert "tok/s" in lines[-1] and "- tok/s" not in lines[-1]
+    assert f"(last {min(STEPS, 10)}: " in lines[-1]  # the running mean says what it is
 
 
 def test_progress_live_line_rewrites_in_place() -> None:
@@ -421,3 +423,12 @@ def test_plot_text_columns_are_labelled(tmp_path: Path) -> None:
     assert lines[3].split()[:3] == ["1", "1.000", "0.667"], lines  # debiased EMA at 0.5
     assert "share of the wall time after the first step:" in lines
     assert any(line.startswith("  trainer: training") for line in lines), lines
+
+
+def test_run_records_where_its_engines_listen(run: Path) -> None:
+    """RUN_DIR/engines.json names every engine and its URL (docs/embedding.md: reaching a
+    run's engines by hand)."""
+    engines = json.loads((run / "engines.json").read_text())
+    processes = json.loads((run / "processes.json").read_text())
+    assert set(engines) == {n for n in processes if n.startswith("engine")} == {"engine0"}
+    assert re.fullmatch(r"http://127\.0\.0\.1:\d+", engines["engine0"]), engines
