@@ -90,14 +90,16 @@ def main(ns: argparse.Namespace, overrides: list[str]) -> int:
 
 
 class _Console(logging.Formatter):
-    """The console's log lines: the message without its traceback, which is in
-    ``RUN_DIR/controller.log`` (one per distinct error)."""
+    """The console's log lines: asyncrl's records without their traceback, which is in
+    ``RUN_DIR/controller.log`` (one per distinct error); other libraries' as they are."""
 
     def __init__(self, run_dir: Path):
         super().__init__("%(asctime)s %(name)s %(levelname)s %(message)s")
         self.where = run_dir / "controller.log"
 
     def format(self, record: logging.LogRecord) -> str:
+        if not record.name.startswith("asyncrl"):  # not in controller.log: shown whole
+            return super().format(record)
         saved = record.exc_info, record.exc_text, record.stack_info
         record.exc_info, record.exc_text, record.stack_info = None, None, None
         try:
