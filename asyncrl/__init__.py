@@ -6,6 +6,10 @@ loop: episodes get an :class:`EpisodeContext` and a :class:`Sample`, return a
 :class:`NoMoreSamples` after ``end_input()``; :class:`WeightPusher` brings your
 trainer's weights into the engines), :class:`RunConfig` / :func:`load_config`, and
 the ``asyncrl`` CLI. README's "Embedding the controller" is ``examples/embedding.py``.
+Beside them (:mod:`asyncrl.embedding`): :class:`EngineProcess` (an embedded engine as a
+child process on a free port), :func:`wait_healthy` (wait until engines answer, with this
+process's run secret), :func:`ensure_tiny_model` and :data:`TINY_VOCAB` (the tiny default
+model), and the errors :class:`EngineUnavailable` / :class:`EngineKeyRefused`.
 Importing this package never imports torch, and imports each public name only when
 it is first used (``from asyncrl import Controller`` works as usual): the engine and
 trainer processes import ``asyncrl.*`` modules without loading the controller.
@@ -19,15 +23,27 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from asyncrl.config import RunConfig, load_config
     from asyncrl.controllers.controller import Batch, Controller, NoMoreSamples
-    from asyncrl.controllers.episode import EpisodeContext, EpisodeFailed, Generation, RewardError
+    from asyncrl.controllers.episode import (
+        EngineKeyRefused,
+        EpisodeContext,
+        EpisodeFailed,
+        Generation,
+        RewardError,
+    )
+    from asyncrl.embedding import TINY_VOCAB, EngineProcess, ensure_tiny_model, wait_healthy
+    from asyncrl.engines.rollout.base import EngineUnavailable
     from asyncrl.tasks.base import Sample
     from asyncrl.transports.experience.types import Trajectory
     from asyncrl.transports.weights.base import WeightSyncError
     from asyncrl.transports.weights.pusher_send import WeightPusher
 
 __all__ = [
+    "TINY_VOCAB",
     "Batch",
     "Controller",
+    "EngineKeyRefused",
+    "EngineProcess",
+    "EngineUnavailable",
     "EpisodeContext",
     "EpisodeFailed",
     "Generation",
@@ -38,13 +54,19 @@ __all__ = [
     "Trajectory",
     "WeightPusher",
     "WeightSyncError",
+    "ensure_tiny_model",
     "load_config",
+    "wait_healthy",
 ]
 __version__ = "0.1.0"
 
 _HOMES = {
+    "TINY_VOCAB": "asyncrl.embedding",
     "Batch": "asyncrl.controllers.controller",
     "Controller": "asyncrl.controllers.controller",
+    "EngineKeyRefused": "asyncrl.controllers.episode",
+    "EngineProcess": "asyncrl.embedding",
+    "EngineUnavailable": "asyncrl.engines.rollout.base",
     "EpisodeContext": "asyncrl.controllers.episode",
     "EpisodeFailed": "asyncrl.controllers.episode",
     "Generation": "asyncrl.controllers.episode",
@@ -55,7 +77,9 @@ _HOMES = {
     "Trajectory": "asyncrl.transports.experience.types",
     "WeightPusher": "asyncrl.transports.weights.pusher_send",
     "WeightSyncError": "asyncrl.transports.weights.base",
+    "ensure_tiny_model": "asyncrl.embedding",
     "load_config": "asyncrl.config",
+    "wait_healthy": "asyncrl.embedding",
 }
 
 

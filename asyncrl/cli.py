@@ -1,4 +1,4 @@
-"""The ``asyncrl`` command: run | serve | bench | plot.
+"""The ``asyncrl`` command: run | serve | bench | plot | config.
 
 Parsing is done before any heavy import (torch, transformers), so ``--help``
 answers at once and config errors show before anything starts.
@@ -34,7 +34,8 @@ def _parser() -> argparse.ArgumentParser:
         "run",
         help="fully-async GRPO (no arguments: the embedded default job)",
         description="Run a training job. Any config key can be overridden as --section.key=value "
-        "(e.g. --controller.max_staleness=2).",
+        "or --section.key value (e.g. --controller.max_staleness=2); every key, its default and "
+        "meaning: asyncrl config.",
     )
     run.add_argument("config", nargs="?", help="TOML config file (default: built-in defaults)")
     run.add_argument("--run-dir", default=None, help="output folder (default: a new runs/<time>)")
@@ -60,6 +61,16 @@ def _parser() -> argparse.ArgumentParser:
     for name, (_, summary) in BENCHES.items():
         one = names.add_parser(name, help=summary, add_help=False)
         one.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the benchmark")
+    config = sub.add_parser(
+        "config",
+        help="the configuration reference: every key, its type, default and meaning",
+        description="Print the configuration reference (Markdown, as docs/config.md): every key "
+        "of asyncrl run's config with its type and limits, default and meaning, from the config "
+        "structs' docstrings. Set keys in a TOML file or as --section.key=value.",
+    )
+    config.add_argument(
+        "section", nargs="?", default="", help="only this section (e.g. rollout, logging.trace)"
+    )
     plot = sub.add_parser(
         "plot",
         help="PNGs of runs (reward, staleness, throughput, time, timeline); several overlay",
@@ -86,6 +97,43 @@ def _is_override(arg: str) -> bool:
     return "." in key or ("=" in arg and key not in _RUN_OPTIONS)
 
 
+def _takes_next(arg: str) -> bool:
+    """``--section.key`` (or a top-level value key, ``--seed``) with no ``=``: its value is the
+    next argument (``--controller.total_steps 5``)."""
+    if not arg.startswith("--") or "=" in arg or arg in _RUN_OPTIONS:
+        return False
+    key = arg[2:]
+    if "." in key:
+        return True
+    from asyncrl.config import RunConfig
+
+    return key in RunConfig.__struct_fields__
+
+
+def _split_run_args(argv: list[str]) -> tuple[list[str], list[str]]:
+    """``asyncrl run``'s own arguments and its config overrides (``--key=value``, or
+    ``--key value``: the next argument is the value); SystemExit(2) naming a key that has no
+    value."""
+    known: list[str] = []
+    overrides: list[str] = []
+    args = iter(argv)
+    for arg in args:
+        if _takes_next(arg):
+            value = next(args, None)
+            if value is None or value.startswith("--"):
+                print(
+                    f"asyncrl run: {arg} needs a value: {arg}=VALUE or {arg} VALUE",
+                    file=sys.stderr,
+                )
+                sys.exit(2)
+            overrides.append(f"{arg}={value}")
+        elif _is_override(arg):
+            overrides.append(arg)
+        else:
+            known.append(arg)
+    return known, overrides
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] != ["run"] and signal.getsignal(signal.SIGINT) is _interrupted:
@@ -93,8 +141,7 @@ def main(argv: list[str] | None = None) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
     parser = _parser()
     if argv[:1] == ["run"]:  # config overrides (--key=value, --section.key=value) go apart
-        known = [a for a in argv if not _is_override(a)]
-        overrides = [a for a in argv if a not in known]
+        known, overrides = _split_run_args(argv)
         ns = parser.parse_args(known)
         from asyncrl.entrypoints.run import main as run_main
 
@@ -113,6 +160,15 @@ def main(argv: list[str] | None = None) -> None:
         from asyncrl.entrypoints.engine import main as serve_main
 
         serve_main(ns.args)
+    elif ns.cmd == "config":
+        from asyncrl.config.reference import render, sections
+
+        keys = [k for k, _ in sections()]
+        if ns.section and not any(k == ns.section or k.startswith(ns.section + ".") for k in keys):
+            print(f"asyncrl config: no section {ns.section!r} (sections: {', '.join(keys)})",
+                  file=sys.stderr)  # fmt: skip
+            sys.exit(2)
+        print(render(ns.section), end="")
     elif ns.cmd == "plot":
         from asyncrl.plot import main_plot
 

@@ -300,19 +300,28 @@ def _timeline(plt: Any, runs: list[Run], alpha: float, window: int) -> Any:
 
 
 # -- terminal -----------------------------------------------------------------------------
-def text_view(runs: list[Run], width: int = 40) -> str:
-    """Per run: step, reward, smoothed reward and a bar; then time shares."""
+def text_view(runs: list[Run], width: int = 40, alpha: float = 0.8) -> str:
+    """Per run: a table of step, reward (the step's mean), smoothed reward (debiased EMA of
+    weight ``alpha``, as the PNGs' bold line) and a bar of the smoothed reward; then the
+    time shares of the trainer and the engines."""
     lines = []
     for run in runs:
         lines.append(f"== {run.label}")
+        lines.append(
+            f"{'step':>5} {'reward':>6} {'smooth':>6}  smoothed reward, '#' = 1/{width} "
+            f"(smooth: EMA, weight {alpha:g})"
+        )
         r = run.col("reward_mean")
-        for row, s in zip(run.rows, smooth(r, 0.8), strict=True):
+        for row, s in zip(run.rows, smooth(r, alpha), strict=True):
             bar = "#" * round(width * max(0.0, min(1.0, s)))
-            lines.append(f"{row['step']:5d} {row['reward_mean']:.3f} {s:.3f} {bar}")
-        for who, parts in time_shares(run).items():
+            lines.append(f"{row['step']:5d} {row['reward_mean']:6.3f} {s:6.3f}  {bar}")
+        shares = time_shares(run)
+        if shares:
+            lines.append("share of the wall time after the first step:")
+        for who, parts in shares.items():
             total = sum(parts.values()) or 1.0
-            shares = ", ".join(f"{k} {100 * v / total:.0f}%" for k, v in parts.items())
-            lines.append(f"{who}: {shares}")
+            shares_text = ", ".join(f"{k} {100 * v / total:.0f}%" for k, v in parts.items())
+            lines.append(f"  {who}: {shares_text}")
     return "\n".join(lines)
 
 
@@ -327,8 +336,11 @@ def main_plot(
     except (ValueError, json.JSONDecodeError) as exc:
         print(f"asyncrl plot: {exc}", file=sys.stderr)
         return 2
+    if not math.isfinite(alpha) or not 0 <= alpha < 1:
+        print(f"asyncrl plot: --smooth must be in [0, 1), got {alpha}", file=sys.stderr)
+        return 2
     if text:
-        print(text_view(runs))
+        print(text_view(runs, alpha=alpha))
         return 0
     try:
         import matplotlib  # noqa: F401
@@ -338,9 +350,6 @@ def main_plot(
             "nothing",
             file=sys.stderr,
         )
-        return 2
-    if not math.isfinite(alpha) or not 0 <= alpha < 1:
-        print(f"asyncrl plot: --smooth must be in [0, 1), got {alpha}", file=sys.stderr)
         return 2
     dest = Path(out) if out else runs[0].path / "plots"
     for path in write_pngs(runs, dest, alpha, window):

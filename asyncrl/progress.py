@@ -1,5 +1,11 @@
 """The run's progress line: step, reward, tokens/s, ETA.
 
+``step 12/120 | reward 0.512 (last 10: 0.480) | staleness 1 | 1,234 tok/s | train 0.21s |
+sync 0.004s | 31s | ETA 280s``: the step's mean reward and the mean of the last 10 steps'
+(fewer at the start), the step's largest staleness, response tokens per second since the
+first step, the step's train and weight-sync seconds, the wall time and the time left at
+the pace since the first step.
+
 On a terminal one line is rewritten in place (``\\r``); otherwise (CI logs,
 pipes, files) every step prints one plain line, so logs stay readable.
 """
@@ -7,6 +13,7 @@ pipes, files) every step prints one plain line, so logs stay readable.
 from __future__ import annotations
 
 import sys
+from collections import deque
 from typing import Any, TextIO
 
 __all__ = ["Progress"]
@@ -15,11 +22,14 @@ __all__ = ["Progress"]
 class Progress:
     """Reports steps of a run of ``total`` steps to ``out`` (default stdout)."""
 
+    WINDOW = 10
+    """Steps the line's running mean of the reward covers."""
+
     def __init__(self, total: int, out: TextIO | None = None, live: bool | None = None):
         self.total = total
         self.out = out or sys.stdout
         self.live = self.out.isatty() if live is None else live
-        self._ema: float | None = None
+        self._recent: deque[float] = deque(maxlen=self.WINDOW)
         self._t_first: float | None = None
         self._tokens = 0
         self._width = 0
@@ -28,7 +38,8 @@ class Progress:
         """The text for a metrics row (also updates the running averages)."""
         step, wall = int(row["step"]), float(row["wall_s"])
         r = float(row["reward_mean"])
-        self._ema = r if self._ema is None else 0.9 * self._ema + 0.1 * r
+        self._recent.append(r)
+        recent = sum(self._recent) / len(self._recent)
         tokens_s = eta = None
         if self._t_first is None:
             self._t_first = wall
@@ -41,7 +52,7 @@ class Progress:
                 eta = span / done * (self.total - step - 1)
         parts = [
             f"step {step + 1}/{self.total}",
-            f"reward {r:.3f} (avg {self._ema:.3f})",
+            f"reward {r:.3f} (last {len(self._recent)}: {recent:.3f})",
             f"staleness {row.get('staleness_max', 0)}",
             f"{tokens_s:,.0f} tok/s" if tokens_s is not None else "- tok/s",
             f"train {float(row.get('train_s', 0.0)):.2f}s",

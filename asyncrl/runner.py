@@ -158,11 +158,15 @@ class _Run:
         self.startup_s = cfg.rollout.startup_timeout_s or 120.0  # set from the model: run_job
 
     def record_pids(self) -> None:
-        """processes.json (name -> pid), placement.json (name -> node address) and pids.json
-        (this host's processes with their start times, for the guardian)."""
+        """processes.json (name -> pid), placement.json (name -> node address), engines.json
+        (name -> URL of every engine, started by the run or given in ``rollout.urls``; a
+        restarted engine's new one) and pids.json (this host's processes with their start
+        times, for the guardian)."""
         placed = self.launcher.processes()
         pids = {n: p.pid for n, p in placed.items()}
         (self.run_dir / "processes.json").write_text(json.dumps(pids))
+        urls = {n: c.url for n, c in self.engines.clients.items()}
+        (self.run_dir / "engines.json").write_text(json.dumps(urls))
         (self.run_dir / "placement.json").write_text(
             json.dumps({n: p.address for n, p in placed.items()})
         )
@@ -394,6 +398,7 @@ class _Run:
         redo = sorted(step for step in self.sent if step >= n)
         self.rows = [r for r in self.rows if r["step"] < n]
         await asyncio.to_thread(ckpts.truncate_metrics, self.run_dir / "metrics.jsonl", n)
+        await asyncio.to_thread(ckpts.truncate_metrics, self.run_dir / "trajectories.jsonl", n)
         rewind_sinks(self.sinks, n)
         for step in redo:
             batch = self.batches[step] = self.sent[step]
@@ -756,6 +761,7 @@ def _resume_state(job: _Run) -> ControllerState:
             f"{state.step}, to train further)"
         )
     dropped = ckpts.truncate_metrics(job.run_dir / "metrics.jsonl", state.step)
+    ckpts.truncate_metrics(job.run_dir / "trajectories.jsonl", state.step)  # retrained: again
     if not job.quiet:
         print(
             f"resuming from {job.resume_from}: step {state.step}, {len(state.ready)} ready "

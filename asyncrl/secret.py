@@ -10,9 +10,15 @@ Where a process's secret comes from, first found:
    variable; the number itself is no secret.
 2. ``ASYNCRL_SECRET``: the secret itself (engines started by hand). Dropped from
    ``os.environ`` when read, so no child inherits it; prefer a file.
-3. A file: ``cluster.secret_file`` (the run) or ``ASYNCRL_SECRET_FILE``; it must be
-   readable by its owner only (mode 0600 or stricter), else ValueError.
+3. A file: ``cluster.secret_file`` or ``ASYNCRL_SECRET_FILE``; it must be readable by its
+   owner only (mode 0600 or stricter), else ValueError.
 4. None of these: a fresh one, ``secrets.token_urlsafe(32)`` (256 bits).
+
+``cluster.secret_file`` of a config wins over all of these in the process that runs the
+config (``asyncrl run``, and an embedding program's :class:`~asyncrl.Controller` and
+:class:`~asyncrl.WeightPusher`): :func:`adopt` makes the file's secret the process's.
+:func:`source` says where the process's secret came from (for error messages; never the
+secret).
 
 How it travels: to a child process through an inherited pipe (:func:`handoff`), to a Ray
 actor as a method argument (Ray's own channel), to an SGLang or vLLM server through
@@ -37,6 +43,7 @@ __all__ = [
     "ENV_FD",
     "ENV_FILE",
     "ENV_SECRET",
+    "adopt",
     "auth_headers",
     "check_bearer",
     "curve_keys",
@@ -45,6 +52,8 @@ __all__ = [
     "held",
     "load",
     "read_file",
+    "refused",
+    "source",
     "use",
 ]
 
@@ -55,6 +64,7 @@ MIN_CHARS = 16
 """A secret shorter than this is refused (a typo, not a key)."""
 
 _current: str | None = None
+_source = ""
 
 
 def generate() -> str:
@@ -90,9 +100,11 @@ def read_file(path: str | Path) -> str:
 
 
 def _from_pipe() -> str | None:
+    global _source
     fd = os.environ.pop(ENV_FD, "")
     if not fd:
         return None
+    _source = "handed over by the parent process"
     try:
         with os.fdopen(int(fd), "rb") as f:
             data = f.read(4096)
@@ -102,19 +114,28 @@ def _from_pipe() -> str | None:
 
 
 def _from_user(path: str = "") -> str | None:
+    global _source
     value = os.environ.pop(ENV_SECRET, "")
     if value:
+        _source = f"from {ENV_SECRET}"
         return _valid(value, ENV_SECRET)
-    path = path or os.environ.get(ENV_FILE, "")
+    if path:
+        _source = f"from the file {path}"
+    elif os.environ.get(ENV_FILE):
+        path = os.environ[ENV_FILE]
+        _source = f"from the file {path} ({ENV_FILE})"
     return read_file(path) if path else None
 
 
 def load(path: str = "") -> str:
     """This process's secret: read once (module docstring's order; ``path``: a file to read
     when neither the parent's pipe nor ``ASYNCRL_SECRET`` gives one), then the same."""
-    global _current
+    global _current, _source
     if _current is None:
-        _current = held(path) or generate()
+        _current = held(path)
+        if _current is None:
+            _current = generate()
+            _source = f"a fresh one: no cluster.secret_file, {ENV_FILE} or {ENV_SECRET} given"
     return _current
 
 
@@ -128,10 +149,39 @@ def held(path: str = "") -> str | None:
     return _current
 
 
-def use(secret: str) -> None:
-    """Make ``secret`` this process's secret (a Ray actor handed its run's)."""
-    global _current
+def use(secret: str, where: str = "given by use()") -> None:
+    """Make ``secret`` this process's secret (a Ray actor handed its run's); ``where``: how
+    :func:`source` describes it."""
+    global _current, _source
     _current = _valid(secret, "use()")
+    _source = where
+
+
+def adopt(path: str) -> str:
+    """Make the secret in the file ``path`` (a config's ``cluster.secret_file``) this
+    process's, whatever it held before, and return it; ``""``: this process's secret as
+    :func:`load` finds it. ValueError as :func:`read_file`."""
+    if path:
+        use(read_file(path), f"from the file {path} (cluster.secret_file)")
+    return load()
+
+
+def source() -> str:
+    """Where this process's secret came from, for messages (``"from the file F
+    (cluster.secret_file)"``, ``"a fresh one: ..."``); never the secret itself."""
+    load()
+    return _source
+
+
+def refused(url: str) -> str:
+    """The message for an engine at ``url`` that answered 401 to this process's secret: what
+    was sent (its :func:`source`) and the two ways to make the keys agree."""
+    return (
+        f"engine {url} refused this process's run secret ({source()}): the engine holds "
+        "another key. Start the engine with this secret (asyncrl serve --secret-file F; "
+        "SGLang/vLLM --api-key) or give this process the engine's (cluster.secret_file=F in "
+        f"its config, or {ENV_FILE}=F); docs/security.md"
+    )
 
 
 def auth_headers(secret: str | None = None) -> dict[str, str]:

@@ -1,7 +1,11 @@
 """README's "Embedding the controller", whole and runnable: your own trainer, your own loop.
 
     python examples/embedding.py                  # starts `asyncrl serve` (the tiny model)
-    python examples/embedding.py --url http://127.0.0.1:30000 --model-path DIR
+    python examples/embedding.py --url http://127.0.0.1:30000 --secret-file F [--model-path DIR]
+
+``--url``: an engine started by hand (``asyncrl serve --port 30000 --secret-file F``; one
+started without ``--secret-file`` writes its key to the file it logs, pass that one); the
+example hands ``F`` to the controller as ``cluster.secret_file`` (docs/embedding.md).
 
 The part between the ``[readme]`` markers is README's example, word for word (a test
 checks that they match and runs this file). The episode: the model reads ``<s> a b c =``
@@ -23,18 +27,16 @@ import asyncio
 import json
 import random
 import sys
-import tempfile
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM
 
-import asyncrl.tasks.tiny_model as tiny
+import asyncrl
 
 # [readme]
-from asyncrl import Batch, Controller, Sample, WeightPusher, load_config
+from asyncrl import Batch, Controller, Sample, WeightPusher, load_config, wait_healthy
 
 
 async def episode(ctx, sample):  # thousands run concurrently
@@ -48,9 +50,13 @@ async def episode(ctx, sample):  # thousands run concurrently
     return ctx.trajectory(sample.prompt_ids, [call, tool_out, final], reward)
 
 
-async def main(url: str, policy: Policy, steps: int = 5) -> dict[str, int]:
-    """``policy``: your trainer (here plain PyTorch: ``Policy`` in examples/embedding.py)."""
-    cfg = load_config(None, [f'--rollout.urls=["{url}"]', "--controller.batch_size=4"])
+async def main(url: str, policy: Policy, steps: int = 5, secret_file: str = "") -> dict[str, int]:
+    """``policy``: your trainer (here plain PyTorch: ``Policy`` in examples/embedding.py);
+    ``secret_file``: the engine's key (empty: this process's secret, which an engine this
+    program started was handed)."""
+    args = [f'--rollout.urls=["{url}"]', "--controller.batch_size=4"]
+    cfg = load_config(None, [*args, f"--cluster.secret_file={secret_file}"])
+    await wait_healthy(cfg)  # the engines answer (one that refuses the secret: at once)
     async with Controller(cfg, episode=episode) as ctl, WeightPusher(ctl) as weights:
         ctl.submit(prompts(steps * 8))
         for step in range(steps):
@@ -63,7 +69,7 @@ async def main(url: str, policy: Policy, steps: int = 5) -> dict[str, int]:
 
 
 # [readme]
-ID = {w: i for i, w in enumerate(tiny.WORDS)}  # the tiny model's vocabulary
+ID = {w: i for i, w in enumerate(asyncrl.TINY_VOCAB)}  # the tiny model's vocabulary
 DIGIT = {ID[str(d)]: d for d in range(10)}
 
 
@@ -118,42 +124,25 @@ class Policy:
         return (logp * torch.as_tensor(t.loss_mask, dtype=logp.dtype)).sum()  # tool tokens: 0
 
 
-def start_engine(model_path: str) -> tuple[Any, str]:
-    """``asyncrl serve`` on a free loopback port; (process, URL)."""
-    from asyncrl.procs import free_port, spawn
-
-    port = free_port()
-    log = Path(tempfile.mkdtemp(prefix="asyncrl-example-")) / "engine.log"
-    args = ["-m", "asyncrl.cli", "serve", "--model-path", model_path, "--port", str(port)]
-    return spawn(args, log), f"http://127.0.0.1:{port}"
-
-
-async def wait_healthy(url: str, timeout_s: float = 120.0) -> None:
-    from asyncrl.engines.rollout.sglang import SGLangClient
-
-    client = SGLangClient(url)
-    try:
-        await client.wait_healthy(timeout_s)
-    finally:
-        await client.close()
-
-
 def cli(argv: list[str] | None = None) -> dict[str, int]:
     p = argparse.ArgumentParser(description="README's embedding example: your trainer, your loop")
     p.add_argument("--url", default=None, help="a running engine (default: start one)")
+    p.add_argument(
+        "--secret-file",
+        default="",
+        help="the file (mode 0600) holding the --url engine's key (asyncrl serve --secret-file)",
+    )
     p.add_argument("--model-path", default=None, help="default: the tiny model")
     p.add_argument("--steps", type=int, default=5, help="train steps (default 5)")
     a = p.parse_args(argv)
-    model_path = a.model_path or str(tiny.ensure_tiny_model())
-    proc, url = start_engine(model_path) if a.url is None else (None, a.url)
+    model_path = a.model_path or str(asyncrl.ensure_tiny_model())
+    engine = asyncrl.EngineProcess.start(model_path) if a.url is None else None
+    url = engine.url if engine is not None else a.url
     try:
-        asyncio.run(wait_healthy(url))
-        stats = asyncio.run(main(url, Policy(model_path), a.steps))
+        stats = asyncio.run(main(url, Policy(model_path), a.steps, a.secret_file))
     finally:
-        if proc is not None:
-            from asyncrl.procs import stop
-
-            stop([proc])
+        if engine is not None:
+            engine.stop()
     print(json.dumps(stats))
     return stats
 

@@ -1,7 +1,7 @@
 """A multi-turn, tool-using episode driven through the embedding API.
 
     python examples/tool_episode.py            # starts an embedded engine with the tiny model
-    python examples/tool_episode.py --url http://127.0.0.1:30000   # or use a running engine
+    python examples/tool_episode.py --url http://127.0.0.1:30000 --secret-file F  # a running one
 
 The episode: the model reads ``<s> d1 d2 d3 =`` and writes up to 4 tokens (turn 1).
 The digits it wrote are a call to a "calculator" tool, which answers with their sum
@@ -25,13 +25,12 @@ import asyncio
 import json
 import random
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from asyncrl import Controller, EpisodeContext, RunConfig, Sample, Trajectory, WeightPusher
-from asyncrl.config import AlgoConfig, ControllerConfig, LocalRolloutConfig
+import asyncrl
+from asyncrl import Controller, EpisodeContext, Sample, Trajectory, WeightPusher, load_config
 
 
 def vocabulary(model_path: str) -> dict[str, int]:
@@ -75,12 +74,22 @@ def make_episode(vocab: dict[str, int]) -> Any:
     return episode
 
 
-async def drive(url: str, model_path: str, steps: int, batch_size: int, group_size: int) -> dict:
-    cfg = RunConfig(
-        controller=ControllerConfig(batch_size=batch_size, max_staleness=1),
-        algo=AlgoConfig(group_size=group_size),
-        rollout=LocalRolloutConfig(urls=(url,), max_new_tokens=8, pause_mode="abort"),
+async def drive(
+    url: str, model_path: str, steps: int, batch_size: int, group_size: int, secret_file: str = ""
+) -> dict:
+    cfg = load_config(
+        None,
+        [
+            f"--controller.batch_size={batch_size}",
+            "--controller.max_staleness=1",
+            f"--algo.group_size={group_size}",
+            f"--rollout.urls={url}",
+            "--rollout.max_new_tokens=8",
+            "--rollout.pause_mode=abort",
+            f"--cluster.secret_file={secret_file}",  # the engine's key ("": this process's)
+        ],
     )
+    await asyncrl.wait_healthy(cfg)  # an engine that refuses the key fails here, at once
     vocab = vocabulary(model_path)
     from safetensors.torch import load_file  # your trainer's weights stand here
 
@@ -102,49 +111,25 @@ async def drive(url: str, model_path: str, steps: int, batch_size: int, group_si
     return stats
 
 
-def start_engine(model_path: str) -> tuple[Any, str]:
-    from asyncrl.procs import free_port, spawn
-
-    port = free_port()
-    log = Path(tempfile.mkdtemp(prefix="asyncrl-example-")) / "engine.log"
-    args = ["-m", "asyncrl.cli", "serve", "--model-path", model_path]
-    proc = spawn([*args, "--port", str(port)], log)
-    return proc, f"http://127.0.0.1:{port}"
-
-
-async def wait_healthy(url: str, timeout_s: float = 120.0) -> None:
-    from asyncrl.engines.rollout.sglang import SGLangClient
-
-    client = SGLangClient(url)
-    try:
-        await client.wait_healthy(timeout_s)
-    finally:
-        await client.close()
-
-
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description="a multi-turn tool-using episode via the embedding API")
     p.add_argument("--url", default=None, help="a running engine (default: start one)")
+    p.add_argument("--secret-file", default="", help="the --url engine's key file (mode 0600)")
     p.add_argument("--model-path", default=None, help="default: the tiny model")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--group-size", type=int, default=4)
     a = p.parse_args(argv)
-    from asyncrl.runner import resolve_model
-
-    model_path = a.model_path or resolve_model(RunConfig())
-    proc = None
-    url = a.url
-    if url is None:
-        proc, url = start_engine(model_path)
+    model_path = a.model_path or str(asyncrl.ensure_tiny_model())
+    engine = asyncrl.EngineProcess.start(model_path) if a.url is None else None
+    url = engine.url if engine is not None else a.url
     try:
-        asyncio.run(wait_healthy(url))
-        return asyncio.run(drive(url, model_path, a.steps, a.batch_size, a.group_size))
+        return asyncio.run(
+            drive(url, model_path, a.steps, a.batch_size, a.group_size, a.secret_file)
+        )
     finally:
-        if proc is not None:
-            from asyncrl.procs import stop
-
-            stop([proc])
+        if engine is not None:
+            engine.stop()
 
 
 if __name__ == "__main__":

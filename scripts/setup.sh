@@ -60,7 +60,9 @@ fi
 # itself is installed, e.g. a GPU machine, which brings its own, possibly other, versions)
 extras=test
 python -c "import sglang" >/dev/null 2>&1 || extras=test,sglang-wire
-pip_install -e ".[$extras]"
+# (setuptools' ten-line "Editable installation" warning box, about folders that shadow the
+# package, says nothing for this layout: silenced)
+PYTHONWARNINGS="ignore:Editable installation" pip_install -e ".[$extras]"
 # The type checker scripts/test runs (also in the test extra), pinned: another mypy reports
 # other errors. Skipped when that version is there.
 MYPY=2.4.1

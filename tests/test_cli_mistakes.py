@@ -38,6 +38,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
         ("--rollout.temperature=NaN", "rollout.temperature"),
         ("--rollout.request_timeout_s=-1", "rollout.request_timeout_s"),
         ("--controller.health_interval_s=0", "controller.health_interval_s"),
+        ("--trainer.lr=-1", "trainer.lr"),
     ],
 )
 def test_non_finite_floats_and_non_positive_timeouts_are_refused(override: str, key: str) -> None:
@@ -49,6 +50,22 @@ def test_top_level_override_with_equals_sign() -> None:
     out = _cli("run", "--seed=abc")
     assert out.returncode == 2 and "seed" in out.stderr and "Traceback" not in out.stderr
     assert "unrecognized arguments" not in out.stderr
+
+
+def test_an_override_takes_its_value_from_the_next_argument(tmp_path: Path) -> None:
+    """``--controller.total_steps 5`` is ``--controller.total_steps=5`` (issue 37 item 10: it
+    was "config file not found: 5"), after a config file too; without a value, one line
+    naming the key. (Values chosen invalid: each check ends before anything starts.)"""
+    out = _cli("run", "--controller.total_steps", "0")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "controller.total_steps must be > 0, got 0" in out.stderr, out.stderr
+    cfg = tmp_path / "my.toml"
+    cfg.write_text("[controller]\nbatch_size = 0\n")
+    out = _cli("run", str(cfg), "--controller.batch_size", "4", "--seed", "x", "--quiet")
+    assert out.returncode == 2 and "seed" in out.stderr, out.stderr  # both given, the file read
+    out = _cli("run", "--controller.total_steps", "--quiet")
+    assert out.returncode == 2, out.stderr
+    assert "--controller.total_steps needs a value" in out.stderr, out.stderr
 
 
 def test_serve_takes_the_engine_arguments() -> None:
@@ -239,3 +256,27 @@ def test_math_trains_on_the_default_model_and_a_raising_reward_is_named(tmp_path
     assert f"{tmp_path / 'myreward.py'}:7" in last and "sample id" in last, last
     log = (run / "controller.log").read_text()
     assert "Traceback" in log and "return [][len(ids)]" in log
+    # issue 37 item 5: one traceback for every episode in flight hitting the same bug, in
+    # controller.log only; the console has the one line
+    assert log.count("Traceback (most recent call last)") == 1, log[-4000:]
+    assert "Traceback" not in out.stderr, out.stderr[-4000:]
+    assert len(out.stderr.strip().splitlines()) <= 3, out.stderr[-4000:]
+
+
+def test_a_reward_returning_none_is_named_at_once(tmp_path: Path) -> None:
+    """A reward function returning None (a forgotten ``return``): the run stops (exit 1) with
+    one line naming the function and what it returned; no traceback anywhere."""
+    (tmp_path / "noreward.py").write_text("def fn(sample, ids):\n    pass\n")
+    run = tmp_path / "run"
+    args = ["--task.reward_fn=noreward:fn", "--controller.batch_size=8", "--algo.group_size=4"]
+    out = subprocess.run(
+        [sys.executable, "-m", "asyncrl.cli", "run", "--run-dir", str(run), "--quiet", *args],
+        capture_output=True, text=True, timeout=120, check=False, cwd=tmp_path, env=python_env(),
+    )  # fmt: skip
+    assert out.returncode == 1, out.stderr[-2000:]
+    last = out.stderr.strip().splitlines()[-1]
+    assert "reward function noreward.fn returned None for sample id" in last, last
+    assert "must return a number" in last, last
+    log = (run / "controller.log").read_text()
+    assert "Traceback" not in out.stderr + log, (out.stderr + log)[-4000:]
+    assert log.count("noreward.fn returned None") <= 2, log[-4000:]  # once, and the stop

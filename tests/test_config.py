@@ -205,3 +205,58 @@ def test_a_typo_gets_did_you_mean() -> None:
         load_config(None, ["--controller.batch_sise=3"])
     with pytest.raises(ValueError, match=r"\(did you mean controller\?\)"):
         load_config(None, ["--contrller.batch_size=3"])
+
+
+def test_config_json_records_the_gateway_an_agent_run_serves() -> None:
+    """Issue 37 item 10: an agent run's recorded config says ``gateway.enabled = true`` (the
+    gateway runs), and a resume reading it back gets the same config."""
+    cfg = load_config(None, ["--task.name=agent", "--task.agent=pkg.mod:fn"])
+    tree = to_dict(cfg)
+    assert tree["gateway"]["enabled"] is True
+    assert load_config(None, [], base=tree).task.name == "agent"
+    assert to_dict(RunConfig())["gateway"]["enabled"] is False
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _leaf_keys(cls: type, prefix: str = "") -> set[str]:
+    """Every dotted key of ``cls`` (a tagged union's members' keys all)."""
+    from asyncrl.config.base import _hints, _section_types
+
+    keys = set()
+    for name in cls.__struct_fields__:
+        members = _section_types(_hints(cls)[name])
+        if members:
+            for m in members:
+                keys |= _leaf_keys(m, f"{prefix}{name}.")
+        else:
+            keys.add(prefix + name)
+    return keys
+
+
+def test_config_reference_is_generated_from_the_code_and_checked_in() -> None:
+    """docs/config.md is what ``asyncrl config`` prints (issue 37: a config reference outside
+    the source): every key with its default and meaning, every field documented."""
+    from asyncrl.config.reference import render, undocumented
+
+    assert undocumented() == [], "give these config fields a docstring"
+    page = render()
+    assert (ROOT / "docs" / "config.md").read_text() == page, (
+        "docs/config.md is out of date: asyncrl config > docs/config.md"
+    )
+    for key in _leaf_keys(RunConfig):
+        assert f"| `{key}` |" in page, key
+    assert "| `controller.total_steps` | int > 0 | `120` | Train steps of the run. |" in page
+    assert '`"in_place"` (sglang: `"abort"`; vllm: `"keep"`)' in page  # per backend defaults
+
+
+def test_asyncrl_config_prints_the_reference_and_one_section() -> None:
+    run = [sys.executable, "-m", "asyncrl.cli", "config"]
+    whole = subprocess.run(run, capture_output=True, text=True, timeout=60)
+    assert whole.returncode == 0 and whole.stdout == (ROOT / "docs" / "config.md").read_text()
+    one = subprocess.run([*run, "rollout"], capture_output=True, text=True, timeout=60)
+    assert one.returncode == 0 and "`rollout.pause_mode`" in one.stdout
+    assert "`model.path`" not in one.stdout
+    bad = subprocess.run([*run, "nope"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "sections: model, task" in bad.stderr

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import subprocess
 import sys
 from collections import defaultdict
@@ -261,7 +262,7 @@ def test_plot_text_and_errors(run: Path, tmp_path: Path) -> None:
     done = subprocess.run(cmd, env=python_env(), capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     first = _rows(run)[0]["reward_mean"]
-    assert f"    0 {first:.3f}" in done.stdout and "trainer: training" in done.stdout
+    assert f"    0 {first:6.3f}" in done.stdout and "trainer: training" in done.stdout
     cmd = [sys.executable, "-m", "asyncrl.cli", "plot", str(tmp_path)]
     done = subprocess.run(cmd, env=python_env(), capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "metrics.jsonl not found" in done.stderr
@@ -367,6 +368,7 @@ def test_progress_lines(run_and_output: tuple[Path, str]) -> None:
     assert len(lines) == STEPS and "\r" not in stdout  # not a terminal: plain lines
     assert lines[0].startswith(f"step 1/{STEPS} | reward ") and "ETA" in lines[-1]
     assert "tok/s" in lines[-1] and "- tok/s" not in lines[-1]
+    assert f"(last {min(STEPS, 10)}: " in lines[-1]  # the running mean says what it is
 
 
 def test_progress_live_line_rewrites_in_place() -> None:
@@ -382,3 +384,51 @@ def test_progress_live_line_rewrites_in_place() -> None:
     text = buf.getvalue()
     assert text.count("\r") == 3 and text.endswith("\n") and text.count("\n") == 1
     assert "100 tok/s" in text and "ETA 0s" in text
+
+
+def test_progress_line_says_what_its_running_mean_is() -> None:
+    """Issue 37 item 10: the bracket is the mean of the last 10 steps' rewards, labelled so
+    (it was an unexplained ``avg``, an EMA)."""
+    import io
+
+    from asyncrl.progress import Progress
+
+    buf = io.StringIO()
+    p = Progress(12, buf, live=False)
+    for step in range(12):
+        p.update({"step": step, "wall_s": 1.0 + step, "reward_mean": float(step)})
+    lines = buf.getvalue().splitlines()
+    assert "reward 0.000 (last 1: 0.000)" in lines[0]
+    assert "reward 11.000 (last 10: 6.500)" in lines[-1]  # mean of 2..11
+    assert "avg" not in buf.getvalue()
+
+
+def test_plot_text_columns_are_labelled(tmp_path: Path) -> None:
+    """``asyncrl plot --text``: a header names the columns and the smoothing (``--smooth``
+    is applied, as for the PNGs), the time shares say what they are shares of."""
+    from asyncrl.plot import main_plot
+
+    rows = [{"step": i, "reward_mean": r, "wall_s": 1.0 + i, "train_s": 0.5}
+            for i, r in enumerate([0.0, 1.0, 1.0])]  # fmt: skip
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main_plot([str(tmp_path)], None, True, 0.5, 4) == 0
+    lines = out.getvalue().splitlines()
+    assert lines[1].split()[:3] == ["step", "reward", "smooth"], lines
+    assert "EMA, weight 0.5" in lines[1]
+    assert lines[3].split()[:3] == ["1", "1.000", "0.667"], lines  # debiased EMA at 0.5
+    assert "share of the wall time after the first step:" in lines
+    assert any(line.startswith("  trainer: training") for line in lines), lines
+
+
+def test_run_records_where_its_engines_listen(run: Path) -> None:
+    """RUN_DIR/engines.json names every engine and its URL (docs/embedding.md: reaching a
+    run's engines by hand)."""
+    engines = json.loads((run / "engines.json").read_text())
+    processes = json.loads((run / "processes.json").read_text())
+    assert set(engines) == {n for n in processes if n.startswith("engine")} == {"engine0"}
+    assert re.fullmatch(r"http://127\.0\.0\.1:\d+", engines["engine0"]), engines

@@ -7,6 +7,7 @@ metrics rows, processes and shared-memory rings left behind.
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import signal
@@ -155,6 +156,7 @@ def test_sigkilled_run_leaves_nothing_and_resumes(tmp_path: Path) -> None:
         str(run),
         "--controller.total_steps=1000",
         "--checkpoint.every_steps=3",
+        "--logging.trajectories=true",
         *_SMALL,
         *_SINKS,
     )
@@ -179,6 +181,11 @@ def test_sigkilled_run_leaves_nothing_and_resumes(tmp_path: Path) -> None:
     assert rc == 0, out[-3000:]
     _check_exactly_once(metrics_rows(run), steps, 4)
     _check_sinks(run, metrics_rows(run), resumed_from)
+    # trajectories.jsonl: each trained step's trajectories once (the steps the killed attempt
+    # trained after the checkpoint were trained again: their first lines are dropped)
+    lines = (run / "trajectories.jsonl").read_text().splitlines()
+    per_step = collections.Counter(json.loads(line)["step"] for line in lines)
+    assert {r["step"]: r["num_samples"] for r in metrics_rows(run)} == dict(per_step)
 
 
 def test_trainer_sigkilled_restarts_from_checkpoint_and_trains_each_sample_once(

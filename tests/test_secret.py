@@ -10,6 +10,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -64,6 +66,48 @@ def test_a_users_env_secret_is_not_inherited(tmp_path: Path) -> None:
     got = _probe(tmp_path, env=env)  # secret=None: this process's (the test session's)
     assert got["digest"] == _digest(secret.load()) and got["env"] is None
     assert not got["in_environ"]
+
+
+ADOPT = """
+import hashlib, json, sys
+from asyncrl import secret
+before = secret.source()
+key = secret.adopt(sys.argv[1])
+print(json.dumps({"before": before, "after": secret.source(),
+                  "digest": hashlib.sha256(key.encode()).hexdigest(),
+                  "refused": secret.refused("http://127.0.0.1:1")}), flush=True)
+"""
+
+
+def _key_file(path: Path) -> str:
+    key = secret.generate()
+    path.write_text(key + "\n")
+    path.chmod(0o600)
+    return key
+
+
+def test_a_configs_secret_file_wins_and_errors_say_where_the_secret_came_from(
+    tmp_path: Path,
+) -> None:
+    """``cluster.secret_file`` (``secret.adopt``) replaces the secret ASYNCRL_SECRET_FILE gave,
+    and :func:`secret.refused` names the file the process's secret came from (never the
+    secret); an environment without any source says so."""
+    env_key, cfg_key = _key_file(tmp_path / "env.key"), _key_file(tmp_path / "cfg.key")
+    env = {k: v for k, v in python_env().items() if not k.startswith("ASYNCRL_SECRET")}
+
+    def probe(path: str, **extra: str) -> dict:  # started as a user would: no pipe
+        out = subprocess.run([sys.executable, "-c", ADOPT, path], env={**env, **extra},
+                             capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        assert cfg_key not in out.stdout + out.stderr and env_key not in out.stdout + out.stderr
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    got = probe(str(tmp_path / "cfg.key"), **{secret.ENV_FILE: str(tmp_path / "env.key")})
+    assert got["before"] == f"from the file {tmp_path / 'env.key'} (ASYNCRL_SECRET_FILE)"
+    assert got["after"] == f"from the file {tmp_path / 'cfg.key'} (cluster.secret_file)"
+    assert got["digest"] == _digest(cfg_key) != _digest(env_key)
+    assert "cfg.key (cluster.secret_file)" in got["refused"]
+    assert probe("")["after"].startswith("a fresh one: no cluster.secret_file")
 
 
 def test_secret_files_must_be_private(tmp_path: Path) -> None:

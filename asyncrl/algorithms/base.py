@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from asyncrl.algorithms.losses import Objective, PolicyLoss
@@ -97,11 +98,18 @@ def seqs_from_trajs(trajs: Sequence[Trajectory]) -> list[Seq]:
         ids = torch.from_numpy(t.prompt_ids.astype("int64"))
         resp = torch.from_numpy(t.response_ids.astype("int64"))
         fields = {
-            "behav": torch.from_numpy(t.behav_logprobs.copy()),
+            # a ring's read-only view is copied (it is reused after the ack); a frame's or an
+            # episode's own writable array is wrapped as it is
+            "behav": torch.from_numpy(_own(t.behav_logprobs)),
             "mask": torch.from_numpy(t.loss_mask.astype("float32")),
         }
         seqs.append(Seq(input_ids=torch.cat([ids, resp]), prompt_len=len(ids), fields=fields))
     return seqs
+
+
+def _own(arr: np.ndarray) -> np.ndarray:
+    """``arr`` when it is writable (its memory the trajectory's own), else a copy."""
+    return arr if arr.flags.writeable else arr.copy()
 
 
 def minibatches(seqs: Sequence[Seq], n: int, gen: torch.Generator) -> list[list[Seq]]:

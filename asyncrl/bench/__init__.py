@@ -8,6 +8,8 @@ module; nothing here imports a benchmark (or torch) until one is run.
 
 from __future__ import annotations
 
+import argparse
+import copy
 import importlib
 import shutil
 import sys
@@ -16,7 +18,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-__all__ = ["BENCHES", "log_dir", "run_bench"]
+__all__ = ["BENCHES", "HelpFormatter", "RawHelpFormatter", "log_dir", "run_bench"]
 
 BENCHES: dict[str, tuple[str, str]] = {
     "weight-sync": ("asyncrl.bench.weight_sync", "weight-sync latency and bandwidth per backend"),
@@ -32,6 +34,38 @@ BENCHES: dict[str, tuple[str, str]] = {
     "gateway": ("asyncrl.bench.gateway", "OpenAI gateway vs the engine's own /generate"),
     "fuzz": ("asyncrl.bench.fuzz", "hostile HTTP and experience messages: all answered, none lost"),
 }
+
+
+class _Defaults(argparse.HelpFormatter):
+    @staticmethod
+    def _shows_default(action: argparse.Action) -> bool:
+        default = action.default
+        if not action.option_strings or default is None or default is False:  # 0 is shown
+            return False
+        if default == argparse.SUPPRESS or default == "":
+            return False
+        return default != [] and "%(default)" not in (action.help or "")
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if action.help is None and self._shows_default(action):  # no help text: its default
+            action = copy.copy(action)
+            action.help = "(default: %(default)s)"
+        return super()._format_action(action)
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if self._shows_default(action) and "(default: %(default)s)" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
+class HelpFormatter(_Defaults, argparse.RawDescriptionHelpFormatter):
+    """Every benchmark's ``--help``: each option's line ends with its default (options
+    without a help text too), and the description keeps its own line breaks."""
+
+
+class RawHelpFormatter(_Defaults, argparse.RawTextHelpFormatter):
+    """:class:`HelpFormatter` for help texts laid out by hand (their line breaks kept)."""
 
 
 def run_bench(name: str, argv: Sequence[str]) -> int:

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from asyncrl import loops
+from asyncrl.bench import HelpFormatter
 from asyncrl.config import AlgoConfig, ControllerConfig, LocalRolloutConfig, RunConfig
 from asyncrl.controllers.controller import Controller, NoMoreSamples
 from asyncrl.controllers.episode import Sample, single_turn
@@ -177,7 +178,9 @@ async def run_naive(n_groups: int, batch: int, group: int, staleness: int) -> di
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(
-        prog="asyncrl bench controller", description=__doc__.splitlines()[0]
+        formatter_class=HelpFormatter,
+        prog="asyncrl bench controller",
+        description=__doc__.splitlines()[0],
     )
     p.add_argument("--episodes", type=int, default=200_000, help="episodes per measured run")
     p.add_argument("--batch-size", type=int, default=64, help="groups per batch")

@@ -48,6 +48,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from asyncrl.bench import HelpFormatter
 from asyncrl.procs import die_with_parent_fn, finish, pid_alive, python_env
 
 __all__ = ["main", "run_scenario"]
@@ -264,7 +265,11 @@ def _table(rows: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="asyncrl bench faults", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        formatter_class=HelpFormatter,
+        prog="asyncrl bench faults",
+        description=__doc__.split("\n")[0],
+    )
     p.add_argument("--steps", type=int, default=80)
     p.add_argument("--every", type=int, default=20, help="checkpoint.every_steps")
     p.add_argument("--kill-at", type=int, default=50, help="the step the kill waits for")

@@ -36,6 +36,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from asyncrl.bench import HelpFormatter
+
 __all__ = ["main"]
 
 
@@ -167,7 +169,9 @@ def verdict(res: dict[str, Any]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="asyncrl bench fuzz", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        formatter_class=HelpFormatter, prog="asyncrl bench fuzz", description=__doc__.split("\n")[0]
+    )
     p.add_argument("--requests", type=int, default=5000, help="hostile HTTP requests")
     p.add_argument("--concurrency", type=int, default=32, help="HTTP requests in flight")
     p.add_argument("--messages", type=int, default=10000, help="malformed messages to the consumer")

@@ -44,7 +44,7 @@ from collections.abc import AsyncIterator, Coroutine
 from pathlib import Path
 from typing import Any
 
-from asyncrl.bench import log_dir
+from asyncrl.bench import HelpFormatter, log_dir
 from asyncrl.bench.gateway_paths import (
     Call,
     direct_run,
@@ -142,6 +142,24 @@ def _pct(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, round(q * (len(s) - 1)))]
 
 
+def added_latency(gateway: list[float], engine: list[float], paired: bool) -> dict[str, Any]:
+    """What the gateway adds to the engine's latency (seconds in, ms out). ``paired``: the
+    i-th call of each list is the same call (one at a time, in the same order): the p50 and
+    p99 of the per-call differences. Not paired (calls at once, finishing in any order):
+    only the difference of the medians; the tails are the two p99s side by side (a
+    difference of p99s is no percentile of anything, and may be below the p50's)."""
+    if paired and len(gateway) == len(engine):
+        diffs = [g - e for g, e in zip(gateway, engine, strict=True)]
+        return {"paired": True, "added_p50_ms": 1e3 * _pct(diffs, 0.5),
+                "added_p99_ms": 1e3 * _pct(diffs, 0.99)}  # fmt: skip
+    return {
+        "paired": False,
+        "added_p50_ms": 1e3 * (_pct(gateway, 0.5) - _pct(engine, 0.5)),
+        "gateway_p99_ms": 1e3 * _pct(gateway, 0.99),
+        "engine_p99_ms": 1e3 * _pct(engine, 0.99),
+    }
+
+
 def summarize(rows: list[tuple[float, float | None, int]], wall: float) -> dict[str, Any]:
     """(latency s, ttft s or None, completion tokens) per request -> the table's columns."""
     lat = [r[0] for r in rows]
@@ -172,9 +190,9 @@ async def _phase(
     drows, dwall = await direct_run(engine_url, calls, stream, conc)
     hrows, hwall = await gateway_run(srv.url, args, stream, sessions, conc, sdk=False)
     return {
-        "engine": summarize(drows, dwall),
-        "gateway-http": summarize(hrows, hwall),
-        "gateway": summarize(rows, wall),
+        "engine": {**summarize(drows, dwall), "latencies": [r[0] for r in drows]},
+        "gateway-http": {**summarize(hrows, hwall), "latencies": [r[0] for r in hrows]},
+        "gateway": {**summarize(rows, wall), "latencies": [r[0] for r in rows]},
     }
 
 
@@ -187,6 +205,7 @@ async def _bench(srv: Served, engine_url: str, args: argparse.Namespace) -> dict
         for stream in (False, True):
             paths = await _phase(srv, engine_url, args, stream, sessions, conc)
             mode = "stream" if stream else "whole"
+            lat = {path: res.pop("latencies") for path, res in paths.items()}
             for path, res in paths.items():
                 out["rows"].append({"path": path, "mode": mode, "concurrency": conc, **res})
             direct = paths["engine"]
@@ -196,8 +215,8 @@ async def _bench(srv: Served, engine_url: str, args: argparse.Namespace) -> dict
                     "client": "openai" if client == "gateway" else "http",
                     "mode": mode,
                     "concurrency": conc,
-                    "added_p50_ms": gw["latency_p50_ms"] - direct["latency_p50_ms"],
-                    "added_p99_ms": gw["latency_p99_ms"] - direct["latency_p99_ms"],
+                    # one at a time, the i-th call of each path is the same session's same turn
+                    **added_latency(lat[client], lat["engine"], paired=conc == 1),
                 }
                 if stream:
                     added["ttft_added_p50_ms"] = gw["ttft_p50_ms"] - direct["ttft_p50_ms"]
@@ -241,11 +260,18 @@ def _print(res: dict[str, Any]) -> None:
             f"{r['tokens_per_s']:9.1f}{r['latency_p50_ms']:9.1f}{r['latency_p99_ms']:9.1f}{ttft}"
         )
     for a in res["added"]:
-        line = (
-            f"added by the gateway ({a['client']} client, {a['mode']}, concurrency "
-            f"{a['concurrency']}): "
-            f"p50 {a['added_p50_ms']:.2f} ms, p99 {a['added_p99_ms']:.2f} ms"
-        )
+        line = f"added by the gateway ({a['client']} client, {a['mode']}, concurrency "
+        if a["paired"]:
+            line += (
+                f"{a['concurrency']}, call by call): p50 {a['added_p50_ms']:.2f} ms, "
+                f"p99 {a['added_p99_ms']:.2f} ms"
+            )
+        else:
+            line += (
+                f"{a['concurrency']}): median {a['added_p50_ms']:+.2f} ms (difference of the "
+                f"medians); p99 {a['gateway_p99_ms']:.1f} ms through it vs "
+                f"{a['engine_p99_ms']:.1f} ms at the engine"
+            )
         if "ttft_added_p50_ms" in a:
             line += f", time to first token p50 {a['ttft_added_p50_ms']:+.2f} ms"
         print(line)
@@ -266,7 +292,11 @@ def _print(res: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = argparse.ArgumentParser(prog="asyncrl bench gateway", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        formatter_class=HelpFormatter,
+        prog="asyncrl bench gateway",
+        description=__doc__.split("\n\n")[0],
+    )
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--model-path", default=None, help="HF chat model folder (default: tiny chat)")
     p.add_argument("--sessions", type=int, default=16, help="sessions of the concurrent phase")

@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from asyncrl.bench import log_dir
+from asyncrl.bench import HelpFormatter, log_dir
 
 BENCH_MODEL = "bench-qwen2-35m-v1"
 
@@ -179,7 +179,9 @@ def _sync(device: str) -> None:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(
-        prog="asyncrl bench generation", description=__doc__.split("\n\n")[0]
+        formatter_class=HelpFormatter,
+        prog="asyncrl bench generation",
+        description=__doc__.split("\n\n")[0],
     )
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--model-path", default=None, help="HF model folder (default: random Qwen2)")
@@ -199,7 +201,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         type=int,
         default=0,
         help="also the engine serving LoRA adapters of this rank: one version, and two mixed "
-        "in every batch (rows lora, lora-mixed; see generation_lora)",
+        "in every batch (rows lora, lora-mixed; docs/rollout-engines.md, LoRA)",
     )
     args = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

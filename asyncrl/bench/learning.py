@@ -50,6 +50,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from asyncrl.bench import RawHelpFormatter
 from asyncrl.config import load_config
 from asyncrl.runner import run_job
 from asyncrl.tasks.workloads import WORKLOADS
@@ -264,7 +265,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(
         prog="asyncrl bench learning",
         description=__doc__,
-        formatter_class=argparse.RawTextHelpFormatter,
+        formatter_class=RawHelpFormatter,
     )
     p.add_argument("--workload", default="default", choices=WORKLOAD_NAMES, help="what to learn")
     p.add_argument(

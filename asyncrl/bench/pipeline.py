@@ -65,6 +65,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from asyncrl.bench import HelpFormatter
 from asyncrl.config import load_config
 from asyncrl.controllers.episode import EpisodeContext, Sample
 from asyncrl.transports.experience.types import Trajectory
@@ -220,7 +221,11 @@ def machine_load() -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = argparse.ArgumentParser(prog="asyncrl bench pipeline", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        formatter_class=HelpFormatter,
+        prog="asyncrl bench pipeline",
+        description=__doc__.splitlines()[0],
+    )
     p.add_argument("--steps", type=int, default=12, help="measured train steps per run")
     p.add_argument("--warmup", type=int, default=2, help="steps before the measured window")
     p.add_argument("--batch-size", type=int, default=20, help="groups per step")

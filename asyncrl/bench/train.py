@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from asyncrl.bench import HelpFormatter
+
 
 def _make_model(out: Path, hidden: int, layers: int, vocab: int) -> None:
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -172,7 +174,11 @@ def _bench_budget(args: argparse.Namespace, model_path: str, seqs: list, budget:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="asyncrl bench train", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        formatter_class=HelpFormatter,
+        prog="asyncrl bench train",
+        description=__doc__.split("\n")[0],
+    )
     p.add_argument("--budgets", default="512,2048", help="micro-batch token budgets")
     p.add_argument("--steps", type=int, default=3, help="timed steps per side and budget")
     p.add_argument("--model-path", default="", help="HF folder (default: a random Qwen2)")

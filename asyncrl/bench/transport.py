@@ -26,8 +26,10 @@ process, which decodes every message into ``Trajectory`` objects and acks.
 
 Every consumer does the same work per trajectory: it turns each message into
 ``Trajectory`` objects with numpy arrays (ours then acks; pickle has no acks).
-All are timed from the first send until the consumer reports it has everything;
-each row is the median of ``--repeats`` interleaved runs (the machine may be shared).
+A first message of one group (the connection, warm-up) is sent untimed; then the
+``--trajectories`` timed ones, from their first send until the consumer reports it has
+everything (the row's ``trajectories`` is that number); each row is the median of
+``--repeats`` interleaved runs (the machine may be shared).
 Each side's CPU time (all threads, ``time.process_time``) is reported per trajectory,
 with the throughput it would allow if each side had a free core (``cpu eps``).
 ``payload_gbps`` counts the array bytes plus the inline scalars (header frame).
@@ -56,6 +58,7 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
+from asyncrl.bench import HelpFormatter
 from asyncrl.procs import spawn, stop
 from asyncrl.transports.experience.codec import encode_batch, nbytes
 from asyncrl.transports.experience.types import StepDone, TrainBatch, Trajectory
@@ -229,7 +232,7 @@ def _child_args(
         "--role", role,
         "--endpoint", ep,
         "--done-endpoint", done_ep,
-        "--total", str(args.trajectories // group * group),
+        "--total", str(args.trajectories + group),  # + the first message, not timed
         "--credits", str(args.credits),
     ]  # fmt: skip
 
@@ -238,10 +241,9 @@ async def _bench(args: argparse.Namespace) -> list[dict]:
     pool = make_trajectories(64)
     rows = []
     for group in args.group_sizes:
-        n = args.trajectories // group * group
-        trajs = [pool[i % len(pool)] for i in range(n)]
+        timed = args.trajectories  # after a first message of `group` more, not timed
+        trajs = [pool[i % len(pool)] for i in range(timed + group)]
         per_traj = nbytes(encode_batch(0, -1, trajs[:group])) / group
-        timed = n - group  # the first message is not timed
         res: dict[str, list[tuple[float, float, float]]] = {"msgspec_zmq": [], "pickle_zmq": []}
         res["frames"] = []
         plain = args.transport == "tcp"  # CURVE runs on TCP only: its cost, same run
@@ -283,10 +285,17 @@ async def _bench(args: argparse.Namespace) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(
-        prog="asyncrl bench transport", description=__doc__.split("\n\n")[0]
+        formatter_class=HelpFormatter,
+        prog="asyncrl bench transport",
+        description=__doc__.split("\n\n")[0],
     )
     p.add_argument("--json", default=None, help="write results to this JSON file")
-    p.add_argument("--trajectories", type=int, default=16000, help="per run (default 16000)")
+    p.add_argument(
+        "--trajectories",
+        type=int,
+        default=16000,
+        help="timed trajectories per run (a multiple of every group size)",
+    )
     p.add_argument("--group-sizes", default="8,1", help="trajectories per message, comma list")
     p.add_argument("--credits", type=int, default=16, help="credits (ours) = HWM (pickle)")
     p.add_argument("--transport", choices=("ipc", "tcp"), default="ipc")
@@ -306,6 +315,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.role == "pickle":
         return _consume_pickle(args.endpoint, args.done_endpoint, args.total, args.credits)
     args.group_sizes = [int(g) for g in args.group_sizes.split(",")]
+    if args.trajectories < 1 or any(g < 1 or args.trajectories % g for g in args.group_sizes):
+        p.error(
+            f"--trajectories {args.trajectories} must be a positive multiple of every group "
+            f"size ({args.group_sizes}): that many are timed, after one untimed message"
+        )
     if args.transport == "ipc" and (
         args.ray or "127.0.0.1" not in (args.send_host, args.recv_host)
     ):

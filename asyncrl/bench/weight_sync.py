@@ -54,7 +54,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from asyncrl.bench import log_dir
+from asyncrl.bench import HelpFormatter, log_dir
 
 MODELS: dict[str, dict[str, Any]] = {  # Qwen2Config keyword arguments
     "tiny": dict(  # a smoke run (the wheel test), not a measurement
@@ -565,7 +565,9 @@ def _table(rows: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(
-        prog="asyncrl bench weight-sync", description="asyncrl weight-sync benchmark"
+        formatter_class=HelpFormatter,
+        prog="asyncrl bench weight-sync",
+        description="asyncrl weight-sync benchmark",
     )
     p.add_argument("--backend", default="gloo", choices=sorted(DEVICE))
     p.add_argument("--model", default="qwen2-0.5b", choices=sorted(MODELS))
@@ -576,7 +578,7 @@ def main(argv: list[str] | None = None) -> None:
         default="embedded",
         choices=["embedded", "sglang", "vllm"],
         help="also push into running SGLang / vLLM servers (--urls) holding a model of "
-        "--model's shapes, rows beside the embedded engine's (see weight_sync_engines)",
+        "--model's shapes, rows beside the embedded engine's (docs/results/weight-sync.md)",
     )
     p.add_argument("--urls", default="", help="--engine sglang|vllm: the servers, comma-separated")
     p.add_argument("--repeats", type=int, default=3, help="timed pushes (median reported)")
@@ -611,7 +613,7 @@ def main(argv: list[str] | None = None) -> None:
         "--delta",
         action="store_true",
         help="delta pushes vs full pushes vs the floor: fp32 master weights synced as bf16 "
-        "after real AdamW steps at each --lrs (gloo, one engine; see weight_sync_delta)",
+        "after real AdamW steps at each --lrs (gloo, one engine; docs/weight-sync.md)",
     )
     p.add_argument("--lrs", type=float, nargs="+", default=[1e-6, 1e-5, 1e-3])
     p.add_argument(

@@ -9,7 +9,9 @@ from asyncrl.config.base import NonNegative, Positive, PositiveFloat, _Section
 
 class GatewayConfig(_Section, frozen=True):
     enabled: bool = False
-    """Serve the gateway from the controller process (``task.name = "agent"`` turns it on)."""
+    """Whether the run serves the gateway from the controller process: ``task.name =
+    "agent"`` does (recorded as true in ``config.json``), and then also accepts sessions
+    that clients open themselves (docs/agents.md); no other task serves one."""
     host: str = "127.0.0.1"
     """Address it binds (loopback unless told otherwise; never all interfaces by default)."""
     port: NonNegative = 0

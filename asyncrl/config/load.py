@@ -283,6 +283,11 @@ def load_config(
 
 
 def to_dict(cfg: RunConfig) -> dict[str, Any]:
-    """Plain JSON-able dict of a config (for config.json in the run folder); ``backend`` is
-    written in the ``weights`` and ``rollout`` sections."""
-    return msgspec.to_builtins(cfg)
+    """Plain JSON-able dict of a config as the run uses it (config.json in the run folder):
+    ``backend`` is written in the ``weights`` and ``rollout`` sections, and what the run
+    derives from other keys is recorded as it holds: ``gateway.enabled`` is true for
+    ``task.name = "agent"``, which serves the gateway."""
+    tree = msgspec.to_builtins(cfg)
+    if cfg.task.name == "agent":
+        tree["gateway"]["enabled"] = True
+    return tree

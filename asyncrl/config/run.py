@@ -291,36 +291,63 @@ class WandbConfig(_Section, frozen=True):
     enabled: bool = False
     """Also log every metric to Weights & Biases (the ``wandb`` extra)."""
     project: str = "asyncrl"
+    """The W&B project the run is logged to."""
     name: str = ""
     """The W&B run's name; empty: the run folder's name."""
     mode: Literal["online", "offline"] = "online"
     """``offline``: write the run under ``RUN_DIR/wandb`` only (``wandb sync`` uploads it)."""
     entity: str = ""
+    """The W&B team or user the project belongs to; empty: your default entity."""
 
 
 class LoggingConfig(_Section, frozen=True):
     trace: TraceConfig = msgspec.field(default_factory=TraceConfig)
+    """The run's timeline, ``RUN_DIR/trace.json`` (Perfetto)."""
     tensorboard: TensorBoardConfig = msgspec.field(default_factory=TensorBoardConfig)
+    """Every metric to TensorBoard as well (the ``tensorboard`` extra)."""
     wandb: WandbConfig = msgspec.field(default_factory=WandbConfig)
+    """Every metric to Weights & Biases as well (the ``wandb`` extra)."""
     trajectories: bool = False
     """Write every trained trajectory to ``RUN_DIR/trajectories.jsonl`` (step, session,
-    reward, and per token: token_ids, loss_mask, logprobs, versions)."""
+    episode, group, reward, and per token of the prompt then the response: token_ids,
+    loss_mask, logprobs, versions; the schema: docs/trajectories.md)."""
 
 
 class RunConfig(_Section, frozen=True):
+    """A whole run's configuration: one section per part (``RunConfig()`` is the embedded
+    default job). Built by :func:`~asyncrl.load_config` from a TOML file and
+    ``--section.key=value`` overrides; every field, its default and meaning:
+    docs/config.md (``asyncrl config``)."""
+
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
+    """The policy model: a local Hugging Face folder, or the tiny default model."""
     task: TaskConfig = msgspec.field(default_factory=TaskConfig)
+    """What the episodes are: a built-in task, its data and reward, or an OpenAI-API agent."""
     rollout: RolloutConfig = msgspec.field(default_factory=LocalRolloutConfig)
+    """The rollout engines: which family, how many, where, sampling, pausing for updates."""
     trainer: TrainerConfig = msgspec.field(default_factory=TrainerConfig)
+    """The trainer processes: optimizer, micro-batching, precision, devices
+    (docs/train-engine.md)."""
     algo: AlgoConfig = msgspec.field(default_factory=AlgoConfig)
+    """The RL algorithm (GRPO or PPO), its objective and its corrections (docs/algorithms.md)."""
     controller: ControllerConfig = msgspec.field(default_factory=ControllerConfig)
+    """Admission under the staleness bound, batches, steps, retries (docs/controller.md)."""
     weights: WeightSyncConfig = msgspec.field(default_factory=AutoWeightsConfig)
+    """How trainer weights reach the engines after each step (docs/weight-sync.md)."""
     experience: ExperienceConfig = msgspec.field(default_factory=ExperienceConfig)
+    """The channel trajectories travel from the controller to the trainer ranks
+    (docs/experience-transport.md)."""
     cluster: ClusterConfig = msgspec.field(default_factory=ClusterConfig)
+    """Where the processes run (this host or a Ray cluster) and the run secret
+    (docs/cluster.md, docs/security.md)."""
     checkpoint: CheckpointConfig = msgspec.field(default_factory=CheckpointConfig)
+    """Run checkpoints and resume (docs/fault-tolerance.md)."""
     logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)
+    """The timeline, metric sinks and the trajectories file (docs/observability.md)."""
     gateway: GatewayConfig = msgspec.field(default_factory=GatewayConfig)
+    """The OpenAI-compatible gateway agent runs use (docs/agents.md)."""
     lora: LoraConfig = msgspec.field(default_factory=LoraConfig)
+    """Train a LoRA adapter instead of the whole model, pushed adapter-only."""
     run_dir: str = ""
     """Output folder (metrics.jsonl, config.json, logs). Empty: a new folder under ``runs/``."""
     seed: int = 0

@@ -20,8 +20,9 @@ from asyncrl.config.base import (
 
 
 class TrainerConfig(_Section, frozen=True):
-    lr: Finite = 1.5e-3
-    """AdamW learning rate."""
+    lr: NonNegativeFloat = 1.5e-3
+    """AdamW learning rate (>= 0, as AdamW takes it: a negative one is refused here, not by
+    the trainer process at start)."""
     weight_decay: Finite = 0.0
     """AdamW weight decay."""
     grad_clip: Finite = 1.0

@@ -230,8 +230,8 @@ def _lookup(tree: dict[str, Any], key: str) -> Any:
 
 
 def truncate_metrics(path: Path, step: int) -> int:
-    """Keep the rows of ``metrics.jsonl`` with ``step < step`` (a resume retrains the rest);
-    returns how many rows were dropped."""
+    """Keep the rows of ``metrics.jsonl`` (or ``trajectories.jsonl``) with ``step < step`` (a
+    resume retrains the rest); returns how many rows were dropped."""
     if not path.is_file():
         return 0
     lines = [ln for ln in path.read_text().splitlines() if ln.strip()]

@@ -53,10 +53,16 @@ from typing import Any
 
 import msgspec
 
-from asyncrl import trace
+from asyncrl import secret, trace
 from asyncrl.config import DEFAULT_MAX_NEW_TOKENS, RunConfig
 from asyncrl.controllers.adapters import AdapterNames
-from asyncrl.controllers.episode import Episode, EpisodeContext, EpisodeFailed, Gate
+from asyncrl.controllers.episode import (
+    EngineKeyRefused,
+    Episode,
+    EpisodeContext,
+    EpisodeFailed,
+    Gate,
+)
 from asyncrl.controllers.router import Router
 from asyncrl.controllers.staleness import Staleness
 from asyncrl.controllers.state import (
@@ -177,6 +183,7 @@ class Controller:
         self.config = config
         self._episode = episode
         self._own_engines = engines is None
+        secret.adopt(config.cluster.secret_file)  # the engines' key, as `asyncrl run` holds it
         if engines is None:
             from asyncrl.engines.rollout.factory import make_engine
 
@@ -264,7 +271,11 @@ class Controller:
             return
         exc = task.exception()
         if exc is not None and self._error is None:
-            log.error("controller task %s failed: %r", task.get_name(), exc, exc_info=exc)
+            # next_batch raises it (the run's console says it): the file only, with its
+            # traceback unless that was logged already (a reward function's, RewardError)
+            trace_info = None if getattr(exc, "logged", False) else exc
+            log.error("controller task %s failed: %r", task.get_name(), exc,
+                      exc_info=trace_info, extra={"console": False})  # fmt: skip
             self._error = exc
             self._ready_changed.set()
 
@@ -543,6 +554,8 @@ class Controller:
         run's error, through this group's supervised task) once the streak reaches the bound."""
         self._failure_log.warning("group %d failed: %s", gid, exc)
         self._release("failed")
+        if isinstance(exc, EngineKeyRefused):  # no group can succeed: stop at the first
+            raise exc
         self._failed_streak += 1
         if self._max_failed_groups and self._failed_streak >= self._max_failed_groups:
             raise GroupsFailing(

@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import numpy as np
 
+from asyncrl import secret
 from asyncrl.config import DEFAULT_MAX_NEW_TOKENS
 from asyncrl.controllers.adapters import AdapterNames
 from asyncrl.engines.rollout.base import (
@@ -64,6 +65,7 @@ if TYPE_CHECKING:
     from asyncrl.controllers.router import Router
 
 __all__ = [
+    "EngineKeyRefused",
     "Episode",
     "EpisodeContext",
     "EpisodeFailed",
@@ -104,23 +106,63 @@ class EpisodeFailed(RuntimeError):
     """An episode's generation failed after every retry; its group is reported failed."""
 
 
+class EngineKeyRefused(EpisodeFailed):
+    """An engine answered 401: it holds another key than this process's run secret
+    (``cluster.secret_file``, docs/security.md). No retry and no other engine mends that,
+    so the controller stops at the first one (``next_batch`` raises, naming the engine and
+    where this process's secret came from) instead of failing group after group."""
+
+
 class RewardError(RuntimeError):
-    """A reward function raised. The run stops with it (a reward that raises is a bug, and
-    training on the samples it did score would hide it): the message names the function
-    (dotted), the sample's ``id`` and the line that raised; the full traceback is logged
-    (``RUN_DIR/controller.log`` under ``asyncrl run``)."""
+    """A reward function raised, or returned no number. The run stops with it (a reward that
+    raises is a bug, and training on the samples it did score would hide it): the message
+    names the function (dotted), the sample's ``id`` and the line that raised (or what it
+    returned). The traceback is logged once per distinct error (function, exception type
+    and line: the episodes in flight that hit the same bug add nothing), in
+    ``RUN_DIR/controller.log`` under ``asyncrl run``, whose console shows one line."""
+
+    logged: bool = False
+    """True when the error (and its traceback) was logged already: the controller then
+    reports it without its traceback again."""
 
     @classmethod
     def of(cls, fn: Callable[..., Any], sample: Any, exc: BaseException) -> RewardError:
         frames = traceback.extract_tb(exc.__traceback__)
         where = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
         name = _dotted_name(fn)
-        log.error("reward function %s raised on sample %r", name, getattr(sample, "id", None),
-                  exc_info=exc)  # fmt: skip
-        return cls(
-            f"reward function {name} raised {type(exc).__name__}: {exc}{where} "
-            f"(sample id {getattr(sample, 'id', None)!r})"
+        sid = getattr(sample, "id", None)
+        err = cls(f"reward function {name} raised {type(exc).__name__}: {exc}{where} "
+                  f"(sample id {sid!r})")  # fmt: skip
+        _log_once((name, type(exc).__name__, where), err, exc)
+        return err
+
+    @classmethod
+    def not_a_number(cls, fn: Callable[..., Any], sample: Any, value: Any) -> RewardError:
+        """``fn`` returned ``value``, which is no number (None, a string, a list...)."""
+        name = _dotted_name(fn)
+        err = cls(
+            f"reward function {name} returned {value!r:.80} for sample id "
+            f"{getattr(sample, 'id', None)!r}: a reward function must return a number (a "
+            "float); to reject a sample, return None from the episode instead"
         )
+        _log_once((name, "returned", type(value).__name__), err, None)
+        return err
+
+
+_LOGGED: set[tuple[str, str, str]] = set()
+"""The distinct reward errors logged so far in this process (at most ``_MAX_LOGGED``)."""
+_MAX_LOGGED = 256
+
+
+def _log_once(key: tuple[str, str, str], err: RewardError, exc: BaseException | None) -> None:
+    """Log ``err`` (with ``exc``'s traceback) unless an error with the same ``key`` was; the
+    record stays off ``asyncrl run``'s console (``console=False``), whose last line names
+    the error."""
+    err.logged = True
+    if key in _LOGGED or len(_LOGGED) >= _MAX_LOGGED:
+        return
+    _LOGGED.add(key)
+    log.error("%s", err, exc_info=exc, extra={"console": False})
 
 
 def _dotted_name(fn: Callable[..., Any]) -> str:
@@ -182,11 +224,11 @@ def _versions(res: GenerateResult, pinned: int | None) -> list[int]:
     return res.token_versions() if pinned is None else [pinned] * len(res.output_ids)
 
 
-def _number(value: float | Awaitable[float]) -> float:
+def _number(value: Any) -> Any:
     """A sync reward function's value (an awaitable here: a sync function returning one)."""
     if inspect.isawaitable(value):
         raise TypeError("the reward function returned an awaitable: make it `async def`")
-    return float(value)
+    return value
 
 
 class RewardRunner:
@@ -234,15 +276,21 @@ class RewardRunner:
             )
         fn = functools.partial(self.fn, text=text) if self.takes_text else self.fn
         try:
-            return await self._call(fn, sample, response_ids)
+            value = await self._call(fn, sample, response_ids)
         except Exception as exc:  # the user's code: any error, named and re-raised
             raise RewardError.of(self.fn, sample, exc) from exc
+        if value is None:
+            raise RewardError.not_a_number(self.fn, sample, value)
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise RewardError.not_a_number(self.fn, sample, value) from None
 
-    async def _call(self, fn: Callable[..., Any], sample: Any, response_ids: list[int]) -> float:
+    async def _call(self, fn: Callable[..., Any], sample: Any, response_ids: list[int]) -> Any:
         if self.is_async:
             out = fn(sample, response_ids)
             assert inspect.isawaitable(out)
-            return float(await out)
+            return await out
         if not self.inline and self._probes < 3 and self.inline_s > 0:
             if self._probe is None or self._probe.done():
                 return await self._first(fn, sample, response_ids)
@@ -260,7 +308,7 @@ class RewardRunner:
             return _number(value)
         return _number(await asyncio.to_thread(fn, sample, response_ids))
 
-    async def _first(self, fn: Callable[..., Any], sample: Any, response_ids: list[int]) -> float:
+    async def _first(self, fn: Callable[..., Any], sample: Any, response_ids: list[int]) -> Any:
         self._probes += 1
         self._probe = asyncio.get_running_loop().create_future()
         try:
@@ -461,6 +509,9 @@ class EpisodeContext:
                     res, applied = await self._streamed(ids, params, rid, out, on_tokens, pinned)
             except EngineBadRequest as exc:  # the request is wrong: no engine would take it
                 self._router.report_failure(self._engine, exc)
+                if exc.status == 401:
+                    url = getattr(self._engine, "url", "?")
+                    raise EngineKeyRefused(f"{secret.refused(url)} ({exc})") from exc
                 raise EpisodeFailed(f"episode {self.episode_id}: {exc}") from exc
             except (EngineError, EngineUnavailable) as exc:
                 failed, self._engine = self._engine, None
@@ -588,13 +639,10 @@ class EpisodeContext:
         return traj.min_version
 
 
-_ONES = np.ones(1 << 16, np.uint8)
-_ONES.flags.writeable = False
-
-
 def _ones(n: int) -> np.ndarray:
-    """A read-only loss mask of n ones (a view of one shared buffer when small)."""
-    return _ONES[:n] if n <= len(_ONES) else np.ones(n, np.uint8)
+    """A loss mask of n ones, the trajectory's own (writable: a trainer wraps it with
+    ``torch.from_numpy`` without a copy or a warning, and may edit it)."""
+    return np.ones(n, np.uint8)
 
 
 def _other_engine(router: Router, failed: Any) -> Any:

@@ -128,24 +128,27 @@ def _lora_spec(args: argparse.Namespace) -> LoraSpec | None:
     )
 
 
-def _secret(args: argparse.Namespace) -> str:
-    """The key every request must carry; a fresh one (nobody gave one) is written to a file
-    only this user can read, and that file's path is logged (never the key)."""
-    given = any(os.environ.get(k) for k in (secret.ENV_FD, secret.ENV_SECRET, secret.ENV_FILE))
-    key = secret.load(args.secret_file)
-    if not (given or args.secret_file):
-        folder = Path(os.environ.get("XDG_RUNTIME_DIR") or Path.home() / ".cache" / "asyncrl")
-        folder.mkdir(parents=True, exist_ok=True)
-        path = folder / f"engine-{args.port}.secret"
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(key + "\n")
-        os.chmod(path, 0o600)
-        logging.getLogger("asyncrl.engine").warning(
-            "no run secret given: requests must carry the key in %s (Authorization: Bearer)",
-            path,
-        )
-    return key
+def _secret(args: argparse.Namespace) -> tuple[str, Path | None]:
+    """The key every request must carry, and the file this process wrote it to (None when
+    the key was given): a fresh one (nobody gave one) is written to a file only this user
+    can read, whose path is logged (never the key); :func:`main` removes it at exit."""
+    given = secret.held(args.secret_file)  # a run's (its pipe; a fork server's child holds
+    if given is not None:  # it already), ASYNCRL_SECRET(_FILE) or --secret-file
+        return given, None
+    key = secret.load()  # nobody gave one: a fresh one, in a file only this user reads
+    folder = Path(os.environ.get("XDG_RUNTIME_DIR") or Path.home() / ".cache" / "asyncrl")
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"engine-{args.port}.secret"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(key + "\n")
+    os.chmod(path, 0o600)
+    logging.getLogger("asyncrl.engine").warning(
+        "no run secret given: requests must carry the key in %s (Authorization: Bearer; "
+        "removed when this engine exits)",
+        path,
+    )
+    return key, path
 
 
 def main(argv: list[str] | None = None, receiver: type[WeightReceiver] = WeightReceiver) -> None:
@@ -175,17 +178,22 @@ def main(argv: list[str] | None = None, receiver: type[WeightReceiver] = WeightR
         _lora_spec(args),
     )
     server = EngineServer(engine, args.model_path, args.host, args.weight_masters, receiver)
-    app = build_app(server, _secret(args))
+    key, key_file = _secret(args)
+    app = build_app(server, key)
     loop = new_event_loop()  # uvloop when installed: lower latency of every control call
-    web.run_app(  # handler_cancellation: a client that hangs up aborts its requests
-        app,
-        host=args.host,
-        port=args.port,
-        print=None,
-        access_log=None,
-        loop=loop,
-        handler_cancellation=True,
-    )
+    try:
+        web.run_app(  # handler_cancellation: a client that hangs up aborts its requests
+            app,
+            host=args.host,
+            port=args.port,
+            print=None,
+            access_log=None,
+            loop=loop,
+            handler_cancellation=True,
+        )
+    finally:  # SIGTERM / SIGINT end run_app: the key made for this engine goes with it
+        if key_file is not None:
+            key_file.unlink(missing_ok=True)
     # Shutdown was orderly (engine stopped, sockets closed); skip the interpreter's slow
     # teardown of torch/transformers, which takes seconds on a loaded machine.
     logging.shutdown()

@@ -10,6 +10,7 @@ torch: the heavy work runs in the children.
 from __future__ import annotations
 
 import argparse
+import logging
 import signal
 import sys
 from pathlib import Path
@@ -44,15 +45,12 @@ def main(ns: argparse.Namespace, overrides: list[str]) -> int:
         print(f"asyncrl run: {exc}", file=sys.stderr)
         return 2
     import asyncio
-    import logging
 
     from asyncrl import loops
     from asyncrl.runner import RunStopped, new_run_dir, run_job
 
-    logging.basicConfig(
-        level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s"
-    )
     run_dir = resume_dir or Path(ns.run_dir or cfg.run_dir or new_run_dir())
+    _console_logging(run_dir)
     print(f"asyncrl run: {'resuming' if resume_dir else 'writing to'} {run_dir}", flush=True)
     got: list[int] = []
 
@@ -89,6 +87,36 @@ def main(ns: argparse.Namespace, overrides: list[str]) -> int:
         return 1
     _summary(rows)
     return 0
+
+
+class _Console(logging.Formatter):
+    """The console's log lines: asyncrl's records without their traceback, which is in
+    ``RUN_DIR/controller.log`` (one per distinct error); other libraries' as they are."""
+
+    def __init__(self, run_dir: Path):
+        super().__init__("%(asctime)s %(name)s %(levelname)s %(message)s")
+        self.where = run_dir / "controller.log"
+
+    def format(self, record: logging.LogRecord) -> str:
+        if not record.name.startswith("asyncrl"):  # not in controller.log: shown whole
+            return super().format(record)
+        saved = record.exc_info, record.exc_text, record.stack_info
+        record.exc_info, record.exc_text, record.stack_info = None, None, None
+        try:
+            text = super().format(record)
+        finally:
+            record.exc_info, record.exc_text, record.stack_info = saved
+        return text + (f" (traceback in {self.where})" if saved[0] else "")
+
+
+def _console_logging(run_dir: Path) -> None:
+    """Warnings and errors on stderr, one line each: tracebacks go to the run's
+    controller.log only, and a record logged with ``extra={"console": False}`` (one the
+    run's last line reports, e.g. the error that stopped it) goes there only."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(_Console(run_dir))
+    handler.addFilter(lambda r: getattr(r, "console", True))
+    logging.basicConfig(level=logging.WARNING, handlers=[handler])
 
 
 def _summary(rows: list[dict]) -> None:

@@ -206,8 +206,10 @@ class CustomReward:
             return self.fn(sample, ids, text=self.decode(ids))
         return self.fn(sample, ids, self.decode(ids))
 
-    def _sync_reward(self, sample: Sample, response_ids: list[int]) -> float:
-        return float(self._call(sample, response_ids))
+    # The user's value as it is: the caller (RewardRunner) makes it a float, and names the
+    # user's function when it is none (a RewardError, not float()'s TypeError from here).
+    def _sync_reward(self, sample: Sample, response_ids: list[int]) -> Any:
+        return self._call(sample, response_ids)
 
-    async def _async_reward(self, sample: Sample, response_ids: list[int]) -> float:
-        return float(await self._call(sample, response_ids))
+    async def _async_reward(self, sample: Sample, response_ids: list[int]) -> Any:
+        return await self._call(sample, response_ids)

@@ -222,6 +222,66 @@ async def test_one_reward_signature_and_the_old_form_refused_with_the_new_one() 
         await ctx.reward(lambda: 1.0, None, [1])
 
 
+def test_episode_trajectory_arrays_are_writable_and_torch_wraps_them_silently() -> None:
+    """Issue 37 item 10: every array ``ctx.trajectory`` builds is the trajectory's own and
+    writable, so a trainer wraps it with ``torch.from_numpy`` (no copy) without torch's
+    "not writable" warning (the single-turn loss mask was a read-only shared buffer)."""
+    import warnings
+
+    torch = pytest.importorskip("torch")
+    from asyncrl.controllers.episode import Generation
+
+    ctx = EpisodeContext(Router([FakeEngine("e", random.Random(0), 0.01)]), 0, 1, {}, 0, Gate())
+    one = ctx.trajectory([1, 2], [Generation([5, 6], [-0.1, -0.2], [3, 3], "stop")], 1.0)
+    turns = [Generation([5], [-0.1], [3], "length"), [9], Generation([7], [-1.0], [4], "stop")]
+    two = ctx.trajectory([1], turns, 0.0)
+    for traj in (one, two):
+        for name in ("prompt_ids", "response_ids", "behav_logprobs", "versions", "loss_mask"):
+            arr = getattr(traj, name)
+            assert arr.flags.writeable, name
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                assert torch.from_numpy(arr).data_ptr() == arr.ctypes.data  # no copy
+    one.loss_mask[0] = 0  # its own: another trajectory's mask is untouched
+    again = ctx.trajectory([1, 2], [Generation([5, 6], [-0.1, -0.2], [3, 3], "stop")], 1.0)
+    assert again.loss_mask.tolist() == [1, 1]
+
+
+async def test_reward_errors_are_logged_once_per_distinct_error(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Issue 37 item 5: 100 episodes in flight hitting the same raising reward log one
+    traceback (each still raises RewardError naming the function, line and sample); a
+    reward returning None is a RewardError naming the function and what it returned."""
+    import logging
+
+    from asyncrl.controllers.episode import RewardError
+    from asyncrl.tasks.base import Sample
+
+    def broken(sample: object, response_ids: list[int]) -> float:
+        raise ValueError(f"boom {len(response_ids)}")
+
+    def forgot_return(sample: object, response_ids: list[int]) -> float:
+        float(len(response_ids))  # no return: None
+
+    runner = RewardRunner(broken)
+    with caplog.at_level(logging.ERROR, logger="asyncrl"):
+        got = await asyncio.gather(
+            *(runner(Sample(prompt_ids=[1], id=i), [1, 2]) for i in range(100)),
+            return_exceptions=True,
+        )
+        assert all(isinstance(e, RewardError) and e.logged for e in got), got[:3]
+        text = str(got[7])
+        assert "broken raised ValueError: boom 2 at " in text and "(sample id 7)" in text
+        assert sum(r.exc_info is not None for r in caplog.records) == 1, caplog.records
+        none = RewardRunner(forgot_return)
+        for i in range(3):
+            with pytest.raises(RewardError, match=r"forgot_return returned None for sample id"):
+                await none(Sample(prompt_ids=[1], id=i), [1])
+    assert sum("forgot_return returned None" in r.getMessage() for r in caplog.records) == 1
+    assert await RewardRunner(lambda s, ids: True)(None, [1]) == 1.0  # a bool is a number
+
+
 def _run_virtual(coro) -> object:
     loop = VirtualTimeLoop()
     try:

@@ -212,8 +212,8 @@ def decode(
         n_resp += r
     want = n_prompt * _PROMPT_ITEMSIZE + n_resp * _RESP_ITEMSIZE
     payload = views[1] if msg.ring < 0 else _ring_payload(msg, want, max_bytes, rings)
-    if copy and msg.ring >= 0:
-        payload = memoryview(bytes(payload))
+    if copy and msg.ring >= 0:  # the batch's own buffer, writable as a frame's
+        payload = memoryview(bytearray(payload))
     if payload.nbytes != want:
         raise MalformedMessage(
             "size",

@@ -66,6 +66,13 @@ class Trajectory(msgspec.Struct, kw_only=True, gc=False):
     follow and ``loss_mask[i] == 0`` (not trained on). ``reward`` is the scalar
     the algorithm uses; ``rewards`` may hold named components. ``metadata`` is a
     small map of JSON-able values (it travels inline in the header).
+
+    The arrays are writable (``torch.from_numpy`` wraps them without a copy or a warning)
+    where their memory is the trajectory's own: built by an episode (``ctx.trajectory``,
+    the gateway) or received as ZeroMQ frames. Received through the producer's
+    shared-memory ring they are read-only views of it, valid until their delivery is
+    acknowledged (``ExperienceReceiver``): copy what outlives the ack (``copy=True`` there
+    gives writable arrays of their own).
     """
 
     prompt_ids: np.ndarray

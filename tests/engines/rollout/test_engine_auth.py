@@ -175,7 +175,7 @@ def test_a_client_with_another_secret_fails_fast_naming_the_fix(
             secret.use(KEY)
         t0 = asyncio.get_running_loop().time()
         try:
-            with pytest.raises(EngineUnavailable, match=r"refused the run.s secret.*secret_file"):
+            with pytest.raises(EngineUnavailable, match=r"refused this process.s.*secret_file"):
                 await client.wait_healthy(60)
         finally:
             await client.close()
@@ -212,7 +212,7 @@ def test_an_engine_started_by_hand_without_a_secret_makes_one_only_its_user_read
         async def main() -> None:
             client = SGLangClient(f"http://127.0.0.1:{port}", timeout_s=10)
             try:  # this session's key is not that engine's
-                with pytest.raises(EngineUnavailable, match="refused the run's secret"):
+                with pytest.raises(EngineUnavailable, match="refused this process's run secret"):
                     await client.wait_healthy(100)
             finally:
                 await client.close()
@@ -224,3 +224,29 @@ def test_an_engine_started_by_hand_without_a_secret_makes_one_only_its_user_read
         asyncio.run(main())
     finally:
         stop([proc])
+    assert proc.returncode == 0, log.read_text()[-2000:]  # SIGTERM: an orderly exit
+    assert not key_file.exists()  # the key it made left with it (issue 37 item 10)
+
+
+HOLDER = """
+import argparse, json, os, sys
+from asyncrl import secret
+from asyncrl.entrypoints import engine
+secret.use(sys.argv[1])  # as a child of the run's fork server holds it: no pipe, no variable
+key, path = engine._secret(argparse.Namespace(secret_file="", port=4321))
+print(json.dumps({"same": key == sys.argv[1], "path": str(path) if path else None}))
+"""
+
+
+def test_an_engine_that_holds_the_run_secret_writes_no_key_file(tmp_path: Path) -> None:
+    """An engine forked by a run's fork server holds the run's secret already (the pipe was
+    read by the server): it serves with it, writes no ``engine-PORT.secret`` and logs no
+    "no run secret given" (it did both, with the run's own secret in that file)."""
+    env = {k: v for k, v in python_env().items() if not k.startswith("ASYNCRL_SECRET")}
+    env["XDG_RUNTIME_DIR"] = str(tmp_path)
+    held = secret.generate()  # not this session's: it travels on the command line here
+    out = subprocess.run([sys.executable, "-c", HOLDER, held], env=env, capture_output=True,
+                         text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"same": True, "path": None}
+    assert "no run secret given" not in out.stderr and not list(tmp_path.iterdir())

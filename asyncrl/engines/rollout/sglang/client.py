@@ -26,6 +26,7 @@ from typing import Any
 import aiohttp
 import msgspec
 
+from asyncrl import secret
 from asyncrl.config import PAUSE_MODES
 from asyncrl.engines.rollout.base import (
     EngineBadRequest,
@@ -366,11 +367,7 @@ class SGLangClient(KeyedHttp):
             if gone is not None and (reason := gone()) is not None:
                 raise EngineUnavailable(f"engine {self.url} is gone: {reason}")
             if " -> 401: " in why:  # no retry mends it (docs/security.md)
-                raise EngineUnavailable(
-                    f"engine {self.url} refused the run's secret ({why}): start it with the "
-                    "run's secret file (asyncrl serve --secret-file F; SGLang --api-key) and "
-                    "give the run the same file (--cluster.secret_file=F)"
-                )
+                raise EngineUnavailable(f"{secret.refused(self.url)} ({why})")
             if loop.time() > deadline:
                 raise EngineUnavailable(
                     f"engine {self.url} did not answer within {timeout_s:g}s (last: {why})"[:500]
