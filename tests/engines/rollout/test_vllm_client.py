@@ -26,8 +26,7 @@ from asyncrl.entrypoints.keyed import keyed_argv
 from asyncrl.secret import auth_headers
 from asyncrl.transports.weights.bucket import BucketManifest, pack_into, plan_buckets, spec_of
 from tests.engines.rollout.vllm.code import packed_tensor
-from tests.engines.rollout.vllm.server import VLLMStandIn, start_vllm
-from tests.engines.rollout.vllm.standin import arg_parser
+from tests.engines.rollout.vllm.server import VLLMStandIn, start_vllm, vllm_parse
 
 SP = {"max_new_tokens": 30, "ignore_eos": True}
 
@@ -272,10 +271,12 @@ def test_launch_command() -> None:
     assert kind == "-c" and argv[:2] == ["-c", "serve"]
     assert argv[-1] == "--api-key=-s3cret-0123456789abcdef"  # one word: a leading "-" is kept
     # every route guarded by the run secret: vLLM's --middleware (common/cli_args.py:361,
-    # append action :406-411; vLLM's parser does not import here), read by the stand-in's
+    # append action :406-411); the generate route needs --enable-scale-out (:216). The argv
+    # as vLLM's own `vllm serve` parser reads it:
     assert f"--middleware={MIDDLEWARE}" in args
     assert MIDDLEWARE == f"{auth.__name__}.{auth.RunSecretMiddleware.__name__}"
-    own = ["--port", "1", "--model-path", "/m"]  # the stand-in's required flags
-    got, _ = arg_parser().parse_known_args([*argv[2:], *own])
-    assert got.middleware == [MIDDLEWARE] and got.api_key == "-s3cret-0123456789abcdef"
+    got = vllm_parse(argv[2:])
+    assert got["middleware"] == [MIDDLEWARE] and got["api_key"] == "-s3cret-0123456789abcdef"
+    assert got["enable_scale_out"] is True and got["model"] == "/m"
+    assert got["tensor_parallel_size"] == 2
     assert not any("s3cret" in a for a in cmdline)  # the key is in memory only

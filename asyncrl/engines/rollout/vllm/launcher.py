@@ -7,8 +7,8 @@ routers.py:46-53, envs.py:1468), and weight transfer needs ``--weight-transfer-c
 (engine/arg_utils.py:866-905, config/weight_transfer.py:8-17). The token-in/token-out
 generate route is registered only with ``--enable-scale-out`` (off by default,
 entrypoints/common/cli_args.py:216); without it ``/inference/v1/generate`` answers 403
-"Scale-out endpoints are disabled" (entrypoints/scale_out/factories.py:95-128). Starting, health-waiting
-and stopping are the generic launcher's (:mod:`asyncrl.engines.rollout.launcher`).
+"Scale-out endpoints are disabled" (entrypoints/scale_out/factories.py:95-128). Starting,
+health-waiting and stopping are the generic launcher's (:mod:`asyncrl.engines.rollout.launcher`).
 """
 
 from __future__ import annotations
