@@ -276,7 +276,7 @@ def test_launch_command() -> None:
     assert f"--middleware={MIDDLEWARE}" in args
     assert MIDDLEWARE == f"{auth.__name__}.{auth.RunSecretMiddleware.__name__}"
     got = vllm_parse(argv[2:])
-    assert got["middleware"] == [MIDDLEWARE] and got["api_key"] == "-s3cret-0123456789abcdef"
+    assert got["middleware"] == [MIDDLEWARE] and got["api_key"] == ["-s3cret-0123456789abcdef"]
     assert got["enable_scale_out"] is True and got["model"] == "/m"
     assert got["tensor_parallel_size"] == 2
     assert not any("s3cret" in a for a in cmdline)  # the key is in memory only

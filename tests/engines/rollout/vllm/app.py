@@ -54,6 +54,7 @@ import os
 import sys
 import time
 from collections.abc import AsyncGenerator, Iterable
+from http import HTTPStatus
 from typing import Any
 
 import torch
@@ -185,7 +186,7 @@ class Tokens:
                 create_error_response,
             )
 
-            return create_error_response(missing, "NotFoundError", 404)
+            return create_error_response(missing, "NotFoundError", HTTPStatus.NOT_FOUND)
         base = request.request_id
         n = int(sp.n or 1)
         reqs = [
@@ -230,7 +231,8 @@ class Tokens:
                 choice = _choice(r, r.output[sent[i] :], r.logprobs[sent[i] :], final, i, True)
                 sent[i], done[i] = len(r.output), final
                 chunk = GenerateTokensStreamResponse(request_id=r.ext, choices=[choice])
-                yield f"data: {chunk.model_dump_json(exclude_none=True)}\n\n"
+                skip = {"prompt_token_ids", "mm_placeholders", "metrics"}  # serving.py:765-771
+                yield f"data: {chunk.model_dump_json(exclude=skip)}\n\n"
             if not all(done):
                 await _any_change([r for i, r in enumerate(reqs) if not done[i]])
         yield "data: [DONE]\n\n"
@@ -241,9 +243,8 @@ class Tokens:
             create_error_response,
         )
 
-        code = int(getattr(err, "status_code", 500))
-        body = create_error_response(str(err), "ServiceUnavailableError", code)
-        yield f"data: {body.model_dump_json()}\n\n"
+        # create_streaming_error_response (generate/base/serving.py:183-197, 209-213)
+        yield f"data: {json.dumps(create_error_response(err).model_dump())}\n\n"
         yield "data: [DONE]\n\n"
 
 
@@ -290,7 +291,7 @@ class Models:
         msg, status = (self.core.lora.load if load else self.core.lora.unload)(body)
         if status != 200:
             kind = {400: "BadRequestError", 404: "NotFoundError"}.get(status, "InternalServerError")
-            return create_error_response(msg, kind, status)
+            return create_error_response(msg, kind, HTTPStatus(status))
         return msg
 
     async def load_lora_adapter(self, request: Any) -> Any:
@@ -313,6 +314,7 @@ class WireLog:
             return await self.app(scope, receive, send)
         chunks: list[bytes] = []
         status = [0]
+        errors: list[int] = []  # the codes of error chunks in an SSE answer
 
         async def rx() -> dict[str, Any]:
             msg = await receive()
@@ -323,14 +325,19 @@ class WireLog:
         async def tx(msg: dict[str, Any]) -> None:
             if msg["type"] == "http.response.start":
                 status[0] = msg["status"]
+            elif msg["type"] == "http.response.body":
+                for line in msg.get("body", b"").split(b"\n"):
+                    if line.startswith(b"data: {") and b'"error"' in line:
+                        errors.append(json.loads(line[6:])["error"]["code"])
             await send(msg)
 
         try:
             await self.app(scope, rx, tx)
         finally:
-            self._write(scope, b"".join(chunks), status[0])
+            note = " ".join(f"error {c} chunk" for c in errors)
+            self._write(scope, b"".join(chunks), status[0], note)
 
-    def _write(self, scope: dict[str, Any], raw: bytes, status: int) -> None:
+    def _write(self, scope: dict[str, Any], raw: bytes, status: int, note: str) -> None:
         from urllib.parse import parse_qsl
 
         assert self.out is not None
@@ -352,6 +359,7 @@ class WireLog:
             "query": dict(parse_qsl(scope.get("query_string", b"").decode())),
             "status": status,
             "body": body,
+            "note": note,
         }
         self.out.write(json.dumps(line) + "\n")
         self.out.flush()
