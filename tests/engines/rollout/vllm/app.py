@@ -302,7 +302,7 @@ class Models:
 
 
 class WireLog:
-    """Outermost ASGI wrapper: every request's method, path, query, status and JSON body
+    """ASGI wrapper of the routes: every request's method, path, query, status and JSON body
     (``update_info`` summarised) appended to the ``--calls`` file."""
 
     def __init__(self, app: Any, path: str):
@@ -404,9 +404,14 @@ async def serve(args: argparse.Namespace) -> None:
         return JSONResponse(await core.ground_truth())
 
     app.add_api_route("/standin/state", standin_state, methods=["GET"])
-    if app.middleware_stack is None:  # build_app built it (sagemaker's bootstrap)
-        app.middleware_stack = app.build_middleware_stack()
-    app.middleware_stack = WireLog(app.middleware_stack, own.calls)  # the outermost
+    # the wire log around the routes, inside vLLM's middleware (a request its --api-key or
+    # --middleware refuses never reaches a handler, nor the log): the stack rebuilt as the
+    # SageMaker bootstrap of build_app rebuilt it (model_hosting_container_standards
+    # common/fastapi/middleware/core.py:99), with the router wrapped for the build
+    router = app.router
+    app.router = WireLog(router, own.calls)  # type: ignore[assignment]
+    app.middleware_stack = app.build_middleware_stack()
+    app.router = router
     core.start()
     shutdown = await serve_http(
         app,

@@ -62,13 +62,15 @@ def start_vllm(
     flags: tuple[str, ...] = (),
     env: dict[str, str] | None = None,
     guard: bool = True,
+    drop: tuple[str, ...] = (),
 ) -> VLLMStandIn:
     """vLLM 0.33's API server (``app.py``) on a free loopback port, once its ``/health``
     answers, started with ``vllm_args`` (asyncrl's launcher: ``tp_size``) + ``flags`` (more
     ``vllm serve`` flags, e.g. LoRA's; ``--no-truth`` is the stand-in's own) and the
     launcher's environment (``VLLM_SERVER_DEV_MODE=1``) + ``env``; ``guard``: with the
     launcher's ``--middleware`` (the run secret on every route); False: vLLM's
-    ``--api-key`` alone."""
+    ``--api-key`` alone; ``drop``: flags of the launcher's left out (a server started by
+    hand without them)."""
     vllm_src()
     vllm_deps()
     port = free_port()
@@ -77,6 +79,7 @@ def start_vllm(
     rc = VLLMRolloutConfig(tp_size=tp_size)
     served = [a for a in flags if a not in OWN_FLAGS]
     argv = [*vllm_args(rc, str(model_dir), port, "127.0.0.1", 0), *served]
+    argv = [a for a in argv if a not in drop]
     if not guard:  # vLLM's --api-key alone
         argv = [a for a in argv if not a.startswith("--middleware")]
     # as asyncrl's vLLM launcher starts vLLM: --api-key given in memory (entrypoints/keyed.py)
