@@ -28,7 +28,7 @@ def test_absent_upstream_code_fails_under_ci_and_skips_locally(
     outcome = pytest.fail.Exception if ci else pytest.skip.Exception
     checks = [vllm_code.vllm_src, vllm_code.vllm_deps, lambda: sglang_code.sglang_src("0.5.23")]
     for check in checks:
-        with pytest.raises(outcome, match="setup.sh") as got:
+        with pytest.raises(outcome, match=r"setup\.sh") as got:
             check()
         assert str(tmp_path) in str(got.value)  # names where it looked
 
