@@ -87,10 +87,34 @@ async def test_keep_pause_spans_versions_without_abort(vllm: VLLMStandIn) -> Non
         _post(vllm, "/update_weight_version", {"new_version": "7"})
         await c.continue_generation()
         res = await asyncio.wait_for(task, 60)
-        truth_labels = vllm.state()["reqs"]["k1"]["labels"]
+        st = vllm.state()
+        truth_labels = st["reqs"]["k1"]["labels"]
         assert res.finish_reason == "length"
         assert res.token_versions() == [0 if x == "default" else int(x) for x in truth_labels]
         assert 0 in res.token_versions() and res.token_versions()[-1] == 7
+        # sent with clear_cache=false: the kept request keeps its KV (no re-prefill)
+        pauses = [w for w in vllm.wire() if w["path"] == "/pause"]
+        assert pauses[-1]["query"] == {"mode": "keep", "clear_cache": "false"}
+        assert st["reqs"]["k1"]["prefills"] == 1
+    finally:
+        await c.close()
+
+
+async def test_keep_without_clear_cache_false_re_prefills(vllm: VLLMStandIn) -> None:
+    """What the client avoids: ``POST /pause?mode=keep`` alone takes vLLM's default
+    ``clear_cache=true`` (rl:35) and the engine core then resets the running requests
+    (core.py:930-953): the kept request is re-prefilled."""
+    c = VLLMClient(vllm.url)
+    try:
+        task = asyncio.ensure_future(c.generate([1, 2], {**SP, "max_new_tokens": 60}, rid="k2"))
+        await _until_tokens(vllm, "k2")
+        resets = vllm.state()["cache_resets"]
+        _post(vllm, "/pause?mode=keep", None)
+        assert await c.is_paused()
+        await c.continue_generation()
+        await asyncio.wait_for(task, 60)
+        st = vllm.state()
+        assert st["cache_resets"] == resets + 1 and st["reqs"]["k2"]["prefills"] == 2
     finally:
         await c.close()
 

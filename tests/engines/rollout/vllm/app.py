@@ -205,16 +205,28 @@ class Tokens:
         ]
         if request.stream:
             return self._stream(reqs)
-        for r in reqs:  # FINAL_ONLY: answered once every child finished (:120-126)
-            while r.finish is None:
-                r.changed.clear()
-                await r.changed.wait()
+        try:
+            for r in reqs:  # FINAL_ONLY: answered once every child finished (:120-126)
+                while r.finish is None:
+                    r.changed.clear()
+                    await r.changed.wait()
+        except asyncio.CancelledError:  # the client hung up: aborted (async_llm.py:807-812)
+            await self.core.abort_internal([r.rid for r in reqs])
+            raise
         choices = [_choice(r, r.output, r.logprobs, True, i) for i, r in enumerate(reqs)]
         return GenerateTokensResponse(request_id=reqs[0].ext, choices=choices)
 
     async def _stream(self, reqs: list[Req]) -> AsyncGenerator[str, None]:
         """tito/serving.py:646-820: one chunk per output that brought tokens or finished,
         one choice with its ``index``; spans on a child's final chunk; ``data: [DONE]``."""
+        try:
+            async for line in self._chunks(reqs):
+                yield line
+        except (asyncio.CancelledError, GeneratorExit):  # hung up (async_llm.py:807-812)
+            await self.core.abort_internal([r.rid for r in reqs])
+            raise
+
+    async def _chunks(self, reqs: list[Req]) -> AsyncGenerator[str, None]:
         from vllm.entrypoints.scale_out.token_in_token_out.protocol import (
             GenerateTokensStreamResponse,
         )
