@@ -224,8 +224,8 @@ def test_run_against_a_vllm_without_scale_out_stops_at_once(
         rc, out = finish(_start_run(tmp_path, tiny_model_dir, [server.url]), 120)
         took = time.monotonic() - t0
         assert rc != 0, out
-        lines = [ln for ln in out.splitlines() if "--enable-scale-out" in ln]
-        assert len(lines) == 1 and lines[0].startswith("asyncrl run: failed:"), out[-3000:]
+        lines = [ln for ln in out.splitlines() if ln.startswith("asyncrl run: failed:")]
+        assert len(lines) == 1 and "--enable-scale-out" in lines[0], out[-3000:]
         assert "Scale-out endpoints are disabled" in lines[0]
         refused = [c for c in server.wire() if c["path"] == "/inference/v1/generate"]
         assert refused and {c["status"] for c in refused} == {403}

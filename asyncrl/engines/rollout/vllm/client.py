@@ -81,8 +81,8 @@ class ScaleOutDisabled(RuntimeError):
 
     def __init__(self, url: str, status: int, message: str):
         super().__init__(
-            f"vLLM at {url} refuses {GENERATE} ({status}: {message}): start it with "
-            "`vllm serve ... --enable-scale-out` (asyncrl's launcher passes it)"
+            f"vLLM at {url} refuses {GENERATE} ({status}: {message!r}): a vLLM started by "
+            "hand needs `--enable-scale-out` (asyncrl's launcher passes it)"
         )
 
 

@@ -313,9 +313,23 @@ class Models:
         return await self._do(request, False)
 
 
+class Routed:
+    """Marks a request that reached the routes (``WireLog`` logs only those)."""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        scope[ROUTED] = True
+        await self.app(scope, receive, send)
+
+
+ROUTED = "asyncrl.standin.routed"
+
+
 class WireLog:
-    """ASGI wrapper of the routes: every request's method, path, query, status and JSON body
-    (``update_info`` summarised) appended to the ``--calls`` file."""
+    """The app's outermost ASGI wrapper: every routed request's method, path, query,
+    status and JSON body (``update_info`` summarised) appended to the ``--calls`` file."""
 
     def __init__(self, app: Any, path: str):
         self.app = app
@@ -346,8 +360,9 @@ class WireLog:
         try:
             await self.app(scope, rx, tx)
         finally:
-            note = " ".join(f"error {c} chunk" for c in errors)
-            self._write(scope, b"".join(chunks), status[0], note)
+            if scope.get(ROUTED):
+                note = " ".join(f"error {c} chunk" for c in errors)
+                self._write(scope, b"".join(chunks), status[0], note)
 
     def _write(self, scope: dict[str, Any], raw: bytes, status: int, note: str) -> None:
         from urllib.parse import parse_qsl
@@ -416,13 +431,14 @@ async def serve(args: argparse.Namespace) -> None:
         return JSONResponse(await core.ground_truth())
 
     app.add_api_route("/standin/state", standin_state, methods=["GET"])
-    # the wire log around the routes, inside vLLM's middleware (a request its --api-key or
-    # --middleware refuses never reaches a handler, nor the log): the stack rebuilt as the
-    # SageMaker bootstrap of build_app rebuilt it (model_hosting_container_standards
-    # common/fastapi/middleware/core.py:99), with the router wrapped for the build
+    # the wire log around the whole app (the status as vLLM's handlers answer it), of the
+    # requests that reached the routes (one its --api-key or --middleware refuses is not
+    # logged): the stack rebuilt as the SageMaker bootstrap of build_app rebuilt it
+    # (model_hosting_container_standards common/fastapi/middleware/core.py:99), with the
+    # router marked for the build
     router = app.router
-    app.router = WireLog(router, own.calls)  # type: ignore[assignment]
-    app.middleware_stack = app.build_middleware_stack()
+    app.router = Routed(router)  # type: ignore[assignment]
+    app.middleware_stack = WireLog(app.build_middleware_stack(), own.calls)
     app.router = router
     core.start()
     shutdown = await serve_http(
