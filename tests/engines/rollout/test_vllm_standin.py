@@ -1,5 +1,5 @@
-"""asyncrl's vLLM family against vLLM 0.33 as it behaves: the stand-in written from vLLM's
-source (``tests/engines/rollout/vllm/standin.py``, every behaviour cited there), whose
+"""asyncrl's vLLM family against vLLM 0.33's own API server code (``vllm/app.py``) over an
+engine core written from vLLM's source (``vllm/standin.py``, every behaviour cited there), whose
 receiving ranks join with vLLM's own ``StatelessProcessGroup`` and rebuild every chunk
 with vLLM's own ``unpack_tensor`` (Gloo in place of NCCL, which cannot run on a CPU).
 

@@ -1,9 +1,9 @@
-"""A protocol-faithful vLLM 0.33.0 RL server for the tests, written from vLLM's source.
-
-Run as ``python -m tests.engines.rollout.vllm.standin --port P --model-path DIR ...`` with
-vLLM's source on ``PYTHONPATH`` (``code.vllm_env``). It is not vLLM's engine (no GPU
-here): it plays what asyncrl's vLLM client meets on the wire, each behaviour cited from
-vLLM 0.33.0 (``rl`` = ``vllm/entrypoints/rl/online/api_router.py``, ``tito`` =
+"""The engine core of the vLLM 0.33.0 test server: what vLLM runs behind ``AsyncLLM``
+(scheduler, pause states, workers, weight transfer), imitated — it needs a GPU — and
+written from vLLM's source. The HTTP layer in front of it is vLLM's own (``app.py``:
+its CLI parser, app, routers, request models, error handlers, middleware and
+``AsyncLLM``'s methods, which call this through ``app.CoreClient``). Citations are vLLM
+0.33.0 files (``rl`` = ``vllm/entrypoints/rl/online/api_router.py``, ``tito`` =
 ``vllm/entrypoints/scale_out/token_in_token_out/``, ``gw`` = ``vllm/v1/worker/
 gpu_worker.py``, ``core`` = ``vllm/v1/engine/core.py``, ``nccl`` =
 ``vllm/distributed/weight_transfer/nccl_engine.py``):
@@ -13,54 +13,32 @@ gpu_worker.py``, ``core`` = ``vllm/v1/engine/core.py``, ``nccl`` =
   ``StatelessProcessGroup`` as ``rank_offset + rank`` (nccl_common.py:239-244), chunks
   cut by vLLM's rule and rebuilt with vLLM's own ``unpack_tensor``; Gloo in place of NCCL
   (NCCL cannot run on a CPU).
-- ``POST /inference/v1/generate`` (tito/api_router.py:46-72): ``token_ids`` in,
-  ``choices[0]`` with ``token_ids``, ``logprobs.content`` (``logprobs=0``: the sampled
-  token only), ``finish_reason`` and ``weight_versions`` spans on the final output
-  (tito/protocol.py:486-508); a span starts when a new token comes under another label
+- generation: one decode step over every running request at a time; ``weight_versions``
+  spans: a span starts when a new token comes under another label
   (v1/engine/output_processor.py:531-545); the first label is ``"default"`` (core:147).
-  ``stream``: SSE ``data:`` chunks of the delta, spans on the last, ``data: [DONE]``
-  (tito/serving.py:646-820). Abort: ``finish_reason`` ``abort``. The engine's id of a
-  request is ``generate-tokens-{request_id}`` (tito/serving.py:202-204), the id
-  ``/abort_requests`` matches. ``sampling_params.n > 1``: ``n`` children
-  ``{i}_{request_id}`` decoded in the batch, answered once all finished as choices by
-  ``index`` (v1/engine/parallel_sampling.py:84-126); streamed: one choice per chunk, the
-  children's chunks interleaved, each with its ``index`` (tito/serving.py:681-754).
-- ``POST /pause?mode=``: ``abort`` finishes every request (``abort``) and rejects new ones;
-  ``wait`` lets running ones finish, rejects new ones, answers once drained; ``keep``
-  freezes everything, new requests queue (core:951-981, 2226-2233). A rejected request
-  is 503 ``{"error": {..., "code": 503}}`` (core:1796-1815, vllm/exceptions.py:139-144,
-  serve/exception_handling/error_response.py:60-67), an error chunk in a stream
-  (tito/serving.py:812-815). ``POST /resume``, ``GET /is_paused`` (rl:78-159).
-- ``POST /init_weight_transfer_engine {"init_info"}``: unknown or missing fields refused
-  (weight_transfer/base.py:517-535, nccl_common.py:75-107); answers once every rank
-  joined; clears the metadata cache (nccl:159-165).
-- sessions: ``/start_weight_update`` during a session fails (gw:1569-1573);
-  ``/update_weights`` and ``/finish_weight_update`` without one fail (gw:1608-1611,
-  1638-1641); a failed update ends the session, the model left mid-reload, ``/health``
-  still 200 (gw:1616-1631); ``/finish_weight_update {"weight_version"}`` sets the label
-  (v1/engine/async_llm.py:1432-1436); ``/shutdown_weight_transfer_engine`` during a
-  session fails (gw:1533-1537). These worker errors are RuntimeErrors: 500 with vLLM's
-  error body (serve/exception_handling/register.py:42, error_response.py:93-96).
-- ``/update_weights {"update_info"}``: names, dtype_names, shapes of equal length
-  (nccl:102-114), empty lists reuse the last call's (nccl:201-204; cached even if that
-  call then failed), every rank receives; ``--fail-calls`` makes a call's load fail after
-  the receive (the injected failure); ``--corrupt-calls`` makes a call load one element
-  wrong on the last TP rank and answer 200 (a silent fault, test-only: what ``weights.verify``
-  must find through ``/weight_checker``).
-- ``/update_weight_version`` (rl:217-223), ``GET /weight_info`` (rl:226-229),
-  ``/weight_checker`` (rl:232-266: ``checksum``; ``compare`` without ``baseline`` 400),
-  ``GET /get_world_size`` (rl:269-289), ``/abort_requests`` (rl:97-142), ``GET /health``.
+  The engine's id of a request is ``generate-tokens-{request_id}`` (tito/serving.py:
+  202-204); ``n > 1``: children ``{i}_{request_id}`` (v1/engine/parallel_sampling.py:84-96).
+- pause (``pause_engine``, core:2181-2233): ``abort`` finishes every request and rejects
+  new ones; ``wait`` drains, rejects new ones; ``keep`` freezes everything, new requests
+  queue; ``clear_cache`` then resets running requests (core:930-953: re-prefilled,
+  counted). A rejected request: ``RetryableRequestError`` (core:1796-1815), 503 by vLLM's
+  handlers.
+- workers (``worker_rpc``): ``init_weight_transfer_engine`` (unknown or missing fields
+  refused, nccl_common.py:75-107; answers once every rank joined; clears the metadata
+  cache, nccl:159-165); sessions: start during a session fails (gw:1569-1573), update and
+  finish without one fail (gw:1608-1611, 1638-1641), a failed update ends the session with
+  the model mid-reload while ``/health`` stays 200 (gw:1616-1631), shutdown during a
+  session fails (gw:1533-1537): RuntimeErrors, 500 by vLLM's handlers. ``update_weights``:
+  names, dtype_names, shapes of equal length (nccl:102-114), empty lists reuse the last
+  call's (nccl:201-204; cached even if that call then failed), every rank receives;
+  ``--fail-calls`` makes a call's load fail after the receive; ``--corrupt-calls`` makes a
+  call load one element wrong on the last TP rank and answer 200 (a silent fault,
+  test-only: what ``weights.verify`` must find through ``/weight_checker``). Checksums per
+  worker keyed ``dp0:pp0:pcp0:tp{i}:{name}``.
 
-- ``--api-key``: vLLM's ``AuthenticationMiddleware`` (serve/middleware/authenticate.py):
-  only paths under ``/v1``, ``/v2``, ``/inference``, ``/cohere`` need the Bearer key
-  (:11, :59-61); the RL routes above are served to anyone (see ``_api_key_middleware``).
-- ``--middleware MODULE.NAME`` (repeatable, common/cli_args.py:361-366, :406-411): the
-  class imported and run as vLLM adds it, outside vLLM's own middleware (register.py:57-66);
-  here on aiohttp through an ASGI bridge (``_asgi_middleware``): asyncrl's launcher passes
-  its run-secret guard (asyncrl/engines/rollout/vllm/auth.py).
-
-Test-only: ``GET /standin/state`` (ground truth: per request the version of the weights
-that made each token and its label; per push and rank the sha256 of every tensor).
+Test-only: ``GET /standin/state`` (``ground_truth``: per request the version of the
+weights that made each token, its label, its prefills; per push and rank the sha256 of
+every tensor; cache resets).
 """
 
 from __future__ import annotations
