@@ -1,6 +1,7 @@
 """The vLLM client against vLLM 0.33's own API server code (``vllm/app.py``) over an
-engine core written from vLLM's source (``vllm/standin.py``), and asyncrl's buckets against vLLM's own packing code (``packed_tensor.py``,
-loaded from vLLM's source: it runs on a CPU)."""
+engine core written from vLLM's source (``vllm/standin.py``), and asyncrl's buckets
+against vLLM's own packing code (``packed_tensor.py``, loaded from vLLM's source: it runs
+on a CPU)."""
 
 from __future__ import annotations
 
