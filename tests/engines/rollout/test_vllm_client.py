@@ -300,7 +300,9 @@ def test_launch_command() -> None:
     # as vLLM's own `vllm serve` parser reads it:
     assert f"--middleware={MIDDLEWARE}" in args
     assert MIDDLEWARE == f"{auth.__name__}.{auth.RunSecretMiddleware.__name__}"
-    got = vllm_parse(argv[2:])
+    got, bad = vllm_parse(argv[2:], [*argv[2:], "--no-such-flag"])
+    assert isinstance(got, dict) and isinstance(bad, str)
+    assert "unrecognized arguments: --no-such-flag" in bad  # what `vllm serve` refuses
     assert got["middleware"] == [MIDDLEWARE] and got["api_key"] == ["-s3cret-0123456789abcdef"]
     assert got["enable_scale_out"] is True and got["model"] == "/m"
     assert got["tensor_parallel_size"] == 2

@@ -109,28 +109,38 @@ def start_vllm(
             time.sleep(0.2)
 
 
-def vllm_parse(argv: list[str]) -> dict[str, Any]:
-    """``argv`` parsed by vLLM 0.33's own ``vllm serve`` parser (``app.parse_vllm_argv``), in
-    a process with vLLM's server dependencies on its path: a few parsed values."""
+def vllm_parse(*argvs: list[str]) -> list[dict[str, Any] | str]:
+    """Each argv parsed by vLLM 0.33's own ``vllm serve`` parser (``app.parse_vllm_argv``),
+    in one process with vLLM's server dependencies on its path: a few parsed values, or the
+    parser's error message (it exits 2, as ``vllm serve`` does)."""
     import subprocess
     import sys
 
     vllm_src()
     vllm_deps()
-    code = (
-        "import json, sys\n"
-        "from tests.engines.rollout.vllm.app import parse_vllm_argv\n"
-        "a = parse_vllm_argv(sys.argv[1:])\n"
-        "print(json.dumps({k: getattr(a, k) for k in ('model', 'api_key', 'middleware',"
-        " 'enable_scale_out', 'tensor_parallel_size', 'dtype', 'port', 'host')}))"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code, *argv],
+    code = """
+import contextlib, io, json, sys
+from tests.engines.rollout.vllm.app import parse_vllm_argv
+keys = ('model', 'api_key', 'middleware', 'enable_scale_out', 'tensor_parallel_size',
+        'dtype', 'port', 'host')
+out = []
+for argv in json.loads(sys.argv[1]):
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            a = parse_vllm_argv(argv)
+        out.append({k: getattr(a, k) for k in keys})
+    except SystemExit:
+        out.append(err.getvalue().strip().splitlines()[-1])
+print(json.dumps(out))
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(list(argvs))],
         env=python_env(vllm_env()),
         capture_output=True,
         text=True,
         timeout=120,
     )
-    if out.returncode:
-        raise RuntimeError(f"vLLM's parser refused {argv}: {out.stderr[-2000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    if done.returncode:
+        raise RuntimeError(f"vLLM's parser could not run: {done.stderr[-2000:]}")
+    return list(json.loads(done.stdout.strip().splitlines()[-1]))
