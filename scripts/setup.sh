@@ -42,6 +42,51 @@ for v in 0.5.10 0.5.22 0.5.23; do
   unpack_source sglang "$v" "sglang-$v.dist-info/entry_points.txt"
 done
 unpack_source vllm 0.33.0 vllm/distributed/utils.py
+# vLLM 0.33's API server (its CLI parser, app, routers, request models, error handlers,
+# AsyncLLM) runs in the vLLM test server (tests/engines/rollout/vllm/app.py) with its own
+# pinned server dependencies, installed BESIDE the test environment, not into it
+# (.cache/vllm-deps/VERSION, on PYTHONPATH of that server process only): each one at the
+# version range vLLM's METADATA requires (read from it here), --no-deps. The list is the
+# minimal set those modules need to import on a CPU on top of the test environment's
+# packages (what the test extra already has at an accepted version is not repeated).
+VLLM_DEPS="fastapi cbor2 cachetools blake3 py-cpuinfo prometheus_client
+  prometheus-fastapi-instrumentator oss-harmony cloudpickle partial-json-parser
+  apache-tvm-ffi xgrammar llguidance watchfiles model-hosting-container-standards"
+VLLM_DEPS_OF_DEPS="jmespath"  # model-hosting-container-standards' own (not in vLLM's METADATA)
+vllm_deps() {  # VERSION: skipped when .cache/vllm-deps/VERSION/.done names this very list
+  local v=$1 dest=.cache/vllm-deps/$1 meta
+  meta=$(ls .cache/vllm/"$v"/vllm-*.dist-info/METADATA 2>/dev/null | head -1)
+  [ -n "$meta" ] || return 0
+  [ "$(cat "$dest/.done" 2>/dev/null)" = "$VLLM_DEPS $VLLM_DEPS_OF_DEPS" ] && return 0
+  local specs
+  specs=$(python - "$meta" $VLLM_DEPS <<'PY'
+import re, sys
+want = {re.sub(r"[-_.]+", "-", n).lower() for n in sys.argv[2:]}
+found = {}
+for line in open(sys.argv[1]):
+    if not line.startswith("Requires-Dist:") or "extra ==" in line:
+        continue
+    req = line.split(":", 1)[1].split(";")[0].strip()
+    name = re.split(r"[\s\[<>=!~(]", req, maxsplit=1)[0]
+    key = re.sub(r"[-_.]+", "-", name).lower()
+    if key in want:
+        found[key] = re.sub(r"\[.*?\]", "", req).replace(" ", "")
+missing = want - found.keys()
+if missing:
+    sys.exit(f"setup: not in vLLM's METADATA: {sorted(missing)}")
+print("\n".join(found.values()))
+PY
+) || return 1
+  rm -rf "$dest" && mkdir -p "$dest"
+  # shellcheck disable=SC2086
+  if python -m pip install -q --no-deps --target "$dest" $specs $VLLM_DEPS_OF_DEPS 2>&1 \
+      | { grep -v "^WARNING: Location 'file:" || true; }; then
+    echo "$VLLM_DEPS $VLLM_DEPS_OF_DEPS" > "$dest/.done"
+  else
+    echo "setup: could not install vLLM $v's server dependencies; its server tests will skip" >&2
+  fi
+}
+vllm_deps 0.33.0
 # The packages (a function, run below): skipped when this set-up already ran with this very
 # pyproject.toml and setup.sh into this .venv (pip's resolver alone takes ~10 s, paid by every
 # `bash scripts/test`); ASYNCRL_SETUP=force runs them anyway. A new .venv always runs them.

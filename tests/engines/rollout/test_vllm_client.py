@@ -1,6 +1,7 @@
-"""The vLLM client against the vLLM 0.33 stand-in (``vllm/standin.py``, cited from vLLM's
-source), and asyncrl's buckets against vLLM's own packing code (``packed_tensor.py``,
-loaded from vLLM's source: it runs on a CPU)."""
+"""The vLLM client against vLLM 0.33's own API server code (``vllm/app.py``) over an
+engine core written from vLLM's source (``vllm/standin.py``), and asyncrl's buckets
+against vLLM's own packing code (``packed_tensor.py``, loaded from vLLM's source: it runs
+on a CPU)."""
 
 from __future__ import annotations
 
@@ -26,8 +27,7 @@ from asyncrl.entrypoints.keyed import keyed_argv
 from asyncrl.secret import auth_headers
 from asyncrl.transports.weights.bucket import BucketManifest, pack_into, plan_buckets, spec_of
 from tests.engines.rollout.vllm.code import packed_tensor
-from tests.engines.rollout.vllm.server import VLLMStandIn, start_vllm
-from tests.engines.rollout.vllm.standin import arg_parser
+from tests.engines.rollout.vllm.server import VLLMStandIn, start_vllm, vllm_parse
 
 SP = {"max_new_tokens": 30, "ignore_eos": True}
 
@@ -88,10 +88,34 @@ async def test_keep_pause_spans_versions_without_abort(vllm: VLLMStandIn) -> Non
         _post(vllm, "/update_weight_version", {"new_version": "7"})
         await c.continue_generation()
         res = await asyncio.wait_for(task, 60)
-        truth_labels = vllm.state()["reqs"]["k1"]["labels"]
+        st = vllm.state()
+        truth_labels = st["reqs"]["k1"]["labels"]
         assert res.finish_reason == "length"
         assert res.token_versions() == [0 if x == "default" else int(x) for x in truth_labels]
         assert 0 in res.token_versions() and res.token_versions()[-1] == 7
+        # sent with clear_cache=false: the kept request keeps its KV (no re-prefill)
+        pauses = [w for w in vllm.wire() if w["path"] == "/pause"]
+        assert pauses[-1]["query"] == {"mode": "keep", "clear_cache": "false"}
+        assert st["reqs"]["k1"]["prefills"] == 1
+    finally:
+        await c.close()
+
+
+async def test_keep_without_clear_cache_false_re_prefills(vllm: VLLMStandIn) -> None:
+    """What the client avoids: ``POST /pause?mode=keep`` alone takes vLLM's default
+    ``clear_cache=true`` (rl:35) and the engine core then resets the running requests
+    (core.py:930-953): the kept request is re-prefilled."""
+    c = VLLMClient(vllm.url)
+    try:
+        task = asyncio.ensure_future(c.generate([1, 2], {**SP, "max_new_tokens": 60}, rid="k2"))
+        await _until_tokens(vllm, "k2")
+        resets = vllm.state()["cache_resets"]
+        _post(vllm, "/pause?mode=keep", None)
+        assert await c.is_paused()
+        await c.continue_generation()
+        await asyncio.wait_for(task, 60)
+        st = vllm.state()
+        assert st["cache_resets"] == resets + 1 and st["reqs"]["k2"]["prefills"] == 2
     finally:
         await c.close()
 
@@ -272,10 +296,14 @@ def test_launch_command() -> None:
     assert kind == "-c" and argv[:2] == ["-c", "serve"]
     assert argv[-1] == "--api-key=-s3cret-0123456789abcdef"  # one word: a leading "-" is kept
     # every route guarded by the run secret: vLLM's --middleware (common/cli_args.py:361,
-    # append action :406-411; vLLM's parser does not import here), read by the stand-in's
+    # append action :406-411); the generate route needs --enable-scale-out (:216). The argv
+    # as vLLM's own `vllm serve` parser reads it:
     assert f"--middleware={MIDDLEWARE}" in args
     assert MIDDLEWARE == f"{auth.__name__}.{auth.RunSecretMiddleware.__name__}"
-    own = ["--port", "1", "--model-path", "/m"]  # the stand-in's required flags
-    got, _ = arg_parser().parse_known_args([*argv[2:], *own])
-    assert got.middleware == [MIDDLEWARE] and got.api_key == "-s3cret-0123456789abcdef"
+    got, bad = vllm_parse(argv[2:], [*argv[2:], "--no-such-flag"])
+    assert isinstance(got, dict) and isinstance(bad, str)
+    assert "unrecognized arguments: --no-such-flag" in bad  # what `vllm serve` refuses
+    assert got["middleware"] == [MIDDLEWARE] and got["api_key"] == ["-s3cret-0123456789abcdef"]
+    assert got["enable_scale_out"] is True and got["model"] == "/m"
+    assert got["tensor_parallel_size"] == 2
     assert not any("s3cret" in a for a in cmdline)  # the key is in memory only

@@ -1,5 +1,5 @@
-"""asyncrl's vLLM family against vLLM 0.33 as it behaves: the stand-in written from vLLM's
-source (``tests/engines/rollout/vllm/standin.py``, every behaviour cited there), whose
+"""asyncrl's vLLM family against vLLM 0.33's own API server code (``vllm/app.py``) over an
+engine core written from vLLM's source (``vllm/standin.py``, every behaviour cited there), whose
 receiving ranks join with vLLM's own ``StatelessProcessGroup`` and rebuild every chunk
 with vLLM's own ``unpack_tensor`` (Gloo in place of NCCL, which cannot run on a CPU).
 
@@ -63,7 +63,9 @@ def _check_wire(
     for one in pushes:
         ok = [c for c in one if c["status"] == 200]
         paths = [c["path"] for c in ok]
-        assert one[0]["query"] == {"mode": mode}, one[0]
+        # keep: clear_cache=false, else vLLM resets the running requests' KV (rl:35)
+        want = {"mode": mode, **({"clear_cache": "false"} if mode == "keep" else {})}
+        assert one[0]["query"] == want, one[0]
         k = paths.index("/start_weight_update")
         updates = [p for p in paths[k + 1 :] if p == "/update_weights"]
         assert updates and paths[k + 1 : k + 1 + len(updates)] == updates, paths
@@ -85,13 +87,18 @@ def _start_run(tmp: Path, model_dir: Path, urls: list[str], *extra: str) -> subp
     return subprocess.Popen(cmd, env=python_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
-def _check_state(server: VLLMStandIn, pushes: int, tp: int) -> dict[str, Any]:
+def _check_state(server: VLLMStandIn, pushes: int, tp: int, mode: str = "keep") -> dict[str, Any]:
+    """Every push bit-exact on every rank, every token under the version that made it;
+    ``keep``: nothing aborted, no cache reset, no request re-prefilled."""
     st = server.state()
     assert st["label"] == str(pushes) and st["truth"] == pushes, (st["label"], st["truth"])
     for v in range(1, pushes + 1):  # every push, the same bytes on every rank
         assert len(set(st["pushes"][str(v)].values())) == 1 and len(st["pushes"][str(v)]) == tp
     assert st["mixed_tokens"] == 0 and st["label_errors"] == 0
-    assert not [r for r in st["reqs"].values() if r["finish"] == "abort"]  # keep: none aborted
+    if mode == "keep":
+        assert not [r for r in st["reqs"].values() if r["finish"] == "abort"]  # none aborted
+        assert st["cache_resets"] == 0, st["cache_resets"]
+        assert not [r for r in st["reqs"].values() if r["prefills"] != 1]  # none re-prefilled
     first = st["sha256"]["rank0"]
     assert all(s == first for s in st["sha256"].values())
     return st
@@ -183,6 +190,46 @@ def test_failed_update_is_resent_as_a_new_round(tmp_path: Path, tiny_model_dir: 
         assert again[3]["body"]["weight_version"] == "2"
         log = (tmp_path / "run" / "trainer0.log").read_text()
         assert "re-pushing" in log
+    finally:
+        server.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["abort", "wait"])
+def test_run_with_abort_and_wait_pauses(tmp_path: Path, tiny_model_dir: Path, mode: str) -> None:
+    """``asyncrl run --rollout.backend=vllm --rollout.pause_mode=abort|wait`` against vLLM's
+    own app (the run secret as its ``--api-key``): finishes; every push bit-exact; every
+    token's version the one that made it; the pauses sent as asked (vLLM's default
+    ``clear_cache``: no request is kept)."""
+    server = start_vllm(tiny_model_dir, tmp_path / "vllm", step_s=0.01)
+    try:
+        run = _start_run(tmp_path, tiny_model_dir, [server.url], f"--rollout.pause_mode={mode}")
+        rc, out = finish(run, 240)
+        assert rc == 0, out + server.log.read_text()[-3000:]
+        _check_state(server, STEPS, tp=1, mode=mode)
+        assert len(_check_wire(server, mode)) == STEPS
+    finally:
+        server.stop()
+
+
+def test_run_against_a_vllm_without_scale_out_stops_at_once(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """vLLM started without ``--enable-scale-out`` answers the generate route 403 (its own
+    ``register_scale_out_api_routers``, scale_out/factories.py:95-128): a run against it
+    (``rollout.urls``) stops at once with one line naming the flag."""
+    server = start_vllm(tiny_model_dir, tmp_path / "vllm", drop=("--enable-scale-out",))
+    try:
+        t0 = time.monotonic()
+        rc, out = finish(_start_run(tmp_path, tiny_model_dir, [server.url]), 120)
+        took = time.monotonic() - t0
+        assert rc != 0, out
+        lines = [ln for ln in out.splitlines() if ln.startswith("asyncrl run: failed:")]
+        assert len(lines) == 1 and "--enable-scale-out" in lines[0], out[-3000:]
+        assert "Scale-out endpoints are disabled" in lines[0]
+        refused = [c for c in server.wire() if c["path"] == "/inference/v1/generate"]
+        assert refused and {c["status"] for c in refused} == {403}
+        assert took < 60, took  # not after controller.max_failed_groups failed groups
     finally:
         server.stop()
 

@@ -1,10 +1,11 @@
 """``weights.verify`` on the vLLM family: vLLM 0.33's ``/weight_checker`` after each push.
 
-The other side is the vLLM stand-in (``vllm/standin.py``): its ``/weight_checker`` answers
-as vLLM's route does (rl:232-266: ``{"checksums": {"dp0:pp0:pcp0:tp{i}:NAME": sha256}}``,
-every worker's every parameter, model_loader/weight_checksum.py:32-38), computed by each
-receiving rank from the tensors it loaded. ``--corrupt-calls`` loads one element wrong on
-the last TP rank while answering 200: a silent fault that only a check finds.
+The other side is vLLM's own ``/weight_checker`` route (``vllm/app.py``) over the
+stand-in's workers (``vllm/standin.py``): it answers as vLLM's route does (rl:232-266:
+``{"checksums": {"dp0:pp0:pcp0:tp{i}:NAME": sha256}}``, every worker's every parameter,
+model_loader/weight_checksum.py:32-38), computed by each receiving rank from the tensors
+it loaded. ``--corrupt-calls`` loads one element wrong on the last TP rank while
+answering 200: a silent fault that only a check finds.
 """
 
 from __future__ import annotations

@@ -14,6 +14,13 @@ token_in_token_out/``, ``rl`` = ``vllm/entrypoints/rl/online/api_router.py``):
 - streaming: ``text/event-stream`` of ``data: {json}`` chunks, each with the delta
   ``token_ids`` and log-probs, spans on the final chunk, an error as a ``data:`` chunk, then
   ``data: [DONE]`` (tito/serving.py:646-820).
+- generate is served only by a vLLM started with ``--enable-scale-out`` (or
+  ``--tokens-only``); without it every route of the scale-out group answers 403
+  ``PermissionDeniedError`` "Scale-out endpoints are disabled"
+  (entrypoints/scale_out/factories.py:95-128, the flag off by default:
+  entrypoints/common/cli_args.py:216). That answer raises :class:`ScaleOutDisabled`, which
+  is no :class:`EngineError`: a run stops at once, naming the flag, instead of failing
+  every group.
 - pause: ``POST /pause?mode=keep|abort|wait`` (query parameters, rl:31-75), ``POST
   /resume`` (rl:78-94), ``GET /is_paused`` (rl:145-159). In ``abort`` and ``wait`` new
   requests are refused with a retryable error until ``/resume`` (v1/engine/core.py:
@@ -57,11 +64,37 @@ from asyncrl.engines.rollout.base import (
 )
 from asyncrl.engines.rollout.sglang.client import _is_json_object, _server_message
 
-__all__ = ["VLLMClient", "expand_spans", "vllm_sampling"]
+__all__ = ["ScaleOutDisabled", "VLLMClient", "expand_spans", "vllm_sampling"]
 
 GENERATE = "/inference/v1/generate"
 ENGINE_ID = "generate-tokens-{}"
 """The engine's (external) id of a generate request ``rid`` (tito/serving.py:202-204)."""
+
+SCALE_OUT_OFF = "Scale-out endpoints are disabled"
+"""vLLM 0.33's 403 message without ``--enable-scale-out`` (scale_out/factories.py:101-104)."""
+
+
+class ScaleOutDisabled(RuntimeError):
+    """The vLLM server refuses ``/inference/v1/generate`` (403): it was started without
+    ``--enable-scale-out``. Not an :class:`EngineError` (no retry, no other engine helps:
+    the run stops with this one line)."""
+
+    def __init__(self, url: str, status: int, message: str):
+        super().__init__(
+            f"vLLM at {url} refuses {GENERATE} ({status}: {message!r}): a vLLM started by "
+            "hand needs `--enable-scale-out` (asyncrl's launcher passes it)"
+        )
+
+
+def _refusal(url: str, status: int, raw: bytes) -> EngineError:
+    """The error of an HTTP error answer to a generate request; :class:`ScaleOutDisabled`
+    (raised) for vLLM's scale-out refusal."""
+    message = _server_message(raw)
+    if status == 403 and SCALE_OUT_OFF in message:
+        raise ScaleOutDisabled(url, status, message)
+    cls = EngineBadRequest if status < 500 else EngineError
+    return cls(GENERATE, status, message, answered=_is_json_object(raw))
+
 
 _RENAMED = {"max_new_tokens": "max_tokens"}
 _KEPT = ("temperature", "top_p", "top_k", "min_p", "stop_token_ids", "ignore_eos", "seed", "n")
@@ -179,6 +212,8 @@ class VLLMClient(KeyedHttp):
         except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
             raise EngineUnavailable(f"{self.url}{path}: {type(exc).__name__}: {exc}") from exc
         if status >= 400:
+            if path == GENERATE:
+                raise _refusal(self.url, status, raw)
             cls = EngineBadRequest if status < 500 else EngineError
             raise cls(path, status, _server_message(raw), answered=_is_json_object(raw))
         if not raw:
@@ -325,10 +360,7 @@ class VLLMClient(KeyedHttp):
         try:
             async with self._http().post(self.url + GENERATE, json=body) as resp:
                 if resp.status >= 400:
-                    raw = await resp.read()
-                    err = (EngineBadRequest if resp.status < 500 else EngineError)(
-                        GENERATE, resp.status, _server_message(raw), _is_json_object(raw)
-                    )
+                    err = _refusal(self.url, resp.status, await resp.read())
                     if resp.status == 503:
                         raise _Retry(err)
                     raise err
@@ -367,11 +399,18 @@ class VLLMClient(KeyedHttp):
 
     # -- pause, abort, version, liveness -------------------------------------------------
     async def pause_generation(self, mode: str = "keep") -> None:
-        """``POST /pause?mode=``: ``keep`` | ``abort`` | ``wait`` (vLLM's modes)."""
+        """``POST /pause?mode=``: ``keep`` | ``abort`` | ``wait`` (vLLM's modes). ``keep``
+        goes with ``clear_cache=false``: the parameter defaults to true
+        (entrypoints/rl/online/api_router.py:35) and the engine core then resets the prefix
+        cache with ``reset_running_requests=True`` in every mode, ``keep`` included
+        (v1/engine/core.py:930-953, 2181-2218): every kept request would re-prefill.
+        ``abort`` and ``wait`` keep vLLM's default (no request is kept; the cache the old
+        weights filled is dropped)."""
         if mode not in VLLM_PAUSE_MODES:
             allowed = ", ".join(VLLM_PAUSE_MODES)
             raise ValueError(f"vLLM pause mode must be one of {allowed}, got {mode!r}")
-        await self._call("POST", "/pause", None, {"mode": mode})
+        query = {"mode": mode, **({"clear_cache": "false"} if mode == "keep" else {})}
+        await self._call("POST", "/pause", None, query)
 
     async def continue_generation(self) -> None:
         await self._call("POST", "/resume")

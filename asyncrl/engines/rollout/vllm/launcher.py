@@ -4,8 +4,11 @@
 entry_points.txt); its RL routes (``/pause``, ``/init_weight_transfer_engine``, ...) are
 mounted only with ``VLLM_SERVER_DEV_MODE=1`` (entrypoints/launchers/api_server/
 routers.py:46-53, envs.py:1468), and weight transfer needs ``--weight-transfer-config``
-(engine/arg_utils.py:866-905, config/weight_transfer.py:8-17). Starting, health-waiting
-and stopping are the generic launcher's (:mod:`asyncrl.engines.rollout.launcher`).
+(engine/arg_utils.py:866-905, config/weight_transfer.py:8-17). The token-in/token-out
+generate route is registered only with ``--enable-scale-out`` (off by default,
+entrypoints/common/cli_args.py:216); without it ``/inference/v1/generate`` answers 403
+"Scale-out endpoints are disabled" (entrypoints/scale_out/factories.py:95-128). Starting,
+health-waiting and stopping are the generic launcher's (:mod:`asyncrl.engines.rollout.launcher`).
 """
 
 from __future__ import annotations
@@ -62,8 +65,9 @@ def vllm_args(rc: VLLMRolloutConfig, model_path: str, port: int, host: str, seed
     """``vllm serve`` arguments of one engine (``rc.extra_args`` last). ``--middleware``:
     the run secret on every route (:mod:`asyncrl.engines.rollout.vllm.auth`; vLLM's own
     ``--api-key``, added by :mod:`asyncrl.entrypoints.keyed`, guards ``/v1`` and
-    ``/inference`` only)."""
+    ``/inference`` only). ``--enable-scale-out``: the generate route (module docstring)."""
     args = [model_path, "--host", host, "--port", str(port), f"--middleware={MIDDLEWARE}"]
+    args += ["--enable-scale-out"]
     args += ["--dtype", vllm_dtype(rc, model_path), "--seed", str(seed)]
     args += ["--tensor-parallel-size", str(rc.tp_size)]
     args += ["--weight-transfer-config", json.dumps({"backend": "nccl"})]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import pytest
+from tests.engines.rollout.vllm.code import missing
 
 __all__ = ["ROOT", "VERSIONS", "sglang_env", "sglang_src"]
 
@@ -20,17 +20,18 @@ VERSIONS = ("0.5.10", "0.5.22", "0.5.23")
 
 
 def sglang_src(version: str) -> Path:
-    """The unpacked source of SGLang ``version``; skips the test (naming why) when absent."""
+    """The unpacked source of SGLang ``version``; skips the test (naming why) when absent,
+    fails it under CI (``missing``)."""
     path = ROOT / ".cache" / "sglang" / version
     if not (path / "sglang" / "__init__.py").is_file():
-        pytest.skip(
+        missing(
             f"SGLang {version}'s source is not at {path}: scripts/setup.sh downloads it "
             f"(pip download sglang=={version} --no-deps) and could not here"
         )
     try:
         import triton  # noqa: F401  (SGLang's srt/utils imports it; setup.sh installs it)
     except ImportError:
-        pytest.skip("SGLang's srt.utils needs triton: install the 'sglang-wire' extra")
+        missing("SGLang's srt.utils needs triton: install the 'sglang-wire' extra")
     return path
 
 

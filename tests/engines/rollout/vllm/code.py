@@ -29,21 +29,46 @@ import pytest
 
 VERSION = "0.33.0"
 ROOT = Path(__file__).resolve().parents[4]
+DEPS = ROOT / ".cache" / "vllm-deps" / VERSION
+"""vLLM's API-server dependencies (FastAPI, ...) at the versions its METADATA requires,
+installed by ``scripts/setup.sh`` beside the test environment, not into it: on the path of
+the vLLM server process only (``vllm_env``)."""
+
+
+def missing(why: str) -> None:
+    """A test that needs upstream code which is absent: skips locally, naming why; FAILS
+    under CI (``CI=true``, as ``.ci/run`` runs): upstream code never skips silently there."""
+    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+        pytest.fail(f"CI: {why}", pytrace=False)
+    pytest.skip(why)
 
 
 def vllm_src() -> Path:
-    """The unpacked source; the calling test skips, naming the set-up step, when absent."""
+    """The unpacked source; the calling test skips (fails under CI), naming the set-up
+    step, when absent."""
     src = ROOT / ".cache" / "vllm" / VERSION
     if not (src / "vllm" / "distributed" / "utils.py").is_file():
-        pytest.skip(f"vLLM {VERSION}'s source is not under {src}: run scripts/setup.sh")
+        missing(f"vLLM {VERSION}'s source is not under {src}: run scripts/setup.sh")
     return src
 
 
+def vllm_deps() -> Path:
+    """vLLM's server dependencies (``DEPS``); skips (fails under CI) when absent."""
+    if not (DEPS / "fastapi").is_dir():
+        missing(f"vLLM {VERSION}'s server dependencies are not under {DEPS}: run scripts/setup.sh")
+    return DEPS
+
+
 def vllm_env() -> dict[str, str]:
-    """Environment of a process that imports vLLM's modules from the unpacked source."""
+    """Environment of a process that imports vLLM's modules from the unpacked source, with
+    its server dependencies (``DEPS``) ahead of the test environment's packages."""
     src = str(ROOT / ".cache" / "vllm" / VERSION)
-    path = os.pathsep.join(p for p in (src, str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    return {"PYTHONPATH": path, "VLLM_LOGGING_LEVEL": "WARNING"}
+    parts = (src, str(DEPS), str(ROOT), os.environ.get("PYTHONPATH", ""))
+    path = os.pathsep.join(p for p in parts if p)
+    # VLLM_TARGET_DEVICE: vLLM's own CPU platform in place of CUDA's (platforms/__init__.py:
+    # 174-177); without a platform vLLM's parser cannot build its defaults (device.py:55)
+    return {"PYTHONPATH": path, "VLLM_LOGGING_LEVEL": "WARNING", "HF_HUB_OFFLINE": "1",
+            "VLLM_TARGET_DEVICE": "cpu"}  # fmt: skip
 
 
 def load_file(relative: str, name: str) -> ModuleType:

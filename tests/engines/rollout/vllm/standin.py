@@ -1,9 +1,9 @@
-"""A protocol-faithful vLLM 0.33.0 RL server for the tests, written from vLLM's source.
-
-Run as ``python -m tests.engines.rollout.vllm.standin --port P --model-path DIR ...`` with
-vLLM's source on ``PYTHONPATH`` (``code.vllm_env``). It is not vLLM's engine (no GPU
-here): it plays what asyncrl's vLLM client meets on the wire, each behaviour cited from
-vLLM 0.33.0 (``rl`` = ``vllm/entrypoints/rl/online/api_router.py``, ``tito`` =
+"""The engine core of the vLLM 0.33.0 test server: what vLLM runs behind ``AsyncLLM``
+(scheduler, pause states, workers, weight transfer), imitated — it needs a GPU — and
+written from vLLM's source. The HTTP layer in front of it is vLLM's own (``app.py``:
+its CLI parser, app, routers, request models, error handlers, middleware and
+``AsyncLLM``'s methods, which call this through ``app.CoreClient``). Citations are vLLM
+0.33.0 files (``rl`` = ``vllm/entrypoints/rl/online/api_router.py``, ``tito`` =
 ``vllm/entrypoints/scale_out/token_in_token_out/``, ``gw`` = ``vllm/v1/worker/
 gpu_worker.py``, ``core`` = ``vllm/v1/engine/core.py``, ``nccl`` =
 ``vllm/distributed/weight_transfer/nccl_engine.py``):
@@ -13,54 +13,32 @@ gpu_worker.py``, ``core`` = ``vllm/v1/engine/core.py``, ``nccl`` =
   ``StatelessProcessGroup`` as ``rank_offset + rank`` (nccl_common.py:239-244), chunks
   cut by vLLM's rule and rebuilt with vLLM's own ``unpack_tensor``; Gloo in place of NCCL
   (NCCL cannot run on a CPU).
-- ``POST /inference/v1/generate`` (tito/api_router.py:46-72): ``token_ids`` in,
-  ``choices[0]`` with ``token_ids``, ``logprobs.content`` (``logprobs=0``: the sampled
-  token only), ``finish_reason`` and ``weight_versions`` spans on the final output
-  (tito/protocol.py:486-508); a span starts when a new token comes under another label
+- generation: one decode step over every running request at a time; ``weight_versions``
+  spans: a span starts when a new token comes under another label
   (v1/engine/output_processor.py:531-545); the first label is ``"default"`` (core:147).
-  ``stream``: SSE ``data:`` chunks of the delta, spans on the last, ``data: [DONE]``
-  (tito/serving.py:646-820). Abort: ``finish_reason`` ``abort``. The engine's id of a
-  request is ``generate-tokens-{request_id}`` (tito/serving.py:202-204), the id
-  ``/abort_requests`` matches. ``sampling_params.n > 1``: ``n`` children
-  ``{i}_{request_id}`` decoded in the batch, answered once all finished as choices by
-  ``index`` (v1/engine/parallel_sampling.py:84-126); streamed: one choice per chunk, the
-  children's chunks interleaved, each with its ``index`` (tito/serving.py:681-754).
-- ``POST /pause?mode=``: ``abort`` finishes every request (``abort``) and rejects new ones;
-  ``wait`` lets running ones finish, rejects new ones, answers once drained; ``keep``
-  freezes everything, new requests queue (core:951-981, 2226-2233). A rejected request
-  is 503 ``{"error": {..., "code": 503}}`` (core:1796-1815, vllm/exceptions.py:139-144,
-  serve/exception_handling/error_response.py:60-67), an error chunk in a stream
-  (tito/serving.py:812-815). ``POST /resume``, ``GET /is_paused`` (rl:78-159).
-- ``POST /init_weight_transfer_engine {"init_info"}``: unknown or missing fields refused
-  (weight_transfer/base.py:517-535, nccl_common.py:75-107); answers once every rank
-  joined; clears the metadata cache (nccl:159-165).
-- sessions: ``/start_weight_update`` during a session fails (gw:1569-1573);
-  ``/update_weights`` and ``/finish_weight_update`` without one fail (gw:1608-1611,
-  1638-1641); a failed update ends the session, the model left mid-reload, ``/health``
-  still 200 (gw:1616-1631); ``/finish_weight_update {"weight_version"}`` sets the label
-  (v1/engine/async_llm.py:1432-1436); ``/shutdown_weight_transfer_engine`` during a
-  session fails (gw:1533-1537). These worker errors are RuntimeErrors: 500 with vLLM's
-  error body (serve/exception_handling/register.py:42, error_response.py:93-96).
-- ``/update_weights {"update_info"}``: names, dtype_names, shapes of equal length
-  (nccl:102-114), empty lists reuse the last call's (nccl:201-204; cached even if that
-  call then failed), every rank receives; ``--fail-calls`` makes a call's load fail after
-  the receive (the injected failure); ``--corrupt-calls`` makes a call load one element
-  wrong on the last TP rank and answer 200 (a silent fault, test-only: what ``weights.verify``
-  must find through ``/weight_checker``).
-- ``/update_weight_version`` (rl:217-223), ``GET /weight_info`` (rl:226-229),
-  ``/weight_checker`` (rl:232-266: ``checksum``; ``compare`` without ``baseline`` 400),
-  ``GET /get_world_size`` (rl:269-289), ``/abort_requests`` (rl:97-142), ``GET /health``.
+  The engine's id of a request is ``generate-tokens-{request_id}`` (tito/serving.py:
+  202-204); ``n > 1``: children ``{i}_{request_id}`` (v1/engine/parallel_sampling.py:84-96).
+- pause (``pause_engine``, core:2181-2233): ``abort`` finishes every request and rejects
+  new ones; ``wait`` drains, rejects new ones; ``keep`` freezes everything, new requests
+  queue; ``clear_cache`` then resets running requests (core:930-953: re-prefilled,
+  counted). A rejected request: ``RetryableRequestError`` (core:1796-1815), 503 by vLLM's
+  handlers.
+- workers (``worker_rpc``): ``init_weight_transfer_engine`` (unknown or missing fields
+  refused, nccl_common.py:75-107; answers once every rank joined; clears the metadata
+  cache, nccl:159-165); sessions: start during a session fails (gw:1569-1573), update and
+  finish without one fail (gw:1608-1611, 1638-1641), a failed update ends the session with
+  the model mid-reload while ``/health`` stays 200 (gw:1616-1631), shutdown during a
+  session fails (gw:1533-1537): RuntimeErrors, 500 by vLLM's handlers. ``update_weights``:
+  names, dtype_names, shapes of equal length (nccl:102-114), empty lists reuse the last
+  call's (nccl:201-204; cached even if that call then failed), every rank receives;
+  ``--fail-calls`` makes a call's load fail after the receive; ``--corrupt-calls`` makes a
+  call load one element wrong on the last TP rank and answer 200 (a silent fault,
+  test-only: what ``weights.verify`` must find through ``/weight_checker``). Checksums per
+  worker keyed ``dp0:pp0:pcp0:tp{i}:{name}``.
 
-- ``--api-key``: vLLM's ``AuthenticationMiddleware`` (serve/middleware/authenticate.py):
-  only paths under ``/v1``, ``/v2``, ``/inference``, ``/cohere`` need the Bearer key
-  (:11, :59-61); the RL routes above are served to anyone (see ``_api_key_middleware``).
-- ``--middleware MODULE.NAME`` (repeatable, common/cli_args.py:361-366, :406-411): the
-  class imported and run as vLLM adds it, outside vLLM's own middleware (register.py:57-66);
-  here on aiohttp through an ASGI bridge (``_asgi_middleware``): asyncrl's launcher passes
-  its run-secret guard (asyncrl/engines/rollout/vllm/auth.py).
-
-Test-only: ``GET /standin/state`` (ground truth: per request the version of the weights
-that made each token and its label; per push and rank the sha256 of every tensor).
+Test-only: ``GET /standin/state`` (``ground_truth``: per request the version of the
+weights that made each token, its label, its prefills; per push and rank the sha256 of
+every tensor; cache resets).
 """
 
 from __future__ import annotations
@@ -68,18 +46,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
-import importlib
-import inspect
 import json
-import secrets
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from aiohttp import web
 
-from tests.engines.rollout.vllm.lora import VLLMLora, add_flags
+from tests.engines.rollout.vllm.lora import VLLMLora
 from tests.engines.rollout.vllm.rank import Rank
 from tests.engines.rollout.vllm.ranks import VLLMRank
 
@@ -116,6 +89,7 @@ class Req:
     adapter_name: str | None = None
     adapter_truth: list[str | None] = field(default_factory=list)
     ext: str = ""  # the engine's external id: generate-tokens-{request_id} (tito/serving.py:203)
+    prefills: int = 1  # 1 + the times its KV was dropped and recomputed (a cache reset)
 
     def spans(self) -> list[dict[str, Any]]:
         """output_processor.py:538-545."""
@@ -124,12 +98,6 @@ class Req:
             {"version": v, "start": s, "end": e}
             for (v, s), e in zip(self.starts, ends, strict=False)
         ]
-
-
-def _error(message: str, status: int) -> dict[str, Any]:
-    kind = {400: "BadRequestError", 503: "ServiceUnavailableError"}.get(status)
-    return {"error": {"message": message, "type": kind or "InternalServerError",
-                      "param": None, "code": status}}  # fmt: skip
 
 
 class StandIn:
@@ -163,6 +131,8 @@ class StandIn:
         self.pushes: dict[str, dict[str, str]] = {}  # label -> rank -> digest of all tensors
         self.mixed_tokens = 0
         self.label_errors = 0
+        self.cache_resets = 0
+        self.finishing = False
         self.lock = asyncio.Lock()  # the engine serves control calls one at a time
         self.stepping = asyncio.Lock()  # held while a decode step runs
         self.wake: asyncio.Event | None = None
@@ -214,106 +184,6 @@ class StandIn:
             elif len(r.output) >= r.max_new:
                 r.finish = "length"
 
-    def _choice(
-        self, r: Req, new: list[int], lps: list[float], final: bool, index: int = 0
-    ) -> dict[str, Any]:
-        content = [
-            {"token_id": t, "logprob": lp, "top_logprobs": []}
-            for t, lp in zip(new, lps, strict=True)
-        ]
-        return {
-            "index": index,
-            "finish_reason": r.finish if final else None,
-            "token_ids": new,
-            "logprobs": {"content": content},
-            "weight_versions": r.spans() if final else None,
-        }
-
-    async def generate(self, request: web.Request) -> web.StreamResponse:
-        body = await self.body(request)
-        assert self.wake is not None
-        sp = body.get("sampling_params") or {}
-        if self.reject_new:  # core:1796-1815 -> 503; in a stream an error chunk
-            if body.get("stream"):
-                return await self._stream_error(request, body)
-            return self.answer(request, body, _error(PAUSED_MSG, 503), 503)
-        adapter, missing = self.lora.resolve(body.get("model"))  # es:199-213
-        if missing is not None:
-            return self.answer(request, body, _error(missing, 404), 404)
-        base = str(body.get("request_id") or f"auto-{time.monotonic_ns()}")
-        n = int(sp.get("n") or 1)
-        reqs = [self._request(f"{i}_{base}" if n > 1 else base, body, sp) for i in range(n)]
-        for r in reqs:  # parallel_sampling.py:84-96: children {i}_{id}, one external id
-            r.adapter, r.adapter_name = adapter, (body.get("model") if adapter else None)
-            r.ext = f"generate-tokens-{base}"  # tito/serving.py:202-204
-            self.reqs[r.rid] = r
-        self.wake.set()
-        if body.get("stream"):
-            return await self._stream(request, body, reqs)
-        for r in reqs:  # FINAL_ONLY: answered once every child finished (:120-126)
-            while r.finish is None:
-                r.changed.clear()
-                await r.changed.wait()
-        choices = [self._choice(r, r.output, r.logprobs, True, i) for i, r in enumerate(reqs)]
-        out = {"request_id": reqs[0].ext, "choices": choices}
-        return self.answer(request, {"rid": base, "n": n, "model": body.get("model")}, out)
-
-    def _request(self, rid: str, body: Any, sp: dict[str, Any]) -> Req:
-        return Req(
-            rid,
-            list(body["token_ids"]),
-            int(sp.get("max_tokens") or 16),
-            float(sp.get("temperature", 1.0)),
-            set(sp.get("stop_token_ids") or []),
-            bool(sp.get("ignore_eos")),
-        )
-
-    async def lora_route(self, request: web.Request) -> web.Response:
-        body = await self.body(request) or {}
-        if not self.lora.routes:  # ar:30-32: not mounted
-            return self.answer(request, body, {"detail": "Not Found"}, 404)
-        load = request.path == "/v1/load_lora_adapter"
-        msg, status = (self.lora.load if load else self.lora.unload)(body)
-        if status != 200:
-            return self.answer(request, body, _error(msg, status), status)
-        self.log_call(request, body, 200)
-        return web.Response(status=200, text=msg)
-
-    async def _stream(self, request: web.Request, body: Any, reqs: list[Req]) -> web.StreamResponse:
-        """SSE as tito/serving.py:646-820 writes it: one chunk per output that brought tokens
-        or finished, with that one choice and its ``index`` (:681-683, 690-698, 727-754); with
-        ``n > 1`` the children's chunks interleave as they decode (DELTA outputs are passed on
-        child by child, parallel_sampling.py:116-122; a finished child is not sent again);
-        spans on a child's final chunk only (output_processor.py:528); ``data: [DONE]``."""
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        sent = [0] * len(reqs)
-        done = [False] * len(reqs)
-        while not all(done):
-            for r in reqs:  # before reading their state: a change from here on wakes the wait
-                r.changed.clear()
-            for i, r in enumerate(reqs):
-                final = r.finish is not None
-                if done[i] or not (len(r.output) > sent[i] or final):
-                    continue
-                choice = self._choice(r, r.output[sent[i] :], r.logprobs[sent[i] :], final, i)
-                sent[i], done[i] = len(r.output), final
-                chunk = {"request_id": r.ext, "choices": [choice]}
-                await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
-            if not all(done):
-                await _any_change([r for i, r in enumerate(reqs) if not done[i]])
-        await resp.write(b"data: [DONE]\n\n")
-        self.log_call(request, {"rid": reqs[0].rid, "stream": True, "n": len(reqs)}, 200)
-        return resp
-
-    async def _stream_error(self, request: web.Request, body: Any) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        await resp.write(f"data: {json.dumps(_error(PAUSED_MSG, 503))}\n\n".encode())
-        await resp.write(b"data: [DONE]\n\n")
-        self.log_call(request, {"stream": True}, 200, note="error 503 chunk")
-        return resp
-
     def _abort(self, ids: list[str] | None) -> int:
         """``ids``: external ids (rl:118-120); a parent's aborts its children
         (output_processor.py:599-629); None: all."""
@@ -324,41 +194,6 @@ class StandIn:
                 r.changed.set()
         return n
 
-    # -- pause ---------------------------------------------------------------------------
-    async def pause_route(self, request: web.Request) -> web.Response:
-        mode = request.query.get("mode", "abort")  # rl:34
-        if mode not in ("abort", "wait", "keep"):  # core:966-967 ValueError -> rl:65-69 400
-            return self.answer(
-                request, {"mode": mode}, {"error": f"Invalid pause mode: {mode}"}, 400
-            )
-        self.pause, self.reject_new = mode, mode != "keep"
-        async with self.stepping:  # keep/abort: the pause completes once the step ends
-            pass  # (core:951-981: the returned future waits for the outputs in flight)
-        if mode == "abort":
-            self._abort(None)
-        while mode == "wait" and any(r.finish is None for r in self.reqs.values()):
-            await asyncio.sleep(0.01)  # the pause completes once drained
-        return self.answer(request, {"mode": mode}, {"status": "paused"})
-
-    async def resume(self, request: web.Request) -> web.Response:
-        assert self.wake is not None
-        self.pause, self.reject_new = "none", False
-        self.wake.set()
-        return self.answer(request, None, {"status": "resumed"})
-
-    async def is_paused(self, request: web.Request) -> web.Response:
-        return self.answer(request, None, {"is_paused": self.pause != "none"})
-
-    async def abort_requests(self, request: web.Request) -> web.Response:
-        body = await self.body(request)
-        ids = body.get("request_ids") or None
-        async with self.stepping:  # the core takes aborts between steps (core.py:1621-1630)
-            n = self._abort(ids)
-        return self.answer(
-            request, body, {"status": "aborted", "aborted": n if ids is None else len(ids)}
-        )
-
-    # -- weights -------------------------------------------------------------------------
     async def _ranks(self, op: str, **fields: Any) -> list[dict[str, Any]]:
         """``op`` on every TP rank at once (rank 0 here, in a thread); their answers."""
         for i, r in enumerate(self.ranks, start=1):
@@ -372,97 +207,6 @@ class StandIn:
             first = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
         return [first, *[await asyncio.to_thread(r.answer, 300) for r in self.ranks]]
 
-    def _fail(self, request: web.Request, body: Any, msg: str, status: int = 500) -> web.Response:
-        return self.answer(request, body, _error(msg, status), status)
-
-    async def init_engine(self, request: web.Request) -> web.Response:
-        body = await self.body(request)
-        info = body.get("init_info")
-        if not isinstance(info, dict):
-            return self._fail(request, body, "init_info: field required", 400)  # FastAPI 422
-        if bad := sorted(set(info) - INIT_FIELDS) or sorted(
-            {"rank_offset", "world_size"} - set(info)
-        ):
-            return self._fail(request, body, f"Invalid init_info for NCCL: {bad}", 500)
-        async with self.lock:
-            self.cap = int(info.get("packed_buffer_size_bytes", 1 << 30))
-            self.last_meta, self.inited = None, True
-            got = await self._ranks(
-                "init",
-                **{
-                    k: info[k]
-                    for k in ("master_address", "master_port", "rank_offset", "world_size")
-                },
-            )
-        if bad := [g["error"] for g in got if not g["ok"]]:
-            return self._fail(request, body, bad[0])
-        return self.answer(request, body, {"message": "Weight transfer initialized"})
-
-    async def start(self, request: web.Request) -> web.Response:
-        body = await self.body(request)
-        if self.session:  # gw:1569-1573
-            return self._fail(
-                request,
-                body,
-                "start_weight_update called while a weight update is already active. "
-                "Call finish_weight_update first.",
-            )
-        self.session, self.session_loaded = True, set()
-        return self.answer(request, body, {"message": "Weight update started"})
-
-    async def update(self, request: web.Request) -> web.Response:
-        body = await self.body(request)
-        if not self.session:  # gw:1608-1611
-            return self._fail(
-                request, body, "start_weight_update must be called before update_weights."
-            )
-        info = body.get("update_info") or {}
-        if set(info) - UPDATE_FIELDS or len({len(info.get(k, [])) for k in UPDATE_FIELDS}) != 1:
-            self.session = False  # gw:1622-1626
-            return self._fail(request, body, f"invalid update_info keys {sorted(info)}")
-        if info["names"]:
-            self.last_meta = info  # nccl:201-202, before the receive
-        meta = info if info["names"] else (self.last_meta or info)
-        async with self.lock:
-            self.update_calls += 1
-            failing = self.update_calls in self.fail_calls
-            bad = self.tp - 1 if self.update_calls in self.corrupt_calls else -1
-            got = await self._ranks(
-                "recv",
-                cap=self.cap,
-                load=not failing,
-                corrupt_rank=bad,
-                truth=self.args.truth,
-                **meta,
-            )
-            if failing or not all(g["ok"] for g in got):
-                self.session = False  # the session ends, the model mid-reload (gw:1616-1631)
-                self.truth = None
-                msg = next((g["error"] for g in got if not g["ok"]), "injected load failure")
-                return self._fail(request, body, f"update_weights failed: {msg}")
-            for name in got[0]["sha256"]:  # layerwise reload: into the live model at once
-                self.truth = None  # mid-update until the finish
-                self.session_loaded.add(name)
-                self.params[name].data.copy_(self.rank0.loaded[name])
-        note = f"chunks={got[0]['chunks']}"
-        return self.answer(request, body, {"message": "Weights updated"}, note=note)
-
-    async def finish(self, request: web.Request) -> web.Response:
-        body = await self.body(request)
-        if not self.session:  # gw:1638-1641
-            return self._fail(
-                request, body, "finish_weight_update called without a matching start_weight_update."
-            )
-        self.session = False
-        version = body.get("weight_version") if isinstance(body, dict) else None
-        if version is not None:  # async_llm.py:1432-1436
-            self.label = str(version)
-        if self.args.truth:  # --no-truth (a benchmark): no ground-truth hashing per push
-            sums = await self._ranks("checksums")
-            self.pushes[self.label] = {f"rank{i}": _digest(s["sha256"]) for i, s in enumerate(sums)}
-        self._finalize()
-        return self.answer(request, body, {"message": "Weight update finished"})
-
     def _finalize(self) -> None:
         """finalize_layerwise_reload (nccl:175-181): the live model is whole again; its
         version is the label's when every parameter came in this session."""
@@ -472,217 +216,195 @@ class StandIn:
         except ValueError:
             self.truth = None
 
-    async def update_version(self, request: web.Request) -> web.Response:
-        body = await self.body(request)
-        self.label = str(body["new_version"])
-        return self.answer(request, body, {"success": True, "new_version": self.label})
+    # -- the engine core's side of AsyncLLM (app.py's CoreClient) ------------------------
+    def start(self) -> None:
+        """The scheduler loop, on the running event loop."""
+        self.wake = asyncio.Event()
+        self._task = asyncio.ensure_future(self.scheduler())
 
-    async def weight_info(self, request: web.Request) -> web.Response:
-        return self.answer(request, None, {"weight_version": self.label})
+    def add_request(
+        self,
+        rid: str,
+        ids: list[int],
+        max_new: int,
+        temperature: float,
+        stop: set[int],
+        ignore_eos: bool,
+        adapter: Any,
+        adapter_name: str | None,
+        ext: str,
+    ) -> Req:
+        """A request in the scheduler (parallel_sampling.py:84-96: children ``{i}_{id}``
+        share the parent's external id)."""
+        assert self.wake is not None
+        r = Req(rid, ids, max_new, temperature, stop, ignore_eos)
+        r.adapter, r.adapter_name, r.ext = adapter, adapter_name, ext
+        self.reqs[rid] = r
+        self.wake.set()
+        return r
 
-    async def world_size(self, request: web.Request) -> web.Response:
-        return self.answer(request, None, {"world_size": self.tp})
+    async def pause_engine(self, mode: str, clear_cache: bool) -> None:
+        """``EngineCoreProc.pause_generation`` (core:2181-2233): an unknown mode is a
+        ValueError (:2197-2198, the route's 400); ``abort`` finishes every request, ``wait``
+        drains, ``keep`` freezes (PAUSED_ALL); ``abort``/``wait`` reject new requests. Once
+        the pause completed, ``clear_cache`` resets the prefix cache with
+        ``reset_running_requests=True`` in every mode (``_finish_pause``, core:948-953,
+        930-946): each request still running is preempted and re-prefilled on resume
+        (scheduler.py:3185-3206) — counted in its ``prefills``."""
+        if mode not in ("abort", "wait", "keep"):
+            raise ValueError(f"Invalid pause mode: {mode}")
+        self.pause, self.reject_new = mode, mode != "keep"
+        async with self.stepping:  # keep/abort: complete once the step under way ended
+            pass
+        if mode == "abort":
+            self._abort(None)
+        while mode == "wait" and any(r.finish is None for r in self.reqs.values()):
+            await asyncio.sleep(0.01)  # the pause completes once drained
+        if clear_cache:
+            self.cache_resets += 1
+            for r in self.reqs.values():
+                if r.finish is None:
+                    r.prefills += 1
 
-    async def shutdown(self, request: web.Request) -> web.Response:
-        if self.session:  # gw:1533-1537
-            return self._fail(
-                request, None, "Cannot release a trainer connection during a weight update"
+    def resume_engine(self) -> None:
+        assert self.wake is not None
+        self.pause, self.reject_new = "none", False
+        self.wake.set()
+
+    async def abort_internal(self, rids: list[str]) -> None:
+        """``abort_requests`` by internal ids (the core takes aborts between steps,
+        core.py:1621-1630)."""
+        async with self.stepping:
+            for rid in rids:
+                r = self.reqs.get(rid)
+                if r is not None and r.finish is None:
+                    r.finish = "abort"
+                    r.changed.set()
+
+    async def set_label(self, version: str) -> None:
+        """``set_weight_version`` (async_llm.py:1438-1440): the label of tokens from now.
+        Right after a ``finish_weight_update`` (which sends it, :1432-1436): the push's
+        ground truth (per rank the digest of every tensor) under that label."""
+        self.label = str(version)
+        if self.finishing:
+            self.finishing = False
+            if self.args.truth:  # --no-truth (a benchmark): no hashing per push
+                sums = await self._ranks("checksums")
+                self.pushes[self.label] = {
+                    f"rank{i}": _digest(s["sha256"]) for i, s in enumerate(sums)
+                }
+            self._finalize()
+
+    async def worker_rpc(self, method: str, **kwargs: Any) -> list[Any]:
+        """``collective_rpc`` to the workers (gpu_worker.py), one answer per worker; a
+        worker's error raised as the RuntimeError vLLM's collective RPC raises."""
+        fn = {
+            "init_weight_transfer_engine": self._w_init,
+            "start_weight_update": self._w_start,
+            "update_weights": self._w_update,
+            "finish_weight_update": self._w_finish,
+            "shutdown_weight_transfer_engine": self._w_shutdown,
+        }.get(method)
+        if fn is None:
+            raise RuntimeError(f"stand-in: worker method {method!r} is not played")
+        await fn(**kwargs)
+        return [None] * self.tp
+
+    async def worker_checksums(self) -> list[dict[str, str]]:
+        """``compute_weight_checksums``: per worker, sha256 per loaded tensor keyed
+        ``dp0:pp0:pcp0:tp{i}:{name}`` (rl:232-266 merges them)."""
+        sums = await self._ranks("checksums")
+        return [{f"dp0:pp0:pcp0:tp{i}:{n}": d for n, d in s["sha256"].items()}
+                for i, s in enumerate(sums)]  # fmt: skip
+
+    async def _w_init(self, init_info: dict[str, Any]) -> None:
+        """nccl_common.py:75-107 (unknown or missing fields refused); answers once every rank
+        joined; clears the metadata cache (nccl:159-165)."""
+        if bad := sorted(set(init_info) - INIT_FIELDS) or sorted(
+            {"rank_offset", "world_size"} - set(init_info)
+        ):
+            raise RuntimeError(f"Invalid init_info for NCCL: {bad}")
+        async with self.lock:
+            self.cap = int(init_info.get("packed_buffer_size_bytes", 1 << 30))
+            self.last_meta, self.inited = None, True
+            keys = ("master_address", "master_port", "rank_offset", "world_size")
+            got = await self._ranks("init", **{k: init_info[k] for k in keys})
+        if bad := [g["error"] for g in got if not g["ok"]]:
+            raise RuntimeError(bad[0])
+
+    async def _w_start(self) -> None:
+        if self.session:  # gw:1569-1573
+            raise RuntimeError(
+                "start_weight_update called while a weight update is already active. "
+                "Call finish_weight_update first."
             )
+        self.session, self.session_loaded = True, set()
+
+    async def _w_update(self, update_info: Any) -> None:
+        if not self.session:  # gw:1608-1611
+            raise RuntimeError("start_weight_update must be called before update_weights.")
+        info = update_info if isinstance(update_info, dict) else {}
+        if set(info) - UPDATE_FIELDS or len({len(info.get(k, [])) for k in UPDATE_FIELDS}) != 1:
+            self.session = False  # gw:1622-1626
+            raise RuntimeError(f"invalid update_info keys {sorted(info)}")
+        if info["names"]:
+            self.last_meta = info  # nccl:201-202, before the receive
+        meta = info if info["names"] else (self.last_meta or info)
+        async with self.lock:
+            self.update_calls += 1
+            failing = self.update_calls in self.fail_calls
+            bad = self.tp - 1 if self.update_calls in self.corrupt_calls else -1
+            got = await self._ranks(
+                "recv", cap=self.cap, load=not failing, corrupt_rank=bad,
+                truth=self.args.truth, **meta,
+            )  # fmt: skip
+            if failing or not all(g["ok"] for g in got):
+                self.session = False  # the session ends, the model mid-reload (gw:1616-1631)
+                self.truth = None
+                msg = next((g["error"] for g in got if not g["ok"]), "injected load failure")
+                raise RuntimeError(f"update_weights failed: {msg}")
+            for name in got[0]["sha256"]:  # layerwise reload: into the live model at once
+                self.truth = None  # mid-update until the finish
+                self.session_loaded.add(name)
+                self.params[name].data.copy_(self.rank0.loaded[name])
+
+    async def _w_finish(self) -> None:
+        if not self.session:  # gw:1638-1641
+            raise RuntimeError(
+                "finish_weight_update called without a matching start_weight_update."
+            )
+        self.session = False
+        self.finishing = True  # the label comes next (async_llm.py:1432-1436)
+        self._finalize()
+
+    async def _w_shutdown(self) -> None:
+        if self.session:  # gw:1533-1537
+            raise RuntimeError("Cannot release a trainer connection during a weight update")
         await self._ranks("destroy")
-        return self.answer(request, None, {"message": "Weight transfer shut down"})
 
-    async def weight_checker(self, request: web.Request) -> web.Response:
-        body = await self.body(request)
-        action = body.get("action")
-        if action == "compare" and body.get("baseline") is None:  # rl:243-247
-            return self._fail(request, body, "action='compare' requires a 'baseline' object", 400)
+    async def ground_truth(self) -> dict[str, Any]:
         sums = await self._ranks("checksums")
-        checks = {
-            f"dp0:pp0:pcp0:tp{i}:{n}": d for i, s in enumerate(sums) for n, d in s["sha256"].items()
-        }
-        if action == "checksum":
-            return self.answer(request, body, {"checksums": checks})
-        base = body["baseline"]
-        bad = sorted(k for k in checks.keys() | base.keys() if checks.get(k) != base.get(k))
-        return self.answer(request, body, {"match": not bad, "mismatches": bad})
-
-    async def health(self, request: web.Request) -> web.Response:
-        self.log_call(request, None, 200)
-        return web.Response(status=200)
-
-    async def state(self, request: web.Request) -> web.Response:
-        sums = await self._ranks("checksums")
-        return web.json_response({
+        return {
             "label": self.label, "truth": self.truth, "pushes": self.pushes,
             "update_calls": self.update_calls, "mixed_tokens": self.mixed_tokens,
-            "label_errors": self.label_errors,
+            "label_errors": self.label_errors, "cache_resets": self.cache_resets,
             "sha256": {f"rank{i}": s["sha256"] for i, s in enumerate(sums)},
             "reqs": {rid: {"truth": r.truth, "labels": r.labels, "finish": r.finish,
-                           "output": r.output, "ext": r.ext,
+                           "output": r.output, "ext": r.ext, "prefills": r.prefills,
                            "spans": r.spans(), "adapters": r.adapter_truth}
                      for rid, r in self.reqs.items()},
             "lora": self.lora.state(),
-        })  # fmt: skip
-
-    # -- HTTP plumbing -------------------------------------------------------------------
-    async def body(self, request: web.Request) -> Any:
-        raw = await request.read()
-        return json.loads(raw) if raw else None
-
-    def log_call(self, request: web.Request, body: Any, status: int, note: str = "") -> None:
-        if self.calls_log is not None:
-            small = body
-            if isinstance(body, dict) and isinstance(body.get("update_info"), dict):
-                u = body["update_info"]
-                small = {"update_info": {"n_names": len(u.get("names", [])), "keys": sorted(u)}}
-            line = {
-                "t": time.time(),
-                "method": request.method,
-                "path": request.path,
-                "query": dict(request.query),
-                "status": status,
-                "body": small,
-                "note": note,
-            }
-            self.calls_log.write(json.dumps(line) + "\n")  # fmt: skip
-            self.calls_log.flush()
-
-    def answer(
-        self, request: web.Request, body: Any, content: Any, status: int = 200, note: str = ""
-    ) -> web.Response:
-        self.log_call(request, body, status, note)
-        return web.json_response(content, status=status)
-
-    def app(self) -> web.Application:
-        # register.py: --api-key's middleware (:32-36) is added before --middleware's
-        # (:57-66), and Starlette runs the last added first (applications.py:107)
-        mw = [_asgi_middleware(path) for path in self.args.middleware]
-        mw += [_api_key_middleware(self.args.api_key)] if self.args.api_key else []
-        app = web.Application(client_max_size=1 << 30, middlewares=mw)
-        for path, fn in {
-            "/inference/v1/generate": self.generate, "/pause": self.pause_route,
-            "/resume": self.resume, "/abort_requests": self.abort_requests,
-            "/init_weight_transfer_engine": self.init_engine, "/start_weight_update": self.start,
-            "/update_weights": self.update, "/finish_weight_update": self.finish,
-            "/update_weight_version": self.update_version, "/weight_checker": self.weight_checker,
-            "/shutdown_weight_transfer_engine": self.shutdown,
-            "/v1/load_lora_adapter": self.lora_route, "/v1/unload_lora_adapter": self.lora_route,
-        }.items():  # fmt: skip
-            app.router.add_post(path, fn)
-        for path, fn in {
-            "/is_paused": self.is_paused, "/weight_info": self.weight_info,
-            "/get_world_size": self.world_size, "/health": self.health,
-            "/standin/state": self.state,
-        }.items():  # fmt: skip
-            app.router.add_get(path, fn)
-
-        async def begin(_: web.Application) -> None:
-            self.wake = asyncio.Event()
-            self._task = asyncio.ensure_future(self.scheduler())
-
-        app.on_startup.append(begin)
-        return app
-
-
-async def _any_change(reqs: list[Req]) -> None:
-    """Wait until one of ``reqs`` made a token or finished since its ``changed`` event was
-    cleared."""
-    waits = [asyncio.ensure_future(r.changed.wait()) for r in reqs]
-    try:
-        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for w in waits:
-            w.cancel()
+        }  # fmt: skip
 
 
 def _digest(sums: dict[str, str]) -> str:
     return hashlib.sha256(json.dumps(sorted(sums.items())).encode()).hexdigest()
 
 
-GUARDED_PREFIX = ("/v1", "/v2", "/inference", "/cohere")
-"""vLLM 0.33 entrypoints/serve/middleware/authenticate.py:11: the only paths its key guards."""
-
-
-def _api_key_middleware(api_key: str) -> Any:
-    """vLLM's ``AuthenticationMiddleware`` (0.33 entrypoints/serve/middleware/authenticate.py,
-    installed when ``--api-key`` or ``VLLM_API_KEY`` is set: register.py:32-36), on aiohttp
-    (it imports starlette, absent here). OPTIONS passes (:51); a path under
-    ``GUARDED_PREFIX`` needs ``Authorization: Bearer KEY`` (scheme case-insensitive,
-    SHA-256 digests compared in constant time: :30-45), else 401 ``{"error":
-    "Unauthorized"}`` (:59-61). Every other path, ``/pause``, ``/update_weights`` and
-    ``/init_weight_transfer_engine`` included, is served WITHOUT the key."""
-    want = hashlib.sha256(api_key.encode()).digest()
-
-    def verify(header: str | None) -> bool:
-        if not header:
-            return False
-        scheme, _, param = header.partition(" ")
-        if scheme.lower() != "bearer":
-            return False
-        return secrets.compare_digest(hashlib.sha256(param.encode()).digest(), want)
-
-    @web.middleware
-    async def check(request: web.Request, handler: Any) -> web.StreamResponse:
-        guarded = request.method != "OPTIONS" and request.path.startswith(GUARDED_PREFIX)
-        if guarded and not verify(request.headers.get("Authorization")):
-            return web.json_response({"error": "Unauthorized"}, status=401)
-        return await handler(request)
-
-    return check
-
-
-def _asgi_middleware(path: str) -> Any:
-    """vLLM's ``--middleware path`` (register.py:57-66): the object imported by its dotted
-    path; a class is built with the app as its only argument (``app.add_middleware(cls)``);
-    a coroutine function (``app.middleware("http")``, FastAPI's) is not played here. The
-    ASGI middleware then sees each request as an ASGI ``http`` scope (method, path,
-    ``root_path`` "", query, headers); what it passes on reaches the aiohttp handler, what
-    it answers itself (it never reaches the inner app) is sent back as it sent it."""
-    module_path, name = path.rsplit(".", 1)
-    imported = getattr(importlib.import_module(module_path), name)
-    if not inspect.isclass(imported):
-        raise SystemExit(f"stand-in: --middleware {path}: only a class is played here")
-
-    async def inner(scope: dict[str, Any], receive: Any, send: Any) -> None:
-        scope["standin.passed"] = True
-
-    asgi = imported(inner)
-
-    @web.middleware
-    async def run(request: web.Request, handler: Any) -> web.StreamResponse:
-        scope: dict[str, Any] = {
-            "type": "http", "method": request.method, "path": request.path, "root_path": "",
-            "query_string": request.query_string.encode(),
-            "headers": [(k.lower().encode("latin-1"), v.encode("latin-1"))
-                        for k, v in request.headers.items()],
-        }  # fmt: skip
-        sent: list[dict[str, Any]] = []
-
-        async def receive() -> dict[str, Any]:
-            return {"type": "http.request", "body": b"", "more_body": False}
-
-        async def send(message: dict[str, Any]) -> None:
-            sent.append(message)
-
-        await asgi(scope, receive, send)
-        if scope.get("standin.passed"):
-            return await handler(request)
-        head = {k.decode(): v.decode() for k, v in sent[0]["headers"]}
-        head.pop("content-length", None)
-        body = b"".join(m.get("body", b"") for m in sent[1:])
-        return web.Response(status=sent[0]["status"], body=body, headers=head)
-
-    return run
-
-
 def arg_parser() -> argparse.ArgumentParser:
-    """The stand-in's flags: vLLM's where it plays one (cited), the test's own otherwise."""
-    p = argparse.ArgumentParser()
-    p.add_argument("--api-key", default=None, help="vLLM's --api-key (common/cli_args.py:335)")
-    p.add_argument("--middleware", action="append", default=[], help="cli_args.py:361, :406")
-    p.add_argument("--port", type=int, required=True)
-    p.add_argument("--model-path", required=True)
-    p.add_argument("--tp-size", type=int, default=1)
+    """The stand-in's own options (``app.py`` takes them from ``ASYNCRL_VLLM_STANDIN``); the
+    model, TP size, LoRA limits, ``--api-key`` and ``--middleware`` are vLLM's flags."""
+    p = argparse.ArgumentParser(prog="vllm-standin")
     p.add_argument("--calls", default="", help="append every request here (JSON lines)")
     p.add_argument("--log", default="", help="the ranks' stderr")
     p.add_argument("--fail-calls", default="", help="update calls (1-based) whose load fails")
@@ -698,15 +420,4 @@ def arg_parser() -> argparse.ArgumentParser:
         help="keep no ground truth per push (no hashing beyond /weight_checker): benchmarks",
     )
     p.add_argument("--step-s", type=float, default=0.0, help="sleep after each decode step")
-    add_flags(p)
     return p
-
-
-def main() -> None:
-    args = arg_parser().parse_args()
-    torch.set_num_threads(1)
-    web.run_app(StandIn(args).app(), host="127.0.0.1", port=args.port, print=None)
-
-
-if __name__ == "__main__":
-    main()
