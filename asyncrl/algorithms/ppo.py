@@ -18,6 +18,7 @@ from asyncrl.algorithms.advantages import (
     explained_variance,
     gae_advantages,
     masked_whiten,
+    pad_rows,
     terminal_rewards,
 )
 from asyncrl.algorithms.base import (
@@ -42,15 +43,6 @@ def critic_config(cfg: RunConfig) -> RunConfig:
         return cfg
     trainer = msgspec.structs.replace(cfg.trainer, lr=cfg.algo.critic_lr)
     return msgspec.structs.replace(cfg, trainer=trainer)
-
-
-def pad_rows(rows: Sequence[torch.Tensor]) -> torch.Tensor:
-    """(B, T) float32, right-padded with zeros."""
-    width = max((len(r) for r in rows), default=0)
-    out = torch.zeros((len(rows), width), dtype=torch.float32)
-    for i, r in enumerate(rows):
-        out[i, : len(r)] = r.float().cpu()
-    return out
 
 
 class PPO:
@@ -86,7 +78,7 @@ class PPO:
         return metrics
 
     def train_step(self, step: int, trajs: Sequence[Trajectory]) -> dict[str, float]:
-        seqs = seqs_from_trajs(trajs)
+        seqs = seqs_from_trajs(trajs, self.cfg.algo.mask_truncated)
         rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
         metrics = self.advantages(seqs, rewards)
         gen = torch.Generator().manual_seed(self.cfg.seed * 100_003 + step + 7)
