@@ -7,6 +7,7 @@ from typing import Annotated, Final, Literal
 import msgspec
 
 from asyncrl.config.base import NonNegative, NonNegativeFloat, Positive, PositiveFloat, _Section
+from asyncrl.config.evaluation import EvalConfig
 from asyncrl.config.gateway import GatewayConfig
 from asyncrl.config.lora import LoraConfig
 from asyncrl.config.rollout import (
@@ -321,6 +322,7 @@ class RunConfig(_Section, frozen=True):
     logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)
     gateway: GatewayConfig = msgspec.field(default_factory=GatewayConfig)
     lora: LoraConfig = msgspec.field(default_factory=LoraConfig)
+    eval: EvalConfig = msgspec.field(default_factory=EvalConfig)
     run_dir: str = ""
     """Output folder (metrics.jsonl, config.json, logs). Empty: a new folder under ``runs/``."""
     seed: int = 0

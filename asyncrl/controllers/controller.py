@@ -385,6 +385,20 @@ class Controller:
             with trace.get().span("next_batch waits", "controller waits", {"step": self.step}):
                 await self._ready_changed.wait()
 
+    async def evaluate(
+        self, samples: Iterable[Any], reward: Any, **options: Any
+    ) -> dict[str, float]:
+        """One eval of ``samples`` scored by ``reward`` on this controller's engines, beside
+        training: never admitted (no staleness slot), never trained. ``options``: ``k``,
+        ``temperature``, ``greedy``, ``max_new_tokens``, ``pass_threshold`` (see
+        :func:`asyncrl.controllers.evaluation.evaluate`); returns its ``eval/...`` metrics."""
+        from asyncrl.controllers.evaluation import evaluate
+
+        options.setdefault("max_new_tokens", self._sampling["max_new_tokens"])
+        options.setdefault("sampling", {"top_p": self._sampling["top_p"]})
+        options.setdefault("max_retries", self._max_retries)
+        return await evaluate(self.router, self._gate, list(samples), reward, **options)
+
     def stats(self) -> dict[str, int]:
         """Counters and gauges (see the module docstring for the accounting identity).
         ``generated_tokens``: every token the engines returned to this controller since it
