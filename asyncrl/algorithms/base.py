@@ -95,6 +95,33 @@ def objective_for(cfg: RunConfig) -> Objective:
     return "decoupled" if cfg.controller.max_staleness > 0 else "on-policy"
 
 
+def overlong_penalty(
+    lengths: torch.Tensor, budget: int, buffer: int, factor: float = 1.0
+) -> torch.Tensor:
+    """DAPO's soft overlong punishment (Yu et al. 2025, arXiv 2503.14476, eq. 13; verl 0.9.1
+    ``verl/workers/reward_manager/dapo.py:121-127``): ``min(-(L - (budget - buffer)) / buffer
+    * factor, 0)`` for responses of ``lengths`` tokens; 0 when ``buffer`` is 0."""
+    if buffer <= 0:
+        return torch.zeros(len(lengths))
+    if buffer > budget:
+        raise ValueError(
+            f"algo.overlong_buffer_len ({buffer}) exceeds the generation budget ({budget} "
+            "tokens: rollout.max_new_tokens or the task's)"
+        )
+    exceed = lengths.to(torch.float32) - (budget - buffer)
+    return torch.clamp(-exceed / buffer * factor, max=0.0)
+
+
+def shaped_rewards(trajs: Sequence[Trajectory], algo: AlgoConfig, budget: int) -> torch.Tensor:
+    """The rewards the advantages are computed from: each trajectory's ``reward`` plus
+    :func:`overlong_penalty` of its response length (``algo.overlong_buffer_len``)."""
+    rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
+    lengths = torch.tensor([len(t.response_ids) for t in trajs])
+    return rewards + overlong_penalty(
+        lengths, budget, algo.overlong_buffer_len, algo.overlong_penalty_factor
+    )
+
+
 def truncated(traj: Trajectory) -> bool:
     """Whether ``traj``'s response hit its token budget (its last generation's finish reason
     was ``length``: ``metadata["truncated"]``, set by ``ctx.trajectory``)."""

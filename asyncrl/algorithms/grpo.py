@@ -23,7 +23,14 @@ from asyncrl.algorithms.advantages import (
     rloo_advantages,
     terminal_rewards,
 )
-from asyncrl.algorithms.base import EngineFactory, PolicyUpdate, adv_stats, seqs_from_trajs
+from asyncrl.algorithms.base import (
+    EngineFactory,
+    PolicyUpdate,
+    adv_stats,
+    overlong_penalty,
+    seqs_from_trajs,
+    shaped_rewards,
+)
 from asyncrl.config import AlgoConfig, RunConfig
 from asyncrl.engines.train.base import Seq
 from asyncrl.transports.experience.types import Trajectory
@@ -31,10 +38,11 @@ from asyncrl.transports.experience.types import Trajectory
 __all__ = ["GRPO", "build_seqs"]
 
 
-def build_seqs(trajs: Sequence[Trajectory], cfg: AlgoConfig) -> list[Seq]:
+def build_seqs(trajs: Sequence[Trajectory], cfg: AlgoConfig, budget: int = 0) -> list[Seq]:
     """Trainer sequences with per-token ``behav``, ``adv`` and ``mask`` fields (``adv`` from
-    ``cfg.name``'s estimator over the batch's trained tokens, after ``mask_truncated``)."""
-    rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
+    ``cfg.name``'s estimator over the batch's trained tokens, after ``mask_truncated``, on the
+    rewards shaped by the overlong penalty over a budget of ``budget`` tokens)."""
+    rewards = shaped_rewards(trajs, cfg, budget)
     groups = torch.tensor([t.group_id for t in trajs], dtype=torch.long)
     seqs = seqs_from_trajs(trajs, cfg.mask_truncated)
     if cfg.name in ("grpo", "rloo"):
@@ -68,13 +76,21 @@ class GRPO:
         self.policy = PolicyUpdate(cfg, self.actor, ref, cfg.generation_budget())
 
     def train_step(self, step: int, trajs: Sequence[Trajectory]) -> dict[str, float]:
-        seqs = build_seqs(trajs, self.cfg.algo)
+        a = self.cfg.algo
+        seqs = build_seqs(trajs, a, self.policy.budget)
         adv = torch.cat([s.fields["adv"] for s in seqs]) if seqs else torch.zeros(0)
         mask = torch.cat([s.fields["mask"] for s in seqs]) if seqs else torch.zeros(0)
         metrics = adv_stats(adv, mask)
         rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
         metrics["zero_adv_frac"] = _zero_adv_groups(trajs)
         metrics["reward_std"] = float(rewards.std(unbiased=False)) if len(trajs) else 0.0
+        if a.overlong_buffer_len and trajs:
+            lengths = torch.tensor([len(t.response_ids) for t in trajs])
+            pen = overlong_penalty(
+                lengths, self.policy.budget, a.overlong_buffer_len, a.overlong_penalty_factor
+            )
+            metrics["overlong_penalty_mean"] = float(pen.mean())
+            metrics["overlong_frac"] = float((pen < 0).float().mean())
         metrics.update(self.policy.run(step, seqs))
         return metrics
 

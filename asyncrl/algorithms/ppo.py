@@ -28,6 +28,7 @@ from asyncrl.algorithms.base import (
     per_token,
     run_updates,
     seqs_from_trajs,
+    shaped_rewards,
 )
 from asyncrl.algorithms.losses import ValueLoss
 from asyncrl.config import RunConfig
@@ -79,7 +80,7 @@ class PPO:
 
     def train_step(self, step: int, trajs: Sequence[Trajectory]) -> dict[str, float]:
         seqs = seqs_from_trajs(trajs, self.cfg.algo.mask_truncated)
-        rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
+        rewards = shaped_rewards(trajs, self.cfg.algo, self.policy.budget)
         metrics = self.advantages(seqs, rewards)
         gen = torch.Generator().manual_seed(self.cfg.seed * 100_003 + step + 7)
         vstats = run_updates(self.critic, seqs, self.value_loss, self.cfg.algo, gen)

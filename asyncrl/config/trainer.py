@@ -130,6 +130,14 @@ class AlgoConfig(_Section, frozen=True):
     """Leave responses that hit the token budget (finish reason ``length``) out of the loss
     and its normaliser (DAPO's overlong filtering; TRL's ``mask_truncated_completions``).
     Their rewards still count in the group baselines."""
+    overlong_buffer_len: NonNegative = 0
+    """DAPO's overlong reward shaping: a response longer than ``max_new_tokens - this`` loses
+    ``(length - (max_new_tokens - this)) / this * overlong_penalty_factor`` of reward, linearly
+    up to the budget (verl's ``overlong_buffer.len``; the trainer shapes the reward the
+    advantage is computed from, the logged ``reward_mean`` stays the task's). 0: off."""
+    overlong_penalty_factor: NonNegativeFloat = 1.0
+    """DAPO's overlong shaping: the penalty at the budget (verl's
+    ``overlong_buffer.penalty_factor``)."""
     top_entropy_quantile: Fraction = 1.0
     """Keep in the policy loss only the tokens whose entropy is in this top quantile of the
     rank's batch (Wang et al. 2025, "Beyond the 80/20 rule": 0.2; TRL's

@@ -29,7 +29,12 @@ from asyncrl.algorithms.advantages import (
     rloo_advantages,
     terminal_rewards,
 )
-from asyncrl.algorithms.base import PolicyUpdate, keep_top_entropy, seqs_from_trajs
+from asyncrl.algorithms.base import (
+    PolicyUpdate,
+    keep_top_entropy,
+    overlong_penalty,
+    seqs_from_trajs,
+)
 from asyncrl.algorithms.grpo import build_seqs
 from asyncrl.config import load_config
 from asyncrl.engines.train.base import Seq
@@ -421,3 +426,32 @@ def test_refused_combinations_name_their_keys(overrides: list[str], keys: list[s
         load_config(None, overrides)
     for key in keys:
         assert key in str(err.value), (key, str(err.value))
+
+
+@pytest.mark.parametrize(("budget", "buffer", "factor"), [(16, 4, 1.0), (20, 19, 0.5)])
+def test_overlong_penalty_equals_verl_dapo(budget: int, buffer: int, factor: float) -> None:
+    """verl 0.9.1 ``verl/workers/reward_manager/dapo.py:121-127`` (inside
+    ``DAPORewardManager.__call__``, which needs a ``DataProto`` and a tokenizer), written from
+    that source per response; and the advantages are computed from the shaped rewards."""
+    lengths = torch.arange(0, budget + 1)
+    want = []
+    for valid_response_length in lengths.tolist():
+        expected_len = budget - buffer
+        exceed_len = valid_response_length - expected_len
+        want.append(min(-exceed_len / buffer * factor, 0))
+    got = overlong_penalty(lengths, budget, buffer, factor)
+    torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float32))
+    trajs = [_traj(i, n, False, 1.0) for i, n in enumerate([budget, budget - buffer, 1])]
+    for t in trajs:
+        t.group_id = 0
+    cfg = load_config(
+        None, [f"--algo.overlong_buffer_len={buffer}", f"--algo.overlong_penalty_factor={factor}"]
+    ).algo
+    shaped = 1.0 + overlong_penalty(
+        torch.tensor([budget, budget - buffer, 1]), budget, buffer, factor
+    )
+    adv = [float(s.fields["adv"][0]) for s in build_seqs(trajs, cfg, budget)]
+    torch.testing.assert_close(torch.tensor(adv), grpo_advantages(shaped, torch.zeros(3), "group"))
+    assert adv[0] < 0 < adv[2]  # the response at the budget lost reward
+    with pytest.raises(ValueError, match=r"algo\.overlong_buffer_len"):
+        overlong_penalty(lengths, budget, budget + 1)
