@@ -462,6 +462,7 @@ class _Run:
             "response_tokens": sum(len(t.response_ids) for t in batch.trajectories),
             "weight_version": msg.version,
             "num_samples": len(batch.trajectories),
+            "filtered_groups": batch.filtered,
             "sample_ids": [getattr(x, "id", None) for x in batch.samples],
             "wall_s": time.perf_counter() - self.t0,
             "controller_s": time.perf_counter() - self.t_controller,

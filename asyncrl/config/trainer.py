@@ -138,6 +138,15 @@ class AlgoConfig(_Section, frozen=True):
     overlong_penalty_factor: NonNegativeFloat = 1.0
     """DAPO's overlong shaping: the penalty at the budget (verl's
     ``overlong_buffer.penalty_factor``)."""
+    filter_groups: bool = False
+    """DAPO's dynamic sampling in the controller: a finished group whose rewards are all equal
+    (no signal for a group baseline) is dropped before it reaches the trainer; its staleness
+    slot is released, so admission refills the batch from running and new groups. Counted per
+    step as ``filtered_groups`` (verl's ``algorithm.filter_groups``, metric ``acc``/reward)."""
+    filter_max_groups: NonNegative = 0
+    """Dynamic sampling's cap: at most this many groups are dropped per step (verl's
+    ``max_num_gen_batches``, in groups); past it the step takes uniform groups too rather than
+    make the trainer wait longer. 0: ``10 x controller.batch_size``."""
     top_entropy_quantile: Fraction = 1.0
     """Keep in the policy loss only the tokens whose entropy is in this top quantile of the
     rank's batch (Wang et al. 2025, "Beyond the 80/20 rule": 0.2; TRL's

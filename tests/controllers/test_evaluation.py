@@ -88,6 +88,6 @@ def test_short_run_evaluates_before_during_and_after(tmp_path: Path, tiny_model_
     # every admission was a training group (admitted = trained + ready + running + ...)
     assert all(r["num_samples"] == 4 * 8 for r in train)
     c = {k.removeprefix("ctl_"): v for k, v in train[-1].items() if k.startswith("ctl_")}
-    ended = ("trained", "ready", "running", "rejected", "failed", "stale_dropped")
+    ended = ("trained", "ready", "running", "rejected", "failed", "stale_dropped", "filtered")
     assert c["groups_admitted"] == sum(c[k] for k in (*ended, "stale_regenerated"))
     assert c["episodes"] == 8 * (c["groups_admitted"] - c["running"])
