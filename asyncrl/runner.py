@@ -683,7 +683,7 @@ async def run_job(
         if held_out is not None:
             job.evaluator = Evaluator(cfg, ctl, *held_out, job.eval_row)
         async with ctl:
-            if job.evaluator is not None:
+            if job.evaluator is not None and state is None:  # a resumed run: trained already
                 job.evaluator.start()
             if state is not None:
                 resumed = {"from_step": state.step, **ctl.resumed}

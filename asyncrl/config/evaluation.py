@@ -12,7 +12,7 @@ class EvalConfig(_Section, frozen=True):
     the same engines beside training, never blocks it, never counts toward staleness and never
     trains; its metrics go to metrics.jsonl as one row with ``eval/...`` keys."""
     before_train: bool = False
-    """Evaluate the initial weights (version 0) before the first step's batch is trained."""
+    """Evaluate the initial weights (version 0) as training starts (not on a resumed run)."""
     at_end: bool = False
     """Evaluate the final weights once the last step is trained."""
     path: str = ""
