@@ -47,6 +47,7 @@ def load_run(run_dir: str | Path) -> Run:
     if not metrics.is_file():
         raise ValueError(f"{metrics} not found (is {path} a run folder?)")
     rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if "eval/reward_mean" not in r]  # eval rows: not training steps
     if not rows:
         raise ValueError(f"{metrics} has no steps yet")
     events: list[dict] = []

@@ -44,6 +44,7 @@ from asyncrl.controllers import checkpoints as ckpts
 from asyncrl.controllers import episode as episode_api
 from asyncrl.controllers.controller import Batch, Controller
 from asyncrl.controllers.episode import Sample, single_turn
+from asyncrl.controllers.evaluation import Evaluator, eval_samples
 from asyncrl.controllers.membership import EngineSet
 from asyncrl.controllers.restarts import RestartBudget
 from asyncrl.controllers.state import ControllerState
@@ -156,6 +157,7 @@ class _Run:
         self.sinks: list[Any] = []  # TensorBoard / W&B (asyncrl.sinks), when enabled
         self.progress = None if quiet else Progress(cfg.controller.total_steps)
         self.startup_s = cfg.rollout.startup_timeout_s or 120.0  # set from the model: run_job
+        self.evaluator: Evaluator | None = None  # [eval] on: asyncrl.controllers.evaluation
 
     def record_pids(self) -> None:
         """processes.json (name -> pid), placement.json (name -> node address), engines.json
@@ -355,6 +357,8 @@ class _Run:
                 trace.get().instant("step done", "controller", {"step": msg.step})
                 if msg.version > ctl.staleness.version:  # a retrained step: already announced
                     await ctl.set_version(msg.version)
+                    if self.evaluator is not None:
+                        self.evaluator.version(msg.version)
                 self.log_step(msg, ctl)
 
     def trainer_failure(self, why: str) -> None:
@@ -463,6 +467,7 @@ class _Run:
             "response_tokens": sum(len(t.response_ids) for t in batch.trajectories),
             "weight_version": msg.version,
             "num_samples": len(batch.trajectories),
+            "filtered_groups": batch.filtered,
             "sample_ids": [getattr(x, "id", None) for x in batch.samples],
             "wall_s": time.perf_counter() - self.t0,
             "controller_s": time.perf_counter() - self.t_controller,
@@ -478,6 +483,15 @@ class _Run:
         log_row(self.sinks, row)
         if self.progress is not None:
             self.progress.update(row)
+
+    def eval_row(self, row: dict[str, Any]) -> None:
+        """An eval's metrics: one metrics.jsonl row (``step`` = the version asked for); the
+        sinks get it at the newest step logged (W&B takes steps in order only)."""
+        row["wall_s"] = time.perf_counter() - self.t0
+        with open(self.run_dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+        newest = max([row["step"], *(r["step"] for r in self.rows[-1:])])
+        log_row(self.sinks, {**row, "step": newest})
 
     def cpu_times(self) -> dict[str, float]:
         """CPU seconds used so far by this process and each child (Linux /proc; else empty)."""
@@ -640,6 +654,7 @@ async def run_job(
             sampling = {"max_new_tokens": cfg.generation_budget()}
             episode = single_turn(task.reward, cfg.controller.inline_reward_s)
             samples = task.samples()
+        held_out = eval_samples(cfg, model_path) if cfg.eval.enabled else None
         urls = list(cfg.rollout.urls) or launcher.start_engines(model_path)
         job.engines = EngineSet(cfg, launcher, urls, job.record_recovery)
         job.engines.startup_s = job.startup_s
@@ -670,7 +685,11 @@ async def run_job(
             gateway.attach(ctl)
             url = await gateway.start()
             (run_dir / "gateway.json").write_text(json.dumps({"url": url}))
+        if held_out is not None:
+            job.evaluator = Evaluator(cfg, ctl, *held_out, job.eval_row)
         async with ctl:
+            if job.evaluator is not None and state is None:  # a resumed run: trained already
+                job.evaluator.start()
             if state is not None:
                 resumed = {"from_step": state.step, **ctl.resumed}
                 (run_dir / "resumed.json").write_text(json.dumps(resumed))
@@ -681,8 +700,12 @@ async def run_job(
                 job.dispatch(ctl, chan, stop_event),
                 job.watchdog(ctl, chan),
             )
+            if job.evaluator is not None:
+                await job.evaluator.finish(ctl.staleness.version)
         return job.rows
     finally:
+        if job.evaluator is not None:
+            await job.evaluator.close()
         if gateway is not None:
             await gateway.close()
         told = False

@@ -87,6 +87,11 @@ PY
   fi
 }
 vllm_deps 0.33.0
+# verl's and TRL's loss and advantage code, for tests/algorithms/test_reference.py (which loads
+# the functions it compares against one by one from these files: importing either package
+# needs omegaconf, tensordict, datasets and more that asyncrl does not)
+unpack_source verl 0.9.1 verl/trainer/ppo/core_algos.py
+unpack_source trl 1.16.0 trl/trainer/grpo_trainer.py
 # The packages (a function, run below): skipped when this set-up already ran with this very
 # pyproject.toml and setup.sh into this .venv (pip's resolver alone takes ~10 s, paid by every
 # `bash scripts/test`); ASYNCRL_SETUP=force runs them anyway. A new .venv always runs them.

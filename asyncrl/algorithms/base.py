@@ -35,6 +35,7 @@ from asyncrl.engines.train.base import (
 from asyncrl.transports.experience.types import Trajectory
 
 __all__ = [
+    "CRITIC_FREE",
     "Algorithm",
     "EngineFactory",
     "PolicyUpdate",
@@ -43,6 +44,9 @@ __all__ = [
     "objective_for",
     "seqs_from_trajs",
 ]
+
+CRITIC_FREE = ("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+"""``algo.name`` values trained by :class:`~asyncrl.algorithms.grpo.GRPO` (no critic)."""
 
 EngineFactory = Callable[[Role, RunConfig], TrainerEngine]
 """``build(role, config)`` -> a train engine; role ``"actor"`` (also the reference) or
@@ -64,7 +68,7 @@ class Algorithm(Protocol):
 
 def make_algorithm(cfg: RunConfig, build: EngineFactory) -> Algorithm:
     """The one factory of algorithms: chooses from ``cfg.algo.name``; builds the engines."""
-    if cfg.algo.name == "grpo":
+    if cfg.algo.name in CRITIC_FREE:
         from asyncrl.algorithms.grpo import GRPO
 
         return GRPO(cfg, build)
@@ -72,7 +76,8 @@ def make_algorithm(cfg: RunConfig, build: EngineFactory) -> Algorithm:
         from asyncrl.algorithms.ppo import PPO
 
         return PPO(cfg, build)
-    raise ValueError(f"unknown algo.name {cfg.algo.name!r} (allowed: 'grpo', 'ppo')")
+    allowed = ", ".join(repr(n) for n in (*CRITIC_FREE, "ppo"))
+    raise ValueError(f"unknown algo.name {cfg.algo.name!r} (allowed: {allowed})")
 
 
 def correction_band(algo: AlgoConfig) -> tuple[float, float]:
@@ -91,17 +96,52 @@ def objective_for(cfg: RunConfig) -> Objective:
     return "decoupled" if cfg.controller.max_staleness > 0 else "on-policy"
 
 
-def seqs_from_trajs(trajs: Sequence[Trajectory]) -> list[Seq]:
-    """Trainer sequences with per-token ``behav`` and ``mask`` fields (advantages added later)."""
+def overlong_penalty(
+    lengths: torch.Tensor, budget: int, buffer: int, factor: float = 1.0
+) -> torch.Tensor:
+    """DAPO's soft overlong punishment (Yu et al. 2025, arXiv 2503.14476, eq. 13; verl 0.9.1
+    ``verl/workers/reward_manager/dapo.py:121-127``): ``min(-(L - (budget - buffer)) / buffer
+    * factor, 0)`` for responses of ``lengths`` tokens; 0 when ``buffer`` is 0."""
+    if buffer <= 0:
+        return torch.zeros(len(lengths))
+    if buffer > budget:
+        raise ValueError(
+            f"algo.overlong_buffer_len ({buffer}) exceeds the generation budget ({budget} "
+            "tokens: rollout.max_new_tokens or the task's)"
+        )
+    exceed = lengths.to(torch.float32) - (budget - buffer)
+    return torch.clamp(-exceed / buffer * factor, max=0.0)
+
+
+def shaped_rewards(trajs: Sequence[Trajectory], algo: AlgoConfig, budget: int) -> torch.Tensor:
+    """The rewards the advantages are computed from: each trajectory's ``reward`` plus
+    :func:`overlong_penalty` of its response length (``algo.overlong_buffer_len``)."""
+    rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
+    lengths = torch.tensor([len(t.response_ids) for t in trajs])
+    return rewards + overlong_penalty(
+        lengths, budget, algo.overlong_buffer_len, algo.overlong_penalty_factor
+    )
+
+
+def truncated(traj: Trajectory) -> bool:
+    """Whether ``traj``'s response hit its token budget (its last generation's finish reason
+    was ``length``: ``metadata["truncated"]``, set by ``ctx.trajectory``)."""
+    return bool(traj.metadata.get("truncated", False))
+
+
+def seqs_from_trajs(trajs: Sequence[Trajectory], mask_truncated: bool = False) -> list[Seq]:
+    """Trainer sequences with per-token ``behav`` and ``mask`` fields (advantages added later).
+    ``mask_truncated``: a truncated response's mask is all zeros (out of loss and normaliser)."""
     seqs = []
     for t in trajs:
         ids = torch.from_numpy(t.prompt_ids.astype("int64"))
         resp = torch.from_numpy(t.response_ids.astype("int64"))
+        mask = torch.from_numpy(t.loss_mask.astype("float32"))
         fields = {
             # a ring's read-only view is copied (it is reused after the ack); a frame's or an
             # episode's own writable array is wrapped as it is
             "behav": torch.from_numpy(_own(t.behav_logprobs)),
-            "mask": torch.from_numpy(t.loss_mask.astype("float32")),
+            "mask": mask * 0.0 if mask_truncated and truncated(t) else mask,
         }
         seqs.append(Seq(input_ids=torch.cat([ids, resp]), prompt_len=len(ids), fields=fields))
     return seqs
@@ -176,7 +216,7 @@ class PolicyUpdate:
         self.budget = budget  # max response tokens, the constant of token-sum-norm
         self.loss = PolicyLoss(
             objective_for(cfg),
-            a.clip_eps,
+            a.clip_range()[0],
             a.behav_imp_weight_cap,
             a.loss_agg,
             a.kl_coef,
@@ -185,6 +225,10 @@ class PolicyUpdate:
             a.behav_correction,
             correction_band(a),
             a.behav_reject_norm,
+            policy=a.policy_loss,
+            clip_high=a.clip_range()[1],
+            clip_ratio_c=a.clip_ratio_c,
+            tau=(a.sapo_tau_pos, a.sapo_tau_neg),
         )
 
     def run(self, step: int, seqs: list[Seq]) -> dict[str, float]:
@@ -192,6 +236,8 @@ class PolicyUpdate:
         if self.ref is not None:
             for s, lp in zip(seqs, self.ref.forward_batch(seqs), strict=True):
                 s.fields["ref"] = lp.float().cpu()
+        if a.top_entropy_quantile < 1:
+            keep_top_entropy(seqs, self.actor.forward_batch(seqs, output="entropy"), a)
         several = a.epochs * a.num_minibatches > 1
         if (several or self.loss.needs_prox) and self.loss.objective != "naive":
             for s, lp in zip(seqs, self.actor.forward_batch(seqs), strict=True):
@@ -206,12 +252,35 @@ class PolicyUpdate:
         return out
 
     def _set_scale(self, mb: list[Seq]) -> None:
-        if self.cfg.algo.loss_agg != "token-sum-norm":
+        agg = self.cfg.algo.loss_agg
+        if agg not in ("token-sum-norm", "seq-mean-token-sum"):
             return
-        tokens, n = all_reduce_floats(
-            sum(float(self.loss.trained_mask(s).sum()) for s in mb), float(len(mb))
-        )
-        self.loss.scale = tokens / max(n * self.budget, 1.0)
+        masks = [self.loss.trained_mask(s) for s in mb]
+        if agg == "token-sum-norm":
+            tokens, n = all_reduce_floats(sum(float(m.sum()) for m in masks), float(len(mb)))
+            self.loss.scale = tokens / max(n * self.budget, 1.0)
+        else:  # token sum over the sequences that have trained tokens (verl's seq_mask)
+            tokens, n = all_reduce_floats(
+                sum(float(m.sum()) for m in masks), float(sum(bool(m.any()) for m in masks))
+            )
+            self.loss.scale = tokens / max(n, 1.0)
+
+
+def keep_top_entropy(
+    seqs: Sequence[Seq], entropies: Sequence[torch.Tensor], algo: AlgoConfig
+) -> None:
+    """Set each sequence's ``entropy_keep`` field: 1.0 on the trained tokens whose entropy is
+    at least the ``1 - algo.top_entropy_quantile`` quantile of the trained tokens of ``seqs``
+    (this rank's batch; TRL's ``get_high_entropy_mask``), 0.0 elsewhere."""
+    masks = [s.fields["mask"] > 0 for s in seqs]
+    trained = torch.cat([e.float().cpu()[m] for e, m in zip(entropies, masks, strict=True)])
+    if trained.numel() == 0:
+        for s in seqs:
+            s.fields["entropy_keep"] = torch.zeros(s.response_len)
+        return
+    threshold = torch.quantile(trained, 1 - algo.top_entropy_quantile)
+    for s, e, m in zip(seqs, entropies, masks, strict=True):
+        s.fields["entropy_keep"] = ((e.float().cpu() >= threshold) & m).float()
 
 
 def adv_stats(adv: torch.Tensor, mask: torch.Tensor, prefix: str = "adv") -> dict[str, float]:

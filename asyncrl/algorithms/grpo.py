@@ -1,9 +1,12 @@
-"""GRPO: group-relative advantages, no critic; the (decoupled) PPO token loss on the actor.
+"""Critic-free algorithms: GRPO, RLOO, REINFORCE++ and REINFORCE++-baseline (``algo.name``),
+then the policy loss (``algo.policy_loss``) on the actor.
 
-Every response token of a sequence gets its sequence's advantage: reward minus
-the mean reward of its group (same prompt), divided by the group's std when
-``algo.norm_adv_by_std``. With std-normalisation off and ``loss_agg =
-"token-sum-norm"`` this is Dr.GRPO's unbiased form.
+GRPO: every response token of a sequence gets its sequence's advantage: reward minus
+the mean reward of its group (same prompt), divided by a std (``algo.scale_rewards``:
+the group's, the batch's, none). With no scaling and ``loss_agg = "token-sum-norm"``
+this is Dr.GRPO's unbiased form. RLOO: reward minus the mean of the group's other
+samples. REINFORCE++: the discounted return of each trained token, whitened over the
+batch; -baseline: reward minus its group's mean, whitened over the batch's trained tokens.
 """
 
 from __future__ import annotations
@@ -12,8 +15,22 @@ from collections.abc import Sequence
 
 import torch
 
-from asyncrl.algorithms.advantages import grpo_advantages
-from asyncrl.algorithms.base import EngineFactory, PolicyUpdate, adv_stats, seqs_from_trajs
+from asyncrl.algorithms.advantages import (
+    grpo_advantages,
+    pad_rows,
+    reinforce_pp_advantages,
+    reinforce_pp_baseline_advantages,
+    rloo_advantages,
+    terminal_rewards,
+)
+from asyncrl.algorithms.base import (
+    EngineFactory,
+    PolicyUpdate,
+    adv_stats,
+    overlong_penalty,
+    seqs_from_trajs,
+    shaped_rewards,
+)
 from asyncrl.config import AlgoConfig, RunConfig
 from asyncrl.engines.train.base import Seq
 from asyncrl.transports.experience.types import Trajectory
@@ -21,19 +38,36 @@ from asyncrl.transports.experience.types import Trajectory
 __all__ = ["GRPO", "build_seqs"]
 
 
-def build_seqs(trajs: Sequence[Trajectory], cfg: AlgoConfig) -> list[Seq]:
-    """Trainer sequences with per-token ``behav``, ``adv`` and ``mask`` fields."""
-    rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
+def build_seqs(trajs: Sequence[Trajectory], cfg: AlgoConfig, budget: int = 0) -> list[Seq]:
+    """Trainer sequences with per-token ``behav``, ``adv`` and ``mask`` fields (``adv`` from
+    ``cfg.name``'s estimator over the batch's trained tokens, after ``mask_truncated``, on the
+    rewards shaped by the overlong penalty over a budget of ``budget`` tokens)."""
+    rewards = shaped_rewards(trajs, cfg, budget)
     groups = torch.tensor([t.group_id for t in trajs], dtype=torch.long)
-    adv = grpo_advantages(rewards, groups, cfg.norm_adv_by_std)
-    seqs = seqs_from_trajs(trajs)
-    for s, a in zip(seqs, adv.tolist(), strict=True):
-        s.fields["adv"] = torch.full((s.response_len,), a, dtype=torch.float32)
+    seqs = seqs_from_trajs(trajs, cfg.mask_truncated)
+    if cfg.name in ("grpo", "rloo"):
+        if cfg.name == "grpo":
+            adv = grpo_advantages(rewards, groups, cfg.grpo_scale())
+        else:
+            adv = rloo_advantages(rewards, groups)
+        for s, a in zip(seqs, adv.tolist(), strict=True):
+            s.fields["adv"] = torch.full((s.response_len,), a, dtype=torch.float32)
+        return seqs
+    mask = pad_rows([s.fields["mask"] for s in seqs])
+    if cfg.name == "reinforce_plus_plus":
+        token_adv = reinforce_pp_advantages(terminal_rewards(rewards, mask), mask, cfg.gamma)
+    elif cfg.name == "reinforce_plus_plus_baseline":
+        token_adv = reinforce_pp_baseline_advantages(rewards, groups, mask)
+    else:
+        raise ValueError(f"algo.name {cfg.name!r} is not a critic-free estimator")
+    for i, s in enumerate(seqs):
+        s.fields["adv"] = token_adv[i, : s.response_len].clone()
     return seqs
 
 
 class GRPO:
-    """GRPO on one actor engine (+ a frozen reference engine when ``algo.kl_coef > 0``)."""
+    """A critic-free algorithm (``algo.name`` in ``CRITIC_FREE``) on one actor engine (+ a
+    frozen reference engine when ``algo.kl_coef > 0``)."""
 
     def __init__(self, cfg: RunConfig, build: EngineFactory):
         self.cfg = cfg
@@ -42,13 +76,21 @@ class GRPO:
         self.policy = PolicyUpdate(cfg, self.actor, ref, cfg.generation_budget())
 
     def train_step(self, step: int, trajs: Sequence[Trajectory]) -> dict[str, float]:
-        seqs = build_seqs(trajs, self.cfg.algo)
+        a = self.cfg.algo
+        seqs = build_seqs(trajs, a, self.policy.budget)
         adv = torch.cat([s.fields["adv"] for s in seqs]) if seqs else torch.zeros(0)
         mask = torch.cat([s.fields["mask"] for s in seqs]) if seqs else torch.zeros(0)
         metrics = adv_stats(adv, mask)
         rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
         metrics["zero_adv_frac"] = _zero_adv_groups(trajs)
         metrics["reward_std"] = float(rewards.std(unbiased=False)) if len(trajs) else 0.0
+        if a.overlong_buffer_len and trajs:
+            lengths = torch.tensor([len(t.response_ids) for t in trajs])
+            pen = overlong_penalty(
+                lengths, self.policy.budget, a.overlong_buffer_len, a.overlong_penalty_factor
+            )
+            metrics["overlong_penalty_mean"] = float(pen.mean())
+            metrics["overlong_frac"] = float((pen < 0).float().mean())
         metrics.update(self.policy.run(step, seqs))
         return metrics
 

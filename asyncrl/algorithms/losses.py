@@ -66,6 +66,7 @@ from asyncrl.engines.train.base import Seq
 __all__ = [
     "Correction",
     "Objective",
+    "PolicyKind",
     "PolicyLoss",
     "RejectNorm",
     "ValueLoss",
@@ -73,7 +74,9 @@ __all__ = [
     "behaviour_weight",
     "entropy_surrogate",
     "kl_k3",
+    "policy_surrogate",
     "ppo_token_loss",
+    "seq_token_mean",
     "value_token_loss",
 ]
 
@@ -83,7 +86,8 @@ on-policy token's weight is 1 within float rounding (engine and trainer kernels 
 ~1e-6 in log-prob), which is no truncation (the clamp itself still applies to it)."""
 
 Objective = Literal["decoupled", "on-policy", "naive"]
-Aggregation = Literal["token-mean", "seq-mean", "token-sum-norm"]
+Aggregation = Literal["token-mean", "seq-mean", "token-sum-norm", "seq-mean-token-sum"]
+PolicyKind = Literal["ppo", "gspo", "cispo", "sapo"]
 Correction = Literal["tis", "mis", "icepop"]
 RejectNorm = Literal["all", "kept"]
 
@@ -119,6 +123,82 @@ def behaviour_weight(
     return rho.clamp(max=cap) * keep, 1.0 - keep
 
 
+def segments(lengths: Sequence[int], device: torch.device) -> torch.Tensor:
+    """The sequence index of every token of sequences of ``lengths``, concatenated."""
+    return torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(list(lengths))).to(
+        device
+    )
+
+
+def seq_token_mean(x: torch.Tensor, lengths: Sequence[int], mask: torch.Tensor) -> torch.Tensor:
+    """Each sequence's mean of ``x`` over its trained tokens (``mask``), on every one of its
+    tokens (0 for a sequence without trained tokens)."""
+    seg = segments(lengths, x.device)
+    m = mask.to(x.dtype)
+    sums = torch.zeros(len(lengths), dtype=x.dtype, device=x.device).index_add_(0, seg, x * m)
+    count = torch.zeros(len(lengths), dtype=x.dtype, device=x.device).index_add_(0, seg, m)
+    return (sums / count.clamp(min=1.0))[seg]
+
+
+def policy_surrogate(
+    logp: torch.Tensor,
+    old: torch.Tensor,
+    adv: torch.Tensor,
+    policy: PolicyKind = "ppo",
+    clip: tuple[float, float] = (0.2, 0.2),
+    clip_ratio_c: float = 0.0,
+    tau: tuple[float, float] = (1.0, 1.05),
+    lengths: Sequence[int] | None = None,
+    mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token policy loss before the off-policy weight, the (detached) ratio it used and
+    where its clip cut the gradient (1.0). ``old``: the log-prob the ratio is taken against;
+    ``clip = (low, high)``: ratio kept in ``[1 - low, 1 + high]``. The formulas (verl 0.9.1
+    ``core_algos.py`` / TRL 1.16 ``GRPOTrainer._compute_loss``, see docs/algorithms.md):
+
+    - ``ppo``: ``-min(r A, clip(r) A)``; dual-clip (``clip_ratio_c > 0``): for ``A < 0`` at most
+      ``-clip_ratio_c * A`` (no gradient beyond it).
+    - ``gspo``: the same on ``s = exp(sg(mean_seq log r) + logp - sg(logp))``: the sequence's
+      geometric-mean ratio as value, each token's own score as gradient (log ``s`` clamped at
+      10, as verl). ``lengths`` and ``mask`` (trained tokens) define the sequences.
+    - ``cispo``: ``-sg(clip(r)) * A * logp`` (the clipped ratio only weighs the score).
+    - ``sapo``: ``-g(r) A`` with the gate ``g(r) = sigmoid(tau (r - 1)) * 4 / tau``, ``tau =
+      tau[0]`` where ``A > 0``, else ``tau[1]``.
+
+    ``cispo`` and ``sapo`` clamp ``log r`` to ``[-20, 20]`` first, as verl does.
+    """
+    lo, hi = clip
+    if policy == "gspo":
+        n = [len(logp)] if lengths is None else lengths
+        m = torch.ones_like(logp) if mask is None else mask
+        seq = seq_token_mean((logp - old).detach(), n, m)
+        ratio = torch.exp(torch.clamp(logp - logp.detach() + seq, max=10.0))
+    elif policy == "ppo":
+        ratio = torch.exp(logp - old)
+    else:
+        ratio = torch.exp(torch.clamp(logp - old, min=-20.0, max=20.0))
+    if policy in ("ppo", "gspo"):
+        unclipped = ratio * adv
+        clipped = ratio.clamp(1 - lo, 1 + hi) * adv
+        loss = -torch.minimum(unclipped, clipped)
+        cut = clipped < unclipped
+        if clip_ratio_c > 0:
+            over = (adv < 0) & (loss > -clip_ratio_c * adv)
+            loss = torch.where(over, -clip_ratio_c * adv, loss)
+            cut = cut | over
+    elif policy == "cispo":
+        weight = ratio.clamp(1 - lo, 1 + hi).detach()
+        loss = -weight * adv * logp
+        cut = weight != ratio.detach()
+    elif policy == "sapo":
+        t = torch.where(adv > 0, tau[0], tau[1]).to(ratio.dtype)
+        loss = -torch.sigmoid(t * (ratio - 1.0)) * (4.0 / t) * adv
+        cut = torch.zeros_like(adv, dtype=torch.bool)
+    else:
+        raise ValueError(f"unknown policy loss {policy!r} (allowed: ppo, gspo, cispo, sapo)")
+    return loss, ratio.detach(), cut.float().detach()
+
+
 def ppo_token_loss(
     logp: torch.Tensor,
     behav: torch.Tensor,
@@ -132,8 +212,14 @@ def ppo_token_loss(
     band: tuple[float, float] = (0.5, 2.0),
     lengths: Sequence[int] | None = None,
     mask: torch.Tensor | None = None,
+    policy: PolicyKind = "ppo",
+    clip_high: float | None = None,
+    clip_ratio_c: float = 0.0,
+    tau: tuple[float, float] = (1.0, 1.05),
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Per-token clipped surrogate loss (shape of ``logp``) and detached per-token diagnostics.
+    """Per-token policy loss (shape of ``logp``) and detached per-token diagnostics: the
+    :func:`policy_surrogate` of ``policy`` (clip range ``[1 - clip_eps, 1 + clip_high]``,
+    ``clip_high`` None: ``clip_eps``) times the off-policy weight.
 
     ``decoupled=True``: ratio vs ``prox`` (default ``logp.detach()``), weighted by
     :func:`behaviour_weight` of ``exp(prox - behav)`` (``correction``, ``cap``, ``band``;
@@ -169,13 +255,14 @@ def ppo_token_loss(
         truncated = torch.zeros_like(logp)
         behav_clipped = torch.zeros_like(logp)
         rejected = torch.zeros_like(logp)
-    ratio = torch.exp(logp - old)
-    unclipped = ratio * adv
-    clipped = ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv
-    loss = -weight * torch.minimum(unclipped, clipped)
+    high = clip_eps if clip_high is None else clip_high
+    surrogate, ratio, cut = policy_surrogate(
+        logp, old, adv, policy, (clip_eps, high), clip_ratio_c, tau, lengths, mask
+    )
+    loss = weight * surrogate
     info = {
-        "ratio": ratio.detach(),
-        "clipped": (clipped < unclipped).float().detach(),
+        "ratio": ratio,
+        "clipped": cut,
         "imp_weight": raw,
         "truncated": truncated,
         "behav_clipped": behav_clipped.detach(),
@@ -218,7 +305,8 @@ def value_token_loss(
 def aggregation_weight(mask: torch.Tensor, agg: Aggregation) -> torch.Tensor:
     """Token weights of one sequence for the engine's ``sum(loss * w) / sum(w)`` reduction.
 
-    ``token-mean`` and ``token-sum-norm``: the mask (the latter rescales the loss itself);
+    ``token-mean``, ``token-sum-norm`` and ``seq-mean-token-sum``: the mask (the latter two
+    rescale the loss itself, :attr:`PolicyLoss.scale`);
     ``seq-mean``: mask / trained tokens, so every sequence weighs 1.
     """
     if agg == "seq-mean":
@@ -234,13 +322,17 @@ def _cat(mb: Sequence[Seq], name: str, device: torch.device) -> torch.Tensor:
 class PolicyLoss:
     """The actor's LossFn: clipped surrogate (+ KL to reference, - entropy bonus).
 
-    Reads per-sequence fields ``behav``, ``adv``, ``mask`` and optionally ``prox`` and
-    ``ref``. ``correction`` and ``band`` (that correction's band): the off-policy correction
-    of the ``decoupled`` and ``on-policy`` objectives (:func:`behaviour_weight`);
+    Reads per-sequence fields ``behav``, ``adv``, ``mask`` and optionally ``prox``, ``ref``
+    and ``entropy_keep`` (1.0 on the tokens top-entropy selection keeps: the others' loss is
+    zeroed, they stay in the normaliser). ``policy``, ``clip_high``, ``clip_ratio_c`` and
+    ``tau``: the policy loss of :func:`policy_surrogate`. ``correction`` and ``band`` (that
+    correction's band): the off-policy correction of the ``decoupled`` and ``on-policy``
+    objectives (:func:`behaviour_weight`);
     ``reject_norm``: whether a token it rejects stays in the normaliser (``all``) or leaves
     it (``kept``: then every sequence needs its ``prox`` field, see :attr:`needs_prox`).
     ``scale`` multiplies the loss (``token-sum-norm`` sets it per step to counted tokens /
-    (sequences x max length)). Stats are sums over trained tokens;
+    (sequences x max length), ``seq-mean-token-sum`` to counted tokens / sequences). Stats
+    are sums over trained tokens;
     ``extrema`` keeps the step's min/max importance weight and ratio (reset by the caller).
     """
 
@@ -256,8 +348,16 @@ class PolicyLoss:
         correction: Correction = "tis",
         band: tuple[float, float] = (0.5, 2.0),
         reject_norm: RejectNorm = "all",
+        policy: PolicyKind = "ppo",
+        clip_high: float | None = None,
+        clip_ratio_c: float = 0.0,
+        tau: tuple[float, float] = (1.0, 1.05),
     ):
         self.objective = objective
+        self.policy: PolicyKind = policy
+        self.clip_high = clip_high
+        self.clip_ratio_c = clip_ratio_c
+        self.tau = tau
         self.correction: Correction = correction
         self.band = band
         self.reject_norm: RejectNorm = reject_norm
@@ -307,7 +407,11 @@ class PolicyLoss:
         loss, info = ppo_token_loss(
             logp, behav, adv, prox, self.clip_eps, self.cap, corrected,
             trust, self.correction, self.band, lengths, mask,
+            self.policy, self.clip_high, self.clip_ratio_c, self.tau,
         )  # fmt: skip
+        if all("entropy_keep" in s.fields for s in mb):  # top-entropy token selection
+            keep = cat("entropy_keep")
+            loss = loss * keep
         old = behav if self.objective == "naive" else prox  # what the ratio is taken against
         stats = {
             "pg_loss_sum": (loss.detach() * mask).sum(),
@@ -324,6 +428,8 @@ class PolicyLoss:
             "mismatch_k3_kl_sum": (kl_k3(behav, prox).clamp(min=0.0) * mask).sum(),
             "entropy_sum": (-logp.detach() * mask).sum(),
         }
+        if all("entropy_keep" in s.fields for s in mb):
+            stats["entropy_kept_frac_sum"] = (keep * mask).sum()
         if self.kl_coef > 0:
             kl = kl_k3(logp, cat("ref"))
             loss = loss + self.kl_coef * kl

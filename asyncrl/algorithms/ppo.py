@@ -18,6 +18,7 @@ from asyncrl.algorithms.advantages import (
     explained_variance,
     gae_advantages,
     masked_whiten,
+    pad_rows,
     terminal_rewards,
 )
 from asyncrl.algorithms.base import (
@@ -27,6 +28,7 @@ from asyncrl.algorithms.base import (
     per_token,
     run_updates,
     seqs_from_trajs,
+    shaped_rewards,
 )
 from asyncrl.algorithms.losses import ValueLoss
 from asyncrl.config import RunConfig
@@ -42,15 +44,6 @@ def critic_config(cfg: RunConfig) -> RunConfig:
         return cfg
     trainer = msgspec.structs.replace(cfg.trainer, lr=cfg.algo.critic_lr)
     return msgspec.structs.replace(cfg, trainer=trainer)
-
-
-def pad_rows(rows: Sequence[torch.Tensor]) -> torch.Tensor:
-    """(B, T) float32, right-padded with zeros."""
-    width = max((len(r) for r in rows), default=0)
-    out = torch.zeros((len(rows), width), dtype=torch.float32)
-    for i, r in enumerate(rows):
-        out[i, : len(r)] = r.float().cpu()
-    return out
 
 
 class PPO:
@@ -86,8 +79,8 @@ class PPO:
         return metrics
 
     def train_step(self, step: int, trajs: Sequence[Trajectory]) -> dict[str, float]:
-        seqs = seqs_from_trajs(trajs)
-        rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
+        seqs = seqs_from_trajs(trajs, self.cfg.algo.mask_truncated)
+        rewards = shaped_rewards(trajs, self.cfg.algo, self.policy.budget)
         metrics = self.advantages(seqs, rewards)
         gen = torch.Generator().manual_seed(self.cfg.seed * 100_003 + step + 7)
         vstats = run_updates(self.critic, seqs, self.value_loss, self.cfg.algo, gen)

@@ -17,6 +17,7 @@ in Python; non-finite floats are refused everywhere.
 
 from __future__ import annotations
 
+from asyncrl.config.evaluation import EvalConfig
 from asyncrl.config.gateway import GatewayConfig
 from asyncrl.config.load import load_config, to_dict
 from asyncrl.config.lora import LoraConfig
@@ -70,6 +71,7 @@ __all__ = [
     "CollectiveWeightsConfig",
     "ControllerConfig",
     "CudaIpcWeightsConfig",
+    "EvalConfig",
     "ExperienceConfig",
     "GatewayConfig",
     "GlooWeightsConfig",

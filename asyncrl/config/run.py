@@ -7,6 +7,7 @@ from typing import Annotated, Final, Literal
 import msgspec
 
 from asyncrl.config.base import NonNegative, NonNegativeFloat, Positive, PositiveFloat, _Section
+from asyncrl.config.evaluation import EvalConfig
 from asyncrl.config.gateway import GatewayConfig
 from asyncrl.config.lora import LoraConfig
 from asyncrl.config.rollout import (
@@ -348,6 +349,8 @@ class RunConfig(_Section, frozen=True):
     """The OpenAI-compatible gateway agent runs use (docs/agents.md)."""
     lora: LoraConfig = msgspec.field(default_factory=LoraConfig)
     """Train a LoRA adapter instead of the whole model, pushed adapter-only."""
+    eval: EvalConfig = msgspec.field(default_factory=EvalConfig)
+    """Evaluation during training: held-out prompts, how often, how (docs/algorithms.md)."""
     run_dir: str = ""
     """Output folder (metrics.jsonl, config.json, logs). Empty: a new folder under ``runs/``."""
     seed: int = 0

@@ -67,15 +67,28 @@ class TrainerConfig(_Section, frozen=True):
 
 
 class AlgoConfig(_Section, frozen=True):
-    name: Literal["grpo", "ppo"] = "grpo"
-    """RL algorithm. ``grpo``: group-relative advantages, no critic. ``ppo``: a critic (value
-    model from the same checkpoint) and GAE advantages."""
+    name: Literal["grpo", "ppo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"] = (
+        "grpo"
+    )
+    """RL algorithm, i.e. its advantage estimator (verl's ``algorithm.adv_estimator`` names).
+    ``grpo``: group-relative advantages (``scale_rewards``), no critic. ``ppo``: a critic (value
+    model from the same checkpoint) and GAE advantages. ``rloo``: reward minus the mean of the
+    other samples of its group (RLOO). ``reinforce_plus_plus``: discounted return (``gamma``)
+    whitened over the batch's trained tokens (REINFORCE++). ``reinforce_plus_plus_baseline``:
+    reward minus its group's mean, whitened over the batch's trained tokens. The last three
+    need no critic. See docs/algorithms.md."""
     group_size: Positive = 8
     """Samples per prompt (GRPO group; PPO samples each prompt this many times too)."""
     clip_eps: PositiveFloat = 0.2
     """PPO clip range of the surrogate objective."""
     norm_adv_by_std: bool = True
-    """GRPO: divide group-centred advantages by the group's std (off = Dr.GRPO's unbiased form)."""
+    """GRPO: divide group-centred advantages by a std (``scale_rewards`` says which); off is
+    ``scale_rewards = "none"`` (Dr.GRPO's unbiased form)."""
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """GRPO: the std the group-centred advantages are divided by (TRL's ``scale_rewards``):
+    ``group`` (the group's), ``batch`` (the std of the rank's whole batch of rewards, Lite
+    PPO), ``none`` (no scaling, Dr.GRPO). Sample (Bessel) std, as verl and TRL. Only
+    ``algo.name = "grpo"`` uses it; ``norm_adv_by_std = false`` means ``none``."""
     behav_imp_weight_cap: Annotated[float, msgspec.Meta(ge=1, le=_MAX)] = 1.0
     """Cap of the importance weight proximal/behaviour (>= 1). 1 (V-trace style) only
     down-weights tokens the policy has moved away from and never amplifies stale ones."""
@@ -84,10 +97,62 @@ class AlgoConfig(_Section, frozen=True):
     the start of the step), weighted by the truncated ratio proximal/behaviour. Used when
     ``controller.max_staleness > 0``; at 0 the plain on-policy objective is used. ``False``:
     naive PPO clipped against the behaviour policy (the ablation)."""
-    loss_agg: Literal["token-mean", "seq-mean", "token-sum-norm"] = "token-mean"
+    loss_agg: Literal["token-mean", "seq-mean", "token-sum-norm", "seq-mean-token-sum"] = (
+        "token-mean"
+    )
     """Loss aggregation. ``token-mean``: mean over every trained token of the batch;
     ``seq-mean``: mean over sequences of each sequence's token mean; ``token-sum-norm``:
-    token sum over (sequences x max_new_tokens), Dr.GRPO's length-unbiased constant norm."""
+    token sum over (sequences x max_new_tokens), Dr.GRPO's length-unbiased constant norm;
+    ``seq-mean-token-sum``: token sum over sequences (verl's name; with ``policy_loss =
+    "gspo"`` this is LUSPO, TRL's ``loss_type = "luspo"``)."""
+    policy_loss: Literal["ppo", "gspo", "cispo", "sapo"] = "ppo"
+    """The policy loss (verl's ``policy_loss.loss_mode``). ``ppo``: the clipped surrogate
+    (``clip_eps``/``clip_eps_low``/``clip_eps_high``, dual-clip ``clip_ratio_c``). ``gspo``: the
+    same clip on the sequence-level ratio ``exp(mean_t log ratio)`` (GSPO). ``cispo``: the
+    detached clipped ratio times the advantage times the log-prob (CISPO). ``sapo``: a smooth
+    sigmoid gate of the ratio instead of a clip (``sapo_tau_pos/neg``; SAPO; needs
+    ``loss_agg = "seq-mean"``). Each is weighted by the off-policy correction
+    (``behav_correction``) token by token. See docs/algorithms.md."""
+    clip_eps_low: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.0
+    """Lower clip range (ratio >= 1 - this) of ``ppo``, ``gspo`` and ``cispo``; 0: ``clip_eps``.
+    1 removes the lower bound (TRL's CISPO clips only from above)."""
+    clip_eps_high: NonNegativeFloat = 0.0
+    """Upper clip range (ratio <= 1 + this), "clip-higher" (DAPO: 0.28); 0: ``clip_eps``. For
+    ``cispo`` TRL's ``epsilon_high`` (an absolute bound, 5 recommended) is 1 + this."""
+    clip_ratio_c: NonNegativeFloat = 0.0
+    """Dual-clip PPO (Ye et al. 2020; verl's ``clip_ratio_c``): for a negative advantage the
+    token loss is at most ``-clip_ratio_c * A``. 0 disables it (verl's default is 3); else
+    > 1. Only ``policy_loss = "ppo"``."""
+    sapo_tau_pos: PositiveFloat = 1.0
+    """``sapo``: gate temperature of tokens with a positive advantage (verl/TRL default 1)."""
+    sapo_tau_neg: PositiveFloat = 1.05
+    """``sapo``: gate temperature of the other tokens (verl/TRL default 1.05)."""
+    mask_truncated: bool = False
+    """Leave responses that hit the token budget (finish reason ``length``) out of the loss
+    and its normaliser (DAPO's overlong filtering; TRL's ``mask_truncated_completions``).
+    Their rewards still count in the group baselines."""
+    overlong_buffer_len: NonNegative = 0
+    """DAPO's overlong reward shaping: a response longer than ``max_new_tokens - this`` loses
+    ``(length - (max_new_tokens - this)) / this * overlong_penalty_factor`` of reward, linearly
+    up to the budget (verl's ``overlong_buffer.len``; the trainer shapes the reward the
+    advantage is computed from, the logged ``reward_mean`` stays the task's). 0: off."""
+    overlong_penalty_factor: NonNegativeFloat = 1.0
+    """DAPO's overlong shaping: the penalty at the budget (verl's
+    ``overlong_buffer.penalty_factor``)."""
+    filter_groups: bool = False
+    """DAPO's dynamic sampling in the controller: a finished group whose rewards are all equal
+    (no signal for a group baseline) is dropped before it reaches the trainer; its staleness
+    slot is released, so admission refills the batch from running and new groups. Counted per
+    step as ``filtered_groups`` (verl's ``algorithm.filter_groups``, metric ``acc``/reward)."""
+    filter_max_groups: NonNegative = 0
+    """Dynamic sampling's cap: at most this many groups are dropped per step (verl's
+    ``max_num_gen_batches``, in groups); past it the step takes uniform groups too rather than
+    make the trainer wait longer. 0: ``10 x controller.batch_size``."""
+    top_entropy_quantile: Fraction = 1.0
+    """Keep in the policy loss only the tokens whose entropy is in this top quantile of the
+    rank's batch (Wang et al. 2025, "Beyond the 80/20 rule": 0.2; TRL's
+    ``top_entropy_quantile``); the others stay in the normaliser as zeros. 1 keeps all (no
+    extra pass); below 1 costs one no-grad forward pass per step for the entropies."""
     epochs: Positive = 1
     """Passes over each batch (the proximal policy is recomputed first when > 1 update)."""
     num_minibatches: Positive = 1
@@ -148,3 +213,38 @@ class AlgoConfig(_Section, frozen=True):
     ratio is already above ``1 + this`` (positive advantage) or below ``1 - this`` (negative)
     gets no gradient, so stale samples do not push tokens the intervening updates already
     moved. 0 disables it. No effect on the ``on-policy`` (staleness 0) and ``naive`` objectives."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.clip_ratio_c and self.clip_ratio_c <= 1:
+            raise ValueError(
+                f"algo.clip_ratio_c ({self.clip_ratio_c}) must be > 1 (dual-clip bound) or 0 (off)"
+            )
+        if self.clip_ratio_c and self.policy_loss != "ppo":
+            raise ValueError(
+                f"algo.clip_ratio_c (dual-clip) applies to algo.policy_loss='ppo' only, not "
+                f"{self.policy_loss!r}: the bound is defined on the clipped token surrogate "
+                "(verl's gspo/cispo/sapo losses ignore it); set algo.clip_ratio_c=0"
+            )
+        if self.policy_loss == "sapo" and self.loss_agg != "seq-mean":
+            raise ValueError(
+                f"algo.policy_loss='sapo' aggregates per sequence (verl and TRL fix it): set "
+                f"algo.loss_agg='seq-mean' (got {self.loss_agg!r})"
+            )
+        if self.scale_rewards != "group" and not self.norm_adv_by_std:
+            raise ValueError(
+                "algo.norm_adv_by_std=false is algo.scale_rewards='none'; set one of them only"
+            )
+        if self.scale_rewards != "group" and self.name != "grpo":
+            raise ValueError(
+                f"algo.scale_rewards={self.scale_rewards!r} applies to algo.name='grpo' only, "
+                f"not {self.name!r} (its estimator fixes its own normalisation)"
+            )
+
+    def grpo_scale(self) -> Literal["group", "batch", "none"]:
+        """The effective ``scale_rewards`` (``none`` when ``norm_adv_by_std`` is off)."""
+        return self.scale_rewards if self.norm_adv_by_std else "none"
+
+    def clip_range(self) -> tuple[float, float]:
+        """``(low, high)`` clip ranges: ``clip_eps_low/high``, or ``clip_eps`` where 0."""
+        return (self.clip_eps_low or self.clip_eps, self.clip_eps_high or self.clip_eps)

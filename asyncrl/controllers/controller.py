@@ -36,9 +36,10 @@ continues from one: counters, data position, ready groups, and running groups wh
 episodes replay their generate journals (kept tokens are not generated again).
 
 Accounting (``stats()``): every admitted group ends in exactly one of trained,
-rejected, failed, stale_dropped, stale_regenerated (re-queued as a new group), or
-is still running / ready — ``admitted == trained + ready + running + rejected +
-failed + stale_dropped + stale_regenerated`` holds at every await point.
+rejected, failed, stale_dropped, stale_regenerated (re-queued as a new group), filtered
+(``algo.filter_groups``: all rewards equal), or is still running / ready — ``admitted ==
+trained + ready + running + rejected + failed + stale_dropped + stale_regenerated +
+filtered`` holds at every await point.
 """
 
 from __future__ import annotations
@@ -124,6 +125,8 @@ class Batch(msgspec.Struct, gc=False):
     step: int
     groups: list[list[Trajectory]]
     samples: list[Any] = []
+    filtered: int = 0
+    """Groups dynamic sampling (``algo.filter_groups``) dropped since the previous batch."""
 
     @property
     def trajectories(self) -> list[Trajectory]:
@@ -149,6 +152,7 @@ _COUNTERS = (
     "failed",
     "stale_dropped",
     "stale_regenerated",
+    "filtered",
 )
 
 
@@ -204,6 +208,9 @@ class Controller:
         self._rejected_streak = 0
         self._reject_log = _RateLimitedLog(log, first=1, every_s=30.0)
         self._regenerate = cc.stale_policy == "regenerate"
+        self._filter = config.algo.filter_groups  # DAPO dynamic sampling: _uniform groups
+        self._filter_cap = config.algo.filter_max_groups or 10 * cc.batch_size
+        self._filtered_step = 0  # groups filtered since the last batch
         self._sampling = {
             "temperature": config.rollout.temperature,
             "top_p": config.rollout.top_p,
@@ -396,6 +403,20 @@ class Controller:
             with trace.get().span("next_batch waits", "controller waits", {"step": self.step}):
                 await self._ready_changed.wait()
 
+    async def evaluate(
+        self, samples: Iterable[Any], reward: Any, **options: Any
+    ) -> dict[str, float]:
+        """One eval of ``samples`` scored by ``reward`` on this controller's engines, beside
+        training: never admitted (no staleness slot), never trained. ``options``: ``k``,
+        ``temperature``, ``greedy``, ``max_new_tokens``, ``pass_threshold`` (see
+        :func:`asyncrl.controllers.evaluation.evaluate`); returns its ``eval/...`` metrics."""
+        from asyncrl.controllers.evaluation import evaluate
+
+        options.setdefault("max_new_tokens", self._sampling["max_new_tokens"])
+        options.setdefault("sampling", {"top_p": self._sampling["top_p"]})
+        options.setdefault("max_retries", self._max_retries)
+        return await evaluate(self.router, self._gate, list(samples), reward, **options)
+
     def stats(self) -> dict[str, int]:
         """Counters and gauges (see the module docstring for the accounting identity).
         ``generated_tokens``: every token the engines returned to this controller since it
@@ -532,6 +553,10 @@ class Controller:
             self._group_rejected(gid)
             return
         self._rejected_streak = 0
+        if self._filter and self._filtered_step < self._filter_cap and _uniform(trajs):
+            self._filtered_step += 1
+            self._release("filtered")
+            return
         self._ready.append(Group(gid, sample, trajs, min_v, self._admitted_at[gid]))
         if len(self._ready) >= self._batch_size or self._input_ended:
             self._ready_changed.set()
@@ -688,9 +713,18 @@ class Controller:
         chosen, self._ready = keep[:size], keep[size:]
         self.step += 1
         self.counters["trained"] += len(chosen)
+        filtered, self._filtered_step = self._filtered_step, 0
         return Batch(
-            step=step, groups=[g.trajs for g in chosen], samples=[g.sample for g in chosen]
+            step=step,
+            groups=[g.trajs for g in chosen],
+            samples=[g.sample for g in chosen],
+            filtered=filtered,
         )
+
+
+def _uniform(trajs: list[Trajectory]) -> bool:
+    """All rewards of a group equal: no signal for a group-relative baseline (DAPO)."""
+    return len({t.reward for t in trajs}) == 1
 
 
 class _RateLimitedLog:

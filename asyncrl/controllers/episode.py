@@ -612,6 +612,9 @@ class EpisodeContext:
                 f"episode {self.episode_id}: ctx.trajectory() got unknown field(s) {unknown}; "
                 f"a Trajectory has {', '.join(Trajectory.__struct_fields__)}"
             )
+        last = next((t for t in reversed(turns) if isinstance(t, Generation)), None)
+        if last is not None and last.finish_reason == "length":  # algo.mask_truncated reads it
+            extra["metadata"] = {**extra.get("metadata", {}), "truncated": True}
         traj = Trajectory(
             prompt_ids=np.asarray(prompt_ids, np.int32),
             response_ids=np.asarray(ids, np.int32),

@@ -20,9 +20,11 @@ def test_grpo_group_mean_and_std() -> None:
     groups = torch.tensor([0, 0, 1, 1, 2])
     adv = grpo_advantages(rewards, groups)
     torch.testing.assert_close(adv, torch.tensor([0.5, -0.5, 0.0, 0.0, 0.0]))
-    adv_std = grpo_advantages(rewards, groups, norm_by_std=True)
-    # group 0: std 0.5 -> +-1; equal-reward group and single-sample group: exactly 0, no NaN
-    torch.testing.assert_close(adv_std, torch.tensor([1.0, -1.0, 0.0, 0.0, 0.0]), atol=1e-5, rtol=0)
+    adv_std = grpo_advantages(rewards, groups, "group")
+    # group 0: sample std sqrt(0.5) -> +-sqrt(0.5); equal-reward and single-sample groups:
+    # exactly 0, no NaN
+    h = math.sqrt(0.5)
+    torch.testing.assert_close(adv_std, torch.tensor([h, -h, 0.0, 0.0, 0.0]), atol=1e-5, rtol=0)
     assert not torch.isnan(adv_std).any()
     assert float(adv_std[2]) == 0.0 and float(adv_std[4]) == 0.0
 

@@ -122,3 +122,36 @@ def test_ppo_critic_warmup_holds_actor(tiny_model_dir: Path) -> None:
     assert "pg_loss" not in m and "critic_vf_loss" in m
     after = list(algo.actor.model.parameters())
     assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        ["--algo.name=rloo", "--algo.policy_loss=gspo", "--algo.loss_agg=seq-mean-token-sum"],
+        ["--algo.name=reinforce_plus_plus", "--algo.policy_loss=cispo", "--algo.epochs=2"],
+        [
+            "--algo.name=reinforce_plus_plus_baseline",
+            "--algo.policy_loss=sapo",
+            "--algo.loss_agg=seq-mean",
+        ],
+        ["--algo.scale_rewards=batch", "--algo.clip_eps_high=0.28", "--algo.clip_ratio_c=3"],
+        ["--algo.top_entropy_quantile=0.5", "--algo.mask_truncated=true"],
+    ],
+)
+def test_new_losses_and_estimators_train_on_the_engine(
+    tiny_model_dir: Path, options: list[str]
+) -> None:
+    """Each new option through make_algorithm and the real engine: finite metrics, moved
+    weights; top-entropy selection keeps about its quantile of the trained tokens."""
+    torch.manual_seed(0)
+    algo = make_algorithm(load_config(None, options), _build(tiny_model_dir))
+    before = [p.detach().clone() for p in algo.actor.model.parameters()]
+    trajs = _trajs(algo.actor, shift=0.2)
+    trajs[0].metadata = {"truncated": True}
+    m = algo.train_step(0, trajs)
+    _finite(m)
+    if "--algo.mask_truncated=true" in options:
+        assert m["train_tokens"] == 30.0 - 3.0  # trajs[0]: 3 trained tokens, truncated
+        assert 0.4 <= m["entropy_kept_frac"] <= 0.65
+    after = list(algo.actor.model.parameters())
+    assert any(not torch.equal(a, b) for a, b in zip(before, after, strict=True))

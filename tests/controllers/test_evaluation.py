@@ -1,0 +1,93 @@
+"""Evaluation during training (``[eval]``, asyncrl/controllers/evaluation.py): the unbiased
+pass@k against brute-force enumeration, and a real short ``asyncrl run`` (engine, trainer,
+controller processes) whose evals land in metrics.jsonl without training or taking staleness
+slots."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from asyncrl.config import load_config
+from asyncrl.controllers.evaluation import eval_samples, pass_at_k
+from asyncrl.procs import python_env
+
+
+@pytest.mark.parametrize(("n", "k"), [(1, 1), (4, 1), (4, 2), (5, 3), (6, 6)])
+def test_pass_at_k_is_the_chance_a_random_k_subset_holds_a_pass(n: int, k: int) -> None:
+    for c in range(n + 1):
+        outcomes = [True] * c + [False] * (n - c)
+        subsets = list(itertools.combinations(range(n), k))
+        want = sum(any(outcomes[i] for i in s) for s in subsets) / len(subsets)
+        assert pass_at_k(n, c, k) == pytest.approx(want, abs=1e-12)
+    with pytest.raises(ValueError, match="pass@3 needs at least 3"):
+        pass_at_k(2, 1, 3)
+
+
+def test_eval_split_and_refusals(tiny_model_dir: Path) -> None:
+    cfg = load_config(None, ["--eval.at_end=true", "--eval.num_prompts=5"])
+    held_out, reward = eval_samples(cfg, str(tiny_model_dir))
+    train = load_config(None, []).task
+    from asyncrl.tasks.base import make_task
+
+    first = list(itertools.islice(make_task(train, str(tiny_model_dir)).samples(), 5))
+    assert len(held_out) == 5 and [s.prompt_ids for s in held_out] != [s.prompt_ids for s in first]
+    assert reward(held_out[0], held_out[0].answer) == 1.0  # the task's own reward
+    bad = load_config(None, ["--eval.at_end=true", "--eval.path=x.jsonl"])
+    with pytest.raises(ValueError, match=r"eval\.path"):
+        eval_samples(bad, str(tiny_model_dir))
+    agentic = load_config(None, ["--eval.at_end=true", "--task.name=agentic"])
+    with pytest.raises(ValueError, match=r"eval\.every_steps=0"):
+        eval_samples(agentic, str(tiny_model_dir))
+
+
+def test_short_run_evaluates_before_during_and_after(tmp_path: Path, tiny_model_dir: Path) -> None:
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "asyncrl.cli", "run", "--run-dir", str(run), "--quiet"]
+    cmd += [
+        f"--model.path={tiny_model_dir}",
+        "--controller.total_steps=4",
+        "--controller.batch_size=4",
+        "--controller.max_staleness=1",
+        "--eval.before_train=true",
+        "--eval.every_steps=2",
+        "--eval.at_end=true",
+        "--eval.num_prompts=3",
+        "--eval.k=2",
+    ]
+    proc = subprocess.Popen(cmd, env=python_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, out.decode(errors="replace")[-3000:]
+    rows = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines() if ln]
+    train = [r for r in rows if "eval/reward_mean" not in r]
+    evals = [r for r in rows if "eval/reward_mean" in r]
+    assert [r["step"] for r in train] == [0, 1, 2, 3]
+    # before the first step (version 0), at versions 2 and 4 (every 2); the end's version 4
+    # is not evaluated twice. An eval still running when a version comes skips it (counted).
+    asked = sorted(r["step"] for r in evals)
+    assert asked[0] == 0 and asked[-1] == 4, asked
+    assert len(asked) + int(evals[-1]["eval/skipped"]) == 3, evals
+    for r in evals:
+        assert 0.0 <= r["eval/reward_mean"] <= 1.0
+        assert 0.0 <= r["eval/pass@1"] <= r["eval/pass@2"] <= 1.0
+        assert r["eval/num_prompts"] == 3 and r["eval/response_len"] > 0
+        assert 0.0 <= r["eval/greedy_reward"] <= 1.0
+        # tagged with the versions that generated its tokens: never older than asked
+        assert r["step"] <= r["eval/weight_version"] <= r["eval/weight_version_max"] <= 4
+    # evals took no staleness slot and trained nothing: every step trained batch_size groups,
+    # every admission was a training group (admitted = trained + ready + running + ...)
+    assert all(r["num_samples"] == 4 * 8 for r in train)
+    c = {k.removeprefix("ctl_"): v for k, v in train[-1].items() if k.startswith("ctl_")}
+    ended = ("trained", "ready", "running", "rejected", "failed", "stale_dropped", "filtered")
+    assert c["groups_admitted"] == sum(c[k] for k in (*ended, "stale_regenerated"))
+    assert c["episodes"] == 8 * (c["groups_admitted"] - c["running"])
