@@ -87,6 +87,7 @@ class Served:
         self.gw.attach(self.ctl)
         await self.ctl.__aenter__()
         self.url = await self.gw.start()
+        self.key = self.gw.api_key  # the gateway key (derived from the run secret by default)
         self.drain = asyncio.ensure_future(self._drain())
 
     async def _drain(self) -> None:

@@ -34,7 +34,7 @@ def test_openai_agents_sdk_tool_episode(served: Served) -> None:
         return f'{{"city": "{city}", "weather": "windy"}}'
 
     async def episode() -> Any:
-        client = AsyncOpenAI(base_url=f"{served.url}/sessions/{sid}/v1", api_key="x")
+        client = AsyncOpenAI(base_url=f"{served.url}/sessions/{sid}/v1", api_key=served.key)
         agent = Agent(
             name="weather",
             instructions="You are a helpful assistant.",
