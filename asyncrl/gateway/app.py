@@ -67,6 +67,8 @@ if TYPE_CHECKING:
 __all__ = ["AgentFn", "Gateway"]
 
 log = logging.getLogger("asyncrl.gateway")
+# who sent a request (Gateway._authorize): "" the gateway key, else the one session its key opens
+_KEYED = web.RequestKey("keyed", str)
 AgentFn = Callable[[Any, Any], Awaitable["float | None"]]
 
 
@@ -120,7 +122,7 @@ class Gateway:
     async def start(self) -> str:
         @web.middleware
         async def guard(request: web.Request, handler: Any) -> web.StreamResponse:
-            request["keyed"] = self._authorize(request)  # before anything else of it
+            request[_KEYED] = self._authorize(request) or ""  # before anything else of it
             return await handler(request)
 
         app = web.Application(middlewares=[_errors, guard], client_max_size=32 << 20)
@@ -285,8 +287,8 @@ class Gateway:
     async def _session(self, request: web.Request) -> Session:
         """The session a completion request names (its path's id, else its session key's),
         opened for a client when new (a client-opened group's member)."""
-        sid = request.match_info.get("sid") or request["keyed"]
-        if sid is None:
+        sid = request.match_info.get("sid") or request[_KEYED]
+        if not sid:
             msg = "name a session: /sessions/{id}/v1/..., or a session's key as Bearer"
             raise ApiError(400, msg)
         s = self.sessions.by_id.get(sid) or self._external(sid)
@@ -471,8 +473,8 @@ class Gateway:
         """The open session the request names: by its path's id, or (no id in the path:
         ``POST /v1/reward``) by its session key. 400 for the gateway key with no session in
         the path; 404 for no such open session."""
-        sid = request.match_info.get("sid") or request["keyed"]
-        if sid is None:
+        sid = request.match_info.get("sid") or request[_KEYED]
+        if not sid:
             msg = "name a session: /sessions/{id}/v1/reward, or a session's key as Bearer"
             raise ApiError(400, msg)
         s = self.sessions.by_id.get(sid)
@@ -484,7 +486,7 @@ class Gateway:
         return web.Response(text="ok")
 
     async def _stats(self, request: web.Request) -> web.Response:
-        if request["keyed"] is not None:
+        if request[_KEYED]:
             raise _forbidden("/stats answers the gateway key only")
         return web.json_response(self.stats())
 

@@ -452,7 +452,7 @@ async def test_a_run_of_only_rejected_groups_stops_naming_the_last_cause() -> No
     async with Controller(cfg, episode, [engine], source=iter(range(10**9))) as ctl:
         with pytest.raises(RuntimeError) as err:
             await asyncio.wait_for(ctl.next_batch(), 30)
-        assert ctl.counters["rejected"] == 5 and ctl.counters["failed"] == 0
+        assert ctl.counters["rejected"] >= 5 and ctl.counters["failed"] == 0
     cause = err.value.__cause__
     assert isinstance(cause, GroupsFailing), err.value
     msg = str(cause)

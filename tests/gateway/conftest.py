@@ -25,6 +25,15 @@ def chat_model_dir() -> Path:
     return ensure_tiny_chat_model()
 
 
+def gateway_auth() -> dict[str, str]:
+    """The ``Authorization`` header of the gateway key every default-config gateway of this
+    test process holds (derived from the test session's run secret)."""
+    from asyncrl import secret
+    from asyncrl.gateway.auth import gateway_key
+
+    return {"Authorization": f"Bearer {gateway_key(secret.load())}"}
+
+
 class RecordingEngine:
     """The real client of the engine, keeping every final answer (rid, input, result)."""
 

@@ -15,7 +15,7 @@ import pytest
 from asyncrl.tasks.text import ChatTokenizer
 from asyncrl.tasks.tiny_chat_model import WEATHER_TOOL
 
-from .conftest import Served
+from .conftest import Served, gateway_auth
 
 
 def _sid() -> str:
@@ -27,7 +27,7 @@ def _session(served: Served, sid: str) -> dict[str, Any]:
 
 
 async def _get(url: str) -> Any:
-    async with aiohttp.ClientSession() as http, http.get(url) as r:
+    async with aiohttp.ClientSession(headers=gateway_auth()) as http, http.get(url) as r:
         return await r.json()
 
 
@@ -158,7 +158,7 @@ def test_a_retried_request_makes_no_second_turn(served: Served) -> None:
     body = {"model": "t", "messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 8}
 
     async def twice() -> list[Any]:
-        async with aiohttp.ClientSession() as http:
+        async with aiohttp.ClientSession(headers=gateway_auth()) as http:
             url = f"{served.url}/sessions/{sid}/v1/chat/completions"
             raw = json.dumps(body)
             hdr = {"Content-Type": "application/json"}

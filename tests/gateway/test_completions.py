@@ -10,7 +10,7 @@ from typing import Any
 import aiohttp
 import openai
 
-from .conftest import Served
+from .conftest import Served, gateway_auth
 
 
 def test_weight_update_mid_stream_keeps_tokens_and_versions(served: Served) -> None:
@@ -87,7 +87,7 @@ def test_reward_ends_the_session_into_a_trajectory(served: Served) -> None:
     client.completions.create(model="t", prompt="Hi", max_tokens=4)
 
     async def reward() -> Any:
-        async with aiohttp.ClientSession() as http:
+        async with aiohttp.ClientSession(headers=gateway_auth()) as http:
             url = f"{served.url}/sessions/{sid}/reward"
             async with http.post(url, json={"reward": 0.5}) as r:
                 return r.status
@@ -108,5 +108,5 @@ def test_reward_ends_the_session_into_a_trajectory(served: Served) -> None:
 
 
 async def _get(url: str) -> Any:
-    async with aiohttp.ClientSession() as http, http.get(url) as r:
+    async with aiohttp.ClientSession(headers=gateway_auth()) as http, http.get(url) as r:
         return await r.json()
