@@ -324,6 +324,14 @@ class Gateway:
         except ValueError as exc:
             raise ApiError(400, str(exc)) from None
         new = group not in self.sessions.groups
+        if new and (still := self.sessions.open_members(group, size, k)):
+            # an earlier group of that name still has a member open (waiting for its client):
+            # a new group's member of the same id could not be told from it
+            msg = (
+                f"session group {group!r} still has member {still[0]!r} open (of an earlier "
+                "group of that name): name it, or a new group"
+            )
+            raise ApiError(409, msg, kind="session_ended")
         if new and self.cfg.admission == "reject" and not ctl.staleness.can_admit():
             raise self._busy()
         s = self.sessions.join(group, k, size, sid)

@@ -237,6 +237,12 @@ class Sessions:
         s.admit(ctx)
         return s
 
+    def open_members(self, group: str, size: int, but: int) -> list[str]:
+        """Ids ``GROUP.J`` (J != ``but``) still open: members of an earlier group of that
+        name, which a new group's episodes could not open again (:meth:`bind`)."""
+        names = [f"{group}.{j}" for j in range(size) if j != but] if size > 1 else []
+        return [n for n in names if n in self.by_id]
+
     def forget(self, s: Session) -> None:
         self.by_id.pop(s.id, None)
         self.counters["branches_opened"] += s.transcript.branches_opened

@@ -152,3 +152,35 @@ def test_member_that_never_comes_times_out(grouped: Served) -> None:
     assert [t.metadata["session"] for t in group] == [f"{g}.0"]
     assert grouped.gw.sessions.counters["timed_out"] == timed_out + 1
     assert f"{g}.1" not in grouped.gw.sessions.by_id
+
+
+def test_naming_an_ended_member_while_its_partner_is_open_is_409(
+    chat_model_dir: Path, engine_url: str
+) -> None:
+    """Member 0 ends (its reward) while member 1 of its group, unnamed, still waits for its
+    client: naming member 0 again would open a new group whose member 1 could not be opened
+    (its id is taken): 409 naming the open member, and the run goes on (member 1 then
+    named, the group trains). Before: the new group's episode raised ("session 'G.1'
+    exists already") and ended the run (found by probing a real agent run's gateway)."""
+    cfg = RunConfig(
+        controller=ControllerConfig(batch_size=1, max_staleness=200),
+        algo=AlgoConfig(group_size=G),
+        gateway=GatewayConfig(enabled=True, max_tokens=8, session_timeout_s=120),
+    )
+    srv = Served(chat_model_dir, engine_url, cfg)
+    try:
+        g = "again" + uuid.uuid4().hex[:8]
+        first = openai.OpenAI(base_url=f"{srv.url}/sessions/{g}.0/v1", api_key=srv.key)
+        _chat(first, "Hello!")
+        assert first.post("/reward", body={"reward": 1}, cast_to=object)["reward"] == 1
+        _poll("member 0 forgotten", lambda: f"{g}.0" not in srv.gw.sessions.by_id)
+        assert f"{g}.1" in srv.gw.sessions.by_id  # its episode waits for a client
+        with pytest.raises(openai.ConflictError, match=f"{g}.1"):
+            _chat(first, "Hello again!")
+        second = openai.OpenAI(base_url=f"{srv.url}/sessions/{g}.1/v1", api_key=srv.key)
+        _chat(second, "Hi!")
+        second.post("/reward", body={"reward": 0}, cast_to=object)
+        (group,) = _batch_after(srv, 0).groups
+        assert sorted(t.metadata["session"] for t in group) == [f"{g}.0", f"{g}.1"]
+    finally:
+        srv.close()
