@@ -124,7 +124,7 @@ def agent_run(tmp_path_factory: pytest.TempPathFactory, chat_model_dir: Path) ->
         f"--controller.total_steps={STEPS}", f"--controller.batch_size={B}",
         f"--algo.group_size={G}", "--rollout.max_new_tokens=48",
         "--logging.trajectories=true", f"--gateway.session_timeout_s={TIMEOUT_S}",
-        "--checkpoint.every_steps=2",
+        "--checkpoint.every_steps=2", "--controller.max_staleness=3",
         f"--run_dir={run}",
     )  # fmt: skip
     try:
@@ -205,7 +205,8 @@ def test_a_hung_agent_is_rejected_after_the_timeout(agent_run: AgentRun) -> None
 
 def test_resume_keeps_agent_sample_ids(agent_run: AgentRun, tmp_path: Path) -> None:
     """``--resume`` of the agent run (a copy of it, from its mid-run checkpoint of step 2,
-    which holds groups still running or ready) trains on with every batch's sample ids
+    which holds groups still running or ready: ``max_staleness = 3`` admits 4 batches'
+    worth at version 0, 2 of them trained by then) trains on with every batch's sample ids
     recorded, those of the groups restored from the checkpoint too. Before: the restored
     groups' ids were ``None`` (their samples came back as plain dicts)."""
     assert agent_run.rc == 0, agent_run.out[-4000:]
