@@ -124,7 +124,7 @@ def agent_run(tmp_path_factory: pytest.TempPathFactory, chat_model_dir: Path) ->
         f"--controller.total_steps={STEPS}", f"--controller.batch_size={B}",
         f"--algo.group_size={G}", "--rollout.max_new_tokens=48",
         "--logging.trajectories=true", f"--gateway.session_timeout_s={TIMEOUT_S}",
-        "--checkpoint.every_steps=2", "--controller.max_staleness=3",
+        "--checkpoint.every_steps=1", "--checkpoint.keep=10",
         f"--run_dir={run}",
     )  # fmt: skip
     try:
@@ -193,7 +193,8 @@ def test_a_raising_agent_loses_its_sample_only(agent_run: AgentRun) -> None:
 def test_a_hung_agent_is_rejected_after_the_timeout(agent_run: AgentRun) -> None:
     """Sample 2's agent makes one call and sleeps: after ``gateway.session_timeout_s`` (what
     ``agent_timeout_s`` defaults to) each of its episodes is cancelled and rejected, logged
-    once with the sample id, and the run goes on to its end. Before: nothing was logged and
+    once with the sample id, and the run goes on to its end (step 1 must wait for that
+    group: admitted at version 0, ``max_staleness = 1``). Before: nothing was logged and
     the run waited for it forever."""
     assert agent_run.rc == 0, agent_run.out[-4000:]
     log = (agent_run.run / "controller.log").read_text()
@@ -204,23 +205,24 @@ def test_a_hung_agent_is_rejected_after_the_timeout(agent_run: AgentRun) -> None
 
 
 def test_resume_keeps_agent_sample_ids(agent_run: AgentRun, tmp_path: Path) -> None:
-    """``--resume`` of the agent run (a copy of it, from its mid-run checkpoint of step 2,
-    which holds groups still running or ready: ``max_staleness = 3`` admits 4 batches'
-    worth at version 0, 2 of them trained by then) trains on with every batch's sample ids
-    recorded, those of the groups restored from the checkpoint too. Before: the restored
-    groups' ids were ``None`` (their samples came back as plain dicts)."""
+    """``--resume`` of the agent run (a copy of it, from its checkpoint of step 1, which holds
+    groups still running or ready: 2 of the 4 admitted at version 0 were trained, and each
+    rejected one let another in) trains on with every batch's sample ids recorded, those of
+    the groups restored from the checkpoint too. Before: the restored groups' ids were
+    ``None`` (their samples came back as plain dicts)."""
     assert agent_run.rc == 0, agent_run.out[-4000:]
     run = tmp_path / "run"
     shutil.copytree(agent_run.run, run)
-    shutil.rmtree(run / "checkpoints" / f"step-{STEPS}")  # the final one: nothing left in it
+    for later in range(2, STEPS + 1):  # resume from step 1
+        shutil.rmtree(run / "checkpoints" / f"step-{later}")
     log = tmp_path / "resume.log"
     proc = _cli(log, "--resume", str(run), f"--controller.total_steps={STEPS + 1}")
     rc, out = _wait(proc, log, 300)
     assert rc == 0, out[-4000:]
-    m = re.search(r"step (\d+), (\d+) ready and (\d+) running groups", out)
-    assert m and int(m[2]) + int(m[3]) > 0, out[-2000:]  # the checkpoint held groups to go on
-    rows = [r for r in json.loads(f"[{','.join(_lines(run))}]") if r["step"] >= int(m[1])]
-    assert [r["step"] for r in rows] == list(range(int(m[1]), STEPS + 1)), out[-2000:]
+    m = re.search(r"step 1, (\d+) ready and (\d+) running groups", out)
+    assert m and int(m[1]) + int(m[2]) > 0, out[-2000:]  # the checkpoint held groups to go on
+    rows = [r for r in json.loads(f"[{','.join(_lines(run))}]") if r["step"] >= 1]
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1)), out[-2000:]
     ids = [i for r in rows for i in r["sample_ids"]]
     assert len(ids) == len(rows) * B and all(isinstance(i, int) for i in ids), ids
     assert len(set(ids)) == len(ids)
