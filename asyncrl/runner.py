@@ -468,7 +468,7 @@ class _Run:
             "weight_version": msg.version,
             "num_samples": len(batch.trajectories),
             "filtered_groups": batch.filtered,
-            "sample_ids": [getattr(x, "id", None) for x in batch.samples],
+            "sample_ids": [_sample_id(x) for x in batch.samples],
             "wall_s": time.perf_counter() - self.t0,
             "controller_s": time.perf_counter() - self.t_controller,
             **{k: v for k, v in m.items() if k not in ("num_samples",)},
@@ -522,6 +522,36 @@ class _Run:
                 else:
                     raise RuntimeError(d.describe())
             await asyncio.sleep(0.5)
+
+
+def _sample_id(sample: Any) -> Any:
+    """A sample's ``id`` (None if it has none): an attribute, or a key of a sample restored
+    from a checkpoint as a plain dict (an agent run's: its queue holds two kinds)."""
+    if isinstance(sample, dict):
+        return sample.get("id")
+    return getattr(sample, "id", None)
+
+
+def write_gateway_info(run_dir: Path, gateway: Any) -> None:
+    """``RUN_DIR/gateway.json``: the gateway's ``url`` and where its key is: ``key_file``
+    (``RUN_DIR/gateway.key``, mode 0600, the key derived from the run secret; or the user's
+    ``gateway.api_key_file``) or ``key_env`` (the user's ``gateway.api_key_env``)."""
+    gc = gateway.cfg
+    info: dict[str, str] = {"url": gateway.url}
+    if gc.api_key_env:
+        info["key_env"] = gc.api_key_env
+    elif gc.api_key_file:
+        info["key_file"] = str(Path(gc.api_key_file).expanduser().resolve())
+    else:
+        path = run_dir / "gateway.key"
+        tmp = run_dir / f".gateway.key.{os.getpid()}"
+        tmp.unlink(missing_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # never readable by others
+        with os.fdopen(fd, "w") as f:
+            f.write(gateway.api_key + "\n")
+        os.replace(tmp, path)
+        info["key_file"] = str(path.resolve())
+    (run_dir / "gateway.json").write_text(json.dumps(info))
 
 
 def write_trajectories(path: Path, batch: Batch) -> None:
@@ -683,8 +713,8 @@ async def run_job(
         ctl = Controller(cfg, episode, clients, samples, sampling, start, state, sample_type)
         if gateway is not None:
             gateway.attach(ctl)
-            url = await gateway.start()
-            (run_dir / "gateway.json").write_text(json.dumps({"url": url}))
+            await gateway.start()
+            write_gateway_info(run_dir, gateway)
         if held_out is not None:
             job.evaluator = Evaluator(cfg, ctl, *held_out, job.eval_row)
         async with ctl:

@@ -101,7 +101,10 @@ def _openai_error(status: int, text: str) -> bool:
     return isinstance(err, dict) and isinstance(err.get("message"), str) and "type" in err
 
 
-async def send(url: str, reqs: list[Case], concurrency: int, timeout_s: float) -> dict[str, Any]:
+async def send(
+    url: str, reqs: list[Case], concurrency: int, timeout_s: float, key: str = ""
+) -> dict[str, Any]:
+    """Send ``reqs`` (``key``: the gateway key, as Bearer on every request)."""
     import aiohttp
 
     by_status: Counter[str] = Counter()
@@ -127,6 +130,8 @@ async def send(url: str, reqs: list[Case], concurrency: int, timeout_s: float) -
 
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     headers = {"Content-Type": "application/json"}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
     async with aiohttp.ClientSession(timeout=timeout, headers=headers) as http:
         await asyncio.gather(*(worker(http) for _ in range(concurrency)))
     return {"by_status": dict(sorted(by_status.items())), "examples": bad}
@@ -163,7 +168,7 @@ async def run(n: int, concurrency: int, seed: int, log: Path) -> dict[str, Any]:
             gw.attach(ctl)
             url = await gw.start()
             t0 = time.perf_counter()
-            out = await send(url, reqs, concurrency, timeout_s=120)
+            out = await send(url, reqs, concurrency, timeout_s=120, key=gw.api_key)
             out["wall_s"] = time.perf_counter() - t0
             turns = {
                 sid: sum(b.turns for b in s.transcript.branches)

@@ -17,12 +17,24 @@ Call = tuple[list[int], dict[str, Any]]  # (input ids, sampling params) of one /
 Row = tuple[float, "float | None", int]  # latency s, time to first token s, tokens
 
 
+def _key() -> str:
+    """The gateway key of this process's gateway (derived from its run secret)."""
+    from asyncrl import secret
+    from asyncrl.gateway.auth import gateway_key
+
+    return gateway_key(secret.load())
+
+
+def _auth() -> dict[str, str]:
+    return {"Authorization": f"Bearer {_key()}"}
+
+
 def _client(conns: int) -> Any:
     import openai
 
     limits = openai._httpx.Limits(max_connections=conns, max_keepalive_connections=conns)
     http = openai.DefaultAsyncHttpxClient(limits=limits, timeout=600)
-    return openai.AsyncOpenAI(base_url="http://unused/v1", api_key="x", http_client=http)
+    return openai.AsyncOpenAI(base_url="http://unused/v1", api_key=_key(), http_client=http)
 
 
 async def _turn(client: Any, msgs: list[dict[str, Any]], stream: bool, n: int) -> tuple[Row, str]:
@@ -116,7 +128,7 @@ async def gateway_run(
 
     try:
         conn = aiohttp.TCPConnector(limit=conc + 4)
-        async with aiohttp.ClientSession(connector=conn) as http:
+        async with aiohttp.ClientSession(connector=conn, headers=_auth()) as http:
             t0 = time.perf_counter()
             await asyncio.gather(*(session(k, http) for k in range(sessions)))
             wall = time.perf_counter() - t0
@@ -230,7 +242,7 @@ async def paired_run(
     added: list[float] = []
     floor: list[float] = []
     try:
-        async with aiohttp.ClientSession() as http:
+        async with aiohttp.ClientSession(headers=_auth()) as http:
             for k in range(args.serial_sessions):
                 sid = uuid.uuid4().hex[:16]
                 client = base.with_options(base_url=f"{srv.url}/sessions/{sid}/v1")
@@ -279,7 +291,7 @@ async def hold_sessions(srv: Any, n: int) -> dict[str, Any]:
 
     try:
         await asyncio.gather(*(one(k) for k in range(n)))
-        async with aiohttp.ClientSession() as http:
+        async with aiohttp.ClientSession(headers=_auth()) as http:
             async with http.get(f"{srv.url}/stats") as r:
                 open_at_peak = (await r.json())["open"]
 

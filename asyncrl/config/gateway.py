@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from asyncrl.config.base import NonNegative, Positive, PositiveFloat, _Section
+from asyncrl.config.base import NonNegative, NonNegativeFloat, Positive, PositiveFloat, _Section
 
 
 class GatewayConfig(_Section, frozen=True):
@@ -17,12 +17,14 @@ class GatewayConfig(_Section, frozen=True):
     port: NonNegative = 0
     """TCP port; 0: a free one (written to ``RUN_DIR/gateway.json``)."""
     api_key_env: str = ""
-    """Name of an environment variable holding the gateway's API key: when set, every request
-    must carry it (or its session's own key) as ``Authorization: Bearer``. The key itself
-    never appears in a config, a command line or a log."""
+    """Name of an environment variable holding a gateway key of your choosing. Every request,
+    on every route, carries the gateway key (or its session's own key) as ``Authorization:
+    Bearer``, else 401; without ``api_key_env`` / ``api_key_file`` the gateway key is derived
+    from the run secret and ``asyncrl run`` writes it to ``RUN_DIR/gateway.key`` (mode 0600).
+    The key itself never appears in a config, a command line or a log."""
     api_key_file: str = ""
-    """Path of a file holding the gateway's API key (its first line), as ``api_key_env``; at
-    most one of the two. A request without it (or its session's key) gets 401."""
+    """Path of a file holding a gateway key of your choosing (its first line), as
+    ``api_key_env``; at most one of the two."""
     model_name: str = ""
     """The model id ``/v1/models`` lists and responses name; empty: the model folder's name."""
     strict_model: bool = False
@@ -37,7 +39,13 @@ class GatewayConfig(_Section, frozen=True):
     retry_after_s: Positive = 1
     """``Retry-After`` (seconds) of a 429."""
     session_timeout_s: PositiveFloat = 600.0
-    """A session idle this long (no request, no reward) ends: it is dropped (counted)."""
+    """A client-opened session idle this long (no request, no reward) ends: it is dropped
+    (counted ``timed_out``)."""
+    agent_timeout_s: NonNegativeFloat = 0.0
+    """Longest an agent-mode episode (``task.agent`` function or ``task.agent_command``
+    process) may run, from its start to its reward: then the function is cancelled (the
+    process killed), its session's engine requests aborted and its sample rejected (logged
+    with the sample id; counted ``timed_out``). 0: ``session_timeout_s``."""
     on_disconnect: Literal["keep", "drop"] = "keep"
     """A client that hangs up mid-completion: ``keep`` the session's trajectory up to its last
     full turn (the cut turn is discarded), or ``drop`` the whole session; both counted."""

@@ -126,7 +126,7 @@ class TaskConfig(_Section, frozen=True):
     ``OPENAI_BASE_URL`` (the episode's session), ``OPENAI_API_KEY`` (its key),
     ``ASYNCRL_SAMPLE`` (the sample as JSON) and ``ASYNCRL_REWARD_URL`` set; it posts
     ``{"reward": x}`` there before it exits (no reward, a non-zero exit or
-    ``gateway.session_timeout_s`` passing: the sample is rejected)."""
+    ``gateway.agent_timeout_s`` passing: the sample is rejected)."""
     reward_fn: str = ""
     """Custom reward replacing the task's own: ``package.module:function`` (importable, or a
     module in the working directory) or ``path/to/file.py:function``. The one reward
@@ -149,9 +149,10 @@ class ControllerConfig(_Section, frozen=True):
     max_retries: NonNegative = 3
     """Retries of a failed engine request before the episode is reported failed."""
     max_failed_groups: NonNegative = 64
-    """The run stops (exit 1, naming the error) once this many groups in a row failed, none
-    finishing in between: a run whose every request fails (an engine's "bad request", a
-    budget over the context) can never train. 0: never stop for that."""
+    """The run stops (exit 1, naming the last cause) once this many groups in a row failed or
+    were rejected, none finishing in between: a run whose every request fails (an engine's
+    "bad request", a budget over the context), whose every agent raises or times out, or
+    whose every episode returns None can never train. 0: never stop for that."""
     retry_backoff_s: NonNegativeFloat = 0.05
     """First back-off before retrying a failed request on another engine; doubles per retry."""
     retry_backoff_max_s: NonNegativeFloat = 2.0

@@ -62,6 +62,7 @@ from asyncrl.controllers.episode import (
     Episode,
     EpisodeContext,
     EpisodeFailed,
+    EpisodeRejected,
     Gate,
 )
 from asyncrl.controllers.router import Router
@@ -94,9 +95,10 @@ class NoMoreSamples(Exception):
 
 
 class GroupsFailing(RuntimeError):
-    """``controller.max_failed_groups`` groups in a row failed, none finishing between them:
-    the run cannot train (every request fails the same way). The message names the last
-    error; the run stops with it."""
+    """``controller.max_failed_groups`` groups in a row failed or were rejected, none
+    finishing between them: the run cannot train (every request fails the same way, every
+    agent raises, every episode returns None). The message names the last cause; the run
+    stops with it."""
 
 
 class Group(msgspec.Struct, gc=False):
@@ -523,7 +525,7 @@ class Controller:
         if n == 1:
             try:
                 results: list[Any] = [await self._episode(ctxs[0], sample)]
-            except EpisodeFailed as exc:
+            except (EpisodeFailed, EpisodeRejected) as exc:
                 results = [exc]
         else:
             coros = [self._episode(ctx, sample) for ctx in ctxs]
@@ -531,10 +533,14 @@ class Controller:
         self.counters["episodes"] += n
         trajs: list[Trajectory] = []
         min_v: int | None = None
+        cause = ""
         for r, ctx in zip(results, ctxs):  # noqa: B905 - equal lengths by construction
             if isinstance(r, EpisodeFailed):
                 self._group_failed(gid, r)
                 return
+            if isinstance(r, EpisodeRejected):
+                cause = str(r)
+                continue
             if isinstance(r, BaseException):
                 raise r
             if r is None:
@@ -548,11 +554,10 @@ class Controller:
                 min_v = v if min_v is None or v < min_v else min_v
                 t.group_id = gid
             trajs += got
-        self._failed_streak = 0
         if min_v is None:
-            self._group_rejected(gid)
+            self._group_rejected(gid, cause)
             return
-        self._rejected_streak = 0
+        self._failed_streak = self._rejected_streak = 0
         if self._filter and self._filtered_step < self._filter_cap and _uniform(trajs):
             self._filtered_step += 1
             self._release("filtered")
@@ -561,18 +566,23 @@ class Controller:
         if len(self._ready) >= self._batch_size or self._input_ended:
             self._ready_changed.set()
 
-    def _group_rejected(self, gid: int) -> None:
-        """Count a group every episode of which returned None; warn (at a bounded rate) while
-        every group is rejected: ``next_batch`` would wait for groups that never come."""
+    def _group_rejected(self, gid: int, cause: str) -> None:
+        """Count a group every episode of which was rejected (returned None or raised
+        :class:`EpisodeRejected`, ``cause``: the last one's message); warn (at a bounded
+        rate) while every group is rejected: ``next_batch`` would wait for groups that never
+        come; stop as :meth:`_group_failed` once the streak reaches the bound."""
         self._release("rejected")
         self._rejected_streak += 1
+        why = cause or "every episode returned None"
         if self._rejected_streak >= self._batch_size:
             self._reject_log.warning(
-                "%d groups in a row rejected (every episode returned None, the last group %d): "
+                "%d groups in a row rejected (%s; the last group %d): "
                 "next_batch gets no batch while that goes on",
                 self._rejected_streak,
+                why,
                 gid,
             )
+        self._failing(f"group {gid} rejected: {why}", None)
 
     def _group_failed(self, gid: int, exc: EpisodeFailed) -> None:
         """Count a failed group (logged at a bounded rate); raise :class:`GroupsFailing` (the
@@ -581,11 +591,17 @@ class Controller:
         self._release("failed")
         if isinstance(exc, EngineKeyRefused):  # no group can succeed: stop at the first
             raise exc
+        self._failing(str(exc), exc)
+
+    def _failing(self, cause: str, exc: BaseException | None) -> None:
+        """One more group failed or rejected since the last that became ready: at
+        ``controller.max_failed_groups`` in a row, raise :class:`GroupsFailing` naming
+        ``cause`` (the last)."""
         self._failed_streak += 1
         if self._max_failed_groups and self._failed_streak >= self._max_failed_groups:
             raise GroupsFailing(
-                f"{self._failed_streak} groups in a row failed and none finished "
-                f"(controller.max_failed_groups); the last: {exc}"
+                f"{self._failed_streak} groups in a row failed or were rejected and none "
+                f"finished (controller.max_failed_groups); the last: {cause}"
             ) from exc
 
     def _context(self, gid: int, eid: int | None = None) -> EpisodeContext:

@@ -6,7 +6,9 @@ out of the loss, computes a reward (``await ctx.reward(fn, sample, ids)`` calls
 ``fn(sample, ids)``, the one reward signature of asyncrl, also that of
 ``task.reward_fn``: sync functions run off the event loop unless they are measured
 cheap, async ones are awaited) and returns ``ctx.trajectory(...)`` — or a list of trajectories, or
-None to reject the sample (its group then never trains).
+None to reject the sample (its group then never trains; the others of the group train
+without it). Raising :class:`EpisodeRejected` rejects it the same way, with a cause the
+controller names if rejections go on (``controller.max_failed_groups``).
 
 ``ctx.generate_stream`` is ``generate`` yielding the completion as it grows (the OpenAI
 gateway streams with it); both hide engine interruptions and failures:
@@ -69,6 +71,7 @@ __all__ = [
     "Episode",
     "EpisodeContext",
     "EpisodeFailed",
+    "EpisodeRejected",
     "Gate",
     "Generation",
     "RewardError",
@@ -111,6 +114,13 @@ class EngineKeyRefused(EpisodeFailed):
     (``cluster.secret_file``, docs/security.md). No retry and no other engine mends that,
     so the controller stops at the first one (``next_batch`` raises, naming the engine and
     where this process's secret came from) instead of failing group after group."""
+
+
+class EpisodeRejected(Exception):
+    """Raised by an episode instead of returning None: its sample is rejected, not the run.
+    The message is the cause (the gateway's agent episodes: the agent's error or timeout,
+    with the sample id); the run stops naming the last one once
+    ``controller.max_failed_groups`` groups in a row were failed or rejected."""
 
 
 class RewardError(RuntimeError):

@@ -89,10 +89,14 @@ def agent_gateway(cfg: RunConfig, model_path: str) -> Gateway:
 
 def command_agent(gw: Gateway, argv: list[str]) -> AgentFn:
     """An agent function that runs ``argv`` per episode (see ``TaskConfig.agent_command``):
-    the reward is what the command posted to its session; the process is killed (by its
-    pid) when the episode is cancelled or ``session_timeout_s`` passes."""
+    the reward is what the command posted to its session (none posted: the sample is
+    rejected); a non-zero exit rejects the sample naming the exit status
+    (:class:`EpisodeRejected`). The process is killed (by its pid) when the episode is
+    cancelled or ``gateway.agent_timeout_s`` passes (the gateway cancels it)."""
     import asyncio
     import os
+
+    from asyncrl.controllers.episode import EpisodeRejected
 
     async def run(client: Any, sample: Any) -> float | None:
         base = str(client.base_url).rstrip("/")
@@ -102,17 +106,16 @@ def command_agent(gw: Gateway, argv: list[str]) -> AgentFn:
         env["ASYNCRL_REWARD_URL"] = base[: -len("/v1")] + "/reward"
         proc = await asyncio.create_subprocess_exec(*argv, env=env)
         try:
-            code = await asyncio.wait_for(proc.wait(), gw.cfg.session_timeout_s)
-        except asyncio.TimeoutError:
-            code = None
+            code = await proc.wait()
         finally:
             if proc.returncode is None:
                 proc.kill()
                 await proc.wait()
-        if code != 0 or not s.ended.done():
-            return None
-        return s.ended.result()
+        if code != 0:
+            raise EpisodeRejected(f"the command exited with status {code}")
+        return s.ended.result() if s.ended.done() else None
 
+    run.argv = list(argv)  # type: ignore[attr-defined]  # how the gateway names it in logs
     return run
 
 

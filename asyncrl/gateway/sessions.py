@@ -2,10 +2,12 @@
 
 Contract:
 
-- A session opened by an episode (:meth:`Sessions.open`, what ``task.name = "agent"``
+- Every session has its own key (:func:`asyncrl.gateway.auth.session_key`: derived from
+  the gateway key and the session id), which opens and names that session only.
+- A session opened by an episode (:meth:`Sessions.create`, what ``task.name = "agent"``
   does) is admitted already. A session first named by a client
-  (``/sessions/{id}/v1/...`` with an unknown id, or an unknown Bearer key when the
-  gateway has no API key) is one member of a client-opened group: id (or key)
+  (``/sessions/{id}/v1/...`` with an unknown id under the gateway key, or the Bearer
+  session key of an unknown id) is one member of a client-opened group: id
   ``GROUP.K`` is member ``K`` of ``GROUP``, ``K`` in ``0..group_size-1`` (a plain
   ``GROUP`` is member 0, and only when ``group_size`` is 1). The group's first member
   submits a :class:`SessionSample` to the controller; each of the group's
@@ -33,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import numpy as np
 
+from asyncrl.gateway.auth import session_key
 from asyncrl.gateway.chat import Turn
 from asyncrl.gateway.transcript import Transcript
 from asyncrl.transports.experience.types import Trajectory
@@ -99,7 +102,6 @@ class Session:
         self.last_seen = time.monotonic()
         self.dropped = False
         self.inflight = 0
-        self.aliases: list[str] = []  # other keys naming it (see Sessions.alias)
 
     def admit(self, ctx: EpisodeContext) -> None:
         self.ctx = ctx
@@ -168,13 +170,17 @@ def fingerprint(path: str, raw: bytes) -> str:
     return hashlib.sha256(path.encode() + b"\0" + raw).hexdigest()
 
 
-class Sessions:
-    """Every session of the gateway, by id and by key."""
+AGENT_PREFIX = "agent-"
+"""The ids of sessions an agent-mode episode opens (a client cannot open one of that name)."""
 
-    def __init__(self, tok: ChatTokenizer):
+
+class Sessions:
+    """Every session of the gateway, by id; ``gateway_key`` derives each session's key."""
+
+    def __init__(self, tok: ChatTokenizer, gateway_key: str):
         self.tok = tok
+        self.gateway_key = gateway_key
         self.by_id: dict[str, Session] = {}
-        self.by_key: dict[str, Session] = {}
         self.groups: dict[str, SessionGroup] = {}  # client-opened groups not fully bound
         self.counters = dict.fromkeys(
             (
@@ -188,30 +194,31 @@ class Sessions:
                 "branches_opened",
                 "rejected",
                 "restart_dropped",
+                "agent_failed",
             ),
             0,
         )
 
-    def create(self, sid: str | None = None, key: str | None = None) -> Session:
-        sid = sid or secrets.token_hex(8)
+    def create(self, sid: str | None = None) -> Session:
+        """A new session named ``sid`` (None: an agent-mode episode's, ``agent-`` + random)."""
+        sid = sid or AGENT_PREFIX + secrets.token_hex(8)
         if sid in self.by_id:
             raise ValueError(f"session {sid!r} exists already")
-        s = Session(sid, key or f"sk-asyncrl-{secrets.token_urlsafe(24)}", self.tok)
+        s = Session(sid, session_key(self.gateway_key, sid), self.tok)
         self.by_id[sid] = s
-        self.by_key[s.key] = s
         self.counters["sessions"] += 1
         return s
 
-    def join(self, group: str, k: int, size: int, sid: str, key: str | None) -> Session:
+    def join(self, group: str, k: int, size: int, sid: str) -> Session:
         """Open member ``k`` of ``group`` as session ``sid`` (the group too, when new: the
         caller then submits its :class:`SessionSample`)."""
         g = self.groups.get(group)
         if g is None:
             g = self.groups[group] = SessionGroup(group, size)
         prior = g.members[k]
-        if prior is not None:  # the member was opened under another name (id vs key)
+        if prior is not None:  # opened already (by the group's episode, waiting for it)
             return prior
-        s = g.members[k] = self.create(sid, key)
+        s = g.members[k] = self.create(sid)
         return s
 
     def bind(self, group: str, ctx: EpisodeContext) -> Session | None:
@@ -230,14 +237,12 @@ class Sessions:
         s.admit(ctx)
         return s
 
-    def alias(self, s: Session, key: str) -> None:
-        """Name ``s`` by ``key`` too (until it is forgotten)."""
-        if key not in self.by_key:
-            self.by_key[key] = s
-            s.aliases.append(key)
+    def open_members(self, group: str, size: int, but: int) -> list[str]:
+        """Ids ``GROUP.J`` (J != ``but``) still open: members of an earlier group of that
+        name, which a new group's episodes could not open again (:meth:`bind`)."""
+        names = [f"{group}.{j}" for j in range(size) if j != but] if size > 1 else []
+        return [n for n in names if n in self.by_id]
 
     def forget(self, s: Session) -> None:
         self.by_id.pop(s.id, None)
-        for key in (s.key, *s.aliases):
-            self.by_key.pop(key, None)
         self.counters["branches_opened"] += s.transcript.branches_opened

@@ -7,16 +7,25 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import random
+import re
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
 
 from asyncrl.config import AlgoConfig, ControllerConfig, LocalRolloutConfig, RunConfig
-from asyncrl.controllers.controller import Controller, NoMoreSamples
-from asyncrl.controllers.episode import EpisodeContext, EpisodeFailed, Gate, RewardRunner
+from asyncrl.controllers.controller import Controller, GroupsFailing, NoMoreSamples
+from asyncrl.controllers.episode import (
+    EpisodeContext,
+    EpisodeFailed,
+    EpisodeRejected,
+    Gate,
+    Generation,
+    RewardRunner,
+)
 from asyncrl.controllers.router import Router
 from asyncrl.engines.rollout.sglang import SGLangClient
 from asyncrl.procs import free_port
@@ -393,9 +402,10 @@ async def test_an_outage_longer_than_its_timeout_fails_the_episode(engine_url: s
 async def test_every_episode_rejecting_is_warned_not_silent(
     engine_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Episodes that all return None: next_batch gets nothing, and the log says why."""
+    """Episodes that all return None (with ``max_failed_groups = 0``, never stopping for it):
+    next_batch gets nothing, and the log says why."""
     cfg = RunConfig(
-        controller=ControllerConfig(batch_size=2, max_staleness=0),
+        controller=ControllerConfig(batch_size=2, max_staleness=0, max_failed_groups=0),
         algo=AlgoConfig(group_size=2),
         rollout=LocalRolloutConfig(urls=(engine_url,), max_new_tokens=3),
     )
@@ -409,3 +419,67 @@ async def test_every_episode_rejecting_is_warned_not_silent(
         assert ctl.counters["rejected"] >= 2
     warned = [r.getMessage() for r in caplog.records if "groups in a row rejected" in r.message]
     assert warned and "every episode returned None" in warned[0]
+
+
+def _rejecting_controller(bound: int, every: int, staleness: int = 0) -> tuple[RunConfig, Any]:
+    """A config with ``max_failed_groups = bound`` and an episode that trains every
+    ``every``-th sample (0: none) and rejects the others: odd ones by raising
+    :class:`EpisodeRejected` naming the sample, even ones by returning None."""
+    cfg = RunConfig(
+        controller=ControllerConfig(batch_size=2, max_staleness=staleness, max_failed_groups=bound),
+        algo=AlgoConfig(group_size=2),
+        rollout=LocalRolloutConfig(max_new_tokens=3),
+    )
+
+    async def episode(ctx: EpisodeContext, sample: int) -> Any:
+        await asyncio.sleep(0)
+        if every and sample % every == 0:
+            return ctx.trajectory([1], [Generation([5], [-0.5], [0], "stop")], 1.0)
+        if sample % 2:
+            raise EpisodeRejected(f"the agent gave up on sample {sample}")
+        return None
+
+    return cfg, episode
+
+
+async def test_a_run_of_only_rejected_groups_stops_naming_the_last_cause() -> None:
+    """Every group rejected (episodes returning None or raising EpisodeRejected):
+    ``max_failed_groups`` of them in a row stop the run with GroupsFailing naming the last
+    cause. Before: ``max_failed_groups`` counted failures only, and such a run waited for a
+    batch forever (a warning every 30 s)."""
+    cfg, episode = _rejecting_controller(bound=5, every=0)
+    engine = FakeEngine("e", random.Random(0), 0.01)
+    async with Controller(cfg, episode, [engine], source=iter(range(10**9))) as ctl:
+        with pytest.raises(RuntimeError) as err:
+            await asyncio.wait_for(ctl.next_batch(), 30)
+        assert ctl.counters["rejected"] >= 5 and ctl.counters["failed"] == 0
+    cause = err.value.__cause__
+    assert isinstance(cause, GroupsFailing), err.value
+    msg = str(cause)
+    assert "5 groups in a row failed or were rejected" in msg and "max_failed_groups" in msg
+    # the last group's cause: its sample's EpisodeRejected (odd), or that it returned None
+    last = re.search(r"the last: group (\d+) rejected: (.*)$", msg)
+    assert last is not None, msg
+    sample = int(last[1])  # a group's id is its sample's index here
+    assert last[2] == (
+        f"the agent gave up on sample {sample}" if sample % 2 else "every episode returned None"
+    )
+
+
+async def test_rejections_between_trained_groups_do_not_stop_the_run() -> None:
+    """Rejected groups with trained ones between them (fewer than ``max_failed_groups`` in
+    a row) go on: the streak restarts at every group that trains, and the last cause of a
+    group that raised EpisodeRejected is what a stop would name."""
+    # 2 rejected, 1 trained, ... (a generous bound: tokens of version 0 train at any step)
+    cfg, episode = _rejecting_controller(bound=4, every=3, staleness=100)
+    engine = FakeEngine("e", random.Random(0), 0.01)
+    async with Controller(cfg, episode, [engine], source=iter(range(60))) as ctl:
+        ctl.end_input()
+        steps = 0
+        with pytest.raises(NoMoreSamples):
+            while True:
+                batch = await asyncio.wait_for(ctl.next_batch(), 30)
+                assert all(s % 3 == 0 for s in batch.samples)
+                steps += 1
+                await ctl.set_version(steps)
+    assert ctl.counters["trained"] == 20 and ctl.counters["rejected"] == 40

@@ -25,6 +25,15 @@ def chat_model_dir() -> Path:
     return ensure_tiny_chat_model()
 
 
+def gateway_auth() -> dict[str, str]:
+    """The ``Authorization`` header of the gateway key every default-config gateway of this
+    test process holds (derived from the test session's run secret)."""
+    from asyncrl import secret
+    from asyncrl.gateway.auth import gateway_key
+
+    return {"Authorization": f"Bearer {gateway_key(secret.load())}"}
+
+
 class RecordingEngine:
     """The real client of the engine, keeping every final answer (rid, input, result)."""
 
@@ -87,6 +96,7 @@ class Served:
         self.gw.attach(self.ctl)
         await self.ctl.__aenter__()
         self.url = await self.gw.start()
+        self.key = self.gw.api_key  # the gateway key (derived from the run secret by default)
         self.drain = asyncio.ensure_future(self._drain())
 
     async def _drain(self) -> None:

@@ -9,7 +9,7 @@ from typing import Any
 
 import aiohttp
 
-from .conftest import Served
+from .conftest import Served, gateway_auth
 
 
 def test_openai_agents_sdk_tool_episode(served: Served) -> None:
@@ -34,7 +34,7 @@ def test_openai_agents_sdk_tool_episode(served: Served) -> None:
         return f'{{"city": "{city}", "weather": "windy"}}'
 
     async def episode() -> Any:
-        client = AsyncOpenAI(base_url=f"{served.url}/sessions/{sid}/v1", api_key="x")
+        client = AsyncOpenAI(base_url=f"{served.url}/sessions/{sid}/v1", api_key=served.key)
         agent = Agent(
             name="weather",
             instructions="You are a helpful assistant.",
@@ -51,7 +51,7 @@ def test_openai_agents_sdk_tool_episode(served: Served) -> None:
     assert "windy" in final
 
     async def snapshot() -> Any:
-        async with aiohttp.ClientSession() as http:
+        async with aiohttp.ClientSession(headers=gateway_auth()) as http:
             async with http.get(f"{served.url}/sessions/{sid}") as r:
                 return await r.json()
 

@@ -15,7 +15,7 @@ import pytest
 from asyncrl.tasks.text import ChatTokenizer
 from asyncrl.tasks.tiny_chat_model import WEATHER_TOOL
 
-from .conftest import Served
+from .conftest import Served, gateway_auth
 
 
 def _sid() -> str:
@@ -27,7 +27,7 @@ def _session(served: Served, sid: str) -> dict[str, Any]:
 
 
 async def _get(url: str) -> Any:
-    async with aiohttp.ClientSession() as http, http.get(url) as r:
+    async with aiohttp.ClientSession(headers=gateway_auth()) as http, http.get(url) as r:
         return await r.json()
 
 
@@ -51,7 +51,7 @@ def _check_branch(b: dict[str, Any], calls: list[tuple[list[int], list[int]]]) -
 
 def test_sync_multi_turn_is_token_exact(served: Served, chat_model_dir: Any) -> None:
     sid = _sid()
-    client = openai.OpenAI(base_url=f"{served.url}/sessions/{sid}/v1", api_key="x")
+    client = openai.OpenAI(base_url=f"{served.url}/sessions/{sid}/v1", api_key=served.key)
     msgs: list[Any] = [{"role": "user", "content": "Hello!"}]
     r1 = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=20)
     first = _engine_calls(served, 1)
@@ -72,7 +72,7 @@ def test_async_stream_n2_logprobs_usage(served: Served) -> None:
     sid = _sid()
 
     async def go() -> tuple[dict[int, str], Any, int]:
-        client = openai.AsyncOpenAI(base_url=f"{served.url}/sessions/{sid}/v1", api_key="x")
+        client = openai.AsyncOpenAI(base_url=f"{served.url}/sessions/{sid}/v1", api_key=served.key)
         text: dict[int, str] = {0: "", 1: ""}
         lps = 0
         usage = None
@@ -111,7 +111,7 @@ def test_async_stream_n2_logprobs_usage(served: Served) -> None:
 
 def test_tool_call_round_trip(served: Served) -> None:
     sid = _sid()
-    client = openai.OpenAI(base_url=f"{served.url}/sessions/{sid}/v1", api_key="x")
+    client = openai.OpenAI(base_url=f"{served.url}/sessions/{sid}/v1", api_key=served.key)
     msgs: list[Any] = [{"role": "user", "content": "What is the weather in Oslo?"}]
     tools: Any = [WEATHER_TOOL]
     r1 = client.chat.completions.create(model="t", messages=msgs, tools=tools, temperature=0)
@@ -137,7 +137,7 @@ def test_tool_call_round_trip(served: Served) -> None:
 
 
 def test_streamed_tool_call(served: Served) -> None:
-    client = openai.OpenAI(base_url=f"{served.url}/sessions/{_sid()}/v1", api_key="x")
+    client = openai.OpenAI(base_url=f"{served.url}/sessions/{_sid()}/v1", api_key=served.key)
     stream = client.chat.completions.create(
         model="t",
         messages=[{"role": "user", "content": "What is the weather in Lima?"}],
@@ -158,7 +158,7 @@ def test_a_retried_request_makes_no_second_turn(served: Served) -> None:
     body = {"model": "t", "messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 8}
 
     async def twice() -> list[Any]:
-        async with aiohttp.ClientSession() as http:
+        async with aiohttp.ClientSession(headers=gateway_auth()) as http:
             url = f"{served.url}/sessions/{sid}/v1/chat/completions"
             raw = json.dumps(body)
             hdr = {"Content-Type": "application/json"}
@@ -190,7 +190,7 @@ def test_a_retried_request_makes_no_second_turn(served: Served) -> None:
 )
 def test_bad_requests_get_openai_errors(served: Served, extra: dict[str, Any], param: str) -> None:
     client = openai.OpenAI(
-        base_url=f"{served.url}/sessions/{_sid()}/v1", api_key="x", max_retries=0
+        base_url=f"{served.url}/sessions/{_sid()}/v1", api_key=served.key, max_retries=0
     )
     body: dict[str, Any] = {"model": "t", "messages": [{"role": "user", "content": "Hi!"}]}
     body.update(extra)
@@ -201,7 +201,7 @@ def test_bad_requests_get_openai_errors(served: Served, extra: dict[str, Any], p
 
 
 def test_metadata_is_accepted_and_models_listed(served: Served) -> None:
-    client = openai.OpenAI(base_url=f"{served.url}/sessions/{_sid()}/v1", api_key="x")
+    client = openai.OpenAI(base_url=f"{served.url}/sessions/{_sid()}/v1", api_key=served.key)
     r = client.chat.completions.create(
         model="t",
         messages=[{"role": "user", "content": "Hi!"}],
@@ -224,7 +224,7 @@ def test_reverse_chat_task_knows_the_format_not_the_order(served: Served) -> Non
     the fraction of positions right."""
     from asyncrl.gateway.agent import AgentSample, reverse_chat_agent
 
-    client = openai.OpenAI(base_url=f"{served.url}/sessions/{_sid()}/v1", api_key="x")
+    client = openai.OpenAI(base_url=f"{served.url}/sessions/{_sid()}/v1", api_key=served.key)
     msgs: Any = [{"role": "user", "content": "Reverse: 3 8 1"}]
     r = client.chat.completions.create(model="t", messages=msgs, n=8, max_tokens=16)
     replies = [(c.message.content or "").split() for c in r.choices]
@@ -233,7 +233,9 @@ def test_reverse_chat_task_knows_the_format_not_the_order(served: Served) -> Non
     assert len(perms) >= 5 and len(set(perms)) > 1, replies  # its digits, not one fixed order
 
     async def agent() -> float:
-        aclient = openai.AsyncOpenAI(base_url=f"{served.url}/sessions/{_sid()}/v1", api_key="x")
+        aclient = openai.AsyncOpenAI(
+            base_url=f"{served.url}/sessions/{_sid()}/v1", api_key=served.key
+        )
         try:
             return await reverse_chat_agent(aclient, AgentSample("Reverse: 3 8 1", answer="1 8 3"))
         finally:

@@ -10,7 +10,7 @@ from typing import Any
 import aiohttp
 import openai
 
-from .conftest import Served
+from .conftest import Served, gateway_auth
 
 
 def test_weight_update_mid_stream_keeps_tokens_and_versions(served: Served) -> None:
@@ -43,7 +43,7 @@ def _stream_with_update(served: Served) -> tuple[dict[str, Any], str, int, int]:
     ctl, engine = served.ctl, served.engine
 
     async def go() -> tuple[str, int]:
-        client = openai.AsyncOpenAI(base_url=base, api_key="x")
+        client = openai.AsyncOpenAI(base_url=base, api_key=served.key)
         stream = await client.completions.create(
             model="t",
             prompt="Hello",
@@ -72,7 +72,7 @@ def _stream_with_update(served: Served) -> tuple[dict[str, Any], str, int, int]:
 
 def test_completion_turns_extend_one_branch(served: Served) -> None:
     sid = uuid.uuid4().hex[:12]
-    client = openai.OpenAI(base_url=f"{served.url}/sessions/{sid}/v1", api_key="x")
+    client = openai.OpenAI(base_url=f"{served.url}/sessions/{sid}/v1", api_key=served.key)
     r1 = client.completions.create(model="t", prompt="Hi", max_tokens=6, logprobs=1)
     assert r1.choices[0].logprobs is not None and len(r1.choices[0].logprobs.tokens or []) <= 6
     client.completions.create(model="t", prompt="Hi" + r1.choices[0].text + " more", max_tokens=6)
@@ -83,11 +83,11 @@ def test_completion_turns_extend_one_branch(served: Served) -> None:
 
 def test_reward_ends_the_session_into_a_trajectory(served: Served) -> None:
     sid = uuid.uuid4().hex[:12]
-    client = openai.OpenAI(base_url=f"{served.url}/sessions/{sid}/v1", api_key="x")
+    client = openai.OpenAI(base_url=f"{served.url}/sessions/{sid}/v1", api_key=served.key)
     client.completions.create(model="t", prompt="Hi", max_tokens=4)
 
     async def reward() -> Any:
-        async with aiohttp.ClientSession() as http:
+        async with aiohttp.ClientSession(headers=gateway_auth()) as http:
             url = f"{served.url}/sessions/{sid}/reward"
             async with http.post(url, json={"reward": 0.5}) as r:
                 return r.status
@@ -108,5 +108,5 @@ def test_reward_ends_the_session_into_a_trajectory(served: Served) -> None:
 
 
 async def _get(url: str) -> Any:
-    async with aiohttp.ClientSession() as http, http.get(url) as r:
+    async with aiohttp.ClientSession(headers=gateway_auth()) as http, http.get(url) as r:
         return await r.json()

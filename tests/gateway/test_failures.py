@@ -2,9 +2,9 @@
 timeouts, API keys, back-pressure (429 and the client's retries), bad requests.
 
 One engine for the module; two controllers + gateways over it: ``served`` (the lenient
-default: no key, ``on_disconnect = "keep"``) and ``guarded`` (a key from a file,
-``strict_model``, ``admission = "reject"`` with one episode at a time, ``on_disconnect =
-"drop"``)."""
+default: the gateway key derived from the run secret, ``on_disconnect = "keep"``) and
+``guarded`` (a key of the user's from a file, ``strict_model``, ``admission = "reject"``
+with one episode at a time, ``on_disconnect = "drop"``)."""
 
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ def _engine_idle(srv: Served) -> None:
     _poll("the engine to hold no request", lambda: _engine_info(srv)["num_requests"] == 0)
 
 
-def _cut_after_first_tokens(srv: Served, base: str, msgs: list[Any], key: str = "x") -> None:
+def _cut_after_first_tokens(srv: Served, base: str, msgs: list[Any], key: str) -> None:
     """A streamed completion of LONG tokens, read until its first content, then closed (the
     client hangs up)."""
 
@@ -124,28 +124,35 @@ def _aborted(srv: Served, tokens_before: int, disconnects_before: int) -> None:
 def test_hang_up_mid_stream_keeps_the_last_full_turn(served: Served) -> None:
     sid = _sid()
     base = f"{served.url}/sessions/{sid}/v1"
-    client = openai.OpenAI(base_url=base, api_key="x", max_retries=0)
+    client = openai.OpenAI(base_url=base, api_key=served.key, max_retries=0)
     msgs: list[Any] = [{"role": "user", "content": "Hello!"}]
     r1 = client.chat.completions.create(model="t", messages=msgs, max_tokens=8)
     msgs += [
         r1.choices[0].message.model_dump(exclude_none=True),
         {"role": "user", "content": "Go on"},
     ]
-    first = served.run(_http("GET", f"{served.url}/sessions/{sid}"))[1]["branches"][0]
+    first = served.run(_http("GET", f"{served.url}/sessions/{sid}", key=served.key))[1]["branches"][
+        0
+    ]
     tokens, cuts = _engine_info(served)["tokens"], served.gw.stats()["disconnects"]
-    _cut_after_first_tokens(served, base, msgs)
+    _cut_after_first_tokens(served, base, msgs, served.key)
     _aborted(served, tokens, cuts)
     s = served.gw.sessions.by_id[sid]
     assert s.inflight == 0 and all(t.done.is_set() for t in s.turns.values())
-    (b,) = served.run(_http("GET", f"{served.url}/sessions/{sid}"))[1]["branches"]
+    (b,) = served.run(_http("GET", f"{served.url}/sessions/{sid}", key=served.key))[1]["branches"]
     assert b == first  # the cut turn left nothing behind
     # the session goes on from its last full turn, on the same branch
     client.chat.completions.create(model="t", messages=msgs, max_tokens=8)
-    snap = served.run(_http("GET", f"{served.url}/sessions/{sid}"))[1]
+    snap = served.run(_http("GET", f"{served.url}/sessions/{sid}", key=served.key))[1]
     assert [b["turns"] for b in snap["branches"]] == [2] and snap["branches_opened"] == 0
     assert snap["branches"][0]["token_ids"][: len(first["token_ids"])] == first["token_ids"]
     n_batches = len(served.batches)
-    assert served.run(_http("POST", f"{served.url}/sessions/{sid}/reward", {"reward": 1}))[0] == 200
+    assert (
+        served.run(_http("POST", f"{served.url}/sessions/{sid}/reward", {"reward": 1}, served.key))[
+            0
+        ]
+        == 200
+    )
     _poll("the session's trajectory", lambda: len(served.batches) > n_batches)
     (traj,) = served.batches[n_batches].trajectories
     assert traj.metadata["session"] == sid
@@ -157,7 +164,7 @@ def test_client_timeout_is_a_hang_up(served: Served) -> None:
     sid = _sid()
     base = f"{served.url}/sessions/{sid}/v1"
     tokens, cuts = _engine_info(served)["tokens"], served.gw.stats()["disconnects"]
-    client = openai.OpenAI(base_url=base, api_key="x", max_retries=0, timeout=1.0)
+    client = openai.OpenAI(base_url=base, api_key=served.key, max_retries=0, timeout=1.0)
     with pytest.raises(openai.APITimeoutError):
         client.chat.completions.create(
             model="t",
@@ -166,14 +173,19 @@ def test_client_timeout_is_a_hang_up(served: Served) -> None:
             extra_body={"ignore_eos": True},
         )
     _aborted(served, tokens, cuts)
-    snap = served.run(_http("GET", f"{served.url}/sessions/{sid}"))[1]
+    snap = served.run(_http("GET", f"{served.url}/sessions/{sid}", key=served.key))[1]
     assert not any(b["turns"] for b in snap["branches"]) and not snap["closed"]
     assert served.gw.sessions.by_id[sid].inflight == 0
     r = client.with_options(timeout=60).chat.completions.create(
         model="t", messages=[{"role": "user", "content": "Hi"}], max_tokens=4
     )
     assert r.choices[0].message.content is not None
-    assert served.run(_http("POST", f"{served.url}/sessions/{sid}/reward", {"reward": 0}))[0] == 200
+    assert (
+        served.run(_http("POST", f"{served.url}/sessions/{sid}/reward", {"reward": 0}, served.key))[
+            0
+        ]
+        == 200
+    )
 
 
 def test_api_key_from_a_file(guarded: Served) -> None:

@@ -78,7 +78,9 @@ def test_client_session_is_dropped_and_goes_on_as_new(
     async def scenario() -> None:
         msgs: list[Any] = [{"role": "user", "content": "Hello!"}]
         async with Run(chat_model_dir, engine_url) as old:
-            client = openai.AsyncOpenAI(base_url=f"{old.url}/sessions/{sid}/v1", api_key="x")
+            client = openai.AsyncOpenAI(
+                base_url=f"{old.url}/sessions/{sid}/v1", api_key=old.gw.api_key
+            )
             r1 = await client.chat.completions.create(model="m", messages=msgs, max_tokens=8)
             state = old.checkpoint()  # the session is open: its group is running
             await client.close()
@@ -86,7 +88,9 @@ def test_client_session_is_dropped_and_goes_on_as_new(
         async with Run(chat_model_dir, engine_url, state=state) as new:
             await _until("the old group to be dropped", lambda: new.ctl.counters["rejected"] == 1)
             assert new.gw.stats()["restart_dropped"] == 1 and sid not in new.gw.sessions.by_id
-            client = openai.AsyncOpenAI(base_url=f"{new.url}/sessions/{sid}/v1", api_key="x")
+            client = openai.AsyncOpenAI(
+                base_url=f"{new.url}/sessions/{sid}/v1", api_key=new.gw.api_key
+            )
             msgs += [r1.choices[0].message.model_dump(exclude_none=True)]
             msgs += [{"role": "user", "content": "Go on"}]
             await client.chat.completions.create(model="m", messages=msgs, max_tokens=8)
