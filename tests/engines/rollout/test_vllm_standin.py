@@ -96,7 +96,10 @@ def _check_state(server: VLLMStandIn, pushes: int, tp: int, mode: str = "keep") 
         assert len(set(st["pushes"][str(v)].values())) == 1 and len(st["pushes"][str(v)]) == tp
     assert st["mixed_tokens"] == 0 and st["label_errors"] == 0
     if mode == "keep":
-        assert not [r for r in st["reqs"].values() if r["finish"] == "abort"]  # none aborted
+        # none aborted by a pause (a request the run itself hung up on as it ended is
+        # aborted by vLLM too, async_llm.py:807-812: that is no pause's doing)
+        aborted = [r for r in st["reqs"].values() if r["finish"] == "abort" and not r["hung_up"]]
+        assert not aborted, aborted
         assert st["cache_resets"] == 0, st["cache_resets"]
         assert not [r for r in st["reqs"].values() if r["prefills"] != 1]  # none re-prefilled
     first = st["sha256"]["rank0"]

@@ -211,7 +211,7 @@ class Tokens:
                     r.changed.clear()
                     await r.changed.wait()
         except asyncio.CancelledError:  # the client hung up: aborted (async_llm.py:807-812)
-            await self.core.abort_internal([r.rid for r in reqs])
+            await self.core.abort_internal([r.rid for r in reqs], hung_up=True)
             raise
         choices = [_choice(r, r.output, r.logprobs, True, i) for i, r in enumerate(reqs)]
         return GenerateTokensResponse(request_id=reqs[0].ext, choices=choices)
@@ -223,7 +223,7 @@ class Tokens:
             async for line in self._chunks(reqs):
                 yield line
         except (asyncio.CancelledError, GeneratorExit):  # hung up (async_llm.py:807-812)
-            await self.core.abort_internal([r.rid for r in reqs])
+            await self.core.abort_internal([r.rid for r in reqs], hung_up=True)
             raise
 
     async def _chunks(self, reqs: list[Req]) -> AsyncGenerator[str, None]:

@@ -90,6 +90,7 @@ class Req:
     adapter_truth: list[str | None] = field(default_factory=list)
     ext: str = ""  # the engine's external id: generate-tokens-{request_id} (tito/serving.py:203)
     prefills: int = 1  # 1 + the times its KV was dropped and recomputed (a cache reset)
+    hung_up: bool = False  # aborted because its client went away (not by a pause)
 
     def spans(self) -> list[dict[str, Any]]:
         """output_processor.py:538-545."""
@@ -271,14 +272,16 @@ class StandIn:
         self.pause, self.reject_new = "none", False
         self.wake.set()
 
-    async def abort_internal(self, rids: list[str]) -> None:
+    async def abort_internal(self, rids: list[str], hung_up: bool = False) -> None:
         """``abort_requests`` by internal ids (the core takes aborts between steps,
-        core.py:1621-1630)."""
+        core.py:1621-1630); ``hung_up``: because the client went away (the tests tell
+        those from aborts by a pause)."""
         async with self.stepping:
             for rid in rids:
                 r = self.reqs.get(rid)
                 if r is not None and r.finish is None:
                     r.finish = "abort"
+                    r.hung_up = hung_up
                     r.changed.set()
 
     async def set_label(self, version: str) -> None:
@@ -391,7 +394,8 @@ class StandIn:
             "sha256": {f"rank{i}": s["sha256"] for i, s in enumerate(sums)},
             "reqs": {rid: {"truth": r.truth, "labels": r.labels, "finish": r.finish,
                            "output": r.output, "ext": r.ext, "prefills": r.prefills,
-                           "spans": r.spans(), "adapters": r.adapter_truth}
+                           "spans": r.spans(), "adapters": r.adapter_truth,
+                           "hung_up": r.hung_up}
                      for rid, r in self.reqs.items()},
             "lora": self.lora.state(),
         }  # fmt: skip
