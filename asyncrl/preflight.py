@@ -166,7 +166,7 @@ def _is_async(fn: Callable[..., Any]) -> bool:
     object whose ``__call__`` is."""
     if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(inspect.unwrap(fn)):
         return True
-    call = getattr(type(fn), "__call__", None)
+    call = inspect.getattr_static(type(fn), "__call__", None)
     routine = inspect.isroutine(fn) or inspect.isclass(fn)
     return not routine and call is not None and inspect.iscoroutinefunction(call)
 

@@ -7,9 +7,10 @@ whose info string is empty or a shell (``bash``, ``sh``, ``shell``, ``console``)
 indented blocks (4 spaces after a blank line; docs/agents.md writes its commands so). A line
 ending in ``\\`` goes on on the next; a ``#`` comment outside quotes is dropped (as bash
 drops it); in a block where some lines start with ``$ ``, only those are commands (the rest
-is printed output). Identical commands (README and docs/algorithms.md both show ``asyncrl
-run --algo ppo``) run once, listed with every place that shows them. ``docs/results/``
-(dated measurements, not instructions) is not read.
+is printed output); leading ``VAR=value`` assignments belong to the command. Identical
+commands (README and docs/algorithms.md both show ``asyncrl run --algo ppo``) run once,
+listed with every place that shows them. Commands in prose (inline code) are not read, nor
+``docs/results/`` (dated measurements, not instructions).
 
 **What the harness changes.** Nothing in the line itself. It appends size flags after the
 line's own (:data:`SIZE`: steps, batch and group sizes, episodes, repeats; later flags win,
@@ -46,6 +47,7 @@ code and seconds, and each line not run with why (the suite's terminal summary p
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import shlex
@@ -151,8 +153,8 @@ PLACEHOLDERS: dict[str, str] = {
 RUN_DIR_SOURCE = "asyncrl run"
 """The documented command whose run folder fills ``RUN_DIR``."""
 TIMEOUT_S = 180.0
-"""Per command (2 steps; the slowest, the pipeline bench's two runs, takes ~30 s on the
-loaded 2-core box)."""
+"""Per command (a run takes ~1.5 s forked from the session's fork server; the slowest, the
+generation bench, 12-35 s on the 2-core box, idle to loaded)."""
 AT_ONCE = 2
 
 
@@ -166,7 +168,11 @@ class DocCommand:
 
     @property
     def words(self) -> list[str]:
-        return shlex.split(self.text)
+        """The command's words, after any leading ``VAR=value`` assignments."""
+        words = shlex.split(self.text)
+        while words and re.match(r"^[A-Za-z_]\w*=", words[0]):
+            words = words[1:]
+        return words
 
     @property
     def id(self) -> str:
@@ -229,7 +235,7 @@ def commands_in(text: str, name: str) -> list[tuple[str, str]]:
                 line = line[:-1].rstrip() + " " + block[k][1].strip()
                 k += 1
             line = _strip_comment(line)
-            if re.match(r"^(asyncrl\s|asyncrl$|bash\s+scripts/)", line):
+            if re.match(r"^([A-Za-z_]\w*=\S*\s+)*(asyncrl\s|asyncrl$|bash\s+scripts/)", line):
                 found.append((line, f"{name}:{n}"))
     return found
 
@@ -476,6 +482,8 @@ def test_the_documented_commands_are_found() -> None:
     assert any(c.text == "asyncrl run --resume RUN_DIR" for c in RUNNABLE)
     assert not set(NOT_ON_CPU) - texts, set(NOT_ON_CPU) - texts
     assert len(NOT_ON_CPU) <= len(COMMANDS) // 3
+    unused = [p for p in PLACEHOLDERS if not any(p in c.text for c in RUNNABLE)]
+    assert not unused, f"placeholders no documented command uses any more: {unused}"
 
 
 def test_the_parser_reads_blocks_as_a_shell_would() -> None:
@@ -488,7 +496,8 @@ def test_the_parser_reads_blocks_as_a_shell_would() -> None:
         "```toml\nasyncrl = 1\n```\n\n"
         "```\n$ asyncrl bench controller --json o#1.json   # a comment\n"
         "asyncrl       200000    4.313\n```\n\n"
-        "    asyncrl run --task.name=agent\n"
+        "    asyncrl run --task.name=agent\n\n"
+        "```sh\nX=1 asyncrl run\nasyncrlx run\n```\n"
     )
     got = [c for c, _ in commands_in(text, "T")]
     assert got == [
@@ -496,7 +505,9 @@ def test_the_parser_reads_blocks_as_a_shell_would() -> None:
         "asyncrl run --a=1 --b=2",
         "asyncrl bench controller --json o#1.json",
         "asyncrl run --task.name=agent",
+        "X=1 asyncrl run",
     ]
+    assert DocCommand("X=1 Y='a b' asyncrl run --x").words == ["asyncrl", "run", "--x"]
     assert _strip_comment("a 'b # c' # d") == "a 'b # c'"
 
 
@@ -510,6 +521,24 @@ def test_documented_command_runs(ran: _Commands, cmd: DocCommand) -> None:
     )
     if cmd.words[:2] in (["asyncrl", "run"], ["bash", "scripts/run"]):
         assert "done: " in o.output, f"{where}: no `done:` line\n{o.output[-3000:]}"
+        _what_the_docs_say(cmd, o)
     if "--json" in cmd.words:
         out = cmd.words[cmd.words.index("--json") + 1]
         assert (o.folder / out).is_file(), f"{where}: wrote no {out}\n{o.output[-3000:]}"
+
+
+def _what_the_docs_say(cmd: DocCommand, o: Outcome) -> None:
+    """A run's folder shows what its line promises: command-line overrides win over the TOML
+    file (README), a resume continues the run (docs/fault-tolerance.md), and
+    ``--logging.trajectories=true`` writes ``trajectories.jsonl`` (docs/agents.md)."""
+    found = re.search(r"(?:writing to|resuming) (\S+)", o.output)
+    assert found is not None, o.output[-3000:]
+    run = o.folder / found.group(1) if cmd.words[:2] == ["asyncrl", "run"] else Path(found[1])
+    config = json.loads((run / "config.json").read_text())
+    if "my.toml" in cmd.words:  # the file says 1 and 2e-3; the line says 2 and 1e-3
+        got = (config["controller"]["max_staleness"], config["trainer"]["lr"])
+        assert got == (2, 1e-3), got
+    if "--resume" in cmd.words:
+        assert "resuming from" in o.output and (run / "resumed.json").is_file()
+    if "--logging.trajectories=true" in cmd.words:
+        assert (run / "trajectories.jsonl").stat().st_size > 0
