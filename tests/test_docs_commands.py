@@ -282,13 +282,13 @@ class _Commands:
     """Runs the documented commands in a background thread, ``AT_ONCE`` at a time, each in
     its own folder and process group; ``RUN_DIR`` users after their source."""
 
-    def __init__(self, base: Path) -> None:
+    def __init__(self, base: Path, todo: list[DocCommand]) -> None:
         self.base = base
-        self.out = {c.id: Outcome(c) for c in RUNNABLE}
+        self.out = {c.id: Outcome(c) for c in todo}
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self._stop = threading.Event()
         # the benches (the longest) and RUN_DIR's source first, RUN_DIR's users last
-        order = sorted(RUNNABLE, key=lambda c: ("RUN_DIR" in c.text, _light(c)))
+        order = sorted(todo, key=lambda c: ("RUN_DIR" in c.text, _light(c)))
         self._thread = threading.Thread(target=self._run_all, args=(order,), daemon=True)
         self._thread.start()
 
@@ -296,7 +296,7 @@ class _Commands:
         running: list[str] = []
         try:
             for cmd in order:
-                while len(running) >= AT_ONCE and not self._stop.is_set():
+                while (len(running) >= AT_ONCE or self._waits(cmd)) and not self._stop.is_set():
                     running = [i for i in running if not self._reap(i)]
                     time.sleep(0.05)
                 if self._stop.is_set():
@@ -311,6 +311,11 @@ class _Commands:
             for o in self.out.values():
                 if not o.done.is_set():
                     self._end(o.cmd.id, why)
+
+    def _waits(self, cmd: DocCommand) -> bool:
+        """Whether ``cmd`` waits for ``RUN_DIR``'s source to end."""
+        src = self._source() if "RUN_DIR" in cmd.text else None
+        return src is not None and not src.done.is_set()
 
     def _source(self) -> Outcome | None:
         return next((o for o in self.out.values() if o.cmd.text == RUN_DIR_SOURCE), None)
@@ -327,9 +332,6 @@ class _Commands:
             src = self._source()
             if src is None:
                 return self._end(cmd.id, f"RUN_DIR: no documented `{RUN_DIR_SOURCE}` to take")
-            while not src.done.wait(0.1):
-                if self._stop.is_set():
-                    return False
             found = re.search(r"writing to (\S+)", src.output)
             if src.rc != 0 or found is None:
                 return self._end(cmd.id, f"RUN_DIR: `{RUN_DIR_SOURCE}` failed (rc {src.rc})")
@@ -462,10 +464,22 @@ def _wait_for_the_shared_fork_server(tmp: Path, timeout_s: float = 120.0) -> Non
 
 
 @pytest.fixture(scope="module")
-def ran(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_Commands]:
+def ran(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[_Commands]:
+    """The commands whose tests this session runs (and ``RUN_DIR``'s source, when a user of
+    it is one), started in the background."""
+    wanted = {
+        item.callspec.params["cmd"].id
+        for item in request.session.items
+        if item.module is request.module and hasattr(item, "callspec")
+    }
+    todo = [c for c in RUNNABLE if c.id in wanted]
+    if any("RUN_DIR" in c.text for c in todo):
+        todo += [c for c in RUNNABLE if c.text == RUN_DIR_SOURCE and c not in todo]
     base = tmp_path_factory.mktemp("doc-commands")
     _wait_for_the_shared_fork_server(base)
-    runs = _Commands(base)
+    runs = _Commands(base, todo)
     try:
         yield runs
     finally:
