@@ -30,7 +30,12 @@ there); ``bash scripts/...`` lines run from the repository root, as README says,
 - ``my_pkg.agents:solve`` and ``my_agent.py`` (docs/agents.md): the user's agent function
   and agent command, written in the command's folder (:data:`MY_PKG_AGENTS`,
   :data:`MY_AGENT`): one chat completion each through the episode's session, a reward
-  from the answer.
+  from the answer;
+- ``--cluster.secret_file=NAME`` (a key file an earlier line of its block writes): a fresh
+  secret in ``NAME`` (mode 0600) in the command's folder.
+
+A line that ends in ``&`` (started in the background in its block) runs in the foreground
+here, its size flags before the ``&``'s place: its exit code is what is tested.
 
 **What cannot run here** (:data:`NOT_ON_CPU`, each with its reason): the suite itself, a
 Ray cluster to join, a Slurm allocation, engines on other hosts. Every entry must match a
@@ -50,6 +55,7 @@ import hashlib
 import json
 import os
 import re
+import secrets
 import shlex
 import subprocess
 import sys
@@ -346,6 +352,13 @@ class _Commands:
             (o.folder / "my_pkg" / "agents.py").write_text(MY_PKG_AGENTS)
         if "my_agent.py" in line:
             (o.folder / "my_agent.py").write_text(MY_AGENT)
+        for w in cmd.words:  # a key file an earlier line of the block makes (0600, a secret)
+            if w.startswith("--cluster.secret_file=") and "/" not in w:
+                key = o.folder / w.partition("=")[2]
+                key.touch(mode=0o600)
+                key.write_text(secrets.token_urlsafe(32) + "\n")
+        if re.search(r"[^&]&$", line):  # started in the background there: here, waited for
+            line = line[:-1].rstrip()
         cwd = o.folder
         if cmd.words[:2] == ["bash", "scripts/run"]:
             cwd, size = ROOT, [*size, f"--run-dir={o.folder / 'run'}"]
