@@ -3,29 +3,41 @@
 :func:`preflight` fails in well under a second, with one line naming the key,
 for mistakes that can be known on the host that runs ``asyncrl run``: a device
 this machine does not have (``rollout.device``/``trainer.device`` on CUDA, a
-CUDA-only weight backend, ``hccl`` without ``torch_npu``) and a task file that does
-not exist, and a generation budget that cannot fit the embedded engines' context (every
-request would be refused with a 400, forever). Without it these surface only after engines
-started, as a child's traceback (14 s for ``rollout.device=cuda`` on a CPU machine).
-Combinations no host can run (``cuda-ipc`` with SGLang) are refused by the config
-itself, when loaded.
+CUDA-only weight backend, ``hccl`` without ``torch_npu``), an engine package the run
+would start servers from that is not installed (``rollout.backend = "sglang"`` or
+``"vllm"`` without ``rollout.urls``), a task file that does not exist, an agent
+(``task.agent``) that does not import or is not an ``async def``, a generation budget
+that cannot fit the engines' context (every request would be refused with a 400,
+forever), and ``rollout.urls`` that refuse connections. Without it these surface only
+after engines started, as a child's traceback (14 s for ``rollout.device=cuda`` on a CPU
+machine; 16 s and a ``ModuleNotFoundError`` for a missing vLLM), or after the engines'
+start timeout (121 s for a URL nothing listens on). Combinations no host can run
+(``cuda-ipc`` with SGLang) are refused by the config itself, when loaded.
 
-Device checks apply only to processes this host starts (``cluster.backend =
+Device and package checks apply only to processes this host starts (``cluster.backend =
 "local"``; under Ray they run on other nodes). Nothing here imports torch (the
 controller is torch-free): torch's build is read from its ``version.py`` and the
 driver is asked through ``libcuda`` (``cuInit`` / ``cuDeviceGetCount``, which
-honour ``CUDA_VISIBLE_DEVICES``).
+honour ``CUDA_VISIBLE_DEVICES``); engine packages are looked up, not imported. The
+agent's module is imported (the controller imports it to run it anyway).
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import importlib.metadata
 import importlib.util
+import inspect
 import json
 import re
+import socket
+import time
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
 
 from asyncrl.config import (
     AutoWeightsConfig,
@@ -34,10 +46,15 @@ from asyncrl.config import (
     LocalRolloutConfig,
     NcclWeightsConfig,
     RunConfig,
+    SGLangRolloutConfig,
     VLLMRolloutConfig,
 )
 
-__all__ = ["cuda_devices", "preflight"]
+__all__ = ["REFUSED_S", "cuda_devices", "preflight"]
+
+REFUSED_S = 5.0
+"""How long an engine of ``rollout.urls`` may refuse connections before the run is refused
+(unless ``rollout.startup_timeout_s`` is set: engines started together with the run)."""
 
 
 @cache
@@ -82,9 +99,12 @@ def preflight(cfg: RunConfig) -> None:
     """Raise ValueError (one line, naming the key) if ``cfg`` cannot run from this host."""
     if cfg.task.name == "math" and not Path(cfg.task.path).is_file():
         raise ValueError(f"task.path {cfg.task.path!r} is not a file (task.name='math')")
+    _check_agent(cfg)
     _check_context(cfg)
+    _check_urls(cfg)
     if cfg.cluster.backend != "local":
         return
+    _check_engine_package(cfg)
     _check_vllm_trainer(cfg)
     _check_device("trainer.device", cfg.trainer.device)
     if isinstance(cfg.rollout, LocalRolloutConfig) and not cfg.rollout.urls:
@@ -100,6 +120,129 @@ def preflight(cfg: RunConfig) -> None:
             "weights.backend='hccl' needs an Ascend NPU and torch_npu, which is not installed "
             "here (use 'gloo' or 'auto')"
         )
+
+
+def _check_agent(cfg: RunConfig) -> None:
+    """``task.name = "agent"``: one of ``task.agent`` / ``task.agent_command``; a
+    ``task.path`` that is a file; an agent function that imports, is an ``async def`` and
+    takes ``(client, sample)``."""
+    t = cfg.task
+    if t.name != "agent":
+        return
+    if bool(t.agent) == bool(t.agent_command):
+        raise ValueError(
+            "task.name='agent' needs task.agent='package.module:function' (an async def "
+            "fn(client, sample)) or task.agent_command=[argv...], one of the two (the built-in "
+            "weather task's agent: --task.agent=asyncrl.gateway.agent:weather_agent)"
+        )
+    if t.path and not Path(t.path).is_file():
+        raise ValueError(f"task.path {t.path!r} is not a file (task.name='agent')")
+    if not t.agent:
+        return
+    from asyncrl.tasks.base import load_reward_fn
+
+    fn = load_reward_fn(t.agent, key="task.agent")
+    name = getattr(fn, "__qualname__", type(fn).__qualname__)
+    form = f"async def {name}(client, sample) -> float | None"
+    if not _is_async(fn):
+        raise ValueError(
+            f"task.agent {t.agent!r}: {name} is not an async function; an agent is awaited once "
+            f"per episode: {form}"
+        )
+    try:
+        inspect.signature(fn).bind(None, None)
+    except TypeError as exc:
+        raise ValueError(
+            f"task.agent {t.agent!r}: {name} cannot be called with (client, sample): {exc}; "
+            f"an agent is {form}"
+        ) from None
+    except ValueError:  # no signature to read (a builtin): it is called and tells itself
+        pass
+
+
+def _is_async(fn: Callable[..., Any]) -> bool:
+    """``fn(...)`` returns a coroutine, as far as can be told without calling it: an ``async
+    def`` (or a ``functools.partial`` of one, or a wrapper whose ``__wrapped__`` is one), or an
+    object whose ``__call__`` is."""
+    if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(inspect.unwrap(fn)):
+        return True
+    call = inspect.getattr_static(type(fn), "__call__", None)
+    routine = inspect.isroutine(fn) or inspect.isclass(fn)
+    return not routine and call is not None and inspect.iscoroutinefunction(call)
+
+
+def _check_engine_package(cfg: RunConfig) -> None:
+    """SGLang or vLLM servers the run starts on this host (no ``rollout.urls``) run from
+    this Python: their package must be installed here (looked up, not imported)."""
+    rc = cfg.rollout
+    if rc.urls:
+        return
+    if isinstance(rc, SGLangRolloutConfig):
+        pkg, install = "sglang", "pip install 'asyncrl[sglang]'"
+    elif isinstance(rc, VLLMRolloutConfig):
+        pkg, install = "vllm", "pip install 'asyncrl[vllm-trainer]' (vllm==0.33.0)"
+    else:
+        return
+    if importlib.util.find_spec(pkg) is None:
+        raise ValueError(
+            f"rollout.backend={rc.backend!r} starts {pkg} servers on this host, but {pkg} is "
+            f"not installed here: {install}, or give servers already running in rollout.urls"
+        )
+
+
+def _check_urls(cfg: RunConfig) -> None:
+    """Engines of ``rollout.urls`` that refuse connections (nothing listens there, or the
+    host is unknown or unreachable) for :data:`REFUSED_S`: refused, naming the URL, instead of
+    waiting out the engines' start timeout. With ``rollout.startup_timeout_s`` set (engines
+    that are still starting) that wait decides. A host that does not answer at all is left
+    to it too."""
+    if not cfg.rollout.urls or cfg.rollout.startup_timeout_s is not None:
+        return
+    pending = list(cfg.rollout.urls)
+    deadline = time.monotonic() + REFUSED_S
+    while True:
+        why = {}
+        for url in pending:
+            if (reason := _refused(url)) is not None:
+                why[url] = reason
+        if not why:
+            return
+        if time.monotonic() >= deadline:
+            break
+        pending = list(why)
+        time.sleep(0.25)
+    url, reason = next(iter(why.items()))
+    others = f" (and {len(why) - 1} more)" if len(why) > 1 else ""
+    raise ValueError(
+        f"rollout.urls: {url}{others}: {reason} (for {REFUSED_S:g} s); start the engine first "
+        "(asyncrl serve / sglang serve / vllm serve), or set rollout.startup_timeout_s to wait "
+        "for engines that are still starting"
+    )
+
+
+def _refused(url: str) -> str | None:
+    """Why ``url``'s host:port refuses a TCP connection, or None (it accepted one, or did
+    not answer within a second: not known to be down)."""
+    try:
+        parts = urlsplit(url)
+        host, port = parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:
+        return None  # a malformed URL: the client says what is wrong with it
+    if not host:
+        return None
+    try:
+        with socket.create_connection((host, port), timeout=1.0):
+            return None
+    except socket.gaierror as exc:
+        return f"unknown host {host!r} ({exc.strerror})"
+    except TimeoutError:
+        return None
+    except OSError as exc:
+        if exc.errno == errno.ECONNREFUSED:
+            return "connection refused: nothing listens there"
+        if exc.errno in (errno.EHOSTUNREACH, errno.ENETUNREACH):
+            return f"unreachable ({exc.strerror})"
+        return None
 
 
 def _check_vllm_trainer(cfg: RunConfig) -> None:
@@ -135,6 +278,10 @@ def _context_length(cfg: RunConfig) -> tuple[int, str] | None:
             return int(value), "--context-length in rollout.extra_args"
     if cfg.rollout.urls or not isinstance(cfg.rollout, LocalRolloutConfig):
         return None
+    if not cfg.model.path and cfg.task.name == "agent":  # runner.resolve_model's rule
+        from asyncrl.tasks.tiny_chat_model import TINY_CHAT_CONTEXT
+
+        return TINY_CHAT_CONTEXT, "the tiny chat model's"
     if not cfg.model.path:
         from asyncrl.tasks.tiny_model import TINY_CONTEXT
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -86,6 +87,19 @@ def _mark_slow(items: list[pytest.Item]) -> None:
         path = item.nodeid.split("::", 1)[0]
         if path in _SLOW_FILES or item.nodeid.startswith(_SLOW_TESTS):
             item.add_marker(slow)
+
+
+_SESSION_START = time.time()
+DOC_COMMANDS_REPORT = Path(__file__).resolve().parents[1] / ".pytest_cache" / "doc-commands.txt"
+"""What tests/test_docs_commands.py ran (each documented command, its exit code)."""
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """The documented commands' list, when this session ran them (on any worker)."""
+    report = DOC_COMMANDS_REPORT
+    if report.is_file() and report.stat().st_mtime >= _SESSION_START:
+        terminalreporter.write_sep("-", f"documented commands ({report})")
+        terminalreporter.write(report.read_text())
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

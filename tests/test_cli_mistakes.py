@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 
 from asyncrl.config import load_config
-from asyncrl.preflight import cuda_devices
+from asyncrl.preflight import REFUSED_S, cuda_devices, preflight
 from asyncrl.procs import python_env
+from asyncrl.tasks.tiny_chat_model import TINY_CHAT_CONTEXT
 from tests.runs import MARK, forked_by_shared_server, marked_pids
 
 
@@ -155,6 +156,16 @@ def _no_cuda() -> bool:
             "weights.backend='hccl' needs an Ascend NPU and torch_npu",
             lambda: importlib.util.find_spec("torch_npu") is None,
         ),
+        (  # the run would start vLLM servers from this Python: 16 s and a traceback before
+            "--rollout.backend=vllm",
+            "vllm is not installed here: pip install 'asyncrl[vllm-trainer]'",
+            lambda: importlib.util.find_spec("vllm") is None,
+        ),
+        (
+            "--rollout.backend=sglang",
+            "sglang is not installed here: pip install 'asyncrl[sglang]'",
+            lambda: importlib.util.find_spec("sglang") is None,
+        ),
         (  # no host can run it: refused by the config itself
             "--rollout.backend=sglang --weights.backend=cuda-ipc",
             "weights.backend='cuda-ipc' works with rollout.backend='local' only",
@@ -187,6 +198,99 @@ def test_unreachable_rollout_urls_reported_within_the_startup_timeout(
     assert 3 <= took < 20
     pids = tmp_path / "run" / "processes.json"
     assert not pids.exists() or json.loads(pids.read_text()) == {}  # no trainer was started
+
+
+def test_a_url_nothing_listens_on_is_refused_within_seconds(tmp_path: Path, free_port: int) -> None:
+    """Connection refused on a ``rollout.urls`` engine (no ``rollout.startup_timeout_s``):
+    refused after ``REFUSED_S`` of refusals, naming the URL, before anything starts (it was
+    121 s of silence: the engines' start timeout)."""
+    url = f"http://127.0.0.1:{free_port}"  # nothing listens there
+    out, took = _timed_run(tmp_path, f"--rollout.urls={url}")
+    assert out.returncode == 2, out.stderr
+    assert f"rollout.urls: {url}: connection refused" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    assert REFUSED_S <= took < 10
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_url_is_probed_until_it_listens_and_an_answering_one_costs_nothing() -> None:
+    """The probe behind the check above, in this process: a port that starts listening within
+    ``REFUSED_S`` passes (engines coming up beside the run), one already listening passes at
+    once, and a wait the user set (``rollout.startup_timeout_s``) skips the probe."""
+    import socket
+    import threading
+
+    lsock = socket.socket()
+    lsock.bind(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{lsock.getsockname()[1]}"
+    cfg = load_config(None, [f"--rollout.urls={url}"])
+    probing = threading.Event()
+    timer = threading.Timer(1.0, lambda: (lsock.listen(), probing.set()))
+    timer.start()
+    try:
+        t0 = time.monotonic()
+        preflight(cfg)  # refused for ~1 s, then accepted
+        assert probing.is_set() and time.monotonic() - t0 < REFUSED_S
+        t0 = time.monotonic()
+        preflight(cfg)
+        assert time.monotonic() - t0 < 1.0
+    finally:
+        timer.cancel()
+        lsock.close()
+    t0 = time.monotonic()  # closed: refused again, but the user set a start timeout
+    preflight(load_config(None, [f"--rollout.urls={url}", "--rollout.startup_timeout_s=3"]))
+    assert time.monotonic() - t0 < 1.0
+
+
+SYNC_AGENT = """def solve(client, sample):
+    return 1.0
+
+
+async def one_arg(client):
+    return 1.0
+"""
+
+
+@pytest.mark.parametrize(
+    ("override", "said"),
+    [
+        ("--task.agent=nosuchmod:solve", "task.agent 'nosuchmod:solve': cannot import 'nosuchmod'"),
+        ("--task.agent=AGENTS:solve", "solve is not an async function"),
+        ("--task.agent=AGENTS:one_arg", "one_arg cannot be called with (client, sample)"),
+        (  # a file that is not there (the weather agent itself is fine)
+            "--task.agent=asyncrl.gateway.agent:weather_agent --task.path=nothere.jsonl",
+            "task.path 'nothere.jsonl' is not a file (task.name='agent')",
+        ),
+        ("", "task.name='agent' needs task.agent="),  # neither agent nor agent_command
+    ],
+)
+def test_agent_mode_mistakes_name_the_key_before_anything_starts(
+    tmp_path: Path, override: str, said: str
+) -> None:
+    """Agent-mode input errors (were: "task.reward_fn ..." after 5 s, a 20-line traceback
+    after 6.4 s, "object float can't be used in 'await' expression" at run time): exit 2, one
+    line naming ``task.agent`` / ``task.path``, no run folder, in the time of an interpreter
+    start."""
+    (tmp_path / "agents.py").write_text(SYNC_AGENT)
+    override = override.replace("AGENTS", str(tmp_path / "agents.py"))
+    out, took = _timed_run(tmp_path, "--task.name=agent", *override.split())
+    assert out.returncode == 2, out.stderr
+    assert said in out.stderr and "Traceback" not in out.stderr, out.stderr
+    assert "async def" in out.stderr or "async" not in said
+    assert len(out.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "run").exists()
+    assert took < 5
+
+
+def test_the_agent_run_fits_the_tiny_chat_model() -> None:
+    """``--task.name=agent`` without ``model.path`` runs on the tiny chat model (4096
+    positions), not the 64-position digits model: the default budget (128) fits; the limit
+    is the chat model's."""
+    agent = "--task.agent=asyncrl.gateway.agent:weather_agent"
+    preflight(load_config(None, ["--task.name=agent", agent]))
+    too_many = ["--task.name=agent", agent, f"--task.max_new_tokens={TINY_CHAT_CONTEXT}"]
+    with pytest.raises(ValueError, match=f"context length of {TINY_CHAT_CONTEXT} tokens"):
+        preflight(load_config(None, too_many))
 
 
 def test_unbindable_experience_endpoint_is_one_line(tmp_path: Path) -> None:

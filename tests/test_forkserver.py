@@ -56,6 +56,19 @@ def test_a_fork_is_what_python_dash_m_would_be(server: ForkServer, tmp_path: Pat
     assert f"child {proc.pid} says hello" in log.read_text()
 
 
+def test_a_relative_log_is_the_clients(
+    server: ForkServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``asyncrl run`` without ``--run-dir`` logs to ``runs/STAMP/...`` of its working folder,
+    which is not the server's: the log lands there, and the child is forked (it was refused,
+    "cannot open log", and the run started its processes afresh)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    proc = server.spawn(["-m", CHILD, "seen.json", "0"], Path("runs/child.log"), python_env())
+    assert proc.wait(30) == 0
+    assert f"child {proc.pid} says hello" in (tmp_path / "runs" / "child.log").read_text()
+
+
 @pytest.mark.parametrize(("mode", "code"), [("3", 3), ("raise", 1)])
 def test_exit_codes_are_popens(server: ForkServer, tmp_path: Path, mode: str, code: int) -> None:
     log = tmp_path / "child.log"

@@ -51,7 +51,9 @@ class _RolloutBase(_Section, frozen=True, tag_field="backend"):
     startup_timeout_s: PositiveFloat | None = None
     """How long the run waits for an engine to become healthy. Unset: scaled to the model:
     120 s for the embedded engine; SGLang and vLLM 300 s + 20 s per GiB of weight files in the model
-    folder (900 s when none is found there, e.g. a hub id)."""
+    folder (900 s when none is found there, e.g. a hub id). Engines of ``urls`` that refuse
+    connections for 5 s fail the run before anything starts unless this is set (engines
+    started together with the run: their port opens once they are up)."""
     max_restarts: NonNegative = 3
     """Times the run restarts each engine it started that died (re-synced with the current
     weights before it takes requests again) in any ``restart_window_s``; one more death in

@@ -142,6 +142,8 @@ class _Server:
 
     def fork(self, req: dict[str, Any]) -> dict[str, Any]:
         log = req.get("log")
+        if log and req.get("cwd"):  # a relative log is the client's: `runs/...` of its cwd
+            log = os.path.join(req["cwd"], log)
         try:
             out = os.open(log or os.devnull, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         except OSError as exc:

@@ -94,22 +94,23 @@ def make_task(cfg: TaskConfig, model_path: str) -> Task:
     return task
 
 
-def load_reward_fn(spec: str) -> Callable[..., Any]:
+def load_reward_fn(spec: str, key: str = "task.reward_fn") -> Callable[..., Any]:
     """Import ``package.module:function`` (``module.function`` also accepted) — from
     ``sys.path`` or, failing that, from the working directory, as ``python -m`` would — or
-    ``path/to/file.py:function`` (loaded from that file)."""
+    ``path/to/file.py:function`` (loaded from that file). Errors name ``key``, the config
+    key that gave ``spec`` (``task.agent`` loads the same way)."""
     mod_name, sep, fn_name = spec.partition(":")
     if not sep:
         mod_name, _, fn_name = spec.rpartition(".")
     if not mod_name or not fn_name:
-        raise ValueError(f"task.reward_fn {spec!r} must look like 'package.module:function'")
+        raise ValueError(f"{key} {spec!r} must look like 'package.module:function'")
     try:
         module = _import_reward_module(mod_name)
     except (ImportError, OSError) as exc:
-        raise ValueError(f"task.reward_fn {spec!r}: cannot import {mod_name!r}: {exc}") from None
+        raise ValueError(f"{key} {spec!r}: cannot import {mod_name!r}: {exc}") from None
     fn = getattr(module, fn_name, None)
     if not callable(fn):
-        raise ValueError(f"task.reward_fn {spec!r}: {mod_name} has no function {fn_name!r}")
+        raise ValueError(f"{key} {spec!r}: {mod_name} has no function {fn_name!r}")
     return fn
 
 

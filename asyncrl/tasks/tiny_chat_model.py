@@ -32,9 +32,17 @@ from typing import Any
 
 from asyncrl.tasks.tiny_model import build_once
 
-__all__ = ["TINY_CHAT_VERSION", "WEATHER_TOOL", "default_chat_model_dir", "ensure_tiny_chat_model"]
+__all__ = [
+    "TINY_CHAT_CONTEXT",
+    "TINY_CHAT_VERSION",
+    "WEATHER_TOOL",
+    "default_chat_model_dir",
+    "ensure_tiny_chat_model",
+]
 
 TINY_CHAT_VERSION = "tiny-qwen2-chat-v2"
+TINY_CHAT_CONTEXT = 4096
+"""The tiny chat model's context length (``max_position_embeddings``): prompt + response."""
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 ADDED = ["<tool_call>", "</tool_call>"]
 CITIES = ["Paris", "Tokyo", "Lima", "Oslo", "Cairo", "Quito"]
@@ -179,7 +187,7 @@ def _build(out: Path, seed: int) -> None:
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=4,
-        max_position_embeddings=4096,
+        max_position_embeddings=TINY_CHAT_CONTEXT,
         tie_word_embeddings=False,
         bos_token_id=end,
         eos_token_id=end,
