@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from asyncrl.algorithms.losses import Objective, PolicyLoss
@@ -91,17 +92,27 @@ def objective_for(cfg: RunConfig) -> Objective:
 
 
 def seqs_from_trajs(trajs: Sequence[Trajectory]) -> list[Seq]:
-    """Trainer sequences with per-token ``behav`` and ``mask`` fields (advantages added later)."""
-    seqs = []
-    for t in trajs:
-        ids = torch.from_numpy(t.prompt_ids.astype("int64"))
-        resp = torch.from_numpy(t.response_ids.astype("int64"))
-        fields = {
-            "behav": torch.from_numpy(t.behav_logprobs.copy()),
-            "mask": torch.from_numpy(t.loss_mask.astype("float32")),
-        }
-        seqs.append(Seq(input_ids=torch.cat([ids, resp]), prompt_len=len(ids), fields=fields))
-    return seqs
+    """Trainer sequences with per-token ``behav`` and ``mask`` fields (advantages added later).
+
+    Each field of the batch is one copy of the trajectories' arrays (never their buffers,
+    which a shared-memory ring reuses), split into per-sequence views.
+    """
+    if not trajs:
+        return []
+    prompt = [len(t.prompt_ids) for t in trajs]
+    resp = [len(t.response_ids) for t in trajs]
+    parts = [a for t in trajs for a in (t.prompt_ids, t.response_ids)]
+    ids = torch.from_numpy(np.concatenate(parts).astype(np.int64, copy=False))
+    behav = torch.from_numpy(np.concatenate([t.behav_logprobs for t in trajs]))
+    mask = np.concatenate([t.loss_mask for t in trajs]).astype(np.float32, copy=False)
+    rows = zip(
+        ids.split([p + r for p, r in zip(prompt, resp, strict=True)]),
+        prompt,
+        behav.split(resp),
+        torch.from_numpy(mask).split(resp),
+        strict=True,
+    )
+    return [Seq(i, p, {"behav": b, "mask": m}) for i, p, b, m in rows]
 
 
 def minibatches(seqs: Sequence[Seq], n: int, gen: torch.Generator) -> list[list[Seq]]:

@@ -27,8 +27,12 @@ def build_seqs(trajs: Sequence[Trajectory], cfg: AlgoConfig) -> list[Seq]:
     groups = torch.tensor([t.group_id for t in trajs], dtype=torch.long)
     adv = grpo_advantages(rewards, groups, cfg.norm_adv_by_std)
     seqs = seqs_from_trajs(trajs)
-    for s, a in zip(seqs, adv.tolist(), strict=True):
-        s.fields["adv"] = torch.full((s.response_len,), a, dtype=torch.float32)
+    if not seqs:
+        return seqs
+    lengths = [len(t.response_ids) for t in trajs]
+    per_token = adv.repeat_interleave(torch.tensor(lengths, dtype=torch.long))
+    for s, a in zip(seqs, per_token.split(lengths), strict=True):
+        s.fields["adv"] = a
     return seqs
 
 
