@@ -131,25 +131,33 @@ def truncated(traj: Trajectory) -> bool:
 
 def seqs_from_trajs(trajs: Sequence[Trajectory], mask_truncated: bool = False) -> list[Seq]:
     """Trainer sequences with per-token ``behav`` and ``mask`` fields (advantages added later).
-    ``mask_truncated``: a truncated response's mask is all zeros (out of loss and normaliser)."""
-    seqs = []
-    for t in trajs:
-        ids = torch.from_numpy(t.prompt_ids.astype("int64"))
-        resp = torch.from_numpy(t.response_ids.astype("int64"))
-        mask = torch.from_numpy(t.loss_mask.astype("float32"))
-        fields = {
-            # a ring's read-only view is copied (it is reused after the ack); a frame's or an
-            # episode's own writable array is wrapped as it is
-            "behav": torch.from_numpy(_own(t.behav_logprobs)),
-            "mask": mask * 0.0 if mask_truncated and truncated(t) else mask,
-        }
-        seqs.append(Seq(input_ids=torch.cat([ids, resp]), prompt_len=len(ids), fields=fields))
-    return seqs
+    ``mask_truncated``: a truncated response's mask is all zeros (out of loss and normaliser).
 
-
-def _own(arr: np.ndarray) -> np.ndarray:
-    """``arr`` when it is writable (its memory the trajectory's own), else a copy."""
-    return arr if arr.flags.writeable else arr.copy()
+    Each field of the batch is one copy of the trajectories' arrays (never their buffers,
+    which a shared-memory ring reuses), split into per-sequence views.
+    """
+    if not trajs:
+        return []
+    prompt = [len(t.prompt_ids) for t in trajs]
+    resp = [len(t.response_ids) for t in trajs]
+    parts = [a for t in trajs for a in (t.prompt_ids, t.response_ids)]
+    ids = torch.from_numpy(np.concatenate(parts).astype(np.int64, copy=False))
+    behav = torch.from_numpy(np.concatenate([t.behav_logprobs for t in trajs]))
+    mask = np.concatenate([t.loss_mask for t in trajs]).astype(np.float32, copy=False)
+    if mask_truncated:  # the concatenation is this batch's own copy: zeroed in place
+        off = 0
+        for t, r in zip(trajs, resp, strict=True):
+            if truncated(t):
+                mask[off : off + r] = 0.0
+            off += r
+    rows = zip(
+        ids.split([p + r for p, r in zip(prompt, resp, strict=True)]),
+        prompt,
+        behav.split(resp),
+        torch.from_numpy(mask).split(resp),
+        strict=True,
+    )
+    return [Seq(i, p, {"behav": b, "mask": m}) for i, p, b, m in rows]
 
 
 def minibatches(seqs: Sequence[Seq], n: int, gen: torch.Generator) -> list[list[Seq]]:

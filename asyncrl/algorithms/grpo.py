@@ -45,13 +45,17 @@ def build_seqs(trajs: Sequence[Trajectory], cfg: AlgoConfig, budget: int = 0) ->
     rewards = shaped_rewards(trajs, cfg, budget)
     groups = torch.tensor([t.group_id for t in trajs], dtype=torch.long)
     seqs = seqs_from_trajs(trajs, cfg.mask_truncated)
+    if not seqs:
+        return seqs
     if cfg.name in ("grpo", "rloo"):
         if cfg.name == "grpo":
             adv = grpo_advantages(rewards, groups, cfg.grpo_scale())
         else:
             adv = rloo_advantages(rewards, groups)
-        for s, a in zip(seqs, adv.tolist(), strict=True):
-            s.fields["adv"] = torch.full((s.response_len,), a, dtype=torch.float32)
+        lengths = [s.response_len for s in seqs]
+        per_token = adv.to(torch.float32).repeat_interleave(torch.tensor(lengths, dtype=torch.long))
+        for s, a in zip(seqs, per_token.split(lengths), strict=True):
+            s.fields["adv"] = a
         return seqs
     mask = pad_rows([s.fields["mask"] for s in seqs])
     if cfg.name == "reinforce_plus_plus":

@@ -52,7 +52,9 @@ class TrainerConfig(_Section, frozen=True):
     """Recompute each decoder layer's activations in backward (less memory, ~30% more compute)."""
     packing: Literal["auto", "on", "off"] = "auto"
     """Padding-free micro-batches (sequences packed in one row, position ids restarting at 0).
-    ``auto``: packed when the model's attention backend supports it, padded otherwise."""
+    ``auto``: per micro-batch, packed where the attention backend supports it and that costs
+    less compute than padding (SDPA/eager attend over a packed row's every token: many short
+    sequences go padded; FlashAttention varlen and flex attention always pack)."""
     max_restarts: NonNegative = 2
     """A trainer rank that dies restarts every rank from the last checkpoint (the steps
     after it are trained again, exactly once) at most this many times in any

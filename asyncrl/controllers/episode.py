@@ -617,7 +617,7 @@ class EpisodeContext:
             mask = np.asarray(mask_list, np.uint8)
             gens = [t.versions[0] for t in turns if isinstance(t, Generation) and t.versions]
             oldest = min(gens) if gens else (min(vers) if vers else 0)
-        if unknown := sorted(set(extra) - set(Trajectory.__struct_fields__)):
+        if extra and (unknown := sorted(set(extra) - set(Trajectory.__struct_fields__))):
             raise TypeError(
                 f"episode {self.episode_id}: ctx.trajectory() got unknown field(s) {unknown}; "
                 f"a Trajectory has {', '.join(Trajectory.__struct_fields__)}"

@@ -89,6 +89,8 @@ class Router:
 
     # -- choosing ----------------------------------------------------------------------
     def healthy(self) -> list[RolloutEngine]:
+        if not self.unhealthy and not self.held:  # the common case: every engine
+            return self.engines[:]
         return [e for e in self.engines if id(e) not in self.unhealthy and id(e) not in self.held]
 
     def pick(self) -> RolloutEngine:
@@ -133,7 +135,13 @@ class Router:
         outcome: GenerateResult | str = "cancelled"
         try:
             if self.batch_identical:
-                res = await self._join(engine, input_ids, params, rid)
+                joined = self._join(engine, input_ids, params, rid)
+                try:
+                    res = await joined.future
+                except asyncio.CancelledError:
+                    if joined.sent is not None:  # its request went out: one caller fewer
+                        joined.sent.abandoned()
+                    raise
             else:
                 res = await engine.generate(input_ids, params, rid=rid)
             outcome = res
@@ -172,9 +180,7 @@ class Router:
             self._last_failure.pop(id(engine), None)
             self.served[id(engine)] += 1
 
-    def _join(
-        self, engine: Any, input_ids: list[int], params: dict[str, Any], rid: str
-    ) -> asyncio.Future:
+    def _join(self, engine: Any, input_ids: list[int], params: dict[str, Any], rid: str) -> _Call:
         """Queue the call with the other calls of this turn to ``engine`` with these ids."""
         loop = asyncio.get_running_loop()
         key = (id(engine), tuple(input_ids))
@@ -182,9 +188,9 @@ class Router:
         if calls is None:
             calls = self._pending[key] = []
             loop.call_soon(self._flush, key, engine)
-        fut = loop.create_future()
-        calls.append(_Call(input_ids, dict(params), rid, fut))
-        return fut
+        call = _Call(input_ids, dict(params), rid, loop.create_future())
+        calls.append(call)
+        return call
 
     def _flush(self, key: tuple[int, tuple[int, ...]], engine: Any) -> None:
         calls = [c for c in self._pending.pop(key) if not c.future.done()]  # not cancelled
@@ -193,13 +199,9 @@ class Router:
         task = asyncio.ensure_future(_send(engine, calls))
         self._sends.add(task)
         task.add_done_callback(self._sends.discard)
-
-        def abandoned(_: asyncio.Future) -> None:  # every caller gone: drop the request
-            if all(c.future.done() for c in calls) and not task.done():
-                task.cancel()
-
+        sent = _Sent(task, len(calls))
         for c in calls:
-            c.future.add_done_callback(abandoned)
+            c.sent = sent
 
     # -- health ------------------------------------------------------------------------
     def report_failure(self, engine: RolloutEngine | None, exc: Exception) -> None:
@@ -305,10 +307,27 @@ def _trace_call(
 
 
 class _Call:
-    __slots__ = ("future", "input_ids", "params", "rid")
+    __slots__ = ("future", "input_ids", "params", "rid", "sent")
 
     def __init__(self, input_ids: list[int], params: dict[str, Any], rid: str, future: Any):
         self.input_ids, self.params, self.rid, self.future = input_ids, params, rid, future
+        self.sent: _Sent | None = None  # the request it went out in (set when flushed)
+
+
+class _Sent:
+    """One request sent for several callers: dropped (its task cancelled) once every caller
+    gave up on it. Callers count themselves out when cancelled (:meth:`Router.call`): no
+    callback per answer, and O(1) per caller rather than a scan of all of them."""
+
+    __slots__ = ("left", "task")
+
+    def __init__(self, task: asyncio.Task, callers: int):
+        self.task, self.left = task, callers
+
+    def abandoned(self) -> None:
+        self.left -= 1
+        if not self.left and not self.task.done():
+            self.task.cancel()
 
 
 async def _send(engine: Any, calls: list[_Call]) -> None:

@@ -32,11 +32,13 @@ from asyncrl.engines.train import checkpoint, lora
 from asyncrl.engines.train.base import LossFn, Role, Seq, all_reduce_floats
 from asyncrl.engines.train.micro_batch import (
     MicroBatch,
+    packing_pays,
     prepare_inputs,
     response_entropy,
     response_logprobs,
     response_values,
     split_by_tokens,
+    token_cost,
 )
 from asyncrl.engines.train.schedule import lr_schedule
 
@@ -49,6 +51,8 @@ Output = Literal["logp", "entropy"]
 # Output preparation never writes into the model's outputs in place.
 warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
 _PACKABLE = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
+_VARLEN = ("flash_attention_2", "flash_attention_3", "flex_attention")
+"""Backends whose packed attention costs what each sequence's own would (no whole-row square)."""
 
 
 def init_process_group(
@@ -99,15 +103,18 @@ class FSDPEngine:
         self.config, self.role, self.model_path = config, role, model_path
         tc = config.trainer
         self.device = torch.device(tc.device)
-        # Without a process group (tools, tests) the model stays a plain module at world size 1.
-        self.sharded = dist.is_initialized()
-        if self.device.type == "cuda" and self.device.index is None and self.sharded:
+        grouped = dist.is_initialized()
+        if self.device.type == "cuda" and self.device.index is None and grouped:
             # one GPU per rank: the rank's local GPU
             self.device = torch.device("cuda", dist.get_rank() % torch.cuda.device_count())
             torch.cuda.set_device(self.device)
-        self.world = dist.get_world_size() if self.sharded else 1
-        if not self.sharded and tc.mixed_precision != "none":
+        self.world = dist.get_world_size() if grouped else 1
+        if not grouped and tc.mixed_precision != "none":
             raise ValueError("trainer.mixed_precision needs a process group (init_process_group)")
+        # One rank alone has nothing to shard or reduce: the model stays a plain module (no
+        # FSDP hooks, no all-gather copies), unless FSDP's mixed precision is asked for.
+        # Without a process group (tools, tests) it is a plain module at world size 1 too.
+        self.sharded = grouped and (self.world > 1 or tc.mixed_precision != "none")
         self.dtype = getattr(torch, config.model.dtype)
         model = _build_model(model_path, role, self.dtype, config.seed)
         self.hf_class = type(model).__name__
@@ -117,6 +124,11 @@ class FSDPEngine:
         self.packed = tc.packing == "on" or (
             tc.packing == "auto" and attn in _PACKABLE and _packing_supported()
         )
+        """Whether micro-batches may be packed; with ``packing = "auto"`` each one is packed
+        only where that costs less compute than padding (:func:`packing_pays`)."""
+        self.choose_layout = tc.packing == "auto" and self.packed
+        self.varlen = attn in _VARLEN
+        self.token_cost = token_cost(model.config)
         if tc.activation_checkpointing:
             _enable_activation_checkpointing(model)
         self.lora = config.lora.enabled and role == "actor"
@@ -128,8 +140,10 @@ class FSDPEngine:
         self.units = self._shard(model.to(self.device))  # type: ignore[arg-type]
         self.model = model
         trainable = [p for p in model.parameters() if p.requires_grad]
+        # foreach: one multi-tensor kernel per update term, bit-identical to the per-tensor
+        # loop torch picks by default on a CPU (a Python loop over every parameter)
         self.optimizer = torch.optim.AdamW(
-            trainable, lr=tc.lr, weight_decay=tc.weight_decay, betas=tc.adam_betas
+            trainable, lr=tc.lr, weight_decay=tc.weight_decay, betas=tc.adam_betas, foreach=True
         )
         if self.lora and config.lora.lr > 0:  # the adapter's own rate (lora.lr)
             tc = msgspec.structs.replace(tc, lr=config.lora.lr)
@@ -172,15 +186,18 @@ class FSDPEngine:
             )
         if not forward_only and loss_fn is None:
             raise ValueError("forward_backward_batch needs a loss_fn unless forward_only=True")
-        lengths = [len(s.input_ids) for s in seqs]
+        lengths = [s.input_ids.shape[0] for s in seqs]
         budget = self.config.trainer.micro_batch_tokens
-        count = int(
-            all_reduce_floats(len(split_by_tokens(lengths, budget)), op=dist.ReduceOp.MAX)[0]
-        )
-        groups = split_by_tokens(lengths, budget, min_count=count)
+        groups = split_by_tokens(lengths, budget)
+        count = int(all_reduce_floats(len(groups), op=dist.ReduceOp.MAX)[0])
+        if count > len(groups):  # every rank runs as many micro-batches as the busiest
+            groups = split_by_tokens(lengths, budget, min_count=count)
         denom = 1.0
+        weights: list[torch.Tensor] = []
         if loss_fn is not None and not forward_only:
-            (denom,) = all_reduce_floats(sum(float(loss_fn.token_weight(s).sum()) for s in seqs))
+            weights = [loss_fn.token_weight(s) for s in seqs]  # once per sequence
+            total = float(torch.cat(weights).sum()) if weights else 0.0
+            (denom,) = all_reduce_floats(total)
         # FSDP averages gradients over ranks; undo that so the sum over ranks is global.
         scale = self.world / max(denom, 1e-12)
         outputs: list[torch.Tensor | None] = [None] * len(seqs)
@@ -193,7 +210,8 @@ class FSDPEngine:
                     # fully_shard swapped the model's class for an FSDPModule subclass
                     cast(FSDPModule, self.model).set_requires_gradient_sync(g == len(groups) - 1)
                 mb = [seqs[i] for i in idx]
-                outs = self._micro_batch(mb, loss_fn, scale, forward_only, output, stats)
+                w = torch.cat([weights[i] for i in idx]) if weights and idx else None
+                outs = self._micro_batch(mb, loss_fn, scale, forward_only, output, stats, w)
                 for i, out in zip(idx, outs, strict=True):
                     outputs[i] = out
         if forward_only and self.sharded:  # no backward reshards what forward kept gathered
@@ -211,15 +229,21 @@ class FSDPEngine:
         forward_only: bool,
         output: Output,
         stats: dict[str, float],
+        weight: torch.Tensor | None = None,
     ) -> list[torch.Tensor]:
-        """Input preparation -> model -> output preparation (-> loss, backward) of a micro-batch."""
+        """Input preparation -> model -> output preparation (-> loss, backward) of a micro-batch
+        (``weight``: the loss's token weights of its sequences, concatenated)."""
         if not seqs:  # an empty micro-batch still joins the collectives
             ids = torch.full((1, 1), self.pad_id, dtype=torch.long, device=self.device)
             out = self.model(input_ids=ids).logits
             if not forward_only:
                 (out.sum() * 0.0).backward()
             return []
-        mb = prepare_inputs(seqs, self.packed, trim=self.role == "actor", pad_id=self.pad_id)
+        packed = self.packed
+        if self.choose_layout:
+            lens = [s.input_ids.shape[0] for s in seqs]
+            packed = packing_pays(lens, self.token_cost, self.varlen)
+        mb = prepare_inputs(seqs, packed, trim=self.role == "actor", pad_id=self.pad_id)
         logits = self._run_model(mb)
         if self.role == "critic":
             outs = response_values(logits, mb)
@@ -233,10 +257,14 @@ class FSDPEngine:
                 for s, ent in zip(mb.seqs, response_entropy(logits, mb), strict=True):
                     s.fields["entropy"] = ent  # on the micro-batch's copies, with grad
             loss, info = loss_fn(torch.cat(outs), mb.seqs)
-            weight = torch.cat([loss_fn.token_weight(s) for s in mb.seqs]).to(loss.device)
-            ((loss * weight).sum() * scale).backward()
-            for k, v in info.items():
-                stats[k] = stats.get(k, 0.0) + float(v)
+            if weight is None:
+                weight = torch.cat([loss_fn.token_weight(s) for s in mb.seqs])
+            ((loss * weight.to(loss.device)).sum() * scale).backward()
+            if info:  # one device-to-host copy for every stat
+                vals = [torch.as_tensor(v, device=loss.device).detach() for v in info.values()]
+                got = torch.stack([v.double().reshape(()) for v in vals])
+                for k, v in zip(info, got.tolist(), strict=True):
+                    stats[k] = stats.get(k, 0.0) + v
         return [o.detach() for o in outs]
 
     def _run_model(self, mb: MicroBatch) -> torch.Tensor:
@@ -264,7 +292,9 @@ class FSDPEngine:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         params = [p for p in self.model.parameters() if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
+        norm = torch.nn.utils.clip_grad_norm_(
+            params, clip if clip > 0 else float("inf"), foreach=True
+        )
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         grad_norm = float(norm)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -20,11 +20,13 @@ from asyncrl.engines.train.base import Seq
 
 __all__ = [
     "MicroBatch",
+    "packing_pays",
     "prepare_inputs",
     "response_entropy",
     "response_logprobs",
     "response_values",
     "split_by_tokens",
+    "token_cost",
 ]
 
 
@@ -74,47 +76,74 @@ def prepare_inputs(seqs: Sequence[Seq], packed: bool, trim: bool, pad_id: int = 
 
     ``trim``: ask the model for logits only where they are needed (``logits_to_keep``:
     the response positions when packed, the trailing columns from the earliest
-    response position when padded).
+    response position when padded). A handful of whole-batch tensor operations,
+    whatever the number of sequences (no per-sequence tensor work).
     """
     assert seqs, "an empty micro-batch has no inputs"
-    copies = [replace(s, fields=dict(s.fields)) for s in seqs]
-    lengths = [s.response_len for s in seqs]
-    targets = torch.cat([s.input_ids[s.prompt_len :] for s in seqs])
+    copies = [Seq(s.input_ids, s.prompt_len, dict(s.fields)) for s in seqs]
+    lens = [s.input_ids.shape[0] for s in seqs]
+    prompts = [s.prompt_len for s in seqs]
+    lengths = [n - p for n, p in zip(lens, prompts, strict=True)]
+    flat = torch.cat([s.input_ids for s in seqs])
+    size = torch.tensor(lens)
+    # per flat position: its sequence, its offset in the sequence, whether it is a response token
+    row = torch.repeat_interleave(torch.arange(len(seqs)), size)
+    starts = size.cumsum(0) - size
+    pos = torch.arange(flat.shape[0]) - starts[row]
+    response = pos >= torch.tensor(prompts)[row]
+    targets = flat[response]
     if packed:
-        ids = torch.cat([s.input_ids for s in seqs])[None]
-        pos = torch.cat([torch.arange(len(s.input_ids)) for s in seqs])[None]
-        starts = torch.tensor([0, *(len(s.input_ids) for s in seqs)]).cumsum(0)[:-1].tolist()
-        gather = torch.cat(
-            [
-                torch.arange(o + s.prompt_len - 1, o + len(s.input_ids) - 1)
-                for o, s in zip(starts, seqs, strict=True)
-            ]
-        )
-        inputs: dict[str, torch.Tensor | int] = {"input_ids": ids, "position_ids": pos}
+        # the position before each response token predicts it (prompt_len >= 1: same sequence)
+        gather = response.nonzero().squeeze(1) - 1
+        inputs: dict[str, torch.Tensor | int] = {"input_ids": flat[None], "position_ids": pos[None]}
         if trim:
             inputs["logits_to_keep"] = gather
             gather = torch.arange(len(gather))
         return MicroBatch(copies, inputs, gather, targets, lengths)
-    width = max(len(s.input_ids) for s in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    width = max(lens)
+    ids = torch.full((len(seqs), width), pad_id, dtype=flat.dtype)
     mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, : len(s.input_ids)] = s.input_ids
-        mask[i, : len(s.input_ids)] = 1
-    first = min(s.prompt_len for s in seqs) - 1 if trim else 0
+    ids[row, pos] = flat
+    mask[row, pos] = 1
+    first = min(prompts) - 1 if trim else 0
     kept = width - first
-    gather = torch.cat(
-        [
-            torch.arange(
-                i * kept + s.prompt_len - 1 - first, i * kept + len(s.input_ids) - 1 - first
-            )
-            for i, s in enumerate(seqs)
-        ]
-    )
+    gather = (row * kept + pos - 1 - first)[response]
     inputs = {"input_ids": ids, "attention_mask": mask}
     if trim:
         inputs["logits_to_keep"] = kept
     return MicroBatch(copies, inputs, gather, targets, lengths)
+
+
+def packing_pays(lengths: Sequence[int], token_cost: float, varlen: bool) -> bool:
+    """Whether one packed row of sequences of ``lengths`` costs less compute than right-padded
+    rows (one per sequence).
+
+    Cost = tokens x ``token_cost`` + attention pairs, ``token_cost`` being one token's
+    per-layer matmul work in units of one (query, key) pair's (see :func:`token_cost`).
+    Padded: every row is as wide as the longest sequence, and attends within its row.
+    Packed: no padding, but without a variable-length kernel (``varlen``: FlashAttention's
+    varlen path, flex attention's block mask) the backend (SDPA, eager) attends over the
+    whole row under a block-diagonal mask: quadratic in the micro-batch's tokens, which for
+    many short sequences costs far more than the padding it saves.
+    """
+    n, width, total = len(lengths), max(lengths, default=0), sum(lengths)
+    padded = n * width * (token_cost + width)
+    pairs = sum(x * x for x in lengths) if varlen else total * total
+    return total * token_cost + pairs < padded
+
+
+def token_cost(config: object) -> float:
+    """One token's per-layer matmul work (projections and MLP) over one attention pair's
+    (the query-key product and the value sum), from a Hugging Face model config."""
+    h = int(getattr(config, "hidden_size", 0) or 0)
+    if not h:
+        return 0.0
+    heads = int(getattr(config, "num_attention_heads", 1) or 1)
+    head_dim = int(getattr(config, "head_dim", 0) or h // heads)
+    kv = int(getattr(config, "num_key_value_heads", heads) or heads) * head_dim
+    inner = int(getattr(config, "intermediate_size", 4 * h) or 4 * h)
+    per_token = 2 * h * heads * head_dim + 2 * h * kv + 3 * h * inner
+    return per_token / (2 * heads * head_dim)
 
 
 def _rows(logits: torch.Tensor, mb: MicroBatch) -> torch.Tensor:

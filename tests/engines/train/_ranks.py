@@ -122,18 +122,21 @@ def world1(model: str, out: Path) -> None:
     saved.update({f"grads_tok_ckpt/{k}": v for k, v in grads(eng).items()})
     eng = FSDPEngine(model, config(SMALL_BUDGET, "--trainer.mixed_precision=bf16"))
     saved["logp_bf16"] = torch.cat(eng.forward_batch(batch))
+    # FSDP's mixed precision shards even one rank; forward-only passes leave it sharded
+    assert eng.sharded and all(isinstance(p, DTensor) for p in eng.model.parameters())
     eng.offload()
     eng.onload()
     saved["bf16_step_grad_norm"] = torch.tensor(
         eng.train_batch(batch, TokenMeanLoss())["grad_norm"]
     )
-    for packing in ("on", "off"):
+    for packing in ("on", "off", "auto"):
         eng = FSDPEngine(model, config(SMALL_BUDGET, f"--trainer.packing={packing}"))
-        assert eng.packed == (packing == "on")
+        assert eng.packed == (packing != "off")
         saved[f"logp_{packing}"] = torch.cat(eng.forward_batch(batch))
         saved[f"entropy_{packing}"] = torch.cat(eng.forward_batch(batch, output="entropy"))
-        # forward-only passes leave the parameters sharded (named_weights gathers fresh copies)
-        assert all(isinstance(p, DTensor) for p in eng.model.parameters())
+        # one rank alone: a plain module, nothing sharded (no FSDP hooks on its hot path)
+        assert not eng.sharded
+        assert not any(isinstance(p, DTensor) for p in eng.model.parameters())
     # checkpoint at step 1, then the uninterrupted step 2
     sched = ["--trainer.lr_schedule=cosine", "--trainer.warmup_steps=1", "--trainer.decay_steps=4"]
     eng = FSDPEngine(model, config(SMALL_BUDGET, *sched))
@@ -163,6 +166,8 @@ def world2(model: str, out: Path, rank: int) -> None:
         eng.forward_backward_batch(mine, loss)
         saved.update({f"grads_{tag}/{k}": v for k, v in grads(eng).items()})
     saved["logp"] = torch.cat(eng.forward_batch(mine))
+    # forward-only passes leave the parameters sharded (named_weights gathers fresh copies)
+    assert eng.sharded and all(isinstance(p, DTensor) for p in eng.model.parameters())
     sched = ["--trainer.lr_schedule=cosine", "--trainer.warmup_steps=1", "--trainer.decay_steps=4"]
     eng = FSDPEngine(model, config(SMALL_BUDGET, *sched))
     eng.load(str(out / "ckpt"))

@@ -103,7 +103,7 @@ def test_gradients_match_across_world_sizes(results: Path) -> None:
 def test_forward_logprobs_match_plain_model(results: Path, tiny_model_dir: Path) -> None:
     w1 = load_file(results / "world1.safetensors")
     ref, ent = _plain_outputs(tiny_model_dir)
-    for packing in ("on", "off"):
+    for packing in ("on", "off", "auto"):
         torch.testing.assert_close(w1[f"logp_{packing}"], torch.cat(ref), atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(w1[f"entropy_{packing}"], torch.cat(ent), atol=1e-5, rtol=1e-5)
     # bf16 compute over float32 master weights: close, not equal

@@ -29,7 +29,7 @@ def test_fsdp_on_cuda_matches_cpu_engine(tiny_model_dir: Path, free_port: int) -
     init_process_group(0, 1, free_port, "cuda")
     try:
         gpu = FSDPEngine(str(tiny_model_dir), load_config(None, [*ARGS, "--trainer.device=cuda"]))
-        assert gpu.sharded and gpu.device.type == "cuda"
+        assert not gpu.sharded and gpu.device.type == "cuda"  # one rank: a plain module
         before = torch.cat(gpu.forward_batch(batch)).cpu()
         torch.testing.assert_close(before, ref_before, atol=1e-4, rtol=1e-4)
         stats = gpu.train_batch(batch, TokenMeanLoss())
