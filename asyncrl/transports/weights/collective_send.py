@@ -232,6 +232,11 @@ class CollectiveWeightSender:
             self.stager.pushed(version)
             stats = self._stats(plan, version, t_push, t0, attempts)
             stats["pauses"] = float(self.engines.pauses - pauses)  # 0 with pause_scope none
+            digest = self.stream.digest
+            if digest is not None and digest.engines(version, self.engines.clients):
+                # weights.verify on engines that report digests: tensors compared / held
+                stats["push_verify_compared"] = float(digest.compared)
+                stats["push_verify_total"] = float(digest.total)
             return stats
 
     def _stats(

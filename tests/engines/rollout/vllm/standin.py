@@ -496,7 +496,8 @@ class StandIn:
         action = body.get("action")
         if action == "compare" and body.get("baseline") is None:  # rl:243-247
             return self._fail(request, body, "action='compare' requires a 'baseline' object", 400)
-        sums = await self._ranks("checksums")
+        held = {"model_path": self.args.model_path, "tp_size": self.tp, "dtype": self.args.dtype}
+        sums = await self._ranks("held", **held)  # vLLM's parameters (model_layout.py)
         checks = {
             f"dp0:pp0:pcp0:tp{i}:{n}": d for i, s in enumerate(sums) for n, d in s["sha256"].items()
         }
@@ -683,6 +684,7 @@ def arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--model-path", required=True)
     p.add_argument("--tp-size", type=int, default=1)
+    p.add_argument("--dtype", default="auto", help="vLLM's --dtype (model_layout.served_dtype)")
     p.add_argument("--calls", default="", help="append every request here (JSON lines)")
     p.add_argument("--log", default="", help="the ranks' stderr")
     p.add_argument("--fail-calls", default="", help="update calls (1-based) whose load fails")
