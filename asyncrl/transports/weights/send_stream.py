@@ -358,6 +358,11 @@ class BucketStream:
             (f"{u} (bucket {i // per})", r)
             for i, ((u, _), r) in enumerate(zip(acks, results, strict=True))
         ]
+        last = (len(acks) - 1) // per
+        if any(isinstance(r, BaseException) and i // per < last for i, r in enumerate(results)):
+            # the engine skipped the later buckets' broadcasts, which may have completed on
+            # our side all the same (buffered): the group is out of step, re-form it
+            self.group.formed = False
         self.group.raise_failed(named)
 
 

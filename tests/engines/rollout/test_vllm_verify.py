@@ -218,3 +218,43 @@ def test_run_through_a_failed_update_recovers_fast_and_logs_counts(
         assert max(r["attempts"] for r in rows if "attempts" in r) == 2
     finally:
         server.stop()
+
+
+def test_a_failed_bucket_mid_push_is_re_pushed_at_once(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """A push of three buckets whose first ``/update_weights`` fails (after the receive, as
+    vLLM's load does): the engine never takes the later buckets' broadcasts, so the group is
+    re-formed (``/init_weight_transfer_engine`` again) and the push re-sent as a new round
+    at once — within 10 s of the failed call with ``timeout_s=30``, not after it — and
+    lands bit-exact, every tensor compared."""
+    from safetensors.torch import load_file
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from asyncrl.config import GlooWeightsConfig
+    from asyncrl.transports.weights import make_weight_transport
+
+    model_dir = tmp_path / "model"  # ~2.1 MB: three buckets of at most 1 MiB
+    config = Qwen2Config.from_pretrained(tiny_model_dir)
+    config.hidden_size, config.intermediate_size = 128, 512
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(config).save_pretrained(model_dir)
+    weights = load_file(str(model_dir / "model.safetensors"))
+    server = start_vllm(model_dir, tmp_path / "vllm", fail_calls="1")
+    cfg = GlooWeightsConfig(bucket_mb=1, timeout_s=30, verify="full")
+    sender = make_weight_transport(cfg, [server.url], "cpu", "keep", "vllm")
+    try:
+        sender.connect()
+        stats = sender.push(((n, w + 1) for n, w in weights.items()), 1).wait(120)
+        assert stats["attempts"] == 2 and stats["buckets"] == 3
+        assert stats["push_verify_compared"] == stats["push_verify_total"] == PARAMS
+        wire = [c for c in server.wire() if c["method"] == "POST"]
+        k = next(i for i, c in enumerate(wire) if c["status"] >= 400)
+        after = [c["path"] for c in wire[k + 1 :]]
+        assert after[:3] == ["/init_weight_transfer_engine", "/pause", "/start_weight_update"]
+        resumed = next(c for c in wire[k + 1 :] if c["path"] == "/resume")
+        assert resumed["t"] - wire[k]["t"] < 10.0
+        assert server.state()["truth"] == 1
+    finally:
+        sender.close()
+        server.stop()
