@@ -11,11 +11,11 @@ through ``/weight_checker``). The naive per-tensor baseline is the embedded engi
 (both families need their sessions). ``cpu_s`` counts this process only (the servers are
 not its children).
 
-``verified``: vLLM, every worker's ``/weight_checker`` sha256 of every tensor the sender
-pushed equals the sender's, and ``/weight_info`` is the last version (a tensor that vLLM
-fuses or shards is not in its answer under the sender's name: such a tensor counts as
-unverified, so ``verified`` is False unless every pushed name is there); SGLang: None (no
-route answers the loaded weights' digests).
+``verified``: vLLM, every worker's ``/weight_checker`` sha256 of every parameter it holds
+equals what it holds had it loaded the pushed tensors (fused, padded, sharded and cast as
+vLLM's loader does: ``engines/rollout/vllm/layout.py``), every parameter compared, and
+``/weight_info`` is the last version; SGLang: None (no route answers the loaded weights'
+digests).
 
 On this machine the servers are asyncrl's stand-ins of vLLM 0.33 and SGLang (tests/, written
 from their source, Gloo in place of NCCL): their rows measure asyncrl's sender and control
@@ -25,17 +25,9 @@ calls against a CPU process that receives, unpacks and hashes, not a GPU engine.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 from typing import Any
 
 __all__ = ["verified_by"]
-
-
-def _sha256(t: Any) -> str:
-    import torch
-
-    raw = t.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy()
-    return hashlib.sha256(raw.data).hexdigest()
 
 
 async def _vllm_state(urls: list[str]) -> list[tuple[str, dict[str, str]]]:
@@ -57,11 +49,14 @@ def verified_by(
         return embedded
     if engine != "vllm":
         return None
-    want = {n: _sha256(t) for n, t in weights.items()}
+    from asyncrl.engines.rollout.vllm.layout import VLLMDigests
+
+    compare = VLLMDigests()
     for label, sums in asyncio.run(_vllm_state(urls)):
-        held: dict[str, set[str]] = {}
-        for key, digest in sums.items():
-            held.setdefault(key.split(":", 4)[-1], set()).add(digest)
-        if label != str(version) or any(held.get(n) != {d} for n, d in want.items()):
+        try:
+            got = compare(weights, sums, None, version)
+        except ValueError:  # a layout it cannot compute: not verified
+            return False
+        if label != str(version) or got.wrong or got.compared != got.total:
             return False
     return True

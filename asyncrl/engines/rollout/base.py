@@ -21,7 +21,7 @@ version a request runs on (``{name}-v{N}``); the client sends it where its engin
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 __all__ = [
     "AdapterControl",
     "ControlledEngine",
+    "DigestReport",
     "EngineBadRequest",
     "EngineControl",
     "EngineError",
@@ -359,6 +360,26 @@ class TrainerLink(Protocol):
 
 
 @dataclass(frozen=True)
+class DigestReport:
+    """One engine's digests compared with what it holds had it loaded exactly the pushed
+    tensors: ``compared`` of its ``total`` tensors (per worker rank) compared, ``wrong`` the
+    ones that differ (named)."""
+
+    compared: int
+    total: int
+    wrong: list[str]
+
+
+DigestCompare = Callable[
+    ["Mapping[str, torch.Tensor]", dict[str, str], "int | None", int], DigestReport
+]
+"""``(pushed, answer, sample, seed)``: compare an engine's digest ``answer`` with the
+pushed tensors (HF names, the bytes pushed); ``sample``: that many of its tensors, chosen
+with ``seed``, else all. Raises ValueError naming why it cannot compute what the engine holds
+(then nothing can be verified: the caller fails loudly)."""
+
+
+@dataclass(frozen=True)
 class WeightFamily:
     """What the weight transport must know of an engine family (built by the factory).
 
@@ -390,6 +411,9 @@ class WeightFamily:
     how to ask one; ``weights.verify`` then compares them with the trainer's after each push
     (``transports/weights/send_digests.py``). None: the engine checks buckets itself (the
     embedded engine) or cannot be asked (SGLang)."""
+    compare_digests: DigestCompare | None = None
+    """With ``digests``: how the engine's answer follows from the pushed tensors (vLLM fuses,
+    pads, shards and casts them: ``vllm/layout.py``)."""
     nccl_group: Callable[[str, int, int, str], TrainerLink] | None = None
     """``weights.backend = "nccl"``: how trainer rank 0 joins the group when the engines' ranks
     do not speak torch's NCCL process group (vLLM: its ``PyNcclCommunicator``, formed by

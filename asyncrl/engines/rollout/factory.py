@@ -54,6 +54,7 @@ def weight_family(rollout: RolloutConfig | str, bucket_bytes: int = 1 << 30) -> 
     if isinstance(rc, VLLMRolloutConfig):
         from asyncrl.engines.rollout.vllm.client import VLLMClient
         from asyncrl.engines.rollout.vllm.control import VLLMControl
+        from asyncrl.engines.rollout.vllm.layout import VLLMDigests
 
         def make_vllm(url: str, timeout_s: float) -> ControlledEngine:
             return VLLMControl(url, timeout_s, bucket_bytes, retry_503_s=rc.retry_503_s)
@@ -73,6 +74,7 @@ def weight_family(rollout: RolloutConfig | str, bucket_bytes: int = 1 << 30) -> 
             received=lambda e: False,
             adapters=vllm_adapters,  # /v1/load_lora_adapter from a folder
             digests=vllm_digests,
+            compare_digests=VLLMDigests(),  # fused, padded, sharded, cast as vLLM loads them
             nccl_group=_vllm_nccl_group,  # vLLM's own trainer_init (PyNcclCommunicator)
             adapter_folders_kept=True,
         )

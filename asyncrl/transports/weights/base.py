@@ -45,7 +45,14 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["EnginesLeft", "PushHandle", "WeightSyncError", "WeightTransport", "WeightsUndefined"]
+__all__ = [
+    "EnginesLeft",
+    "PushHandle",
+    "WeightSyncError",
+    "WeightTransport",
+    "WeightsUndefined",
+    "WeightsUnverified",
+]
 
 
 class WeightSyncError(RuntimeError):
@@ -69,6 +76,12 @@ class WeightsUndefined(WeightSyncError):
     too: their weights are a mix of versions and they are left paused. Fatal to the run
     (restarting the trainer would only push into the same engines again); the message
     names the engines."""
+
+
+class WeightsUnverified(WeightsUndefined):
+    """``weights.verify`` was asked for, and the engines' digests cannot be compared with the
+    pushed tensors (the engine family cannot compute what they hold): fatal at once, not
+    re-sent (a re-push could not be checked either); the message says why."""
 
 
 class PushHandle:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import importlib.util
 import logging
 import threading
@@ -119,6 +120,11 @@ def _refused(task: asyncio.Task[Any], family: WeightFamily) -> bool:
     if not isinstance(exc, EngineError):
         return True
     return not (exc.status == 200 or family.received(exc))
+
+
+def _close(coro: Coroutine[Any, Any, Any], _: object) -> None:
+    """Done-callback: close ``coro`` (a no-op once it ran; one never started is dropped)."""
+    coro.close()
 
 
 def _seen(fut: asyncio.Future[Any]) -> None:
@@ -232,6 +238,11 @@ class CollectiveWeightSender:
             self.stager.pushed(version)
             stats = self._stats(plan, version, t_push, t0, attempts)
             stats["pauses"] = float(self.engines.pauses - pauses)  # 0 with pause_scope none
+            digest = self.stream.digest
+            if digest is not None and digest.engines(version, self.engines.clients):
+                # weights.verify on engines that report digests: tensors compared / held
+                stats["push_verify_compared"] = float(digest.compared)
+                stats["push_verify_total"] = float(digest.total)
             return stats
 
     def _stats(
@@ -353,10 +364,13 @@ class CollectiveWeightSender:
                 load_format="flattened_bucket",
                 extra=extra,
             )
+            inner = call
             if live:  # SGLang serves update calls in arrival order: one at a time (vLLM too)
                 call = _after(self._chain.get(c.url), call, m.index)
             task = asyncio.ensure_future(call)
             task.add_done_callback(_seen)  # read by check_acks; a failed push may not get there
+            # a call cancelled before _after ran never started: close it (no "never awaited")
+            task.add_done_callback(functools.partial(_close, inner))
             self._chain[c.url] = task
             acks.append((c.url, task))
         return acks

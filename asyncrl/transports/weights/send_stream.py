@@ -38,7 +38,7 @@ from asyncrl import trace
 from asyncrl.engines.rollout.base import EngineError, EngineUnavailable
 from asyncrl.transports.weights.base import EnginesLeft, WeightsUndefined, WeightSyncError
 from asyncrl.transports.weights.bucket import BucketManifest
-from asyncrl.transports.weights.send_digests import DigestCheck, bucket_digests
+from asyncrl.transports.weights.send_digests import DigestCheck, pushed_tensors
 from asyncrl.transports.weights.send_engines import EngineGroup
 from asyncrl.transports.weights.send_staging import BucketStager, Packed
 
@@ -83,11 +83,13 @@ class BucketStream:
         self._started = False  # the attempt under way has sent something to an engine
         self._left_undefined: WeightsUndefined | None = None  # sticky: no push after it
         family, mode = group.family, stager.cfg.verify
-        # engines that report their tensors' digests (vLLM): compared after each push; they
-        # load live, so every bucket's staged copy is kept (hashed after the snapshot)
-        checks = family.digests is not None and family.loads_live
-        self.digest = DigestCheck(mode, family.digests) if checks and family.digests else None
-        self.expected: dict[str, str] = {}  # the trainer's digests of this attempt's tensors
+        # engines that report their tensors' digests (vLLM): compared after each push with the
+        # staged copy (they load live: every bucket's staged copy is kept for a re-push)
+        digests, compare = family.digests, family.compare_digests
+        checks = family.loads_live
+        self.digest = None
+        if checks and digests is not None and compare is not None:
+            self.digest = DigestCheck(mode, digests, compare)
 
     def close(self) -> None:
         self._packer.shutdown(wait=False)
@@ -126,6 +128,9 @@ class BucketStream:
                 if isinstance(exc, EnginesLeft) and not self._started:
                     log.warning("v%d: %s; pushing to %s", version, exc, group.urls)
                     continue  # nothing of it sent yet: the engines left get it
+                if isinstance(exc, WeightsUndefined):  # fatal as it is (nothing to re-send)
+                    self._left_undefined = exc
+                    raise
                 if attempt == attempts - 1:
                     if group.loads_live:
                         self._left_undefined = self._undefined(version, attempts, exc)
@@ -185,7 +190,7 @@ class BucketStream:
                 raise
             await group.end_sessions(version)
             if self.digest is not None:
-                await self.digest.check(version, group.clients, self.expected)
+                await self.digest.check(version, group.clients, pushed_tensors(self.packed))
             await group.commit(version)
             ok = True
         finally:
@@ -216,8 +221,6 @@ class BucketStream:
         n, depth = len(plan), self.stager.depth
         self.stager.in_place = set()
         self.packed = []
-        self.expected = {}
-        hashed = set() if self.digest is None else self.digest.names(version, tensors)
         packed: list[asyncio.Future[Any]] = [loop.create_future() for _ in plan]
         sent: list[asyncio.Future[None]] = [loop.create_future() for _ in plan]
 
@@ -245,11 +248,6 @@ class BucketStream:
                 await sent[k]
             self.snap_at = time.perf_counter()
             snap.set()  # every tensor read: the trainer may step its optimizer
-            # the trainer's digests, from the staged copy (kept for a re-push: no slot reused,
-            # nothing sent in place), while the buckets travel
-            for m, flat in self.packed if hashed else ():
-                got = await loop.run_in_executor(self._packer, bucket_digests, m, flat, hashed)
-                self.expected.update(got)
 
         announced: list[asyncio.Future[Acks]] = [loop.create_future() for _ in plan]
 
@@ -263,7 +261,7 @@ class BucketStream:
         moving: list[asyncio.Future[None]] = []
         try:
             acks = await self._send(plan, version, packed, announced, sent, moving)
-            await producer  # every bucket sent: it ends once the last one's digests are taken
+            await producer
         finally:
             await self._wind_down([producer, announcer, *moving], sent, announced, len(moving) < n)
         return acks
@@ -360,6 +358,11 @@ class BucketStream:
             (f"{u} (bucket {i // per})", r)
             for i, ((u, _), r) in enumerate(zip(acks, results, strict=True))
         ]
+        last = (len(acks) - 1) // per
+        if any(isinstance(r, BaseException) and i // per < last for i, r in enumerate(results)):
+            # the engine skipped the later buckets' broadcasts, which may have completed on
+            # our side all the same (buffered): the group is out of step, re-form it
+            self.group.formed = False
         self.group.raise_failed(named)
 
 

@@ -398,6 +398,7 @@ def standin_options(args: argparse.Namespace) -> argparse.Namespace:
     own = arg_parser().parse_args(json.loads(os.environ.get(ENV, "[]")))
     own.model_path = args.model
     own.tp_size = args.tensor_parallel_size
+    own.dtype = args.dtype  # vLLM's --dtype: the served dtype (model_layout.served_dtype)
     own.enable_lora = bool(args.enable_lora)
     own.max_loras = args.max_loras
     own.max_lora_rank = args.max_lora_rank

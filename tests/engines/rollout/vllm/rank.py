@@ -16,10 +16,12 @@ Run as ``python -m tests.engines.rollout.vllm.rank`` with vLLM's source on ``PYT
   broadcast per chunk from rank 0, rebuilt with vLLM's own ``unpack_tensor``
   (packed_tensor.py:27-55). ``load``: kept by name (the live model, layerwise reload);
   False: received, then the load fails (the stand-in's injected failure). ``corrupt_rank``
-  equal to this rank's: the first tensor loaded one off in its first element, answered as
+  equal to this rank's: the call's last tensor loaded one off in its first element, answered as
   loaded (a silent fault for ``/weight_checker`` to find; vLLM has no such switch).
-- ``checksums``: sha256 of every loaded tensor's bytes (as ``/weight_checker``,
-  model_loader/weight_checksum.py:32-38); ``destroy``.
+- ``checksums``: sha256 of every loaded tensor's bytes by Hugging Face name (the ground
+  truth); ``held``: what ``/weight_checker`` answers (model_loader/weight_checksum.py:32-38):
+  the sha256 of vLLM's parameters on this rank, fused, padded, sharded and cast as vLLM's
+  loader makes them (``model_layout.py``); ``destroy``.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from asyncrl.transports.weights.collective_wire import (
     group_on_store,
 )
 from tests.engines.rollout.vllm.code import packed_tensor
+from tests.engines.rollout.vllm.model_layout import VLLMQwen2, served_dtype
 
 GROUP = GlooWeightsConfig().group_name
 """The Gloo group's store prefix: asyncrl's default ``weights.group_name`` (vLLM's init info
@@ -84,7 +87,7 @@ class Rank:
                 got += [(n, t.clone()) for n, t in part]
                 start, total, chunks = end, 0, chunks + 1
         if got and c.get("corrupt_rank", -1) == c["tp_rank"]:  # the stand-in's silent fault
-            got[0][1].view(-1)[0] += 1
+            got[-1][1].view(-1)[0] += 1  # the last: a norm, whole on every rank
         if c.get("load", True):
             self.loaded.update(got)
         truth = c.get("truth", True)  # False (a benchmark's stand-in): names only, no hashing
@@ -92,6 +95,17 @@ class Rank:
 
     def checksums(self, c: dict[str, Any]) -> dict[str, Any]:
         return {"sha256": {n: _sha(t) for n, t in sorted(self.loaded.items())}}
+
+    def held(self, c: dict[str, Any]) -> dict[str, Any]:
+        """What vLLM's ``/weight_checker`` hashes on this rank: the checkpoint and every tensor
+        loaded since, in vLLM's parameters ({model_path, tp_size, dtype}; model_layout.py)."""
+        from safetensors.torch import load_file
+
+        path = c["model_path"]
+        model = VLLMQwen2(path, c["tp_rank"], c["tp_size"], served_dtype(path, c["dtype"]))
+        for n, t in {**load_file(f"{path}/model.safetensors"), **self.loaded}.items():
+            model.load(n, t)
+        return {"sha256": model.digests()}
 
     def destroy(self, c: dict[str, Any]) -> dict[str, Any]:
         destroy_weight_group(self.group)

@@ -314,9 +314,11 @@ class StandIn:
         return [None] * self.tp
 
     async def worker_checksums(self) -> list[dict[str, str]]:
-        """``compute_weight_checksums``: per worker, sha256 per loaded tensor keyed
-        ``dp0:pp0:pcp0:tp{i}:{name}`` (rl:232-266 merges them)."""
-        sums = await self._ranks("checksums")
+        """``compute_weight_checksums``: per worker, sha256 per parameter vLLM's loader made of
+        what it received (fused, padded, sharded, in the served dtype: ``model_layout.py``),
+        keyed ``dp0:pp0:pcp0:tp{i}:{name}`` (rl:232-266 merges them)."""
+        held = {"model_path": self.args.model_path, "tp_size": self.tp, "dtype": self.args.dtype}
+        sums = await self._ranks("held", **held)  # vLLM's parameters (model_layout.py)
         return [{f"dp0:pp0:pcp0:tp{i}:{n}": d for n, d in s["sha256"].items()}
                 for i, s in enumerate(sums)]  # fmt: skip
 
