@@ -176,6 +176,21 @@ def _parse_choice(choice: dict[str, Any]) -> GenerateResult:
     return _result(ids, lps, finish, choice.get("weight_versions"))
 
 
+_IDEMPOTENT = frozenset(
+    {
+        "/pause",
+        "/resume",
+        "/is_paused",
+        "/abort_requests",
+        "/weight_info",
+        "/health",
+        "/weight_checker",
+    }
+)
+"""Calls sent once more when a kept-alive connection turns out reset (the same state after
+one or two of them)."""
+
+
 class VLLMClient(KeyedHttp):
     """One vLLM 0.33 server at ``base_url`` (module docstring); one event loop.
 
@@ -202,15 +217,26 @@ class VLLMClient(KeyedHttp):
     async def _call(
         self, method: str, path: str, body: Any = None, params: dict[str, str] | None = None
     ) -> Any:
+        """One call; a reset kept-alive connection is retried once for ``_IDEMPOTENT`` paths."""
         if self.sent is not None:
             self.sent.append((method, path + _query(params), body))
-        try:
-            async with self._http().request(
-                method, self.url + path, json=body, params=params
-            ) as resp:
-                raw, status = await resp.read(), resp.status
-        except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
-            raise EngineUnavailable(f"{self.url}{path}: {type(exc).__name__}: {exc}") from exc
+        for again in (path in _IDEMPOTENT, False):
+            try:
+                async with self._http().request(
+                    method, self.url + path, json=body, params=params
+                ) as resp:
+                    raw, status = await resp.read(), resp.status
+                break
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+                # vLLM's server (uvicorn) closes a connection after an error it answered
+                # with 500 (an exception out of the app); the next call on that kept-alive
+                # connection is reset: an idempotent call is sent once more, on a new one
+                if not again:
+                    raise EngineUnavailable(
+                        f"{self.url}{path}: {type(exc).__name__}: {exc}"
+                    ) from exc
+            except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+                raise EngineUnavailable(f"{self.url}{path}: {type(exc).__name__}: {exc}") from exc
         if status >= 400:
             if path == GENERATE:
                 raise _refusal(self.url, status, raw)

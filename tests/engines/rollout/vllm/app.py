@@ -357,11 +357,15 @@ class WireLog:
                         errors.append(json.loads(line[6:])["error"]["code"])
             await send(msg)
 
+        note = ""
         try:
             await self.app(scope, rx, tx)
+        except Exception:  # answered 500 by Starlette's ServerErrorMiddleware, outside this one
+            status[0], note = status[0] or 500, "unhandled exception"
+            raise
         finally:
             if scope.get(ROUTED):
-                note = " ".join(f"error {c} chunk" for c in errors)
+                note = " ".join([note, *(f"error {c} chunk" for c in errors)]).strip()
                 self._write(scope, b"".join(chunks), status[0], note)
 
     def _write(self, scope: dict[str, Any], raw: bytes, status: int, note: str) -> None:
