@@ -63,7 +63,6 @@ class EngineSet:
         self.died_at: dict[str, tuple[str, int, float]] = {}  # url -> name, restart, wall time
         self.startup_s = cfg.rollout.startup_timeout_s or 120.0  # the run sets the scaled one
         self.clients = {f"engine{i}": make_engine(cfg.rollout, u) for i, u in enumerate(urls)}
-        self.restarts: dict[str, int] = {}  # per engine, over the run
         self.budgets: dict[str, RestartBudget] = {}  # per engine: max_restarts per window
         self.gone: dict[str, str] = {}  # engines out of the run for good: why
         self.waiting: dict[str, ManagedEngine] = {}  # url -> client held until re-synced
@@ -91,7 +90,7 @@ class EngineSet:
         if not budget.take(time.monotonic()):
             await self.give_up(name, death, router, chan)
             return
-        count = self.restarts[name] = self.restarts.get(name, 0) + 1
+        count = budget.total  # restarts of this engine over the run, this one included
         in_window = budget.in_window(time.monotonic())
         old = self.clients[name]
         detected = time.time()
@@ -124,7 +123,7 @@ class EngineSet:
         engine."""
         rc = self.cfg.rollout
         limit = rc.max_restarts
-        count = self.restarts.get(name, 0)
+        count = self.budgets[name].total if name in self.budgets else 0
         client = self.clients.pop(name)
         self.down.discard(name)
         self.gone[name] = f"{death.describe()} (restarted {count} times)"

@@ -15,7 +15,7 @@ import pytest
 
 from asyncrl.config import load_config
 from asyncrl.controllers.evaluation import eval_samples, pass_at_k
-from asyncrl.procs import python_env
+from asyncrl.procs import finish, python_env
 
 
 @pytest.mark.parametrize(("n", "k"), [(1, 1), (4, 1), (4, 2), (5, 3), (6, 6)])
@@ -61,13 +61,8 @@ def test_short_run_evaluates_before_during_and_after(tmp_path: Path, tiny_model_
         "--eval.k=2",
     ]
     proc = subprocess.Popen(cmd, env=python_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        out, _ = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 0, out.decode(errors="replace")[-3000:]
+    rc, out = finish(proc, 300)
+    assert rc == 0, out[-3000:]
     rows = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines() if ln]
     train = [r for r in rows if "eval/reward_mean" not in r]
     evals = [r for r in rows if "eval/reward_mean" in r]
