@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from asyncrl.config import RunConfig, load_config
-    from asyncrl.controllers.controller import Batch, Controller, NoMoreSamples
+    from asyncrl.controllers.controller import Controller, NoMoreSamples
     from asyncrl.controllers.episode import (
         EngineKeyRefused,
         EpisodeContext,
@@ -30,10 +30,9 @@ if TYPE_CHECKING:
         Generation,
         RewardError,
     )
+    from asyncrl.core import Batch, Sample, Trajectory
     from asyncrl.embedding import TINY_VOCAB, EngineProcess, ensure_tiny_model, wait_healthy
     from asyncrl.engines.rollout.base import EngineUnavailable
-    from asyncrl.tasks.base import Sample
-    from asyncrl.transports.experience.types import Trajectory
     from asyncrl.transports.weights.base import WeightSyncError
     from asyncrl.transports.weights.pusher_send import WeightPusher
 
@@ -62,7 +61,7 @@ __version__ = "0.1.0"
 
 _HOMES = {
     "TINY_VOCAB": "asyncrl.embedding",
-    "Batch": "asyncrl.controllers.controller",
+    "Batch": "asyncrl.core",
     "Controller": "asyncrl.controllers.controller",
     "EngineKeyRefused": "asyncrl.controllers.episode",
     "EngineProcess": "asyncrl.embedding",
@@ -73,8 +72,8 @@ _HOMES = {
     "NoMoreSamples": "asyncrl.controllers.controller",
     "RewardError": "asyncrl.controllers.episode",
     "RunConfig": "asyncrl.config",
-    "Sample": "asyncrl.tasks.base",
-    "Trajectory": "asyncrl.transports.experience.types",
+    "Sample": "asyncrl.core",
+    "Trajectory": "asyncrl.core",
     "WeightPusher": "asyncrl.transports.weights.pusher_send",
     "WeightSyncError": "asyncrl.transports.weights.base",
     "ensure_tiny_model": "asyncrl.embedding",

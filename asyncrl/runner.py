@@ -42,12 +42,13 @@ from asyncrl import secret, trace
 from asyncrl.config import WORKLOAD_TASKS, RunConfig, to_dict
 from asyncrl.controllers import checkpoints as ckpts
 from asyncrl.controllers import episode as episode_api
-from asyncrl.controllers.controller import Batch, Controller
-from asyncrl.controllers.episode import Sample, single_turn
+from asyncrl.controllers.controller import Controller
+from asyncrl.controllers.episode import single_turn
 from asyncrl.controllers.evaluation import Evaluator, eval_samples
 from asyncrl.controllers.membership import EngineSet
 from asyncrl.controllers.restarts import RestartBudget
 from asyncrl.controllers.state import ControllerState
+from asyncrl.core import Batch, Sample
 from asyncrl.engines.rollout.launcher import startup_timeout
 from asyncrl.guard import proc_start_time, release_guard, start_guard
 from asyncrl.launchers import Launcher, TrainerArgs, make_launcher
@@ -57,7 +58,7 @@ from asyncrl.progress import Progress
 from asyncrl.sinks import close_sinks, log_row, make_sinks, rewind_sinks
 from asyncrl.tasks import make_task
 from asyncrl.transports.experience.assign import make_assigner
-from asyncrl.transports.experience.types import (
+from asyncrl.transports.experience.control import (
     ConsumerLost,
     EnginesSynced,
     Save,

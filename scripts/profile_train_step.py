@@ -14,10 +14,10 @@ import torch
 
 from asyncrl.algorithms.base import make_algorithm
 from asyncrl.config import load_config
+from asyncrl.core import Trajectory
 from asyncrl.engines.train.fsdp import FSDPEngine, init_process_group
 from asyncrl.procs import free_port
 from asyncrl.tasks.tiny_model import ensure_tiny_model
-from asyncrl.transports.experience.types import Trajectory
 
 threads = int(sys.argv[1]) if len(sys.argv) > 1 else 1
 mode = sys.argv[2] if len(sys.argv) > 2 else "time"

@@ -249,7 +249,7 @@ async def _long_answer(ctx, sample):  # type: ignore[no-untyped-def]
 
 
 def _prompts(n: int = 10_000):  # type: ignore[no-untyped-def]
-    from asyncrl.controllers.episode import Sample
+    from asyncrl.core import Sample
 
     return (Sample(prompt_ids=[1, 3 + i % 10, 4, 14], id=i) for i in range(n))
 

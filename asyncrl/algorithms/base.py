@@ -24,6 +24,7 @@ import torch
 
 from asyncrl.algorithms.losses import Objective, PolicyLoss
 from asyncrl.config import AlgoConfig, RunConfig
+from asyncrl.core import Trajectory
 from asyncrl.engines.train.base import (
     LossFn,
     Role,
@@ -32,7 +33,6 @@ from asyncrl.engines.train.base import (
     TrainerEngine,
     all_reduce_floats,
 )
-from asyncrl.transports.experience.types import Trajectory
 
 __all__ = [
     "CRITIC_FREE",

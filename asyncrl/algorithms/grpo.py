@@ -32,8 +32,8 @@ from asyncrl.algorithms.base import (
     shaped_rewards,
 )
 from asyncrl.config import AlgoConfig, RunConfig
+from asyncrl.core import Trajectory
 from asyncrl.engines.train.base import Seq
-from asyncrl.transports.experience.types import Trajectory
 
 __all__ = ["GRPO", "build_seqs"]
 

@@ -32,8 +32,8 @@ from asyncrl.algorithms.base import (
 )
 from asyncrl.algorithms.losses import ValueLoss
 from asyncrl.config import RunConfig
+from asyncrl.core import Trajectory
 from asyncrl.engines.train.base import Seq
-from asyncrl.transports.experience.types import Trajectory
 
 __all__ = ["PPO", "critic_config", "pad_rows"]
 

@@ -29,9 +29,8 @@ from asyncrl import loops
 from asyncrl.bench import HelpFormatter
 from asyncrl.config import AlgoConfig, ControllerConfig, LocalRolloutConfig, RunConfig
 from asyncrl.controllers.controller import Controller, NoMoreSamples
-from asyncrl.controllers.episode import Sample, single_turn
-from asyncrl.engines.rollout.base import GenerateResult
-from asyncrl.transports.experience.types import Trajectory
+from asyncrl.controllers.episode import single_turn
+from asyncrl.core import GenerateResult, Sample, Trajectory
 
 TOKENS = 16
 

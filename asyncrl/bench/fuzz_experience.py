@@ -47,18 +47,17 @@ import numpy as np
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from asyncrl.core import ARRAY_FIELDS, Trajectory
 from asyncrl.procs import die_with_parent_fn, python_env, stop
 from asyncrl.transports.experience.codec import decode, encode, encode_batch, header_limits
+from asyncrl.transports.experience.control import StepDone
 from asyncrl.transports.experience.curve import curve_client, curve_server
-from asyncrl.transports.experience.types import (
-    ARRAY_FIELDS,
+from asyncrl.transports.experience.wire import (
     SCHEMA_VERSION,
     Credit,
     Hello,
     Ring,
-    StepDone,
     TrainBatch,
-    Trajectory,
     TrajMeta,
 )
 from asyncrl.transports.experience.zmq_recv import ExperienceReceiver

@@ -67,8 +67,8 @@ from typing import Any
 
 from asyncrl.bench import HelpFormatter
 from asyncrl.config import load_config
-from asyncrl.controllers.episode import EpisodeContext, Sample
-from asyncrl.transports.experience.types import Trajectory
+from asyncrl.controllers.episode import EpisodeContext
+from asyncrl.core import Sample, Trajectory
 
 
 def length_stream(seed: int, min_len: int, alpha: float, max_len: int) -> Iterator[int]:

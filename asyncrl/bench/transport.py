@@ -59,9 +59,11 @@ import zmq
 import zmq.asyncio
 
 from asyncrl.bench import HelpFormatter
+from asyncrl.core import Trajectory
 from asyncrl.procs import spawn, stop
 from asyncrl.transports.experience.codec import encode_batch, nbytes
-from asyncrl.transports.experience.types import StepDone, TrainBatch, Trajectory
+from asyncrl.transports.experience.control import StepDone
+from asyncrl.transports.experience.wire import TrainBatch
 from asyncrl.transports.experience.zmq_recv import ExperienceReceiver
 from asyncrl.transports.experience.zmq_send import ExperienceSender
 

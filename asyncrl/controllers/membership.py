@@ -40,7 +40,7 @@ from asyncrl.controllers.router import Router
 from asyncrl.engines.rollout.base import ManagedEngine
 from asyncrl.engines.rollout.factory import make_engine
 from asyncrl.launchers.base import Death, Launcher
-from asyncrl.transports.experience.types import Engines, EnginesSynced
+from asyncrl.transports.experience.control import Engines, EnginesSynced
 
 __all__ = ["EngineSet"]
 

@@ -43,11 +43,11 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from asyncrl import trace
+from asyncrl.core import GenerateResult
 from asyncrl.engines.rollout.base import (
     EngineBadRequest,
     EngineError,
     EngineUnavailable,
-    GenerateResult,
     RolloutEngine,
 )
 

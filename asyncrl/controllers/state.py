@@ -30,7 +30,7 @@ import msgspec
 import numpy as np
 
 from asyncrl.controllers.episode import Generation, input_crc
-from asyncrl.transports.experience.types import ARRAY_FIELDS, Trajectory
+from asyncrl.core import ARRAY_FIELDS, Trajectory
 
 __all__ = [
     "CHECKPOINTABLE",

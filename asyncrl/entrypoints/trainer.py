@@ -30,15 +30,15 @@ from asyncrl.config import RunConfig
 from asyncrl.engines.train.fsdp import FSDPEngine, init_process_group
 from asyncrl.engines.train.run_state import RunState
 from asyncrl.net import pin_socket_ifname, tcp_store
-from asyncrl.transports.experience.types import (
+from asyncrl.transports.experience.control import (
     Engines,
     EnginesSynced,
     Save,
     Shutdown,
     StepDone,
     Synced,
-    TrainBatch,
 )
+from asyncrl.transports.experience.wire import TrainBatch
 from asyncrl.transports.experience.zmq_recv import ExperienceReceiver
 from asyncrl.transports.weights import make_weight_transport
 from asyncrl.transports.weights.adapter_send import AdapterSpec

@@ -46,6 +46,7 @@ from aiohttp import web
 from asyncrl import secret
 from asyncrl.config import DEFAULT_MAX_NEW_TOKENS, GatewayConfig
 from asyncrl.controllers.episode import EpisodeContext, EpisodeFailed, EpisodeRejected
+from asyncrl.core import Trajectory
 from asyncrl.gateway.auth import gateway_key, session_key, session_of
 from asyncrl.gateway.chat import Turn
 from asyncrl.gateway.protocol import ApiError, chat_request, completion_request
@@ -59,7 +60,6 @@ from asyncrl.gateway.sessions import (
 )
 from asyncrl.gateway.stream import chat_body, completion_body, stream_turn
 from asyncrl.tasks.text import ChatTokenizer
-from asyncrl.transports.experience.types import Trajectory
 
 if TYPE_CHECKING:
     from asyncrl.controllers.controller import Controller

@@ -35,10 +35,10 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import numpy as np
 
+from asyncrl.core import Trajectory
 from asyncrl.gateway.auth import session_key
 from asyncrl.gateway.chat import Turn
 from asyncrl.gateway.transcript import Transcript
-from asyncrl.transports.experience.types import Trajectory
 
 if TYPE_CHECKING:
     from asyncrl.controllers.episode import EpisodeContext

@@ -13,14 +13,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
-import msgspec
-
 from asyncrl.config import TaskConfig
+from asyncrl.core import Sample
 
 __all__ = [
     "REWARD_SIGNATURE",
     "CustomReward",
-    "Sample",
     "Task",
     "load_reward_fn",
     "make_task",
@@ -35,23 +33,6 @@ REWARD_SIGNATURE = (
 )
 """The one signature of a reward function, everywhere: ``ctx.reward(fn, ...)``,
 ``task.reward_fn``, a task's ``reward`` method."""
-
-
-class Sample(msgspec.Struct, frozen=True):
-    """A prompt of a task: token ids plus whatever the reward needs (the episode function's
-    input; the controller hands each one to an episode).
-
-    ``answer`` must be checkpointable, since a run checkpoint stores every pending sample as
-    msgpack: plain data (dict, list, tuple, str, int, float, bool, None, bytes) or msgspec
-    Structs / dataclasses of it. The controller refuses a sample that is not when it is
-    submitted or drawn (``TypeError`` naming the field and its type), not at the first
-    checkpoint. Tuples come back from a checkpoint as lists, Structs and dataclasses as
-    dicts unless the resuming controller is given their type (``sample_type``).
-    """
-
-    prompt_ids: list[int]
-    answer: Any = None
-    id: int = 0
 
 
 class Task(Protocol):

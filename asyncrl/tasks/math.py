@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.config import TaskConfig
-from asyncrl.tasks.base import Sample
+from asyncrl.core import Sample
 from asyncrl.tasks.text import ChatTokenizer
 
 __all__ = ["MathTask", "extract_answer", "load_rows", "normalize_int"]

@@ -15,7 +15,7 @@ import random
 from collections.abc import Iterator
 from pathlib import Path
 
-from asyncrl.tasks.base import Sample
+from asyncrl.core import Sample
 
 __all__ = ["ReverseTask"]
 

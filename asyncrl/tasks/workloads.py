@@ -35,9 +35,8 @@ from typing import Any, Literal
 
 from asyncrl.config import RunConfig
 from asyncrl.controllers.episode import EpisodeContext
-from asyncrl.tasks.base import Sample
+from asyncrl.core import Sample, Trajectory
 from asyncrl.tasks.reverse import ReverseTask
-from asyncrl.transports.experience.types import Trajectory
 
 __all__ = [
     "WORKLOADS",

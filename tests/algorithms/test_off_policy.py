@@ -295,7 +295,7 @@ def _trajectories(seqs: list[Seq]) -> list[Any]:
     """Trajectories of ``seqs`` (one GRPO group, rewards 0/1) with their behaviour log-probs."""
     import numpy as np
 
-    from asyncrl.transports.experience.types import Trajectory
+    from asyncrl.core import Trajectory
 
     return [
         Trajectory(

@@ -37,8 +37,8 @@ from asyncrl.algorithms.base import (
 )
 from asyncrl.algorithms.grpo import build_seqs
 from asyncrl.config import load_config
+from asyncrl.core import Trajectory
 from asyncrl.engines.train.base import Seq
-from asyncrl.transports.experience.types import Trajectory
 from tests.algorithms.reference import TrlTrainer, VerlActorConfig, VerlAlgoConfig, verl
 
 CAP = 1.5

@@ -11,8 +11,8 @@ import torch
 
 from asyncrl.algorithms.base import EngineFactory, make_algorithm, objective_for, seqs_from_trajs
 from asyncrl.config import RunConfig, load_config
+from asyncrl.core import Trajectory
 from asyncrl.engines.train.fsdp import FSDPEngine
-from asyncrl.transports.experience.types import Trajectory
 
 
 def _trajs(engine: FSDPEngine, shift: float = 0.0, n_groups: int = 2, size: int = 4) -> list:

@@ -14,7 +14,8 @@ import random
 import selectors
 from typing import Any
 
-from asyncrl.engines.rollout.base import EngineError, EngineUnavailable, GenerateResult
+from asyncrl.core import GenerateResult
+from asyncrl.engines.rollout.base import EngineError, EngineUnavailable
 
 
 class _Clock:

@@ -19,8 +19,9 @@ import pytest
 
 from asyncrl.config import AlgoConfig, ControllerConfig, LocalRolloutConfig, RunConfig
 from asyncrl.controllers.controller import Controller, NoMoreSamples
-from asyncrl.controllers.episode import EpisodeContext, Sample
+from asyncrl.controllers.episode import EpisodeContext
 from asyncrl.controllers.state import ControllerState
+from asyncrl.core import Sample
 from asyncrl.engines.rollout.sglang import SGLangClient
 from asyncrl.secret import auth_headers
 from tests.controllers.fakes import FakeEngine, VirtualTimeLoop

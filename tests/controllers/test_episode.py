@@ -103,7 +103,7 @@ async def _tokens_when_idle(url: str, timeout_s: float = 30.0) -> int:
 async def test_generated_tokens_count_every_token_the_engine_returned(engine_url: str) -> None:
     """``stats()["generated_tokens"]`` (the "generated" panel of ``asyncrl plot``): every token
     the engine returned, rejected episodes' too, equal to the engine's own count."""
-    from asyncrl.tasks.base import Sample
+    from asyncrl.core import Sample
 
     cfg = RunConfig(
         controller=ControllerConfig(batch_size=2, max_staleness=10),
@@ -265,7 +265,7 @@ async def test_reward_errors_are_logged_once_per_distinct_error(
     import logging
 
     from asyncrl.controllers.episode import RewardError
-    from asyncrl.tasks.base import Sample
+    from asyncrl.core import Sample
 
     def broken(sample: object, response_ids: list[int]) -> float:
         raise ValueError(f"boom {len(response_ids)}")

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from asyncrl.config import AlgoConfig, ControllerConfig, GatewayConfig, RunConfig
-from asyncrl.engines.rollout.base import GenerateResult
+from asyncrl.core import GenerateResult
 from asyncrl.engines.rollout.sglang import SGLangClient
 from asyncrl.procs import free_port, python_env, stop
 from tests.runs import spawn_shared

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from asyncrl.config import RunConfig, TaskConfig, load_config
-from asyncrl.controllers.episode import Sample, call_reward
+from asyncrl.controllers.episode import call_reward
+from asyncrl.core import Sample
 from asyncrl.tasks import make_task
 from asyncrl.tasks.base import load_reward_fn
 from asyncrl.tasks.math import extract_answer, load_rows, normalize_int

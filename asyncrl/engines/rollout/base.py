@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import aiohttp
-import msgspec
 
+from asyncrl.core import GenerateResult
 from asyncrl.secret import auth_headers
 
 if TYPE_CHECKING:
@@ -41,13 +41,13 @@ __all__ = [
     "EngineControl",
     "EngineError",
     "EngineUnavailable",
-    "GenerateResult",
     "KeyedHttp",
     "ManagedEngine",
     "RolloutEngine",
     "TensorHandoff",
     "TrainerLink",
     "WeightFamily",
+    "parse_sglang_generate",
 ]
 
 
@@ -78,48 +78,31 @@ class EngineUnavailable(ConnectionError):
     """The engine could not be reached or timed out (recoverable: retry elsewhere)."""
 
 
-class GenerateResult(msgspec.Struct, frozen=True, gc=False):
-    output_ids: list[int]
-    logprobs: list[float]
-    weight_version: int
-    finish_reason: str
-    prompt_tokens: int = 0
-    versions: list[int] | None = None
-    """The weight version of each output token, when the server reported spans (SGLang >=
-    0.5.22's ``meta_info.weight_versions``); None: every token has ``weight_version``."""
+def parse_sglang_generate(out: Any, partial: bool = False) -> GenerateResult:
+    """Parse SGLang's /generate response (single request, return_logprob=True).
 
-    def token_versions(self) -> list[int]:
-        """The weight version of every output token."""
-        if self.versions is not None:
-            return self.versions
-        return [self.weight_version] * len(self.output_ids)
-
-    @classmethod
-    def from_sglang(cls, out: Any, partial: bool = False) -> GenerateResult:
-        """Parse SGLang's /generate response (single request, return_logprob=True).
-
-        ``partial``: an event of a streamed request, whose ``finish_reason`` is null until
-        the last (then ``finish_reason == ""`` here)."""
-        if not isinstance(out, dict) or "meta_info" not in out:
-            raise EngineError("/generate", 200, f"unexpected response: {str(out)[:200]}")
-        meta = out["meta_info"]
-        ids = list(out.get("output_ids", []))
-        lps = [float(x[0]) for x in meta.get("output_token_logprobs", [])]
-        if len(lps) != len(ids):
-            raise EngineError("/generate", 200, f"{len(ids)} tokens but {len(lps)} log-probs")
-        fr = meta.get("finish_reason") or {}
-        reason = fr.get("type", "length") if isinstance(fr, dict) else str(fr)
-        if partial and meta.get("finish_reason") is None:
-            reason = ""
-        version = _parse_version(meta.get("weight_version", "0"))
-        return cls(
-            output_ids=ids,
-            logprobs=lps,
-            weight_version=version,
-            finish_reason=reason,
-            prompt_tokens=int(meta.get("prompt_tokens", 0)),
-            versions=_expand_spans(meta.get("weight_versions"), len(ids), version),
-        )
+    ``partial``: an event of a streamed request, whose ``finish_reason`` is null until
+    the last (then ``finish_reason == ""`` here)."""
+    if not isinstance(out, dict) or "meta_info" not in out:
+        raise EngineError("/generate", 200, f"unexpected response: {str(out)[:200]}")
+    meta = out["meta_info"]
+    ids = list(out.get("output_ids", []))
+    lps = [float(x[0]) for x in meta.get("output_token_logprobs", [])]
+    if len(lps) != len(ids):
+        raise EngineError("/generate", 200, f"{len(ids)} tokens but {len(lps)} log-probs")
+    fr = meta.get("finish_reason") or {}
+    reason = fr.get("type", "length") if isinstance(fr, dict) else str(fr)
+    if partial and meta.get("finish_reason") is None:
+        reason = ""
+    version = _parse_version(meta.get("weight_version", "0"))
+    return GenerateResult(
+        output_ids=ids,
+        logprobs=lps,
+        weight_version=version,
+        finish_reason=reason,
+        prompt_tokens=int(meta.get("prompt_tokens", 0)),
+        versions=_expand_spans(meta.get("weight_versions"), len(ids), version),
+    )
 
 
 def _expand_spans(spans: Any, n: int, last: int) -> list[int] | None:

@@ -17,11 +17,12 @@ from typing import Any
 import aiohttp
 import msgspec
 
+from asyncrl.core import GenerateResult
 from asyncrl.engines.rollout.base import (
     EngineBadRequest,
     EngineError,
     EngineUnavailable,
-    GenerateResult,
+    parse_sglang_generate,
 )
 
 __all__ = ["read_generate_stream"]
@@ -95,4 +96,4 @@ def _parse(data: bytes) -> GenerateResult:
         code = err.get("code") if isinstance(err.get("code"), int) else 400
         cls = EngineBadRequest if 400 <= code < 500 else EngineError
         raise cls("/generate", code, str(err.get("message", err))[:2000])
-    return GenerateResult.from_sglang(out, partial=True)
+    return parse_sglang_generate(out, partial=True)

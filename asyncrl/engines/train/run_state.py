@@ -1,6 +1,6 @@
 """The trainer's side of run checkpoints: save on request, restore on (re)start.
 
-A :class:`~asyncrl.transports.experience.types.Save` arrives on every rank in order
+A :class:`~asyncrl.transports.experience.control.Save` arrives on every rank in order
 after the batch of step ``step - 1``; every rank then holds the state "steps
 ``0 .. step-1`` trained". :meth:`RunState.save` writes, under ``checkpoint``::
 
@@ -29,7 +29,8 @@ from typing import Any
 import torch.distributed as dist
 
 from asyncrl.engines.train.base import EngineState
-from asyncrl.transports.experience.types import Message, Save, Saved
+from asyncrl.transports.experience.control import Save, Saved
+from asyncrl.transports.experience.wire import Message
 
 __all__ = ["TRAINER_META", "RunState"]
 

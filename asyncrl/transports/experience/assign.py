@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Literal, Protocol
 
-from asyncrl.transports.experience.types import Trajectory
+from asyncrl.core import Trajectory
 
 __all__ = ["Assigner", "BalancedAssigner", "ModuloAssigner", "make_assigner"]
 

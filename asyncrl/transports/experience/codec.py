@@ -36,16 +36,9 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from asyncrl.core import ARRAY_FIELDS, Trajectory
 from asyncrl.transports.experience.shm import RingReader
-from asyncrl.transports.experience.types import (
-    ARRAY_FIELDS,
-    SCHEMA_VERSION,
-    Hello,
-    Message,
-    TrainBatch,
-    Trajectory,
-    TrajMeta,
-)
+from asyncrl.transports.experience.wire import SCHEMA_VERSION, Hello, Message, TrainBatch, TrajMeta
 
 __all__ = [
     "REJECT_KINDS",

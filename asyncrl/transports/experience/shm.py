@@ -1,7 +1,7 @@
 """Same-host fast path of the experience channel: a shared-memory ring per (producer, rank).
 
 The producer owns one POSIX shared-memory segment (a file in ``/dev/shm``) per
-consumer rank, announces it with a :class:`~asyncrl.transports.experience.types.Ring`
+consumer rank, announces it with a :class:`~asyncrl.transports.experience.wire.Ring`
 message and writes each message's arrays straight into it (one copy, 64-byte
 aligned, the payload layout of ``codec.py``); ZeroMQ then carries only the small
 header with the payload's ``offset``. The consumer maps the segment read-only and
@@ -42,7 +42,7 @@ import weakref
 from collections.abc import Sequence
 from pathlib import Path
 
-from asyncrl.transports.experience.types import ARRAY_FIELDS, Trajectory
+from asyncrl.core import ARRAY_FIELDS, Trajectory
 
 __all__ = [
     "ALIGN",

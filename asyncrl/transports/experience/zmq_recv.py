@@ -33,6 +33,7 @@ import msgspec
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from asyncrl.core import Trajectory
 from asyncrl.transports.experience.codec import (
     MalformedMessage,
     RejectLog,
@@ -40,19 +41,10 @@ from asyncrl.transports.experience.codec import (
     encode,
     nbytes,
 )
+from asyncrl.transports.experience.control import Engines, Save, Shutdown
 from asyncrl.transports.experience.curve import curve_client, uses_curve
 from asyncrl.transports.experience.shm import RingReader, host_token
-from asyncrl.transports.experience.types import (
-    Credit,
-    Engines,
-    Hello,
-    Message,
-    Ring,
-    Save,
-    Shutdown,
-    TrainBatch,
-    Trajectory,
-)
+from asyncrl.transports.experience.wire import Credit, Hello, Message, Ring, TrainBatch
 
 __all__ = ["Delivery", "ExperienceReceiver"]
 

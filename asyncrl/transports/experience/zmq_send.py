@@ -70,6 +70,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from asyncrl.config import ExperienceConfig
+from asyncrl.core import Trajectory
 from asyncrl.transports.experience.assign import Assigner, make_assigner
 from asyncrl.transports.experience.codec import (
     MalformedMessage,
@@ -81,22 +82,17 @@ from asyncrl.transports.experience.codec import (
     header_limits,
     payload_size,
 )
-from asyncrl.transports.experience.curve import REFUSED_EVENTS, Zap, curve_server, uses_curve
-from asyncrl.transports.experience.shm import RingWriter, host_token, sweep_orphans
-from asyncrl.transports.experience.types import (
+from asyncrl.transports.experience.control import (
     ConsumerLost,
-    Credit,
     EnginesSynced,
-    Hello,
-    Message,
-    Ring,
     Saved,
     Shutdown,
     StepDone,
     Synced,
-    TrainBatch,
-    Trajectory,
 )
+from asyncrl.transports.experience.curve import REFUSED_EVENTS, Zap, curve_server, uses_curve
+from asyncrl.transports.experience.shm import RingWriter, host_token, sweep_orphans
+from asyncrl.transports.experience.wire import Credit, Hello, Message, Ring, TrainBatch
 
 __all__ = ["ExperienceSender", "bind_endpoint", "shm_token"]
 

@@ -24,9 +24,11 @@ from pathlib import Path
 
 import numpy as np
 
+from asyncrl.core import ARRAY_FIELDS, Trajectory
 from asyncrl.transports.experience.assign import make_assigner
 from asyncrl.transports.experience.codec import decode
-from asyncrl.transports.experience.types import ARRAY_FIELDS, Hello, Shutdown, Trajectory
+from asyncrl.transports.experience.control import Shutdown
+from asyncrl.transports.experience.wire import Hello
 from asyncrl.transports.experience.zmq_recv import ExperienceReceiver
 from asyncrl.transports.experience.zmq_send import ExperienceSender
 

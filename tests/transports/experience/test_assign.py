@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from asyncrl.core import Trajectory
 from asyncrl.transports.experience.assign import BalancedAssigner, ModuloAssigner, make_assigner
-from asyncrl.transports.experience.types import Trajectory
 
 
 def group(gid: int, size: int, n_resp: int) -> list[Trajectory]:

@@ -8,19 +8,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from asyncrl.core import ARRAY_FIELDS, Trajectory
 from asyncrl.transports.experience.codec import MalformedMessage, decode, encode, encode_batch
-from asyncrl.transports.experience.types import (
-    ARRAY_FIELDS,
-    SCHEMA_VERSION,
-    ConsumerLost,
-    Credit,
-    Hello,
-    Shutdown,
-    StepDone,
-    TrainBatch,
-    Trajectory,
-    TrajMeta,
-)
+from asyncrl.transports.experience.control import ConsumerLost, Shutdown, StepDone
+from asyncrl.transports.experience.wire import SCHEMA_VERSION, Credit, Hello, TrainBatch, TrajMeta
 
 
 def traj(eid: int, n_prompt: int = 5, n_resp: int = 7, seed: int = 0) -> Trajectory:

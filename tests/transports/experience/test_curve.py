@@ -13,7 +13,7 @@ import zmq
 from asyncrl import secret
 from asyncrl.transports.experience.codec import encode
 from asyncrl.transports.experience.curve import curve_client
-from asyncrl.transports.experience.types import Hello, TrainBatch
+from asyncrl.transports.experience.wire import Hello, TrainBatch
 from asyncrl.transports.experience.zmq_recv import ExperienceReceiver
 from asyncrl.transports.experience.zmq_send import ExperienceSender
 

@@ -22,8 +22,9 @@ import zmq
 
 from asyncrl.procs import spawn, stop
 from asyncrl.transports.experience.codec import decode, encode, encode_batch
+from asyncrl.transports.experience.control import Save, StepDone
 from asyncrl.transports.experience.curve import curve_server
-from asyncrl.transports.experience.types import Save, StepDone, TrainBatch, TrajMeta
+from asyncrl.transports.experience.wire import TrainBatch, TrajMeta
 from asyncrl.transports.experience.zmq_recv import ExperienceReceiver
 from asyncrl.transports.experience.zmq_send import ExperienceSender
 

@@ -32,11 +32,7 @@ from asyncrl.transports.experience.shm import (
     shm_available,
     sweep_orphans,
 )
-from asyncrl.transports.experience.types import (
-    Ring,
-    TrainBatch,
-    TrajMeta,
-)
+from asyncrl.transports.experience.wire import Ring, TrainBatch, TrajMeta
 from asyncrl.transports.experience.zmq_recv import ExperienceReceiver
 from asyncrl.transports.experience.zmq_send import ExperienceSender, shm_token
 from tests.transports.experience.test_codec import assert_same, traj

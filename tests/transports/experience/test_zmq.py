@@ -19,20 +19,17 @@ import numpy as np
 import pytest
 import zmq
 
+from asyncrl.core import ARRAY_FIELDS
 from asyncrl.procs import spawn, stop
 from asyncrl.transports.experience.codec import decode, encode, encode_batch, encode_header
+from asyncrl.transports.experience.control import ConsumerLost, Engines, Shutdown, StepDone
 from asyncrl.transports.experience.curve import curve_client, curve_server
 from asyncrl.transports.experience.shm import ALIGN, RingWriter
-from asyncrl.transports.experience.types import (
-    ARRAY_FIELDS,
+from asyncrl.transports.experience.wire import (
     SCHEMA_VERSION,
-    ConsumerLost,
     Credit,
-    Engines,
     Hello,
     Ring,
-    Shutdown,
-    StepDone,
     TrainBatch,
     TrajMeta,
 )

@@ -28,12 +28,13 @@ import msgspec
 
 from asyncrl import secret
 from asyncrl.config import PAUSE_MODES
+from asyncrl.core import GenerateResult
 from asyncrl.engines.rollout.base import (
     EngineBadRequest,
     EngineError,
     EngineUnavailable,
-    GenerateResult,
     KeyedHttp,
+    parse_sglang_generate,
 )
 from asyncrl.engines.rollout.sse import read_generate_stream
 
@@ -125,7 +126,7 @@ class SGLangClient(KeyedHttp):
         _move_lora_path(body)
         if rid is not None:
             body["rid"] = str(rid)
-        return GenerateResult.from_sglang(await self._call("POST", "/generate", body))
+        return parse_sglang_generate(await self._call("POST", "/generate", body))
 
     async def generate_stream(
         self,
@@ -169,7 +170,7 @@ class SGLangClient(KeyedHttp):
         if not isinstance(out, list) or len(out) != len(input_ids):
             got = f"{len(out)} answers" if isinstance(out, list) else type(out).__name__
             raise EngineError("/generate", 200, f"batch of {len(input_ids)}: got {got}")
-        return [GenerateResult.from_sglang(o) for o in out]
+        return [parse_sglang_generate(o) for o in out]
 
     async def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
         """Abort request ``rid`` (or every request): its /generate returns the partial output."""

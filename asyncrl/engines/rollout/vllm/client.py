@@ -55,13 +55,8 @@ import aiohttp
 import msgspec
 
 from asyncrl.config import VLLM_PAUSE_MODES
-from asyncrl.engines.rollout.base import (
-    EngineBadRequest,
-    EngineError,
-    EngineUnavailable,
-    GenerateResult,
-    KeyedHttp,
-)
+from asyncrl.core import GenerateResult
+from asyncrl.engines.rollout.base import EngineBadRequest, EngineError, EngineUnavailable, KeyedHttp
 from asyncrl.engines.rollout.sglang.client import _is_json_object, _server_message
 
 __all__ = ["ScaleOutDisabled", "VLLMClient", "expand_spans", "vllm_sampling"]

@@ -241,7 +241,7 @@ def _check_sampling(body: dict[str, Any]) -> list[str]:
 
 def check_answers(answers: list[list[Any]], src: Path) -> dict[str, Any]:
     """SGLang's API types decode the answers, and asyncrl reads only what they keep."""
-    from asyncrl.engines.rollout.base import GenerateResult
+    from asyncrl.engines.rollout.base import parse_sglang_generate
 
     try:
         api = importlib.import_module("sglang.api.v1.api_types")
@@ -266,7 +266,7 @@ def check_answers(answers: list[list[Any]], src: Path) -> dict[str, Any]:
                 problems.append(f"{typ.__name__}: {type(exc).__name__}: {exc}")
                 continue
             if path == "/generate":
-                mine, theirs = GenerateResult.from_sglang(one), GenerateResult.from_sglang(narrowed)
+                mine, theirs = parse_sglang_generate(one), parse_sglang_generate(narrowed)
                 if mine != theirs:
                     problems.append(f"/generate read differs once narrowed: {mine} vs {theirs}")
     if not hasattr(api, "WeightVersionSpan"):  # 0.5.22: spans are not in its contract yet
@@ -283,7 +283,7 @@ def check_answers(answers: list[list[Any]], src: Path) -> dict[str, Any]:
             finish_reason=api.FinishLength(length=5),
         ),
     ).to_json_value()
-    got = GenerateResult.from_sglang(spans)
+    got = parse_sglang_generate(spans)
     if got.token_versions() != [3, 3, 4, 4, 4] or got.finish_reason != "length":
         problems.append(f"spans {spans['meta_info']} read as {got}")
     return {"api_types": True, "spans": True, "checked": sorted(seen), "problems": problems}
