@@ -493,6 +493,8 @@ class _Run:
             f.write(json.dumps(row) + "\n")
         newest = max([row["step"], *(r["step"] for r in self.rows[-1:])])
         log_row(self.sinks, {**row, "step": newest})
+        if self.progress is not None:
+            self.progress.eval(row)
 
     def cpu_times(self) -> dict[str, float]:
         """CPU seconds used so far by this process and each child (Linux /proc; else empty)."""
