@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
-from asyncrl.config import TaskConfig
+from asyncrl.config import MathTaskConfig, ReverseTaskConfig, TaskConfig
 from asyncrl.core import Sample
 
 __all__ = [
@@ -49,23 +49,26 @@ class Task(Protocol):
 
 
 def make_task(cfg: TaskConfig, model_path: str) -> Task:
-    """The one factory of tasks: chooses the implementation from ``cfg.name``, then wraps it
-    with ``cfg.reward_fn`` when one is named."""
+    """The single-turn task (a prompt stream and a reward) of the config type ``cfg``
+    (``reverse``, ``math``), wrapped with ``cfg.reward_fn`` when one is named; what runs the
+    other tasks is :func:`asyncrl.task_factory.build_task`'s."""
     task: Any
-    if cfg.name == "reverse":
-        from asyncrl.tasks.reverse import ReverseTask
+    match cfg:
+        case ReverseTaskConfig():
+            from asyncrl.tasks.reverse import ReverseTask
 
-        task = ReverseTask.from_tokenizer_dir(model_path, cfg.num_digits, cfg.seed)
-    elif cfg.name == "math":
-        from asyncrl.tasks.math import MathTask
+            task = ReverseTask.from_tokenizer_dir(model_path, cfg.num_digits, cfg.seed)
+        case MathTaskConfig():
+            from asyncrl.tasks.math import MathTask
 
-        task = MathTask(cfg, model_path)
-    else:
-        raise ValueError(
-            f"task.name {cfg.name!r} has no single-turn Task (allowed here: 'reverse', 'math'; "
-            "'agent' runs through the gateway, 'longtail' and 'agentic' are episodes of "
-            "asyncrl.tasks.workloads, which asyncrl run builds)"
-        )
+            task = MathTask(cfg, model_path)
+        case _:
+            raise ValueError(
+                f"task.name {cfg.name!r} has no single-turn Task (allowed here: 'reverse', "
+                "'math'; 'agent' runs through the gateway, 'longtail' and 'agentic' are "
+                "episodes of asyncrl.tasks.workloads: asyncrl.task_factory.build_task builds "
+                "them)"
+            )
     if cfg.reward_fn:
         fn = load_reward_fn(cfg.reward_fn)
         try:

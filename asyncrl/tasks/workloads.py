@@ -17,12 +17,12 @@ default model on a CPU in minutes, with a verifiable reward in [0, 1] (maximum 1
   sandbox, search or environment service does. Reward: the mean partial credit of the turns.
 
 ``asyncrl run --task.name=longtail`` / ``--task.name=agentic`` trains on them
-(:func:`workload_from_config`; knobs ``task.longtail.*`` / ``task.agentic.*``, and the defaults
-a workload changes, such as ``task.num_digits = 1`` and the engine's context length: see
-``TaskConfig.name``). Both streams are deterministic in ``seed``: a group's lengths
-(``longtail``) live in its sample, and a tool call's latency (``agentic``) is seeded by the
-sample, the episode's index in its group and the turn, so a synchronous and an asynchronous
-run see the same workload.
+(``asyncrl.task_factory.build_task``; knobs ``task.longtail.*`` / ``task.agentic.*``, and the
+defaults a workload changes, such as the engine's context length: see
+``asyncrl.config.task.LongTailTaskConfig``). Both streams are deterministic in ``seed``: a
+group's lengths (``longtail``) live in its sample, and a tool call's latency (``agentic``) is
+seeded by the sample, the episode's index in its group and the turn, so a synchronous and an
+asynchronous run see the same workload.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ import random
 from collections.abc import Iterator
 from typing import Any, Literal
 
-from asyncrl.config import RunConfig
 from asyncrl.controllers.episode import EpisodeContext
 from asyncrl.core import Sample, Trajectory
 from asyncrl.tasks.reverse import ReverseTask
@@ -45,7 +44,6 @@ __all__ = [
     "Workload",
     "make_workload",
     "pareto",
-    "workload_from_config",
 ]
 
 WorkloadName = Literal["longtail", "agentic"]
@@ -166,19 +164,3 @@ def make_workload(name: str, model_path: str, seed: int, group_size: int, **kw: 
     if name == "agentic":
         return Agentic(model_path, seed, group_size, **kw)
     raise ValueError(f"unknown workload {name!r} (allowed: {', '.join(WORKLOADS)})")
-
-
-def workload_from_config(cfg: RunConfig, model_path: str) -> Workload:
-    """The workload a run with ``task.name = "longtail" | "agentic"`` trains on: seeded by
-    ``task.seed``, ``algo.group_size`` episodes a sample, ``task.num_digits`` digits, the knobs
-    of ``task.longtail`` / ``task.agentic`` (``asyncrl run --task.name=longtail``)."""
-    t = cfg.task
-    if t.name == "longtail":
-        lt = t.longtail
-        return LongTail(model_path, t.seed, cfg.algo.group_size, t.num_digits, lt.min_len,
-                        lt.alpha, lt.max_len)  # fmt: skip
-    if t.name == "agentic":
-        ag = t.agentic
-        return Agentic(model_path, t.seed, cfg.algo.group_size, t.num_digits, ag.turns,
-                       ag.latency_min_s, ag.alpha, ag.latency_max_s)  # fmt: skip
-    raise ValueError(f"task.name {t.name!r} is no workload (allowed: {', '.join(WORKLOADS)})")

@@ -91,14 +91,14 @@ def test_workloads_are_tasks_of_the_run_config(tiny_model_dir: Path) -> None:
     user sets wins), its knobs, the workload the run builds, and preflight's context check."""
     from asyncrl.config import load_config
     from asyncrl.preflight import preflight
-    from asyncrl.tasks.workloads import workload_from_config
+    from asyncrl.task_factory import build_task
 
     cfg = load_config(None, ["--task.name=longtail", "--task.longtail.max_len=40"])
     assert (cfg.task.num_digits, cfg.algo.loss_agg) == (1, "seq-mean")
     assert cfg.rollout.extra_args == ("--context-length", "43")  # <s> d = + 40 response tokens
     assert cfg.generation_budget() == 40
     preflight(cfg)
-    w = workload_from_config(cfg, str(tiny_model_dir))
+    w = build_task(cfg, str(tiny_model_dir)).task
     assert isinstance(w, LongTail) and (w.min_len, w.max_len, w.task.num_digits) == (4, 40, 1)
     lens = next(w.samples()).answer[1]
     assert len(lens) == cfg.algo.group_size and max(lens) <= 40
@@ -111,7 +111,7 @@ def test_workloads_are_tasks_of_the_run_config(tiny_model_dir: Path) -> None:
         load_config(None, ["--task.name=longtail", "--task.num_digits=5"])
     cfg = load_config(None, ["--task.name=agentic", "--task.agentic.turns=3"])
     assert (cfg.task.num_digits, cfg.algo.loss_agg, cfg.rollout.extra_args) == (1, "token-mean", ())
-    w = workload_from_config(cfg, str(tiny_model_dir))
+    w = build_task(cfg, str(tiny_model_dir)).task
     assert isinstance(w, Agentic) and w.turns == 3 and w.latency == (0.02, 1.0, 0.6)
     assert len(next(w.samples()).answer) == 3
     with pytest.raises(ValueError, match=r"task\.agentic\.turns"):
