@@ -14,7 +14,7 @@ user with a ``get_weather`` tool call; given a tool result, it answers in text;
 without tools, it replies in a sentence. Half of each warm-start batch is requests
 ``Reverse: D1 D2 D3`` answered by every permutation of their digits: the model learns to
 answer ``Answer:`` with the request's digits but keeps the order undecided (real entropy),
-which RL through the gateway then learns (``asyncrl.gateway.agent.reverse_chat_agent``).
+which RL through the gateway then learns (``examples/agents.py:reverse_chat_agent``).
 Everything is seeded: the same files every build. Written in Hugging Face format and
 cached like :mod:`asyncrl.tasks.tiny_model`; ``python -m asyncrl.tasks.tiny_chat_model --out
 DIR`` builds it.
@@ -118,7 +118,7 @@ def reverse_transcripts(seed: int, n: int = 120) -> list[list[dict[str, Any]]]:
     """``n`` requests "Reverse: D1 D2 D3" (three distinct digits), each answered once by every
     permutation of its digits ("Answer: D3 D1 D2", ...): the warm start learns the answer's
     format (the request's own digits) but not the rule, so the order keeps real entropy
-    (up to log 6 nats per answer) for :func:`asyncrl.gateway.agent.reverse_chat_agent`."""
+    (up to log 6 nats per answer) for ``examples/agents.py:reverse_chat_agent``."""
     rng = random.Random(seed + 1)
     out = []
     for _ in range(n):
