@@ -43,7 +43,7 @@ from asyncrl.config import RunConfig, to_dict
 from asyncrl.controllers import checkpoints as ckpts
 from asyncrl.controllers import episode as episode_api
 from asyncrl.controllers.controller import Controller
-from asyncrl.controllers.evaluation import Evaluator, eval_samples
+from asyncrl.controllers.evaluation import Evaluator
 from asyncrl.controllers.membership import EngineSet
 from asyncrl.controllers.restarts import RestartBudget
 from asyncrl.controllers.state import ControllerState
@@ -55,7 +55,7 @@ from asyncrl.preflight import preflight
 from asyncrl.procs import python_env
 from asyncrl.progress import Progress
 from asyncrl.sinks import close_sinks, log_row, make_sinks, rewind_sinks
-from asyncrl.task_factory import build_task
+from asyncrl.task_factory import build_task, eval_samples
 from asyncrl.transports.experience.assign import make_assigner
 from asyncrl.transports.experience.control import (
     ConsumerLost,

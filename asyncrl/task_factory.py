@@ -17,6 +17,7 @@ agent per episode through the gateway. This module sits above ``tasks``, ``contr
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,10 +34,10 @@ from asyncrl.config import (
 from asyncrl.core import Sample
 
 if TYPE_CHECKING:
-    from asyncrl.controllers.episode import Episode
+    from asyncrl.controllers.episode import Episode, RewardFn
     from asyncrl.gateway.app import Gateway
 
-__all__ = ["BUILDERS", "BuiltTask", "build_task", "check_task"]
+__all__ = ["BUILDERS", "BuiltTask", "build_task", "check_task", "eval_samples"]
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,18 @@ def build_task(cfg: RunConfig, model_path: str) -> BuiltTask:
     any process starts: a bad task (a missing file, a reward function that does not import)
     fails fast with a ValueError naming its key."""
     return BUILDERS[type(cfg.task)](cfg, model_path)
+
+
+def eval_samples(cfg: RunConfig, model_path: str) -> tuple[list[Any], RewardFn]:
+    """The held-out prompts of ``asyncrl run``'s evals (``eval.path``, else the task's eval
+    split: :meth:`~asyncrl.config.task.ReverseTaskConfig.held_out`) and the task's reward.
+    ValueError for a task without one, naming the keys."""
+    from asyncrl.controllers.evaluation import EVAL_SEED_OFFSET
+    from asyncrl.tasks.base import make_task
+
+    held_out = cfg.task.held_out(EVAL_SEED_OFFSET, cfg.eval.path)
+    task = make_task(held_out, model_path)
+    return list(itertools.islice(task.samples(), cfg.eval.num_prompts)), task.reward
 
 
 def check_task(cfg: RunConfig) -> None:

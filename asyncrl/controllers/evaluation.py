@@ -37,7 +37,7 @@ from asyncrl.controllers.router import Router
 if TYPE_CHECKING:
     from asyncrl.controllers.controller import Controller
 
-__all__ = ["Evaluator", "eval_samples", "evaluate", "pass_at_k"]
+__all__ = ["Evaluator", "evaluate", "pass_at_k"]
 
 log = logging.getLogger(__name__)
 
@@ -110,16 +110,6 @@ async def evaluate(
     out["eval/weight_version_max"] = float(max(v for *_, v in done))
     out["eval/wall_s"] = time.perf_counter() - t0
     return out
-
-
-def eval_samples(cfg: RunConfig, model_path: str) -> tuple[list[Any], RewardFn]:
-    """The held-out prompts of ``asyncrl run`` (``eval.path``, else the task's eval split) and
-    the task's reward. ValueError for a task without one, naming the keys."""
-    from asyncrl.tasks.base import make_task
-
-    held_out = cfg.task.held_out(EVAL_SEED_OFFSET, cfg.eval.path)  # ValueError: none
-    task = make_task(held_out, model_path)
-    return list(itertools.islice(task.samples(), cfg.eval.num_prompts)), task.reward
 
 
 class Evaluator:
