@@ -4,7 +4,8 @@
 the task, its episode function, its sample stream and its sampling defaults, and for an agent
 task the gateway its episodes run through; :func:`check_task` is the task's part of
 ``preflight`` (what this host must hold for it). Each task type has one line in
-:data:`BUILDERS`; this module is the only place that tells the tasks apart; what a task decides
+:data:`BUILDERS`; this module (with ``asyncrl.tasks.make_task``, which picks among the
+single-turn tasks) is the only place that tells the tasks apart; what a task decides
 about the rest of the run (its generation budget, which tiny model, its defaults in other
 sections) is the config type's own.
 

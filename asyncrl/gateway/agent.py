@@ -134,7 +134,7 @@ def _is_async(fn: Any) -> bool:
 
 
 def command_agent(gw: Gateway, argv: list[str]) -> AgentFn:
-    """An agent function that runs ``argv`` per episode (see ``TaskConfig.agent_command``):
+    """An agent function that runs ``argv`` per episode (see ``AgentTaskConfig.agent_command``):
     the reward is what the command posted to its session (none posted: the sample is
     rejected); a non-zero exit rejects the sample naming the exit status
     (:class:`EpisodeRejected`). The process is killed (by its pid) when the episode is

@@ -10,28 +10,19 @@ from typing import Any
 import msgspec
 import pytest
 
-from asyncrl.config import (
-    AgenticTaskConfig,
-    AgentTaskConfig,
-    LongTailTaskConfig,
-    MathTaskConfig,
-    ReverseTaskConfig,
-    RunConfig,
-    TaskConfig,
-    load_config,
-    to_dict,
-)
+from asyncrl.config import RunConfig, TaskConfig, load_config, to_dict
+from asyncrl.config import task as T
 from asyncrl.core import Sample
 from asyncrl.task_factory import BUILDERS, build_task
 
 ROOT = Path(__file__).resolve().parents[2]
 
 TYPES = {
-    "reverse": ReverseTaskConfig,
-    "math": MathTaskConfig,
-    "agent": AgentTaskConfig,
-    "longtail": LongTailTaskConfig,
-    "agentic": AgenticTaskConfig,
+    "reverse": T.ReverseTaskConfig,
+    "math": T.MathTaskConfig,
+    "agent": T.AgentTaskConfig,
+    "longtail": T.LongTailTaskConfig,
+    "agentic": T.AgenticTaskConfig,
 }
 
 
@@ -46,8 +37,8 @@ def test_the_tag_selects_the_type(tmp_path: Path, name: str) -> None:
         tree = msgspec.json.decode(msgspec.json.encode(to_dict(cfg)))
         assert tree["task"]["name"] == name
         assert load_config(None, [], base=tree).task == cfg.task
-    assert type(RunConfig().task) is ReverseTaskConfig  # no name: the default job's task
-    assert type(load_config(None, ["--task.seed=3"]).task) is ReverseTaskConfig
+    assert type(RunConfig().task) is T.ReverseTaskConfig  # no name: the default job's task
+    assert type(load_config(None, ["--task.seed=3"]).task) is T.ReverseTaskConfig
 
 
 def test_every_task_type_has_a_builder() -> None:
@@ -90,7 +81,7 @@ def test_a_key_of_another_task_is_refused_naming_its_task(overrides: list[str], 
         load_config(None, overrides)
     assert said in str(err.value)
     with pytest.raises(TypeError):  # in Python too: the type has no such field
-        ReverseTaskConfig(path="x.jsonl")  # type: ignore[call-arg]
+        T.ReverseTaskConfig(path="x.jsonl")  # type: ignore[call-arg]
 
 
 def test_a_task_section_of_an_earlier_version_still_resumes() -> None:
@@ -106,9 +97,9 @@ def test_a_task_section_of_an_earlier_version_still_resumes() -> None:
         }
     }  # fmt: skip
     cfg = load_config(None, [], base=old)
-    assert cfg.task == MathTaskConfig(seed=4, path="p.jsonl", prompt_key="q")
+    assert cfg.task == T.MathTaskConfig(seed=4, path="p.jsonl", prompt_key="q")
     switched = load_config(None, ["--task.name=longtail"], base=old)  # an override switches it
-    assert switched.task == LongTailTaskConfig(seed=4, num_digits=2)
+    assert switched.task == T.LongTailTaskConfig(seed=4, num_digits=2)
 
 
 @pytest.mark.parametrize(
@@ -150,18 +141,18 @@ def test_what_the_task_decides_for_the_rest_of_the_run() -> None:
     records ``gateway.enabled``); only the single-turn tasks have an eval split."""
     for name, cls in TYPES.items():
         task = load_config(None, [f"--task.name={name}"]).task
-        assert task.chat_model == task.serves_gateway == (cls is AgentTaskConfig), name
+        assert task.chat_model == task.serves_gateway == (cls is T.AgentTaskConfig), name
         assert task.single_turn == (name in ("reverse", "math")), name
         recorded = to_dict(RunConfig(task=task))["gateway"]["enabled"]
         assert recorded == (name == "agent")
-    assert ReverseTaskConfig(seed=1).held_out(100, "") == ReverseTaskConfig(seed=101)
-    math = MathTaskConfig(path="train.jsonl").held_out(100, "eval.jsonl")
-    assert math == MathTaskConfig(seed=100, path="eval.jsonl", shuffle=False)
+    assert T.ReverseTaskConfig(seed=1).held_out(100, "") == T.ReverseTaskConfig(seed=101)
+    math = T.MathTaskConfig(path="train.jsonl").held_out(100, "eval.jsonl")
+    assert math == T.MathTaskConfig(seed=100, path="eval.jsonl", shuffle=False)
     with pytest.raises(ValueError, match=r"eval\.path"):
-        ReverseTaskConfig().held_out(100, "eval.jsonl")
+        T.ReverseTaskConfig().held_out(100, "eval.jsonl")
     with pytest.raises(ValueError, match=r"needs eval\.path"):
-        MathTaskConfig(path="train.jsonl").held_out(100, "")
-    for cls in (AgentTaskConfig, LongTailTaskConfig, AgenticTaskConfig):
+        T.MathTaskConfig(path="train.jsonl").held_out(100, "")
+    for cls in (T.AgentTaskConfig, T.LongTailTaskConfig, T.AgenticTaskConfig):
         with pytest.raises(ValueError, match=r"eval\.every_steps=0"):
             cls().held_out(100, "")
 
@@ -184,7 +175,7 @@ def test_the_factory_builds_each_kind_of_episode(tiny_model_dir: Path, tmp_path:
     assert isinstance(next(built.samples), Sample)
 
     (tmp_path / "my_reward.py").write_text("def score(sample, response_ids):\n    return 0.5\n")
-    custom = ReverseTaskConfig(reward_fn=f"{tmp_path / 'my_reward.py'}:score")
+    custom = T.ReverseTaskConfig(reward_fn=f"{tmp_path / 'my_reward.py'}:score")
     built = build_task(RunConfig(task=custom), model)
     assert isinstance(built.task, CustomReward) and built.task.form == "ids"
     assert built.episode.__qualname__.startswith("single_turn.")
@@ -198,7 +189,7 @@ def test_the_factory_builds_each_kind_of_episode(tiny_model_dir: Path, tmp_path:
         assert built.sampling == {"max_new_tokens": cfg.generation_budget()}
         assert built.gateway is None and built.sample_type is Sample
 
-    agent = AgentTaskConfig(agent="examples.agents:weather_agent", max_new_tokens=20)
+    agent = T.AgentTaskConfig(agent="examples.agents:weather_agent", max_new_tokens=20)
     built = build_task(RunConfig(task=agent), str(ensure_tiny_chat_model()))
     assert isinstance(built.gateway, Gateway) and built.task is built.gateway
     assert built.episode == built.gateway.episode and built.gateway.max_tokens == 20
@@ -209,9 +200,11 @@ def test_the_factory_builds_each_kind_of_episode(tiny_model_dir: Path, tmp_path:
 
 def test_a_bad_task_fails_when_built_naming_its_key(tiny_model_dir: Path) -> None:
     with pytest.raises(ValueError, match=r"task\.reward_fn 'nosuchmod:f': cannot import"):
-        build_task(RunConfig(task=ReverseTaskConfig(reward_fn="nosuchmod:f")), str(tiny_model_dir))
+        build_task(
+            RunConfig(task=T.ReverseTaskConfig(reward_fn="nosuchmod:f")), str(tiny_model_dir)
+        )
     with pytest.raises(ValueError, match=r"needs task\.path"):
-        build_task(RunConfig(task=MathTaskConfig()), str(tiny_model_dir))
+        build_task(RunConfig(task=T.MathTaskConfig()), str(tiny_model_dir))
 
 
 def test_the_example_agents_are_out_of_the_product_and_offer_the_trained_tool() -> None:
