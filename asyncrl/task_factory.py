@@ -69,22 +69,16 @@ def _single_turn(cfg: RunConfig, model_path: str) -> BuiltTask:
 def _longtail(cfg: RunConfig, model_path: str) -> BuiltTask:
     from asyncrl.tasks.workloads import LongTail
 
-    t = cfg.task
-    assert isinstance(t, LongTailTaskConfig)
-    lt = t.longtail
-    w = LongTail(model_path, t.seed, cfg.algo.group_size, t.num_digits, lt.min_len, lt.alpha,
-                 lt.max_len)  # fmt: skip
+    assert isinstance(cfg.task, LongTailTaskConfig)
+    w = LongTail(model_path, cfg.algo.group_size, cfg.task)
     return BuiltTask(w, w.episode, w.samples(), {"max_new_tokens": cfg.generation_budget()})
 
 
 def _agentic(cfg: RunConfig, model_path: str) -> BuiltTask:
     from asyncrl.tasks.workloads import Agentic
 
-    t = cfg.task
-    assert isinstance(t, AgenticTaskConfig)
-    ag = t.agentic
-    w = Agentic(model_path, t.seed, cfg.algo.group_size, t.num_digits, ag.turns,
-                ag.latency_min_s, ag.alpha, ag.latency_max_s)  # fmt: skip
+    assert isinstance(cfg.task, AgenticTaskConfig)
+    w = Agentic(model_path, cfg.algo.group_size, cfg.task)
     return BuiltTask(w, w.episode, w.samples(), {"max_new_tokens": cfg.generation_budget()})
 
 

@@ -22,7 +22,6 @@ DIR`` builds it.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import os
@@ -30,7 +29,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from asyncrl.tasks.tiny_model import build_once
+from asyncrl.tasks.tiny_model import TINY_ARCH, build_main, build_once
 
 __all__ = [
     "TINY_CHAT_CONTEXT",
@@ -181,14 +180,9 @@ def _build(out: Path, seed: int) -> None:
     end = tok.token_to_id("<|im_end|>")
     assert end is not None
     config = Qwen2Config(
+        **TINY_ARCH,
         vocab_size=tok.get_vocab_size(),
-        hidden_size=64,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
         max_position_embeddings=TINY_CHAT_CONTEXT,
-        tie_word_embeddings=False,
         bos_token_id=end,
         eos_token_id=end,
         pad_token_id=tok.token_to_id("<|endoftext|>"),
@@ -254,11 +248,7 @@ def ensure_tiny_chat_model(path: Path | None = None, seed: int = 0) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description="build the tiny chat model")
-    p.add_argument("--out", default=None)
-    p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
-    print(ensure_tiny_chat_model(Path(args.out) if args.out else None, args.seed))
+    build_main("build the tiny chat model", ensure_tiny_chat_model, argv)
 
 
 if __name__ == "__main__":
