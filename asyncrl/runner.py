@@ -39,12 +39,11 @@ import msgspec
 import zmq
 
 from asyncrl import secret, trace
-from asyncrl.config import WORKLOAD_TASKS, RunConfig, to_dict
+from asyncrl.config import RunConfig, to_dict
 from asyncrl.controllers import checkpoints as ckpts
 from asyncrl.controllers import episode as episode_api
 from asyncrl.controllers.controller import Controller
-from asyncrl.controllers.episode import single_turn
-from asyncrl.controllers.evaluation import Evaluator, eval_samples
+from asyncrl.controllers.evaluation import Evaluator
 from asyncrl.controllers.membership import EngineSet
 from asyncrl.controllers.restarts import RestartBudget
 from asyncrl.controllers.state import ControllerState
@@ -56,7 +55,7 @@ from asyncrl.preflight import preflight
 from asyncrl.procs import python_env
 from asyncrl.progress import Progress
 from asyncrl.sinks import close_sinks, log_row, make_sinks, rewind_sinks
-from asyncrl.tasks import make_task
+from asyncrl.task_factory import build_task, eval_samples
 from asyncrl.transports.experience.assign import make_assigner
 from asyncrl.transports.experience.control import (
     ConsumerLost,
@@ -95,7 +94,7 @@ def resolve_model(cfg: RunConfig) -> str:
     from asyncrl.tasks.tiny_chat_model import default_chat_model_dir
     from asyncrl.tasks.tiny_model import default_model_dir
 
-    chat = cfg.task.name == "agent"  # agents need a chat template: the tiny chat model
+    chat = cfg.task.chat_model  # agents need a chat template: the tiny chat model
     path = default_chat_model_dir() if chat else default_model_dir()
     module = "asyncrl.tasks.tiny_chat_model" if chat else "asyncrl.tasks.tiny_model"
     if not (path / "config.json").is_file():
@@ -669,24 +668,10 @@ async def run_job(
     sample_type: Any = Sample
     try:
         sampling: dict[str, Any] = {}
-        if episode is None and cfg.task.name == "agent":  # OpenAI-API agents via the gateway
-            from asyncrl.gateway.agent import agent_gateway, agent_samples
-
-            gateway = agent_gateway(cfg, model_path)
-            episode, samples = gateway.episode, agent_samples(cfg)
-            sample_type = Any  # a checkpoint's queue holds AgentSamples and client-opened
-            # groups (SessionSample): restored as dicts, typed again by gateway.episode
-        if episode is None and cfg.task.name in WORKLOAD_TASKS:  # longtail, agentic
-            from asyncrl.tasks.workloads import workload_from_config
-
-            workload = workload_from_config(cfg, model_path)
-            sampling = {"max_new_tokens": cfg.generation_budget()}
-            episode, samples = workload.episode, workload.samples()
         if episode is None:  # built before any process starts: a bad task fails fast
-            task = make_task(cfg.task, model_path)
-            sampling = {"max_new_tokens": cfg.generation_budget()}
-            episode = single_turn(task.reward, cfg.controller.inline_reward_s)
-            samples = task.samples()
+            built = build_task(cfg, model_path)
+            episode, samples, sampling = built.episode, built.samples, built.sampling
+            gateway, sample_type = built.gateway, built.sample_type
         held_out = eval_samples(cfg, model_path) if cfg.eval.enabled else None
         urls = list(cfg.rollout.urls) or launcher.start_engines(model_path)
         job.engines = EngineSet(cfg, launcher, urls, job.record_recovery)
