@@ -21,6 +21,9 @@ Contract (what the property tests in ``tests/runner/`` check under every orderin
   ``Saved``, still queued) drops no kept batch and allows no prune: the recovery may have
   chosen an older checkpoint and must still send every batch from it on (a recovery once
   lost the steps between its checkpoint and one committed meanwhile).
+- After :meth:`restore` nothing before the restored checkpoint is outstanding: a second
+  recovery may restore a newer checkpoint than the first (one committed during the first)
+  while steps before it, sent again by the first, were never reported.
 """
 
 from __future__ import annotations
@@ -118,8 +121,12 @@ class CheckpointLedger:
 
     def restore(self, step: int) -> list[int]:
         """The restarted trainer restored checkpoint ``step`` (0: the model): the steps to
-        send again, in order; each is outstanding again."""
+        send again, in order; each is outstanding again. A step before ``step`` still
+        outstanding (sent again by an earlier recovery from an older checkpoint, its trainer
+        lost before reporting it) is not: the checkpoint holds its training."""
         self.committed = step
+        for s in [s for s in self.outstanding if s < step]:
+            del self.outstanding[s]
         redo = sorted(s for s in self.kept if s >= step)
         for s in redo:
             self.outstanding[s] = self.kept[s]

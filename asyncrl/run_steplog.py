@@ -49,6 +49,7 @@ class StepLog:
         self.progress = progress
         self.quiet = quiet
         self.rows: list[dict[str, Any]] = []
+        self.newest: dict[int, dict[str, Any]] = {}  # the newest row of every step logged
         self.sinks: list[Any] = []
         self.save_stats: list[dict[str, float]] = []
         self.t0 = time.perf_counter()
@@ -74,14 +75,22 @@ class StepLog:
             **{f"ctl_{k}": v for k, v in ctl_stats.items()},
             **self.cpu_times(),
         }
+        self.add(row)
+        if self.trajectories:
+            write_trajectories(self.run_dir / "trajectories.jsonl", batch)
+        if self.progress is not None:
+            self.progress.update(row)
+
+    def add(self, row: dict[str, Any]) -> None:
+        """Log one step's row (the newest of its step)."""
+        self.newest[row["step"]] = row
+        self._write(row)
+
+    def _write(self, row: dict[str, Any]) -> None:
         self.rows.append(row)
         with open(self.run_dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
-        if self.trajectories:
-            write_trajectories(self.run_dir / "trajectories.jsonl", batch)
         log_row(self.sinks, row)
-        if self.progress is not None:
-            self.progress.update(row)
 
     def eval_row(self, row: dict[str, Any]) -> None:
         """An eval's metrics: one metrics.jsonl row (``step`` = the version asked for); the
@@ -94,11 +103,16 @@ class StepLog:
 
     async def rewind(self, step: int) -> None:
         """The trainer went back to checkpoint ``step``: forget the rows of steps ``>= step``
-        (in memory, in the files, in the sinks); they are logged again when retrained."""
+        (in memory, in the files, in the sinks); they are logged again when retrained. A
+        step before ``step`` whose row an earlier rewind dropped (a recovery from an older
+        checkpoint, then one from a newer) gets its newest row back."""
         self.rows = [r for r in self.rows if r["step"] < step]
         await asyncio.to_thread(ckpts.truncate_metrics, self.run_dir / "metrics.jsonl", step)
         await asyncio.to_thread(ckpts.truncate_metrics, self.run_dir / "trajectories.jsonl", step)
         rewind_sinks(self.sinks, step)
+        have = {r["step"] for r in self.rows}
+        for s in sorted(s for s in self.newest if s < step and s not in have):
+            self._write(self.newest[s])
 
     def checkpoint(self, stats: dict[str, float], folder: Path) -> None:
         """Checkpoint ``stats["step"]`` in ``folder`` is committed: checkpoints.jsonl."""
