@@ -136,6 +136,7 @@ class MemStore:
             self.sim.violation(f"checkpoint {step} committed without the trainer's part")
             return
         f.complete = True
+        self.sim.commits_in_recovery += self.sim.ledger.recovering
 
     async def prune(self) -> None:
         await self.sim.turns()
@@ -285,6 +286,7 @@ class Sim:
         self.deaths: list[str] = []
         self.trainer: SimTrainer | None = None
         self.incarnations = 0
+        self.commits_in_recovery = 0  # the ordering of cde797b: a commit while recovering
 
     def violation(self, what: str) -> None:
         self.violations.append(what)
