@@ -1,8 +1,8 @@
 """Controller checkpoints: snapshot -> msgpack -> resume continues exactly.
 
 Against a real embedded engine (in this process, tests/inproc.py): episodes interrupted
-mid-generation (the engine paused with abort, as a weight update does) are checkpointed with their tokens,
-log-probs and per-token versions; the resumed controller replays their journals and
+mid-generation (the engine paused with abort, as a weight update does) are checkpointed with
+their tokens, log-probs and per-token versions; the resumed controller replays their journals and
 the engine generates only the tokens that were missing. On test doubles: the data
 stream continues where it stopped and every sample is trained exactly once across a
 checkpoint, with ready and running groups carried over.
