@@ -1,6 +1,7 @@
 """The episode API against a real embedded engine (in this process, tests/inproc.py):
 multi-turn with masked tool tokens, abort + resume with an exact budget and per-token versions,
-engines that go on after a failed update; plus reward dispatch, resume counters and fail-over on test doubles."""
+engines that go on after a failed update; plus reward dispatch, resume counters and fail-over
+on test doubles."""
 
 from __future__ import annotations
 
