@@ -29,7 +29,7 @@ def server() -> Iterator[ForkServer]:
     fs.close()
 
 
-def _seen(path: Path, timeout_s: float = 30) -> dict:
+def _seen(path: Path, timeout_s: float = 120) -> dict:
     deadline = time.monotonic() + timeout_s
     while not path.exists():
         assert time.monotonic() < deadline, f"the forked child wrote no {path} in {timeout_s} s"

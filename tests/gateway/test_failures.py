@@ -69,7 +69,7 @@ async def _http(method: str, url: str, body: Any = None, key: str | None = None)
             return r.status, await r.json()
 
 
-def _poll(what: str, ok: Callable[[], bool], timeout: float = 30.0) -> None:
+def _poll(what: str, ok: Callable[[], bool], timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while not ok():
         if time.monotonic() > deadline:

@@ -37,7 +37,7 @@ CFG = RunConfig(
 )
 
 
-async def _until(what: str, ok: Callable[[], bool], timeout: float = 30.0) -> None:
+async def _until(what: str, ok: Callable[[], bool], timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while not ok():
         if time.monotonic() > deadline:
