@@ -66,28 +66,24 @@ async def _script(engine: Any) -> dict[str, Any]:
         await _refusal(engine.generate([1, 2], {"max_new_tokens": 2, "lora_path": "p-v1"})),
         await _refusal(engine.generate_batch([[1], [2]], [{}], None)),
     ]
-    # a version switch mid-request (pause in place, relabel, continue): the same tokens
-    # whenever it lands; each token's version is the one that ran its step
+    # last, what depends on when a pause or an abort lands (timing): a long request, paused
+    # in place, relabelled (version 3), continued, then aborted. Its tokens up to the shorter
+    # run's are the same on both paths; each token's version is the one that ran its step
     start = (await engine.get_server_info())["tokens"]
-    task = asyncio.ensure_future(
-        engine.generate([1, 5, 6], {"max_new_tokens": 60, "ignore_eos": True}, rid="v")
-    )
+    sp = {"max_new_tokens": LONG, "ignore_eos": True}
+    task = asyncio.ensure_future(engine.generate([1, 5, 6], sp, rid="x"))
     await _tokens_at_least(engine, start + 3)
     await engine.pause_generation("in_place")
     await engine.update_weight_version("3")
+    frozen = (await engine.get_server_info())["tokens"]
     await engine.continue_generation()
-    switched = await asyncio.wait_for(task, WAIT_S)
-    vs = switched.token_versions()
-    assert vs == sorted(vs) and vs[0] == 2 and vs[-1] == 3, vs
-    out["switched"] = (switched.output_ids, switched.logprobs, switched.finish_reason)
-    # an abort: the partial output, finish "abort"; where it lands is timing
-    start = (await engine.get_server_info())["tokens"]
-    sp = {"max_new_tokens": LONG, "ignore_eos": True}
-    task = asyncio.ensure_future(engine.generate([7, 8], sp, rid="x"))
-    await _tokens_at_least(engine, start + 2)
+    await _tokens_at_least(engine, frozen + 3)
     await engine.abort_request("x")
     aborted = await asyncio.wait_for(task, WAIT_S)
-    assert aborted.finish_reason == "abort" and 2 <= len(aborted.output_ids) < LONG
+    assert aborted.finish_reason == "abort" and 6 <= len(aborted.output_ids) < LONG
+    vs = aborted.token_versions()
+    assert vs == sorted(vs) and vs[0] == 2 and vs[-1] == 3, vs
+    assert vs.count(2) == frozen - start  # nothing ran while paused
     out["aborted"] = aborted
     info = await engine.get_server_info()
     out["info"] = (sorted(info), info["weight_version"], info["paused"], info["num_requests"])
@@ -119,4 +115,5 @@ def test_inproc_engine_answers_as_the_http_server(tiny_model_dir: Path, tmp_path
     assert remote == here
     n = min(len(a.output_ids), len(b.output_ids))  # the same tokens up to the shorter
     assert a.output_ids[:n] == b.output_ids[:n] and a.logprobs[:n] == b.logprobs[:n]
+    assert a.finish_reason == b.finish_reason == "abort"
     assert [r[:2] for r in here["refused"]] == [("EngineBadRequest", 400)] * 4

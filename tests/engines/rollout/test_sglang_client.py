@@ -109,7 +109,9 @@ async def test_pause_keeps_and_continue_resumes(engine_server: LaunchedServer, m
         frozen = await tokens()
         # no quiet window: a request sent after the pause reaches the engine (counted) and is
         # held, and nothing was generated meanwhile; both go on after continue
-        later = asyncio.create_task(client.generate([1, 7], {"max_new_tokens": 3}, rid=mode + "+"))
+        later = asyncio.create_task(
+            client.generate([1, 7], {"max_new_tokens": 3, "ignore_eos": True}, rid=mode + "+")
+        )
         info = await _until(client, "the later request queued", lambda i: i["num_requests"] == 2)
         assert info["paused"] and int(info["tokens"]) == frozen
         assert not task.done() and not later.done()  # kept, not generating

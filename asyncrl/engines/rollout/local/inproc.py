@@ -114,7 +114,10 @@ class InProcEngine:
         """:meth:`generate` as it grows: a cumulative result (``finish_reason == ""``) after
         each step that made tokens, the final one last; closing the iterator early aborts
         the request."""
-        [req] = self._requests([input_ids], [sampling_params], None if rid is None else [rid])
+        rids = None if rid is None else [rid]
+        # as the server's streamed /generate: a lora_path is not pinned (the request runs on
+        # the newest adapter version when it joins; server.EngineServer._stream)
+        [req] = self._requests([input_ids], [sampling_params], rids, pin=False)
         progress = req.progress = asyncio.Event()
         self.engine.submit(req)
         sent = -1
@@ -146,7 +149,11 @@ class InProcEngine:
         return [parse_sglang_generate(_answer(r, True)) for r in reqs]
 
     def _requests(
-        self, input_ids: list[list[int]], sps: list[dict[str, Any]], rids: list[str] | None
+        self,
+        input_ids: list[list[int]],
+        sps: list[dict[str, Any]],
+        rids: list[str] | None,
+        pin: bool = True,
     ) -> list[Request]:
         """The engine's requests, checked and pinned by the server's own code (a refusal is
         EngineBadRequest with the server's message); the caller's dicts are not changed."""
@@ -163,7 +170,8 @@ class InProcEngine:
                 )
                 for i, (ids, sp) in enumerate(zip(input_ids, wire, strict=True))
             ]
-            self.server._pin_named(reqs, [None if p is None else str(p) for p in paths])
+            if pin:
+                self.server._pin_named(reqs, [None if p is None else str(p) for p in paths])
         except BadRequest as exc:
             raise EngineBadRequest("/generate", 400, str(exc)) from None
         return reqs
