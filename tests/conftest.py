@@ -39,6 +39,41 @@ def _session_secret() -> None:
 _session_secret()
 
 
+def _children_die_with_this_process() -> None:
+    """Every process a test starts from this process's main thread (``subprocess.Popen``:
+    ``asyncrl run``, stand-in servers, clusters, ``asyncio`` subprocesses) is SIGKILLed when
+    this test process dies, however it dies (Linux ``PR_SET_PDEATHSIG``, armed in the child
+    unless the caller gave a ``preexec_fn`` of its own; ``asyncrl run``'s guardian then ends
+    the run's own children, and the shared fork server ends by ``--exit-with``): a SIGKILLed
+    xdist worker leaves nothing behind. Children started from other threads are not armed
+    (the signal follows the thread that forked them, and pool threads end before the test
+    does); nor those whose ``preexec_fn`` is set (``procs.spawn(die_with_parent=...)``)."""
+    import functools
+    import subprocess
+    import sys
+    import threading
+
+    from asyncrl.procs import die_with_parent_fn
+
+    if not sys.platform.startswith("linux"):
+        return
+    popen_init = subprocess.Popen.__init__
+
+    @functools.wraps(popen_init)
+    def init(self: subprocess.Popen, *args: object, **kwargs: object) -> None:
+        if (
+            kwargs.get("preexec_fn") is None
+            and threading.current_thread() is threading.main_thread()
+        ):
+            kwargs["preexec_fn"] = die_with_parent_fn()  # per call: this process's pid
+        popen_init(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    subprocess.Popen.__init__ = init  # type: ignore[method-assign]
+
+
+_children_die_with_this_process()
+
+
 @pytest.fixture
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""

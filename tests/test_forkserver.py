@@ -29,7 +29,7 @@ def server() -> Iterator[ForkServer]:
     fs.close()
 
 
-def _seen(path: Path, timeout_s: float = 30) -> dict:
+def _seen(path: Path, timeout_s: float = 120) -> dict:
     deadline = time.monotonic() + timeout_s
     while not path.exists():
         assert time.monotonic() < deadline, f"the forked child wrote no {path} in {timeout_s} s"
@@ -234,3 +234,31 @@ def test_a_shared_server_ends_with_the_process_it_was_told_to_exit_with(tmp_path
         assert not (tmp_path / "fs.sock").exists()  # removed on the way out
     finally:
         stop([worker])
+
+
+def test_a_sigkilled_test_process_leaves_no_child_it_started(tmp_path: Path) -> None:
+    """tests/conftest.py arms every child a test starts with subprocess.Popen to die with the
+    test process: a pytest session (its shared fork server off: the test above covers it)
+    SIGKILLed while its test's child runs leaves no child behind."""
+    out = tmp_path / "pids.json"
+    env = {**python_env(), "ASYNCRL_TEST_WORKER_OUT": str(out)}
+    env["ASYNCRL_TEST_SHARED_FORK_SERVER"] = "0"
+    args = ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist"]
+    session = spawn(
+        [*args, str(Path(__file__).with_name("worker_child.py"))], tmp_path / "log", env
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not out.exists():
+            assert session.poll() is None, (tmp_path / "log").read_text()
+            assert time.monotonic() < deadline, "the test started no child in 120 s"
+            time.sleep(0.05)
+        pids = json.loads(out.read_text())
+        assert pids["worker"] == session.pid and pid_alive(pids["child"])
+        os.kill(session.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while pid_alive(pids["child"]):
+            assert time.monotonic() < deadline, f"the child outlived its test process: {pids}"
+            time.sleep(0.05)
+    finally:
+        stop([session])

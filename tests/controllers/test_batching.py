@@ -1,10 +1,16 @@
 """Identical requests started together (a GRPO group's samples of one prompt) travel to the
 engine as one batched /generate; each episode still gets exactly its own generation, a
-failed batch counts once against the engine, and abandoned batches are aborted."""
+failed batch counts once against the engine, and abandoned batches are aborted. These and the
+multi-turn tool example (a controller and a weight push driving an engine process) are the
+controller's path end to end over a real engine process and HTTP; the other controller tests
+generate with an engine in the test process (tests/inproc.py)."""
 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
+import sys
+from pathlib import Path
 
 import aiohttp
 
@@ -15,6 +21,7 @@ from asyncrl.engines.rollout.sglang import SGLangClient
 from asyncrl.procs import free_port
 from asyncrl.secret import auth_headers
 
+ROOT = Path(__file__).resolve().parents[2]
 PROMPT = [1, 5, 6, 7, 14, 3]
 GREEDY = {"temperature": 0, "ignore_eos": True}
 
@@ -106,3 +113,25 @@ async def test_abandoned_batch_is_aborted_on_the_engine(engine_url: str) -> None
         assert task.cancelled()
     finally:
         await client.close()
+
+
+def _example():
+    spec = importlib.util.spec_from_file_location("tool_episode", ROOT / "examples/tool_episode.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["tool_episode"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_example_multi_turn_tool_episode(engine_url: str, tiny_model_dir: Path) -> None:
+    stats = asyncio.run(_example().drive(engine_url, str(tiny_model_dir), 3, 2, 3))
+    assert stats["trained"] == 6 and stats["version"] == 3 and stats["failed"] == 0
+    assert stats["groups_admitted"] == (
+        stats["trained"]
+        + stats["ready"]
+        + stats["running"]
+        + stats["rejected"]
+        + stats["stale_dropped"]
+        + stats["stale_regenerated"]
+    )

@@ -1,8 +1,8 @@
 """Controller checkpoints: snapshot -> msgpack -> resume continues exactly.
 
-Against a real embedded engine: episodes interrupted mid-generation (the engine
-paused with abort, as a weight update does) are checkpointed with their tokens,
-log-probs and per-token versions; the resumed controller replays their journals and
+Against a real embedded engine (in this process, tests/inproc.py): episodes interrupted
+mid-generation (the engine paused with abort, as a weight update does) are checkpointed with
+their tokens, log-probs and per-token versions; the resumed controller replays their journals and
 the engine generates only the tokens that were missing. On test doubles: the data
 stream continues where it stopped and every sample is trained exactly once across a
 checkpoint, with ready and running groups carried over.
@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import random
 
-import aiohttp
 import msgspec
 import pytest
 
@@ -22,8 +21,7 @@ from asyncrl.controllers.controller import Controller, NoMoreSamples
 from asyncrl.controllers.episode import EpisodeContext
 from asyncrl.controllers.state import ControllerState
 from asyncrl.core import Sample
-from asyncrl.engines.rollout.sglang import SGLangClient
-from asyncrl.secret import auth_headers
+from asyncrl.engines.rollout.local.inproc import InProcEngine
 from tests.controllers.fakes import FakeEngine, VirtualTimeLoop
 
 TOOL = [13, 13]
@@ -38,32 +36,30 @@ async def _two_turns(ctx: EpisodeContext, sample: Sample):
     return ctx.trajectory(sample.prompt_ids, [t1, TOOL, t2], reward)
 
 
-async def _tokens(http: aiohttp.ClientSession, url: str) -> int:
-    async with http.get(url + "/get_server_info") as resp:
-        return int((await resp.json())["tokens"])
+def _tokens(engine: InProcEngine) -> int:
+    return int(engine.engine.stats["tokens"])
 
 
 def _samples(n: int) -> list[Sample]:
     return [Sample(prompt_ids=[1, 3 + i % 10, 4, 14], answer=None, id=i) for i in range(n)]
 
 
-async def test_interrupted_episodes_resume_with_their_tokens(engine_url: str) -> None:
+async def test_interrupted_episodes_resume_with_their_tokens(engine: InProcEngine) -> None:
     budget = 800
     cfg = RunConfig(
         controller=ControllerConfig(batch_size=3, max_staleness=1, batch_requests=False),
         algo=AlgoConfig(group_size=2),
         rollout=LocalRolloutConfig(max_new_tokens=budget),
     )
-    client = SGLangClient(engine_url)
-    http = aiohttp.ClientSession(headers=auth_headers())
+    client = engine
     try:
         await client.update_weight_version("3")
-        start = await _tokens(http, engine_url)
+        start = _tokens(engine)
         ctl = Controller(cfg, _two_turns, [client], _samples(3), start_version=3)
         async with ctl:
             # 6 x 6 turn-1 tokens, then every episode is decoding turn 2; its budget (800) is far
             # more than the engine decodes between two polls, even on a loaded machine
-            while await _tokens(http, engine_url) < start + 90:
+            while _tokens(engine) < start + 90:
                 await asyncio.sleep(0.01)
             await client.pause_generation("abort")  # partial outputs come back to the episodes
             interrupted = False
@@ -87,7 +83,7 @@ async def test_interrupted_episodes_resume_with_their_tokens(engine_url: str) ->
         state = msgspec.msgpack.decode(data, type=ControllerState)
         assert len(state.running) == 3 and state.drawn == 3 and state.kept_tokens > 0
         kept = {e.episode_id: e.calls for g in state.running for e in g.episodes}
-        before = await _tokens(http, engine_url)
+        before = _tokens(engine)
         ctl2 = Controller(
             cfg,
             _two_turns,
@@ -101,15 +97,14 @@ async def test_interrupted_episodes_resume_with_their_tokens(engine_url: str) ->
             ctl2.end_input()
             batch = await asyncio.wait_for(ctl2.next_batch(), 300)
             assert ctl2.resumed == {"groups": 3, "episodes": 6, "kept_tokens": state.kept_tokens}
-            generated = await _tokens(http, engine_url) - before
+            generated = _tokens(engine) - before
             try:
                 await ctl2.next_batch()
                 raise AssertionError("only the 3 checkpointed groups should be left")
             except NoMoreSamples:
                 pass
     finally:
-        await client.close()
-        await http.close()
+        await client.continue_generation()  # the module's engine serves the next test
     assert batch.step == 3 and len(batch.trajectories) == 6
     total = 0
     for t in batch.trajectories:

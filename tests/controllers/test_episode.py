@@ -1,19 +1,16 @@
-"""The episode API against a real embedded engine: multi-turn with masked tool tokens,
-abort + resume with an exact budget and per-token versions, engines that go on after
-a failed update; plus reward dispatch, resume counters and fail-over on test doubles."""
+"""The episode API against a real embedded engine (in this process, tests/inproc.py):
+multi-turn with masked tool tokens, abort + resume with an exact budget and per-token versions,
+engines that go on after a failed update; plus reward dispatch, resume counters and fail-over
+on test doubles."""
 
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import random
 import re
-import sys
 import threading
-from pathlib import Path
 from typing import Any
 
-import aiohttp
 import pytest
 
 from asyncrl.config import AlgoConfig, ControllerConfig, LocalRolloutConfig, RunConfig
@@ -27,47 +24,19 @@ from asyncrl.controllers.episode import (
     RewardRunner,
 )
 from asyncrl.controllers.router import Router
+from asyncrl.engines.rollout.local.inproc import InProcEngine
 from asyncrl.engines.rollout.sglang import SGLangClient
 from asyncrl.procs import free_port
-from asyncrl.secret import auth_headers
 from tests.controllers.fakes import FakeEngine, VirtualTimeLoop
 
-ROOT = Path(__file__).resolve().parents[2]
 
-
-def _example():
-    spec = importlib.util.spec_from_file_location("tool_episode", ROOT / "examples/tool_episode.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["tool_episode"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def test_example_multi_turn_tool_episode(engine_url: str, tiny_model_dir: Path) -> None:
-    stats = asyncio.run(_example().drive(engine_url, str(tiny_model_dir), 3, 2, 3))
-    assert stats["trained"] == 6 and stats["version"] == 3 and stats["failed"] == 0
-    assert stats["groups_admitted"] == (
-        stats["trained"]
-        + stats["ready"]
-        + stats["running"]
-        + stats["rejected"]
-        + stats["stale_dropped"]
-        + stats["stale_regenerated"]
-    )
-
-
-async def test_tool_tokens_masked_and_versions_exact(engine_url: str) -> None:
-    client = SGLangClient(engine_url)
-    ctx = EpisodeContext(Router([client]), 0, 123, {"max_new_tokens": 5}, 1, Gate())
-    try:
-        await client.update_weight_version("4")
-        t1 = await ctx.generate([1, 5, 6, 7, 14], ignore_eos=True)
-        tool = [9, 9, 9]
-        t2 = await ctx.generate([1, 5, 6, 7, 14, *t1.output_ids, *tool], max_new_tokens=2)
-        traj = ctx.trajectory([1, 5, 6, 7, 14], [t1, tool, t2], reward=0.5)
-    finally:
-        await client.close()
+async def test_tool_tokens_masked_and_versions_exact(engine: InProcEngine) -> None:
+    ctx = EpisodeContext(Router([engine]), 0, 123, {"max_new_tokens": 5}, 1, Gate())
+    await engine.update_weight_version("4")
+    t1 = await ctx.generate([1, 5, 6, 7, 14], ignore_eos=True)
+    tool = [9, 9, 9]
+    t2 = await ctx.generate([1, 5, 6, 7, 14, *t1.output_ids, *tool], max_new_tokens=2)
+    traj = ctx.trajectory([1, 5, 6, 7, 14], [t1, tool, t2], reward=0.5)
     assert len(t1.output_ids) == 5 and len(t2.output_ids) <= 2
     assert traj.loss_mask.tolist() == [1] * 5 + [0] * 3 + [1] * len(t2.output_ids)
     assert traj.behav_logprobs[5:8].tolist() == [0.0, 0.0, 0.0]
@@ -77,30 +46,24 @@ async def test_tool_tokens_masked_and_versions_exact(engine_url: str) -> None:
         ctx.trajectory([1], [t1], reward=0.5, rewardz={"x": 1.0})  # a typo: refused at the call
 
 
-async def _tokens_generated(url: str) -> int:
-    async with (
-        aiohttp.ClientSession(headers=auth_headers()) as http,
-        http.get(url + "/get_server_info") as resp,
-    ):
-        return int((await resp.json())["tokens"])
+def _tokens_generated(engine: InProcEngine) -> int:
+    return int(engine.engine.stats["tokens"])
 
 
-async def _tokens_when_idle(url: str, timeout_s: float = 30.0) -> int:
+async def _tokens_when_idle(engine: InProcEngine, timeout_s: float = 120.0) -> int:
     """The engine's token count once it runs no request (an earlier test's controller may
     have left requests it cancelled running to their budget)."""
     deadline = asyncio.get_running_loop().time() + timeout_s
-    async with aiohttp.ClientSession(headers=auth_headers()) as http:
-        while True:
-            async with http.get(url + "/get_server_info") as resp:
-                info = await resp.json()
-            if info["num_requests"] == 0:
-                return int(info["tokens"])
-            if asyncio.get_running_loop().time() > deadline:
-                raise TimeoutError(f"engine {url} still runs {info['num_requests']} requests")
-            await asyncio.sleep(0.05)
+    while engine.engine.num_requests:
+        if asyncio.get_running_loop().time() > deadline:
+            raise TimeoutError(f"the engine still runs {engine.engine.num_requests} requests")
+        await asyncio.sleep(0.01)
+    return _tokens_generated(engine)
 
 
-async def test_generated_tokens_count_every_token_the_engine_returned(engine_url: str) -> None:
+async def test_generated_tokens_count_every_token_the_engine_returned(
+    engine: InProcEngine,
+) -> None:
     """``stats()["generated_tokens"]`` (the "generated" panel of ``asyncrl plot``): every token
     the engine returned, rejected episodes' too, equal to the engine's own count."""
     from asyncrl.core import Sample
@@ -108,60 +71,56 @@ async def test_generated_tokens_count_every_token_the_engine_returned(engine_url
     cfg = RunConfig(
         controller=ControllerConfig(batch_size=2, max_staleness=10),
         algo=AlgoConfig(group_size=2),
-        rollout=LocalRolloutConfig(urls=(engine_url,), max_new_tokens=6),
+        rollout=LocalRolloutConfig(max_new_tokens=6),
     )
 
     async def episode(ctx: EpisodeContext, sample: Sample):  # type: ignore[no-untyped-def]
         gen = await ctx.generate(sample.prompt_ids)
         return ctx.trajectory(sample.prompt_ids, [gen], 0.0) if sample.id % 3 else None
 
-    start = await _tokens_when_idle(engine_url)
+    start = await _tokens_when_idle(engine)
     trained = 0
-    async with Controller(cfg, episode=episode) as ctl:
+    async with Controller(cfg, episode, [engine]) as ctl:
         ctl.submit(Sample(prompt_ids=[1, 5, 6, 7], id=i) for i in range(6))
         ctl.end_input()
         with pytest.raises(NoMoreSamples):
             while True:
                 trained += sum(len(t.response_ids) for t in (await ctl.next_batch()).trajectories)
         stats = ctl.stats()
-    engine = await _tokens_when_idle(engine_url) - start
-    assert stats["rejected"] == 2 and stats["generated_tokens"] == engine > trained > 0
+    made = await _tokens_when_idle(engine) - start
+    assert stats["rejected"] == 2 and stats["generated_tokens"] == made > trained > 0
 
 
-async def test_abort_resumes_on_same_engine_with_exact_budget(engine_url: str) -> None:
+async def test_abort_resumes_on_same_engine_with_exact_budget(engine: InProcEngine) -> None:
     budget = 600  # long enough that the abort lands mid-request on any machine (it lands at ~5-20)
-    client = SGLangClient(engine_url)
-    ctx = EpisodeContext(Router([client]), 0, 7, {"max_new_tokens": budget}, 0, Gate())
-    try:
-        await client.update_weight_version("0")
-        start = await _tokens_generated(engine_url)
-        task = asyncio.ensure_future(ctx.generate([1, 5, 6, 7, 14], ignore_eos=True))
-        while await _tokens_generated(engine_url) < start + 5:  # the request is decoding
-            await asyncio.sleep(0.005)
-        await client.pause_generation("abort")
-        await client.update_weight_version("1")
-        await client.continue_generation()
-        gen = await asyncio.wait_for(task, 300)
-    finally:
-        await client.close()
+    ctx = EpisodeContext(Router([engine]), 0, 7, {"max_new_tokens": budget}, 0, Gate())
+    await engine.update_weight_version("0")
+    start = _tokens_generated(engine)
+    task = asyncio.ensure_future(ctx.generate([1, 5, 6, 7, 14], ignore_eos=True))
+    while _tokens_generated(engine) < start + 5:  # the request is decoding
+        await asyncio.sleep(0.005)
+    await engine.pause_generation("abort")
+    await engine.update_weight_version("1")
+    await engine.continue_generation()
+    gen = await asyncio.wait_for(task, 300)
     assert len(gen.output_ids) == budget == len(gen.logprobs) == len(gen.versions)
     assert gen.calls >= 2, "the abort should have interrupted the request"
     assert gen.versions == sorted(gen.versions) and set(gen.versions) <= {0, 1}
     assert gen.versions[0] == 0 and gen.versions[-1] == 1 and gen.finish_reason == "length"
 
 
-async def test_engines_continue_after_failed_update(engine_url: str) -> None:
+async def test_engines_continue_after_failed_update(engine: InProcEngine) -> None:
     cfg = RunConfig(
         controller=ControllerConfig(batch_size=1, max_staleness=0),
         algo=AlgoConfig(group_size=1),
-        rollout=LocalRolloutConfig(urls=(engine_url,), max_new_tokens=3),
+        rollout=LocalRolloutConfig(max_new_tokens=3),
     )
 
     async def episode(ctx: EpisodeContext, sample: list[int]):
         gen = await ctx.generate(sample)
         return ctx.trajectory(sample, [gen], 1.0)
 
-    async with Controller(cfg, episode) as ctl:
+    async with Controller(cfg, episode, [engine]) as ctl:
         for mode in ("abort", "in_place", "wait"):
             with pytest.raises(OSError):
                 async with ctl.weight_update(1, mode):
@@ -365,60 +324,70 @@ def test_failover_to_healthy_engine_and_back_into_rotation() -> None:
     _run_virtual(go())
 
 
-async def test_an_outage_waits_for_an_engine_and_is_no_failure(engine_url: str) -> None:
+async def test_an_outage_waits_for_an_engine_and_is_no_failure(engine: InProcEngine) -> None:
     """No engine in rotation (the only live one held: restarting or re-syncing; the other
     dead): the request waits, uncounted (max_retries=0), and runs once one is admitted."""
-    live = SGLangClient(engine_url)
+    live = engine
     dead = SGLangClient(f"http://127.0.0.1:{free_port()}", timeout_s=5)
     router = Router([dead, live])
     router.hold(live)
+    waiting = asyncio.Event()  # the request waits for an engine in rotation (after failing)
+    in_rotation = router.in_rotation
+
+    async def spied() -> None:
+        if router.unhealthy:
+            waiting.set()
+        await in_rotation()
+
+    router.in_rotation = spied  # type: ignore[method-assign]
     ctx = EpisodeContext(router, 0, 9, {"max_new_tokens": 4}, 0, Gate())
     try:
         task = asyncio.ensure_future(ctx.generate([1, 5, 6, 7, 14], ignore_eos=True))
-        while id(dead) not in router.unhealthy:  # its request failed on the dead engine
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(0.3)
+        await asyncio.wait_for(waiting.wait(), 60)  # failed on the dead engine, now waits
+        assert id(dead) in router.unhealthy
         assert not task.done() and router.served[id(live)] == 0  # waiting, not failed
         router.admit(live)
-        out = await asyncio.wait_for(task, 30)
+        out = await asyncio.wait_for(task, 60)
         assert len(out.output_ids) == 4 and router.served[id(live)] == 1
     finally:
-        await asyncio.gather(live.close(), dead.close())
+        await dead.close()
 
 
-async def test_an_outage_longer_than_its_timeout_fails_the_episode(engine_url: str) -> None:
-    live = SGLangClient(engine_url)
-    router = Router([live], outage_timeout_s=0.5)
-    router.hold(live)
+async def test_an_outage_longer_than_its_timeout_fails_the_episode(engine: InProcEngine) -> None:
+    router = Router([engine], outage_timeout_s=0.5)
+    router.hold(engine)
     ctx = EpisodeContext(router, 0, 10, {"max_new_tokens": 4}, 3, Gate())
-    try:
-        with pytest.raises(EpisodeFailed, match=r"no rollout engine in rotation for 0s \(1 engine"):
-            await asyncio.wait_for(ctx.generate([1, 5, 6, 7, 14]), 30)
-        assert router.served[id(live)] == 0
-    finally:
-        await live.close()
+    with pytest.raises(EpisodeFailed, match=r"no rollout engine in rotation for 0s \(1 engine"):
+        await asyncio.wait_for(ctx.generate([1, 5, 6, 7, 14]), 60)
+    assert router.served[id(engine)] == 0
 
 
 async def test_every_episode_rejecting_is_warned_not_silent(
-    engine_url: str, caplog: pytest.LogCaptureFixture
+    engine: InProcEngine, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Episodes that all return None (with ``max_failed_groups = 0``, never stopping for it):
     next_batch gets nothing, and the log says why."""
     cfg = RunConfig(
         controller=ControllerConfig(batch_size=2, max_staleness=0, max_failed_groups=0),
         algo=AlgoConfig(group_size=2),
-        rollout=LocalRolloutConfig(urls=(engine_url,), max_new_tokens=3),
+        rollout=LocalRolloutConfig(max_new_tokens=3),
     )
 
     async def episode(ctx: EpisodeContext, sample: int) -> None:
         return None
 
-    async with Controller(cfg, episode, source=iter(range(10**9))) as ctl:
-        with pytest.raises(asyncio.TimeoutError):
-            await asyncio.wait_for(ctl.next_batch(), 1.0)
-        assert ctl.counters["rejected"] >= 2
-    warned = [r.getMessage() for r in caplog.records if "groups in a row rejected" in r.message]
-    assert warned and "every episode returned None" in warned[0]
+    def warned() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "groups in a row rejected" in r.message]
+
+    async with Controller(cfg, episode, [engine], source=iter(range(10**9))) as ctl:
+        batch = asyncio.ensure_future(ctl.next_batch())
+        deadline = asyncio.get_running_loop().time() + 60
+        while not warned():  # no quiet window: the warning comes, the batch does not
+            assert asyncio.get_running_loop().time() < deadline, "no warning in 60 s"
+            await asyncio.sleep(0.01)
+        assert not batch.done() and ctl.counters["rejected"] >= 2
+        batch.cancel()
+    assert "every episode returned None" in warned()[0]
 
 
 def _rejecting_controller(bound: int, every: int, staleness: int = 0) -> tuple[RunConfig, Any]:

@@ -1,5 +1,6 @@
-"""Fixtures of the gateway tests: a real embedded engine (tiny chat model) and, in a thread
-of their own, a controller with the gateway in front of it."""
+"""Fixtures of the gateway tests: a real embedded engine (tiny chat model; in the test
+process, tests/inproc.py, or as a server process for the tests of the HTTP path:
+test_agent_command) and, in a thread of their own, a controller with the gateway in front."""
 
 from __future__ import annotations
 
@@ -7,15 +8,21 @@ import asyncio
 import threading
 from collections.abc import AsyncIterator, Coroutine, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from asyncrl.config import AlgoConfig, ControllerConfig, GatewayConfig, RunConfig
 from asyncrl.core import GenerateResult
-from asyncrl.engines.rollout.sglang import SGLangClient
 from asyncrl.procs import free_port, python_env, stop
+from tests.inproc import inproc_engine
 from tests.runs import spawn_shared
+
+if TYPE_CHECKING:
+    from asyncrl.engines.rollout.base import ManagedEngine
+    from asyncrl.engines.rollout.local.inproc import InProcEngine
+
+ENGINE_ARGS = {"seed": 1, "max_batch_size": 16}
 
 
 @pytest.fixture(scope="session")
@@ -37,7 +44,7 @@ def gateway_auth() -> dict[str, str]:
 class RecordingEngine:
     """The real client of the engine, keeping every final answer (rid, input, result)."""
 
-    def __init__(self, client: SGLangClient):
+    def __init__(self, client: ManagedEngine):
         self.client = client
         self.url = client.url
         self.results: list[tuple[str, list[int], GenerateResult]] = []
@@ -67,12 +74,17 @@ DEFAULT_CFG = RunConfig(
 
 
 class Served:
-    """Engine process + controller + gateway; ``run(coro)`` runs on their loop."""
+    """Engine client + controller + gateway; ``run(coro)`` runs on their loop."""
 
     def __init__(
-        self, model: Path, engine_url: str, cfg: RunConfig | None = None, advance: bool = False
+        self,
+        model: Path,
+        engine: ManagedEngine,
+        cfg: RunConfig | None = None,
+        advance: bool = False,
     ):
-        """``cfg``: the run's config (default: a lenient gateway, staleness 200).
+        """``engine``: the engine's client (shared: not closed here). ``cfg``: the run's config
+        (default: a lenient gateway, staleness 200).
         ``advance``: each batch handed out advances the controller's version by one, as a
         trainer step would (admission opens by it)."""
         self.advance = advance
@@ -80,16 +92,16 @@ class Served:
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.batches: list[Any] = []
-        self.run(self._start(model, engine_url, cfg or DEFAULT_CFG))
+        self.run(self._start(model, engine, cfg or DEFAULT_CFG))
 
     def run(self, coro: Coroutine[Any, Any, Any], timeout: float = 120) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
-    async def _start(self, model: Path, engine_url: str, cfg: RunConfig) -> None:
+    async def _start(self, model: Path, engine: ManagedEngine, cfg: RunConfig) -> None:
         from asyncrl.controllers.controller import Controller
         from asyncrl.gateway import Gateway
 
-        self.engine = RecordingEngine(SGLangClient(engine_url))
+        self.engine = RecordingEngine(engine)
         await self.engine.client.wait_healthy(120)
         self.gw = Gateway(cfg.gateway, str(model))
         self.ctl = Controller(cfg, self.gw.episode, engines=[self.engine])
@@ -109,7 +121,6 @@ class Served:
         self.drain.cancel()
         await self.gw.close()
         await self.ctl.close()
-        await self.engine.client.close()
 
     def close(self) -> None:
         try:
@@ -120,14 +131,20 @@ class Served:
 
 
 @pytest.fixture(scope="module")
+def engine(chat_model_dir: Path) -> Iterator[InProcEngine]:
+    """The embedded engine (tiny chat model) in this process, one per test module."""
+    with inproc_engine(chat_model_dir, **ENGINE_ARGS) as e:
+        yield e
+
+
+@pytest.fixture(scope="module")
 def engine_url(chat_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """One embedded engine process (tiny chat model) per test module."""
+    """One embedded engine process (tiny chat model) per test module (the HTTP path)."""
     port = free_port()
     log = tmp_path_factory.mktemp("engine") / "engine.log"
     args = ["-m", "asyncrl.entrypoints.engine", "--model-path", str(chat_model_dir)]
-    proc = spawn_shared(
-        [*args, "--port", str(port), "--seed", "1", "--max-batch-size", "16"], log, python_env()
-    )
+    args += ["--seed", str(ENGINE_ARGS["seed"]), "--max-batch-size", "16"]
+    proc = spawn_shared([*args, "--port", str(port)], log, python_env())
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -135,8 +152,8 @@ def engine_url(chat_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
 
 
 @pytest.fixture(scope="module")
-def served(chat_model_dir: Path, engine_url: str) -> Iterator[Served]:
-    s = Served(chat_model_dir, engine_url)
+def served(chat_model_dir: Path, engine: InProcEngine) -> Iterator[Served]:
+    s = Served(chat_model_dir, engine)
     try:
         yield s
     finally:

@@ -46,8 +46,10 @@ urllib.request.urlopen(req).read()
 """
 
 
-async def _until(cond: Callable[[], bool]) -> None:
+async def _until(cond: Callable[[], bool], timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
     while not cond():
+        assert time.monotonic() < deadline, f"not within {timeout_s:g} s"
         await asyncio.sleep(0.05)
 
 
@@ -94,7 +96,7 @@ async def _engine_info(url: str) -> dict[str, Any]:
         return dict(await r.json())
 
 
-async def _engine_idle(url: str, timeout_s: float = 30) -> int:
+async def _engine_idle(url: str, timeout_s: float = 120) -> int:
     """The engine's token count once it holds no request (TimeoutError after ``timeout_s``)."""
     deadline = time.monotonic() + timeout_s
     while (info := await _engine_info(url))["num_requests"]:

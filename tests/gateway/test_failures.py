@@ -21,8 +21,8 @@ import openai
 import pytest
 
 from asyncrl.config import AlgoConfig, ControllerConfig, GatewayConfig, RunConfig
+from asyncrl.engines.rollout.local.inproc import InProcEngine
 from asyncrl.gateway import Gateway
-from asyncrl.secret import auth_headers
 
 from .conftest import Served
 
@@ -32,7 +32,7 @@ LONG = 4000  # a completion budget far beyond what runs before a hang-up (ignore
 
 @pytest.fixture(scope="module")
 def guarded(
-    chat_model_dir: Path, engine_url: str, tmp_path_factory: pytest.TempPathFactory
+    chat_model_dir: Path, engine: InProcEngine, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Served]:
     keyfile = tmp_path_factory.mktemp("key") / "gateway.key"
     keyfile.write_text(KEY + "\n")
@@ -50,7 +50,7 @@ def guarded(
         algo=AlgoConfig(group_size=1),
         gateway=gw,
     )
-    s = Served(chat_model_dir, engine_url, cfg, advance=True)
+    s = Served(chat_model_dir, engine, cfg, advance=True)
     try:
         yield s
     finally:
@@ -61,18 +61,15 @@ def _sid() -> str:
     return uuid.uuid4().hex[:12]
 
 
-async def _http(
-    method: str, url: str, body: Any = None, key: str | None = None, engine: bool = False
-) -> Any:
-    """One call: to the gateway with its ``key``, or (``engine``) to the engine with the
-    run's secret."""
-    headers = auth_headers() if engine else {"Authorization": f"Bearer {key}"} if key else {}
+async def _http(method: str, url: str, body: Any = None, key: str | None = None) -> Any:
+    """One call to the gateway with its ``key``."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
     async with aiohttp.ClientSession() as http:
         async with http.request(method, url, json=body, headers=headers) as r:
             return r.status, await r.json()
 
 
-def _poll(what: str, ok: Callable[[], bool], timeout: float = 30.0) -> None:
+def _poll(what: str, ok: Callable[[], bool], timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while not ok():
         if time.monotonic() > deadline:
@@ -81,7 +78,7 @@ def _poll(what: str, ok: Callable[[], bool], timeout: float = 30.0) -> None:
 
 
 def _engine_info(srv: Served) -> dict[str, Any]:
-    return srv.run(_http("GET", f"{srv.engine.url}/get_server_info", engine=True))[1]
+    return dict(srv.run(srv.engine.get_server_info()))
 
 
 def _engine_idle(srv: Served) -> None:

@@ -13,6 +13,7 @@ import openai
 import pytest
 
 from asyncrl.config import AlgoConfig, ControllerConfig, GatewayConfig, RunConfig
+from asyncrl.engines.rollout.local.inproc import InProcEngine
 
 from .conftest import Served
 from .test_failures import _http, _poll
@@ -22,7 +23,7 @@ TIMEOUT_S = 4.0
 
 
 @pytest.fixture(scope="module")
-def grouped(chat_model_dir: Path, engine_url: str) -> Iterator[Served]:
+def grouped(chat_model_dir: Path, engine: InProcEngine) -> Iterator[Served]:
     cfg = RunConfig(
         controller=ControllerConfig(batch_size=1, max_staleness=200),
         algo=AlgoConfig(group_size=G),
@@ -30,7 +31,7 @@ def grouped(chat_model_dir: Path, engine_url: str) -> Iterator[Served]:
             enabled=True, max_tokens=12, admission_timeout_s=10, session_timeout_s=TIMEOUT_S
         ),
     )
-    s = Served(chat_model_dir, engine_url, cfg)
+    s = Served(chat_model_dir, engine, cfg)
     try:
         yield s
     finally:
@@ -155,7 +156,7 @@ def test_member_that_never_comes_times_out(grouped: Served) -> None:
 
 
 def test_naming_an_ended_member_while_its_partner_is_open_is_409(
-    chat_model_dir: Path, engine_url: str
+    chat_model_dir: Path, engine: InProcEngine
 ) -> None:
     """Member 0 ends (its reward) while member 1 of its group, unnamed, still waits for its
     client: naming member 0 again would open a new group whose member 1 could not be opened
@@ -167,7 +168,7 @@ def test_naming_an_ended_member_while_its_partner_is_open_is_409(
         algo=AlgoConfig(group_size=G),
         gateway=GatewayConfig(enabled=True, max_tokens=8, session_timeout_s=120),
     )
-    srv = Served(chat_model_dir, engine_url, cfg)
+    srv = Served(chat_model_dir, engine, cfg)
     try:
         g = "again" + uuid.uuid4().hex[:8]
         first = openai.OpenAI(base_url=f"{srv.url}/sessions/{g}.0/v1", api_key=srv.key)

@@ -24,7 +24,7 @@ import openai
 from asyncrl.config import AlgoConfig, ControllerConfig, GatewayConfig, RunConfig
 from asyncrl.controllers.controller import Controller
 from asyncrl.controllers.state import ControllerState
-from asyncrl.engines.rollout.sglang import SGLangClient
+from asyncrl.engines.rollout.local.inproc import InProcEngine
 from asyncrl.gateway import Gateway
 from asyncrl.gateway.agent import AgentSample
 
@@ -37,7 +37,7 @@ CFG = RunConfig(
 )
 
 
-async def _until(what: str, ok: Callable[[], bool], timeout: float = 30.0) -> None:
+async def _until(what: str, ok: Callable[[], bool], timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while not ok():
         if time.monotonic() > deadline:
@@ -48,8 +48,8 @@ async def _until(what: str, ok: Callable[[], bool], timeout: float = 30.0) -> No
 class Run:
     """A controller + gateway (one process's part of a run), optionally resumed."""
 
-    def __init__(self, model: Path, url: str, agent: Any = None, state: Any = None):
-        self.engine = RecordingEngine(SGLangClient(url))
+    def __init__(self, model: Path, engine: Any, agent: Any = None, state: Any = None):
+        self.engine = RecordingEngine(engine)
         self.gw = Gateway(CFG.gateway, str(model), agent=agent, sample_type=AgentSample)
         kw = {"resume": state, "sample_type": Any}
         self.ctl = Controller(CFG, self.gw.episode, engines=[self.engine], **kw)
@@ -67,17 +67,16 @@ class Run:
     async def __aexit__(self, *exc: object) -> None:
         await self.gw.close()
         await self.ctl.close()
-        await self.engine.client.close()
 
 
 def test_client_session_is_dropped_and_goes_on_as_new(
-    chat_model_dir: Path, engine_url: str
+    chat_model_dir: Path, engine: InProcEngine
 ) -> None:
     sid = uuid.uuid4().hex[:12]
 
     async def scenario() -> None:
         msgs: list[Any] = [{"role": "user", "content": "Hello!"}]
-        async with Run(chat_model_dir, engine_url) as old:
+        async with Run(chat_model_dir, engine) as old:
             client = openai.AsyncOpenAI(
                 base_url=f"{old.url}/sessions/{sid}/v1", api_key=old.gw.api_key
             )
@@ -85,7 +84,7 @@ def test_client_session_is_dropped_and_goes_on_as_new(
             state = old.checkpoint()  # the session is open: its group is running
             await client.close()
         assert [g.gid for g in state.running] == [0]
-        async with Run(chat_model_dir, engine_url, state=state) as new:
+        async with Run(chat_model_dir, engine, state=state) as new:
             await _until("the old group to be dropped", lambda: new.ctl.counters["rejected"] == 1)
             assert new.gw.stats()["restart_dropped"] == 1 and sid not in new.gw.sessions.by_id
             client = openai.AsyncOpenAI(
@@ -108,7 +107,7 @@ def test_client_session_is_dropped_and_goes_on_as_new(
     asyncio.run(scenario())
 
 
-def test_agent_session_resumes_from_the_journal(chat_model_dir: Path, engine_url: str) -> None:
+def test_agent_session_resumes_from_the_journal(chat_model_dir: Path, engine: InProcEngine) -> None:
     first_done = asyncio.Event()
     go_on = asyncio.Event()
     runs: list[list[Any]] = []
@@ -128,7 +127,7 @@ def test_agent_session_resumes_from_the_journal(chat_model_dir: Path, engine_url
         return 1.0
 
     async def scenario() -> None:
-        async with Run(chat_model_dir, engine_url, agent=agent) as old:
+        async with Run(chat_model_dir, engine, agent=agent) as old:
             old.ctl.submit([AgentSample(prompt="Hello!", id=7)])
             await asyncio.wait_for(first_done.wait(), 30)
             state = old.checkpoint()
@@ -136,7 +135,7 @@ def test_agent_session_resumes_from_the_journal(chat_model_dir: Path, engine_url
         (group,) = state.running
         (episode,) = group.episodes
         assert [c.output_ids for c in episode.calls] == made_before  # one call, journaled
-        async with Run(chat_model_dir, engine_url, agent=agent, state=state) as new:
+        async with Run(chat_model_dir, engine, agent=agent, state=state) as new:
             batch = await asyncio.wait_for(new.ctl.next_batch(), 30)
             assert new.ctl.resumed["episodes"] == 1
             assert len(new.engine.results) == 1  # the first call came from the journal

@@ -30,7 +30,7 @@ async def _healthy(url: str, timeout_s: float = 120.0) -> None:
         await client.close()
 
 
-def _deaths(launcher: Launcher, timeout_s: float = 30.0) -> list:
+def _deaths(launcher: Launcher, timeout_s: float = 120.0) -> list:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         dead = launcher.deaths()

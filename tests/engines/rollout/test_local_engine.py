@@ -115,12 +115,24 @@ def test_sampling_respects_top_k_top_p_and_greedy() -> None:
     assert everything.top_k == 1 << 30
 
 
+PROGRESS_S = 120.0  # longest wait for the scheduler to do something, however loaded the machine
+
+
 async def _wait_tokens(engine: LocalEngine, req_list: list[Request], n: int) -> None:
-    for _ in range(2000):
-        if all(len(r.output_ids) >= n for r in req_list):
-            return
+    deadline = asyncio.get_running_loop().time() + PROGRESS_S
+    while not all(len(r.output_ids) >= n for r in req_list):
+        assert asyncio.get_running_loop().time() < deadline, f"no {n} tokens in {PROGRESS_S:g} s"
         await asyncio.sleep(0.005)
-    raise AssertionError("no progress")
+
+
+async def _parked(engine: LocalEngine) -> None:
+    """Until the scheduler thread waits on its condition: with requests queued or running it
+    does so only while paused (``LocalEngine._run``), so once it does, no step runs until a
+    resume: the proof that a pause holds, without watching a quiet window."""
+    deadline = asyncio.get_running_loop().time() + PROGRESS_S
+    while not engine._cv._waiters:  # type: ignore[attr-defined]  # threading.Condition's own
+        assert asyncio.get_running_loop().time() < deadline, "the scheduler never parked"
+        await asyncio.sleep(0.001)
 
 
 def _submit(engine: LocalEngine, rid: str, n: int = 100_000) -> Request:
@@ -154,14 +166,18 @@ async def test_pause_keeps_requests_and_continue_resumes_them(
     await _wait_tokens(engine, reqs[:3], 2)
     engine.pause(mode)
     counts = [len(r.output_ids) for r in reqs]
-    await asyncio.sleep(0.2)
+    await _parked(engine)  # every request still queued or running: parked means paused
+    later = _submit(engine, f"{mode}-later", n=5)  # wakes the scheduler, which parks again
+    await _parked(engine)
     assert [len(r.output_ids) for r in reqs] == counts and not any(r.future.done() for r in reqs)
+    assert later.output_ids == [] and engine.num_requests == 5
     engine.resume()
     await _wait_tokens(engine, reqs[:3], max(counts) + 2)  # held requests go on decoding
     engine.abort(abort_all=True)
     for r, before in zip(await asyncio.gather(*(r.future for r in reqs)), counts, strict=True):
         assert r.finish["type"] == "abort" and before <= len(r.output_ids) < n
         assert len(r.logprobs) == len(r.output_ids)
+    assert (await later.future).finish is not None  # answered (finished or aborted)
 
 
 async def test_pause_abort_returns_everything_and_new_requests_wait(engine: LocalEngine) -> None:
@@ -171,8 +187,8 @@ async def test_pause_abort_returns_everything_and_new_requests_wait(engine: Loca
     assert all(r.finish is not None and r.finish["type"] == "abort" for r in reqs)
     await asyncio.gather(*(r.future for r in reqs))
     later = _submit(engine, "later", n=5)
-    await asyncio.sleep(0.1)
-    assert later.output_ids == []
+    await _parked(engine)  # woken by the submit; parks again with "later" queued: paused
+    assert later.output_ids == [] and engine.num_requests == 1
     engine.resume()
     assert (await later.future).finish["type"] == "length"
     with pytest.raises(ValueError, match="pause mode"):

@@ -224,7 +224,7 @@ async def test_an_adapter_handed_over_loads_beside_the_served_ones(
         recv.close()
 
 
-async def _until(cond: Any, timeout_s: float = 30.0) -> None:
+async def _until(cond: Any, timeout_s: float = 120.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not cond():
         assert time.monotonic() < deadline, "condition not reached in time"

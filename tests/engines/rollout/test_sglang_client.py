@@ -17,7 +17,7 @@ from asyncrl.procs import free_port
 LONG = {"max_new_tokens": 100_000, "ignore_eos": True}
 
 
-async def _until(client: SGLangClient, what: str, ok, timeout_s: float = 30.0) -> dict:
+async def _until(client: SGLangClient, what: str, ok, timeout_s: float = 120.0) -> dict:
     """Poll the engine's ``/get_server_info`` until ``ok(info)``; fails naming ``what``."""
     deadline = asyncio.get_running_loop().time() + timeout_s
     while True:
@@ -107,10 +107,17 @@ async def test_pause_keeps_and_continue_resumes(engine_server: LaunchedServer, m
         await _started(client, task)
         await client.pause_generation(mode)
         frozen = await tokens()
-        await asyncio.sleep(0.5)  # a negative check: nothing may happen in this window
-        assert not task.done() and await tokens() == frozen  # kept, not generating
+        # no quiet window: a request sent after the pause reaches the engine (counted) and is
+        # held, and nothing was generated meanwhile; both go on after continue
+        later = asyncio.create_task(
+            client.generate([1, 7], {"max_new_tokens": 3, "ignore_eos": True}, rid=mode + "+")
+        )
+        info = await _until(client, "the later request queued", lambda i: i["num_requests"] == 2)
+        assert info["paused"] and int(info["tokens"]) == frozen
+        assert not task.done() and not later.done()  # kept, not generating
         await client.continue_generation()
         await _until(client, "generation resumed", lambda i: int(i["tokens"]) > frozen)
+        assert (await asyncio.wait_for(later, 60)).finish_reason == "length"
         await client.abort_request(mode)
         res = await asyncio.wait_for(task, 60)
         assert res.finish_reason == "abort" and len(res.output_ids) > 0

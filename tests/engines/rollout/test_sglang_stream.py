@@ -41,7 +41,7 @@ def standin(
         server.stop()
 
 
-async def _until(server: StandInServer, what: str, ok, timeout_s: float = 20.0) -> dict:
+async def _until(server: StandInServer, what: str, ok, timeout_s: float = 120.0) -> dict:
     deadline = time.monotonic() + timeout_s
     while True:
         st = await asyncio.to_thread(server.state)

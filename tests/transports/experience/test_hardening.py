@@ -42,7 +42,7 @@ def _ident(tx: ExperienceSender, prefix: bytes) -> bytes:
     return ident
 
 
-async def _until(cond: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
+async def _until(cond: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not cond():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"

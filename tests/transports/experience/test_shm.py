@@ -122,7 +122,7 @@ def test_write_refuses_arrays_that_do_not_match_their_lengths() -> None:
         ring.close()
 
 
-async def _recv(rx: ExperienceReceiver, timeout_s: float = 10.0):
+async def _recv(rx: ExperienceReceiver, timeout_s: float = 60.0):
     d = await asyncio.to_thread(rx.recv, timeout_s)
     assert d is not None, "nothing received in time"
     return d
