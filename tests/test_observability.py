@@ -317,7 +317,9 @@ def test_tensorboard_event_files_match_metrics(run: Path) -> None:
     steps = [e.step for e in got]  # the newest step logged when the eval ended: the pace's
     assert steps == sorted(steps) and steps[-1] == STEPS
     assert all(s >= r["step"] for s, r in zip(steps, evals, strict=True))
-    assert [e.value for e in acc.Scalars("eval/weight_version")] == [0, EVAL_EVERY, STEPS]
+    versions = [e.value for e in acc.Scalars("eval/weight_version")]  # what it measured: >=
+    assert versions == [r["eval/weight_version"] for r in evals]  # the version asked for
+    assert all(v >= r["step"] for v, r in zip(versions, evals, strict=True))
     config = acc.Tensors("config")[0].tensor_proto.string_val[0].decode()
     assert f'"total_steps": {STEPS}' in config
     assert acc.Tensors("git_revision")
