@@ -27,9 +27,9 @@ from typing import Any, Protocol, TypeVar
 
 from asyncrl import trace
 from asyncrl.config import CollectiveWeightsConfig, CudaIpcWeightsConfig
-from asyncrl.engines.rollout.base import ControlledEngine, EngineError, WeightFamily
 from asyncrl.loops import new_event_loop
 from asyncrl.transports.weights.base import EnginesLeft, PushHandle, WeightSyncError
+from asyncrl.transports.weights.seam import EngineError, WeightAdapter, WeightEngine
 
 __all__ = ["EngineGroup", "Formation", "settle"]
 
@@ -79,15 +79,11 @@ class EngineGroup:
         engine_urls: Sequence[str],
         cfg: CollectiveWeightsConfig | CudaIpcWeightsConfig,
         formation: Formation,
+        family: WeightAdapter,
         pause_mode: str = "abort",
-        family: WeightFamily | None = None,
     ):
         if not engine_urls:
             raise ValueError("weight sync needs at least one engine URL")
-        if family is None:
-            from asyncrl.engines.rollout.factory import weight_family
-
-            family = weight_family("local")
         self.urls = list(engine_urls)
         self.cfg = cfg
         self.pause_mode = pause_mode
@@ -96,7 +92,7 @@ class EngineGroup:
         """Engines that load buckets as they arrive (SGLang, vLLM): a failed push leaves
         them undefined."""
         self.pause_scope = "transfer" if self.loads_live else cfg.pause_scope
-        self.clients: list[ControlledEngine] = []
+        self.clients: list[WeightEngine] = []
         self.formed = False
         self.pauses = 0  # pause calls made (to every engine at once), for push stats
         self.lock: asyncio.Lock | None = None  # pushes and re-forms, one at a time
@@ -202,7 +198,7 @@ class EngineGroup:
         """Tear down, make a client per engine, wait until each is healthy, form."""
         await self.shutdown()
         wait_s = self._formation.client_timeout_s()
-        self.clients = [self.family.make(u, wait_s) for u in self.urls]
+        self.clients = [self.family.engine(u, wait_s) for u in self.urls]
         await asyncio.gather(*(c.wait_healthy(self.cfg.timeout_s) for c in self.clients))
         await self._formation.form()
         self.formed = True
@@ -216,7 +212,7 @@ class EngineGroup:
         self.clients = []
 
     # -- calls to every engine -----------------------------------------------------------
-    async def all(self, what: str, call: Callable[[ControlledEngine], Awaitable[Any]]) -> None:
+    async def all(self, what: str, call: Callable[[WeightEngine], Awaitable[Any]]) -> None:
         """``call(client)`` on every engine at once (traced as ``what``); WeightSyncError
         naming each engine that failed."""
         results = await asyncio.gather(
