@@ -1,4 +1,4 @@
-"""The worked skeleton of a new engine family (``examples/engine_family.py``) is what
+"""The worked skeleton of a new engine family (``family_skeleton.py`` here) is what
 docs/rollout-engines.md shows, word for word, and one registry line makes a run use it: its
 launch flags, start-up timeout, preflight rule, and its weight adapter in the transport."""
 
@@ -14,7 +14,7 @@ from asyncrl.engines.rollout.launcher import engine_spec, startup_timeout
 from asyncrl.preflight import preflight
 
 ROOT = Path(__file__).resolve().parents[3]
-SKELETON = ROOT / "examples" / "engine_family.py"
+SKELETON = Path(__file__).with_name("family_skeleton.py")
 
 
 def test_the_doc_shows_the_skeleton_word_for_word() -> None:
@@ -23,8 +23,8 @@ def test_the_doc_shows_the_skeleton_word_for_word() -> None:
 
 
 def test_one_registry_line_makes_the_skeleton_the_family(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.syspath_prepend(str(ROOT))
-    monkeypatch.setitem(factory.FAMILIES, SGLangRolloutConfig, "examples.engine_family")
+    skeleton = "tests.engines.rollout.family_skeleton"
+    monkeypatch.setitem(factory.FAMILIES, SGLangRolloutConfig, skeleton)
     rc = SGLangRolloutConfig(extra_args=("--x",))
     assert factory.family(rc).name == "myserve"
     spec = engine_spec(rc, "/models/m", 2, seed=7, port=9000)
