@@ -25,10 +25,10 @@ from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from concurrent.futures import Future
 from typing import Any, Protocol, TypeVar
 
-from asyncrl import trace
 from asyncrl.config import CollectiveWeightsConfig, CudaIpcWeightsConfig
 from asyncrl.loops import new_event_loop
 from asyncrl.transports.weights.base import EnginesLeft, PushHandle, WeightSyncError
+from asyncrl.transports.weights.pausing import pause_engines, resume_engines, traced
 from asyncrl.transports.weights.seam import EngineError, WeightAdapter, WeightEngine
 
 __all__ = ["EngineGroup", "Formation", "settle"]
@@ -216,13 +216,15 @@ class EngineGroup:
         """``call(client)`` on every engine at once (traced as ``what``); WeightSyncError
         naming each engine that failed."""
         results = await asyncio.gather(
-            *(_traced(what, c.url, call(c)) for c in self.clients), return_exceptions=True
+            *(traced(what, c.url, call(c)) for c in self.clients), return_exceptions=True
         )
-        errors = [
-            (c.url, r)
-            for c, r in zip(self.clients, results, strict=True)
-            if isinstance(r, BaseException)
-        ]
+        self._raise_any(
+            what,
+            [(c.url, r) for c, r in zip(self.clients, results, strict=True)
+             if isinstance(r, BaseException)],
+        )  # fmt: skip
+
+    def _raise_any(self, what: str, errors: list[tuple[str, BaseException]]) -> None:
         if errors:
             if any(not isinstance(e, EngineError) for _, e in errors):
                 self.formed = False  # an engine unreachable (died?): re-form next time
@@ -230,22 +232,15 @@ class EngineGroup:
             raise WeightSyncError(f"{what} failed on {len(errors)} engine(s): {detail}")
 
     async def pause(self) -> None:
-        """Pause generation on every engine (``pause_mode``)."""
+        """Pause generation on every engine (``pause_mode``, :func:`pausing.pause_engines`)."""
         self.pauses += 1
-        await self.all("/pause_generation", lambda c: c.pause_generation(self.pause_mode))
+        failed = await pause_engines(self.clients, self.pause_mode)
+        self._raise_any("/pause_generation", [(c.url, r) for c, r in failed])
 
     async def resume(self) -> None:
         """Resume generation on every engine; a failure is logged, not raised."""
-        results = await asyncio.gather(
-            *(
-                _traced("/continue_generation", c.url, c.continue_generation())
-                for c in self.clients
-            ),
-            return_exceptions=True,
-        )
-        for c, r in zip(self.clients, results, strict=True):
-            if isinstance(r, BaseException):
-                log.warning("could not resume %s: %s", c.url, r)
+        for c, r in await resume_engines(self.clients):
+            log.warning("could not resume %s: %s", c.url, r)
 
     async def commit(self, version: int) -> None:
         """Make every engine version ``version`` (the embedded engine: switch to the staged
@@ -295,9 +290,3 @@ class EngineGroup:
             raise WeightSyncError(
                 f"{prefix}{len(errors)} engine(s) failed the update ({self.kept}): {detail}"
             )
-
-
-async def _traced(what: str, url: str, call: Awaitable[Any]) -> Any:
-    """``call`` to the engine at ``url`` as a span of that engine's track."""
-    with trace.get().span(what, f"engine {url}"):
-        return await call
