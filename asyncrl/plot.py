@@ -4,7 +4,9 @@ Writes five PNGs (matplotlib, the ``plot`` extra) to ``--out`` (default
 ``RUN_DIR/plots`` of the first run); several runs are overlaid in each:
 
 - ``reward.png``: ``reward_mean`` per step (faint) with an exponential moving
-  average (``--smooth``), against the step and against wall time;
+  average (``--smooth``), against the step and against wall time; with the run's evals
+  (``[eval]``) their held-out ``eval/reward_mean`` as dots joined by a dashed line, at the
+  weight version evaluated (against the step) and when the eval ended (against wall time);
 - ``staleness.png``: the share of each step's samples per staleness (step - the
   oldest policy version of the sample's tokens), one panel per run;
 - ``throughput.png``: tokens generated (every token the engines returned, trained or
@@ -31,10 +33,19 @@ __all__ = ["Run", "intervals", "load_run", "main_plot", "smooth", "text_view", "
 
 
 class Run:
-    """One run's data: metrics rows, trace events (may be empty), a label."""
+    """One run's data: metrics rows (training steps), eval rows (``eval/...`` keys, ``step``
+    the weight version evaluated; may be empty), trace events (may be empty), a label."""
 
-    def __init__(self, path: Path, rows: list[dict[str, Any]], events: list[dict], label: str):
+    def __init__(
+        self,
+        path: Path,
+        rows: list[dict[str, Any]],
+        events: list[dict],
+        label: str,
+        evals: list[dict[str, Any]] | None = None,
+    ):
         self.path, self.rows, self.events, self.label = path, rows, events, label
+        self.evals = evals or []
 
     def col(self, key: str, default: float = 0.0) -> list[float]:
         return [float(r.get(key, default)) for r in self.rows]
@@ -46,8 +57,9 @@ def load_run(run_dir: str | Path) -> Run:
     metrics = path / "metrics.jsonl"
     if not metrics.is_file():
         raise ValueError(f"{metrics} not found (is {path} a run folder?)")
-    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    rows = [r for r in rows if "eval/reward_mean" not in r]  # eval rows: not training steps
+    every = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    evals = [r for r in every if "eval/reward_mean" in r]  # eval rows: not training steps
+    rows = [r for r in every if "eval/reward_mean" not in r]
     if not rows:
         raise ValueError(f"{metrics} has no steps yet")
     events: list[dict] = []
@@ -59,7 +71,7 @@ def load_run(run_dir: str | Path) -> Run:
         s = cfg.get("controller", {}).get("max_staleness")
         if s is not None:
             label += " (sync)" if s == 0 else f" (async, staleness {s})"
-    return Run(path, rows, events, label)
+    return Run(path, rows, events, label, evals)
 
 
 def smooth(xs: Sequence[float], alpha: float) -> list[float]:
@@ -191,6 +203,12 @@ def _reward(plt: Any, runs: list[Run], alpha: float, window: int) -> Any:
         for ax, x in ((a, steps), (b, wall)):
             ax.plot(x, r, color=c, alpha=0.25, lw=1)
             ax.plot(x, smooth(r, alpha), color=c, lw=2, label=run.label)
+        if run.evals:
+            ev = [float(e["eval/reward_mean"]) for e in run.evals]
+            label = f"{run.label}: held-out eval"
+            for ax, key in ((a, "step"), (b, "wall_s")):
+                x = [float(e.get(key, 0.0)) for e in run.evals]
+                ax.plot(x, ev, color=c, ls="--", marker="o", ms=4, lw=1, label=label)
     a.set(xlabel="step", ylabel="reward (mean of the step's samples)", title="reward per step")
     b.set(xlabel="wall time (s)", title="reward over wall time")
     b.legend(fontsize=8)
@@ -316,6 +334,7 @@ def text_view(runs: list[Run], width: int = 40, alpha: float = 0.8) -> str:
         for row, s in zip(run.rows, smooth(r, alpha), strict=True):
             bar = "#" * round(width * max(0.0, min(1.0, s)))
             lines.append(f"{row['step']:5d} {row['reward_mean']:6.3f} {s:6.3f}  {bar}")
+        lines += _eval_lines(run)
         shares = time_shares(run)
         if shares:
             lines.append("share of the wall time after the first step:")
@@ -324,6 +343,22 @@ def text_view(runs: list[Run], width: int = 40, alpha: float = 0.8) -> str:
             shares_text = ", ".join(f"{k} {100 * v / total:.0f}%" for k, v in parts.items())
             lines.append(f"  {who}: {shares_text}")
     return "\n".join(lines)
+
+
+def _eval_lines(run: Run) -> list[str]:
+    """The run's evals as a table: the weight version evaluated, its held-out reward, pass@1,
+    pass@k and the greedy reward (``-`` where the eval did not measure it)."""
+    if not run.evals:
+        return []
+    found = {key for e in run.evals for key in e if key.startswith("eval/pass@")}
+    ks = sorted(found, key=lambda key: int(key.rsplit("@", 1)[1]))
+    cols = ["eval/reward_mean", *ks, "eval/greedy_reward"]
+    names = ["reward", *(k.removeprefix("eval/") for k in ks), "greedy"]
+    out = ["held-out evals (eval/...):", f"{'version':>7} " + " ".join(f"{n:>7}" for n in names)]
+    for e in run.evals:
+        vals = [f"{e[c]:7.3f}" if c in e else f"{'-':>7}" for c in cols]
+        out.append(f"{int(e['step']):7d} " + " ".join(vals))
+    return out
 
 
 def main_plot(

@@ -28,19 +28,17 @@ import ctypes
 import errno
 import importlib.metadata
 import importlib.util
-import inspect
 import json
 import re
 import socket
 import time
-from collections.abc import Callable
 from functools import cache
 from pathlib import Path
-from typing import Any
 from urllib.parse import urlsplit
 
 from asyncrl.config import CudaIpcWeightsConfig, HcclWeightsConfig, NcclWeightsConfig, RunConfig
 from asyncrl.engines.rollout.factory import family
+from asyncrl.task_factory import check_task
 
 __all__ = ["REFUSED_S", "cuda_devices", "preflight"]
 
@@ -89,9 +87,7 @@ def _check_device(key: str, device: str) -> None:
 
 def preflight(cfg: RunConfig) -> None:
     """Raise ValueError (one line, naming the key) if ``cfg`` cannot run from this host."""
-    if cfg.task.name == "math" and not Path(cfg.task.path).is_file():
-        raise ValueError(f"task.path {cfg.task.path!r} is not a file (task.name='math')")
-    _check_agent(cfg)
+    check_task(cfg)  # the task's own: its files, its agent function
     _check_context(cfg)
     _check_urls(cfg)
     if cfg.cluster.backend != "local":
@@ -109,55 +105,6 @@ def preflight(cfg: RunConfig) -> None:
             "weights.backend='hccl' needs an Ascend NPU and torch_npu, which is not installed "
             "here (use 'gloo' or 'auto')"
         )
-
-
-def _check_agent(cfg: RunConfig) -> None:
-    """``task.name = "agent"``: one of ``task.agent`` / ``task.agent_command``; a
-    ``task.path`` that is a file; an agent function that imports, is an ``async def`` and
-    takes ``(client, sample)``."""
-    t = cfg.task
-    if t.name != "agent":
-        return
-    if bool(t.agent) == bool(t.agent_command):
-        raise ValueError(
-            "task.name='agent' needs task.agent='package.module:function' (an async def "
-            "fn(client, sample)) or task.agent_command=[argv...], one of the two (the built-in "
-            "weather task's agent: --task.agent=asyncrl.gateway.agent:weather_agent)"
-        )
-    if t.path and not Path(t.path).is_file():
-        raise ValueError(f"task.path {t.path!r} is not a file (task.name='agent')")
-    if not t.agent:
-        return
-    from asyncrl.tasks.base import load_reward_fn
-
-    fn = load_reward_fn(t.agent, key="task.agent")
-    name = getattr(fn, "__qualname__", type(fn).__qualname__)
-    form = f"async def {name}(client, sample) -> float | None"
-    if not _is_async(fn):
-        raise ValueError(
-            f"task.agent {t.agent!r}: {name} is not an async function; an agent is awaited once "
-            f"per episode: {form}"
-        )
-    try:
-        inspect.signature(fn).bind(None, None)
-    except TypeError as exc:
-        raise ValueError(
-            f"task.agent {t.agent!r}: {name} cannot be called with (client, sample): {exc}; "
-            f"an agent is {form}"
-        ) from None
-    except ValueError:  # no signature to read (a builtin): it is called and tells itself
-        pass
-
-
-def _is_async(fn: Callable[..., Any]) -> bool:
-    """``fn(...)`` returns a coroutine, as far as can be told without calling it: an ``async
-    def`` (or a ``functools.partial`` of one, or a wrapper whose ``__wrapped__`` is one), or an
-    object whose ``__call__`` is."""
-    if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(inspect.unwrap(fn)):
-        return True
-    call = inspect.getattr_static(type(fn), "__call__", None)
-    routine = inspect.isroutine(fn) or inspect.isclass(fn)
-    return not routine and call is not None and inspect.iscoroutinefunction(call)
 
 
 def _check_urls(cfg: RunConfig) -> None:
@@ -228,7 +175,7 @@ def _context_length(cfg: RunConfig) -> tuple[int, str] | None:
             return int(value), "--context-length in rollout.extra_args"
     if cfg.rollout.urls or not family(cfg.rollout).derives_context:
         return None
-    if not cfg.model.path and cfg.task.name == "agent":  # runner.resolve_model's rule
+    if not cfg.model.path and cfg.task.chat_model:  # runner.resolve_model's rule
         from asyncrl.tasks.tiny_chat_model import TINY_CHAT_CONTEXT
 
         return TINY_CHAT_CONTEXT, "the tiny chat model's"
@@ -252,21 +199,15 @@ def _check_context(cfg: RunConfig) -> None:
         return
     ctx, source = found
     t = cfg.task
-    digits = t.name in ("reverse", "longtail", "agentic")
-    prompt = t.num_digits + 2 if digits else 1  # math: at least 1
-    if t.name == "agentic":  # the last turn's prompt: every earlier question and answer
-        prompt += (t.agentic.turns - 1) * (2 * t.num_digits + 3)
+    exact = t.prompt_tokens()  # None: the data's (math, agent): at least 1
+    prompt = exact or 1
     budget = cfg.generation_budget()
     if prompt + budget <= ctx:
         return
-    key = "rollout.max_new_tokens" if cfg.rollout.max_new_tokens else "task.max_new_tokens"
-    if digits and not cfg.rollout.max_new_tokens:
-        key = {"longtail": "task.longtail.max_len", "agentic": "task.agentic.turns"}.get(
-            t.name, "task.num_digits"
-        )
-    what = f"{prompt} prompt" if digits else "at least 1 prompt"
+    key = "rollout.max_new_tokens" if cfg.rollout.max_new_tokens else t.budget_key
+    what = f"{prompt} prompt" if exact else "at least 1 prompt"
     fix = "set rollout.max_new_tokens"
-    if t.name in ("longtail", "agentic"):
+    if t.workload:  # a longer context is the way
         need = prompt + budget
         fix = f'lower it, or give the engines rollout.extra_args=["--context-length", "{need}"]'
     raise ValueError(

@@ -4,7 +4,9 @@
 sync 0.004s | 31s | ETA 280s``: the step's mean reward and the mean of the last 10 steps'
 (fewer at the start), the step's largest staleness, response tokens per second since the
 first step, the step's train and weight-sync seconds, the wall time and the time left at
-the pace since the first step.
+the pace since the first step. Once the run has evaluated (``[eval]``) the step line also
+says ``eval 0.812@v10``: the newest held-out reward and the weight version it measured, and
+each eval prints a line of its own (:meth:`Progress.eval`).
 
 On a terminal one line is rewritten in place (``\\r``); otherwise (CI logs,
 pipes, files) every step prints one plain line, so logs stay readable.
@@ -33,6 +35,7 @@ class Progress:
         self._t_first: float | None = None
         self._tokens = 0
         self._width = 0
+        self._eval: tuple[float, int] | None = None
 
     def line(self, row: dict[str, Any]) -> str:
         """The text for a metrics row (also updates the running averages)."""
@@ -53,6 +56,7 @@ class Progress:
         parts = [
             f"step {step + 1}/{self.total}",
             f"reward {r:.3f} (last {len(self._recent)}: {recent:.3f})",
+            *([f"eval {self._eval[0]:.3f}@v{self._eval[1]}"] if self._eval else []),
             f"staleness {row.get('staleness_max', 0)}",
             f"{tokens_s:,.0f} tok/s" if tokens_s is not None else "- tok/s",
             f"train {float(row.get('train_s', 0.0)):.2f}s",
@@ -71,6 +75,26 @@ class Progress:
             self.out.write("\r" + text + " " * pad + end)
         else:
             self.out.write(text + "\n")
+        self.out.flush()
+
+    def eval(self, row: dict[str, Any]) -> None:
+        """Report an eval's metrics row (``eval/...`` keys, ``step`` = the version evaluated)
+        on a line of its own; later step lines carry its reward."""
+        version, reward = int(row["step"]), float(row["eval/reward_mean"])
+        self._eval = (reward, version)
+        parts = [f"eval of v{version}", f"reward {reward:.3f}"]
+        parts += [
+            f"{key.removeprefix('eval/')} {float(val):.3f}"
+            for key, val in sorted(row.items())
+            if key.startswith("eval/pass@")
+        ]
+        if "eval/greedy_reward" in row:
+            parts.append(f"greedy {float(row['eval/greedy_reward']):.3f}")
+        text = " | ".join(parts)
+        if self.live and self._width:  # keep the live step line: the eval goes above it
+            self.out.write("\r" + " " * self._width + "\r")
+            self._width = 0
+        self.out.write(text + "\n")
         self.out.flush()
 
     def close(self) -> None:

@@ -60,7 +60,10 @@ _GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
 
 
 def group_of(key: str) -> str:
-    """``group/key`` for a metrics.jsonl name (the most specific prefix wins; else ``algo``)."""
+    """``group/key`` for a metrics.jsonl name (the most specific prefix wins; else ``algo``);
+    a name that already has its group (``eval/reward_mean``) is kept as it is."""
+    if "/" in key:
+        return key
     best, length = "algo", 0
     for group, prefixes in _GROUPS:
         for p in prefixes:

@@ -21,6 +21,9 @@ from asyncrl.procs import python_env
 from asyncrl.tasks.tiny_chat_model import TINY_CHAT_CONTEXT
 from tests.runs import MARK, forked_by_shared_server, marked_pids
 
+WEATHER_AGENT = f"{Path(__file__).resolve().parents[1] / 'examples' / 'agents.py'}:weather_agent"
+"""The weather task's example agent (examples/agents.py), by file: any working directory."""
+
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
@@ -180,7 +183,8 @@ def test_what_this_host_lacks_is_refused_before_anything_starts(
     no process left; in the time of an interpreter start (~0.2 s idle; < 5 s under load)."""
     if not runs_here():
         pytest.skip("this machine has what the override needs")
-    out, took = _timed_run(tmp_path, *override.split(), f"--task.path={tmp_path / 'x.jsonl'}")
+    math = [f"--task.path={tmp_path / 'x.jsonl'}"] if "task.name=math" in override else []
+    out, took = _timed_run(tmp_path, *override.split(), *math)  # task.path: math's key only
     assert out.returncode == 2, out.stderr
     assert key in out.stderr and "Traceback" not in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
@@ -258,7 +262,7 @@ async def one_arg(client):
         ("--task.agent=AGENTS:solve", "solve is not an async function"),
         ("--task.agent=AGENTS:one_arg", "one_arg cannot be called with (client, sample)"),
         (  # a file that is not there (the weather agent itself is fine)
-            "--task.agent=asyncrl.gateway.agent:weather_agent --task.path=nothere.jsonl",
+            f"--task.agent={WEATHER_AGENT} --task.path=nothere.jsonl",
             "task.path 'nothere.jsonl' is not a file (task.name='agent')",
         ),
         ("", "task.name='agent' needs task.agent="),  # neither agent nor agent_command
@@ -286,7 +290,7 @@ def test_the_agent_run_fits_the_tiny_chat_model() -> None:
     """``--task.name=agent`` without ``model.path`` runs on the tiny chat model (4096
     positions), not the 64-position digits model: the default budget (128) fits; the limit
     is the chat model's."""
-    agent = "--task.agent=asyncrl.gateway.agent:weather_agent"
+    agent = f"--task.agent={WEATHER_AGENT}"
     preflight(load_config(None, ["--task.name=agent", agent]))
     too_many = ["--task.name=agent", agent, f"--task.max_new_tokens={TINY_CHAT_CONTEXT}"]
     with pytest.raises(ValueError, match=f"context length of {TINY_CHAT_CONTEXT} tokens"):

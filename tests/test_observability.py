@@ -23,6 +23,7 @@ from asyncrl import trace
 from asyncrl.procs import python_env
 
 STEPS, BATCH, GROUP = 6, 4, 8
+EVAL_EVERY = 3  # the async run evaluates versions 0 (before training), 3 and 6 (at the end)
 TOL_US = 5_000  # clocks of the three processes must agree within 5 ms
 
 
@@ -43,6 +44,8 @@ def run_and_output(
     run_dir = tmp_path_factory.mktemp("async") / "run"
     extra = ["--controller.max_staleness=1", "--logging.tensorboard.enabled=true"]
     extra += ["--logging.wandb.enabled=true", "--logging.wandb.mode=offline"]
+    extra += [f"--eval.every_steps={EVAL_EVERY}", "--eval.before_train=true", "--eval.at_end=true"]
+    extra += ["--eval.num_prompts=8", "--eval.k=2"]
     out = _job(run_dir, tiny_model_dir, *extra)
     return run_dir, out.stdout
 
@@ -175,7 +178,7 @@ def test_trainer_idle_agrees_with_metrics(run: Path) -> None:
     )  # fmt: skip
     gaps = [b["ts"] - a["end"] for a, b in itertools.pairwise(busy) if b["name"] == "train step"]
     trace_idle_s = sum(g for g in gaps if g > 0) / 1e6
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = _rows(run)
     metrics_idle_s = sum(r["idle_s"] for r in rows if r["step"] > 0)
     assert metrics_idle_s > 0
     assert abs(trace_idle_s - metrics_idle_s) <= 0.02 + 0.02 * metrics_idle_s
@@ -197,8 +200,21 @@ def test_tracer_sampling_and_merge(tmp_path: Path) -> None:
 
 
 # -- asyncrl plot --------------------------------------------------------------------------
-def _rows(run_dir: Path) -> list[dict]:
+def _every_row(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    """The training steps' rows (eval rows left out)."""
+    return [r for r in _every_row(run_dir) if "eval/reward_mean" not in r]
+
+
+def _evals(run_dir: Path) -> list[dict]:
+    return [r for r in _every_row(run_dir) if "eval/reward_mean" in r]
+
+
+def test_the_run_evaluated_before_during_and_after(run: Path) -> None:
+    assert [int(e["step"]) for e in _evals(run)] == [0, EVAL_EVERY, STEPS]
 
 
 def test_plot_writes_pngs_of_both_runs(run: Path, sync_run: Path, tmp_path: Path) -> None:
@@ -234,6 +250,12 @@ def test_plotted_values_come_from_the_runs(run: Path, sync_run: Path) -> None:
         assert list(line.get_xdata()) == list(range(STEPS))
     wall = [line for line in fig.axes[1].lines if line.get_alpha() == 0.25]
     assert list(wall[1].get_xdata()) == [row["wall_s"] for row in _rows(run)]
+    # the held-out eval curve: only the run that evaluated has one, at the versions evaluated
+    for ax, key in ((fig.axes[0], "step"), (fig.axes[1], "wall_s")):
+        (dashed,) = [line for line in ax.lines if line.get_linestyle() == "--"]
+        assert "held-out eval" in str(dashed.get_label())
+        assert list(dashed.get_xdata()) == [e[key] for e in _evals(run)]
+        assert list(dashed.get_ydata()) == [e["eval/reward_mean"] for e in _evals(run)]
     plt.close(fig)
     shares = plot.time_shares(runs[1])
     rows = _rows(run)[1:]
@@ -263,6 +285,10 @@ def test_plot_text_and_errors(run: Path, tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     first = _rows(run)[0]["reward_mean"]
     assert f"    0 {first:6.3f}" in done.stdout and "trainer: training" in done.stdout
+    table = done.stdout.split("held-out evals (eval/...):\n", 1)[1].splitlines()
+    assert table[0].split() == ["version", "reward", "pass@1", "pass@2", "greedy"]
+    for line, e in zip(table[1:], _evals(run), strict=False):
+        assert line.split()[:2] == [str(int(e["step"])), f"{e['eval/reward_mean']:.3f}"]
     cmd = [sys.executable, "-m", "asyncrl.cli", "plot", str(tmp_path)]
     done = subprocess.run(cmd, env=python_env(), capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "metrics.jsonl not found" in done.stderr
@@ -283,6 +309,13 @@ def test_tensorboard_event_files_match_metrics(run: Path) -> None:
         assert [e.step for e in got] == [r["step"] for r in rows]
         assert [e.value for e in got] == pytest.approx([r[key] for r in rows], rel=1e-6)
     assert group_of("reward_mean") == "reward/reward_mean"
+    # eval rows under eval/, at the version evaluated (or the newest step logged, if later:
+    # a sink takes steps in order)
+    evals = _evals(run)
+    got = acc.Scalars("eval/reward_mean")
+    assert [e.value for e in got] == pytest.approx([r["eval/reward_mean"] for r in evals])
+    assert [e.step for e in got] == [0, EVAL_EVERY, STEPS]
+    assert [e.value for e in acc.Scalars("eval/weight_version")] == [0, EVAL_EVERY, STEPS]
     config = acc.Tensors("config")[0].tensor_proto.string_val[0].decode()
     assert f'"total_steps": {STEPS}' in config
     assert acc.Tensors("git_revision")
@@ -318,11 +351,15 @@ def test_wandb_offline_run_matches_metrics(run: Path) -> None:
     pytest.importorskip("wandb.sdk.internal.datastore")
     history, run_record = _wandb_records(run)
     rows = _rows(run)
-    assert [h["_step"] for h in history] == [r["step"] for r in rows]
-    for h, r in zip(history, rows, strict=True):
+    # W&B merges what is logged at one step into one history row: an eval of version v joins
+    # training step v's row; the final eval (version STEPS) is a row of its own
+    assert [h["_step"] for h in history] == [r["step"] for r in rows] + [STEPS]
+    for h, r in zip(history, rows, strict=False):
         assert h["reward/reward_mean"] == pytest.approx(r["reward_mean"])
         assert h["sync/sync_s"] == pytest.approx(r["sync_s"])
         assert h["algo/pg_loss"] == pytest.approx(r["pg_loss"])
+    logged = [(h["_step"], h["eval/reward_mean"]) for h in history if "eval/reward_mean" in h]
+    assert logged == [(int(e["step"]), pytest.approx(e["eval/reward_mean"])) for e in _evals(run)]
     assert run_record is not None and run_record.project == "asyncrl"
     config = {i.key: json.loads(i.value_json) for i in run_record.config.update}
     assert config["controller"]["total_steps"] == STEPS
@@ -369,6 +406,11 @@ def test_progress_lines(run_and_output: tuple[Path, str]) -> None:
     assert lines[0].startswith(f"step 1/{STEPS} | reward ") and "ETA" in lines[-1]
     assert "tok/s" in lines[-1] and "- tok/s" not in lines[-1]
     assert f"(last {min(STEPS, 10)}: " in lines[-1]  # the running mean says what it is
+    evals = [line for line in stdout.splitlines() if line.startswith("eval of v")]
+    assert [e.split(" | ")[0] for e in evals] == ["eval of v0", f"eval of v{EVAL_EVERY}",
+                                                   f"eval of v{STEPS}"]  # fmt: skip
+    assert "pass@2" in evals[0] and "greedy" in evals[0]
+    assert " | eval " in lines[-1] and "@v" in lines[-1]  # the step line carries the newest
 
 
 def test_progress_live_line_rewrites_in_place() -> None:
@@ -401,6 +443,24 @@ def test_progress_line_says_what_its_running_mean_is() -> None:
     assert "reward 0.000 (last 1: 0.000)" in lines[0]
     assert "reward 11.000 (last 10: 6.500)" in lines[-1]  # mean of 2..11
     assert "avg" not in buf.getvalue()
+
+
+def test_progress_eval_line_keeps_the_live_step_line_readable() -> None:
+    import io
+
+    from asyncrl.progress import Progress
+
+    buf = io.StringIO()
+    p = Progress(4, buf, live=True)
+    p.update({"step": 0, "wall_s": 1.0, "reward_mean": 0.25})
+    p.eval({"step": 1, "eval/reward_mean": 0.5, "eval/pass@1": 0.25, "eval/pass@4": 0.75})
+    p.update({"step": 1, "wall_s": 2.0, "reward_mean": 0.5})
+    text = buf.getvalue()
+    eval_line = "eval of v1 | reward 0.500 | pass@1 0.250 | pass@4 0.750\n"
+    assert eval_line in text
+    before, after = text.split(eval_line)
+    assert before.endswith("\r") and before.count("\n") == 0  # the step line was wiped first
+    assert after.startswith("\rstep 2/4 | reward 0.500 (last 2: 0.375) | eval 0.500@v1 | ")
 
 
 def test_plot_text_columns_are_labelled(tmp_path: Path) -> None:

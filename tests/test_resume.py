@@ -81,12 +81,12 @@ def greedy_reward(model_dir: Path, n: int = 64) -> float:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from asyncrl.config import RunConfig, TaskConfig
+    from asyncrl.config import ReverseTaskConfig, RunConfig
     from asyncrl.tasks import make_task
 
     AutoTokenizer.from_pretrained(str(model_dir))  # the tokenizer came along
     model = AutoModelForCausalLM.from_pretrained(str(model_dir)).eval()
-    cfg = RunConfig(task=TaskConfig(seed=12345))
+    cfg = RunConfig(task=ReverseTaskConfig(seed=12345))
     task = make_task(cfg.task, str(model_dir))
     samples = [s for _, s in zip(range(n), task.samples(), strict=False)]
     ids = torch.tensor([s.prompt_ids for s in samples])

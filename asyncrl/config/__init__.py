@@ -5,14 +5,16 @@ file sets any subset of the sections below; ``--section.key=value`` overrides wi
 over the file. Validation errors are ``ValueError`` naming the dotted key and,
 for choices, the allowed values. This package never imports torch.
 
-Two sections are one type per backend (msgspec tagged unions, the tag being
-``backend``): ``weights`` (:class:`CollectiveWeightsConfig` for ``auto`` / ``gloo`` /
-``nccl`` / ``hccl``, :class:`CudaIpcWeightsConfig` for ``cuda-ipc``) and ``rollout``
-(:class:`LocalRolloutConfig`, :class:`SGLangRolloutConfig`, :class:`VLLMRolloutConfig`).
-An option of another backend is refused, naming the backend(s) it belongs to; omitting
-``backend`` keeps the default one. Numeric limits are declared on the fields (``Annotated[int,
-msgspec.Meta(gt=0)]``), checked when a config is decoded and when a section is built
-in Python; non-finite floats are refused everywhere.
+Three sections are one type per choice (msgspec tagged unions): ``weights`` and ``rollout``
+by ``backend`` (:class:`CollectiveWeightsConfig` for ``auto`` / ``gloo`` / ``nccl`` /
+``hccl``, :class:`CudaIpcWeightsConfig` for ``cuda-ipc``; :class:`LocalRolloutConfig`,
+:class:`SGLangRolloutConfig`, :class:`VLLMRolloutConfig`) and ``task`` by ``name``
+(:class:`ReverseTaskConfig`, :class:`MathTaskConfig`, :class:`AgentTaskConfig`,
+:class:`LongTailTaskConfig`, :class:`AgenticTaskConfig`). An option of another backend (or
+task) is refused, naming the one(s) it belongs to; omitting the tag keeps the default one.
+Numeric limits are declared on the fields (``Annotated[int, msgspec.Meta(gt=0)]``), checked
+when a config is decoded and when a section is built in Python; non-finite floats are
+refused everywhere.
 """
 
 from __future__ import annotations
@@ -32,20 +34,26 @@ from asyncrl.config.rollout import (
     VLLMRolloutConfig,
 )
 from asyncrl.config.run import (
-    WORKLOAD_TASKS,
-    AgenticConfig,
     CheckpointConfig,
     ClusterConfig,
     ControllerConfig,
     ExperienceConfig,
     LoggingConfig,
-    LongTailConfig,
     ModelConfig,
     RunConfig,
-    TaskConfig,
     TensorBoardConfig,
     TraceConfig,
     WandbConfig,
+)
+from asyncrl.config.task import (
+    AgenticConfig,
+    AgenticTaskConfig,
+    AgentTaskConfig,
+    LongTailConfig,
+    LongTailTaskConfig,
+    MathTaskConfig,
+    ReverseTaskConfig,
+    TaskConfig,
 )
 from asyncrl.config.trainer import AlgoConfig, TrainerConfig
 from asyncrl.config.weights import (
@@ -62,8 +70,9 @@ __all__ = [
     "DEFAULT_MAX_NEW_TOKENS",
     "PAUSE_MODES",
     "VLLM_PAUSE_MODES",
-    "WORKLOAD_TASKS",
+    "AgentTaskConfig",
     "AgenticConfig",
+    "AgenticTaskConfig",
     "AlgoConfig",
     "AutoWeightsConfig",
     "CheckpointConfig",
@@ -79,10 +88,13 @@ __all__ = [
     "LocalRolloutConfig",
     "LoggingConfig",
     "LongTailConfig",
+    "LongTailTaskConfig",
     "LoraConfig",
+    "MathTaskConfig",
     "ModelConfig",
     "NcclWeightsConfig",
     "PauseMode",
+    "ReverseTaskConfig",
     "RolloutConfig",
     "RunConfig",
     "SGLangRolloutConfig",

@@ -13,7 +13,7 @@ from typing import Any, Literal
 import msgspec
 
 from asyncrl.config.base import _hints, _limit_message, _section_types
-from asyncrl.config.run import WORKLOAD_TASKS, LongTailConfig, RunConfig
+from asyncrl.config.run import RunConfig
 
 _RETIRED = {
     "controller.pause_mode": "rollout.pause_mode (one knob for the run's pushes and "
@@ -30,19 +30,25 @@ def _tag(cls: type[msgspec.Struct]) -> Any:
     return cls.__struct_config__.tag
 
 
+def _tag_field(types: tuple[type[msgspec.Struct], ...]) -> str:
+    """The key that chooses a tagged union's member: ``backend`` (rollout, weights) or
+    ``name`` (task)."""
+    return str(types[0].__struct_config__.tag_field)
+
+
 @cache
 def _default_variant(field: str) -> type[msgspec.Struct]:
-    """The member of the tagged union ``RunConfig.<field>`` used when ``backend`` is omitted."""
+    """The member of the tagged union ``RunConfig.<field>`` used when its tag is omitted."""
     return type(getattr(RunConfig(), field))
 
 
 def _variant(tp: Any, node: Any, field: str) -> type[msgspec.Struct] | None:
     """The section type a value of type ``tp`` (the field ``field``) decodes to, ``node`` being
-    its tree: a tagged union's member named by the tree's ``backend`` (or the default one)."""
+    its tree: a tagged union's member named by the tree's tag (or the default one)."""
     types = _section_types(tp)
     if len(types) <= 1:
         return types[0] if types else None
-    tag = node.get("backend") if isinstance(node, dict) else None
+    tag = node.get(_tag_field(types)) if isinstance(node, dict) else None
     chosen = [t for t in types if _tag(t) == tag]
     return chosen[0] if chosen else _default_variant(field)
 
@@ -66,7 +72,7 @@ def _allowed(tree: dict[str, Any], path: list[str]) -> str:
     """Describe the allowed values (or keys) at a dotted path of RunConfig."""
     tp, parent = _walk(tree, path)
     if tp is None:
-        if parent is not None and path[-1] == parent.__struct_config__.tag_field:  # backend
+        if parent is not None and path[-1] == parent.__struct_config__.tag_field:  # the tag
             union = _section_types(_hints(RunConfig)[path[0]])
             return "allowed values: " + ", ".join(repr(_tag(t)) for t in union)
         if parent is not None and len(path) > 0:
@@ -86,8 +92,9 @@ def _keys(cls: type[msgspec.Struct]) -> tuple[str, ...]:
 
 
 def _backend_error(tree: dict[str, Any], path: list[str]) -> str | None:
-    """``weights.ipc_copy='foreach' applies to weights.backend = 'cuda-ipc' only; ...``: the
-    unknown key ``path`` is an option of other members of its tagged union."""
+    """``weights.ipc_copy='foreach' applies to weights.backend = 'cuda-ipc' only; ...``
+    (``task.path='f' applies to task.name = 'math' | 'agent' only; ...``): the unknown key
+    ``path`` is an option of other members of its tagged union."""
     if len(path) != 2:
         return None
     section, name = path
@@ -97,18 +104,19 @@ def _backend_error(tree: dict[str, Any], path: list[str]) -> str | None:
         return None
     node = tree.get(section, {})
     value, chosen = node.get(name), _variant(_hints(RunConfig)[section], node, section)
+    tag = f"{section}.{_tag_field(types)}"
     return (
-        f"{section}.{name}={value!r} applies to {section}.backend = {' | '.join(owners)} only; "
-        f"this run has {section}.backend={_tag(chosen) if chosen else None!r}"
+        f"{section}.{name}={value!r} applies to {tag} = {' | '.join(owners)} only; "
+        f"this run has {tag}={_tag(chosen) if chosen else None!r}"
     )
 
 
 def _fill_backends(tree: dict[str, Any]) -> None:
-    """A tagged-union section given without ``backend`` is the default backend's."""
+    """A tagged-union section given without its tag is the default member's."""
     for name, hint in _hints(RunConfig).items():
-        node = tree.get(name)
-        if len(_section_types(hint)) > 1 and isinstance(node, dict) and "backend" not in node:
-            tree[name] = {"backend": _tag(_default_variant(name)), **node}
+        node, types = tree.get(name), _section_types(hint)
+        if len(types) > 1 and isinstance(node, dict) and _tag_field(types) not in node:
+            tree[name] = {_tag_field(types): _tag(_default_variant(name)), **node}
 
 
 def _drop_recorded_extras(tree: dict[str, Any], given: set[str]) -> None:
@@ -173,25 +181,16 @@ def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
 
 
 def workload_defaults(tree: dict[str, Any]) -> dict[str, Any]:
-    """The defaults a workload task (``task.name`` in :data:`WORKLOAD_TASKS`) changes, as
-    dotted keys -> values, for the config tree ``tree`` (documented at ``TaskConfig.name``):
-    ``task.num_digits = 1``; ``longtail``: ``algo.loss_agg = "seq-mean"`` (each response
-    weighs 1, however long its tail) and, where the engines are the embedded one the run
-    starts on the tiny default model (64 positions), ``--context-length`` for the longest
-    prompt + response. Empty for any other task."""
-    name = _lookup(tree, ["task", "name"])
-    if name not in WORKLOAD_TASKS:
-        return {}
-    out: dict[str, Any] = {"task.num_digits": 1}
-    if name == "longtail":
-        out["algo.loss_agg"] = "seq-mean"
-        digits = _lookup(tree, ["task", "num_digits"]) or 1
-        max_len = _lookup(tree, ["task", "longtail", "max_len"]) or LongTailConfig().max_len
-        local = _lookup(tree, ["rollout", "backend"]) in (None, "local")
-        tiny = not _lookup(tree, ["model", "path"]) and not _lookup(tree, ["rollout", "urls"])
-        if local and tiny and isinstance(digits, int) and isinstance(max_len, int):
-            out["rollout.extra_args"] = ["--context-length", str(digits + 2 + max_len)]
-    return out
+    """The defaults the task ``tree`` chooses (``task.name``) changes in other sections, as
+    dotted keys -> values (:meth:`~asyncrl.config.task.LongTailTaskConfig.defaults`): empty
+    for most tasks, and for an unknown ``task.name`` (refused when the tree decodes)."""
+    task = tree.get("task")
+    name = task.get("name") if isinstance(task, dict) else None
+    types = _section_types(_hints(RunConfig)["task"])
+    chosen = (
+        [t for t in types if _tag(t) == name] if name is not None else [_default_variant("task")]
+    )
+    return chosen[0].defaults(tree) if chosen else {}  # type: ignore[attr-defined]
 
 
 def _apply_workload_defaults(tree: dict[str, Any]) -> None:
@@ -284,10 +283,10 @@ def load_config(
 
 def to_dict(cfg: RunConfig) -> dict[str, Any]:
     """Plain JSON-able dict of a config as the run uses it (config.json in the run folder):
-    ``backend`` is written in the ``weights`` and ``rollout`` sections, and what the run
-    derives from other keys is recorded as it holds: ``gateway.enabled`` is true for
-    ``task.name = "agent"``, which serves the gateway."""
+    ``backend`` is written in the ``weights`` and ``rollout`` sections (``name`` in ``task``),
+    and what the run derives from other keys is recorded as it holds: ``gateway.enabled`` is
+    true for a task that serves the gateway (``task.name = "agent"``)."""
     tree = msgspec.to_builtins(cfg)
-    if cfg.task.name == "agent":
+    if cfg.task.serves_gateway:
         tree["gateway"]["enabled"] = True
     return tree

@@ -3,10 +3,10 @@ config structs themselves: every key, its type and limits, its default and its d
 
 A field's docstring is the string literal under it in its class's source (read with
 :mod:`ast`, as Sphinx reads attribute docstrings). A section that is one type per backend
-(``rollout``, ``weights``) lists the keys every backend takes once (defaults per backend
-where they differ), then each backend's own keys. :func:`undocumented` lists the fields
-without a docstring (a test keeps it empty); ``tests/test_config.py`` regenerates the page
-and compares it with ``docs/config.md``.
+(``rollout``, ``weights``; or per task: ``task``) lists the keys every backend takes once
+(defaults per backend where they differ), then each backend's own keys. :func:`undocumented`
+lists the fields without a docstring (a test keeps it empty); ``tests/test_config.py``
+regenerates the page and compares it with ``docs/config.md``.
 """
 
 from __future__ import annotations
@@ -165,8 +165,12 @@ def _section(
         _section(sub_prefix, sub, out, doc)
 
 
-def _union(prefix: str, members: tuple[type[msgspec.Struct], ...], doc: str) -> str:
-    """A section that is one type per backend: the shared keys once, then each backend's."""
+def _union(
+    prefix: str, members: tuple[type[msgspec.Struct], ...], doc: str
+) -> list[tuple[str, str]]:
+    """A section that is one type per backend (or task): the shared keys once, then each
+    one's own keys (with its docstring when it is the only one to have them), then the
+    subsections of a member (``task.longtail``)."""
     tags = [str(m.__struct_config__.tag) for m in members]
     default_member = type(getattr(RunConfig(), prefix))
     shared = [
@@ -176,11 +180,12 @@ def _union(prefix: str, members: tuple[type[msgspec.Struct], ...], doc: str) -> 
     if doc:
         lines.append(_text(doc))
     tag_field = members[0].__struct_config__.tag_field
+    what = "backend" if tag_field == "backend" else prefix
     lines.append(
-        f"`{prefix}.{tag_field}` chooses the backend: "
+        f"`{prefix}.{tag_field}` chooses the {what}: "
         + ", ".join(f"`{json.dumps(t)}`" for t in tags)
         + f" (default `{json.dumps(default_member.__struct_config__.tag)}`); an option of "
-        "another backend is refused, naming the backend it belongs to."
+        f"another {what} is refused, naming the {what} it belongs to."
     )
     common = next(c for c in members[0].__mro__ if all(issubclass(m, c) for m in members))
     main_tag = str(default_member.__struct_config__.tag)
@@ -192,24 +197,29 @@ def _union(prefix: str, members: tuple[type[msgspec.Struct], ...], doc: str) -> 
         kind = _per_backend(types, main_tag)
         doc = _field_doc(common, name) or _field_doc(default_member, name)  # the general word
         rows.append(f"| `{prefix}.{name}` | {kind} | {default} | {_text(doc)} |")
-    lines.append(f"Every backend:\n\n{_TABLE}\n" + "\n".join(rows))
+    lines.append(f"Every {what}:\n\n{_TABLE}\n" + "\n".join(rows))
     groups: dict[tuple[str, ...], list[type[msgspec.Struct]]] = {}
     for m in members:
         own = tuple(n for n in m.__struct_fields__ if n not in shared)
         groups.setdefault(own, []).append(m)
+    subs: list[tuple[str, str]] = []
     for own, group in groups.items():
         if not own:
             continue
         names = " \\| ".join(f"`{json.dumps(m.__struct_config__.tag)}`" for m in group)
         first = group[0]
-        rows = [
-            _row(
-                f"{prefix}.{n}", _hints(first)[n], _value(_default(first, n)), _field_doc(first, n)
-            )
-            for n in own
-        ]
-        lines.append(f"Only with `{prefix}.{tag_field}` = {names}:\n\n{_TABLE}\n" + "\n".join(rows))
-    return "\n\n".join(lines)
+        rows = []
+        for n in own:
+            tp = _hints(first)[n]
+            if len(_section_types(tp)) == 1:  # a subsection of this member: its own table
+                _section(f"{prefix}.{n}", _section_types(tp)[0], subs, _field_doc(first, n))
+                continue
+            rows.append(_row(f"{prefix}.{n}", tp, _value(_default(first, n)), _field_doc(first, n)))
+        head = f"Only with `{prefix}.{tag_field}` = {names}:"
+        if len(group) == 1 and _class_doc(first):
+            head += " " + _text(_class_doc(first))
+        lines.append(f"{head}\n\n{_TABLE}\n" + "\n".join(rows))
+    return [(prefix, "\n\n".join(lines)), *subs]
 
 
 def _per_backend(values: dict[str, str], main: str) -> str:
@@ -229,7 +239,7 @@ def sections() -> list[tuple[str, str]]:
         if len(members) == 1:
             _section(name, members[0], out, doc)
         elif members:
-            out.append((name, _union(name, members, doc)))
+            out.extend(_union(name, members, doc))
         else:
             top.append(_row(name, tp, _value(_default(RunConfig, name)), doc))
     out.append(("(top level)", "## Top-level keys\n\n" + _TABLE + "\n" + "\n".join(top)))

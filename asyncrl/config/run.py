@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Final, Literal
+from typing import Literal
 
 import msgspec
 
@@ -11,19 +11,14 @@ from asyncrl.config.evaluation import EvalConfig
 from asyncrl.config.gateway import GatewayConfig
 from asyncrl.config.lora import LoraConfig
 from asyncrl.config.rollout import (
-    DEFAULT_MAX_NEW_TOKENS,
     LocalRolloutConfig,
     RolloutConfig,
     SGLangRolloutConfig,
     VLLMRolloutConfig,
 )
+from asyncrl.config.task import ReverseTaskConfig, TaskConfig
 from asyncrl.config.trainer import AlgoConfig, TrainerConfig
 from asyncrl.config.weights import AutoWeightsConfig, CudaIpcWeightsConfig, WeightSyncConfig
-
-MATH_BUDGET = 512
-"""The ``math`` task's generation budget when ``task.max_new_tokens`` is 0."""
-TINY_MATH_BUDGET = 16
-"""... on the tiny default model (a 64-token context: room for the prompt)."""
 
 
 class ModelConfig(_Section, frozen=True):
@@ -31,110 +26,6 @@ class ModelConfig(_Section, frozen=True):
     """Local Hugging Face model directory. Empty: build (once) and use the tiny default model."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Parameter dtype of the trainer and the embedded engine."""
-
-
-class LongTailConfig(_Section, frozen=True):
-    """``task.name = "longtail"``: the reverse task, each response continuing for a length
-    drawn per episode from Pareto(``alpha``) of scale ``min_len``, capped at ``max_len``
-    (``asyncrl.tasks.workloads.LongTail``). With the defaults half the responses are <= 8
-    tokens and ~1 in 128 reaches the cap of 512: a synchronous step waits for its longest."""
-
-    min_len: Positive = 4
-    """Shortest response (the Pareto scale), >= ``task.num_digits``."""
-    alpha: PositiveFloat = 1.0
-    """Pareto shape: smaller is a heavier tail."""
-    max_len: Positive = 512
-    """Longest response (the cap), also the run's generation budget."""
-
-
-class AgenticConfig(_Section, frozen=True):
-    """``task.name = "agentic"``: ``turns`` rounds of the reverse task in one episode, a tool
-    call between rounds that waits (``asyncio.sleep``, no CPU) a Pareto(``alpha``) latency of
-    scale ``latency_min_s``, capped at ``latency_max_s`` (``asyncrl.tasks.workloads.Agentic``)."""
-
-    turns: Annotated[int, msgspec.Meta(ge=2)] = 2
-    """Rounds per episode (>= 2: a tool call between rounds)."""
-    latency_min_s: PositiveFloat = 0.02
-    """Shortest tool latency (the Pareto scale), seconds."""
-    alpha: PositiveFloat = 1.0
-    """Pareto shape of the tool latency: smaller is a heavier tail."""
-    latency_max_s: PositiveFloat = 0.6
-    """Longest tool latency (the cap), seconds."""
-
-
-WORKLOAD_TASKS: Final[tuple[str, ...]] = ("longtail", "agentic")
-"""Task names that are learning workloads (``asyncrl.tasks.workloads``): each changes some
-defaults, see :data:`TaskConfig.name`."""
-
-
-class TaskConfig(_Section, frozen=True):
-    name: Literal["reverse", "math", "agent", "longtail", "agentic"] = "reverse"
-    """Built-in task. ``reverse``: repeat n digits in reverse order; reward = fraction right;
-    generation budget ``num_digits + 1`` (the digits and the end token). ``math``: prompts
-    from a local JSONL/Parquet file (``path``), rendered with the model's chat template;
-    reward 1 when the last integer in the response equals the answer, else 0. ``agent``:
-    ``agent`` (an OpenAI-API agent) runs once per episode against the gateway, on samples
-    from ``path`` (JSONL rows: ``prompt`` or ``messages``, ``answer``) or, without a path,
-    the built-in weather chat task. ``longtail`` / ``agentic``: the learning workloads where
-    asynchrony pays (heavy-tailed response lengths; multi-turn episodes waiting on a slow
-    tool), knobs in ``task.longtail`` / ``task.agentic``, reward the reverse task's partial
-    credit. They change these defaults (a key the file or the command line sets wins):
-    ``task.num_digits = 1``; ``longtail`` also ``algo.loss_agg = "seq-mean"`` and, on the
-    embedded engine with the tiny default model (64 positions), ``rollout.extra_args =
-    ["--context-length", num_digits + 2 + max_len]``."""
-    num_digits: Positive = 2
-    """Digits per prompt of the ``reverse`` task and of the workloads (their default: 1)."""
-    longtail: LongTailConfig = msgspec.field(default_factory=LongTailConfig)
-    """``longtail``: the response-length distribution."""
-    agentic: AgenticConfig = msgspec.field(default_factory=AgenticConfig)
-    """``agentic``: turns and the tool's latency distribution."""
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.name == "longtail" and self.longtail.min_len < self.num_digits:
-            raise ValueError(
-                f"task.longtail.min_len ({self.longtail.min_len}) must be >= task.num_digits "
-                f"({self.num_digits}): the answer is the response's first num_digits tokens"
-            )
-
-    seed: int = 0
-    """Seed of the prompt stream."""
-    path: str = ""
-    """``math``: local ``.jsonl`` or ``.parquet`` file with one problem per row."""
-    prompt_key: str = "question"
-    """``math``: column holding the problem text."""
-    answer_key: str = "answer"
-    """``math``: column holding the integer answer (``#### 42`` / ``\\boxed{42}`` also accepted)."""
-    system_prompt: str = ""
-    """``math``: optional system message put before each problem."""
-    prompt_format: Literal["auto", "chat", "raw"] = "auto"
-    """``math``: ``chat``: the model's chat template over ``[system?, user: problem]``;
-    ``raw``: the text itself (``system_prompt``, a space, the problem), after the model's
-    BOS token if it has one, as for a base model; ``auto``: ``chat`` when the model's
-    tokenizer has a chat template, else ``raw`` (the tiny default model has none)."""
-    max_new_tokens: NonNegative = 0
-    """``math``: generation budget per response (``rollout.max_new_tokens`` overrides it);
-    0: 512, or 16 on the tiny default model (no ``model.path``: a 64-token context)."""
-    shuffle: bool = True
-    """``math``: visit the rows in a seeded random order each pass (else file order)."""
-    agent: str = ""
-    """``agent``: ``package.module:function``, ``async def fn(client, sample) -> float | None``
-    with ``client`` an ``openai.AsyncOpenAI`` on the episode's gateway session; the float is
-    the reward, None rejects the sample."""
-    agent_command: list[str] = []
-    """``agent`` without ``agent``: an external command (argv) run once per episode with
-    ``OPENAI_BASE_URL`` (the episode's session), ``OPENAI_API_KEY`` (its key),
-    ``ASYNCRL_SAMPLE`` (the sample as JSON) and ``ASYNCRL_REWARD_URL`` set; it posts
-    ``{"reward": x}`` there before it exits (no reward, a non-zero exit or
-    ``gateway.agent_timeout_s`` passing: the sample is rejected)."""
-    reward_fn: str = ""
-    """Custom reward replacing the task's own: ``package.module:function`` (importable, or a
-    module in the working directory) or ``path/to/file.py:function``. The one reward
-    signature, as ``ctx.reward``'s: ``fn(sample, response_ids) -> float`` (may be ``async
-    def``); declare a keyword-only ``text`` (``fn(sample, response_ids, *, text)``) to get
-    the decoded response. ``sample.answer`` holds the row's answer (``math``) or the digits.
-    The old ``fn(sample, response_ids, response_text)`` still works, with a deprecation
-    warning."""
 
 
 class ControllerConfig(_Section, frozen=True):
@@ -323,8 +214,9 @@ class RunConfig(_Section, frozen=True):
 
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     """The policy model: a local Hugging Face folder, or the tiny default model."""
-    task: TaskConfig = msgspec.field(default_factory=TaskConfig)
-    """What the episodes are: a built-in task, its data and reward, or an OpenAI-API agent."""
+    task: TaskConfig = msgspec.field(default_factory=ReverseTaskConfig)
+    """What the episodes are: a built-in task, its data and reward, or an OpenAI-API agent
+    (``task.name`` chooses; each task takes only its own keys)."""
     rollout: RolloutConfig = msgspec.field(default_factory=LocalRolloutConfig)
     """The rollout engines: which family, how many, where, sampling, pausing for updates."""
     trainer: TrainerConfig = msgspec.field(default_factory=TrainerConfig)
@@ -391,20 +283,13 @@ class RunConfig(_Section, frozen=True):
     def generation_budget(self) -> int:
         """Most response tokens of one episode of a built-in task (the one rule; the embedding
         API's episodes get ``rollout.max_new_tokens or DEFAULT_MAX_NEW_TOKENS``):
-        ``rollout.max_new_tokens`` when set, else the task's own: ``num_digits + 1`` for
-        ``reverse`` and per turn of ``agentic`` (the digits and the end token),
-        ``task.longtail.max_len`` for ``longtail``, ``task.max_new_tokens`` for ``math``
-        (0: ``MATH_BUDGET``, or ``TINY_MATH_BUDGET`` on the tiny default model, whose
-        context is 64 tokens); per completion of ``agent`` (a request naming no
-        ``max_tokens``), ``task.max_new_tokens`` or ``DEFAULT_MAX_NEW_TOKENS``."""
+        ``rollout.max_new_tokens`` when set, else the task's own
+        (:meth:`~asyncrl.config.task.ReverseTaskConfig.own_budget`: ``num_digits + 1`` for
+        ``reverse`` and per turn of ``agentic``, ``task.longtail.max_len`` for ``longtail``,
+        ``task.max_new_tokens`` for ``math`` (0: ``MATH_BUDGET``, or ``TINY_MATH_BUDGET`` on
+        the tiny default model, whose context is 64 tokens); per completion of ``agent`` (a
+        request naming no ``max_tokens``), ``task.max_new_tokens`` or
+        ``DEFAULT_MAX_NEW_TOKENS``)."""
         if self.rollout.max_new_tokens > 0:
             return self.rollout.max_new_tokens
-        if self.task.name == "agent":
-            return self.task.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
-        if self.task.name == "longtail":
-            return self.task.longtail.max_len
-        if self.task.name in ("reverse", "agentic"):
-            return self.task.num_digits + 1
-        if self.task.max_new_tokens:
-            return self.task.max_new_tokens
-        return MATH_BUDGET if self.model.path else TINY_MATH_BUDGET
+        return self.task.own_budget(tiny=not self.model.path)

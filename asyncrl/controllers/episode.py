@@ -54,9 +54,9 @@ import numpy as np
 from asyncrl import secret
 from asyncrl.config import DEFAULT_MAX_NEW_TOKENS
 from asyncrl.controllers.adapters import AdapterNames
+from asyncrl.controllers.rewards import REWARD_SIGNATURE, reward_form
 from asyncrl.core import GenerateResult, Sample, Trajectory
 from asyncrl.engines.rollout.base import EngineBadRequest, EngineError, EngineUnavailable
-from asyncrl.tasks.base import REWARD_SIGNATURE, reward_form
 
 if TYPE_CHECKING:
     from asyncrl.controllers.router import Router

@@ -30,14 +30,14 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from asyncrl.config import RunConfig, TaskConfig
+from asyncrl.config import RunConfig
 from asyncrl.controllers.episode import EpisodeContext, Gate, RewardFn, RewardRunner
 from asyncrl.controllers.router import Router
 
 if TYPE_CHECKING:
     from asyncrl.controllers.controller import Controller
 
-__all__ = ["Evaluator", "eval_samples", "evaluate", "pass_at_k"]
+__all__ = ["Evaluator", "evaluate", "pass_at_k"]
 
 log = logging.getLogger(__name__)
 
@@ -110,34 +110,6 @@ async def evaluate(
     out["eval/weight_version_max"] = float(max(v for *_, v in done))
     out["eval/wall_s"] = time.perf_counter() - t0
     return out
-
-
-def eval_samples(cfg: RunConfig, model_path: str) -> tuple[list[Any], RewardFn]:
-    """The held-out prompts of ``asyncrl run`` (``eval.path``, else the task's eval split) and
-    the task's reward. ValueError for a task without one, naming the keys."""
-    import msgspec
-
-    from asyncrl.tasks.base import make_task
-
-    ec, tc = cfg.eval, cfg.task
-    if tc.name not in ("reverse", "math"):
-        raise ValueError(
-            f"eval runs on the single-turn tasks ('reverse', 'math'), not task.name={tc.name!r}: "
-            "set eval.every_steps=0, eval.before_train=false and eval.at_end=false, or "
-            "evaluate from the embedding API (await ctl.evaluate(...))"
-        )
-    if tc.name == "reverse" and ec.path:
-        raise ValueError(
-            "eval.path holds rows of the 'math' task's format; task.name='reverse' has its own "
-            "eval split (leave eval.path empty)"
-        )
-    if tc.name == "math" and not ec.path:
-        raise ValueError("eval with task.name='math' needs eval.path (a held-out .jsonl file)")
-    held_out: TaskConfig = msgspec.structs.replace(
-        tc, seed=tc.seed + EVAL_SEED_OFFSET, path=ec.path or tc.path, shuffle=False
-    )
-    task = make_task(held_out, model_path)
-    return list(itertools.islice(task.samples(), ec.num_prompts)), task.reward
 
 
 class Evaluator:

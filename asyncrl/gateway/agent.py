@@ -5,12 +5,15 @@ whose ``base_url`` is the episode's session; ``sample`` an :class:`AgentSample`.
 float is the reward of every trajectory the session made; None rejects the sample.
 Samples come from ``task.path`` (JSONL, one object per line: ``prompt`` (text) or
 ``messages`` (a chat), and ``answer``) or, without a path, the built-in weather task
-(``prompt`` "What is the weather in CITY?", ``answer`` the city), whose example agent
-is :func:`weather_agent`.
+(``prompt`` "What is the weather in CITY?", ``answer`` the city). The agents themselves are
+the user's: examples (``weather_agent`` for the weather task, ``reverse_agent``,
+``reverse_chat_agent``) are in ``examples/agents.py`` (``--task.agent=
+examples/agents.py:weather_agent``).
 """
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import json
 import random
@@ -20,18 +23,11 @@ from typing import Any
 
 import msgspec
 
-from asyncrl.config import RunConfig
+from asyncrl.config import AgentTaskConfig, RunConfig
 from asyncrl.gateway.app import AgentFn, Gateway
 from asyncrl.tasks.base import load_reward_fn
 
-__all__ = [
-    "AgentSample",
-    "agent_gateway",
-    "agent_samples",
-    "reverse_agent",
-    "reverse_chat_agent",
-    "weather_agent",
-]
+__all__ = ["AgentSample", "agent_gateway", "agent_samples", "check_agent"]
 
 CITIES = ["Paris", "Tokyo", "Lima", "Oslo", "Cairo", "Quito"]
 
@@ -45,9 +41,15 @@ class AgentSample(msgspec.Struct, frozen=True):
     id: int = 0
 
 
+def _agent_task(cfg: RunConfig) -> AgentTaskConfig:
+    if not isinstance(cfg.task, AgentTaskConfig):
+        raise ValueError(f"task.name={cfg.task.name!r} runs no agent (task.name='agent' does)")
+    return cfg.task
+
+
 def agent_samples(cfg: RunConfig) -> Iterator[AgentSample]:
     """The task's samples, forever (the file's rows in order, again and again)."""
-    tc = cfg.task
+    tc = _agent_task(cfg)
     if not tc.path:
         rng = random.Random(tc.seed)
         for i in itertools.count():
@@ -75,7 +77,7 @@ def agent_samples(cfg: RunConfig) -> Iterator[AgentSample]:
 def agent_gateway(cfg: RunConfig, model_path: str) -> Gateway:
     """The run's gateway with the agent function ``task.agent`` or the external command
     ``task.agent_command`` (a ValueError names what is missing)."""
-    tc = cfg.task
+    tc = _agent_task(cfg)
     if bool(tc.agent) == bool(tc.agent_command):
         raise ValueError(
             "task.name='agent' needs task.agent='package.module:function' or "
@@ -87,8 +89,52 @@ def agent_gateway(cfg: RunConfig, model_path: str) -> Gateway:
     return gw
 
 
+def check_agent(t: AgentTaskConfig) -> None:
+    """The agent task's preflight: one of ``task.agent`` / ``task.agent_command``; a
+    ``task.path`` that is a file; an agent function that imports, is an ``async def`` and
+    takes ``(client, sample)``. ValueError naming the key."""
+    if bool(t.agent) == bool(t.agent_command):
+        raise ValueError(
+            "task.name='agent' needs task.agent='package.module:function' (an async def "
+            "fn(client, sample)) or task.agent_command=[argv...], one of the two (the built-in "
+            "weather task's example agent: --task.agent=examples/agents.py:weather_agent)"
+        )
+    if t.path and not Path(t.path).is_file():
+        raise ValueError(f"task.path {t.path!r} is not a file (task.name='agent')")
+    if not t.agent:
+        return
+    fn = load_reward_fn(t.agent, key="task.agent")
+    name = getattr(fn, "__qualname__", type(fn).__qualname__)
+    form = f"async def {name}(client, sample) -> float | None"
+    if not _is_async(fn):
+        raise ValueError(
+            f"task.agent {t.agent!r}: {name} is not an async function; an agent is awaited once "
+            f"per episode: {form}"
+        )
+    try:
+        inspect.signature(fn).bind(None, None)
+    except TypeError as exc:
+        raise ValueError(
+            f"task.agent {t.agent!r}: {name} cannot be called with (client, sample): {exc}; "
+            f"an agent is {form}"
+        ) from None
+    except ValueError:  # no signature to read (a builtin): it is called and tells itself
+        pass
+
+
+def _is_async(fn: Any) -> bool:
+    """``fn(...)`` returns a coroutine, as far as can be told without calling it: an ``async
+    def`` (or a ``functools.partial`` of one, or a wrapper whose ``__wrapped__`` is one), or an
+    object whose ``__call__`` is."""
+    if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(inspect.unwrap(fn)):
+        return True
+    call = inspect.getattr_static(type(fn), "__call__", None)
+    routine = inspect.isroutine(fn) or inspect.isclass(fn)
+    return not routine and call is not None and inspect.iscoroutinefunction(call)
+
+
 def command_agent(gw: Gateway, argv: list[str]) -> AgentFn:
-    """An agent function that runs ``argv`` per episode (see ``TaskConfig.agent_command``):
+    """An agent function that runs ``argv`` per episode (see ``AgentTaskConfig.agent_command``):
     the reward is what the command posted to its session (none posted: the sample is
     rejected); a non-zero exit rejects the sample naming the exit status
     (:class:`EpisodeRejected`). The process is killed (by its pid) when the episode is
@@ -117,66 +163,3 @@ def command_agent(gw: Gateway, argv: list[str]) -> AgentFn:
 
     run.argv = list(argv)  # type: ignore[attr-defined]  # how the gateway names it in logs
     return run
-
-
-async def weather_agent(client: Any, sample: AgentSample) -> float:
-    """The built-in task's agent: ask, run the ``get_weather`` tool it calls, answer.
-
-    Reward (verifiable, from the transcript alone): 0.25 for a ``get_weather`` call naming
-    the sample's city, 0.75 for a final answer that is exactly ``It is WEATHER in CITY.``
-    (the weather the tool returned, the city asked about). v1 of the tiny chat model started
-    near 0.3-0.45 (it calls the tool, but often misstates the weather or the city) and, being
-    nearly deterministic after its warm start, did not learn it within 5 minutes at any
-    learning rate tried (docs/results/gateway.md; not re-run on v2). The chat task that
-    learns in minutes is :func:`reverse_chat_agent`."""
-    from asyncrl.tasks.tiny_chat_model import WEATHER_TOOL
-
-    msgs: list[Any] = [{"role": "user", "content": sample.prompt}]
-    weather = random.Random(sample.id).choice(["sunny", "rainy", "cloudy", "windy"])
-    reward = 0.0
-    for _ in range(2):
-        r = await client.chat.completions.create(model="m", messages=msgs, tools=[WEATHER_TOOL])
-        msg = r.choices[0].message
-        msgs.append(msg.model_dump(exclude_none=True))
-        if not msg.tool_calls:
-            answer = (msg.content or "").strip()
-            return reward + (0.75 if answer == f"It is {weather} in {sample.answer}." else 0.0)
-        for call in msg.tool_calls:
-            try:
-                city = json.loads(call.function.arguments).get("city")
-            except (ValueError, AttributeError):
-                city = None
-            reward = 0.25 if city == sample.answer else reward
-            out = json.dumps({"city": city, "weather": weather})
-            msgs.append({"role": "tool", "tool_call_id": call.id, "content": out})
-    return reward
-
-
-async def reverse_agent(client: Any, sample: AgentSample) -> float:
-    """The reverse task through ``/v1/completions`` (a base model: no chat template), for the
-    tiny default model (``asyncrl.tasks.tiny_model``): ``sample.prompt`` is ``<s> D1 .. Dn =``,
-    ``sample.answer`` the digits reversed (``"Dn .. D1"``); the reward is the fraction of
-    positions right, as the built-in ``reverse`` task's. ``examples/reverse_agent.jsonl``
-    holds every 2-digit sample."""
-    answer = str(sample.answer).split()
-    r = await client.completions.create(model="m", prompt=sample.prompt, max_tokens=len(answer) + 1)
-    return _positions_right(r.choices[0].text.split(), answer)
-
-
-async def reverse_chat_agent(client: Any, sample: AgentSample) -> float:
-    """A chat task for the tiny chat model, through ``/v1/chat/completions``: the user asks
-    ``Reverse: D1 D2 D3``, the reply should be ``Answer: D3 D2 D1``; the reward is the
-    fraction of positions right (``sample.answer`` is ``"D3 D2 D1"``). The chat model's warm
-    start answers every request with its own digits in a random order (it knows the format,
-    not the rule): it starts near 0.3 with real entropy on the order.
-    ``examples/reverse_chat.jsonl`` holds all 720 requests of three distinct digits."""
-    answer = str(sample.answer).split()
-    msgs: Any = [{"role": "user", "content": sample.prompt}]
-    r = await client.chat.completions.create(model="m", messages=msgs, max_tokens=16)
-    text = (r.choices[0].message.content or "").strip()
-    return _positions_right(text.removeprefix("Answer:").split(), answer)
-
-
-def _positions_right(out: list[str], answer: list[str]) -> float:
-    """The fraction of ``answer``'s positions that ``out`` has right."""
-    return sum(a == b for a, b in zip(out, answer, strict=False)) / len(answer)

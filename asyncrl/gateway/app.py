@@ -377,9 +377,9 @@ class Gateway:
 
             def record(t: Turn) -> None:
                 for c in t.choices:
-                    s.transcript.record(
-                        c.branch, msgs, text, (c.ids, c.logprobs, c.versions), c.reply()
-                    )
+                    out = (c.ids, c.logprobs, c.versions)
+                    cut = c.finish == "length"
+                    s.transcript.record(c.branch, msgs, text, out, c.reply(), truncated=cut)
                 self.sessions.counters["turns"] += 1
 
             turn.start(record)
@@ -404,7 +404,8 @@ class Gateway:
             def record(t: Turn) -> None:
                 for c in t.choices:
                     out = (c.ids, c.logprobs, c.versions)
-                    s.transcript.record_completion(c.branch, prompt, out, c.text)
+                    cut = c.finish == "length"
+                    s.transcript.record_completion(c.branch, prompt, out, c.text, truncated=cut)
                 self.sessions.counters["turns"] += 1
 
             turn.start(record)

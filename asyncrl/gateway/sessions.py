@@ -137,7 +137,11 @@ class Session:
                 reward=float(reward),
                 group_id=self.ctx.group_id,
                 episode_id=self.ctx.episode_id,
-                metadata={"session": self.id, "branch": b.index},
+                metadata={
+                    "session": self.id,
+                    "branch": b.index,
+                    **({"truncated": True} if b.truncated else {}),  # algo.mask_truncated
+                },
             )
             model = [v for v, m in zip(b.versions[n:], b.mask[n:], strict=True) if m]
             self.ctx.made.append((traj, min(model) if model else 0))

@@ -119,6 +119,7 @@ class Branch:
     busy: bool = False
     index: int = 0
     cut: int = 0  # len(ids) before the turn in progress (its env tokens start here)
+    truncated: bool = False  # the last model turn ended at its token limit (finish "length")
 
     def add_env(self, ids: list[int]) -> None:
         """Template/user/tool tokens: masked out, log-prob 0, the last version."""
@@ -223,10 +224,14 @@ class Transcript:
         prompt_text: str,
         out: tuple[list[int], list[float], list[int]],
         reply: dict[str, Any],
+        truncated: bool = False,
     ) -> None:
-        """Turn done on ``b``: the model's tokens appended, the reply remembered."""
+        """Turn done on ``b``: the model's tokens appended, the reply remembered;
+        ``truncated``: the turn ended at its token limit (``algo.mask_truncated`` reads the
+        last turn's)."""
         ids, lps, vers = out
         b.add_model(ids, lps, vers)
+        b.truncated = truncated
         b.messages = [*prompt_messages, reply]
         b.prompt_text = prompt_text
         b.raw_text = self.tok.tokenizer.decode(ids, skip_special_tokens=False)
@@ -281,9 +286,12 @@ class Transcript:
         prompt: str | list[int],
         out: tuple[list[int], list[float], list[int]],
         text: str,
+        truncated: bool = False,
     ) -> None:
+        """A completion turn done on ``b`` (``truncated`` as for :meth:`record`)."""
         ids, lps, vers = out
         b.add_model(ids, lps, vers)
+        b.truncated = truncated
         b.prompt_text = (prompt if isinstance(prompt, str) else "") + text
         b.turns += 1
         b.busy = False

@@ -13,7 +13,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
-from asyncrl.config import TaskConfig
+from asyncrl.config import MathTaskConfig, ReverseTaskConfig, TaskConfig
+from asyncrl.controllers.rewards import REWARD_SIGNATURE, reward_form, reward_name
 from asyncrl.core import Sample
 
 __all__ = [
@@ -26,13 +27,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-REWARD_SIGNATURE = (
-    "def fn(sample, response_ids) -> float  (or async def; add a keyword-only `*, text` "
-    "parameter to get the decoded response too)"
-)
-"""The one signature of a reward function, everywhere: ``ctx.reward(fn, ...)``,
-``task.reward_fn``, a task's ``reward`` method."""
 
 
 class Task(Protocol):
@@ -49,23 +43,26 @@ class Task(Protocol):
 
 
 def make_task(cfg: TaskConfig, model_path: str) -> Task:
-    """The one factory of tasks: chooses the implementation from ``cfg.name``, then wraps it
-    with ``cfg.reward_fn`` when one is named."""
+    """The single-turn task (a prompt stream and a reward) of the config type ``cfg``
+    (``reverse``, ``math``), wrapped with ``cfg.reward_fn`` when one is named; what runs the
+    other tasks is :func:`asyncrl.task_factory.build_task`'s."""
     task: Any
-    if cfg.name == "reverse":
-        from asyncrl.tasks.reverse import ReverseTask
+    match cfg:
+        case ReverseTaskConfig():
+            from asyncrl.tasks.reverse import ReverseTask
 
-        task = ReverseTask.from_tokenizer_dir(model_path, cfg.num_digits, cfg.seed)
-    elif cfg.name == "math":
-        from asyncrl.tasks.math import MathTask
+            task = ReverseTask.from_tokenizer_dir(model_path, cfg.num_digits, cfg.seed)
+        case MathTaskConfig():
+            from asyncrl.tasks.math import MathTask
 
-        task = MathTask(cfg, model_path)
-    else:
-        raise ValueError(
-            f"task.name {cfg.name!r} has no single-turn Task (allowed here: 'reverse', 'math'; "
-            "'agent' runs through the gateway, 'longtail' and 'agentic' are episodes of "
-            "asyncrl.tasks.workloads, which asyncrl run builds)"
-        )
+            task = MathTask(cfg, model_path)
+        case _:
+            raise ValueError(
+                f"task.name {cfg.name!r} has no single-turn Task (allowed here: 'reverse', "
+                "'math'; 'agent' runs through the gateway, 'longtail' and 'agentic' are "
+                "episodes of asyncrl.tasks.workloads: asyncrl.task_factory.build_task builds "
+                "them)"
+            )
     if cfg.reward_fn:
         fn = load_reward_fn(cfg.reward_fn)
         try:
@@ -114,43 +111,9 @@ def _import_reward_module(name: str) -> Any:
         return importlib.import_module(name)
 
 
-def _reward_name(fn: Callable[..., Any]) -> str:
-    module = getattr(fn, "__module__", None) or "?"
-    return f"{module}.{getattr(fn, '__qualname__', type(fn).__qualname__)}"
-
-
-def reward_form(fn: Callable[..., Any]) -> str:
-    """How ``fn`` is called, from its signature: ``"ids"`` (``fn(sample, response_ids)``, the
-    one signature, :data:`REWARD_SIGNATURE`), ``"text"`` (the same with a keyword-only
-    ``text``: ``fn(sample, response_ids, text=decoded)``) or ``"legacy"`` (the deprecated
-    ``fn(sample, response_ids, response_text)``: three positional parameters). TypeError,
-    showing the signature to write, for a function none of these can call."""
-    try:
-        sig = inspect.signature(fn)
-    except (TypeError, ValueError):  # a builtin without a signature: assume the one form
-        return "ids"
-    text = sig.parameters.get("text")
-    forms: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = [
-        ("ids", (None, []), {}),
-        ("legacy", (None, [], ""), {}),
-    ]
-    if text is not None and text.kind is inspect.Parameter.KEYWORD_ONLY:
-        forms.insert(0, ("text", (None, []), {"text": ""}))
-    for form, args, kwargs in forms:
-        try:
-            sig.bind(*args, **kwargs)
-        except TypeError:
-            continue
-        return form
-    raise TypeError(
-        f"reward function {_reward_name(fn)}{sig} cannot be called as fn(sample, "
-        f"response_ids): write it as {REWARD_SIGNATURE}"
-    )
-
-
 def _warn_legacy(fn: Callable[..., Any]) -> None:
     msg = (
-        f"reward function {_reward_name(fn)} takes (sample, response_ids, response_text), a "
+        f"reward function {reward_name(fn)} takes (sample, response_ids, response_text), a "
         f"deprecated form (still called so, until asyncrl 0.2): the one reward signature is "
         f"{REWARD_SIGNATURE}, e.g. `def {getattr(fn, '__name__', 'fn')}(sample, response_ids, "
         "*, text)`"

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from asyncrl.config import TaskConfig
+from asyncrl.config import MathTaskConfig
 from asyncrl.core import Sample
 from asyncrl.tasks.text import ChatTokenizer
 
@@ -86,7 +86,7 @@ def load_rows(path: str | Path) -> list[dict[str, Any]]:
 class MathTask:
     """Integer-answer problems; see the module doc. ``samples()`` cycles the rows forever."""
 
-    def __init__(self, cfg: TaskConfig, model_path: str):
+    def __init__(self, cfg: MathTaskConfig, model_path: str):
         if not cfg.path:
             raise ValueError("task.name='math' needs task.path (a local .jsonl or .parquet file)")
         self.tok = ChatTokenizer(model_path)
@@ -107,7 +107,7 @@ class MathTask:
         if not self.items:
             raise ValueError(f"{cfg.path} holds no rows")
 
-    def _prompt(self, cfg: TaskConfig, problem: str) -> list[int]:
+    def _prompt(self, cfg: MathTaskConfig, problem: str) -> list[int]:
         """The prompt's ids as ``task.prompt_format`` says (``auto``: chat if the tokenizer
         has a chat template)."""
         if cfg.prompt_format == "chat" or (cfg.prompt_format == "auto" and self.tok.template):

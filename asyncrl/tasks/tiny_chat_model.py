@@ -14,7 +14,7 @@ user with a ``get_weather`` tool call; given a tool result, it answers in text;
 without tools, it replies in a sentence. Half of each warm-start batch is requests
 ``Reverse: D1 D2 D3`` answered by every permutation of their digits: the model learns to
 answer ``Answer:`` with the request's digits but keeps the order undecided (real entropy),
-which RL through the gateway then learns (``asyncrl.gateway.agent.reverse_chat_agent``).
+which RL through the gateway then learns (``examples/agents.py:reverse_chat_agent``).
 Everything is seeded: the same files every build. Written in Hugging Face format and
 cached like :mod:`asyncrl.tasks.tiny_model`; ``python -m asyncrl.tasks.tiny_chat_model --out
 DIR`` builds it.
@@ -22,7 +22,6 @@ DIR`` builds it.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import os
@@ -30,7 +29,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from asyncrl.tasks.tiny_model import build_once
+from asyncrl.tasks.tiny_model import TINY_ARCH, build_main, build_once
 
 __all__ = [
     "TINY_CHAT_CONTEXT",
@@ -118,7 +117,7 @@ def reverse_transcripts(seed: int, n: int = 120) -> list[list[dict[str, Any]]]:
     """``n`` requests "Reverse: D1 D2 D3" (three distinct digits), each answered once by every
     permutation of its digits ("Answer: D3 D1 D2", ...): the warm start learns the answer's
     format (the request's own digits) but not the rule, so the order keeps real entropy
-    (up to log 6 nats per answer) for :func:`asyncrl.gateway.agent.reverse_chat_agent`."""
+    (up to log 6 nats per answer) for ``examples/agents.py:reverse_chat_agent``."""
     rng = random.Random(seed + 1)
     out = []
     for _ in range(n):
@@ -181,14 +180,9 @@ def _build(out: Path, seed: int) -> None:
     end = tok.token_to_id("<|im_end|>")
     assert end is not None
     config = Qwen2Config(
+        **TINY_ARCH,
         vocab_size=tok.get_vocab_size(),
-        hidden_size=64,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
         max_position_embeddings=TINY_CHAT_CONTEXT,
-        tie_word_embeddings=False,
         bos_token_id=end,
         eos_token_id=end,
         pad_token_id=tok.token_to_id("<|endoftext|>"),
@@ -254,11 +248,7 @@ def ensure_tiny_chat_model(path: Path | None = None, seed: int = 0) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description="build the tiny chat model")
-    p.add_argument("--out", default=None)
-    p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
-    print(ensure_tiny_chat_model(Path(args.out) if args.out else None, args.seed))
+    build_main("build the tiny chat model", ensure_tiny_chat_model, argv)
 
 
 if __name__ == "__main__":

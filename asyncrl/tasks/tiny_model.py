@@ -14,12 +14,23 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 __all__ = ["TINY_CONTEXT", "TINY_VERSION", "TINY_VOCAB", "default_model_dir", "ensure_tiny_model"]
 
 TINY_VERSION = "tiny-qwen2-digits-v1"
 TINY_CONTEXT = 64
 """The tiny model's context length (``max_position_embeddings``): prompt + response tokens."""
+TINY_ARCH: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "tie_word_embeddings": False,
+}
+"""The tiny models' shape (``Qwen2Config`` keywords), the digits model's and the chat
+model's (``asyncrl.tasks.tiny_chat_model``)."""
 SPECIAL = ["<pad>", "<s>", "</s>"]
 WORDS = [*SPECIAL, *(str(d) for d in range(10)), "=", "+"]
 TINY_VOCAB: tuple[str, ...] = tuple(WORDS)
@@ -48,14 +59,9 @@ def _build(out: Path, seed: int) -> None:
         unk_token="<pad>",
     )
     config = Qwen2Config(
+        **TINY_ARCH,
         vocab_size=len(vocab),
-        hidden_size=64,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
         max_position_embeddings=TINY_CONTEXT,
-        tie_word_embeddings=False,
         bos_token_id=vocab["<s>"],
         eos_token_id=vocab["</s>"],
         pad_token_id=vocab["<pad>"],
@@ -94,12 +100,20 @@ def ensure_tiny_model(path: Path | None = None, seed: int = 0) -> Path:
     return build_once(Path(path or default_model_dir()), _build, seed)
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description="build the tiny default model")
+def build_main(
+    description: str, ensure: Callable[[Path | None, int], Path], argv: list[str] | None
+) -> None:
+    """``python -m MODULE [--out DIR] [--seed N]``: build the model (once) with ``ensure``
+    and print its folder."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--out", default=None)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    print(ensure_tiny_model(Path(args.out) if args.out else None, args.seed))
+    print(ensure(Path(args.out) if args.out else None, args.seed))
+
+
+def main(argv: list[str] | None = None) -> None:
+    build_main("build the tiny default model", ensure_tiny_model, argv)
 
 
 if __name__ == "__main__":

@@ -17,12 +17,12 @@ default model on a CPU in minutes, with a verifiable reward in [0, 1] (maximum 1
   sandbox, search or environment service does. Reward: the mean partial credit of the turns.
 
 ``asyncrl run --task.name=longtail`` / ``--task.name=agentic`` trains on them
-(:func:`workload_from_config`; knobs ``task.longtail.*`` / ``task.agentic.*``, and the defaults
-a workload changes, such as ``task.num_digits = 1`` and the engine's context length: see
-``TaskConfig.name``). Both streams are deterministic in ``seed``: a group's lengths
-(``longtail``) live in its sample, and a tool call's latency (``agentic``) is seeded by the
-sample, the episode's index in its group and the turn, so a synchronous and an asynchronous
-run see the same workload.
+(``asyncrl.task_factory.build_task``; knobs ``task.longtail.*`` / ``task.agentic.*``, and the
+defaults a workload changes, such as the engine's context length: see
+``asyncrl.config.task.LongTailTaskConfig``). Both streams are deterministic in ``seed``: a
+group's lengths (``longtail``) live in its sample, and a tool call's latency (``agentic``) is
+seeded by the sample, the episode's index in its group and the turn, so a synchronous and an
+asynchronous run see the same workload.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import random
 from collections.abc import Iterator
 from typing import Any, Literal
 
-from asyncrl.config import RunConfig
+from asyncrl.config import AgenticTaskConfig, LongTailTaskConfig
 from asyncrl.controllers.episode import EpisodeContext
 from asyncrl.core import Sample, Trajectory
 from asyncrl.tasks.reverse import ReverseTask
@@ -43,9 +43,7 @@ __all__ = [
     "Agentic",
     "LongTail",
     "Workload",
-    "make_workload",
     "pareto",
-    "workload_from_config",
 ]
 
 WorkloadName = Literal["longtail", "agentic"]
@@ -65,21 +63,13 @@ def _credit(output: list[int], answer: list[int]) -> float:
 class LongTail:
     """Reverse digits, then continue for a heavy-tailed number of tokens (see the module)."""
 
-    def __init__(
-        self,
-        model_path: str,
-        seed: int,
-        group_size: int,
-        num_digits: int = 1,
-        min_len: int = 4,
-        alpha: float = 1.0,
-        max_len: int = 512,
-    ):
-        if min_len < num_digits:
-            raise ValueError(f"longtail: min_len {min_len} must be >= num_digits {num_digits}")
-        self.task = ReverseTask.from_tokenizer_dir(model_path, num_digits, seed)
-        self.seed, self.group_size = seed, group_size
-        self.min_len, self.alpha, self.max_len = min_len, alpha, max_len
+    def __init__(self, model_path: str, group_size: int, cfg: LongTailTaskConfig):
+        """``cfg``: ``task.seed``, ``task.num_digits`` and the knobs of ``task.longtail``
+        (the config checks ``min_len >= num_digits``)."""
+        self.task = ReverseTask.from_tokenizer_dir(model_path, cfg.num_digits, cfg.seed)
+        self.seed, self.group_size = cfg.seed, group_size
+        lt = cfg.longtail
+        self.min_len, self.alpha, self.max_len = lt.min_len, lt.alpha, lt.max_len
 
     def samples(self) -> Iterator[Sample]:
         """The reverse task's prompts; ``answer = [digits reversed, one length per episode]``."""
@@ -101,22 +91,13 @@ class LongTail:
 class Agentic:
     """Multi-turn reverse task with a slow tool between the turns (see the module)."""
 
-    def __init__(
-        self,
-        model_path: str,
-        seed: int,
-        group_size: int,
-        num_digits: int = 1,
-        turns: int = 2,
-        latency_min_s: float = 0.02,
-        alpha: float = 1.0,
-        latency_max_s: float = 0.6,
-    ):
-        if turns < 2:
-            raise ValueError(f"agentic: turns must be >= 2 (a tool call between), got {turns}")
-        self.task = ReverseTask.from_tokenizer_dir(model_path, num_digits, seed)
-        self.seed, self.group_size, self.turns = seed, group_size, turns
-        self.latency = (latency_min_s, alpha, latency_max_s)
+    def __init__(self, model_path: str, group_size: int, cfg: AgenticTaskConfig):
+        """``cfg``: ``task.seed``, ``task.num_digits`` and the knobs of ``task.agentic``
+        (the config checks ``turns >= 2``: a tool call between turns)."""
+        ag = cfg.agentic
+        self.task = ReverseTask.from_tokenizer_dir(model_path, cfg.num_digits, cfg.seed)
+        self.seed, self.group_size, self.turns = cfg.seed, group_size, ag.turns
+        self.latency = (ag.latency_min_s, ag.alpha, ag.latency_max_s)
         self.tool_calls = 0  # calls made (for tests and reports)
         self.tool_wait_s = 0.0  # total time the tool slept
 
@@ -157,28 +138,3 @@ class Agentic:
 
 
 Workload = LongTail | Agentic
-
-
-def make_workload(name: str, model_path: str, seed: int, group_size: int, **kw: Any) -> Workload:
-    """The one factory of workloads: ``longtail`` or ``agentic`` (keyword args: their knobs)."""
-    if name == "longtail":
-        return LongTail(model_path, seed, group_size, **kw)
-    if name == "agentic":
-        return Agentic(model_path, seed, group_size, **kw)
-    raise ValueError(f"unknown workload {name!r} (allowed: {', '.join(WORKLOADS)})")
-
-
-def workload_from_config(cfg: RunConfig, model_path: str) -> Workload:
-    """The workload a run with ``task.name = "longtail" | "agentic"`` trains on: seeded by
-    ``task.seed``, ``algo.group_size`` episodes a sample, ``task.num_digits`` digits, the knobs
-    of ``task.longtail`` / ``task.agentic`` (``asyncrl run --task.name=longtail``)."""
-    t = cfg.task
-    if t.name == "longtail":
-        lt = t.longtail
-        return LongTail(model_path, t.seed, cfg.algo.group_size, t.num_digits, lt.min_len,
-                        lt.alpha, lt.max_len)  # fmt: skip
-    if t.name == "agentic":
-        ag = t.agentic
-        return Agentic(model_path, t.seed, cfg.algo.group_size, t.num_digits, ag.turns,
-                       ag.latency_min_s, ag.alpha, ag.latency_max_s)  # fmt: skip
-    raise ValueError(f"task.name {t.name!r} is no workload (allowed: {', '.join(WORKLOADS)})")

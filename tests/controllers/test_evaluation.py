@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from asyncrl.config import load_config
-from asyncrl.controllers.evaluation import eval_samples, pass_at_k
+from asyncrl.controllers.evaluation import pass_at_k
 from asyncrl.procs import finish, python_env
+from asyncrl.task_factory import eval_samples
 
 
 @pytest.mark.parametrize(("n", "k"), [(1, 1), (4, 1), (4, 2), (5, 3), (6, 6)])

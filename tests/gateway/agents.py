@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from asyncrl.gateway.agent import AgentSample, weather_agent
+from asyncrl.gateway.agent import AgentSample
+from examples.agents import weather_agent
 
 RAISES_ON = 1
 """The sample id :func:`flaky` raises on."""

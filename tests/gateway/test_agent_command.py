@@ -17,11 +17,11 @@ import aiohttp
 import pytest
 
 from asyncrl.config import (
+    AgentTaskConfig,
     AlgoConfig,
     ControllerConfig,
     GatewayConfig,
     RunConfig,
-    TaskConfig,
 )
 from asyncrl.controllers.controller import Controller
 from asyncrl.engines.rollout.sglang import SGLangClient
@@ -55,7 +55,7 @@ def test_external_command_agent(chat_model_dir: Path, engine_url: str) -> None:
     cfg = RunConfig(
         controller=ControllerConfig(batch_size=1, max_staleness=200),
         algo=AlgoConfig(group_size=1),
-        task=TaskConfig(name="agent", agent_command=[sys.executable, "-c", SCRIPT]),
+        task=AgentTaskConfig(agent_command=[sys.executable, "-c", SCRIPT]),
         gateway=GatewayConfig(enabled=True, max_tokens=8, session_timeout_s=60),
     )
 

@@ -222,7 +222,8 @@ def test_reverse_chat_task_knows_the_format_not_the_order(served: Served) -> Non
     asked ``Reverse: 3 8 1``, it answers ``Answer:`` and (mostly) the request's own digits,
     in orders that differ between samples (the entropy RL learns from); the agent's reward is
     the fraction of positions right."""
-    from asyncrl.gateway.agent import AgentSample, reverse_chat_agent
+    from asyncrl.gateway.agent import AgentSample
+    from examples.agents import reverse_chat_agent
 
     client = openai.OpenAI(base_url=f"{served.url}/sessions/{_sid()}/v1", api_key=served.key)
     msgs: Any = [{"role": "user", "content": "Reverse: 3 8 1"}]

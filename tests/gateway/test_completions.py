@@ -110,3 +110,41 @@ def test_reward_ends_the_session_into_a_trajectory(served: Served) -> None:
 async def _get(url: str) -> Any:
     async with aiohttp.ClientSession(headers=gateway_auth()) as http, http.get(url) as r:
         return await r.json()
+
+
+def test_a_turn_cut_at_its_token_limit_marks_the_trajectory_truncated(served: Served) -> None:
+    """A gateway trajectory carries ``metadata.truncated`` when its last turn finished by
+    ``length`` (what ``algo.mask_truncated`` reads), and not otherwise."""
+    finishes: dict[str, str] = {}
+    for limit in (1, 48):
+        sid = uuid.uuid4().hex[:12]
+        client = openai.OpenAI(base_url=f"{served.url}/sessions/{sid}/v1", api_key=served.key)
+        r = client.chat.completions.create(
+            model="t", messages=[{"role": "user", "content": "Hello!"}], max_tokens=limit
+        )
+        finishes[sid] = r.choices[0].finish_reason
+        served.run(_post(f"{served.url}/sessions/{sid}/reward", {"reward": 1.0}))
+    assert "length" in finishes.values() and "stop" in finishes.values(), finishes
+
+    async def trained() -> dict[str, Any]:
+        for _ in range(400):
+            got = {
+                t.metadata["session"]: t.metadata
+                for batch in served.batches
+                for t in batch.trajectories
+                if t.metadata.get("session") in finishes
+            }
+            if len(got) == len(finishes):
+                return got
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"the sessions' trajectories never reached a batch: {got}")
+
+    for sid, meta in served.run(trained()).items():
+        assert bool(meta.get("truncated")) == (finishes[sid] == "length"), (sid, meta)
+
+
+async def _post(url: str, body: dict[str, Any]) -> int:
+    async with aiohttp.ClientSession(headers=gateway_auth()) as http:
+        async with http.post(url, json=body) as r:
+            assert r.status == 200, await r.text()
+            return r.status

@@ -235,10 +235,10 @@ def _lines(run: Path) -> list[str]:
 def test_agent_completions_get_a_budget(chat_model_dir: Path) -> None:
     """A completion that names no ``max_tokens`` gets ``task.max_new_tokens`` or 128 (it got
     0 when ``rollout.max_new_tokens`` was unset: nothing generated, every reward 0)."""
-    from asyncrl.config import RunConfig, TaskConfig
+    from asyncrl.config import AgentTaskConfig, RunConfig
     from asyncrl.gateway.agent import agent_gateway
 
-    agent = "asyncrl.gateway.agent:weather_agent"
+    agent = "examples.agents:weather_agent"
     for n, budget in ((0, 128), (20, 20)):
-        task = TaskConfig(name="agent", agent=agent, max_new_tokens=n)
+        task = AgentTaskConfig(agent=agent, max_new_tokens=n)
         assert agent_gateway(RunConfig(task=task), str(chat_model_dir)).max_tokens == budget

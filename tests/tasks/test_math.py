@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.config import RunConfig, TaskConfig, load_config
+from asyncrl.config import MathTaskConfig, ReverseTaskConfig, RunConfig, load_config
 from asyncrl.controllers.episode import call_reward
 from asyncrl.core import Sample
 from asyncrl.tasks import make_task
@@ -65,7 +65,7 @@ def _rows(tmp_path: Path) -> Path:
 
 
 def test_math_task_prompts_and_reward(chat_model_dir: Path, tmp_path: Path) -> None:
-    cfg = TaskConfig(name="math", path=str(_rows(tmp_path)), shuffle=False, system_prompt="9")
+    cfg = MathTaskConfig(path=str(_rows(tmp_path)), shuffle=False, system_prompt="9")
     task = make_task(cfg, str(chat_model_dir))
     vocab = json.loads((chat_model_dir / "tokenizer.json").read_text())["model"]["vocab"]
     it = task.samples()
@@ -89,7 +89,7 @@ def test_math_on_the_tiny_default_model_is_a_raw_prompt_within_its_context(
     from asyncrl.tasks.tiny_model import TINY_CONTEXT
 
     rows = _rows(tmp_path)
-    task = make_task(TaskConfig(name="math", path=str(rows), shuffle=False), str(tiny_model_dir))
+    task = make_task(MathTaskConfig(path=str(rows), shuffle=False), str(tiny_model_dir))
     vocab = json.loads((tiny_model_dir / "tokenizer.json").read_text())["model"]["vocab"]
     first = next(task.samples())
     assert first.prompt_ids == [vocab[w] for w in ["<s>", "1", "+", "2"]]
@@ -103,13 +103,13 @@ def test_math_on_the_tiny_default_model_is_a_raw_prompt_within_its_context(
 
 def test_math_task_errors(chat_model_dir: Path, tiny_model_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"task\.path"):
-        make_task(TaskConfig(name="math"), str(chat_model_dir))
+        make_task(MathTaskConfig(), str(chat_model_dir))
     rows = _rows(tmp_path)
     with pytest.raises(ValueError, match=r"no chat template.*task\.prompt_format='raw'"):
-        chat = TaskConfig(name="math", path=str(rows), prompt_format="chat")
+        chat = MathTaskConfig(path=str(rows), prompt_format="chat")
         make_task(chat, str(tiny_model_dir))
     with pytest.raises(ValueError, match=r"task\.prompt_key"):
-        make_task(TaskConfig(name="math", path=str(rows), prompt_key="q"), str(chat_model_dir))
+        make_task(MathTaskConfig(path=str(rows), prompt_key="q"), str(chat_model_dir))
     bad = tmp_path / "bad.csv"
     bad.write_text("x")
     with pytest.raises(ValueError, match=r"jsonl or \.parquet"):
@@ -149,17 +149,17 @@ async def test_custom_reward_from_config(
     (tmp_path / "my_rewards.py").write_text(REWARD_MODULE)
     monkeypatch.syspath_prepend(str(tmp_path))
     vocab = json.loads((tiny_model_dir / "tokenizer.json").read_text())["model"]["vocab"]
-    task = make_task(TaskConfig(reward_fn="my_rewards:exact"), str(tiny_model_dir))
+    task = make_task(ReverseTaskConfig(reward_fn="my_rewards:exact"), str(tiny_model_dir))
     sample = next(task.samples())
     assert await call_reward(task.reward, sample, [vocab["7"], vocab["1"]]) == 1.0
     assert await call_reward(task.reward, sample, [vocab["1"]]) == 0.0
-    task = make_task(TaskConfig(reward_fn="my_rewards.by_length"), str(tiny_model_dir))
+    task = make_task(ReverseTaskConfig(reward_fn="my_rewards.by_length"), str(tiny_model_dir))
     assert await call_reward(task.reward, sample, [1, 2, 3]) == pytest.approx(0.3)
     with pytest.warns(DeprecationWarning, match=r"def legacy\(sample, response_ids, \*, text\)"):
-        task = make_task(TaskConfig(reward_fn="my_rewards:legacy"), str(tiny_model_dir))
+        task = make_task(ReverseTaskConfig(reward_fn="my_rewards:legacy"), str(tiny_model_dir))
     assert await call_reward(task.reward, sample, [vocab["7"]]) == 1.0
     with pytest.raises(ValueError, match=r"my_rewards.wrong\(sample\) cannot be called as"):
-        make_task(TaskConfig(reward_fn="my_rewards:wrong"), str(tiny_model_dir))
+        make_task(ReverseTaskConfig(reward_fn="my_rewards:wrong"), str(tiny_model_dir))
     sys.modules.pop("my_rewards", None)
 
 
@@ -173,10 +173,10 @@ def test_reward_fn_errors() -> None:
 
 
 def test_reverse_task_unchanged(tiny_model_dir: Path) -> None:
-    task = make_task(TaskConfig(), str(tiny_model_dir))
+    task = make_task(ReverseTaskConfig(), str(tiny_model_dir))
     vocab = json.loads((tiny_model_dir / "tokenizer.json").read_text())["model"]["vocab"]
     s = next(task.samples())
-    n = TaskConfig().num_digits
+    n = ReverseTaskConfig().num_digits
     assert isinstance(s, Sample) and len(s.answer) == n
     assert task.reward(s, [*s.answer, vocab["</s>"]]) == 1.0
 

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.config import load_config
+from asyncrl.config import AgenticConfig, AgenticTaskConfig, LongTailTaskConfig, load_config
 from asyncrl.runner import run_job
-from asyncrl.tasks.workloads import Agentic, LongTail, make_workload
+from asyncrl.tasks.workloads import Agentic, LongTail
 
 
 def test_longtail_lengths_are_heavy_tailed_and_the_same_in_every_run(tiny_model_dir: Path) -> None:
-    w = LongTail(str(tiny_model_dir), seed=3, group_size=8)
+    w = LongTail(str(tiny_model_dir), 8, LongTailTaskConfig(seed=3))
     it, again = w.samples(), w.samples()
     lens = [n for _ in range(400) for n in next(it).answer[1]]
     assert lens[:64] == [n for _ in range(8) for n in next(again).answer[1]]
@@ -27,7 +27,8 @@ def test_longtail_lengths_are_heavy_tailed_and_the_same_in_every_run(tiny_model_
 
 
 def test_agentic_tool_waits_its_long_tailed_latency(tiny_model_dir: Path) -> None:
-    w = Agentic(str(tiny_model_dir), seed=0, group_size=4, latency_min_s=0.001, latency_max_s=0.2)
+    tool = AgenticConfig(latency_min_s=0.001, latency_max_s=0.2)
+    w = Agentic(str(tiny_model_dir), 4, AgenticTaskConfig(agentic=tool))
     sample = next(w.samples())
     assert len(sample.answer) == 2 and sample.answer[0][0] == sample.prompt_ids
 
@@ -45,8 +46,8 @@ def test_agentic_tool_waits_its_long_tailed_latency(tiny_model_dir: Path) -> Non
 
     draws = [pareto(random.Random(i), 0.02, 1.0, 1.0) for i in range(2000)]
     assert statistics.median(draws) < 0.05 and max(draws) == 1.0
-    with pytest.raises(ValueError, match="unknown workload"):
-        make_workload("chess", str(tiny_model_dir), 0, 4)
+    with pytest.raises(ValueError, match=r"allowed values: .*'longtail', 'agentic'"):
+        load_config(None, ["--task.name=chess"])  # no such workload: the config lists them
 
 
 def _learns(tmp_path: Path, name: str, steps: int, knobs: list[str]) -> list[float]:
@@ -91,14 +92,14 @@ def test_workloads_are_tasks_of_the_run_config(tiny_model_dir: Path) -> None:
     user sets wins), its knobs, the workload the run builds, and preflight's context check."""
     from asyncrl.config import load_config
     from asyncrl.preflight import preflight
-    from asyncrl.tasks.workloads import workload_from_config
+    from asyncrl.task_factory import build_task
 
     cfg = load_config(None, ["--task.name=longtail", "--task.longtail.max_len=40"])
     assert (cfg.task.num_digits, cfg.algo.loss_agg) == (1, "seq-mean")
     assert cfg.rollout.extra_args == ("--context-length", "43")  # <s> d = + 40 response tokens
     assert cfg.generation_budget() == 40
     preflight(cfg)
-    w = workload_from_config(cfg, str(tiny_model_dir))
+    w = build_task(cfg, str(tiny_model_dir)).task
     assert isinstance(w, LongTail) and (w.min_len, w.max_len, w.task.num_digits) == (4, 40, 1)
     lens = next(w.samples()).answer[1]
     assert len(lens) == cfg.algo.group_size and max(lens) <= 40
@@ -111,7 +112,7 @@ def test_workloads_are_tasks_of_the_run_config(tiny_model_dir: Path) -> None:
         load_config(None, ["--task.name=longtail", "--task.num_digits=5"])
     cfg = load_config(None, ["--task.name=agentic", "--task.agentic.turns=3"])
     assert (cfg.task.num_digits, cfg.algo.loss_agg, cfg.rollout.extra_args) == (1, "token-mean", ())
-    w = workload_from_config(cfg, str(tiny_model_dir))
+    w = build_task(cfg, str(tiny_model_dir)).task
     assert isinstance(w, Agentic) and w.turns == 3 and w.latency == (0.02, 1.0, 0.6)
     assert len(next(w.samples()).answer) == 3
     with pytest.raises(ValueError, match=r"task\.agentic\.turns"):
