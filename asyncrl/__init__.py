@@ -33,8 +33,8 @@ if TYPE_CHECKING:
     from asyncrl.core import Batch, Sample, Trajectory
     from asyncrl.embedding import TINY_VOCAB, EngineProcess, ensure_tiny_model, wait_healthy
     from asyncrl.engines.rollout.base import EngineUnavailable
+    from asyncrl.pusher import WeightPusher
     from asyncrl.transports.weights.base import WeightSyncError
-    from asyncrl.transports.weights.pusher_send import WeightPusher
 
 __all__ = [
     "TINY_VOCAB",
@@ -74,7 +74,7 @@ _HOMES = {
     "RunConfig": "asyncrl.config",
     "Sample": "asyncrl.core",
     "Trajectory": "asyncrl.core",
-    "WeightPusher": "asyncrl.transports.weights.pusher_send",
+    "WeightPusher": "asyncrl.pusher",
     "WeightSyncError": "asyncrl.transports.weights.base",
     "ensure_tiny_model": "asyncrl.embedding",
     "load_config": "asyncrl.config",

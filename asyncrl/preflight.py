@@ -36,16 +36,8 @@ from functools import cache
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from asyncrl.config import (
-    AutoWeightsConfig,
-    CudaIpcWeightsConfig,
-    HcclWeightsConfig,
-    LocalRolloutConfig,
-    NcclWeightsConfig,
-    RunConfig,
-    SGLangRolloutConfig,
-    VLLMRolloutConfig,
-)
+from asyncrl.config import CudaIpcWeightsConfig, HcclWeightsConfig, NcclWeightsConfig, RunConfig
+from asyncrl.engines.rollout.factory import family
 from asyncrl.task_factory import check_task
 
 __all__ = ["REFUSED_S", "cuda_devices", "preflight"]
@@ -100,11 +92,8 @@ def preflight(cfg: RunConfig) -> None:
     _check_urls(cfg)
     if cfg.cluster.backend != "local":
         return
-    _check_engine_package(cfg)
-    _check_vllm_trainer(cfg)
+    family(cfg.rollout).preflight(cfg, _check_device)  # its package, device, trainer side
     _check_device("trainer.device", cfg.trainer.device)
-    if isinstance(cfg.rollout, LocalRolloutConfig) and not cfg.rollout.urls:
-        _check_device("rollout.device", cfg.rollout.device)
     weights = cfg.weights
     if isinstance(weights, NcclWeightsConfig | CudaIpcWeightsConfig) and not cuda_devices()[0]:
         raise ValueError(
@@ -115,25 +104,6 @@ def preflight(cfg: RunConfig) -> None:
         raise ValueError(
             "weights.backend='hccl' needs an Ascend NPU and torch_npu, which is not installed "
             "here (use 'gloo' or 'auto')"
-        )
-
-
-def _check_engine_package(cfg: RunConfig) -> None:
-    """SGLang or vLLM servers the run starts on this host (no ``rollout.urls``) run from
-    this Python: their package must be installed here (looked up, not imported)."""
-    rc = cfg.rollout
-    if rc.urls:
-        return
-    if isinstance(rc, SGLangRolloutConfig):
-        pkg, install = "sglang", "pip install 'asyncrl[sglang]'"
-    elif isinstance(rc, VLLMRolloutConfig):
-        pkg, install = "vllm", "pip install 'asyncrl[vllm-trainer]' (vllm==0.33.0)"
-    else:
-        return
-    if importlib.util.find_spec(pkg) is None:
-        raise ValueError(
-            f"rollout.backend={rc.backend!r} starts {pkg} servers on this host, but {pkg} is "
-            f"not installed here: {install}, or give servers already running in rollout.urls"
         )
 
 
@@ -192,26 +162,6 @@ def _refused(url: str) -> str | None:
         return None
 
 
-def _check_vllm_trainer(cfg: RunConfig) -> None:
-    """vLLM engines over NCCL (``nccl``, or ``auto`` on a CUDA trainer) need vLLM's own
-    trainer-side code in the trainer's environment (``engines/rollout/vllm/trainer_nccl.py``):
-    refused now, naming the extra, rather than when the trainer forms the group."""
-    if not isinstance(cfg.rollout, VLLMRolloutConfig):
-        return
-    weights = cfg.weights
-    nccl = isinstance(weights, NcclWeightsConfig) or (
-        isinstance(weights, AutoWeightsConfig) and cfg.trainer.device.startswith("cuda")
-    )
-    if not nccl:
-        return
-    try:  # installed (its metadata; importing vLLM here would load torch into the controller)
-        importlib.metadata.version("vllm")
-    except importlib.metadata.PackageNotFoundError:
-        from asyncrl.engines.rollout.vllm import TRAINER_MISSING
-
-        raise ValueError(TRAINER_MISSING) from None
-
-
 def _context_length(cfg: RunConfig) -> tuple[int, str] | None:
     """(the context length of the engines this run starts, where it comes from), when this
     host can tell: ``--context-length`` in ``rollout.extra_args``, else the embedded engine's
@@ -223,7 +173,7 @@ def _context_length(cfg: RunConfig) -> tuple[int, str] | None:
         value = arg.partition("=")[2] if arg.startswith("--context-length=") else value
         if value is not None and value.isdigit():
             return int(value), "--context-length in rollout.extra_args"
-    if cfg.rollout.urls or not isinstance(cfg.rollout, LocalRolloutConfig):
+    if cfg.rollout.urls or not family(cfg.rollout).derives_context:
         return None
     if not cfg.model.path and cfg.task.chat_model:  # runner.resolve_model's rule
         from asyncrl.tasks.tiny_chat_model import TINY_CHAT_CONTEXT

@@ -50,6 +50,7 @@ def _bench_lora(args: argparse.Namespace, model_dir: Path, reqs: list, log: Path
     """Tokens/s of one LoRA engine: ``lora`` (one version) then ``lora-mixed`` (two)."""
     from asyncrl.bench.generation import _engine_run
     from asyncrl.config import GlooWeightsConfig, LoraConfig
+    from asyncrl.engines.rollout.factory import make_weight_transport
     from asyncrl.engines.rollout.launcher import (
         LOCAL_SERVER,
         LaunchSpec,
@@ -58,7 +59,6 @@ def _bench_lora(args: argparse.Namespace, model_dir: Path, reqs: list, log: Path
         wait_healthy,
     )
     from asyncrl.procs import free_port
-    from asyncrl.transports.weights import make_weight_transport
 
     lc = LoraConfig(rank=args.lora_rank)
     extra: tuple[str, ...] = ("--device", args.device, "--threads", str(args.threads))

@@ -424,8 +424,7 @@ def _measure(
 
     from asyncrl.bench.weight_sync_engines import verified_by
     from asyncrl.config import WeightSyncConfig
-    from asyncrl.engines.rollout.factory import rollout_config
-    from asyncrl.transports.weights import make_weight_transport
+    from asyncrl.engines.rollout.factory import make_weight_transport, rollout_config
 
     device = DEVICE[args.backend]
     floors = [floor.once()]

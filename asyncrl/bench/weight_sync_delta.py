@@ -183,7 +183,7 @@ def _senders(args: argparse.Namespace, urls: list[str]) -> dict[str, Any]:
     import msgspec
 
     from asyncrl.config import GlooWeightsConfig
-    from asyncrl.transports.weights import make_weight_transport
+    from asyncrl.engines.rollout.factory import make_weight_transport
 
     base = GlooWeightsConfig(
         dtype="bfloat16",

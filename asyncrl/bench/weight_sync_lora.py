@@ -64,7 +64,7 @@ def _sender(url: str, group: str, lora: bool) -> Any:
     """A run's sender: adapter pushes pause nothing (``pause_scope = "none"``, as the trainer
     sets it for LoRA); a full push pauses around its commit (the default)."""
     from asyncrl.config import GlooWeightsConfig
-    from asyncrl.transports.weights import make_weight_transport
+    from asyncrl.engines.rollout.factory import make_weight_transport
 
     cfg = GlooWeightsConfig(
         timeout_s=600.0,

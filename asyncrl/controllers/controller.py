@@ -81,6 +81,7 @@ from asyncrl.controllers.state import (
 )
 from asyncrl.core import Batch, Trajectory
 from asyncrl.engines.rollout.base import EngineError, EngineUnavailable, RolloutEngine
+from asyncrl.transports.weights.pausing import pause_engines, resume_engines
 
 __all__ = ["Controller", "GroupsFailing", "NoMoreSamples"]
 
@@ -317,11 +318,11 @@ class Controller:
                 self._gate.open.clear()
                 await self._gate.drained.wait()
             else:  # requests sent meanwhile (resumed ones too) queue on the paused engines
-                await asyncio.gather(*(self._pause(e, mode) for e in engines))
+                self._failed(await pause_engines(engines, mode))
             yield
         finally:
             if mode != "wait":
-                await asyncio.gather(*(self._continue(e) for e in engines))
+                self._failed(await resume_engines(engines))
             self._gate.open.set()
         await self.set_version(version)
 
@@ -335,25 +336,22 @@ class Controller:
         the router, never raised; the gate stays closed (the run is stopping)."""
         self._gate.open.clear()
         engines = self.router.engines
-        await asyncio.gather(*(self._pause(e, "abort") for e in engines))
+        self._failed(await pause_engines(engines, "abort"))
         try:
             await asyncio.wait_for(self._gate.drained.wait(), timeout_s)
             return True
         except asyncio.TimeoutError:
             return False
         finally:
-            await asyncio.gather(*(self._continue(e) for e in engines))
+            self._failed(await resume_engines(engines))
 
-    async def _pause(self, engine: RolloutEngine, mode: str) -> None:
-        try:
-            await engine.pause_generation(mode)
-        except (EngineError, EngineUnavailable) as exc:  # an engine down is not paused: fine
-            self.router.report_failure(engine, exc)
-
-    async def _continue(self, engine: RolloutEngine) -> None:
-        try:
-            await engine.continue_generation()
-        except (EngineError, EngineUnavailable) as exc:
+    def _failed(self, failed: list[tuple[RolloutEngine, BaseException]]) -> None:
+        """Engines a pause or resume failed on (``transports/weights/pausing.py``, the one
+        place engines are paused): an engine's error or an engine down goes to the router
+        (a down engine is not paused: fine); anything else is raised."""
+        for engine, exc in failed:
+            if not isinstance(exc, EngineError | EngineUnavailable):
+                raise exc
             self.router.report_failure(engine, exc)
 
     async def next_batch(self) -> Batch:

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from asyncrl import secret, trace
 from asyncrl.algorithms.base import make_algorithm
 from asyncrl.config import RunConfig
+from asyncrl.engines.rollout.factory import make_weight_transport
 from asyncrl.engines.train.fsdp import FSDPEngine, init_process_group
 from asyncrl.engines.train.run_state import RunState
 from asyncrl.net import pin_socket_ifname, tcp_store
@@ -40,7 +41,6 @@ from asyncrl.transports.experience.control import (
 )
 from asyncrl.transports.experience.wire import TrainBatch
 from asyncrl.transports.experience.zmq_recv import ExperienceReceiver
-from asyncrl.transports.weights import make_weight_transport
 from asyncrl.transports.weights.adapter_send import AdapterSpec
 from asyncrl.transports.weights.base import (
     EnginesLeft,

@@ -19,7 +19,8 @@ import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from asyncrl.config import LocalRolloutConfig, RunConfig
+from asyncrl.config import RunConfig
+from asyncrl.engines.rollout.factory import family
 from asyncrl.engines.rollout.launcher import launch_command, lora_engine_args
 from asyncrl.engines.rollout.launcher import start_engines as launch_engines
 from asyncrl.forkserver import ENV_SHARED, ForkServer, model_module
@@ -154,8 +155,8 @@ class LocalLauncher:
             except OSError as exc:
                 log_.warning("%s; this run starts its own", exc)
         preload = ["asyncrl.entrypoints.trainer"]
-        if isinstance(self.cfg.rollout, LocalRolloutConfig) and not self.cfg.rollout.urls:
-            preload.append("asyncrl.entrypoints.engine")
+        if not self.cfg.rollout.urls:  # the servers' modules (the embedded engine's)
+            preload += family(self.cfg.rollout).preload
         model = model_module(model_path)
         preload += [model] if model else []
         self.fork_server = ForkServer.start(preload, self.run_dir / "forkserver.log")
@@ -166,7 +167,10 @@ def fork_server_wanted(cfg: RunConfig) -> bool:
     mode = cfg.cluster.fork_server
     if mode != "auto":
         return mode == "on"
-    engine_cpu = not isinstance(cfg.rollout, LocalRolloutConfig) or cfg.rollout.device == "cpu"
+    # a family whose servers the fork server cannot start (SGLang, vLLM: other programs)
+    # counts as CPU here; the embedded engine on a GPU does not
+    rollout = family(cfg.rollout)
+    engine_cpu = not rollout.preload or rollout.gpus(cfg.rollout) == 0
     return cfg.trainer.device == "cpu" and engine_cpu
 
 

@@ -42,7 +42,8 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl import secret
-from asyncrl.config import LocalRolloutConfig, RunConfig
+from asyncrl.config import RunConfig
+from asyncrl.engines.rollout.factory import family
 from asyncrl.engines.rollout.launcher import engine_spec, launch_command, lora_engine_args
 from asyncrl.launchers.base import Death, Placed, TrainerArgs, trainer_command
 from asyncrl.trace import ENV_DIR, ENV_EVERY, ENV_MAX_MB
@@ -179,19 +180,19 @@ class RayLauncher:
         del model_path  # the model is found (or built) on each node: see _model_on
         cc, rc = self.cfg.cluster, self.cfg.rollout
         self._place_trainers()  # rank 0's address: the only weight-sync master engines accept
-        gpu = not isinstance(rc, LocalRolloutConfig) or self._gpu(rc.device)
+        gpus = family(rc).gpus(rc)  # per engine
         for i in range(rc.num_engines):
             name = f"engine{i}"
             if cc.colocate:
                 pg, bundle, owns = self._trainers_pg(), i % self.cfg.trainer.world_size, False
                 opts: dict[str, Any] = {
                     "num_cpus": cc.cpus_per_engine,
-                    "num_gpus": 0.5 if gpu else 0,
+                    "num_gpus": 0.5 if gpus else 0,
                 }
             else:
                 b = {"CPU": cc.cpus_per_engine, **cc.engine_resources}
-                if gpu:
-                    b["GPU"] = float(rc.tp_size if not isinstance(rc, LocalRolloutConfig) else 1)
+                if gpus:
+                    b["GPU"] = float(gpus)
                 pg, bundle, owns = self._place([b], "STRICT_PACK", name), 0, True
                 opts = {"num_cpus": cc.cpus_per_engine, "num_gpus": b.get("GPU", 0)}
                 opts["resources"] = dict(cc.engine_resources)

@@ -1,32 +1,101 @@
-"""The one place an engine family is chosen: from the tagged ``RolloutConfig``.
+"""The one place an engine family is chosen: the family registry, by tagged ``RolloutConfig``.
 
-:func:`make_engine` builds what the controller holds of an engine (the RolloutEngine
-seam); :func:`weight_family` what the weight transport needs (the EngineControl seam:
-a :class:`~asyncrl.engines.rollout.base.WeightFamily` whose ``make`` builds each engine's
-control). No other code compares backend names.
+Each family lives in its own folder (``engines/rollout/{local,sglang,vllm}/``) with its
+client, launcher and ``family.py``, whose ``FAMILY`` is an :class:`EngineFamily`: what the
+controller needs to launch and reach its engines (launch arguments, start-up timeout,
+LoRA flags, preflight rules, GPUs) and, through :meth:`EngineFamily.weights`, what the
+weight transport needs (a :class:`~asyncrl.transports.weights.seam.WeightAdapter`).
+:data:`FAMILIES` holds one line per family, naming the module (imported on first use, so
+a process loads only the family it runs). No other code compares backend names.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import importlib
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 
 from asyncrl.config import (
     LocalRolloutConfig,
+    LoraConfig,
     RolloutConfig,
+    RunConfig,
     SGLangRolloutConfig,
     VLLMRolloutConfig,
+    WeightSyncConfig,
 )
-from asyncrl.engines.rollout.base import (
-    AdapterControl,
-    ControlledEngine,
-    ManagedEngine,
-    TrainerLink,
-    WeightFamily,
-)
+from asyncrl.engines.rollout.base import ManagedEngine, WeightAdapter
 
-__all__ = ["make_engine", "rollout_config", "weight_family"]
+if TYPE_CHECKING:
+    from asyncrl.engines.rollout.launcher import LaunchSpec
+    from asyncrl.transports.weights.adapter_send import AdapterSpec
+    from asyncrl.transports.weights.base import WeightTransport
+
+__all__ = [
+    "FAMILIES",
+    "EngineFamily",
+    "family",
+    "make_engine",
+    "make_weight_transport",
+    "rollout_config",
+    "weight_family",
+]
+
+FAMILIES: dict[type[RolloutConfig], str] = {
+    LocalRolloutConfig: "asyncrl.engines.rollout.local.family",
+    SGLangRolloutConfig: "asyncrl.engines.rollout.sglang.family",
+    VLLMRolloutConfig: "asyncrl.engines.rollout.vllm.family",
+}
+"""Config type -> the module whose ``FAMILY`` serves it (one line per family)."""
+
+
+class EngineFamily(Protocol):
+    """One engine family, as a run uses it (``{family}/family.py``'s ``FAMILY``).
+
+    Contract: ``name`` names the family in messages; ``preload`` are the modules the run's
+    fork server imports ahead for its servers; ``derives_context``: the engines' context
+    length is the model's ``max_position_embeddings`` (checked before the run starts).
+    :meth:`client` is the controller's client of the engine at ``url``; :meth:`weights`
+    the family's side of weight sync (``bucket_bytes``: the transport's bucket size);
+    :meth:`spec` engine ``seed``'s server at ``host:port`` on GPUs from ``gpu``
+    (``dtype``: the trainer's; ``weight_master``: where the trainer's weight group is
+    hosted; ``lora``: :meth:`lora_args`); :meth:`startup_timeout` how long its servers may
+    take to answer when ``rollout.startup_timeout_s`` is unset; :meth:`lora_args` the
+    servers' flags for ``capacity`` adapter versions; :meth:`gpus` the GPUs one engine
+    takes; :meth:`preflight` raises ValueError (one line, naming the key) for what this
+    host cannot start (``check_device(key, device)`` checks a device string).
+    """
+
+    name: str
+    preload: tuple[str, ...]
+    derives_context: bool
+
+    def client(self, rc: RolloutConfig, url: str) -> ManagedEngine: ...
+
+    def weights(self, rc: RolloutConfig, bucket_bytes: int) -> WeightAdapter: ...
+
+    def spec(
+        self,
+        rc: RolloutConfig,
+        model_path: str,
+        port: int,
+        host: str,
+        gpu: int,
+        seed: int,
+        dtype: str,
+        weight_master: str,
+        lora: Sequence[str],
+    ) -> LaunchSpec: ...
+
+    def startup_timeout(self, rc: RolloutConfig, model_path: str) -> float: ...
+
+    def lora_args(self, lc: LoraConfig, capacity: int) -> tuple[str, ...]: ...
+
+    def gpus(self, rc: RolloutConfig) -> int: ...
+
+    def preflight(self, cfg: RunConfig, check_device: Callable[[str, str], None]) -> None: ...
 
 
 def rollout_config(rollout: RolloutConfig | str) -> RolloutConfig:
@@ -36,78 +105,40 @@ def rollout_config(rollout: RolloutConfig | str) -> RolloutConfig:
     return rollout
 
 
+def family(rollout: RolloutConfig | str) -> EngineFamily:
+    """The family serving ``rollout`` (a config or a backend tag)."""
+    module = importlib.import_module(FAMILIES[type(rollout_config(rollout))])
+    found: EngineFamily = module.FAMILY
+    return found
+
+
 def make_engine(rollout: RolloutConfig, url: str) -> ManagedEngine:
     """The client of the engine at ``url`` with the run's request timeout."""
-    if isinstance(rollout, VLLMRolloutConfig):
-        from asyncrl.engines.rollout.vllm.client import VLLMClient
-
-        return VLLMClient(url, rollout.request_timeout_s, rollout.retry_503_s)
-    from asyncrl.engines.rollout.sglang.client import SGLangClient
-
-    return SGLangClient(url, timeout_s=rollout.request_timeout_s)
+    return family(rollout).client(rollout, url)
 
 
-def weight_family(rollout: RolloutConfig | str, bucket_bytes: int = 1 << 30) -> WeightFamily:
+def weight_family(rollout: RolloutConfig | str, bucket_bytes: int = 1 << 30) -> WeightAdapter:
     """What the weight transport needs of ``rollout``'s engine family (``bucket_bytes``: the
     transport's bucket size, which vLLM's packed chunks are cut at)."""
     rc = rollout_config(rollout)
-    if isinstance(rc, VLLMRolloutConfig):
-        from asyncrl.engines.rollout.vllm.client import VLLMClient
-        from asyncrl.engines.rollout.vllm.control import VLLMControl
-        from asyncrl.engines.rollout.vllm.layout import VLLMDigests
-
-        def make_vllm(url: str, timeout_s: float) -> ControlledEngine:
-            return VLLMControl(url, timeout_s, bucket_bytes, retry_503_s=rc.retry_503_s)
-
-        def vllm_adapters(url: str, timeout_s: float) -> AdapterControl:
-            return VLLMClient(url, timeout_s, retry_503_s=rc.retry_503_s)
-
-        async def vllm_digests(engine: ControlledEngine) -> dict[str, str]:
-            assert isinstance(engine, VLLMControl)
-            return await engine.weight_checksums()  # /weight_checker {"action": "checksum"}
-
-        return WeightFamily(
-            "vLLM",
-            make_vllm,
-            loads_live=True,
-            check=_vllm_check,
-            received=lambda e: False,
-            adapters=vllm_adapters,  # /v1/load_lora_adapter from a folder
-            digests=vllm_digests,
-            compare_digests=VLLMDigests(),  # fused, padded, sharded, cast as vLLM loads them
-            nccl_group=_vllm_nccl_group,  # vLLM's own trainer_init (PyNcclCommunicator)
-            adapter_folders_kept=True,
-        )
-    from asyncrl.engines.rollout.sglang.client import SGLangClient
-
-    def make_sglang(url: str, timeout_s: float) -> ControlledEngine:
-        return SGLangClient(url, timeout_s=timeout_s)
-
-    if isinstance(rc, SGLangRolloutConfig):
-        from asyncrl.engines.rollout.sglang.control import sglang_check, sglang_received
-        from asyncrl.transports.weights import CUDA_IPC_SGLANG
-
-        return WeightFamily(
-            "SGLang",
-            make_sglang,
-            loads_live=True,
-            no_ipc=CUDA_IPC_SGLANG,
-            check=sglang_check,
-            received=sglang_received,
-            adapters=SGLangClient,  # /load_lora_adapter from a folder (0.5.10 .. 0.5.23)
-        )
-    assert isinstance(rc, LocalRolloutConfig)
-    return WeightFamily("embedded engine", make_sglang, ipc=True)
+    return family(rc).weights(rc, bucket_bytes)
 
 
-def _vllm_nccl_group(address: str, port: int, world_size: int, device: str) -> TrainerLink:
-    """Rank 0 of a vLLM NCCL weight group, with vLLM's trainer-side code (imported only now:
-    the optional extra ``asyncrl[vllm-trainer]``; see ``vllm/trainer_nccl.py``)."""
-    from asyncrl.engines.rollout.vllm.trainer_nccl import join_vllm_nccl
+def make_weight_transport(
+    cfg: WeightSyncConfig,
+    engine_urls: Sequence[str],
+    device: str,
+    pause_mode: str = "abort",
+    engine: RolloutConfig | str = "local",
+    adapters: AdapterSpec | None = None,
+) -> WeightTransport:
+    """The weight transport of ``cfg`` into engines of ``engine``'s family (a config or a
+    backend tag): the family's :class:`~asyncrl.transports.weights.seam.WeightAdapter`
+    handed to the transports' factory (:func:`asyncrl.transports.weights.make_sender`,
+    which chooses the backend). ``adapters``: a LoRA run's adapters."""
+    from asyncrl.transports.weights import make_sender
 
-    return join_vllm_nccl(address, port, world_size, device)
-
-
-def _vllm_check(infos: list[dict[str, Any]], pause_mode: str) -> bool:
-    """vLLM takes every pause mode it names; nothing to flush (no ``flush_cache``)."""
-    return False
+    bucket_bytes = getattr(cfg, "bucket_mb", 1024) << 20
+    return make_sender(
+        cfg, engine_urls, device, weight_family(engine, bucket_bytes), pause_mode, adapters
+    )

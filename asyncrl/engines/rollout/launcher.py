@@ -27,14 +27,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from asyncrl.config import (
-    LocalRolloutConfig,
-    RolloutConfig,
-    RunConfig,
-    SGLangRolloutConfig,
-    VLLMRolloutConfig,
-)
+from asyncrl.config import RolloutConfig, RunConfig
 from asyncrl.engines.rollout.base import EngineUnavailable
+from asyncrl.engines.rollout.factory import family
+from asyncrl.engines.rollout.local.family import LOCAL_SERVER
 from asyncrl.engines.rollout.sglang.client import SGLangClient
 from asyncrl.engines.rollout.vllm.client import VLLMClient
 from asyncrl.procs import Proc, Spawner, free_port, python_env, spawn, stop
@@ -56,7 +52,6 @@ __all__ = [
 
 SGLANG_SERVER = "sglang.launch_server"
 """SGLang's server module (``python -m``): :class:`LaunchSpec`'s default module."""
-LOCAL_SERVER = "asyncrl.entrypoints.engine"
 
 
 @dataclass(frozen=True)
@@ -167,16 +162,11 @@ def stored_dtype(model_path: str) -> str:
 
 def startup_timeout(rc: RolloutConfig, model_path: str) -> float:
     """Seconds to wait for the engines to become healthy (see
-    ``RolloutConfig.startup_timeout_s``): the configured value, or scaled to the model."""
+    ``RolloutConfig.startup_timeout_s``): the configured value, or the family's (scaled to
+    the model for GPU servers)."""
     if rc.startup_timeout_s is not None:
         return rc.startup_timeout_s
-    if isinstance(rc, LocalRolloutConfig):
-        return 120.0
-    folder = Path(model_path)
-    files = [p for p in folder.glob("*") if p.suffix in (".safetensors", ".bin", ".pt", ".pth")]
-    if not files:
-        return 900.0
-    return 300.0 + 20.0 * sum(p.stat().st_size for p in files) / 2**30
+    return family(rc).startup_timeout(rc, model_path)
 
 
 def launch(
@@ -268,27 +258,11 @@ def start_engines(
 
 def lora_engine_args(cfg: RunConfig) -> tuple[str, ...]:
     """The engines' flags for the run's ``lora`` section (none when LoRA is off): the
-    adapters' shape and a ring of ``controller.max_staleness + 1`` versions (SGLang's:
-    :func:`~asyncrl.engines.rollout.sglang.launcher.sglang_lora_args`)."""
-    lc = cfg.lora
-    if not lc.enabled:
+    adapters' shape and a ring of ``controller.max_staleness + 1`` versions, in the family's
+    words (``EngineFamily.lora_args``)."""
+    if not cfg.lora.enabled:
         return ()
-    if isinstance(cfg.rollout, SGLangRolloutConfig):
-        from asyncrl.engines.rollout.sglang.launcher import sglang_lora_args
-
-        return sglang_lora_args(lc, cfg.controller.max_staleness + 1)
-    if isinstance(cfg.rollout, VLLMRolloutConfig):
-        from asyncrl.engines.rollout.vllm.launcher import vllm_lora_args
-
-        return vllm_lora_args(lc, cfg.controller.max_staleness + 1)
-    return (
-        "--enable-lora",
-        "--max-lora-rank", str(lc.rank),
-        "--lora-alpha", repr(lc.alpha),
-        "--lora-target-modules", ",".join(lc.target_modules),
-        "--max-loaded-loras", str(cfg.controller.max_staleness + 1),
-        "--lora-name", lc.name,
-    )  # fmt: skip
+    return family(cfg.rollout).lora_args(cfg.lora, cfg.controller.max_staleness + 1)
 
 
 def engine_spec(
@@ -304,22 +278,12 @@ def engine_spec(
     lora: Sequence[str] = (),
 ) -> LaunchSpec:
     """Engine ``i``'s server of a run: on ``host`` (default ``rc.host``) at ``port`` (default a
-    free one there); an SGLang server uses GPUs from ``base_gpu`` (default ``i * tp_size``, the
+    free one there); a GPU server uses GPUs from ``base_gpu`` (default ``i * tp_size``, the
     engines of one host side by side; 0 where the launcher already narrowed the visible GPUs).
-    ``dtype`` is the embedded engine's; SGLang's is ``sglang.launcher.sglang_dtype``'s."""
+    ``dtype`` is the embedded engine's; SGLang's is ``sglang.launcher.sglang_dtype``'s. The
+    flags are the family's (``EngineFamily.spec``)."""
     host = host or rc.host
     port = port or free_port(host)
-    if isinstance(rc, LocalRolloutConfig):
-        extra = ["--device", rc.device, "--dtype", dtype, "--seed", str(seed + 1000 + i)]
-        extra += ["--weight-masters", f"loopback,{weight_master}"]
-        extra += ["--max-batch-size", str(rc.max_batch_size)]
-        extra += ["--kv-after-update", rc.kv_after_update, *lora]
-        return LaunchSpec(model_path, port, host, 1, None, (*extra, *rc.extra_args), LOCAL_SERVER)
-    gpu = i * rc.tp_size if base_gpu is None else base_gpu
-    if isinstance(rc, VLLMRolloutConfig):
-        from asyncrl.engines.rollout.vllm.launcher import vllm_spec
-
-        return vllm_spec(rc, model_path, port, host, gpu, seed + 1000 + i, lora)
-    from asyncrl.engines.rollout.sglang.launcher import sglang_spec
-
-    return sglang_spec(rc, model_path, port, host, gpu, seed + 1000 + i, lora)
+    fam = family(rc)
+    gpu = i * fam.gpus(rc) if base_gpu is None else base_gpu
+    return fam.spec(rc, model_path, port, host, gpu, seed + 1000 + i, dtype, weight_master, lora)

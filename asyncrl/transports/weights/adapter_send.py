@@ -3,7 +3,7 @@ trainer side.
 
 A :class:`~asyncrl.transports.weights.base.WeightTransport` for LoRA runs
 (``lora.rank > 0``) whose engine family loads adapters by name from a folder
-(:attr:`~asyncrl.engines.rollout.base.WeightFamily.adapters`). Contract:
+(:attr:`~asyncrl.transports.weights.seam.WeightAdapter.adapters`). Contract:
 
 - ``push(named_weights, version)`` copies the adapter's tensors (PEFT's saved names, as
   the trainer's ``named_weights`` yields them under LoRA) to CPU in the caller's thread, so
@@ -26,9 +26,8 @@ A :class:`~asyncrl.transports.weights.base.WeightTransport` for LoRA runs
   its folder): deleted once ``2 * capacity`` newer versions exist.
 - ``connect`` / ``engines_changed`` only record the engine set (there is no group to
   form); ``connect`` forgets which versions each engine holds: a version an engine then
-  answers it holds already (SGLang: "already loaded", 0.5.10 lora_manager.py:187-193,
-  "already exists", lora_registry.py:230-233; vLLM: "has already been loaded",
-  models/serving.py:270-278) counts as loaded (a re-sync pushes the same weights); an
+  answers it holds already (the client's ``refusal`` says ``"held"``, in its family's
+  words) counts as loaded (a re-sync pushes the same weights); an
   unload of a version the engine no longer knows counts as done.
 - An engine whose versions are unknown (joining, restarted, or after ``connect``: the
   trainer's re-sync) gets the ring rebuilt before the push's version: the older versions a
@@ -56,17 +55,14 @@ from pathlib import Path
 
 import torch
 
-from asyncrl.engines.rollout.base import AdapterControl, EngineError
 from asyncrl.transports.weights.base import PushHandle, WeightSyncError
+from asyncrl.transports.weights.seam import AdapterControl, EngineError
 
 __all__ = ["AdapterFolderSender", "AdapterSpec"]
 
 log = logging.getLogger("asyncrl.weights")
 
 PREFIX = "base_model.model."  # PEFT's prefix of saved adapter keys
-_HELD = ("already loaded", "already exists", "has already been loaded")  # SGLang; vLLM
-_GONE = ("does not exist", "cannot be found")  # SGLang lora_registry.py:107-110; vLLM ms:293-300
-INCOMPLETE = "has an incomplete unload"  # SGLang 0.5.22+ (0.5.23 tokenizer_control_mixin:682-686)
 
 
 @dataclass(frozen=True)
@@ -277,12 +273,12 @@ class AdapterFolderSender:
                 await client.load_lora_adapter(label, path)
                 return
             except EngineError as exc:
-                if any(m in str(exc) for m in _HELD):
+                if client.refusal(exc) == "held":
                     return
                 if attempt == 2:
                     raise
                 log.warning("%s: loading %s failed, retrying: %s", client.url, label, exc)
-                if INCOMPLETE in str(exc):
+                if client.refusal(exc) == "incomplete":
                     await self._unload(client, version)
 
     async def _unload(self, client: AdapterControl, version: int) -> None:
@@ -296,7 +292,7 @@ class AdapterFolderSender:
                 await client.unload_lora_adapter(label)
                 return
             except EngineError as exc:
-                if any(m in str(exc) for m in _GONE):  # not held (any more)
+                if client.refusal(exc) == "gone":  # not held (any more)
                     return
                 if attempt == 1:
                     raise

@@ -1,12 +1,14 @@
 """Collective weight transport (NCCL / HCCL / Gloo), trainer side: the sender.
 
 Runs in the trainer process (rank 0). The weight group is a process group of its own
-(see ``collective_wire``) — trainer rank 0 is rank 0, engine i is rank ``1 + i``
-(SGLang's ``rank_offset``) — built from a TCPStore, so the trainer's default group (and
-its world) is never touched. Each bucket is one broadcast of a flat buffer, announced to
-every engine by ``/update_weights_from_distributed`` with
-``load_format="flattened_bucket"`` plus an ``asyncrl_bucket`` field (index, count,
-version, checksum, chunks) that SGLang ignores. The engine's side is ``collective_recv``.
+(see ``collective_wire``) — trainer rank 0 is rank 0, engine i's ranks follow from
+``rank_offset = 1 + ranks of the engines before`` — built from a TCPStore, so the
+trainer's default group (and its world) is never touched. Each bucket is one broadcast of
+a flat buffer, announced to every engine in its family's load format (the
+:class:`~asyncrl.transports.weights.seam.WeightAdapter` the caller hands in: SGLang's
+``flattened_bucket`` plus the ``asyncrl_bucket`` field the embedded engine reads, vLLM's
+``/update_weights``...). The embedded engine's side is
+``engines/rollout/local/collective_recv.py``.
 
 A push (see ``base`` for the contract): ``push`` only takes references to the tensors;
 the engine group's loop (``send_engines``) then delivers it, one push at a time, in
@@ -16,17 +18,14 @@ paused only around it when ``pause_scope="commit"``) [resume]. Any failure skips
 commit: the engines drop what they staged and keep their weights and version; the
 push's handle raises :class:`WeightSyncError`.
 
-Engines are reached through the :class:`~asyncrl.engines.rollout.base.EngineControl` seam
-(the family, :class:`~asyncrl.engines.rollout.base.WeightFamily`, comes from the factory).
-Families that load every bucket into the live model as it arrives (SGLang, vLLM: no
+Families that load every bucket into the live model as it arrives (``loads_live``: no
 staging, no chunk of a tensor) get whole tensors only, generation paused for the whole
-transfer, the engines' update session around the buckets (SGLang 0.5.22+; vLLM's
-start/finish), ``weight_version`` on the last bucket (SGLang relabels with the load) or
-on the session's close (vLLM's finish), and relabelling before generation resumes. A
-failed push leaves their weights undefined: it is re-pushed from the staged copy as a
-whole new round (``weights.repush_attempts`` times, engines still paused), and when that
-fails too the push raises, saying so, and the engines stay paused. See
-docs/weight-sync.md, "Per backend", and docs/rollout-engines.md.
+transfer, the engines' update session around the buckets, their version with the last
+bucket or the session's close (the family's announcement says which), and relabelling
+before generation resumes. A failed push leaves their weights undefined: it is re-pushed
+from the staged copy as a whole new round (``weights.repush_attempts`` times, engines
+still paused), and when that fails too the push raises, saying so, and the engines stay
+paused. See docs/weight-sync.md, "Per backend", and docs/rollout-engines.md.
 """
 
 from __future__ import annotations
@@ -47,25 +46,21 @@ import torch.distributed as dist
 
 from asyncrl import trace
 from asyncrl.config import CollectiveWeightsConfig
-from asyncrl.engines.rollout.base import (
-    EngineControl,
-    EngineError,
-    EngineUnavailable,
-    TrainerLink,
-    WeightFamily,
-)
 from asyncrl.procs import free_port
 from asyncrl.transports.weights.base import (
     PushHandle,
     WeightSyncError,
 )
 from asyncrl.transports.weights.bucket import BucketManifest
-from asyncrl.transports.weights.collective_wire import (
-    TorchLink,
-    bucket_extra,
-    new_weight_group,
-)
+from asyncrl.transports.weights.collective_wire import TorchLink, new_weight_group
 from asyncrl.transports.weights.delta import DELTA_CAPABILITY
+from asyncrl.transports.weights.seam import (
+    EngineControl,
+    EngineError,
+    EngineUnavailable,
+    TrainerLink,
+    WeightAdapter,
+)
 from asyncrl.transports.weights.send_engines import EngineGroup, settle
 from asyncrl.transports.weights.send_staging import BucketStager, Packed
 from asyncrl.transports.weights.send_stream import Acks, BucketStream
@@ -107,13 +102,11 @@ def resolve_backend(name: str, device: str) -> str:
     )
 
 
-def _refused(task: asyncio.Task[Any], family: WeightFamily) -> bool:
+def _refused(task: asyncio.Task[Any], family: WeightAdapter) -> bool:
     """The engine did not take part in the bucket's broadcast (HTTP error, unreachable).
 
-    The embedded engine answers ``success: false`` with HTTP 200 once it received, 4xx only
-    before; other families say (``WeightFamily.received``: SGLang's 400 with its JSON body
-    comes also after receiving, 0.5.23 http_server.py:1488-1505; vLLM's error means its
-    workers stopped receiving, gpu_worker.py:1616-1631)."""
+    The family says (``WeightAdapter.received``): which error answers still mean the engine
+    took part in the broadcast."""
     if task.cancelled() or task.exception() is None:
         return False
     exc = task.exception()
@@ -156,22 +149,22 @@ class CollectiveWeightSender:
         engine_urls: Sequence[str],
         cfg: CollectiveWeightsConfig,
         backend: str,
+        family: WeightAdapter,
         pause_mode: str = "abort",
         device: str = "cpu",
-        family: WeightFamily | None = None,
     ):
         self.cfg = cfg
         self.backend = backend
         self.device = device
-        self.engines = EngineGroup(engine_urls, cfg, self, pause_mode=pause_mode, family=family)
+        self.engines = EngineGroup(engine_urls, cfg, self, family, pause_mode=pause_mode)
         live = self.engines.loads_live
         # a broadcast has read its buffer when it returns; a delta is one broadcast too
         self.stager = BucketStager(
-            cfg, torch.device(device), sglang=live, zero_copy_ok=True, delta_ok=True
+            cfg, torch.device(device), whole=live, zero_copy_ok=True, delta_ok=True
         )
         self.stream = BucketStream(self.engines, self.stager, self)
         self._last: PushHandle | None = None
-        self._flush = True  # flush SGLang's prefix cache with the last bucket (see form)
+        self._flush = True  # the family's flush rule for the last bucket (see form)
         self._chain: dict[str, asyncio.Future[Any]] = {}  # live loaders: each engine's last call
         self._link: TrainerLink | None = None  # rank 0's end of the formed group
         self._bcast = ThreadPoolExecutor(1, thread_name_prefix="weight-bcast")  # waits, in order
@@ -311,9 +304,11 @@ class CollectiveWeightSender:
     def _join(self, port: int, world: int) -> TrainerLink:
         """Rank 0's join (in a thread): the family's own NCCL group where it has one (vLLM's
         ``PyNcclCommunicator``, ``vllm/trainer_nccl.py``), else torch's group."""
-        own = self.engines.family.nccl_group
-        if self.backend == "nccl" and own is not None:
-            return own(self.cfg.master_address, port, world, self.device)
+        own = self.engines.family.trainer_link(
+            self.backend, self.cfg.master_address, port, world, self.device
+        )
+        if own is not None:
+            return own
         group = new_weight_group(
             self.backend,
             self.cfg.master_address,
@@ -345,27 +340,15 @@ class CollectiveWeightSender:
     def announce(self, m: BucketManifest) -> Acks:
         """Start the bucket's control call to every engine (it may run ahead of the data)."""
         live = self.engines.loads_live
-        names = [e.name for e in m.entries]
-        extra = {"asyncrl_bucket": bucket_extra(m)}
-        last = m.index == m.count - 1
+        family = self.engines.family
         if m.index == 0:
             self._chain = {}
         acks: Acks = []
         for c in self.engines.clients:
-            call = c.update_weights_from_distributed(
-                names=names,
-                dtypes=[m.dtype] * len(names),
-                shapes=[e.wire_shape for e in m.entries],
-                group_name=self.cfg.group_name,
-                flush_cache=last and self._flush,
-                # SGLang relabels with the last bucket's load
-                # (scheduler_components/weight_updater.py:224)
-                weight_version=str(m.version) if last and live else None,
-                load_format="flattened_bucket",
-                extra=extra,
-            )
+            # in the family's load format (its flush rule, its version on the last bucket)
+            call = family.announce(c, m, self.cfg.group_name, self._flush)
             inner = call
-            if live:  # SGLang serves update calls in arrival order: one at a time (vLLM too)
+            if live:  # engines that load live serve update calls in arrival order: one at a time
                 call = _after(self._chain.get(c.url), call, m.index)
             task = asyncio.ensure_future(call)
             task.add_done_callback(_seen)  # read by check_acks; a failed push may not get there
@@ -385,7 +368,7 @@ class CollectiveWeightSender:
         link = self._link
         assert link is not None, "connect() first"
         loop = asyncio.get_running_loop()
-        wire = flat.view(torch.uint8)  # bytes: SGLang's FlattenedTensorBucket, vLLM's packed chunk
+        wire = flat.view(torch.uint8)  # bytes: the tensors back to back
         work = await loop.run_in_executor(self._poster, link.post, wire)
         sent = loop.run_in_executor(self._bcast, link.finish, work, flat)
         sent.add_done_callback(_seen)  # its error, when _watch raised first, is that one's

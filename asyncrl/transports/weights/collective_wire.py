@@ -199,7 +199,7 @@ def broadcast(group: dist.ProcessGroup, tensor: torch.Tensor, src: int = 0) -> N
 
 
 class TorchLink:
-    """Trainer rank 0's :class:`~asyncrl.engines.rollout.base.TrainerLink` over a torch
+    """Trainer rank 0's :class:`~asyncrl.transports.weights.seam.TrainerLink` over a torch
     process group made by :func:`new_weight_group` (Gloo, NCCL, HCCL)."""
 
     def __init__(self, group: dist.ProcessGroup) -> None:

@@ -17,10 +17,10 @@ from typing import Any, cast
 import torch
 
 from asyncrl.config import CudaIpcWeightsConfig
-from asyncrl.engines.rollout.base import TensorHandoff
 from asyncrl.transports.weights.base import PushHandle
 from asyncrl.transports.weights.bucket import checksum
 from asyncrl.transports.weights.cuda_ipc_wire import LOAD_FORMAT, b64, dtype_name, share_storage
+from asyncrl.transports.weights.seam import TensorHandoff, WeightAdapter
 from asyncrl.transports.weights.send_engines import EngineGroup, settle
 
 __all__ = ["CudaIpcWeightSender", "IpcExport"]
@@ -87,6 +87,7 @@ class CudaIpcWeightSender:
         self,
         engine_urls: Sequence[str],
         cfg: CudaIpcWeightsConfig,
+        family: WeightAdapter,
         pause_mode: str = "abort",
         device: str = "cuda",
     ):
@@ -95,7 +96,7 @@ class CudaIpcWeightSender:
                              "(trainer.device='cuda') and engines on the same GPU(s)")  # fmt: skip
         self.cfg = cfg
         self.device = torch.device(device)
-        self.engines = EngineGroup(engine_urls, cfg, self, pause_mode=pause_mode)
+        self.engines = EngineGroup(engine_urls, cfg, self, family, pause_mode=pause_mode)
         self._last: PushHandle | None = None
         self._snap_at = 0.0
         self._export = IpcExport()
@@ -241,7 +242,7 @@ class CudaIpcWeightSender:
 
 
 def _handoff(engine: object) -> TensorHandoff:
-    """The engine's IPC hand-off (the factory gives ``cuda-ipc`` only families that have it,
-    ``WeightFamily.ipc``)."""
+    """The engine's IPC hand-off (the factory gives ``cuda-ipc`` only families that have it:
+    ``WeightAdapter.no_ipc`` empty)."""
     assert hasattr(engine, "update_weights_from_tensor"), f"{engine!r} takes no IPC hand-off"
     return cast(TensorHandoff, engine)

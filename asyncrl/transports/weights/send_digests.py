@@ -3,7 +3,7 @@
 Some engines (vLLM 0.33's ``POST /weight_checker``) answer the sha256 of every tensor they
 hold, on every worker; what they hold is not the tensors pushed (vLLM fuses, pads, shards
 and casts them), so the engine family says how its answer follows from the pushed tensors
-(``WeightFamily.compare_digests``: :class:`~asyncrl.engines.rollout.base.DigestReport`).
+(``WeightAdapter.compare_digests``: :class:`~asyncrl.transports.weights.seam.DigestReport`).
 Such an engine cannot be asked for a subset: each call hashes the whole model on every
 worker. So for such families ``weights.verify`` means, after each push's finish and before
 generation resumes:
@@ -33,9 +33,9 @@ from collections.abc import Awaitable, Callable
 
 import torch
 
-from asyncrl.engines.rollout.base import ControlledEngine, DigestCompare, DigestReport
 from asyncrl.transports.weights.base import WeightsUnverified, WeightSyncError
 from asyncrl.transports.weights.bucket import BucketManifest
+from asyncrl.transports.weights.seam import DigestCompare, DigestReport, WeightEngine
 
 __all__ = ["SAMPLE", "DigestCheck", "pushed_tensors"]
 
@@ -44,7 +44,7 @@ log = logging.getLogger("asyncrl.weights")
 SAMPLE = 8
 """Tensors compared per push under ``weights.verify = "sampled"`` (after the first check)."""
 
-Checksums = Callable[[ControlledEngine], Awaitable[dict[str, str]]]
+Checksums = Callable[[WeightEngine], Awaitable[dict[str, str]]]
 
 
 def pushed_tensors(packed: list[tuple[BucketManifest, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -71,13 +71,13 @@ class DigestCheck:
         self.compared = 0  # the last check's counts
         self.total = 0
 
-    def engines(self, version: int, clients: list[ControlledEngine]) -> list[ControlledEngine]:
+    def engines(self, version: int, clients: list[WeightEngine]) -> list[WeightEngine]:
         if self.mode == "off" or not clients:
             return []
         return list(clients) if self.mode == "full" else [clients[version % len(clients)]]
 
     async def check(
-        self, version: int, clients: list[ControlledEngine], pushed: dict[str, torch.Tensor]
+        self, version: int, clients: list[WeightEngine], pushed: dict[str, torch.Tensor]
     ) -> None:
         """Ask the engines of push ``version`` for their digests and compare (module
         docstring); WeightSyncError on a difference or an engine that fails to answer,

@@ -25,11 +25,11 @@ from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from concurrent.futures import Future
 from typing import Any, Protocol, TypeVar
 
-from asyncrl import trace
 from asyncrl.config import CollectiveWeightsConfig, CudaIpcWeightsConfig
-from asyncrl.engines.rollout.base import ControlledEngine, EngineError, WeightFamily
 from asyncrl.loops import new_event_loop
 from asyncrl.transports.weights.base import EnginesLeft, PushHandle, WeightSyncError
+from asyncrl.transports.weights.pausing import pause_engines, resume_engines, traced
+from asyncrl.transports.weights.seam import EngineError, WeightAdapter, WeightEngine
 
 __all__ = ["EngineGroup", "Formation", "settle"]
 
@@ -79,15 +79,11 @@ class EngineGroup:
         engine_urls: Sequence[str],
         cfg: CollectiveWeightsConfig | CudaIpcWeightsConfig,
         formation: Formation,
+        family: WeightAdapter,
         pause_mode: str = "abort",
-        family: WeightFamily | None = None,
     ):
         if not engine_urls:
             raise ValueError("weight sync needs at least one engine URL")
-        if family is None:
-            from asyncrl.engines.rollout.factory import weight_family
-
-            family = weight_family("local")
         self.urls = list(engine_urls)
         self.cfg = cfg
         self.pause_mode = pause_mode
@@ -96,7 +92,7 @@ class EngineGroup:
         """Engines that load buckets as they arrive (SGLang, vLLM): a failed push leaves
         them undefined."""
         self.pause_scope = "transfer" if self.loads_live else cfg.pause_scope
-        self.clients: list[ControlledEngine] = []
+        self.clients: list[WeightEngine] = []
         self.formed = False
         self.pauses = 0  # pause calls made (to every engine at once), for push stats
         self.lock: asyncio.Lock | None = None  # pushes and re-forms, one at a time
@@ -202,7 +198,7 @@ class EngineGroup:
         """Tear down, make a client per engine, wait until each is healthy, form."""
         await self.shutdown()
         wait_s = self._formation.client_timeout_s()
-        self.clients = [self.family.make(u, wait_s) for u in self.urls]
+        self.clients = [self.family.engine(u, wait_s) for u in self.urls]
         await asyncio.gather(*(c.wait_healthy(self.cfg.timeout_s) for c in self.clients))
         await self._formation.form()
         self.formed = True
@@ -216,17 +212,19 @@ class EngineGroup:
         self.clients = []
 
     # -- calls to every engine -----------------------------------------------------------
-    async def all(self, what: str, call: Callable[[ControlledEngine], Awaitable[Any]]) -> None:
+    async def all(self, what: str, call: Callable[[WeightEngine], Awaitable[Any]]) -> None:
         """``call(client)`` on every engine at once (traced as ``what``); WeightSyncError
         naming each engine that failed."""
         results = await asyncio.gather(
-            *(_traced(what, c.url, call(c)) for c in self.clients), return_exceptions=True
+            *(traced(what, c.url, call(c)) for c in self.clients), return_exceptions=True
         )
-        errors = [
-            (c.url, r)
-            for c, r in zip(self.clients, results, strict=True)
-            if isinstance(r, BaseException)
-        ]
+        self._raise_any(
+            what,
+            [(c.url, r) for c, r in zip(self.clients, results, strict=True)
+             if isinstance(r, BaseException)],
+        )  # fmt: skip
+
+    def _raise_any(self, what: str, errors: list[tuple[str, BaseException]]) -> None:
         if errors:
             if any(not isinstance(e, EngineError) for _, e in errors):
                 self.formed = False  # an engine unreachable (died?): re-form next time
@@ -234,22 +232,15 @@ class EngineGroup:
             raise WeightSyncError(f"{what} failed on {len(errors)} engine(s): {detail}")
 
     async def pause(self) -> None:
-        """Pause generation on every engine (``pause_mode``)."""
+        """Pause generation on every engine (``pause_mode``, :func:`pausing.pause_engines`)."""
         self.pauses += 1
-        await self.all("/pause_generation", lambda c: c.pause_generation(self.pause_mode))
+        failed = await pause_engines(self.clients, self.pause_mode)
+        self._raise_any("/pause_generation", [(c.url, r) for c, r in failed])
 
     async def resume(self) -> None:
         """Resume generation on every engine; a failure is logged, not raised."""
-        results = await asyncio.gather(
-            *(
-                _traced("/continue_generation", c.url, c.continue_generation())
-                for c in self.clients
-            ),
-            return_exceptions=True,
-        )
-        for c, r in zip(self.clients, results, strict=True):
-            if isinstance(r, BaseException):
-                log.warning("could not resume %s: %s", c.url, r)
+        for c, r in await resume_engines(self.clients):
+            log.warning("could not resume %s: %s", c.url, r)
 
     async def commit(self, version: int) -> None:
         """Make every engine version ``version`` (the embedded engine: switch to the staged
@@ -299,9 +290,3 @@ class EngineGroup:
             raise WeightSyncError(
                 f"{prefix}{len(errors)} engine(s) failed the update ({self.kept}): {detail}"
             )
-
-
-async def _traced(what: str, url: str, call: Awaitable[Any]) -> Any:
-    """``call`` to the engine at ``url`` as a span of that engine's track."""
-    with trace.get().span(what, f"engine {url}"):
-        return await call

@@ -1,8 +1,8 @@
 """Planning and packing a push's buckets (trainer process): :class:`BucketStager`.
 
 A push's tensors are planned into flat buckets once per layout (``bucket.plan_buckets``:
-one dtype per bucket, at most ``weights.bucket_mb``; whole tensors only for SGLang) and
-packed bucket by bucket into staging slots, the bucket's checksum computed as it is
+one dtype per bucket, at most ``weights.bucket_mb``; whole tensors only for engines that
+load live) and packed bucket by bucket into staging slots, the bucket's checksum computed as it is
 packed. Slots: ``weights.staging_buckets`` of them (0: one per bucket, so the trainer is
 released after one copy of the weights; 2: double-buffered, least memory), each allocated
 when first used; the packer runs that many buckets ahead of the sends. A bucket within
@@ -63,13 +63,15 @@ class BucketStager:
         self,
         cfg: CollectiveWeightsConfig,
         device: torch.device,
-        sglang: bool = False,
+        whole: bool = False,
         zero_copy_ok: bool = False,
         delta_ok: bool = False,
     ):
         self.cfg = cfg
         self.device = device
-        self.sglang = sglang
+        self.whole = whole
+        """Engines load each bucket live as it arrives: whole tensors only, every staged
+        bucket kept for a re-push, no deltas, no zero-copy sends."""
         self.zero_copy_ok = zero_copy_ok
         self.plan: list[BucketManifest] = []
         self.upto: list[int] = []  # bytes up to each bucket (every wait's budget grows with it)
@@ -80,9 +82,9 @@ class BucketStager:
         self.stats: dict[str, float] = {}  # this push's delta counters
         self._plan_key: tuple[TensorSpec, ...] = ()
         self._zero_copy_upto = 0  # buckets [0, upto) may be sent from the caller's memory
-        # SGLang loads what it receives (no deltas in 0.5.10-0.5.23): it always gets full
-        # pushes, so no base is kept for it
-        takes = cfg.delta != "off" and delta_ok and not sglang
+        # engines that load live take what they receive as it is: always full pushes, so no
+        # base is kept for them
+        takes = cfg.delta != "off" and delta_ok and not whole
         self.delta = DeltaEncoder(cfg.delta) if takes else None
         self.engines_delta = False  # every engine says it applies deltas
         self.base_version: int | None = None  # the version every engine holds, if known
@@ -113,7 +115,7 @@ class BucketStager:
         if specs != self._plan_key:
             self._plan_key = specs
             self.plan = plan_buckets(
-                specs, self.cfg.bucket_mb << 20, self.cfg.min_buckets, whole_only=self.sglang
+                specs, self.cfg.bucket_mb << 20, self.cfg.min_buckets, whole_only=self.whole
             )
             if self.delta is not None:  # new buckets: no base any more, the next push is full
                 self.delta.reset()
@@ -124,8 +126,8 @@ class BucketStager:
     def _size_slots(self) -> None:
         plan, cfg = self.plan, self.cfg
         depth = cfg.staging_buckets
-        if depth == 0 or cfg.snapshot or self.sglang:
-            depth = len(plan)  # SGLang: kept for a re-push
+        if depth == 0 or cfg.snapshot or self.whole:
+            depth = len(plan)  # live loaders: kept for a re-push
         depth = max(1, min(depth, len(plan)))
         total, upto = sum(m.nbytes for m in plan), 0
         while upto < len(plan) and sum(m.nbytes for m in plan[: upto + 1]) <= (
@@ -249,7 +251,7 @@ class BucketStager:
         manifest order (one whole tensor; or a trainer whose parameters live in one
         flat buffer, see ``trainer.flat_params``). Everything else is staged.
         """
-        if not self.zero_copy_ok or self.cfg.snapshot or self.sglang or k >= self._zero_copy_upto:
+        if not self.zero_copy_ok or self.cfg.snapshot or self.whole or k >= self._zero_copy_upto:
             return None
         if self.delta is not None:  # the base must be a copy of its own
             return None

@@ -35,9 +35,9 @@ import msgspec
 import torch
 
 from asyncrl import trace
-from asyncrl.engines.rollout.base import EngineError, EngineUnavailable
 from asyncrl.transports.weights.base import EnginesLeft, WeightsUndefined, WeightSyncError
 from asyncrl.transports.weights.bucket import BucketManifest
+from asyncrl.transports.weights.seam import EngineError, EngineUnavailable
 from asyncrl.transports.weights.send_digests import DigestCheck, pushed_tensors
 from asyncrl.transports.weights.send_engines import EngineGroup
 from asyncrl.transports.weights.send_staging import BucketStager, Packed
@@ -85,11 +85,10 @@ class BucketStream:
         family, mode = group.family, stager.cfg.verify
         # engines that report their tensors' digests (vLLM): compared after each push with the
         # staged copy (they load live: every bucket's staged copy is kept for a re-push)
-        digests, compare = family.digests, family.compare_digests
-        checks = family.loads_live
+        compare = family.compare_digests
         self.digest = None
-        if checks and digests is not None and compare is not None:
-            self.digest = DigestCheck(mode, digests, compare)
+        if family.loads_live and compare is not None:
+            self.digest = DigestCheck(mode, family.digests, compare)
 
     def close(self) -> None:
         self._packer.shutdown(wait=False)

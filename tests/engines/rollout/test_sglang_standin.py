@@ -212,8 +212,8 @@ def test_spans_expand_to_exact_token_versions(
     from safetensors.torch import load_file
 
     from asyncrl.config import GlooWeightsConfig
+    from asyncrl.engines.rollout.factory import make_weight_transport
     from asyncrl.engines.rollout.sglang import SGLangClient
-    from asyncrl.transports.weights import make_weight_transport
 
     sglang_src(version)
     server = start_standin(version, tiny_model_dir, tmp_path / "sglang", step_s=0.02)

@@ -114,8 +114,8 @@ def test_pushes_are_exact_and_keep_versions_exact(tmp_path: Path, tiny_model_dir
     from safetensors.torch import load_file
 
     from asyncrl.config import GlooWeightsConfig
+    from asyncrl.engines.rollout.factory import make_weight_transport
     from asyncrl.engines.rollout.vllm.client import VLLMClient
-    from asyncrl.transports.weights import make_weight_transport
 
     server = start_vllm(tiny_model_dir, tmp_path / "vllm", tp_size=2, step_s=0.02)
     sender = None
@@ -271,7 +271,7 @@ def test_wire_matches_vllms_own_client(tmp_path: Path, tiny_model_dir: Path) -> 
     from safetensors.torch import load_file
 
     from asyncrl.config import GlooWeightsConfig
-    from asyncrl.transports.weights import make_weight_transport
+    from asyncrl.engines.rollout.factory import make_weight_transport
     from tests.engines.rollout.vllm.code import vllm_env
 
     # vLLM's client sends no key (clients.py:66-75): its server without asyncrl's guard

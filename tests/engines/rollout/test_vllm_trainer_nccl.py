@@ -47,17 +47,16 @@ NO_VLLM = not _installed("vllm")
 
 
 def test_only_the_vllm_family_joins_nccl_with_its_own_code() -> None:
-    assert weight_family("vllm").nccl_group is not None
-    assert weight_family("sglang").nccl_group is None  # torch's group meets SGLang's ranks
-    assert weight_family("local").nccl_group is None
+    for name in ("sglang", "local"):  # torch's group meets their ranks
+        assert weight_family(name).trainer_link("nccl", "127.0.0.1", 1, 2, "cuda:0") is None
+    assert weight_family("vllm").trainer_link("gloo", "127.0.0.1", 1, 2, "cpu") is None
 
 
 @pytest.mark.skipif(not NO_VLLM, reason="vLLM is installed here: its absence cannot be shown")
 def test_without_vllm_the_error_names_the_extra() -> None:
-    join = weight_family("vllm").nccl_group
-    assert join is not None
+    family = weight_family("vllm")
     with pytest.raises(ValueError, match=r"pip install 'asyncrl\[vllm-trainer\]'"):
-        join("127.0.0.1", free_port(), 2, "cuda:0")
+        family.trainer_link("nccl", "127.0.0.1", free_port(), 2, "cuda:0")
     for weights in ("nccl", "auto"):  # auto is nccl on a CUDA trainer
         overrides = ["--rollout.backend=vllm", f"--weights.backend={weights}"]
         cfg = load_config(None, [*overrides, "--trainer.device=cuda"])

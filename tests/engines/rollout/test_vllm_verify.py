@@ -60,7 +60,7 @@ def test_sampled_verify_finds_a_silent_fault_and_repushes(
     from safetensors.torch import load_file
 
     from asyncrl.config import GlooWeightsConfig
-    from asyncrl.transports.weights import make_weight_transport
+    from asyncrl.engines.rollout.factory import make_weight_transport
     from asyncrl.transports.weights.send_digests import SAMPLE
 
     weights = load_file(str(tiny_model_dir / "model.safetensors"))
@@ -233,7 +233,7 @@ def test_a_failed_bucket_mid_push_is_re_pushed_at_once(
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from asyncrl.config import GlooWeightsConfig
-    from asyncrl.transports.weights import make_weight_transport
+    from asyncrl.engines.rollout.factory import make_weight_transport
 
     model_dir = tmp_path / "model"  # ~2.1 MB: three buckets of at most 1 MiB
     config = Qwen2Config.from_pretrained(tiny_model_dir)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from asyncrl.config import CudaIpcWeightsConfig, load_config
-from asyncrl.transports.weights import make_weight_transport
+from asyncrl.engines.rollout.factory import make_weight_transport
 from asyncrl.transports.weights.base import WeightSyncError
 from asyncrl.transports.weights.bucket import checksum
 from asyncrl.transports.weights.cuda_ipc_send import IpcExport
@@ -106,7 +106,7 @@ def test_ipc_config_and_cpu_tensors_are_refused_with_clear_errors() -> None:
 
 
 def test_bitwise_views_copy_bits_as_wide_as_alignment_allows() -> None:
-    from asyncrl.transports.weights.cuda_ipc_recv import _bitwise
+    from asyncrl.engines.rollout.local.cuda_ipc_recv import _bitwise
 
     src = torch.empty(4, 6, dtype=torch.bfloat16)
     src.view(torch.int16).copy_(torch.arange(0x7F81, 0x7F81 + 24, dtype=torch.int16).view(4, 6))

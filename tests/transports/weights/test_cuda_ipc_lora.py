@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from asyncrl.config import CudaIpcWeightsConfig, load_config
+from asyncrl.engines.rollout.factory import make_weight_transport
 from asyncrl.engines.rollout.sglang import SGLangClient
 from asyncrl.procs import free_port, python_env, stop
-from asyncrl.transports.weights import make_weight_transport
 from asyncrl.transports.weights.base import WeightSyncError
 from asyncrl.transports.weights.bucket import checksum
 from tests.runs import spawn_shared

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from asyncrl.config import GlooWeightsConfig
-from asyncrl.transports.weights import make_weight_transport
+from asyncrl.engines.rollout.factory import make_weight_transport
 from asyncrl.transports.weights.base import WeightSyncError
 from asyncrl.transports.weights.bucket import checksum
 from asyncrl.transports.weights.delta import DeltaApplier, DeltaEncoder, apply_payload

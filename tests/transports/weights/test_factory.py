@@ -16,7 +16,7 @@ from asyncrl.config import (
     WeightSyncConfig,
     load_config,
 )
-from asyncrl.transports.weights import make_weight_transport
+from asyncrl.engines.rollout.factory import make_weight_transport
 from asyncrl.transports.weights.collective_send import CollectiveWeightSender, resolve_backend
 
 URLS = ["http://127.0.0.1:1"]

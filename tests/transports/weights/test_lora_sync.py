@@ -14,10 +14,10 @@ import torch
 
 from asyncrl.config import GlooWeightsConfig, load_config
 from asyncrl.engines.rollout.base import EngineError
+from asyncrl.engines.rollout.factory import make_weight_transport
 from asyncrl.engines.rollout.sglang import SGLangClient
 from asyncrl.engines.train.fsdp import FSDPEngine
 from asyncrl.procs import python_env, stop
-from asyncrl.transports.weights import make_weight_transport
 from asyncrl.transports.weights.base import WeightSyncError
 from asyncrl.transports.weights.bucket import checksum
 from tests.engines.train._ranks import TokenMeanLoss, make_batch

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from asyncrl.engines.rollout.checks import BadRequest
+from asyncrl.engines.rollout.local.collective_recv import bucket_manifest
 from asyncrl.transports.weights.bucket import BucketManifest, checksum, plan_buckets, spec_of
-from asyncrl.transports.weights.collective_recv import bucket_manifest
 from asyncrl.transports.weights.collective_wire import bucket_extra
 from asyncrl.transports.weights.delta import DeltaEncoder, DeltaInfo
 from asyncrl.transports.weights.integrity import bucket_checksum

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from asyncrl.config import GlooWeightsConfig
+from asyncrl.engines.rollout.factory import make_weight_transport
 from asyncrl.procs import free_port, python_env, stop
-from asyncrl.transports.weights import make_weight_transport
 from asyncrl.transports.weights.base import WeightSyncError
 from tests.runs import spawn_shared
 

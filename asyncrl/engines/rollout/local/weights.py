@@ -53,13 +53,13 @@ import torch
 
 from asyncrl.engines.rollout import checks
 from asyncrl.engines.rollout.checks import BadRequest
-from asyncrl.transports.weights.bucket import BucketManifest, assemble, checksum
-from asyncrl.transports.weights.collective_recv import (
+from asyncrl.engines.rollout.local.collective_recv import (
     bucket_manifest,
     post_receive,
     receive_plain,
     tensor_specs,
 )
+from asyncrl.transports.weights.bucket import BucketManifest, assemble, checksum
 from asyncrl.transports.weights.collective_wire import destroy_weight_group, new_weight_group
 from asyncrl.transports.weights.delta import DeltaApplier
 from asyncrl.transports.weights.integrity import bucket_checksum
@@ -269,7 +269,7 @@ class WeightReceiver:
         return await self.commit({"new_version": str(version)}, staged)
 
     def _ipc_adapter_copy(self, desc: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
-        from asyncrl.transports.weights.cuda_ipc_recv import IpcReceiver
+        from asyncrl.engines.rollout.local.cuda_ipc_recv import IpcReceiver
 
         ring = self.engine.lora
         assert ring is not None
@@ -294,7 +294,7 @@ class WeightReceiver:
         return staged
 
     def _ipc_map(self, desc: dict[str, Any]) -> None:
-        from asyncrl.transports.weights.cuda_ipc_recv import IpcReceiver
+        from asyncrl.engines.rollout.local.cuda_ipc_recv import IpcReceiver
 
         if self._ipc is None:
             params = dict(self.engine.model.named_parameters())

@@ -202,6 +202,19 @@ class SGLangClient(KeyedHttp):
         (``_unload_lora_adapter_locked``, tokenizer_communicator_mixin.py:619-637 in 0.5.10)."""
         await self._call("POST", "/unload_lora_adapter", {"lora_name": str(lora_name)})
 
+    def refusal(self, exc: EngineError) -> str:
+        """SGLang's adapter refusals (see ``AdapterControl``): a name loaded already ("already
+        loaded", 0.5.10 lora_manager.py:187-193; "already exists", lora_registry.py:230-233),
+        one not loaded ("does not exist", lora_registry.py:107-110), a load refused after a
+        partial unload (0.5.22+: "has an incomplete unload", 0.5.23
+        tokenizer_control_mixin.py:682-686)."""
+        text = str(exc)
+        if "already loaded" in text or "already exists" in text:
+            return "held"
+        if "does not exist" in text:
+            return "gone"
+        return "incomplete" if "has an incomplete unload" in text else ""
+
     # -- weights -----------------------------------------------------------------------
     async def init_weights_update_group(
         self,

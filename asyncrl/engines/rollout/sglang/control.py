@@ -1,14 +1,10 @@
-"""What the weight transport must know of SGLang engines beyond their client's calls
-(the SGLang :class:`~asyncrl.engines.rollout.base.WeightFamily`'s ``check`` and
-``received``)."""
+"""SGLang's release rules for weight sync (``SGLangWeights.check``, ``sglang/family.py``)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from asyncrl.engines.rollout.base import EngineError
-
-__all__ = ["sglang_check", "sglang_received", "sglang_release"]
+__all__ = ["sglang_check", "sglang_release"]
 
 
 def sglang_release(info: dict[str, Any]) -> tuple[int, ...]:
@@ -36,9 +32,3 @@ def sglang_check(infos: list[dict[str, Any]], pause_mode: str) -> bool:
             f"version spans); an engine runs {'.'.join(map(str, oldest))}: use 'abort'"
         )
     return pause_mode == "abort" or (pause_mode == "retract" and oldest >= (0, 5, 22))
-
-
-def sglang_received(exc: EngineError) -> bool:
-    """SGLang answers 400 with its JSON body also after receiving and loading a bucket
-    (0.5.23 http_server.py:1488-1505): its handler ran, so the broadcast took place."""
-    return exc.status == 200 or exc.answered

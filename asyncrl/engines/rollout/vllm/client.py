@@ -418,6 +418,15 @@ class VLLMClient(KeyedHttp):
         the requests using it: they keep their adapter (models/serving.py:234-248)."""
         await self._call("POST", "/v1/unload_lora_adapter", {"lora_name": str(lora_name)})
 
+    def refusal(self, exc: EngineError) -> str:
+        """vLLM's adapter refusals (see ``AdapterControl``): a name loaded already ("has
+        already been loaded", models/serving.py:270-278), one not loaded ("cannot be found",
+        :293-300)."""
+        text = str(exc)
+        if "has already been loaded" in text:
+            return "held"
+        return "gone" if "cannot be found" in text else ""
+
     # -- pause, abort, version, liveness -------------------------------------------------
     async def pause_generation(self, mode: str = "keep") -> None:
         """``POST /pause?mode=``: ``keep`` | ``abort`` | ``wait`` (vLLM's modes). ``keep``

@@ -1,7 +1,7 @@
 """Trainer rank 0 of a vLLM 0.33 NCCL weight group, through vLLM's own trainer-side code.
 
 Runs in the trainer process (the collective transport calls :func:`join_vllm_nccl` through
-the family's ``WeightFamily.nccl_group``), with ``rollout.backend = "vllm"`` and
+the family's ``VLLMWeights.trainer_link``), with ``rollout.backend = "vllm"`` and
 ``weights.backend = "nccl"`` (or ``auto`` on a CUDA trainer) only.
 
 Why vLLM's code and not torch's NCCL group: vLLM's workers join with

@@ -3,7 +3,7 @@ stand-in (run as ``python -m tests.engines.rollout.vllm.trainer_side URL MODEL_D
 vLLM's source on ``PYTHONPATH``: ``code.vllm_env``; it prints one JSON line).
 
 asyncrl's collective sender with ``weights.backend = "nccl"`` and the vLLM family joins
-through the family's ``nccl_group`` (in production vLLM's ``trainer_init``,
+through the family's ``trainer_link`` (in production vLLM's ``trainer_init``,
 ``engines/rollout/vllm/trainer_nccl.py``). ``trainer_init`` does two things (vLLM 0.33
 ``distributed/weight_transfer/nccl_common.py:294-332`` -> ``:194-214``): vLLM's own
 ``StatelessProcessGroup.create`` as rank 0, which hosts the TCP store the workers join
@@ -19,7 +19,6 @@ every bucket posted through the returned link arrives bit-exact.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import sys
@@ -27,9 +26,9 @@ from pathlib import Path
 
 import torch
 
-from asyncrl.config import GlooWeightsConfig
+from asyncrl.config import GlooWeightsConfig, VLLMRolloutConfig
 from asyncrl.engines.rollout.base import TrainerLink
-from asyncrl.engines.rollout.factory import weight_family
+from asyncrl.engines.rollout.vllm.family import VLLMWeights
 from asyncrl.transports.weights.collective_send import CollectiveWeightSender
 from asyncrl.transports.weights.collective_wire import TorchLink, group_on_store
 from tests.engines.rollout.vllm.rank import GROUP
@@ -47,6 +46,16 @@ def join(address: str, port: int, world_size: int, device: str) -> TrainerLink:
     return TorchLink(group_on_store("gloo", spg.store, 0, world_size, GROUP, 120.0))
 
 
+class JoinedHere(VLLMWeights):
+    """The vLLM family, its NCCL join replaced by :func:`join` (module docstring)."""
+
+    def trainer_link(
+        self, backend: str, address: str, port: int, world: int, device: str
+    ) -> TrainerLink | None:
+        assert backend == "nccl"
+        return join(address, port, world, device)
+
+
 def _sha(t: torch.Tensor) -> str:
     return hashlib.sha256(t.contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
 
@@ -57,8 +66,8 @@ def main() -> None:
     url, model_dir = sys.argv[1], Path(sys.argv[2])
     torch.set_num_threads(1)
     cfg = GlooWeightsConfig(bucket_mb=1, timeout_s=60)
-    family = dataclasses.replace(weight_family("vllm", cfg.bucket_mb << 20), nccl_group=join)
-    sender = CollectiveWeightSender([url], cfg, "nccl", "keep", "cpu", family)
+    family = JoinedHere(VLLMRolloutConfig(), cfg.bucket_mb << 20)
+    sender = CollectiveWeightSender([url], cfg, "nccl", family, "keep", "cpu")
     weights = load_file(str(model_dir / "model.safetensors"))
     try:
         sender.connect()

@@ -78,7 +78,7 @@ class WeightPusher:
         """Form the weight group with every engine (again, if formed: a restarted engine
         joins this way). Raises ValueError when ``weights.backend`` cannot run here."""
         if self._transport is None:
-            from asyncrl.transports.weights import make_weight_transport
+            from asyncrl.engines.rollout.factory import make_weight_transport
 
             cfg = self.controller.config
             self._transport = make_weight_transport(
