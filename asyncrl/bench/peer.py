@@ -32,13 +32,12 @@ import itertools
 import json
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from asyncrl.bench import HelpFormatter, log_dir
-from asyncrl.procs import die_with_parent_fn, finish, python_env
+from asyncrl.procs import python_env, spawn, stop
 
 __all__ = ["main", "reach"]
 
@@ -84,7 +83,6 @@ def summarize(rows: list[dict[str, Any]], targets: list[float]) -> dict[str, Any
 def run_asyncrl(args: argparse.Namespace, seed: int, root: Path, logs: Path) -> dict[str, Any]:
     run_dir = root / f"asyncrl-seed{seed}"
     cmd = [
-        sys.executable,
         "-m",
         "asyncrl.cli",
         "run",
@@ -112,7 +110,6 @@ def run_trl(args: argparse.Namespace, seed: int, threads: int, root: Path, logs:
 
     out = root / f"trl-t{threads}-seed{seed}.json"
     cmd = [
-        sys.executable,
         "-m",
         "asyncrl.bench.peer_trl",
         "--out",
@@ -149,19 +146,15 @@ def run_trl(args: argparse.Namespace, seed: int, threads: int, root: Path, logs:
 
 
 def _run(name: str, cmd: list[str], log: Path, timeout_s: float, env: dict | None = None) -> None:
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(
-            cmd,
-            env=python_env(env),
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            preexec_fn=die_with_parent_fn(),
-        )
+    """``python CMD...`` to its end (output to ``log``); RuntimeError with the log's tail when
+    it fails or outlives ``timeout_s`` (its process group is ended either way)."""
+    proc = spawn(cmd, log, python_env(env), die_with_parent=True)
     try:
-        rc, _ = finish(proc, timeout_s)
+        rc = proc.wait(timeout_s)
     except subprocess.TimeoutExpired:
         raise RuntimeError(f"{name} did not finish within {timeout_s:g} s; log: {log}") from None
+    finally:
+        stop([proc])  # whatever it left in its process group
     if rc != 0:
         tail = log.read_text(errors="replace")[-3000:]
         raise RuntimeError(f"{name} exited with {rc}:\n{tail}")

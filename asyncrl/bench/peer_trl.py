@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> None:
     t_train = time.perf_counter()
     trainer.train()
     report = {
-        "threads": torch.get_num_threads(),
+        "torch_threads": torch.get_num_threads(),
         "config": _config_view(config, trainer),
         "steps": steps,
         "import_s": t_imported - T_START,
