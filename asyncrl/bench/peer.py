@@ -20,8 +20,10 @@ wall time and samples until the 10-step mean reward first reaches each ``--targe
 (asyncrl: its ``wall_s``, from the run's start, engine and trainer start-up included; TRL:
 from ``trainer.train()``, its imports and model load excluded), seconds per step (median
 over the steps after the first 10), the trainer step (asyncrl's ``train_s``; TRL's step
-minus its generation and scoring), TRL's generation, and the final 10-step mean; then the
-ratios asyncrl / TRL. Runs one after another (never in parallel), so the times compare.
+minus its generation and scoring), TRL's generation, the CPU seconds per step of all of a
+side's processes (asyncrl: controller, engine, trainer; on a 2-core machine a pipeline cannot
+step faster than half of that), and the final 10-step mean; then the ratios asyncrl / TRL.
+Runs one after another (never in parallel), so the times compare.
 Needs TRL (``pip install 'asyncrl[peer]'``).
 """
 
@@ -76,8 +78,22 @@ def summarize(rows: list[dict[str, Any]], targets: list[float]) -> dict[str, Any
         "train_s": statistics.median(r["train_s"] for r in steady),
         "gen_s": statistics.median(r["gen_s"] for r in steady) if "gen_s" in rows[0] else None,
         "reach": {str(t): reach(rows, t) for t in targets},
+        "cpu_s_per_step": cpu_per_step(rows),
     }
     return out
+
+
+def cpu_per_step(rows: list[dict[str, Any]]) -> float | None:
+    """CPU seconds per step of every process of a side (the rows' cumulative ``cpu_*_s``:
+    asyncrl's controller, engine, trainer, fork server; TRL's one process), over the steps
+    after the first ``WINDOW``; None with too few steps."""
+    if len(rows) < WINDOW + 2:
+        return None
+    a, b = rows[WINDOW], rows[-1]
+    keys = [k for k in b if k.startswith("cpu_") and k.endswith("_s") and k in a]
+    if not keys:
+        return None
+    return sum(b[k] - a[k] for k in keys) / (len(rows) - WINDOW - 1)
 
 
 def run_asyncrl(args: argparse.Namespace, seed: int, root: Path, logs: Path) -> dict[str, Any]:
@@ -187,7 +203,15 @@ def aggregate(runs: list[dict[str, Any]], targets: list[float]) -> dict[str, Any
             "seeds": [r["seed"] for r in rs],
             **{
                 k: _mean(rs, k)
-                for k in ("s_per_step", "train_s", "gen_s", "final_reward", "samples", "steps")
+                for k in (
+                    "s_per_step",
+                    "train_s",
+                    "gen_s",
+                    "cpu_s_per_step",
+                    "final_reward",
+                    "samples",
+                    "steps",
+                )
             },
             "time_to": {str(t): _reach_mean(rs, str(t), "wall_s") for t in targets},
             "samples_to": {str(t): _reach_mean(rs, str(t), "samples") for t in targets},
@@ -295,9 +319,8 @@ def _row(r: dict[str, Any], targets: list[float]) -> str:
 
 
 def _summary_text(result: dict[str, Any], targets: list[float]) -> str:
-    head = f"{'side':<10} {'s/step':>7} {'train s':>8} {'gen s':>7} {'final':>6}  " + "  ".join(
-        f"{'to ' + str(t) + ' s (samples)':>22}" for t in targets
-    )
+    head = f"{'side':<10} {'s/step':>7} {'train s':>8} {'gen s':>7} {'cpu s':>6} {'final':>6}  "
+    head += "  ".join(f"{'to ' + str(t) + ' s (samples)':>22}" for t in targets)
     lines = [head]
     for side, s in result["sides"].items():
         to = "  ".join(
@@ -307,7 +330,8 @@ def _summary_text(result: dict[str, Any], targets: list[float]) -> str:
         )
         lines.append(
             f"{side:<10} {_fmt(s['s_per_step'], '.3f'):>7} {_fmt(s['train_s'], '.3f'):>8} "
-            f"{_fmt(s['gen_s'], '.3f'):>7} {_fmt(s['final_reward'], '.3f'):>6}  {to}"
+            f"{_fmt(s['gen_s'], '.3f'):>7} {_fmt(s['cpu_s_per_step'], '.3f'):>6} "
+            f"{_fmt(s['final_reward'], '.3f'):>6}  {to}"
         )
     for side, r in result["ratio_asyncrl_over"].items():
         to = ", ".join(f"time to {t} {_fmt(r['time_to'][str(t)])}x" for t in targets)

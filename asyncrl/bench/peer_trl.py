@@ -161,6 +161,7 @@ def main(argv: list[str] | None = None) -> None:
                     "step_s": step_s,
                     "gen_s": trainer.gen_s,
                     "train_s": step_s - trainer.gen_s,
+                    "cpu_trl_s": time.process_time(),  # every thread of this process
                 }
             )
             last = [r["reward_mean"] for r in steps[-10:]]

@@ -41,6 +41,9 @@ def test_summary_and_ratios_over_seeds() -> None:
         for s in (0, 1)
     ]
     assert ours[0]["s_per_step"] == 0.5 and ours[0]["gen_s"] is None
+    assert ours[0]["cpu_s_per_step"] is None  # no cpu_*_s columns
+    cpu = [dict(r, cpu_a_s=0.1 * i, cpu_b_s=0.3 * i) for i, r in enumerate(_rows([1.0] * 20))]
+    assert abs(summarize(cpu, [0.5])["cpu_s_per_step"] - 0.4) < 1e-9
     assert theirs[0]["s_per_step"] == 1.0 and theirs[0]["gen_s"] == 0.4
     got = aggregate(ours + theirs, [0.5])
     assert got["sides"]["asyncrl"]["time_to"]["0.5"] == 1.0 + 0.5 * 9
