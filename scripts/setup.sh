@@ -108,11 +108,17 @@ if ! python -c "import torch" >/dev/null 2>&1; then
 fi
 # sglang-wire: what SGLang's weight-sync modules need to import here (skipped where SGLang
 # itself is installed, e.g. a GPU machine, which brings its own, possibly other, versions)
-extras=test
-python -c "import sglang" >/dev/null 2>&1 || extras=test,sglang-wire
+# peer: TRL for `asyncrl bench peer` and its smoke test (~7 s from a warm pip cache); torch is
+# held at the version installed above by a constraint, so no extra can replace it
+extras=test,peer
+python -c "import sglang" >/dev/null 2>&1 || extras=$extras,sglang-wire
+keep_torch=$(mktemp)
+python -c "import torch; print('torch==' + torch.__version__.split('+')[0])" > "$keep_torch" \
+  2>/dev/null || true
 # (setuptools' ten-line "Editable installation" warning box, about folders that shadow the
 # package, says nothing for this layout: silenced)
-PYTHONWARNINGS="ignore:Editable installation" pip_install -e ".[$extras]"
+PYTHONWARNINGS="ignore:Editable installation" pip_install -e ".[$extras]" -c "$keep_torch"
+rm -f "$keep_torch"
 # The type checker scripts/test runs (also in the test extra), pinned: another mypy reports
 # other errors. Skipped when that version is there.
 MYPY=2.4.1

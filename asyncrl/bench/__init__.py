@@ -32,6 +32,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "faults": ("asyncrl.bench.faults", "killed trainer / engines / run: recovery, nothing lost"),
     "soak": ("asyncrl.bench.soak", "a long run under random kills and hangs: nothing lost"),
     "gateway": ("asyncrl.bench.gateway", "OpenAI gateway vs the engine's own /generate"),
+    "peer": ("asyncrl.bench.peer", "TRL's GRPOTrainer beside asyncrl run on the default job"),
     "fuzz": ("asyncrl.bench.fuzz", "hostile HTTP and experience messages: all answered, none lost"),
 }
 

@@ -38,6 +38,8 @@ SMOKE: dict[str, tuple[str, list[str]]] = {  # the longest first
         "--workload=longtail --workload-arg=max_len=16 --seeds=0 --steps=2 --batch-size=2 "
         "--group-size=2 --arms=sync,async_decoupled --no-pin".split(),
     ),
+    # the default job, 3 steps a side, TRL at 1 thread (the summary: tests/bench/test_peer.py)
+    "peer": ("peer", "--seeds=0 --steps=3 --trl-max-steps=3 --trl-threads=1".split()),
     "weight-sync-delta": (
         "weight-sync",
         ["--delta", "--model=tiny", "--lrs", "1e-6", "--repeats=1"],
@@ -81,6 +83,8 @@ PARTS = {  # module of asyncrl/bench -> (the bench that runs it, the flag its ru
     "weight_sync_engines": ("weight-sync", ""),
     # --link-gbit: test_weight_sync_over_an_emulated_link below (root only; else its refusal)
     "netlink": ("weight-sync", ""),
+    "peer_trl": ("peer", ""),  # the TRL side: every peer run
+    "peer_settings": ("peer", ""),  # TRL's arguments and the settings table: every peer run
 }
 
 
@@ -257,6 +261,22 @@ def _pipeline(res: dict[str, Any], out: str) -> None:
     assert res["sync_s"] > 0 and res["async_s"] > 0 and res["staleness_violations"] == 0
 
 
+def _peer(res: dict[str, Any], out: str) -> None:
+    assert "settings (asyncrl run | TRL GRPOTrainer)" in out and "differences that remain" in out
+    assert "asyncrl / trl-t1:" in out
+    assert [(r["side"], r["threads"]) for r in res["runs"]] == [("asyncrl", "1+1"), ("trl", "1")]
+    for r in res["runs"]:  # both sides trained the default job's batches: 3 steps of 32 x 8
+        assert r["steps"] == 3 and r["samples"] == 3 * 32 * 8, r
+        assert r["train_s"] > 0 and 0.0 <= r["final_reward"] <= 1.0
+        assert set(r["reach"]) == {"0.5", "0.9"}  # fewer than 10 steps: neither reached
+    trl = res["runs"][1]
+    assert trl["gen_s"] > 0 and trl["config"]["num_generations"] == 8 and trl["torch_threads"] == 1
+    assert trl["config"]["ref_model"] is False and trl["config"]["dtype"] == "float32"
+    assert trl["versions"]["trl"] == "1.16.0"
+    assert any(d.startswith("asynchrony:") for d in res["differences"])
+    assert res["ratio_asyncrl_over"]["trl-t1"]["train_s"] > 0
+
+
 CHECKS: dict[str, Callable[[Any, str], None]] = {
     "transport": _transport,
     "controller": _controller,
@@ -268,6 +288,7 @@ CHECKS: dict[str, Callable[[Any, str], None]] = {
     "trace": _trace,
     "learning": _learning,
     "pipeline": _pipeline,
+    "peer": _peer,
 }
 
 
