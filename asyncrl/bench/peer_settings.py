@@ -14,6 +14,7 @@ import importlib.util
 from typing import Any
 
 from asyncrl.config import RunConfig
+from asyncrl.config.task import ReverseTaskConfig
 
 __all__ = ["TRL_VERSION", "check_trl", "settings_table", "trl_args"]
 
@@ -34,6 +35,8 @@ def check_trl() -> None:
 def trl_args(cfg: RunConfig, model_dir: str) -> list[str]:
     """``asyncrl.bench.peer_trl``'s flags for the job ``cfg`` describes."""
     tc, algo = cfg.trainer, cfg.algo
+    if not isinstance(cfg.task, ReverseTaskConfig):
+        raise ValueError(f"bench peer runs the default job's reverse task, not {cfg.task.name!r}")
     return [
         f"--model-dir={model_dir}",
         f"--prompts={cfg.controller.batch_size}",
