@@ -40,6 +40,7 @@ __all__ = [
     "SGLANG_SERVER",
     "LaunchSpec",
     "LaunchedServer",
+    "ServerSite",
     "engine_spec",
     "launch",
     "launch_command",
@@ -52,6 +53,29 @@ __all__ = [
 
 SGLANG_SERVER = "sglang.launch_server"
 """SGLang's server module (``python -m``): :class:`LaunchSpec`'s default module."""
+
+
+@dataclass(frozen=True)
+class ServerSite:
+    """Where and how one engine server of a run starts: what :func:`engine_spec` hands
+    ``EngineFamily.spec``, which turns it into the family's :class:`LaunchSpec`."""
+
+    model_path: str
+    """Hugging Face model folder (or hub id, for SGLang)."""
+    port: int
+    """HTTP port of the server, on ``host``."""
+    host: str
+    """Address the server binds to."""
+    gpu: int
+    """The first GPU it uses (``EngineFamily.gpus`` of them from here)."""
+    seed: int
+    """The engine's sampling seed."""
+    dtype: str
+    """The trainer's weight dtype (the embedded engine's; SGLang's is its own)."""
+    weight_master: str
+    """Where the trainer's weight group is hosted."""
+    lora: tuple[str, ...] = ()
+    """The family's LoRA flags (``EngineFamily.lora_args``)."""
 
 
 @dataclass(frozen=True)
@@ -286,4 +310,5 @@ def engine_spec(
     port = port or free_port(host)
     fam = family(rc)
     gpu = i * fam.gpus(rc) if base_gpu is None else base_gpu
-    return fam.spec(rc, model_path, port, host, gpu, seed + 1000 + i, dtype, weight_master, lora)
+    site = ServerSite(model_path, port, host, gpu, seed + 1000 + i, dtype, weight_master, (*lora,))
+    return fam.spec(rc, site)
