@@ -27,12 +27,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgspec
+
 from asyncrl.config import RolloutConfig, RunConfig
 from asyncrl.engines.rollout.base import EngineUnavailable
-from asyncrl.engines.rollout.factory import family
+from asyncrl.engines.rollout.factory import family, rollout_config
 from asyncrl.engines.rollout.local.family import LOCAL_SERVER
-from asyncrl.engines.rollout.sglang.client import SGLangClient
-from asyncrl.engines.rollout.vllm.client import VLLMClient
 from asyncrl.procs import Proc, Spawner, free_port, python_env, spawn, stop
 
 __all__ = [
@@ -109,6 +109,10 @@ class LaunchSpec:
     own_flags: bool = True
     """Pass SGLang-style ``--model-path/--tp-size/--host/--port`` before ``extra_args``;
     False: ``extra_args`` are the whole command line (``vllm serve MODEL ...``)."""
+    backend: str = "sglang"
+    """The rollout backend tag of the family that built it (``factory.FAMILIES``): its client
+    probes the server's liveness (:func:`wait_healthy`). The embedded engine speaks SGLang's
+    protocol, so a spec written by hand for it may keep the default."""
 
     @property
     def url(self) -> str:
@@ -212,18 +216,17 @@ def launch(
 async def wait_healthy(
     servers: Sequence[LaunchedServer], timeout_s: float, interval_s: float = 0.25
 ) -> None:
-    """Wait until every server answers (:meth:`SGLangClient.wait_healthy`, the liveness probe).
+    """Wait until every server answers (its family's client's ``wait_healthy``: SGLang's and
+    the embedded engine's ``/model_info``, vLLM's ``/health``).
 
     Raises EngineUnavailable naming the server, with its log's tail, if its process exits
     first or ``timeout_s`` passes.
     """
 
     async def one(server: LaunchedServer) -> None:
-        client: SGLangClient | VLLMClient
-        if server.spec.module == "vllm":  # vLLM's /health (cheap there); SGLang's is not
-            client = VLLMClient(server.url, timeout_s=max(1.0, interval_s * 8))
-        else:
-            client = SGLangClient(server.url, timeout_s=max(1.0, interval_s * 8))
+        rc = rollout_config(server.spec.backend)  # the family's probe, short per request
+        rc = msgspec.structs.replace(rc, request_timeout_s=max(1.0, interval_s * 8))
+        client = family(rc).client(rc, server.url)
 
         def gone() -> str | None:
             code = server.proc.poll()

@@ -65,7 +65,9 @@ class LocalFamily(SGLangFamily):
         extra += ["--weight-masters", f"loopback,{at.weight_master}"]
         extra += ["--max-batch-size", str(rc.max_batch_size)]
         extra += ["--kv-after-update", rc.kv_after_update, *at.lora, *rc.extra_args]
-        return LaunchSpec(at.model_path, at.port, at.host, 1, None, (*extra,), LOCAL_SERVER)
+        return LaunchSpec(
+            at.model_path, at.port, at.host, 1, None, (*extra,), LOCAL_SERVER, backend="local"
+        )
 
     def startup_timeout(self, rc: RolloutConfig, model_path: str) -> float:
         return 120.0
