@@ -15,7 +15,6 @@ with uvloop when installed.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -26,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from asyncrl import loops
-from asyncrl.bench import HelpFormatter
+from asyncrl.bench import bench_parser
 from asyncrl.config import AlgoConfig, ControllerConfig, LocalRolloutConfig, RunConfig
 from asyncrl.controllers.controller import Controller, NoMoreSamples
 from asyncrl.controllers.episode import single_turn
@@ -176,11 +175,7 @@ async def run_naive(n_groups: int, batch: int, group: int, staleness: int) -> di
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = argparse.ArgumentParser(
-        formatter_class=HelpFormatter,
-        prog="asyncrl bench controller",
-        description=__doc__.splitlines()[0],
-    )
+    p = bench_parser("controller", __doc__.splitlines()[0])
     p.add_argument("--episodes", type=int, default=200_000, help="episodes per measured run")
     p.add_argument("--batch-size", type=int, default=64, help="groups per batch")
     p.add_argument("--group-size", type=int, default=8, help="episodes per group")

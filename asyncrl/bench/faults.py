@@ -48,7 +48,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from asyncrl.bench import HelpFormatter
+from asyncrl.bench import bench_parser
 from asyncrl.procs import die_with_parent_fn, finish, pid_alive, python_env
 
 __all__ = ["main", "run_scenario"]
@@ -265,11 +265,7 @@ def _table(rows: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(
-        formatter_class=HelpFormatter,
-        prog="asyncrl bench faults",
-        description=__doc__.split("\n")[0],
-    )
+    p = bench_parser("faults", __doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=80)
     p.add_argument("--every", type=int, default=20, help="checkpoint.every_steps")
     p.add_argument("--kill-at", type=int, default=50, help="the step the kill waits for")

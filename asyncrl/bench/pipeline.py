@@ -65,7 +65,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from asyncrl.bench import HelpFormatter
+from asyncrl.bench import bench_parser
 from asyncrl.config import load_config
 from asyncrl.controllers.episode import EpisodeContext
 from asyncrl.core import Sample, Trajectory
@@ -221,11 +221,7 @@ def machine_load() -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = argparse.ArgumentParser(
-        formatter_class=HelpFormatter,
-        prog="asyncrl bench pipeline",
-        description=__doc__.splitlines()[0],
-    )
+    p = bench_parser("pipeline", __doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=12, help="measured train steps per run")
     p.add_argument("--warmup", type=int, default=2, help="steps before the measured window")
     p.add_argument("--batch-size", type=int, default=20, help="groups per step")

@@ -58,7 +58,7 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
-from asyncrl.bench import HelpFormatter
+from asyncrl.bench import bench_parser
 from asyncrl.core import Trajectory
 from asyncrl.procs import spawn, stop
 from asyncrl.transports.experience.codec import encode_batch, nbytes
@@ -286,11 +286,7 @@ async def _bench(args: argparse.Namespace) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(
-        formatter_class=HelpFormatter,
-        prog="asyncrl bench transport",
-        description=__doc__.split("\n\n")[0],
-    )
+    p = bench_parser("transport", __doc__.split("\n\n")[0])
     p.add_argument("--json", default=None, help="write results to this JSON file")
     p.add_argument(
         "--trajectories",

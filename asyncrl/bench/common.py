@@ -1,0 +1,34 @@
+"""What several benchmarks build the same way: random-init Qwen2 models from a few sizes
+(no download). Imports torch and transformers only when a model is built."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+__all__ = ["qwen2", "save_random_qwen2"]
+
+
+def qwen2(
+    hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, vocab: int, **more: Any
+) -> dict[str, Any]:
+    """``Qwen2Config`` keyword arguments of one size; ``more``: further fields as they are."""
+    return dict(
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        vocab_size=vocab,
+        **more,
+    )
+
+
+def save_random_qwen2(out: Path, config: dict[str, Any], **save: Any) -> None:
+    """A Qwen2 of ``config`` (:func:`qwen2`), initialised from seed 0, saved in Hugging Face
+    format to ``out`` (``save``: ``save_pretrained``'s options)."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(Qwen2Config(**config)).save_pretrained(out, **save)
