@@ -9,19 +9,22 @@ from typing import Any
 __all__ = ["qwen2", "save_random_qwen2"]
 
 
+_SIZE = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "vocab_size",
+)
+
+
 def qwen2(
     hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, vocab: int, **more: Any
 ) -> dict[str, Any]:
     """``Qwen2Config`` keyword arguments of one size; ``more``: further fields as they are."""
-    return dict(
-        hidden_size=hidden,
-        intermediate_size=intermediate,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        vocab_size=vocab,
-        **more,
-    )
+    size = (hidden, intermediate, layers, heads, kv_heads, vocab)
+    return {**dict(zip(_SIZE, size, strict=True)), **more}
 
 
 def save_random_qwen2(out: Path, config: dict[str, Any], **save: Any) -> None:
