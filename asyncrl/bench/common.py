@@ -1,12 +1,14 @@
-"""What several benchmarks build the same way: random-init Qwen2 models from a few sizes
-(no download). Imports torch and transformers only when a model is built."""
+"""What several benchmarks do the same way: random-init Qwen2 models from a few sizes
+(no download) and the ``--json PATH`` results file. Imports torch and transformers only
+when a model is built."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
-__all__ = ["qwen2", "save_random_qwen2"]
+__all__ = ["qwen2", "save_random_qwen2", "write_json"]
 
 
 _SIZE = (
@@ -35,3 +37,9 @@ def save_random_qwen2(out: Path, config: dict[str, Any], **save: Any) -> None:
 
     torch.manual_seed(0)
     Qwen2ForCausalLM(Qwen2Config(**config)).save_pretrained(out, **save)
+
+
+def write_json(path: str | None, result: Any) -> None:
+    """``result`` as indented JSON at ``path`` (a bench's ``--json``); nothing when unset."""
+    if path:
+        Path(path).write_text(json.dumps(result, indent=2) + "\n")

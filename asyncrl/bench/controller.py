@@ -16,7 +16,6 @@ with uvloop when installed.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import time
 from collections.abc import AsyncIterator
@@ -26,6 +25,7 @@ import numpy as np
 
 from asyncrl import loops
 from asyncrl.bench import bench_parser
+from asyncrl.bench.common import write_json
 from asyncrl.config import AlgoConfig, ControllerConfig, LocalRolloutConfig, RunConfig
 from asyncrl.controllers.controller import Controller, NoMoreSamples
 from asyncrl.controllers.episode import single_turn
@@ -218,9 +218,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f" {r['episodes_per_s']:>9,.0f} {r['episodes_per_cpu_s']:>9,.0f}"
         )
     print(f"speedup vs naive: {out['speedup_vs_naive']:.1f}x (target: >= 20,000 episodes/s)")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(out, f, indent=2)
+    write_json(a.json, out)
     return out
 
 

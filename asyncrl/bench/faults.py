@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.bench import bench_parser
+from asyncrl.bench.common import write_json
 from asyncrl.procs import die_with_parent_fn, finish, pid_alive, python_env
 
 __all__ = ["main", "run_scenario"]
@@ -292,8 +293,7 @@ def main(argv: list[str] | None = None) -> None:
         root = Path(args.root or tmp)
         results = [run_scenario(s, args, root) for s in names]
     print(_table(results))
-    if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+    write_json(args.json, {"args": vars(args), "results": results})
 
 
 if __name__ == "__main__":

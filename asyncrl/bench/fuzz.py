@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.bench import bench_parser
+from asyncrl.bench.common import write_json
 
 __all__ = ["main"]
 
@@ -208,7 +209,6 @@ def main(argv: list[str] | None = None) -> None:
     res["failures"] = verdict(res)
     print(_table(res))
     print("all held" if not res["failures"] else "\n".join(["FAILED:", *res["failures"]]))
-    if a.json:
-        Path(a.json).write_text(json.dumps(res, indent=2))
+    write_json(a.json, res)
     if res["failures"]:
         raise SystemExit(1)

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import sys
 import threading
@@ -45,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.bench import bench_parser, log_dir
+from asyncrl.bench.common import write_json
 from asyncrl.bench.gateway_paths import (
     Call,
     direct_run,
@@ -344,8 +344,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         argv=sys.argv[1:] if argv is None else list(argv),
     )
     _print(res)
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
+    write_json(args.json, res)
     return res
 
 

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.bench import bench_parser, log_dir
-from asyncrl.bench.common import qwen2, save_random_qwen2
+from asyncrl.bench.common import qwen2, save_random_qwen2, write_json
 
 BENCH_MODEL = "bench-qwen2-35m-v1"
 
@@ -233,8 +233,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"{'engine ' + name:16}{r['tokens_per_s']:12.1f}{r['wall_s']:10.2f}")
     print(f"{'hf generate':16}{hf['tokens_per_s']:12.1f}{hf['wall_s']:10.2f}")
     print(f"speedup engine / hf generate: {result['speedup']:.2f}x")
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.json, result)
     return result
 
 

@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import os
 import random
@@ -66,6 +65,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.bench import bench_parser
+from asyncrl.bench.common import write_json
 from asyncrl.config import load_config
 from asyncrl.controllers.episode import EpisodeContext
 from asyncrl.core import Sample, Trajectory
@@ -328,9 +328,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     loads = [round(x["load"]["before"].get("loadavg_1m", -1.0), 1) for x in syncs + asyns]
     print(f"pairs: {', '.join(f'{x:.2f}x' for x in res['speedups_each'])}; load avg {loads}")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(res, f, indent=2)
+    write_json(a.json, res)
     return res
 
 

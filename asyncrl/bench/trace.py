@@ -27,6 +27,7 @@ from typing import Any
 
 from asyncrl import trace
 from asyncrl.bench import bench_parser
+from asyncrl.bench.common import write_json
 
 
 def span_cost_us(n: int, root: Path) -> float:
@@ -110,8 +111,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f" (median of {args.repeats}; noise on a shared machine is larger than the cost)"
     )
     out = {**summary, "runs": runs, "config": {k: v for k, v in vars(args).items()}}
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2))
+    write_json(args.json, out)
     return out
 
 

@@ -20,7 +20,6 @@ between the two sides so that machine load hits both alike.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import tempfile
@@ -30,7 +29,7 @@ from pathlib import Path
 import torch
 
 from asyncrl.bench import bench_parser
-from asyncrl.bench.common import qwen2, save_random_qwen2
+from asyncrl.bench.common import qwen2, save_random_qwen2, write_json
 
 
 def _make_model(out: Path, hidden: int, layers: int, vocab: int) -> None:
@@ -212,8 +211,7 @@ def main(argv: list[str] | None = None) -> None:
         "args": vars(args),
         "tokens_per_batch": tokens,
     }
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
+    write_json(args.json, result)
     torch.distributed.destroy_process_group()
 
 

@@ -55,7 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.bench import bench_parser, log_dir
-from asyncrl.bench.common import qwen2
+from asyncrl.bench.common import qwen2, write_json
 
 MODELS: dict[str, dict[str, Any]] = {  # Qwen2Config keyword arguments
     "tiny": qwen2(64, 128, 2, 4, 2, 1024, tie_word_embeddings=True),  # a smoke run, unmeasured
@@ -629,7 +629,7 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--engine {args.engine} needs --urls of running servers")
     rows = _one(args)
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2))
+        write_json(args.json, rows)
         print(f"wrote {args.json}", file=sys.stderr)
 
 
