@@ -60,6 +60,7 @@ __all__ = [
     "WeightAdapter",
     "WeightEngine",
     "distributed_update_body",
+    "failure",
     "parse_sglang_generate",
     "parse_version",
     "poll_healthy",
@@ -121,6 +122,16 @@ def parse_version(v: Any) -> int:
         return int(v)
     except (TypeError, ValueError):
         return 0
+
+
+async def failure(call: Awaitable[object]) -> str | None:
+    """None once ``call`` (a liveness probe) answers; else why not (its EngineError or
+    EngineUnavailable as text)."""
+    try:
+        await call
+    except (EngineError, EngineUnavailable) as exc:
+        return str(exc) or type(exc).__name__
+    return None
 
 
 async def poll_healthy(

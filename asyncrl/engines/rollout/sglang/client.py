@@ -35,6 +35,7 @@ from asyncrl.engines.rollout.base import (
     EngineUnavailable,
     KeyedHttp,
     distributed_update_body,
+    failure,
     parse_sglang_generate,
     poll_healthy,
     set_optional,
@@ -351,11 +352,7 @@ class SGLangClient(KeyedHttp):
         return await self._why_unhealthy() is None
 
     async def _why_unhealthy(self) -> str | None:
-        try:
-            await self._get_either(("/model_info", "/get_model_info"))
-        except (EngineError, EngineUnavailable) as exc:
-            return str(exc) or type(exc).__name__
-        return None
+        return await failure(self._get_either(("/model_info", "/get_model_info")))
 
     async def wait_healthy(
         self,

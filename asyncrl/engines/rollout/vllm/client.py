@@ -61,6 +61,7 @@ from asyncrl.engines.rollout.base import (
     EngineError,
     EngineUnavailable,
     KeyedHttp,
+    failure,
     parse_version,
     poll_healthy,
 )
@@ -467,11 +468,7 @@ class VLLMClient(KeyedHttp):
         return await self._why_unhealthy() is None
 
     async def _why_unhealthy(self) -> str | None:
-        try:
-            await self._call("GET", "/health")
-        except (EngineError, EngineUnavailable) as exc:
-            return str(exc) or type(exc).__name__
-        return None
+        return await failure(self._call("GET", "/health"))
 
     async def wait_healthy(
         self,
