@@ -121,10 +121,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 PENDING: dict[tuple[str, str], str] = {
     # (importing file, imported module): why it is still there. Each must still occur (a
     # fixed one is removed from here); the graph is checked without them.
-    ("asyncrl/controllers/membership.py", "asyncrl.launchers.base"): "Launcher protocol",
 }
-"""Upward imports known today, each with who removes it (the Launcher protocol and ``Death``
-the controller's engine set takes belong below the controller, e.g. in ``controllers/``)."""
+"""Upward imports known today, each with who removes it (none today: the controller's engine
+set takes ``controllers.deaths``' Restarter and Death, which the launchers implement)."""
 
 
 def _top(module: str) -> str | None:

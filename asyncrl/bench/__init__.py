@@ -18,7 +18,14 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-__all__ = ["BENCHES", "HelpFormatter", "RawHelpFormatter", "log_dir", "run_bench"]
+__all__ = [
+    "BENCHES",
+    "HelpFormatter",
+    "RawHelpFormatter",
+    "bench_parser",
+    "log_dir",
+    "run_bench",
+]
 
 BENCHES: dict[str, tuple[str, str]] = {
     "weight-sync": ("asyncrl.bench.weight_sync", "weight-sync latency and bandwidth per backend"),
@@ -67,6 +74,14 @@ class HelpFormatter(_Defaults, argparse.RawDescriptionHelpFormatter):
 
 class RawHelpFormatter(_Defaults, argparse.RawTextHelpFormatter):
     """:class:`HelpFormatter` for help texts laid out by hand (their line breaks kept)."""
+
+
+def bench_parser(name: str, description: str) -> argparse.ArgumentParser:
+    """The argument parser of ``asyncrl bench NAME``: its prog, ``description`` (as written)
+    and the benchmarks' help format (defaults shown)."""
+    return argparse.ArgumentParser(
+        formatter_class=HelpFormatter, prog=f"asyncrl bench {name}", description=description
+    )
 
 
 def run_bench(name: str, argv: Sequence[str]) -> int:

@@ -15,9 +15,7 @@ with uvloop when installed.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import os
 import time
 from collections.abc import AsyncIterator
@@ -26,7 +24,8 @@ from typing import Any
 import numpy as np
 
 from asyncrl import loops
-from asyncrl.bench import HelpFormatter
+from asyncrl.bench import bench_parser
+from asyncrl.bench.common import write_json
 from asyncrl.config import AlgoConfig, ControllerConfig, LocalRolloutConfig, RunConfig
 from asyncrl.controllers.controller import Controller, NoMoreSamples
 from asyncrl.controllers.episode import single_turn
@@ -176,11 +175,7 @@ async def run_naive(n_groups: int, batch: int, group: int, staleness: int) -> di
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = argparse.ArgumentParser(
-        formatter_class=HelpFormatter,
-        prog="asyncrl bench controller",
-        description=__doc__.splitlines()[0],
-    )
+    p = bench_parser("controller", __doc__.splitlines()[0])
     p.add_argument("--episodes", type=int, default=200_000, help="episodes per measured run")
     p.add_argument("--batch-size", type=int, default=64, help="groups per batch")
     p.add_argument("--group-size", type=int, default=8, help="episodes per group")
@@ -223,9 +218,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f" {r['episodes_per_s']:>9,.0f} {r['episodes_per_cpu_s']:>9,.0f}"
         )
     print(f"speedup vs naive: {out['speedup_vs_naive']:.1f}x (target: >= 20,000 episodes/s)")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(out, f, indent=2)
+    write_json(a.json, out)
     return out
 
 

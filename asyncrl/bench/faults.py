@@ -48,7 +48,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from asyncrl.bench import HelpFormatter
+from asyncrl.bench import bench_parser
+from asyncrl.bench.common import write_json
 from asyncrl.procs import die_with_parent_fn, finish, pid_alive, python_env
 
 __all__ = ["main", "run_scenario"]
@@ -265,11 +266,7 @@ def _table(rows: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(
-        formatter_class=HelpFormatter,
-        prog="asyncrl bench faults",
-        description=__doc__.split("\n")[0],
-    )
+    p = bench_parser("faults", __doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=80)
     p.add_argument("--every", type=int, default=20, help="checkpoint.every_steps")
     p.add_argument("--kill-at", type=int, default=50, help="the step the kill waits for")
@@ -296,8 +293,7 @@ def main(argv: list[str] | None = None) -> None:
         root = Path(args.root or tmp)
         results = [run_scenario(s, args, root) for s in names]
     print(_table(results))
-    if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+    write_json(args.json, {"args": vars(args), "results": results})
 
 
 if __name__ == "__main__":

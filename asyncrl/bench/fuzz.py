@@ -28,7 +28,6 @@ bit-exact. The command exits 1 if any of it does not hold.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import sys
@@ -36,7 +35,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from asyncrl.bench import HelpFormatter
+from asyncrl.bench import bench_parser
+from asyncrl.bench.common import write_json
 
 __all__ = ["main"]
 
@@ -169,9 +169,7 @@ def verdict(res: dict[str, Any]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(
-        formatter_class=HelpFormatter, prog="asyncrl bench fuzz", description=__doc__.split("\n")[0]
-    )
+    p = bench_parser("fuzz", __doc__.split("\n")[0])
     p.add_argument("--requests", type=int, default=5000, help="hostile HTTP requests")
     p.add_argument("--concurrency", type=int, default=32, help="HTTP requests in flight")
     p.add_argument("--messages", type=int, default=10000, help="malformed messages to the consumer")
@@ -211,7 +209,6 @@ def main(argv: list[str] | None = None) -> None:
     res["failures"] = verdict(res)
     print(_table(res))
     print("all held" if not res["failures"] else "\n".join(["FAILED:", *res["failures"]]))
-    if a.json:
-        Path(a.json).write_text(json.dumps(res, indent=2))
+    write_json(a.json, res)
     if res["failures"]:
         raise SystemExit(1)

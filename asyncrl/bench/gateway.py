@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import sys
 import threading
@@ -44,7 +43,8 @@ from collections.abc import AsyncIterator, Coroutine
 from pathlib import Path
 from typing import Any
 
-from asyncrl.bench import HelpFormatter, log_dir
+from asyncrl.bench import bench_parser, log_dir
+from asyncrl.bench.common import write_json
 from asyncrl.bench.gateway_paths import (
     Call,
     direct_run,
@@ -292,11 +292,7 @@ def _print(res: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = argparse.ArgumentParser(
-        formatter_class=HelpFormatter,
-        prog="asyncrl bench gateway",
-        description=__doc__.split("\n\n")[0],
-    )
+    p = bench_parser("gateway", __doc__.split("\n\n")[0])
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--model-path", default=None, help="HF chat model folder (default: tiny chat)")
     p.add_argument("--sessions", type=int, default=16, help="sessions of the concurrent phase")
@@ -348,8 +344,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         argv=sys.argv[1:] if argv is None else list(argv),
     )
     _print(res)
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
+    write_json(args.json, res)
     return res
 
 

@@ -34,7 +34,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from asyncrl.bench import HelpFormatter, log_dir
+from asyncrl.bench import bench_parser, log_dir
+from asyncrl.bench.common import qwen2, save_random_qwen2, write_json
 
 BENCH_MODEL = "bench-qwen2-35m-v1"
 
@@ -46,30 +47,14 @@ def _bench_model_dir() -> Path:
 
 def ensure_bench_model(path: Path | None = None) -> Path:
     """A random-init Qwen2 (hidden 512, 8 layers, vocab 8192) in HF format, built once."""
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
     path = Path(path or _bench_model_dir())
     if (path / "config.json").is_file():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
-    config = Qwen2Config(
-        vocab_size=8192,
-        hidden_size=512,
-        intermediate_size=1408,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        max_position_embeddings=2048,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config)
+    more = dict(max_position_embeddings=2048, tie_word_embeddings=False)
+    config = qwen2(512, 1408, 8, 8, 4, 8192, **more, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=".building-"))
-    model.save_pretrained(tmp, safe_serialization=True)
+    save_random_qwen2(tmp, config, safe_serialization=True)
     try:
         tmp.rename(path)
     except OSError:
@@ -178,11 +163,7 @@ def _sync(device: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = argparse.ArgumentParser(
-        formatter_class=HelpFormatter,
-        prog="asyncrl bench generation",
-        description=__doc__.split("\n\n")[0],
-    )
+    p = bench_parser("generation", __doc__.split("\n\n")[0])
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--model-path", default=None, help="HF model folder (default: random Qwen2)")
     p.add_argument("--device", default="cpu")
@@ -252,8 +233,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"{'engine ' + name:16}{r['tokens_per_s']:12.1f}{r['wall_s']:10.2f}")
     print(f"{'hf generate':16}{hf['tokens_per_s']:12.1f}{hf['wall_s']:10.2f}")
     print(f"speedup engine / hf generate: {result['speedup']:.2f}x")
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.json, result)
     return result
 
 

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import tempfile
 import time
@@ -51,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.bench import RawHelpFormatter
+from asyncrl.bench.common import write_json
 from asyncrl.config import load_config
 from asyncrl.runner import run_job
 from asyncrl.tasks.workloads import WORKLOADS
@@ -324,8 +324,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "config": {k: v for k, v in vars(args).items() if k != "json"},
         "runs": results,
     }
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2))
+    write_json(args.json, out)
     return out
 
 

@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import os
 import random
@@ -65,7 +64,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from asyncrl.bench import HelpFormatter
+from asyncrl.bench import bench_parser
+from asyncrl.bench.common import write_json
 from asyncrl.config import load_config
 from asyncrl.controllers.episode import EpisodeContext
 from asyncrl.core import Sample, Trajectory
@@ -221,11 +221,7 @@ def machine_load() -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = argparse.ArgumentParser(
-        formatter_class=HelpFormatter,
-        prog="asyncrl bench pipeline",
-        description=__doc__.splitlines()[0],
-    )
+    p = bench_parser("pipeline", __doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=12, help="measured train steps per run")
     p.add_argument("--warmup", type=int, default=2, help="steps before the measured window")
     p.add_argument("--batch-size", type=int, default=20, help="groups per step")
@@ -332,9 +328,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     loads = [round(x["load"]["before"].get("loadavg_1m", -1.0), 1) for x in syncs + asyns]
     print(f"pairs: {', '.join(f'{x:.2f}x' for x in res['speedups_each'])}; load avg {loads}")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(res, f, indent=2)
+    write_json(a.json, res)
     return res
 
 

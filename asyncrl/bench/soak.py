@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from asyncrl.bench.common import write_json
 from asyncrl.bench.faults import _cli, _config, _finish, _left, _lost, _rows
 
 __all__ = ["main", "soak"]
@@ -224,8 +225,7 @@ def main(argv: list[str] | None = None) -> None:
     print(_table(result))
     for line in result["fault_log"]:
         print(f"  {line}")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "result": result}, indent=1))
+    write_json(args.json, {"args": vars(args), "result": result})
     ok = result["steps_exactly_once"] and not result["samples_lost"] and not result["left"]
     if not ok:
         raise SystemExit("soak: a step or sample was lost or trained twice, or something was left")

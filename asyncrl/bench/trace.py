@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl import trace
-from asyncrl.bench import HelpFormatter
+from asyncrl.bench import bench_parser
+from asyncrl.bench.common import write_json
 
 
 def span_cost_us(n: int, root: Path) -> float:
@@ -66,11 +67,7 @@ def run_once(traced: bool, args: argparse.Namespace, root: Path, i: int) -> dict
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = argparse.ArgumentParser(
-        formatter_class=HelpFormatter,
-        prog="asyncrl bench trace",
-        description=__doc__.split("\n\n")[0],
-    )
+    p = bench_parser("trace", __doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=0, help="controller.total_steps (0: the default)")
     p.add_argument("--repeats", type=int, default=1, help="pairs of runs (off, on)")
     p.add_argument("--calib", type=int, default=20000, help="spans timed for the per-span cost")
@@ -114,8 +111,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f" (median of {args.repeats}; noise on a shared machine is larger than the cost)"
     )
     out = {**summary, "runs": runs, "config": {k: v for k, v in vars(args).items()}}
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2))
+    write_json(args.json, out)
     return out
 
 

@@ -20,7 +20,6 @@ between the two sides so that machine load hits both alike.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import tempfile
@@ -29,25 +28,15 @@ from pathlib import Path
 
 import torch
 
-from asyncrl.bench import HelpFormatter
+from asyncrl.bench import bench_parser
+from asyncrl.bench.common import qwen2, save_random_qwen2, write_json
 
 
 def _make_model(out: Path, hidden: int, layers: int, vocab: int) -> None:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    cfg = Qwen2Config(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=hidden * 11 // 4,
-        num_hidden_layers=layers,
-        num_attention_heads=max(1, hidden // 64),
-        num_key_value_heads=max(1, hidden // 64),
-        max_position_embeddings=4096,
-        tie_word_embeddings=False,
-        pad_token_id=0,
-    )
-    torch.manual_seed(0)
-    Qwen2ForCausalLM(cfg).save_pretrained(out)
+    untied = dict(max_position_embeddings=4096, tie_word_embeddings=False, pad_token_id=0)
+    heads = max(1, hidden // 64)
+    config = qwen2(hidden, hidden * 11 // 4, layers, heads, heads, vocab, **untied)
+    save_random_qwen2(out, config)
 
 
 def _span(text: str) -> tuple[int, int]:
@@ -174,11 +163,7 @@ def _bench_budget(args: argparse.Namespace, model_path: str, seqs: list, budget:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(
-        formatter_class=HelpFormatter,
-        prog="asyncrl bench train",
-        description=__doc__.split("\n")[0],
-    )
+    p = bench_parser("train", __doc__.split("\n")[0])
     p.add_argument("--budgets", default="512,2048", help="micro-batch token budgets")
     p.add_argument("--steps", type=int, default=3, help="timed steps per side and budget")
     p.add_argument("--model-path", default="", help="HF folder (default: a random Qwen2)")
@@ -226,8 +211,7 @@ def main(argv: list[str] | None = None) -> None:
         "args": vars(args),
         "tokens_per_batch": tokens,
     }
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
+    write_json(args.json, result)
     torch.distributed.destroy_process_group()
 
 

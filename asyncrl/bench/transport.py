@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import pickle  # the baseline this benchmark measures against; never on asyncrl's wire
 import statistics
@@ -58,7 +57,8 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
-from asyncrl.bench import HelpFormatter
+from asyncrl.bench import bench_parser
+from asyncrl.bench.common import write_json
 from asyncrl.core import Trajectory
 from asyncrl.procs import spawn, stop
 from asyncrl.transports.experience.codec import encode_batch, nbytes
@@ -286,11 +286,7 @@ async def _bench(args: argparse.Namespace) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(
-        formatter_class=HelpFormatter,
-        prog="asyncrl bench transport",
-        description=__doc__.split("\n\n")[0],
-    )
+    p = bench_parser("transport", __doc__.split("\n\n")[0])
     p.add_argument("--json", default=None, help="write results to this JSON file")
     p.add_argument(
         "--trajectories",
@@ -384,7 +380,7 @@ def main(argv: list[str] | None = None) -> None:
         + f"; frames only {frames['eps']:.0f} eps (x{result['frames_speedup']:.2f})"
     )
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+        write_json(args.json, result)
         print(f"wrote {args.json}")
 
 

@@ -54,36 +54,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from asyncrl.bench import HelpFormatter, log_dir
+from asyncrl.bench import bench_parser, log_dir
+from asyncrl.bench.common import qwen2, write_json
 
 MODELS: dict[str, dict[str, Any]] = {  # Qwen2Config keyword arguments
-    "tiny": dict(  # a smoke run (the wheel test), not a measurement
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=1024,
-        tie_word_embeddings=True,
-    ),
-    "qwen2-0.5b": dict(
-        hidden_size=896,
-        intermediate_size=4864,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        vocab_size=151936,
-        tie_word_embeddings=True,
-    ),
-    "qwen2-1.5b": dict(
-        hidden_size=1536,
-        intermediate_size=8960,
-        num_hidden_layers=28,
-        num_attention_heads=12,
-        num_key_value_heads=2,
-        vocab_size=151936,
-        tie_word_embeddings=True,
-    ),
+    "tiny": qwen2(64, 128, 2, 4, 2, 1024, tie_word_embeddings=True),  # a smoke run, unmeasured
+    "qwen2-0.5b": qwen2(896, 4864, 24, 14, 2, 151936, tie_word_embeddings=True),
+    "qwen2-1.5b": qwen2(1536, 8960, 28, 12, 2, 151936, tie_word_embeddings=True),
 }
 DEVICE = {"gloo": "cpu", "nccl": "cuda", "hccl": "npu", "cuda-ipc": "cuda"}
 
@@ -563,11 +540,7 @@ def _table(rows: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(
-        formatter_class=HelpFormatter,
-        prog="asyncrl bench weight-sync",
-        description="asyncrl weight-sync benchmark",
-    )
+    p = bench_parser("weight-sync", "asyncrl weight-sync benchmark")
     p.add_argument("--backend", default="gloo", choices=sorted(DEVICE))
     p.add_argument("--model", default="qwen2-0.5b", choices=sorted(MODELS))
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
@@ -656,7 +629,7 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--engine {args.engine} needs --urls of running servers")
     rows = _one(args)
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2))
+        write_json(args.json, rows)
         print(f"wrote {args.json}", file=sys.stderr)
 
 

@@ -35,11 +35,11 @@ from collections.abc import Callable
 from typing import Any
 
 from asyncrl.config import RunConfig
+from asyncrl.controllers.deaths import Death, Restarter
 from asyncrl.controllers.restarts import RestartBudget
 from asyncrl.controllers.router import Router
 from asyncrl.engines.rollout.base import ManagedEngine
 from asyncrl.engines.rollout.factory import make_engine
-from asyncrl.launchers.base import Death, Launcher
 from asyncrl.transports.experience.control import Engines, EnginesSynced
 
 __all__ = ["EngineSet"]
@@ -53,7 +53,7 @@ class EngineSet:
     def __init__(
         self,
         cfg: RunConfig,
-        launcher: Launcher,
+        launcher: Restarter,
         urls: list[str],
         record: Callable[[dict[str, Any]], None] | None = None,
     ):

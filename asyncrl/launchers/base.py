@@ -19,22 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
+from asyncrl.controllers.deaths import Death
+
 __all__ = ["Death", "Launcher", "Placed", "TrainerArgs", "log_tail", "trainer_command"]
-
-
-@dataclass(frozen=True)
-class Death:
-    """A process of the run that exited while the run still needed it."""
-
-    name: str
-    """``engine{i}`` or ``trainer{r}``."""
-    code: int | None
-    """Exit status (negative: killed by that signal); None when unknown (a lost node)."""
-    log_tail: str
-    """The last lines of its log, for the error message."""
-
-    def describe(self) -> str:
-        return f"{self.name} exited with {self.code}:\n{self.log_tail}"
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,8 @@ version a request runs on (``{name}-v{N}``); the client sends it where its engin
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
 import aiohttp
@@ -58,7 +59,13 @@ __all__ = [
     "TrainerLink",
     "WeightAdapter",
     "WeightEngine",
+    "distributed_update_body",
+    "failure",
     "parse_sglang_generate",
+    "parse_version",
+    "poll_healthy",
+    "set_optional",
+    "weight_group_body",
 ]
 
 
@@ -78,7 +85,7 @@ def parse_sglang_generate(out: Any, partial: bool = False) -> GenerateResult:
     reason = fr.get("type", "length") if isinstance(fr, dict) else str(fr)
     if partial and meta.get("finish_reason") is None:
         reason = ""
-    version = _parse_version(meta.get("weight_version", "0"))
+    version = parse_version(meta.get("weight_version", "0"))
     return GenerateResult(
         output_ids=ids,
         logprobs=lps,
@@ -99,7 +106,7 @@ def _expand_spans(spans: Any, n: int, last: int) -> list[int] | None:
     out = [last] * n
     try:
         for span in spans:
-            v = _parse_version(span["version"])
+            v = parse_version(span["version"])
             start, end = max(0, int(span["start"])), min(n, int(span["end"]))
             out[start:end] = [v] * max(0, end - start)
             out[end:] = [v] * (n - end)  # until a later span says otherwise
@@ -108,11 +115,110 @@ def _expand_spans(spans: Any, n: int, last: int) -> list[int] | None:
     return out
 
 
-def _parse_version(v: Any) -> int:
+def parse_version(v: Any) -> int:
+    """An engine's weight version label as our integer version: SGLang's and vLLM's
+    "default" (before any update) and any other non-number are 0."""
     try:
         return int(v)
     except (TypeError, ValueError):
-        return 0  # SGLang's "default" before any update
+        return 0
+
+
+async def failure(call: Awaitable[object]) -> str | None:
+    """None once ``call`` (a liveness probe) answers; else why not (its EngineError or
+    EngineUnavailable as text)."""
+    try:
+        await call
+    except (EngineError, EngineUnavailable) as exc:
+        return str(exc) or type(exc).__name__
+    return None
+
+
+async def poll_healthy(
+    url: str,
+    why_unhealthy: Callable[[], Awaitable[str | None]],
+    timeout_s: float,
+    interval_s: float = 0.2,
+    gone: Callable[[], str | None] | None = None,
+    fatal: Callable[[str], str | None] | None = None,
+) -> None:
+    """The families' health wait: poll ``why_unhealthy`` (None: healthy) until it holds or
+    ``timeout_s`` passes, then EngineUnavailable naming ``url``, the timeout and the last
+    failure. ``gone`` is asked between polls: a reason it returns (e.g. "the process exited
+    with 1") ends the wait at once, naming ``url`` and that reason; so does ``fatal``'s
+    message for a failure no retry mends (a refused key)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while (why := await why_unhealthy()) is not None:
+        if gone is not None and (reason := gone()) is not None:
+            raise EngineUnavailable(f"engine {url} is gone: {reason}")
+        if fatal is not None and (message := fatal(why)) is not None:
+            raise EngineUnavailable(message)
+        if loop.time() > deadline:
+            raise EngineUnavailable(
+                f"engine {url} did not answer within {timeout_s:g}s (last: {why})"[:500]
+            )
+        await asyncio.sleep(interval_s)
+
+
+def weight_group_body(
+    master_address: str,
+    master_port: int,
+    rank_offset: int,
+    world_size: int,
+    group_name: str,
+    backend: str,
+) -> dict[str, Any]:
+    """The body of ``/init_weights_update_group`` (SGLang's route; the embedded engine
+    serves the same)."""
+    return {
+        "master_address": str(master_address),
+        "master_port": int(master_port),
+        "rank_offset": int(rank_offset),
+        "world_size": int(world_size),
+        "group_name": str(group_name),
+        "backend": str(backend),
+    }
+
+
+def distributed_update_body(
+    names: list[str],
+    dtypes: list[str],
+    shapes: list[list[int]],
+    group_name: str,
+    flush_cache: bool,
+    weight_version: str | None,
+    load_format: str | None,
+    extra: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """The body of ``/update_weights_from_distributed`` (SGLang's route; the embedded engine
+    serves the same): never aborting requests; the optional fields only where set (SGLang
+    omits None); ``extra``: fields SGLang ignores (asyncrl's bucket manifest)."""
+    body: dict[str, Any] = {
+        "names": [str(n) for n in names],
+        "dtypes": [str(d) for d in dtypes],
+        "shapes": [[int(x) for x in s] for s in shapes],
+        "group_name": str(group_name),
+        "flush_cache": bool(flush_cache),
+        "abort_all_requests": False,
+    }
+    set_optional(body, weight_version, load_format, extra)
+    return body
+
+
+def set_optional(
+    body: dict[str, Any],
+    weight_version: str | None,
+    load_format: str | None,
+    extra: dict[str, Any] | None,
+) -> None:
+    """Add the optional fields of a weight-update request that are set (SGLang omits None)."""
+    if weight_version is not None:
+        body["weight_version"] = str(weight_version)
+    if load_format is not None:
+        body["load_format"] = str(load_format)
+    if extra:
+        body.update(extra)
 
 
 class KeyedHttp:

@@ -29,7 +29,7 @@ from asyncrl.config import (
 from asyncrl.engines.rollout.base import ManagedEngine, WeightAdapter
 
 if TYPE_CHECKING:
-    from asyncrl.engines.rollout.launcher import LaunchSpec
+    from asyncrl.engines.rollout.launcher import LaunchSpec, ServerSite
     from asyncrl.transports.weights.adapter_send import AdapterSpec
     from asyncrl.transports.weights.base import WeightTransport
 
@@ -59,13 +59,13 @@ class EngineFamily(Protocol):
     length is the model's ``max_position_embeddings`` (checked before the run starts).
     :meth:`client` is the controller's client of the engine at ``url``; :meth:`weights`
     the family's side of weight sync (``bucket_bytes``: the transport's bucket size);
-    :meth:`spec` engine ``seed``'s server at ``host:port`` on GPUs from ``gpu``
-    (``dtype``: the trainer's; ``weight_master``: where the trainer's weight group is
-    hosted; ``lora``: :meth:`lora_args`); :meth:`startup_timeout` how long its servers may
-    take to answer when ``rollout.startup_timeout_s`` is unset; :meth:`lora_args` the
-    servers' flags for ``capacity`` adapter versions; :meth:`gpus` the GPUs one engine
-    takes; :meth:`preflight` raises ValueError (one line, naming the key) for what this
-    host cannot start (``check_device(key, device)`` checks a device string).
+    :meth:`spec` the family's server at ``at`` (a ``launcher.ServerSite``: port, host,
+    first GPU, seed, the trainer's dtype, the weight group's host, :meth:`lora_args`);
+    :meth:`startup_timeout` how long its servers may take to answer when
+    ``rollout.startup_timeout_s`` is unset; :meth:`lora_args` the servers' flags for
+    ``capacity`` adapter versions; :meth:`gpus` the GPUs one engine takes;
+    :meth:`preflight` raises ValueError (one line, naming the key) for what this host cannot
+    start (``check_device(key, device)`` checks a device string).
     """
 
     name: str
@@ -76,18 +76,7 @@ class EngineFamily(Protocol):
 
     def weights(self, rc: RolloutConfig, bucket_bytes: int) -> WeightAdapter: ...
 
-    def spec(
-        self,
-        rc: RolloutConfig,
-        model_path: str,
-        port: int,
-        host: str,
-        gpu: int,
-        seed: int,
-        dtype: str,
-        weight_master: str,
-        lora: Sequence[str],
-    ) -> LaunchSpec: ...
+    def spec(self, rc: RolloutConfig, at: ServerSite) -> LaunchSpec: ...
 
     def startup_timeout(self, rc: RolloutConfig, model_path: str) -> float: ...
 

@@ -27,12 +27,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgspec
+
 from asyncrl.config import RolloutConfig, RunConfig
 from asyncrl.engines.rollout.base import EngineUnavailable
-from asyncrl.engines.rollout.factory import family
+from asyncrl.engines.rollout.factory import family, rollout_config
 from asyncrl.engines.rollout.local.family import LOCAL_SERVER
-from asyncrl.engines.rollout.sglang.client import SGLangClient
-from asyncrl.engines.rollout.vllm.client import VLLMClient
 from asyncrl.procs import Proc, Spawner, free_port, python_env, spawn, stop
 
 __all__ = [
@@ -40,6 +40,7 @@ __all__ = [
     "SGLANG_SERVER",
     "LaunchSpec",
     "LaunchedServer",
+    "ServerSite",
     "engine_spec",
     "launch",
     "launch_command",
@@ -52,6 +53,29 @@ __all__ = [
 
 SGLANG_SERVER = "sglang.launch_server"
 """SGLang's server module (``python -m``): :class:`LaunchSpec`'s default module."""
+
+
+@dataclass(frozen=True)
+class ServerSite:
+    """Where and how one engine server of a run starts: what :func:`engine_spec` hands
+    ``EngineFamily.spec``, which turns it into the family's :class:`LaunchSpec`."""
+
+    model_path: str
+    """Hugging Face model folder (or hub id, for SGLang)."""
+    port: int
+    """HTTP port of the server, on ``host``."""
+    host: str
+    """Address the server binds to."""
+    gpu: int
+    """The first GPU it uses (``EngineFamily.gpus`` of them from here)."""
+    seed: int
+    """The engine's sampling seed."""
+    dtype: str
+    """The trainer's weight dtype (the embedded engine's; SGLang's is its own)."""
+    weight_master: str
+    """Where the trainer's weight group is hosted."""
+    lora: tuple[str, ...] = ()
+    """The family's LoRA flags (``EngineFamily.lora_args``)."""
 
 
 @dataclass(frozen=True)
@@ -85,6 +109,10 @@ class LaunchSpec:
     own_flags: bool = True
     """Pass SGLang-style ``--model-path/--tp-size/--host/--port`` before ``extra_args``;
     False: ``extra_args`` are the whole command line (``vllm serve MODEL ...``)."""
+    backend: str = "sglang"
+    """The rollout backend tag of the family that built it (``factory.FAMILIES``): its client
+    probes the server's liveness (:func:`wait_healthy`). The embedded engine speaks SGLang's
+    protocol, so a spec written by hand for it may keep the default."""
 
     @property
     def url(self) -> str:
@@ -188,18 +216,17 @@ def launch(
 async def wait_healthy(
     servers: Sequence[LaunchedServer], timeout_s: float, interval_s: float = 0.25
 ) -> None:
-    """Wait until every server answers (:meth:`SGLangClient.wait_healthy`, the liveness probe).
+    """Wait until every server answers (its family's client's ``wait_healthy``: SGLang's and
+    the embedded engine's ``/model_info``, vLLM's ``/health``).
 
     Raises EngineUnavailable naming the server, with its log's tail, if its process exits
     first or ``timeout_s`` passes.
     """
 
     async def one(server: LaunchedServer) -> None:
-        client: SGLangClient | VLLMClient
-        if server.spec.module == "vllm":  # vLLM's /health (cheap there); SGLang's is not
-            client = VLLMClient(server.url, timeout_s=max(1.0, interval_s * 8))
-        else:
-            client = SGLangClient(server.url, timeout_s=max(1.0, interval_s * 8))
+        rc = rollout_config(server.spec.backend)  # the family's probe, short per request
+        rc = msgspec.structs.replace(rc, request_timeout_s=max(1.0, interval_s * 8))
+        client = family(rc).client(rc, server.url)
 
         def gone() -> str | None:
             code = server.proc.poll()
@@ -286,4 +313,5 @@ def engine_spec(
     port = port or free_port(host)
     fam = family(rc)
     gpu = i * fam.gpus(rc) if base_gpu is None else base_gpu
-    return fam.spec(rc, model_path, port, host, gpu, seed + 1000 + i, dtype, weight_master, lora)
+    site = ServerSite(model_path, port, host, gpu, seed + 1000 + i, dtype, weight_master, (*lora,))
+    return fam.spec(rc, site)

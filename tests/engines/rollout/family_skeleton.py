@@ -13,7 +13,7 @@ Type-checked with the package (``mypy``) and exercised by
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from asyncrl.config import LoraConfig, RolloutConfig, RunConfig, SGLangRolloutConfig
@@ -27,7 +27,7 @@ from asyncrl.engines.rollout.base import (
     WeightEngine,
 )
 from asyncrl.engines.rollout.factory import EngineFamily
-from asyncrl.engines.rollout.launcher import LaunchSpec
+from asyncrl.engines.rollout.launcher import LaunchSpec, ServerSite
 from asyncrl.transports.weights.bucket import BucketManifest
 
 MyServeRolloutConfig = SGLangRolloutConfig  # in the project: its own tagged config Struct
@@ -94,20 +94,10 @@ class MyServeFamily:
     def weights(self, rc: RolloutConfig, bucket_bytes: int) -> WeightAdapter:
         return MyServeWeights()
 
-    def spec(
-        self,
-        rc: RolloutConfig,
-        model_path: str,
-        port: int,
-        host: str,
-        gpu: int,
-        seed: int,
-        dtype: str,
-        weight_master: str,
-        lora: Sequence[str],
-    ) -> LaunchSpec:
-        extra = ("--random-seed", str(seed), "--base-gpu-id", str(gpu), *lora, *rc.extra_args)
-        return LaunchSpec(model_path, port, host, 1, None, extra, "myserve.launch_server")
+    def spec(self, rc: RolloutConfig, at: ServerSite) -> LaunchSpec:
+        extra = ("--random-seed", str(at.seed), "--base-gpu-id", str(at.gpu), *at.lora)
+        extra += rc.extra_args
+        return LaunchSpec(at.model_path, at.port, at.host, 1, None, extra, "myserve.launch_server")
 
     def startup_timeout(self, rc: RolloutConfig, model_path: str) -> float:
         return 600.0

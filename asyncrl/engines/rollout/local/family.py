@@ -6,7 +6,7 @@ controller loads this module to launch engines, the trainer to push weights."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from asyncrl.config import LocalRolloutConfig, LoraConfig, RolloutConfig, RunConfig
@@ -14,7 +14,7 @@ from asyncrl.engines.rollout.base import AdapterControl, EngineError
 from asyncrl.engines.rollout.sglang.family import SGLangFamily, SGLangWeights
 
 if TYPE_CHECKING:
-    from asyncrl.engines.rollout.launcher import LaunchSpec
+    from asyncrl.engines.rollout.launcher import LaunchSpec, ServerSite
 
 __all__ = ["FAMILY", "LOCAL_SERVER", "LocalFamily", "LocalWeights"]
 
@@ -55,28 +55,19 @@ class LocalFamily(SGLangFamily):
     def weights(self, rc: RolloutConfig, bucket_bytes: int) -> LocalWeights:
         return LocalWeights()
 
-    def spec(
-        self,
-        rc: RolloutConfig,
-        model_path: str,
-        port: int,
-        host: str,
-        gpu: int,
-        seed: int,
-        dtype: str,
-        weight_master: str,
-        lora: Sequence[str],
-    ) -> LaunchSpec:
-        """``dtype`` is the trainer's; weight groups joined on loopback and at
-        ``weight_master``; ``lora``: the embedded engine's LoRA flags."""
+    def spec(self, rc: RolloutConfig, at: ServerSite) -> LaunchSpec:
+        """``at.dtype`` is the trainer's; weight groups joined on loopback and at
+        ``at.weight_master``; ``at.lora``: the embedded engine's LoRA flags."""
         from asyncrl.engines.rollout.launcher import LaunchSpec
 
         assert isinstance(rc, LocalRolloutConfig)
-        extra = ["--device", rc.device, "--dtype", dtype, "--seed", str(seed)]
-        extra += ["--weight-masters", f"loopback,{weight_master}"]
+        extra = ["--device", rc.device, "--dtype", at.dtype, "--seed", str(at.seed)]
+        extra += ["--weight-masters", f"loopback,{at.weight_master}"]
         extra += ["--max-batch-size", str(rc.max_batch_size)]
-        extra += ["--kv-after-update", rc.kv_after_update, *lora]
-        return LaunchSpec(model_path, port, host, 1, None, (*extra, *rc.extra_args), LOCAL_SERVER)
+        extra += ["--kv-after-update", rc.kv_after_update, *at.lora, *rc.extra_args]
+        return LaunchSpec(
+            at.model_path, at.port, at.host, 1, None, (*extra,), LOCAL_SERVER, backend="local"
+        )
 
     def startup_timeout(self, rc: RolloutConfig, model_path: str) -> float:
         return 120.0

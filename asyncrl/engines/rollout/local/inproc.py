@@ -41,8 +41,10 @@ from asyncrl.core import GenerateResult
 from asyncrl.engines.rollout.base import (
     EngineBadRequest,
     EngineError,
-    EngineUnavailable,
+    distributed_update_body,
     parse_sglang_generate,
+    poll_healthy,
+    weight_group_body,
 )
 from asyncrl.engines.rollout.checks import BadRequest
 from asyncrl.engines.rollout.local.engine import LocalEngine, Request
@@ -222,14 +224,9 @@ class InProcEngine:
         backend: str = "nccl",
     ) -> None:
         """Join the weight group as rank ``rank_offset`` (returns once joined)."""
-        body = {
-            "master_address": str(master_address),
-            "master_port": int(master_port),
-            "rank_offset": int(rank_offset),
-            "world_size": int(world_size),
-            "group_name": str(group_name),
-            "backend": str(backend),
-        }
+        body = weight_group_body(
+            master_address, master_port, rank_offset, world_size, group_name, backend
+        )
         await self._weights("/init_weights_update_group", self.server.weights.init_group, body)
 
     async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
@@ -257,17 +254,9 @@ class InProcEngine:
         extra: dict[str, Any] | None = None,
     ) -> None:
         """Receive and stage one announced bucket (the HTTP route's body and checks)."""
-        body: dict[str, Any] = {
-            "names": [str(n) for n in names],
-            "dtypes": [str(d) for d in dtypes],
-            "shapes": [[int(x) for x in s] for s in shapes],
-            "group_name": str(group_name),
-            "flush_cache": bool(flush_cache),
-            "abort_all_requests": False,
-            **({"weight_version": str(weight_version)} if weight_version is not None else {}),
-            **({"load_format": str(load_format)} if load_format is not None else {}),
-            **(extra or {}),
-        }
+        body = distributed_update_body(
+            names, dtypes, shapes, group_name, flush_cache, weight_version, load_format, extra
+        )
         await self._weights(
             "/update_weights_from_distributed", self.server.weights.update_from_distributed, body
         )
@@ -303,14 +292,11 @@ class InProcEngine:
         gone: Callable[[], str | None] | None = None,
     ) -> None:
         """Poll :meth:`health` until it holds, else EngineUnavailable naming the reason."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        while (why := self.engine.health()) is not None:
-            if gone is not None and (reason := gone()) is not None:
-                raise EngineUnavailable(f"engine {self.url} is gone: {reason}")
-            if loop.time() > deadline:
-                raise EngineUnavailable(f"engine {self.url} unhealthy after {timeout_s:g}s: {why}")
-            await asyncio.sleep(interval_s)
+
+        async def why_unhealthy() -> str | None:
+            return self.engine.health()
+
+        await poll_healthy(self.url, why_unhealthy, timeout_s, interval_s, gone)
 
     async def close(self) -> None:
         """Nothing to release (no connections); the engine keeps serving."""

@@ -34,7 +34,12 @@ from asyncrl.engines.rollout.base import (
     EngineError,
     EngineUnavailable,
     KeyedHttp,
+    distributed_update_body,
+    failure,
     parse_sglang_generate,
+    poll_healthy,
+    set_optional,
+    weight_group_body,
 )
 from asyncrl.engines.rollout.sse import read_generate_stream
 
@@ -226,14 +231,9 @@ class SGLangClient(KeyedHttp):
         backend: str = "nccl",
     ) -> None:
         """Join the weight-sync process group as ranks ``rank_offset..`` (blocks until formed)."""
-        body = {
-            "master_address": str(master_address),
-            "master_port": int(master_port),
-            "rank_offset": int(rank_offset),
-            "world_size": int(world_size),
-            "group_name": str(group_name),
-            "backend": str(backend),
-        }
+        body = weight_group_body(
+            master_address, master_port, rank_offset, world_size, group_name, backend
+        )
         await self._call("POST", "/init_weights_update_group", body)
 
     async def update_weights_from_distributed(
@@ -250,15 +250,9 @@ class SGLangClient(KeyedHttp):
         """Receive one broadcast of the named tensors (``load_format="flattened_bucket"``:
         one flat buffer). ``flush_cache=True`` commits; ``weight_version`` is set with it.
         ``extra`` adds fields SGLang ignores (asyncrl's bucket manifest)."""
-        body: dict[str, Any] = {
-            "names": [str(n) for n in names],
-            "dtypes": [str(d) for d in dtypes],
-            "shapes": [[int(x) for x in s] for s in shapes],
-            "group_name": str(group_name),
-            "flush_cache": bool(flush_cache),
-            "abort_all_requests": False,
-        }
-        _set_optional(body, weight_version, load_format, extra)
+        body = distributed_update_body(
+            names, dtypes, shapes, group_name, flush_cache, weight_version, load_format, extra
+        )
         await self._call("POST", "/update_weights_from_distributed", body)
 
     async def update_weights_from_tensor(
@@ -276,7 +270,7 @@ class SGLangClient(KeyedHttp):
             "flush_cache": bool(flush_cache),
             "abort_all_requests": False,
         }
-        _set_optional(body, weight_version, load_format, extra)
+        set_optional(body, weight_version, load_format, extra)
         return await self._call("POST", "/update_weights_from_tensor", body)
 
     async def begin_weight_update(self) -> bool:
@@ -358,11 +352,7 @@ class SGLangClient(KeyedHttp):
         return await self._why_unhealthy() is None
 
     async def _why_unhealthy(self) -> str | None:
-        try:
-            await self._get_either(("/model_info", "/get_model_info"))
-        except (EngineError, EngineUnavailable) as exc:
-            return str(exc) or type(exc).__name__
-        return None
+        return await failure(self._get_either(("/model_info", "/get_model_info")))
 
     async def wait_healthy(
         self,
@@ -375,18 +365,11 @@ class SGLangClient(KeyedHttp):
         between polls: a reason it returns (e.g. "the process exited with 1") ends the wait
         at once with EngineUnavailable naming the URL and that reason. The one health wait:
         launchers, the run and benchmarks all wait through it."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        while (why := await self._why_unhealthy()) is not None:
-            if gone is not None and (reason := gone()) is not None:
-                raise EngineUnavailable(f"engine {self.url} is gone: {reason}")
-            if " -> 401: " in why:  # no retry mends it (docs/security.md)
-                raise EngineUnavailable(f"{secret.refused(self.url)} ({why})")
-            if loop.time() > deadline:
-                raise EngineUnavailable(
-                    f"engine {self.url} did not answer within {timeout_s:g}s (last: {why})"[:500]
-                )
-            await asyncio.sleep(interval_s)
+
+        def refused(why: str) -> str | None:  # no retry mends a 401 (docs/security.md)
+            return f"{secret.refused(self.url)} ({why})" if " -> 401: " in why else None
+
+        await poll_healthy(self.url, self._why_unhealthy, timeout_s, interval_s, gone, refused)
 
 
 def _move_lora_path(body: dict[str, Any]) -> None:
@@ -402,18 +385,3 @@ def _move_lora_path(body: dict[str, Any]) -> None:
     paths = [sp.pop("lora_path", None) for sp in sps]
     if any(p is not None for p in paths):
         body["lora_path"] = [None if p is None else str(p) for p in paths]
-
-
-def _set_optional(
-    body: dict[str, Any],
-    weight_version: str | None,
-    load_format: str | None,
-    extra: dict[str, Any] | None,
-) -> None:
-    """Add the optional fields of a weight-update request that are set (SGLang omits None)."""
-    if weight_version is not None:
-        body["weight_version"] = str(weight_version)
-    if load_format is not None:
-        body["load_format"] = str(load_format)
-    if extra:
-        body.update(extra)

@@ -8,7 +8,7 @@ loads this module to launch engines, the trainer to push weights into them.
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,7 +23,7 @@ from asyncrl.engines.rollout.base import (
 )
 
 if TYPE_CHECKING:
-    from asyncrl.engines.rollout.launcher import LaunchSpec
+    from asyncrl.engines.rollout.launcher import LaunchSpec, ServerSite
     from asyncrl.transports.weights.bucket import BucketManifest
 
 __all__ = ["CUDA_IPC_SGLANG", "FAMILY", "SGLangFamily", "SGLangWeights", "model_startup_s"]
@@ -140,22 +140,11 @@ class SGLangFamily:
     def weights(self, rc: RolloutConfig, bucket_bytes: int) -> SGLangWeights:
         return SGLangWeights()
 
-    def spec(
-        self,
-        rc: RolloutConfig,
-        model_path: str,
-        port: int,
-        host: str,
-        gpu: int,
-        seed: int,
-        dtype: str,
-        weight_master: str,
-        lora: Sequence[str],
-    ) -> LaunchSpec:
+    def spec(self, rc: RolloutConfig, at: ServerSite) -> LaunchSpec:
         from asyncrl.engines.rollout.sglang.launcher import sglang_spec
 
         assert isinstance(rc, SGLangRolloutConfig)
-        return sglang_spec(rc, model_path, port, host, gpu, seed, lora)
+        return sglang_spec(rc, at.model_path, at.port, at.host, at.gpu, at.seed, at.lora)
 
     def startup_timeout(self, rc: RolloutConfig, model_path: str) -> float:
         return model_startup_s(model_path)

@@ -56,7 +56,15 @@ import msgspec
 
 from asyncrl.config import VLLM_PAUSE_MODES
 from asyncrl.core import GenerateResult
-from asyncrl.engines.rollout.base import EngineBadRequest, EngineError, EngineUnavailable, KeyedHttp
+from asyncrl.engines.rollout.base import (
+    EngineBadRequest,
+    EngineError,
+    EngineUnavailable,
+    KeyedHttp,
+    failure,
+    parse_version,
+    poll_healthy,
+)
 from asyncrl.engines.rollout.sglang.client import _is_json_object, _server_message
 
 __all__ = ["ScaleOutDisabled", "VLLMClient", "expand_spans", "vllm_sampling"]
@@ -111,13 +119,6 @@ def vllm_sampling(sp: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _version(v: Any) -> int:
-    try:
-        return int(v)
-    except (TypeError, ValueError):
-        return 0  # vLLM's "default" before any update
-
-
 def expand_spans(spans: Any, n: int) -> list[int]:
     """vLLM's ``weight_versions`` spans (``[{version, start, end}]`` over this request's
     output tokens, from 0: a request sent again restarts them) as one version per token.
@@ -128,7 +129,7 @@ def expand_spans(spans: Any, n: int) -> list[int]:
         return out
     try:
         for span in spans:
-            v = _version(span["version"])
+            v = parse_version(span["version"])
             start, end = max(0, int(span["start"])), min(n, int(span["end"]))
             out[start:end] = [v] * max(0, end - start)
     except (KeyError, TypeError, ValueError) as exc:
@@ -141,7 +142,7 @@ def _result(ids: list[int], lps: list[float], finish: str, spans: Any) -> Genera
     if spans is None:
         return GenerateResult(ids, lps, 0, finish)
     versions = expand_spans(spans, len(ids))
-    last = versions[-1] if versions else (_version(spans[-1]["version"]) if spans else 0)
+    last = versions[-1] if versions else (parse_version(spans[-1]["version"]) if spans else 0)
     return GenerateResult(ids, lps, last, finish, versions=versions if ids else None)
 
 
@@ -467,11 +468,7 @@ class VLLMClient(KeyedHttp):
         return await self._why_unhealthy() is None
 
     async def _why_unhealthy(self) -> str | None:
-        try:
-            await self._call("GET", "/health")
-        except (EngineError, EngineUnavailable) as exc:
-            return str(exc) or type(exc).__name__
-        return None
+        return await failure(self._call("GET", "/health"))
 
     async def wait_healthy(
         self,
@@ -480,16 +477,7 @@ class VLLMClient(KeyedHttp):
         gone: Callable[[], str | None] | None = None,
     ) -> None:
         """Poll ``/health`` until it answers 200 (as ``SGLangClient.wait_healthy``)."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        while (why := await self._why_unhealthy()) is not None:
-            if gone is not None and (reason := gone()) is not None:
-                raise EngineUnavailable(f"engine {self.url} is gone: {reason}")
-            if loop.time() > deadline:
-                raise EngineUnavailable(
-                    f"engine {self.url} did not answer within {timeout_s:g}s (last: {why})"[:500]
-                )
-            await asyncio.sleep(interval_s)
+        await poll_healthy(self.url, self._why_unhealthy, timeout_s, interval_s, gone)
 
 
 class _Retry(Exception):

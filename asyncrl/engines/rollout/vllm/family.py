@@ -5,7 +5,7 @@ launch engines, the trainer to push weights)."""
 from __future__ import annotations
 
 import importlib.metadata
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 from asyncrl.config import (
@@ -27,7 +27,7 @@ from asyncrl.engines.rollout.base import (
 from asyncrl.engines.rollout.sglang.family import model_startup_s, package_missing
 
 if TYPE_CHECKING:
-    from asyncrl.engines.rollout.launcher import LaunchSpec
+    from asyncrl.engines.rollout.launcher import LaunchSpec, ServerSite
     from asyncrl.transports.weights.bucket import BucketManifest
 
 __all__ = ["FAMILY", "VLLMFamily", "VLLMWeights"]
@@ -130,22 +130,11 @@ class VLLMFamily:
         assert isinstance(rc, VLLMRolloutConfig)
         return VLLMWeights(rc, bucket_bytes)
 
-    def spec(
-        self,
-        rc: RolloutConfig,
-        model_path: str,
-        port: int,
-        host: str,
-        gpu: int,
-        seed: int,
-        dtype: str,
-        weight_master: str,
-        lora: Sequence[str],
-    ) -> LaunchSpec:
+    def spec(self, rc: RolloutConfig, at: ServerSite) -> LaunchSpec:
         from asyncrl.engines.rollout.vllm.launcher import vllm_spec
 
         assert isinstance(rc, VLLMRolloutConfig)
-        return vllm_spec(rc, model_path, port, host, gpu, seed, lora)
+        return vllm_spec(rc, at.model_path, at.port, at.host, at.gpu, at.seed, at.lora)
 
     def startup_timeout(self, rc: RolloutConfig, model_path: str) -> float:
         return model_startup_s(model_path)

@@ -103,4 +103,5 @@ def vllm_spec(
         entry_point=(VLLM_CLI, "serve"),
         own_flags=False,
         key_flag="--api-key",  # the run secret (asyncrl.entrypoints.keyed)
+        backend="vllm",
     )

@@ -2,45 +2,21 @@
 
 from __future__ import annotations
 
-import json
-import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from asyncrl.engines.rollout.launcher import KEYED
-from asyncrl.procs import free_port, python_env, stop
-from asyncrl.secret import auth_headers
+from asyncrl.procs import free_port, python_env
 from tests.engines.rollout.sglang.code import sglang_env
+from tests.engines.rollout.standin_proc import StandIn, wait_answering
 from tests.runs import spawn_shared
 
 __all__ = ["StandInServer", "start_standin"]
 
 
 @dataclass
-class StandInServer:
-    url: str
-    proc: Any
-    calls: Path
-    log: Path
-    version: str
-
-    def get(self, path: str, timeout_s: float = 30.0) -> Any:
-        req = urllib.request.Request(self.url + path, headers=auth_headers())
-        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-            return json.loads(resp.read())
-
-    def state(self) -> dict[str, Any]:
-        return self.get("/standin/state")
-
-    def wire(self) -> list[dict[str, Any]]:
-        """Every request the stand-in served, in order (method, path, status, small body)."""
-        return [json.loads(x) for x in self.calls.read_text().splitlines()]
-
-    def stop(self) -> None:
-        stop([self.proc])
+class StandInServer(StandIn):
+    version: str = ""
 
 
 def start_standin(
@@ -67,17 +43,6 @@ def start_standin(
     env = python_env(sglang_env(version))
     proc = spawn_shared(args, log, env)
     server = StandInServer(f"http://127.0.0.1:{port}", proc, calls, log, version)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"SGLang {version} stand-in exited: {log.read_text()[-3000:]}")
-        try:
-            server.get("/model_info", timeout_s=2)
-            return server
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            if time.monotonic() > deadline:
-                server.stop()
-                raise TimeoutError(
-                    f"SGLang {version} stand-in on port {port} silent for {timeout_s}s"
-                ) from None
-            time.sleep(0.2)
+    who = f"SGLang {version} stand-in"
+    wait_answering(server, who, lambda: server.get("/model_info", timeout_s=2), timeout_s)
+    return server

@@ -86,6 +86,7 @@ from aiohttp import web
 from tests.engines.rollout.sglang.lora import LoraServing, add_flags
 from tests.engines.rollout.sglang.rank import Rank
 from tests.engines.rollout.sglang.ranks import SGLangRank
+from tests.engines.rollout.standin_model import last_logits
 
 KNOWN_UPDATE_FIELDS = {
     "names",
@@ -205,17 +206,8 @@ class StandIn:
 
     def _forward(self, batch: list[Req]) -> torch.Tensor:
         """The last position's logits of each request of ``batch`` (in a worker thread)."""
-        seqs = [r.input_ids + r.output for r in batch]
-        width = max(len(s) for s in seqs)
-        ids = torch.zeros(len(seqs), width, dtype=torch.long)
-        mask = torch.zeros(len(seqs), width, dtype=torch.long)
-        for i, s in enumerate(seqs):
-            ids[i, width - len(s) :] = torch.tensor(s)
-            mask[i, width - len(s) :] = 1
-        pos = (mask.cumsum(1) - 1).clamp(min=0)
         self.lora.rows = [r.lora_id for r in batch]
-        with torch.no_grad():
-            return self.model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -1]
+        return last_logits(self.model, [r.input_ids + r.output for r in batch])
 
     def _emit(self, batch: list[Req], logits: torch.Tensor, truth: Any, label: str) -> None:
         """Each request's next token from ``logits``; a request aborted during the forward

@@ -5,18 +5,16 @@ asyncrl's launcher gives ``vllm serve``."""
 from __future__ import annotations
 
 import json
-import time
-import urllib.error
 import urllib.request
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from asyncrl.config import VLLMRolloutConfig
 from asyncrl.engines.rollout.launcher import KEYED
 from asyncrl.engines.rollout.vllm.launcher import VLLM_ENV, vllm_args
-from asyncrl.procs import free_port, python_env, stop
+from asyncrl.procs import free_port, python_env
 from asyncrl.secret import auth_headers
+from tests.engines.rollout.standin_proc import StandIn, wait_answering
 from tests.engines.rollout.vllm.app import ENV
 from tests.engines.rollout.vllm.code import vllm_deps, vllm_env, vllm_src
 from tests.runs import spawn_shared
@@ -28,27 +26,8 @@ OWN_FLAGS = ("--no-truth",)
 one is a ``vllm serve`` flag, parsed by vLLM's parser."""
 
 
-@dataclass
-class VLLMStandIn:
-    url: str
-    proc: Any
-    calls: Path
-    log: Path
-
-    def get(self, path: str, timeout_s: float = 60.0) -> Any:
-        req = urllib.request.Request(self.url + path, headers=auth_headers())
-        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-            return json.loads(resp.read())
-
-    def state(self) -> dict[str, Any]:
-        return self.get("/standin/state")
-
-    def wire(self) -> list[dict[str, Any]]:
-        """Every request the stand-in served, in order (method, path, query, status, body)."""
-        return [json.loads(x) for x in self.calls.read_text().splitlines()]
-
-    def stop(self) -> None:
-        stop([self.proc])
+class VLLMStandIn(StandIn):
+    """vLLM's API server over the stand-in's engine core; its wire log has the query too."""
 
 
 def start_vllm(
@@ -89,24 +68,13 @@ def start_vllm(
     env = {**vllm_env(), **VLLM_ENV, **(env or {}), ENV: json.dumps(own)}
     proc = spawn_shared(args, log, python_env(env))
     server = VLLMStandIn(f"http://127.0.0.1:{port}", proc, calls, log)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vLLM stand-in exited: {log.read_text()[-3000:]}")
-        try:
-            req = urllib.request.Request(server.url + "/health", headers=auth_headers())
-            urllib.request.urlopen(req, timeout=2).close()
-            return server
-        except urllib.error.HTTPError as exc:  # it answered, and not 200: no use waiting
-            server.stop()
-            raise RuntimeError(f"vLLM stand-in's /health: HTTP {exc.code}") from None
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            if time.monotonic() > deadline:
-                server.stop()
-                raise TimeoutError(
-                    f"vLLM stand-in on port {port} silent for {timeout_s}s"
-                ) from None
-            time.sleep(0.2)
+
+    def health() -> None:
+        req = urllib.request.Request(server.url + "/health", headers=auth_headers())
+        urllib.request.urlopen(req, timeout=2).close()
+
+    wait_answering(server, "vLLM stand-in", health, timeout_s)
+    return server
 
 
 def vllm_parse(*argvs: list[str]) -> list[dict[str, Any] | str]:

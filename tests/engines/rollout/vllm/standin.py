@@ -52,6 +52,7 @@ from typing import Any
 
 import torch
 
+from tests.engines.rollout.standin_model import last_logits
 from tests.engines.rollout.vllm.lora import VLLMLora
 from tests.engines.rollout.vllm.rank import Rank
 from tests.engines.rollout.vllm.ranks import VLLMRank
@@ -155,17 +156,8 @@ class StandIn:
             await asyncio.sleep(self.step_s)
 
     def _step(self, batch: list[Req]) -> None:
-        seqs = [r.ids + r.output for r in batch]
-        width = max(len(s) for s in seqs)
-        ids = torch.zeros(len(seqs), width, dtype=torch.long)
-        mask = torch.zeros(len(seqs), width, dtype=torch.long)
-        for i, s in enumerate(seqs):
-            ids[i, width - len(s) :] = torch.tensor(s)
-            mask[i, width - len(s) :] = 1
-        pos = (mask.cumsum(1) - 1).clamp(min=0)
         self.lora.rows = [r.adapter for r in batch]
-        with torch.no_grad():
-            logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -1]
+        logits = last_logits(self.model, [r.ids + r.output for r in batch])
         for i, r in enumerate(batch):
             r.adapter_truth.append(r.adapter_name)
             lp = torch.log_softmax(logits[i].float() / max(r.temperature, 1e-5), -1)
