@@ -180,7 +180,8 @@ def test_what_this_host_lacks_is_refused_before_anything_starts(
     tmp_path: Path, override: str, key: str, runs_here: Callable[[], bool]
 ) -> None:
     """Refused when the config is loaded: exit 2, one line naming the key, no run folder,
-    no process left; in the time of an interpreter start (~0.2 s idle; < 5 s under load)."""
+    no process left; in the time of an interpreter start (~0.2 s idle; 5-6 s at a load average
+    of 12-18 on two cores: the bound is 30 s, far under any engine start-up timeout)."""
     if not runs_here():
         pytest.skip("this machine has what the override needs")
     math = [f"--task.path={tmp_path / 'x.jsonl'}"] if "task.name=math" in override else []
@@ -189,7 +190,7 @@ def test_what_this_host_lacks_is_refused_before_anything_starts(
     assert key in out.stderr and "Traceback" not in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "run").exists()  # nothing started, nothing written
-    assert took < 5  # interpreter + imports; the check itself is < 1 ms
+    assert took < 30  # interpreter + imports; the check itself is < 1 ms
 
 
 def test_unreachable_rollout_urls_reported_within_the_startup_timeout(
