@@ -18,7 +18,7 @@ from asyncrl.tasks.data import DataSample, load_rows, mix
 
 ROWS = [
     {"problem": "1 + 2", "solution": "#### 3", "level": 1},
-    {"problem": "4 + 4", "solution": 8, "level": 2},
+    {"problem": "4 + 4", "solution": "8", "level": 2},
 ]
 
 
