@@ -73,7 +73,7 @@ def test_per_source_breakdowns_score_each_source_on_its_own() -> None:
 
 def test_eval_sources_are_drawn_by_weight_and_named(tiny_model_dir: Path, tmp_path: Path) -> None:
     for name, answer in (("easy", 1), ("hard", 2)):
-        rows = [{"question": f"{answer}{answer}", "answer": answer}] * 4
+        rows = [{"question": f"{answer} + 0", "answer": answer}] * 4
         (tmp_path / f"{name}.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     train = tmp_path / "train.jsonl"
     train.write_text(json.dumps({"question": "1", "answer": 1}))
