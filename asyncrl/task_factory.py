@@ -63,7 +63,12 @@ def _single_turn(cfg: RunConfig, model_path: str) -> BuiltTask:
     assert isinstance(cfg.task, ReverseTaskConfig | MathTaskConfig)
     task = make_task(cfg.task, model_path)
     episode = single_turn(task.reward, cfg.controller.inline_reward_s)
-    return BuiltTask(task, episode, task.samples(), {"max_new_tokens": cfg.generation_budget()})
+    budget = {"max_new_tokens": cfg.generation_budget()}
+    if isinstance(cfg.task, MathTaskConfig):  # its samples name their source: restored so
+        from asyncrl.tasks.data import DataSample
+
+        return BuiltTask(task, episode, task.samples(), budget, sample_type=DataSample)
+    return BuiltTask(task, episode, task.samples(), budget)
 
 
 def _longtail(cfg: RunConfig, model_path: str) -> BuiltTask:
@@ -110,25 +115,30 @@ def build_task(cfg: RunConfig, model_path: str) -> BuiltTask:
 
 
 def eval_samples(cfg: RunConfig, model_path: str) -> tuple[list[Any], RewardFn]:
-    """The held-out prompts of ``asyncrl run``'s evals (``eval.path``, else the task's eval
+    """The held-out prompts of ``asyncrl run``'s evals (``eval.path`` / ``eval.sources``, else
+    the task's eval
     split: :meth:`~asyncrl.config.task.ReverseTaskConfig.held_out`) and the task's reward.
     ValueError for a task without one, naming the keys."""
     from asyncrl.controllers.evaluation import EVAL_SEED_OFFSET
     from asyncrl.tasks.base import make_task
 
-    held_out = cfg.task.held_out(EVAL_SEED_OFFSET, cfg.eval.path)
+    held_out = cfg.task.held_out(EVAL_SEED_OFFSET, cfg.eval.path, tuple(cfg.eval.sources))
     task = make_task(held_out, model_path)
     return list(itertools.islice(task.samples(), cfg.eval.num_prompts)), task.reward
 
 
 def check_task(cfg: RunConfig) -> None:
     """The task's preflight: ValueError (one line, naming the key) when this host cannot run
-    it: ``math`` without its file, ``agent`` without one of ``task.agent`` /
-    ``task.agent_command``, with a ``task.path`` that is no file, or with an agent function
-    that does not import, is not an ``async def`` or does not take ``(client, sample)``."""
+    it: ``math`` without its files or folders (``task.path``, ``task.sources``), ``agent``
+    without one of ``task.agent`` / ``task.agent_command``, with a ``task.path`` that is no
+    file, or with an agent function that does not import, is not an ``async def`` or does
+    not take ``(client, sample)``."""
     t = cfg.task
-    if isinstance(t, MathTaskConfig) and not Path(t.path).is_file():
-        raise ValueError(f"task.path {t.path!r} is not a file (task.name='math')")
+    if isinstance(t, MathTaskConfig):
+        key = "task.sources" if t.sources else "task.path"
+        for path in [s.path for s in t.all_sources()] or [""]:
+            if not path or not Path(path).exists():
+                raise ValueError(f"{key} {path!r} is not a file or folder (task.name='math')")
     if isinstance(t, AgentTaskConfig):
         from asyncrl.gateway.agent import check_agent
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from asyncrl.config.base import NonNegative, NonNegativeFloat, Positive, _Section
+from asyncrl.config.task import DataSource
 
 
 class EvalConfig(_Section, frozen=True):
@@ -16,10 +17,14 @@ class EvalConfig(_Section, frozen=True):
     at_end: bool = False
     """Evaluate the final weights once the last step is trained."""
     path: str = ""
-    """Held-out prompts: a local ``.jsonl`` file in the training task's format (``math``: the
-    ``task.prompt_key`` / ``task.answer_key`` columns). Empty: the built-in task's own eval
-    split (``reverse``: a prompt stream seeded apart from training's, ``task.seed + 1000003``;
-    ``math``: needs ``path``)."""
+    """Held-out prompts: a local ``.jsonl`` / ``.parquet`` file or ``datasets`` folder in the
+    training task's format (``math``: the ``task.prompt_key`` / ``task.answer_key`` columns).
+    Empty: the built-in task's own eval split (``reverse``: a prompt stream seeded apart from
+    training's, ``task.seed + 1000003``; ``math``: needs ``path`` or ``sources``)."""
+    sources: list[DataSource] = []
+    """Several held-out sources instead of ``path`` (as ``task.sources``): the eval's prompts
+    are drawn from them by weight, and each eval also reports ``eval/<source>/...`` per
+    source (``reward_mean``, ``pass@1``, ``pass@k``, ``response_len``, ``num_prompts``)."""
     num_prompts: Positive = 32
     """Prompts per eval (the first ones of the source, the same every eval)."""
     k: Positive = 4
@@ -34,6 +39,11 @@ class EvalConfig(_Section, frozen=True):
     pass_threshold: NonNegativeFloat = 1.0
     """A response passes when its reward is at least this (1: fully right; the reverse task's
     reward is partial credit)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.path and self.sources:
+            raise ValueError("eval.path and eval.sources are exclusive: give one or the other")
 
     @property
     def enabled(self) -> bool:

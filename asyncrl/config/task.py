@@ -56,6 +56,36 @@ class AgenticConfig(_Section, frozen=True):
     """Longest tool latency (the cap), seconds."""
 
 
+class DataSource(_Section, frozen=True):
+    """One source of rows (``task.sources = [{path = "a.jsonl", weight = 3}, ...]``, or
+    ``eval.sources``): a file or dataset folder, its share of the stream, and column names
+    where they differ from the task's."""
+
+    path: str
+    """A ``.jsonl`` / ``.parquet`` file or a folder written by Hugging Face ``datasets``'
+    ``save_to_disk`` (one split: ``folder/train`` for a ``DatasetDict``)."""
+    weight: PositiveFloat = 1.0
+    """Mixing weight: each sample comes from this source with probability ``weight`` over the
+    sum of the sources' weights (seeded by ``task.seed``)."""
+    name: str = ""
+    """The source's name, carried by its samples (``sample.source``) and used in per-source
+    eval metrics (``eval/<name>/...``); empty: the file or folder name without its suffix."""
+    prompt_key: str = ""
+    """This source's prompt column; empty: ``task.prompt_key``."""
+    messages_key: str = ""
+    """This source's chat-messages column; empty: ``task.messages_key``."""
+    answer_key: str = ""
+    """This source's answer column; empty: ``task.answer_key``."""
+
+    @property
+    def label(self) -> str:
+        """``name``, else the path's last part without its suffix."""
+        if self.name:
+            return self.name
+        stem = self.path.rstrip("/").rsplit("/", 1)[-1]
+        return stem.rsplit(".", 1)[0] if "." in stem else stem
+
+
 class _TaskBase(_Section, frozen=True, tag_field="name"):
     """What every task takes; ``name`` (the tag) picks the subclass."""
 
@@ -106,10 +136,12 @@ class _TaskBase(_Section, frozen=True, tag_field="name"):
         which is also what evals run on."""
         return False
 
-    def held_out(self, seed_offset: int, path: str) -> TaskConfig:
+    def held_out(
+        self, seed_offset: int, path: str, sources: tuple[DataSource, ...] = ()
+    ) -> TaskConfig:
         """The task's held-out split for evals: another ``seed`` (``seed_offset`` added) and,
-        for a file-backed task, ``path`` (``eval.path``). ValueError naming the keys for a task
-        without one."""
+        for a file-backed task, ``path`` or ``sources`` (``eval.path`` / ``eval.sources``).
+        ValueError naming the keys for a task without one."""
         raise ValueError(
             f"eval runs on the single-turn tasks ('reverse', 'math'), not task.name={self.name!r}: "
             "set eval.every_steps=0, eval.before_train=false and eval.at_end=false, or "
@@ -158,26 +190,41 @@ class ReverseTaskConfig(_SingleTurnBase, frozen=True, tag="reverse"):
     def prompt_tokens(self) -> int | None:
         return self.num_digits + 2  # BOS, the digits, "="
 
-    def held_out(self, seed_offset: int, path: str) -> ReverseTaskConfig:
-        if path:
+    def held_out(
+        self, seed_offset: int, path: str, sources: tuple[DataSource, ...] = ()
+    ) -> ReverseTaskConfig:
+        if path or sources:
             raise ValueError(
-                "eval.path holds rows of the 'math' task's format; task.name='reverse' has its "
-                "own eval split (leave eval.path empty)"
+                "eval.path / eval.sources hold rows of the 'math' task's format; "
+                "task.name='reverse' has its own eval split (leave eval.path empty)"
             )
         return msgspec.structs.replace(self, seed=self.seed + seed_offset)
 
 
 class MathTaskConfig(_SingleTurnBase, frozen=True, tag="math"):
-    """``task.name = "math"``: prompts from a local JSONL/Parquet file (``path``), rendered
-    with the model's chat template (``prompt_format``); reward 1 when the last integer in the
-    response equals the answer, else 0."""
+    """``task.name = "math"``: prompts from local data (``path``, or several ``sources`` mixed
+    by weight: JSONL, Parquet or a ``datasets.save_to_disk`` folder), rendered with the model's
+    chat template (``prompt_format``); reward 1 when the last integer in the response equals
+    the answer, else 0. Each sample carries its source's name (``sample.source``) and the
+    ``extra_keys`` columns (``sample.fields``) to the reward."""
 
     path: str = ""
-    """Local ``.jsonl`` or ``.parquet`` file with one problem per row."""
+    """Local ``.jsonl`` or ``.parquet`` file, or a folder written by Hugging Face ``datasets``'
+    ``save_to_disk``, one problem per row (the one-source form of ``sources``)."""
+    sources: list[DataSource] = []
+    """Several sources mixed by weight, instead of ``path``: ``[{path = "a.jsonl", weight =
+    3}, {path = "b.parquet", weight = 1, prompt_key = "problem"}]``."""
     prompt_key: str = "question"
     """Column holding the problem text."""
+    messages_key: str = "messages"
+    """Column holding a chat (a list of ``{role, content}``), used for a row without
+    ``prompt_key``: rendered with the chat template (``raw``: the contents joined by spaces);
+    ``system_prompt`` is put first when the chat has no system message."""
     answer_key: str = "answer"
     """Column holding the integer answer (``#### 42`` / ``\\boxed{42}`` also accepted)."""
+    extra_keys: list[str] = []
+    """Further columns each row must hold, passed to the reward in ``sample.fields`` (a dict:
+    column -> value, plain data)."""
     system_prompt: str = ""
     """Optional system message put before each problem."""
     prompt_format: Literal["auto", "chat", "raw"] = "auto"
@@ -198,10 +245,25 @@ class MathTaskConfig(_SingleTurnBase, frozen=True, tag="math"):
     def budget_key(self) -> str:
         return "task.max_new_tokens"
 
-    def held_out(self, seed_offset: int, path: str) -> MathTaskConfig:
-        if not path:
-            raise ValueError("eval with task.name='math' needs eval.path (a held-out .jsonl file)")
-        return msgspec.structs.replace(self, seed=self.seed + seed_offset, path=path, shuffle=False)
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.path and self.sources:
+            raise ValueError("task.path and task.sources are exclusive: give one or the other")
+
+    def all_sources(self) -> list[DataSource]:
+        """The sources rows come from: ``sources``, else ``path`` as the one source."""
+        return list(self.sources) or ([DataSource(path=self.path)] if self.path else [])
+
+    def held_out(
+        self, seed_offset: int, path: str, sources: tuple[DataSource, ...] = ()
+    ) -> MathTaskConfig:
+        if not path and not sources:
+            raise ValueError(
+                "eval with task.name='math' needs eval.path or eval.sources (held-out rows)"
+            )
+        return msgspec.structs.replace(
+            self, seed=self.seed + seed_offset, path=path, sources=list(sources), shuffle=False
+        )
 
 
 class AgentTaskConfig(_TaskBase, frozen=True, tag="agent"):

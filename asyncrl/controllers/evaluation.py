@@ -13,7 +13,10 @@ Metrics (one dict, keys ``eval/...``): ``reward_mean`` (over the sampled respons
 ``pass@1`` and ``pass@k`` (the unbiased estimator of Chen et al. 2021 over each prompt's
 ``n = k`` samples, a sample passing when its reward is >= ``pass_threshold``, averaged over
 prompts), ``response_len`` (mean generated tokens), ``greedy_reward`` / ``greedy_pass``
-(one temperature-0 response per prompt), ``num_prompts``, ``wall_s``.
+(one temperature-0 response per prompt), ``num_prompts``, ``wall_s``. When the prompts come
+from more than one source (``sample.source``: ``eval.sources``), each source also gets
+``eval/<source>/reward_mean``, ``pass@1``, ``pass@k``, ``response_len``, ``num_prompts`` (and
+``greedy_pass`` with ``greedy``).
 
 :class:`Evaluator` runs them for ``asyncrl run`` (``[eval]``: before the first step, every
 ``every_steps`` versions, at the end); ``await ctl.evaluate(samples, reward, ...)`` runs one
@@ -37,7 +40,7 @@ from asyncrl.controllers.router import Router
 if TYPE_CHECKING:
     from asyncrl.controllers.controller import Controller
 
-__all__ = ["Evaluator", "evaluate", "pass_at_k"]
+__all__ = ["Evaluator", "by_source", "evaluate", "pass_at_k"]
 
 log = logging.getLogger(__name__)
 
@@ -91,17 +94,9 @@ async def evaluate(
         jobs += [one(s, 0.0) for s in samples]
     done = await asyncio.gather(*jobs)
     sampled, greedy_out = done[: len(samples) * k], done[len(samples) * k :]
-    passes = [
-        sum(r >= pass_threshold for r, *_ in sampled[i * k : (i + 1) * k])
-        for i in range(len(samples))
-    ]
-    out = {
-        "eval/reward_mean": sum(r for r, *_ in sampled) / len(sampled),
-        "eval/pass@1": sum(pass_at_k(k, c, 1) for c in passes) / len(samples),
-        f"eval/pass@{k}": sum(pass_at_k(k, c, k) for c in passes) / len(samples),
-        "eval/response_len": sum(n for _, n, *_ in sampled) / len(sampled),
-        "eval/num_prompts": float(len(samples)),
-    }
+    out = _scores(samples, sampled, k, pass_threshold, "eval/")
+    out["eval/num_prompts"] = float(len(samples))
+    out.update(by_source(samples, sampled, [r for r, *_ in greedy_out], k, pass_threshold))
     if greedy_out:
         out["eval/greedy_reward"] = sum(r for r, *_ in greedy_out) / len(greedy_out)
         out["eval/greedy_pass"] = sum(r >= pass_threshold for r, *_ in greedy_out) / len(greedy_out)
@@ -110,6 +105,54 @@ async def evaluate(
     out["eval/weight_version_max"] = float(max(v for *_, v in done))
     out["eval/wall_s"] = time.perf_counter() - t0
     return out
+
+
+def by_source(
+    samples: Sequence[Any],
+    sampled: Sequence[tuple[float, int, int, int]],
+    greedy: Sequence[float],
+    k: int,
+    pass_threshold: float,
+) -> dict[str, float]:
+    """The per-source breakdowns ``eval/<source>/...`` of one eval when its ``samples`` come
+    from more than one source (``sample.source``; none: empty): ``sampled[i * k + j]`` is
+    sample ``i``'s ``j``-th (reward, length, ...), ``greedy[i]`` its greedy reward (or empty)."""
+    sources = [getattr(s, "source", "") for s in samples]
+    out: dict[str, float] = {}
+    if len(set(sources)) < 2:
+        return out
+    for name in sorted(set(sources)):
+        idx = [i for i, src in enumerate(sources) if src == name]
+        mine = [sampled[i * k + j] for i in idx for j in range(k)]
+        out.update(_scores([samples[i] for i in idx], mine, k, pass_threshold, f"eval/{name}/"))
+        out[f"eval/{name}/num_prompts"] = float(len(idx))
+        if greedy:
+            out[f"eval/{name}/greedy_pass"] = sum(greedy[i] >= pass_threshold for i in idx) / len(
+                idx
+            )
+    return out
+
+
+def _scores(
+    samples: Sequence[Any],
+    sampled: Sequence[tuple[float, int, int, int]],
+    k: int,
+    pass_threshold: float,
+    prefix: str,
+) -> dict[str, float]:
+    """``reward_mean``, ``pass@1``, ``pass@k`` and ``response_len`` of ``samples`` from their
+    ``k`` sampled results each (``sampled[i * k + j]``: (reward, length, ...)), keys under
+    ``prefix``."""
+    passes = [
+        sum(r >= pass_threshold for r, *_ in sampled[i * k : (i + 1) * k])
+        for i in range(len(samples))
+    ]
+    return {
+        f"{prefix}reward_mean": sum(r for r, *_ in sampled) / len(sampled),
+        f"{prefix}pass@1": sum(pass_at_k(k, c, 1) for c in passes) / len(samples),
+        f"{prefix}pass@{k}": sum(pass_at_k(k, c, k) for c in passes) / len(samples),
+        f"{prefix}response_len": sum(n for _, n, *_ in sampled) / len(sampled),
+    }
 
 
 class Evaluator:

@@ -1,6 +1,9 @@
-"""The ``math`` task: problems from a local JSONL or Parquet file, integer answers.
+"""The ``math`` task: problems from local data (JSONL, Parquet, a ``datasets`` folder; one
+``task.path`` or several ``task.sources`` mixed by weight: :mod:`asyncrl.tasks.data`),
+integer answers.
 
-Each row holds the problem text (column ``task.prompt_key``) and the answer
+Each row holds the problem text (column ``task.prompt_key``; or a chat, ``task.messages_key``)
+and the answer
 (``task.answer_key``: an int, or text such as ``"42"``, ``"1,234"``,
 ``"#### 42"``, ``"\\boxed{42}"``). The prompt is the model's chat template
 applied to ``[system?, user: problem]`` with the generation prompt, or (``task.prompt_format
@@ -13,18 +16,17 @@ to an integer equals the row's answer, else 0.
 
 from __future__ import annotations
 
-import json
-import random
 import re
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 from asyncrl.config import MathTaskConfig
+from asyncrl.config.task import DataSource
 from asyncrl.core import Sample
+from asyncrl.tasks.data import DataSample, load_rows, mix, row_error
 from asyncrl.tasks.text import ChatTokenizer
 
-__all__ = ["MathTask", "extract_answer", "load_rows", "normalize_int"]
+__all__ = ["MathTask", "extract_answer", "load_rows", "normalize_int"]  # load_rows: tasks.data
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 _BOXED = re.compile(r"\\boxed\s*\{([^{}]*)\}")
@@ -60,75 +62,86 @@ def extract_answer(text: str) -> int | None:
     return normalize_int(found[-1]) if found else None
 
 
-def load_rows(path: str | Path) -> list[dict[str, Any]]:
-    """Rows of a local ``.jsonl`` (one JSON object per line) or ``.parquet`` file."""
-    p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"task.path {str(p)!r} is not a file")
-    if p.suffix == ".parquet":
-        try:
-            import pyarrow.parquet as pq
-        except ImportError:
-            raise ValueError("reading Parquet needs pyarrow: pip install pyarrow") from None
-        return pq.read_table(p).to_pylist()
-    if p.suffix not in (".jsonl", ".json"):
-        raise ValueError(f"task.path {str(p)!r}: expected a .jsonl or .parquet file")
-    rows = []
-    for n, line in enumerate(p.read_text().splitlines(), 1):
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{p}:{n}: not a JSON object: {exc}") from None
-    return rows
-
-
 class MathTask:
-    """Integer-answer problems; see the module doc. ``samples()`` cycles the rows forever."""
+    """Integer-answer problems; see the module doc. ``samples()`` draws rows forever from the
+    task's sources (``task.path`` or ``task.sources``, mixed by weight:
+    :func:`asyncrl.tasks.data.mix`), each a :class:`~asyncrl.tasks.data.DataSample` naming
+    its source."""
 
     def __init__(self, cfg: MathTaskConfig, model_path: str):
-        if not cfg.path:
-            raise ValueError("task.name='math' needs task.path (a local .jsonl or .parquet file)")
+        sources = cfg.all_sources()
+        if not sources:
+            raise ValueError(
+                "task.name='math' needs task.path (a local .jsonl or .parquet file or a "
+                "datasets folder) or task.sources"
+            )
         self.tok = ChatTokenizer(model_path)
-        self.seed = cfg.seed
-        self.shuffle = cfg.shuffle
-        self.items: list[tuple[list[int], int]] = []
-        for i, row in enumerate(load_rows(cfg.path)):
-            if cfg.prompt_key not in row or cfg.answer_key not in row:
-                raise ValueError(
-                    f"{cfg.path} row {i}: needs keys {cfg.prompt_key!r} (task.prompt_key) and "
-                    f"{cfg.answer_key!r} (task.answer_key); it has {sorted(row)}"
+        self.cfg = cfg
+        self.labels = [s.label for s in sources]
+        if len(set(self.labels)) < len(self.labels):
+            raise ValueError(f"task.sources: two sources share a name ({self.labels}): set name")
+        self.weights = [s.weight for s in sources]
+        self.items = [self._items(s) for s in sources]
+
+    def _items(self, src: DataSource) -> list[tuple[list[int], int, dict[str, Any]]]:
+        cfg = self.cfg
+        prompt_key = src.prompt_key or cfg.prompt_key
+        messages_key = src.messages_key or cfg.messages_key
+        answer_key = src.answer_key or cfg.answer_key
+        items = []
+        for i, row in enumerate(load_rows(src.path)):
+            if prompt_key in row:
+                prompt = self._prompt(str(row[prompt_key]))
+            elif messages_key in row:
+                prompt = self._chat(_messages(src.path, i, messages_key, row[messages_key]))
+            else:
+                raise row_error(
+                    src.path, i, prompt_key,
+                    f"missing (nor a {messages_key!r} chat): task.prompt_key / "
+                    f"task.messages_key; the row has {sorted(row)}",
+                )  # fmt: skip
+            if answer_key not in row:
+                raise row_error(
+                    src.path, i, answer_key, f"missing (task.answer_key); the row has {sorted(row)}"
                 )
-            raw = row[cfg.answer_key]
+            raw = row[answer_key]
             answer = normalize_int(raw) if not isinstance(raw, str) else extract_answer(raw)
             if answer is None:
-                raise ValueError(f"{cfg.path} row {i}: answer {raw!r} is not an integer")
-            self.items.append((self._prompt(cfg, str(row[cfg.prompt_key])), answer))
-        if not self.items:
-            raise ValueError(f"{cfg.path} holds no rows")
+                raise row_error(src.path, i, answer_key, f"answer {raw!r} is not an integer")
+            missing = [k for k in cfg.extra_keys if k not in row]
+            if missing:
+                raise row_error(src.path, i, missing[0], "missing (task.extra_keys)")
+            items.append((prompt, answer, {k: row[k] for k in cfg.extra_keys}))
+        if not items:
+            raise ValueError(f"{src.path} holds no rows")
+        return items
 
-    def _prompt(self, cfg: MathTaskConfig, problem: str) -> list[int]:
+    def _chat_format(self) -> bool:
+        fmt = self.cfg.prompt_format
+        return fmt == "chat" or (fmt == "auto" and bool(self.tok.template))
+
+    def _prompt(self, problem: str) -> list[int]:
         """The prompt's ids as ``task.prompt_format`` says (``auto``: chat if the tokenizer
         has a chat template)."""
-        if cfg.prompt_format == "chat" or (cfg.prompt_format == "auto" and self.tok.template):
-            messages = [{"role": "user", "content": problem}]
-            if cfg.system_prompt:
-                messages.insert(0, {"role": "system", "content": cfg.system_prompt})
-            return self.tok.chat_ids(messages)
-        text = f"{cfg.system_prompt} {problem}" if cfg.system_prompt else problem
-        return self.tok.raw_ids(text)
+        return self._chat([{"role": "user", "content": problem}])
 
-    def samples(self) -> Iterator[Sample]:
-        rng = random.Random(self.seed)
-        order = list(range(len(self.items)))
-        i = 0
-        while True:
-            if self.shuffle:
-                rng.shuffle(order)
-            for k in order:
-                ids, answer = self.items[k]
-                yield Sample(prompt_ids=ids, answer=answer, id=i)
-                i += 1
+    def _chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        system = self.cfg.system_prompt
+        if self._chat_format():
+            if system and not any(m.get("role") == "system" for m in messages):
+                messages = [{"role": "system", "content": system}, *messages]
+            return self.tok.chat_ids(messages)
+        text = " ".join(str(m.get("content", "")) for m in messages)
+        return self.tok.raw_ids(f"{system} {text}" if system else text)
+
+    def samples(self) -> Iterator[DataSample]:
+        sizes = [len(items) for items in self.items]
+        stream = mix(sizes, self.weights, self.cfg.seed, self.cfg.shuffle)
+        for i, (j, k) in enumerate(stream):
+            ids, answer, fields = self.items[j][k]
+            yield DataSample(
+                prompt_ids=ids, answer=answer, id=i, source=self.labels[j], fields=fields
+            )
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids)
@@ -136,3 +149,17 @@ class MathTask:
     def reward(self, sample: Sample, response_ids: list[int]) -> float:
         got = extract_answer(self.decode(response_ids))
         return 1.0 if got is not None and got == sample.answer else 0.0
+
+
+def _messages(path: str, row: int, column: str, value: Any) -> list[dict[str, Any]]:
+    """A row's chat column as messages: a list of ``{role, content}`` objects."""
+    ok = (
+        isinstance(value, list | tuple)
+        and value
+        and all(isinstance(m, dict) and "role" in m and "content" in m for m in value)
+    )
+    if not ok:
+        raise row_error(
+            path, row, column, f"not a list of {{role, content}} messages: {value!r:.80}"
+        )
+    return [dict(m) for m in value]

@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 
 from asyncrl.config import load_config
-from asyncrl.controllers.evaluation import pass_at_k
+from asyncrl.controllers.evaluation import by_source, pass_at_k
 from asyncrl.procs import finish, python_env
 from asyncrl.task_factory import eval_samples
+from asyncrl.tasks.data import DataSample
 
 
 @pytest.mark.parametrize(("n", "k"), [(1, 1), (4, 1), (4, 2), (5, 3), (6, 6)])
@@ -45,6 +46,51 @@ def test_eval_split_and_refusals(tiny_model_dir: Path) -> None:
     agentic = load_config(None, ["--eval.at_end=true", "--task.name=agentic"])
     with pytest.raises(ValueError, match=r"eval\.every_steps=0"):
         eval_samples(agentic, str(tiny_model_dir))
+
+
+def test_per_source_breakdowns_score_each_source_on_its_own() -> None:
+    a, b = DataSample([1], source="gsm"), DataSample([2], source="aime")
+    samples = [a, b, a]  # k = 2 results each: (reward, length, versions...)
+    sampled = [(1, 4, 0, 0), (0, 2, 0, 0), (0, 6, 0, 0), (0, 8, 0, 0), (1, 2, 0, 0), (1, 2, 0, 0)]
+    out = by_source(samples, sampled, [1.0, 0.0, 0.0], 2, 1.0)
+    assert out == {
+        "eval/aime/reward_mean": 0.0,
+        "eval/aime/pass@1": 0.0,
+        "eval/aime/pass@2": 0.0,
+        "eval/aime/response_len": 7.0,
+        "eval/aime/num_prompts": 1.0,
+        "eval/aime/greedy_pass": 0.0,
+        "eval/gsm/reward_mean": 0.75,
+        "eval/gsm/pass@1": (0.5 + 1.0) / 2,
+        "eval/gsm/pass@2": 1.0,
+        "eval/gsm/response_len": 2.5,
+        "eval/gsm/num_prompts": 2.0,
+        "eval/gsm/greedy_pass": 0.5,
+    }
+    # one source (or samples without one): no breakdown, the overall keys say it all
+    assert by_source([a, a], sampled[:4], [], 2, 1.0) == {}
+
+
+def test_eval_sources_are_drawn_by_weight_and_named(tiny_model_dir: Path, tmp_path: Path) -> None:
+    for name, answer in (("easy", 1), ("hard", 2)):
+        rows = [{"question": f"{answer} + 0", "answer": answer}] * 4
+        (tmp_path / f"{name}.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    train = tmp_path / "train.jsonl"
+    train.write_text(json.dumps({"question": "1", "answer": 1}))
+    sources = json.dumps(
+        [{"path": f"{tmp_path}/easy.jsonl"}, {"path": f"{tmp_path}/hard.jsonl", "weight": 2}]
+    )
+    cfg = load_config(None, [
+        "--task.name=math", f"--task.path={train}", "--eval.at_end=true",
+        "--eval.num_prompts=60", f"--eval.sources={sources}",
+    ])  # fmt: skip
+    held_out, _ = eval_samples(cfg, str(tiny_model_dir))
+    names = [s.source for s in held_out]
+    assert len(held_out) == 60 and {"easy", "hard"} == set(names)
+    assert names.count("hard") > names.count("easy")
+    assert all(s.answer == (1 if s.source == "easy" else 2) for s in held_out)
+    with pytest.raises(ValueError, match=r"eval\.path and eval\.sources are exclusive"):
+        load_config(None, [f"--eval.path={train}", f"--eval.sources={sources}"])
 
 
 def test_short_run_evaluates_before_during_and_after(tmp_path: Path, tiny_model_dir: Path) -> None:
