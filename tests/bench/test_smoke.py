@@ -85,6 +85,7 @@ PARTS = {  # module of asyncrl/bench -> (the bench that runs it, the flag its ru
     "netlink": ("weight-sync", ""),
     "peer_trl": ("peer", ""),  # the TRL side: every peer run
     "peer_settings": ("peer", ""),  # TRL's arguments and the settings table: every peer run
+    "common": ("weight-sync", ""),  # model shapes and --json writing: most benches' runs
 }
 
 
