@@ -21,6 +21,7 @@ from asyncrl.engines.rollout.base import (
     TrainerLink,
     WeightEngine,
 )
+from asyncrl.transports.weights.base import WeightSyncError
 
 if TYPE_CHECKING:
     from asyncrl.engines.rollout.launcher import LaunchSpec, ServerSite
@@ -102,7 +103,9 @@ class SGLangWeights:
         return None  # torch's process group meets SGLang's ranks
 
     def digests(self, engine: WeightEngine) -> Awaitable[dict[str, str]]:
-        raise NotImplementedError("SGLang reports no per-tensor digests")
+        """Refused: SGLang reports no per-tensor digests. The transport asks only families
+        whose ``compare_digests`` is set, and SGLang's is None (it verifies by checksum)."""
+        raise WeightSyncError("SGLang reports no per-tensor digests (compare_digests is None)")
 
 
 def model_startup_s(model_path: str) -> float:
