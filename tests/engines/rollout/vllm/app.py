@@ -329,7 +329,11 @@ ROUTED = "asyncrl.standin.routed"
 
 class WireLog:
     """The app's outermost ASGI wrapper: every routed request's method, path, query,
-    status and JSON body (``update_info`` summarised) appended to the ``--calls`` file."""
+    status and JSON body (``update_info`` summarised) appended to the ``--calls`` file.
+
+    The line is written before the answer's last body chunk is sent, so a client that
+    has read an answer finds its request in the log (a test reading the log right after
+    a request sees it there, never later)."""
 
     def __init__(self, app: Any, path: str):
         self.app = app
@@ -341,6 +345,13 @@ class WireLog:
         chunks: list[bytes] = []
         status = [0]
         errors: list[int] = []  # the codes of error chunks in an SSE answer
+        written = [False]
+
+        def write(note: str) -> None:
+            if scope.get(ROUTED) and not written[0]:
+                written[0] = True
+                note = " ".join([note, *(f"error {c} chunk" for c in errors)]).strip()
+                self._write(scope, b"".join(chunks), status[0], note)
 
         async def rx() -> dict[str, Any]:
             msg = await receive()
@@ -355,6 +366,8 @@ class WireLog:
                 for line in msg.get("body", b"").split(b"\n"):
                     if line.startswith(b"data: {") and b'"error"' in line:
                         errors.append(json.loads(line[6:])["error"]["code"])
+                if not msg.get("more_body", False):
+                    write("")
             await send(msg)
 
         note = ""
@@ -364,9 +377,7 @@ class WireLog:
             status[0], note = status[0] or 500, "unhandled exception"
             raise
         finally:
-            if scope.get(ROUTED):
-                note = " ".join([note, *(f"error {c} chunk" for c in errors)]).strip()
-                self._write(scope, b"".join(chunks), status[0], note)
+            write(note)
 
     def _write(self, scope: dict[str, Any], raw: bytes, status: int, note: str) -> None:
         from urllib.parse import parse_qsl
