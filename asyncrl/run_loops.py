@@ -157,7 +157,7 @@ class Pipeline:
             if is_set(stop_event):
                 break
             await self.sup.recover()
-        await asyncio.wait_for(self.save_futures[total], self.cfg.checkpoint.timeout_s)
+        await self._stop_save(total)  # a stop after the final checkpoint was asked for
         raise RunStopped(total)
 
     async def _send(self, batch: Batch) -> None:
@@ -181,13 +181,11 @@ class Pipeline:
             if final:
                 self.ledger.seal()
             if wait and step in self.save_futures:  # a stop right after a periodic one
-                await asyncio.wait_for(
-                    asyncio.shield(self.save_futures[step]), self.cfg.checkpoint.timeout_s
-                )
+                await self._stop_save(step)
             return
         data = msgspec.msgpack.encode(self.ctl.snapshot())  # one instant: no await before this
         folder = self.store.folder(step)
-        done = self.save_futures[step] = asyncio.get_running_loop().create_future()
+        self.save_futures[step] = asyncio.get_running_loop().create_future()
         self.ledger.add_save(step, folder)
         if final:
             self.ledger.seal()
@@ -199,7 +197,26 @@ class Pipeline:
             export = str(folder / "hf")
         await self.sup.broadcast_save(step, folder, export)
         if wait:
-            await asyncio.wait_for(done, self.cfg.checkpoint.timeout_s)
+            await self._stop_save(step)
+
+    async def _stop_save(self, step: int) -> None:
+        """Wait for a stop's checkpoint ``step`` to be committed. A trainer failure meanwhile
+        ends the stop at the newest committed checkpoint instead (RunStopped: a resume redoes
+        the steps after it; no restart just to save); TimeoutError naming the trainer after
+        ``checkpoint.timeout_s``."""
+        timeout = self.cfg.checkpoint.timeout_s
+        saved = asyncio.wait_for(asyncio.shield(self.save_futures[step]), timeout)
+        try:
+            done = await unless(saved, self.sup.failed)
+        except asyncio.TimeoutError:
+            raise TimeoutError(
+                f"the trainer did not report the stop's checkpoint of step {step} within "
+                f"checkpoint.timeout_s={timeout:g}s"
+            ) from None
+        if done is None:
+            log.warning("stop: the trainer failed during the checkpoint of step %d; stopping "
+                        "at the last committed one", step)  # fmt: skip
+            raise RunStopped(self.ledger.committed)
 
     # -- reporter ------------------------------------------------------------------------------
     async def report(self) -> None:

@@ -1,11 +1,14 @@
-"""The two ledger rules that broke in loaded CI, re-created for the property tests to find
-(test code only: the product's ledger keeps the fixed rules)."""
+"""The two ledger rules that broke in loaded CI, and the stop rule that lost a stop's
+checkpoint, re-created for the property tests to find (test code only: the product keeps
+the fixed rules)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 
 from asyncrl.run_ledger import CheckpointLedger
+from asyncrl.run_loops import Pipeline
 
 
 class EndsOnFormedCount(CheckpointLedger):
@@ -35,3 +38,13 @@ class PrunesDuringRecovery(CheckpointLedger):
         for s in [s for s in self.kept if s < self.committed]:
             del self.kept[s]
         return True
+
+
+class StopSaveIgnoresFailures(Pipeline):
+    """Before ``Pipeline._stop_save``: a stop waited for its checkpoint whatever happened to
+    the trainer meanwhile; a trainer death under it ended the run with a bare TimeoutError
+    after ``checkpoint.timeout_s``."""
+
+    async def _stop_save(self, step: int) -> None:
+        timeout = self.cfg.checkpoint.timeout_s
+        await asyncio.wait_for(asyncio.shield(self.save_futures[step]), timeout)

@@ -1,7 +1,8 @@
 """The runner's dispatcher, reporter, ledger and trainer supervisor under hundreds of
 orderings of reports, saves, commits, trainer kills, recoveries and stop requests (seeded,
 on a virtual clock: ``tests/runner/sim.py``), and proof that the checker finds the two
-races that loaded CI runs once hit (58c6393, cde797b) when their old rules come back."""
+races that loaded CI runs once hit (58c6393, cde797b) and a stop that waited on a dead
+trainer's checkpoint, when their old rules come back."""
 
 from __future__ import annotations
 
@@ -10,7 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.runner.broken import EndsOnFormedCount, PrunesDuringRecovery
+from tests.runner.broken import (
+    EndsOnFormedCount,
+    PrunesDuringRecovery,
+    StopSaveIgnoresFailures,
+)
 from tests.runner.sim import Sim, check, explore
 
 SEEDS = range(400)
@@ -52,6 +57,12 @@ def test_the_checker_finds_a_recovery_losing_steps_committed_meanwhile() -> None
     found = explore(SEEDS, lambda sim: PrunesDuringRecovery(sim.plan.total))
     assert found, "the old commit rule went unnoticed"
     assert any("trained on the state" in b for bad in found.values() for b in bad)
+
+
+def test_the_checker_finds_a_stop_waiting_on_a_dead_trainers_checkpoint() -> None:
+    found = explore(SEEDS, pipeline=StopSaveIgnoresFailures)
+    assert found, "a stop hanging on a dead trainer's checkpoint went unnoticed"
+    assert any("TimeoutError" in b for bad in found.values() for b in bad)
 
 
 def test_a_seed_replays_the_same_run(tmp_path: Path) -> None:

@@ -362,20 +362,21 @@ class ExperienceSender:
         return sent
 
     async def broadcast(self, msg: Message) -> int:
-        """Send a control message (Save, Shutdown) to every rank that has said Hello, in
-        order after the batches sent to it. Kept until a later batch is acked: a cut
-        connection gets it again (see ``types.Hello.controls``). Returns how many ranks it
-        was handed to: those with a connection up (sent now, or queued on it behind the
-        redeliveries before it); a rank whose connection is cut gets it when it resumes,
-        but is not counted."""
+        """Send a control message (Save, Shutdown) to every rank, in order after the batches
+        sent to it. Kept until a later batch is acked: a cut connection gets it again (see
+        ``types.Hello.controls``); a rank that has not said its first Hello yet gets it
+        right after that Hello, in order with the batches queued for it. Returns how many
+        ranks it was handed to: those with a connection up (sent now, or queued on it behind
+        the redeliveries before it); a rank whose connection is cut, or that has not said
+        Hello yet, gets it later but is not counted."""
         frames = encode(msg)
         sent = 0
         for rank, peer in enumerate(self._peers):
-            if peer.ident is None:
-                continue
             ctl = _Ctl(peer.n_controls, peer.next_seq, frames)
             peer.n_controls += 1
             peer.controls.append(ctl)
+            if peer.ident is None:  # delivered by its first Hello (``_hello``)
+                continue
             if peer.resend:  # after the redeliveries queued before it
                 peer.resend.append(ctl)
             elif peer.connected:
@@ -399,6 +400,7 @@ class ExperienceSender:
         peer.pending.clear()
         peer.resend.clear()
         peer.controls.clear()
+        peer.n_controls = 0  # its new incarnation counts the broadcasts it gets from 0
         peer.alive, peer.ident, peer.incarnation, peer.credit = False, None, None, 0
         peer.control = None
         peer.connected = False
@@ -584,8 +586,12 @@ class ExperienceSender:
             if peer.ident is not None:
                 log.warning("trainer rank %d restarted; redelivering %d unacked message(s)",
                             msg.rank, len(peer.pending))  # fmt: skip
-            peer.resend = collections.deque(peer.pending)
-            peer.controls, peer.n_controls = [], 0  # the caller re-sends what it needs
+                peer.resend = collections.deque(peer.pending)
+                peer.controls, peer.n_controls = [], 0  # the caller re-sends what it needs
+            else:  # its first Hello: what was broadcast before it, in order with the batches
+                first: list[int | _Ctl] = [*peer.pending, *peer.controls]
+                first.sort(key=lambda x: (x.position, 0) if isinstance(x, _Ctl) else (x, 1))
+                peer.resend = collections.deque(first)
             # a producer that restarted continues the seqs this incarnation has seen
             peer.next_seq = max(peer.next_seq, msg.last_seq + 1)
         self.counters["redelivered"] += len(peer.resend)

@@ -22,7 +22,7 @@ import zmq
 from asyncrl.core import ARRAY_FIELDS
 from asyncrl.procs import spawn, stop
 from asyncrl.transports.experience.codec import decode, encode, encode_batch, encode_header
-from asyncrl.transports.experience.control import ConsumerLost, Engines, Shutdown, StepDone
+from asyncrl.transports.experience.control import ConsumerLost, Engines, Save, Shutdown, StepDone
 from asyncrl.transports.experience.curve import curve_client, curve_server
 from asyncrl.transports.experience.shm import ALIGN, RingWriter
 from asyncrl.transports.experience.wire import (
@@ -92,6 +92,30 @@ async def test_round_trip_groups_to_ranks_and_reports(kind: str, tmp_path: Path)
         assert tx.counters["acked"] == 2 and tx.rejected == 0
     finally:
         for rx in rxs:
+            rx.close()
+        await tx.close()
+
+
+async def test_a_broadcast_before_a_ranks_first_hello_reaches_it_after_that_hello() -> None:
+    """A stop while the trainer is still starting: ``Save`` is broadcast before rank 0 has
+    said Hello. It is not counted as handed over, but the rank gets it right after its first
+    Hello, before the batch sent after it (was: dropped, and the run waited for a ``Saved``
+    that could never come until ``checkpoint.timeout_s``)."""
+    tx = ExperienceSender(1, "tcp://127.0.0.1:*")
+    rx: ExperienceReceiver | None = None
+    try:
+        save = Save(step=0, checkpoint="/nowhere/trainer", export="")
+        assert await tx.broadcast(save) == 0  # no rank has said Hello
+        sending = asyncio.ensure_future(tx.send([make_traj(1, 0)], rank=0, step=0))
+        rx = ExperienceReceiver([tx.endpoint], 0, 1, credits=2, heartbeat_s=0.2)
+        first, second = await _recv(rx), await _recv(rx)
+        assert first.msg == save
+        assert isinstance(second.msg, TrainBatch) and second.msg.step == 0
+        await asyncio.wait_for(sending, WAIT_S)
+        assert await tx.broadcast(Shutdown(reason="done")) == 1  # said Hello: counted now
+        assert (await _recv(rx)).msg == Shutdown(reason="done")
+    finally:
+        if rx is not None:
             rx.close()
         await tx.close()
 
