@@ -34,6 +34,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 __all__ = [
     "ENV_DIR",
     "NULL",
@@ -55,6 +57,7 @@ DEFAULT_MAX_MB = 128.0
 ~400 MB, which Perfetto's in-browser UI still opens (see ``logging.trace.max_mb``)."""
 
 FLUSH_S = 1.0
+_ENCODE = msgspec.json.Encoder().encode  # ~9x json.dumps per event (a span per request)
 
 
 def _clock_offset_ns(tries: int = 7) -> int:
@@ -164,7 +167,7 @@ class Tracer:
 
     def _meta(self, name: str, tid: int, args: dict) -> None:
         ev = {"ph": "M", "name": name, "pid": self.pid, "tid": tid, "args": args}
-        self._buf.append(json.dumps(ev))
+        self._buf.append(_ENCODE(ev).decode())
 
     def _emit(self, ev: dict[str, Any], track: str, args: dict | None) -> None:
         if self.step % self.every:
@@ -176,7 +179,7 @@ class Tracer:
             if self._file is None:
                 return
             ev["tid"] = self._tid(track)
-            self._buf.append(json.dumps(ev))
+            self._buf.append(_ENCODE(ev).decode())
             if len(self._buf) >= 4096 or time.monotonic() - self._last_flush > FLUSH_S:
                 self._flush_locked()
 
