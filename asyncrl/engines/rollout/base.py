@@ -31,13 +31,16 @@ from asyncrl.core import GenerateResult
 from asyncrl.secret import auth_headers
 from asyncrl.transports.weights.seam import (
     AdapterControl,
+    BucketAnnouncement,
     DigestCompare,
     DigestReport,
     EngineBadRequest,
     EngineControl,
     EngineError,
     EngineUnavailable,
+    GroupSpec,
     TensorHandoff,
+    TensorLoad,
     TrainerLink,
     WeightAdapter,
     WeightEngine,
@@ -45,6 +48,7 @@ from asyncrl.transports.weights.seam import (
 
 __all__ = [
     "AdapterControl",
+    "BucketAnnouncement",
     "ControlledEngine",
     "DigestCompare",
     "DigestReport",
@@ -52,10 +56,12 @@ __all__ = [
     "EngineControl",
     "EngineError",
     "EngineUnavailable",
+    "GroupSpec",
     "KeyedHttp",
     "ManagedEngine",
     "RolloutEngine",
     "TensorHandoff",
+    "TensorLoad",
     "TrainerLink",
     "WeightAdapter",
     "WeightEngine",
@@ -161,48 +167,32 @@ async def poll_healthy(
         await asyncio.sleep(interval_s)
 
 
-def weight_group_body(
-    master_address: str,
-    master_port: int,
-    rank_offset: int,
-    world_size: int,
-    group_name: str,
-    backend: str,
-) -> dict[str, Any]:
+def weight_group_body(group: GroupSpec) -> dict[str, Any]:
     """The body of ``/init_weights_update_group`` (SGLang's route; the embedded engine
-    serves the same)."""
+    serves the same): the group's fields as they are named."""
     return {
-        "master_address": str(master_address),
-        "master_port": int(master_port),
-        "rank_offset": int(rank_offset),
-        "world_size": int(world_size),
-        "group_name": str(group_name),
-        "backend": str(backend),
+        "master_address": str(group.master_address),
+        "master_port": int(group.master_port),
+        "rank_offset": int(group.rank_offset),
+        "world_size": int(group.world_size),
+        "group_name": str(group.group_name),
+        "backend": str(group.backend),
     }
 
 
-def distributed_update_body(
-    names: list[str],
-    dtypes: list[str],
-    shapes: list[list[int]],
-    group_name: str,
-    flush_cache: bool,
-    weight_version: str | None,
-    load_format: str | None,
-    extra: dict[str, Any] | None,
-) -> dict[str, Any]:
+def distributed_update_body(bucket: BucketAnnouncement) -> dict[str, Any]:
     """The body of ``/update_weights_from_distributed`` (SGLang's route; the embedded engine
     serves the same): never aborting requests; the optional fields only where set (SGLang
     omits None); ``extra``: fields SGLang ignores (asyncrl's bucket manifest)."""
     body: dict[str, Any] = {
-        "names": [str(n) for n in names],
-        "dtypes": [str(d) for d in dtypes],
-        "shapes": [[int(x) for x in s] for s in shapes],
-        "group_name": str(group_name),
-        "flush_cache": bool(flush_cache),
+        "names": [str(n) for n in bucket.names],
+        "dtypes": [str(d) for d in bucket.dtypes],
+        "shapes": [[int(x) for x in s] for s in bucket.shapes],
+        "group_name": str(bucket.group_name),
+        "flush_cache": bool(bucket.flush_cache),
         "abort_all_requests": False,
     }
-    set_optional(body, weight_version, load_format, extra)
+    set_optional(body, bucket.weight_version, bucket.load_format, bucket.extra)
     return body
 
 

@@ -58,6 +58,7 @@ from asyncrl.transports.weights.seam import (
     EngineControl,
     EngineError,
     EngineUnavailable,
+    GroupSpec,
     TrainerLink,
     WeightAdapter,
 )
@@ -288,12 +289,14 @@ class CollectiveWeightSender:
         offsets = [1 + sum(tps[:i]) for i in range(len(tps))]
         calls = [
             c.init_weights_update_group(
-                master_address=self.cfg.master_address,
-                master_port=port,
-                rank_offset=offsets[i],
-                world_size=world,
-                group_name=self.cfg.group_name,
-                backend=self.backend,
+                GroupSpec(
+                    master_address=self.cfg.master_address,
+                    master_port=port,
+                    rank_offset=offsets[i],
+                    world_size=world,
+                    group_name=self.cfg.group_name,
+                    backend=self.backend,
+                )
             )
             for i, c in enumerate(clients)
         ]

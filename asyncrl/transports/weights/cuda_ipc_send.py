@@ -20,7 +20,7 @@ from asyncrl.config import CudaIpcWeightsConfig
 from asyncrl.transports.weights.base import PushHandle
 from asyncrl.transports.weights.bucket import checksum
 from asyncrl.transports.weights.cuda_ipc_wire import LOAD_FORMAT, b64, dtype_name, share_storage
-from asyncrl.transports.weights.seam import TensorHandoff, WeightAdapter
+from asyncrl.transports.weights.seam import TensorHandoff, TensorLoad, WeightAdapter
 from asyncrl.transports.weights.send_engines import EngineGroup, settle
 
 __all__ = ["CudaIpcWeightSender", "IpcExport"]
@@ -135,7 +135,7 @@ class CudaIpcWeightSender:
         await asyncio.gather(
             *(
                 _handoff(c).update_weights_from_tensor(
-                    [], load_format=LOAD_FORMAT, extra={"asyncrl_ipc": release}
+                    TensorLoad([], load_format=LOAD_FORMAT, extra={"asyncrl_ipc": release})
                 )
                 for c in self.engines.clients
             ),
@@ -220,10 +220,12 @@ class CudaIpcWeightSender:
         try:
             calls = [
                 _handoff(c).update_weights_from_tensor(
-                    serialized_named_tensors=[],
-                    load_format=LOAD_FORMAT,
-                    weight_version=str(version) if single else None,
-                    extra={"asyncrl_ipc": base if c.url in self._mapped else full},
+                    TensorLoad(
+                        serialized_named_tensors=[],
+                        load_format=LOAD_FORMAT,
+                        weight_version=str(version) if single else None,
+                        extra={"asyncrl_ipc": base if c.url in self._mapped else full},
+                    )
                 )
                 for c in clients
             ]

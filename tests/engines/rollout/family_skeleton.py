@@ -19,6 +19,7 @@ from typing import Any
 from asyncrl.config import LoraConfig, RolloutConfig, RunConfig, SGLangRolloutConfig
 from asyncrl.engines.rollout.base import (
     AdapterControl,
+    BucketAnnouncement,
     DigestCompare,
     EngineError,
     ManagedEngine,
@@ -57,7 +58,7 @@ class MyServeWeights:
         self, engine: WeightEngine, m: BucketManifest, group_name: str, flush: bool
     ) -> Coroutine[Any, Any, None]:
         last = m.index == m.count - 1
-        return engine.update_weights_from_distributed(
+        bucket = BucketAnnouncement(
             names=[e.name for e in m.entries],
             dtypes=[m.dtype] * len(m.entries),
             shapes=[e.wire_shape for e in m.entries],
@@ -66,6 +67,7 @@ class MyServeWeights:
             weight_version=str(m.version) if last else None,
             load_format="flattened_bucket",
         )
+        return engine.update_weights_from_distributed(bucket)
 
     def received(self, exc: EngineError) -> bool:
         return exc.status == 200  # an error answer: it did not take part in the broadcast

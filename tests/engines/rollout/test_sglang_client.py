@@ -9,7 +9,12 @@ import math
 import pytest
 import torch
 
-from asyncrl.engines.rollout.base import EngineBadRequest, EngineError, EngineUnavailable
+from asyncrl.engines.rollout.base import (
+    BucketAnnouncement,
+    EngineBadRequest,
+    EngineError,
+    EngineUnavailable,
+)
 from asyncrl.engines.rollout.launcher import LaunchedServer
 from asyncrl.engines.rollout.sglang import SGLangClient
 from asyncrl.procs import free_port
@@ -177,7 +182,8 @@ async def test_errors_are_typed_and_carry_the_server_message(
         with pytest.raises(EngineBadRequest, match="temprature"):
             await client.generate([1, 3], {"temprature": 0.5})
         with pytest.raises(EngineBadRequest, match="init_weights_update_group"):
-            await client.update_weights_from_distributed(["x"], ["float32"], [[1]], "no-group")
+            bucket = BucketAnnouncement(["x"], ["float32"], [[1]], "no-group")
+            await client.update_weights_from_distributed(bucket)
         with pytest.raises(ValueError, match="pause mode"):
             await client.pause_generation("sideways")
         assert await client.health()

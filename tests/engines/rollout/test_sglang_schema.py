@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from asyncrl.config import PAUSE_MODES
-from asyncrl.engines.rollout.base import EngineError
+from asyncrl.engines.rollout.base import BucketAnnouncement, EngineError, TensorLoad
 from asyncrl.engines.rollout.launcher import LaunchedServer
 from asyncrl.engines.rollout.sglang import SGLangClient
 from asyncrl.transports.weights.bucket import pack_into, plan_buckets, spec_of
@@ -130,7 +130,7 @@ async def _exercise(client: SGLangClient, pusher: Any) -> None:
     flat = torch.empty(m.nbytes, dtype=torch.uint8).view(m.torch_dtype)
     pack_into(flat, m, tensors)
     names = [e.name for e in m.entries]
-    call = client.update_weights_from_distributed(
+    bucket = BucketAnnouncement(
         names=names,
         dtypes=[m.dtype] * len(names),
         shapes=[e.wire_shape for e in m.entries],
@@ -140,9 +140,12 @@ async def _exercise(client: SGLangClient, pusher: Any) -> None:
         load_format="flattened_bucket",
         extra={"asyncrl_bucket": bucket_extra(m)},
     )
+    call = client.update_weights_from_distributed(bucket)
     await asyncio.gather(asyncio.to_thread(broadcast, pusher.group, flat), call)
     with contextlib.suppress(EngineError):  # the payload is not a real tensor handle
-        await client.update_weights_from_tensor(["aGVsbG8="], "flattened_bucket", True, "3")
+        await client.update_weights_from_tensor(
+            TensorLoad(["aGVsbG8="], "flattened_bucket", True, "3")
+        )
     await client.end_weight_update()
     await client.update_weight_version("4")
     assert await client.get_weight_version() == "4"

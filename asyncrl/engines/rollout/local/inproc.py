@@ -39,8 +39,10 @@ import msgspec
 from asyncrl.config import PAUSE_MODES
 from asyncrl.core import GenerateResult
 from asyncrl.engines.rollout.base import (
+    BucketAnnouncement,
     EngineBadRequest,
     EngineError,
+    GroupSpec,
     distributed_update_body,
     parse_sglang_generate,
     poll_healthy,
@@ -214,19 +216,9 @@ class InProcEngine:
         resp = await self.server.get_server_info(None)  # type: ignore[arg-type]  # unread
         return dict(json.loads(resp.text or "{}"))
 
-    async def init_weights_update_group(
-        self,
-        master_address: str,
-        master_port: int,
-        rank_offset: int,
-        world_size: int,
-        group_name: str = "weight_update_group",
-        backend: str = "nccl",
-    ) -> None:
+    async def init_weights_update_group(self, group: GroupSpec) -> None:
         """Join the weight group as rank ``rank_offset`` (returns once joined)."""
-        body = weight_group_body(
-            master_address, master_port, rank_offset, world_size, group_name, backend
-        )
+        body = weight_group_body(group)
         await self._weights("/init_weights_update_group", self.server.weights.init_group, body)
 
     async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
@@ -242,21 +234,9 @@ class InProcEngine:
     async def end_weight_update(self, version: str | None = None) -> bool:
         return False
 
-    async def update_weights_from_distributed(
-        self,
-        names: list[str],
-        dtypes: list[str],
-        shapes: list[list[int]],
-        group_name: str = "weight_update_group",
-        flush_cache: bool = True,
-        weight_version: str | None = None,
-        load_format: str | None = None,
-        extra: dict[str, Any] | None = None,
-    ) -> None:
+    async def update_weights_from_distributed(self, bucket: BucketAnnouncement) -> None:
         """Receive and stage one announced bucket (the HTTP route's body and checks)."""
-        body = distributed_update_body(
-            names, dtypes, shapes, group_name, flush_cache, weight_version, load_format, extra
-        )
+        body = distributed_update_body(bucket)
         await self._weights(
             "/update_weights_from_distributed", self.server.weights.update_from_distributed, body
         )

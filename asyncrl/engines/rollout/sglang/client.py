@@ -30,10 +30,13 @@ from asyncrl import secret
 from asyncrl.config import PAUSE_MODES
 from asyncrl.core import GenerateResult
 from asyncrl.engines.rollout.base import (
+    BucketAnnouncement,
     EngineBadRequest,
     EngineError,
     EngineUnavailable,
+    GroupSpec,
     KeyedHttp,
+    TensorLoad,
     distributed_update_body,
     failure,
     parse_sglang_generate,
@@ -221,56 +224,26 @@ class SGLangClient(KeyedHttp):
         return "incomplete" if "has an incomplete unload" in text else ""
 
     # -- weights -----------------------------------------------------------------------
-    async def init_weights_update_group(
-        self,
-        master_address: str,
-        master_port: int,
-        rank_offset: int,
-        world_size: int,
-        group_name: str = "weight_update_group",
-        backend: str = "nccl",
-    ) -> None:
+    async def init_weights_update_group(self, group: GroupSpec) -> None:
         """Join the weight-sync process group as ranks ``rank_offset..`` (blocks until formed)."""
-        body = weight_group_body(
-            master_address, master_port, rank_offset, world_size, group_name, backend
-        )
-        await self._call("POST", "/init_weights_update_group", body)
+        await self._call("POST", "/init_weights_update_group", weight_group_body(group))
 
-    async def update_weights_from_distributed(
-        self,
-        names: list[str],
-        dtypes: list[str],
-        shapes: list[list[int]],
-        group_name: str = "weight_update_group",
-        flush_cache: bool = True,
-        weight_version: str | None = None,
-        load_format: str | None = None,
-        extra: dict[str, Any] | None = None,
-    ) -> None:
+    async def update_weights_from_distributed(self, bucket: BucketAnnouncement) -> None:
         """Receive one broadcast of the named tensors (``load_format="flattened_bucket"``:
         one flat buffer). ``flush_cache=True`` commits; ``weight_version`` is set with it.
         ``extra`` adds fields SGLang ignores (asyncrl's bucket manifest)."""
-        body = distributed_update_body(
-            names, dtypes, shapes, group_name, flush_cache, weight_version, load_format, extra
-        )
+        body = distributed_update_body(bucket)
         await self._call("POST", "/update_weights_from_distributed", body)
 
-    async def update_weights_from_tensor(
-        self,
-        serialized_named_tensors: list[str],
-        load_format: str | None = None,
-        flush_cache: bool = True,
-        weight_version: str | None = None,
-        extra: dict[str, Any] | None = None,
-    ) -> Any:
+    async def update_weights_from_tensor(self, load: TensorLoad) -> Any:
         """Load tensors handed over in-host (CUDA IPC handles), one base64 string per TP rank.
         ``extra`` adds fields SGLang ignores (asyncrl's IPC descriptor); returns the answer."""
         body: dict[str, Any] = {
-            "serialized_named_tensors": [str(s) for s in serialized_named_tensors],
-            "flush_cache": bool(flush_cache),
+            "serialized_named_tensors": [str(s) for s in load.serialized_named_tensors],
+            "flush_cache": bool(load.flush_cache),
             "abort_all_requests": False,
         }
-        set_optional(body, weight_version, load_format, extra)
+        set_optional(body, load.weight_version, load.load_format, load.extra)
         return await self._call("POST", "/update_weights_from_tensor", body)
 
     async def begin_weight_update(self) -> bool:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from asyncrl.config import LoraConfig, RolloutConfig, RunConfig, SGLangRolloutConfig
 from asyncrl.engines.rollout.base import (
     AdapterControl,
+    BucketAnnouncement,
     DigestCompare,
     EngineError,
     ManagedEngine,
@@ -81,7 +82,7 @@ class SGLangWeights:
 
         names = [e.name for e in m.entries]
         last = m.index == m.count - 1
-        return engine.update_weights_from_distributed(
+        bucket = BucketAnnouncement(
             names=names,
             dtypes=[m.dtype] * len(names),
             shapes=[e.wire_shape for e in m.entries],
@@ -91,6 +92,7 @@ class SGLangWeights:
             load_format="flattened_bucket",
             extra={"asyncrl_bucket": bucket_extra(m)},
         )
+        return engine.update_weights_from_distributed(bucket)
 
     def received(self, exc: EngineError) -> bool:
         """SGLang answers 400 with its JSON body also after receiving and loading a bucket

@@ -18,6 +18,7 @@ from asyncrl.config import (
 )
 from asyncrl.engines.rollout.base import (
     AdapterControl,
+    BucketAnnouncement,
     DigestCompare,
     EngineError,
     ManagedEngine,
@@ -88,9 +89,8 @@ class VLLMWeights:
     ) -> Coroutine[Any, Any, None]:
         names = [e.name for e in m.entries]
         shapes = [e.wire_shape for e in m.entries]
-        return engine.update_weights_from_distributed(
-            names, [m.dtype] * len(names), shapes, group_name
-        )
+        bucket = BucketAnnouncement(names, [m.dtype] * len(names), shapes, group_name)
+        return engine.update_weights_from_distributed(bucket)
 
     def received(self, exc: EngineError) -> bool:
         return exc.status == 200
