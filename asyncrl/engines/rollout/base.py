@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 import aiohttp
 
-from asyncrl.core import GenerateResult
+from asyncrl.core import GenerateRequest, GenerateResult
 from asyncrl.secret import auth_headers
 from asyncrl.transports.weights.seam import (
     AdapterControl,
@@ -65,6 +65,7 @@ __all__ = [
     "TrainerLink",
     "WeightAdapter",
     "WeightEngine",
+    "batch_rids",
     "distributed_update_body",
     "failure",
     "parse_sglang_generate",
@@ -167,6 +168,17 @@ async def poll_healthy(
         await asyncio.sleep(interval_s)
 
 
+def batch_rids(requests: list[GenerateRequest]) -> list[str] | None:
+    """The request ids of a batch (:meth:`RolloutEngine.generate_batch`): every request's,
+    or None when none names one; ValueError when only some do."""
+    named = [r.rid for r in requests if r.rid is not None]
+    if not named:
+        return None
+    if len(named) != len(requests):
+        raise ValueError("generate_batch: either every request names its rid or none does")
+    return [str(r) for r in named]
+
+
 def weight_group_body(group: GroupSpec) -> dict[str, Any]:
     """The body of ``/init_weights_update_group`` (SGLang's route; the embedded engine
     serves the same): the group's fields as they are named."""
@@ -260,14 +272,10 @@ class RolloutEngine(Protocol):
         the iterator early abandons the request (the server aborts it)."""
         ...
 
-    async def generate_batch(
-        self,
-        input_ids: list[list[int]],
-        sampling_params: list[dict[str, Any]],
-        rids: list[str] | None = None,
-    ) -> list[GenerateResult]:
+    async def generate_batch(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
         """Several completions in one request (SGLang's list-form ``/generate``), answered in
-        order once all finished; errors as :meth:`generate`, once for the whole batch."""
+        order once all finished; errors as :meth:`generate`, once for the whole batch. Either
+        every request names its ``rid`` or none does (ValueError)."""
         ...
 
     async def pause_generation(self, mode: str = "abort") -> None:

@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from asyncrl.core import GenerateRequest
 from asyncrl.engines.rollout.base import (
     BucketAnnouncement,
     EngineBadRequest,
@@ -67,7 +68,8 @@ async def test_batched_generate_answers_each_item_in_order(engine_server: Launch
         greedy = {"temperature": 0, "ignore_eos": True}
         prompts = [[1, 3, 4, 5], [1, 3, 4, 5], [1, 9], [1, 3, 4, 5]]
         params = [{**greedy, "max_new_tokens": n} for n in (7, 3, 5, 1)]
-        batch = await client.generate_batch(prompts, params, ["i0", "i1", "i2", "i3"])
+        items = zip(prompts, params, ["i0", "i1", "i2", "i3"], strict=True)
+        batch = await client.generate_batch([GenerateRequest(*item) for item in items])
         alone = [await client.generate(p, sp) for p, sp in zip(prompts, params, strict=True)]
         assert [len(b.output_ids) for b in batch] == [7, 3, 5, 1]
         for b, a in zip(batch, alone, strict=True):

@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from asyncrl.config import PAUSE_MODES
+from asyncrl.core import GenerateRequest
 from asyncrl.engines.rollout.base import BucketAnnouncement, EngineError, TensorLoad
 from asyncrl.engines.rollout.launcher import LaunchedServer
 from asyncrl.engines.rollout.sglang import SGLangClient
@@ -112,7 +113,9 @@ async def _exercise(client: SGLangClient, pusher: Any) -> None:
     await client.generate([1, 3, 4], {**sp, "stop_token_ids": [2], "ignore_eos": False})
     await client.generate([1, 3], {"max_new_tokens": 2}, rid="7-1.")
     batch = [{"max_new_tokens": 2}, {"max_new_tokens": 3, "temperature": 0}]
-    await client.generate_batch([[1, 3, 4], [1, 3, 4]], batch, ["8-1.", "8-2."])
+    await client.generate_batch(
+        [GenerateRequest([1, 3, 4], batch[0], "8-1."), GenerateRequest([1, 3, 4], batch[1], "8-2.")]
+    )
     await client.abort_request("7-1.")
     await client.abort_request(abort_all=True)
     for mode in PAUSE_MODES:

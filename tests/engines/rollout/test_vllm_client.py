@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from asyncrl.config import VLLMRolloutConfig
+from asyncrl.core import GenerateRequest
 from asyncrl.engines.rollout.base import EngineUnavailable
 from asyncrl.engines.rollout.launcher import KEYED, launch_command
 from asyncrl.engines.rollout.vllm import auth
@@ -155,9 +156,8 @@ async def test_generate_batch_sends_a_group_as_one_request_with_n(vllm: VLLMStan
     c = VLLMClient(vllm.url, record=True)
     try:
         sp = {**SP, "max_new_tokens": 6}
-        out = await c.generate_batch(
-            [[1, 3], [1, 3], [1, 3], [4]], [sp] * 4, ["n0", "n1", "n2", "x"]
-        )
+        group = [GenerateRequest([1, 3], sp, rid) for rid in ("n0", "n1", "n2")]
+        out = await c.generate_batch([*group, GenerateRequest([4], sp, "x")])
         assert c.sent is not None
         bodies = sorted(
             (b for _, p, b in c.sent if p.endswith("generate")), key=lambda b: b["request_id"]
@@ -175,7 +175,8 @@ async def test_generate_batch_sends_a_group_as_one_request_with_n(vllm: VLLMStan
         assert out[3].output_ids == st["x"]["output"]
 
         long = {**SP, "max_new_tokens": 500}
-        task = asyncio.ensure_future(c.generate_batch([[2], [2]], [long, long], ["b0", "b1"]))
+        pair = [GenerateRequest([2], long, "b0"), GenerateRequest([2], long, "b1")]
+        task = asyncio.ensure_future(c.generate_batch(pair))
         await _until_tokens(vllm, "1_b0")
         await c.abort_request("b1")  # a member: vLLM aborts the parent with its children
         res = await asyncio.wait_for(task, 30)

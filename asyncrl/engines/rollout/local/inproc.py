@@ -37,12 +37,13 @@ from typing import Any
 import msgspec
 
 from asyncrl.config import PAUSE_MODES
-from asyncrl.core import GenerateResult
+from asyncrl.core import GenerateRequest, GenerateResult
 from asyncrl.engines.rollout.base import (
     BucketAnnouncement,
     EngineBadRequest,
     EngineError,
     GroupSpec,
+    batch_rids,
     distributed_update_body,
     parse_sglang_generate,
     poll_healthy,
@@ -97,20 +98,11 @@ class InProcEngine:
         rids = None if rid is None else [rid]
         return (await self._complete([input_ids], [sampling_params], rids))[0]
 
-    async def generate_batch(
-        self,
-        input_ids: list[list[int]],
-        sampling_params: list[dict[str, Any]],
-        rids: list[str] | None = None,
-    ) -> list[GenerateResult]:
+    async def generate_batch(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
         """Several completions queued together (one prefill), answered in order."""
-        n = len(input_ids)
-        for key, items in (("sampling_params", sampling_params), ("rid", rids)):
-            if items is not None and len(items) != n:  # the server's words for it
-                raise EngineBadRequest(
-                    "/generate", 400, f"{key} has {len(items)} entries for {n} input_ids"
-                )
-        return await self._complete(input_ids, sampling_params, rids)
+        rids = batch_rids(requests)
+        input_ids = [r.input_ids for r in requests]
+        return await self._complete(input_ids, [r.sampling_params for r in requests], rids)
 
     async def generate_stream(
         self, input_ids: list[int], sampling_params: dict[str, Any], rid: str | None = None

@@ -28,7 +28,7 @@ import msgspec
 
 from asyncrl import secret
 from asyncrl.config import PAUSE_MODES
-from asyncrl.core import GenerateResult
+from asyncrl.core import GenerateRequest, GenerateResult
 from asyncrl.engines.rollout.base import (
     BucketAnnouncement,
     EngineBadRequest,
@@ -37,6 +37,7 @@ from asyncrl.engines.rollout.base import (
     GroupSpec,
     KeyedHttp,
     TensorLoad,
+    batch_rids,
     distributed_update_body,
     failure,
     parse_sglang_generate,
@@ -158,26 +159,22 @@ class SGLangClient(KeyedHttp):
         async for res in read_generate_stream(self._http(), self.url + "/generate", body):
             yield res
 
-    async def generate_batch(
-        self,
-        input_ids: list[list[int]],
-        sampling_params: list[dict[str, Any]],
-        rids: list[str] | None = None,
-    ) -> list[GenerateResult]:
-        """Several completions in one ``/generate`` (SGLang's list form), answered in order
-        once all finished; as :meth:`generate` per item."""
+    async def generate_batch(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
+        """Several completions in one ``/generate`` (SGLang's list form: one list per field),
+        answered in order once all finished; as :meth:`generate` per item."""
+        rids = batch_rids(requests)
         body: dict[str, Any] = {
-            "input_ids": [[int(t) for t in ids] for ids in input_ids],
-            "sampling_params": [dict(sp) for sp in sampling_params],
+            "input_ids": [[int(t) for t in r.input_ids] for r in requests],
+            "sampling_params": [dict(r.sampling_params) for r in requests],
             "return_logprob": True,
         }
         _move_lora_path(body)
         if rids is not None:
-            body["rid"] = [str(r) for r in rids]
+            body["rid"] = rids
         out = await self._call("POST", "/generate", body)
-        if not isinstance(out, list) or len(out) != len(input_ids):
+        if not isinstance(out, list) or len(out) != len(requests):
             got = f"{len(out)} answers" if isinstance(out, list) else type(out).__name__
-            raise EngineError("/generate", 200, f"batch of {len(input_ids)}: got {got}")
+            raise EngineError("/generate", 200, f"batch of {len(requests)}: got {got}")
         return [parse_sglang_generate(o) for o in out]
 
     async def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
