@@ -21,6 +21,7 @@ version a request runs on (``{name}-v{N}``); the client sends it where its engin
 
 from __future__ import annotations
 
+import abc
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
@@ -39,6 +40,7 @@ from asyncrl.transports.weights.seam import (
     EngineError,
     EngineUnavailable,
     GroupSpec,
+    Liveness,
     TensorHandoff,
     TensorLoad,
     TrainerLink,
@@ -58,7 +60,9 @@ __all__ = [
     "EngineUnavailable",
     "GroupSpec",
     "KeyedHttp",
+    "Liveness",
     "ManagedEngine",
+    "PolledHealth",
     "RolloutEngine",
     "TensorHandoff",
     "TensorLoad",
@@ -223,6 +227,38 @@ def set_optional(
         body.update(extra)
 
 
+class PolledHealth(abc.ABC):
+    """:meth:`health` and :meth:`wait_healthy` (:class:`Liveness`) from one liveness probe,
+    the family's :meth:`_why_unhealthy`, for a client whose ``url`` names its engine."""
+
+    url: str
+
+    @abc.abstractmethod
+    async def _why_unhealthy(self) -> str | None:
+        """Probe the engine once: None when it answers, else why not; never raises."""
+
+    def _fatal(self, why: str) -> str | None:
+        """The message for a probe failure ``why`` that no retry mends (None: retry)."""
+        return None
+
+    async def health(self) -> bool:
+        """True while the engine answers its liveness probe; never raises."""
+        return await self._why_unhealthy() is None
+
+    async def wait_healthy(
+        self,
+        timeout_s: float,
+        interval_s: float = 0.2,
+        gone: Callable[[], str | None] | None = None,
+    ) -> None:
+        """Poll the probe until it answers or ``timeout_s`` passes: then EngineUnavailable
+        naming the URL, the timeout and the last failure. ``gone`` (optional) is asked
+        between polls: a reason it returns (e.g. "the process exited with 1") ends the wait
+        at once, naming the URL and that reason; so does :meth:`_fatal`'s message. The one
+        health wait: launchers, the run and benchmarks all wait through it."""
+        await poll_healthy(self.url, self._why_unhealthy, timeout_s, interval_s, gone, self._fatal)
+
+
 class KeyedHttp:
     """A lazily opened ``aiohttp`` session that sends the run secret on every request
     (:func:`asyncrl.secret.auth_headers`), shared by the HTTP engine clients. The class
@@ -303,17 +339,8 @@ class RolloutEngine(Protocol):
         ...
 
 
-class ManagedEngine(RolloutEngine, Protocol):
+class ManagedEngine(RolloutEngine, Liveness, Protocol):
     """A RolloutEngine whose liveness can be waited for (launchers, restarts, the transport)."""
-
-    async def wait_healthy(
-        self,
-        timeout_s: float,
-        interval_s: float = 0.2,
-        gone: Callable[[], str | None] | None = None,
-    ) -> None:
-        """Poll liveness until it answers, else EngineUnavailable naming the engine."""
-        ...
 
 
 class ControlledEngine(ManagedEngine, WeightEngine, Protocol):

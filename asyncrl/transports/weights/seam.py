@@ -33,6 +33,7 @@ __all__ = [
     "EngineError",
     "EngineUnavailable",
     "GroupSpec",
+    "Liveness",
     "TensorHandoff",
     "TensorLoad",
     "TrainerLink",
@@ -149,16 +150,10 @@ class EngineControl(Protocol):
     async def update_weight_version(self, new_version: str) -> None: ...
 
 
-class WeightEngine(EngineControl, Protocol):
-    """An engine as the weight transport holds it: its weight-group routes plus generation's
-    pause and resume (around a push) and liveness (before forming). ``pause_generation``
-    stops scheduling (``abort``: in-flight requests return at once; other modes keep them),
-    ``continue_generation`` resumes; ``wait_healthy`` polls liveness until it answers,
-    else EngineUnavailable naming the engine; ``close`` releases the client's connections."""
-
-    async def pause_generation(self, mode: str = "abort") -> None: ...
-
-    async def continue_generation(self) -> None: ...
+class Liveness(Protocol):
+    """An engine whose liveness can be waited for (launchers, restarts, the transport):
+    :meth:`wait_healthy` polls it until it answers, else EngineUnavailable naming the engine
+    (after ``timeout_s``, or at once when ``gone``, asked between polls, returns a reason)."""
 
     async def wait_healthy(
         self,
@@ -166,6 +161,17 @@ class WeightEngine(EngineControl, Protocol):
         interval_s: float = 0.2,
         gone: Callable[[], str | None] | None = None,
     ) -> None: ...
+
+
+class WeightEngine(EngineControl, Liveness, Protocol):
+    """An engine as the weight transport holds it: its weight-group routes plus generation's
+    pause and resume (around a push) and liveness (before forming). ``pause_generation``
+    stops scheduling (``abort``: in-flight requests return at once; other modes keep them),
+    ``continue_generation`` resumes; ``close`` releases the client's connections."""
+
+    async def pause_generation(self, mode: str = "abort") -> None: ...
+
+    async def continue_generation(self) -> None: ...
 
     async def close(self) -> None: ...
 

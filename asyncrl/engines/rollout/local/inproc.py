@@ -43,10 +43,10 @@ from asyncrl.engines.rollout.base import (
     EngineBadRequest,
     EngineError,
     GroupSpec,
+    PolledHealth,
     batch_rids,
     distributed_update_body,
     parse_sglang_generate,
-    poll_healthy,
     weight_group_body,
 )
 from asyncrl.engines.rollout.checks import BadRequest
@@ -56,7 +56,7 @@ from asyncrl.engines.rollout.local.server import EngineServer, _answer, load_eng
 __all__ = ["InProcEngine"]
 
 
-class InProcEngine:
+class InProcEngine(PolledHealth):
     """A :class:`LocalEngine` of this process as a rollout engine and its controls.
 
     ``owns``: :meth:`stop` stops the engine (:meth:`load` makes such a client); ``close``
@@ -253,22 +253,9 @@ class InProcEngine:
         return out
 
     # -- liveness -------------------------------------------------------------------------
-    async def health(self) -> bool:
-        """True while the engine's scheduler runs and no step is stuck; never raises."""
-        return self.engine.health() is None
-
-    async def wait_healthy(
-        self,
-        timeout_s: float,
-        interval_s: float = 0.2,
-        gone: Callable[[], str | None] | None = None,
-    ) -> None:
-        """Poll :meth:`health` until it holds, else EngineUnavailable naming the reason."""
-
-        async def why_unhealthy() -> str | None:
-            return self.engine.health()
-
-        await poll_healthy(self.url, why_unhealthy, timeout_s, interval_s, gone)
+    async def _why_unhealthy(self) -> str | None:
+        """The engine's scheduler runs and no step is stuck (:meth:`health`)."""
+        return self.engine.health()
 
     async def close(self) -> None:
         """Nothing to release (no connections); the engine keeps serving."""

@@ -20,7 +20,7 @@ The flags of SGLang server processes: :mod:`asyncrl.engines.rollout.sglang.launc
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -36,12 +36,12 @@ from asyncrl.engines.rollout.base import (
     EngineUnavailable,
     GroupSpec,
     KeyedHttp,
+    PolledHealth,
     TensorLoad,
     batch_rids,
     distributed_update_body,
     failure,
     parse_sglang_generate,
-    poll_healthy,
     set_optional,
     weight_group_body,
 )
@@ -74,7 +74,7 @@ def _is_json_object(raw: bytes) -> bool:
         return False
 
 
-class SGLangClient(KeyedHttp):
+class SGLangClient(KeyedHttp, PolledHealth):
     """One SGLang-protocol server at ``base_url``. Create and use it inside one event loop.
 
     ``record=True`` keeps every request sent as ``(method, path, body)`` in
@@ -312,34 +312,18 @@ class SGLangClient(KeyedHttp):
         return out
 
     # -- liveness ----------------------------------------------------------------------
-    async def health(self) -> bool:
-        """True when the server answers ``/model_info`` (``/get_model_info``); never raises.
+    async def _why_unhealthy(self) -> str | None:
+        """The server answers ``/model_info`` (``/get_model_info``) (:meth:`health`).
 
         A liveness probe, cheap on every server. Not SGLang's ``/health``: that runs a
         one-token generation (>= 1 s; 503 after 20 s while generation is paused;
         0.5.23 http_server.py:721-799), so it fails during every long weight update.
         """
-        return await self._why_unhealthy() is None
-
-    async def _why_unhealthy(self) -> str | None:
         return await failure(self._get_either(("/model_info", "/get_model_info")))
 
-    async def wait_healthy(
-        self,
-        timeout_s: float,
-        interval_s: float = 0.2,
-        gone: Callable[[], str | None] | None = None,
-    ) -> None:
-        """Poll liveness until it answers or ``timeout_s`` passes: then EngineUnavailable
-        naming the URL, the timeout and the last failure. ``gone`` (optional) is asked
-        between polls: a reason it returns (e.g. "the process exited with 1") ends the wait
-        at once with EngineUnavailable naming the URL and that reason. The one health wait:
-        launchers, the run and benchmarks all wait through it."""
-
-        def refused(why: str) -> str | None:  # no retry mends a 401 (docs/security.md)
-            return f"{secret.refused(self.url)} ({why})" if " -> 401: " in why else None
-
-        await poll_healthy(self.url, self._why_unhealthy, timeout_s, interval_s, gone, refused)
+    def _fatal(self, why: str) -> str | None:
+        """A refused key (401): no retry mends it (docs/security.md)."""
+        return f"{secret.refused(self.url)} ({why})" if " -> 401: " in why else None
 
 
 def _move_lora_path(body: dict[str, Any]) -> None:

@@ -48,7 +48,7 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -61,10 +61,10 @@ from asyncrl.engines.rollout.base import (
     EngineError,
     EngineUnavailable,
     KeyedHttp,
+    PolledHealth,
     batch_rids,
     failure,
     parse_version,
-    poll_healthy,
 )
 from asyncrl.engines.rollout.sglang.client import _is_json_object, _server_message
 
@@ -188,7 +188,7 @@ _IDEMPOTENT = frozenset(
 one or two of them)."""
 
 
-class VLLMClient(KeyedHttp):
+class VLLMClient(KeyedHttp, PolledHealth):
     """One vLLM 0.33 server at ``base_url`` (module docstring); one event loop.
 
     ``record=True`` keeps every request sent as ``(method, path, body)`` in ``self.sent``.
@@ -456,20 +456,9 @@ class VLLMClient(KeyedHttp):
             raise EngineError("/weight_info", 200, f"unexpected response: {out!r:.200}")
         return str(out["weight_version"])
 
-    async def health(self) -> bool:
-        return await self._why_unhealthy() is None
-
     async def _why_unhealthy(self) -> str | None:
+        """vLLM's ``/health`` answers 200 (:meth:`health`, :meth:`wait_healthy`)."""
         return await failure(self._call("GET", "/health"))
-
-    async def wait_healthy(
-        self,
-        timeout_s: float,
-        interval_s: float = 0.2,
-        gone: Callable[[], str | None] | None = None,
-    ) -> None:
-        """Poll ``/health`` until it answers 200 (as ``SGLangClient.wait_healthy``)."""
-        await poll_healthy(self.url, self._why_unhealthy, timeout_s, interval_s, gone)
 
 
 class _Retry(Exception):
