@@ -62,7 +62,7 @@ from asyncrl.transports.weights.seam import (
     TrainerLink,
     WeightAdapter,
 )
-from asyncrl.transports.weights.send_engines import EngineGroup, settle
+from asyncrl.transports.weights.send_engines import EngineGroup, GroupSender, settle
 from asyncrl.transports.weights.send_staging import BucketStager, Packed
 from asyncrl.transports.weights.send_stream import Acks, BucketStream
 
@@ -139,7 +139,7 @@ async def _after(prev: asyncio.Future[Any] | None, call: Coroutine[Any, Any, Any
     return await call
 
 
-class CollectiveWeightSender:
+class CollectiveWeightSender(GroupSender):
     """WeightTransport over a collective group (see module docstring): the engine group
     (``engines``), the stager and the stream are its parts; it is the group's
     :class:`~asyncrl.transports.weights.send_engines.Formation` and the stream's
@@ -173,15 +173,7 @@ class CollectiveWeightSender:
         # group's first collective, which blocks until every rank joins it
         self._poster = ThreadPoolExecutor(1, thread_name_prefix="weight-post")
 
-    # -- WeightTransport -----------------------------------------------------------------
-    def connect(self, engine_urls: Sequence[str] | None = None) -> None:
-        """Form the group (again, with ``engine_urls`` when given); blocks until formed."""
-        self.engines.connect(engine_urls)
-
-    def engines_changed(self, engine_urls: Sequence[str], epoch: int) -> None:
-        """The run's engine set changed (see ``base``); any thread, returns at once."""
-        self.engines.engines_changed(engine_urls, epoch)
-
+    # -- WeightTransport (connect, engines_changed: GroupSender) ----------------------------
     def close(self) -> None:
         """Wait for the push in flight, tear the group down, stop the sender's threads."""
         settle(self._last, self.cfg.timeout_s)

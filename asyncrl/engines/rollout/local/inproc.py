@@ -51,7 +51,7 @@ from asyncrl.engines.rollout.base import (
 )
 from asyncrl.engines.rollout.checks import BadRequest
 from asyncrl.engines.rollout.local.engine import LocalEngine, Request
-from asyncrl.engines.rollout.local.server import EngineServer, _answer, load_engine
+from asyncrl.engines.rollout.local.server import EngineServer, _answer, load_engine, progress
 
 __all__ = ["InProcEngine"]
 
@@ -114,20 +114,9 @@ class InProcEngine(PolledHealth):
         # as the server's streamed /generate: a lora_path is not pinned (the request runs on
         # the newest adapter version when it joins; server.EngineServer._stream)
         [req] = self._requests([input_ids], [sampling_params], rids, pin=False)
-        progress = req.progress = asyncio.Event()
-        self.engine.submit(req)
-        sent = -1
         try:
-            while True:
-                await progress.wait()
-                progress.clear()
-                done = req.future.done()
-                n = len(req.logprobs)  # complete tokens: appended last (engine.Request)
-                if n > sent or done:
-                    sent = n
-                    yield parse_sglang_generate(_answer(req, True, n), partial=True)
-                if done and n == len(req.output_ids):
-                    return
+            async for n in progress(self.engine, req):
+                yield parse_sglang_generate(_answer(req, True, n), partial=True)
         finally:
             if not req.future.done():  # the reader went away (cancelled or closed early)
                 await asyncio.shield(asyncio.to_thread(self.engine.abort, req.rid))
