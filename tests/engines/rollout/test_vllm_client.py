@@ -18,7 +18,7 @@ import torch
 from asyncrl.config import VLLMRolloutConfig
 from asyncrl.core import GenerateRequest
 from asyncrl.engines.rollout.base import EngineUnavailable
-from asyncrl.engines.rollout.launcher import KEYED, launch_command
+from asyncrl.engines.rollout.launcher import KEYED, ServerSite, launch_command
 from asyncrl.engines.rollout.vllm import auth
 from asyncrl.engines.rollout.vllm.auth import MIDDLEWARE
 from asyncrl.engines.rollout.vllm.client import VLLMClient, expand_spans, vllm_sampling
@@ -282,7 +282,7 @@ def test_buckets_are_vllm_packed_chunks() -> None:
 
 def test_launch_command() -> None:
     rc = VLLMRolloutConfig(tp_size=2, gpu_memory_utilization=0.5, dtype="bfloat16")
-    spec = vllm_spec(rc, "/m", 8000, "127.0.0.1", 2, 7)
+    spec = vllm_spec(rc, ServerSite("/m", 8000, "127.0.0.1", 2, 7, "bfloat16", "127.0.0.1"))
     assert spec.entry_point == (VLLM_CLI, "serve")
     assert spec.env["VLLM_SERVER_DEV_MODE"] == "1" and spec.env["CUDA_VISIBLE_DEVICES"] == "2,3"
     args = list(spec.extra_args)

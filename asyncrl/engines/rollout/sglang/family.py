@@ -149,7 +149,7 @@ class SGLangFamily:
         from asyncrl.engines.rollout.sglang.launcher import sglang_spec
 
         assert isinstance(rc, SGLangRolloutConfig)
-        return sglang_spec(rc, at.model_path, at.port, at.host, at.gpu, at.seed, at.lora)
+        return sglang_spec(rc, at)
 
     def startup_timeout(self, rc: RolloutConfig, model_path: str) -> float:
         return model_startup_s(model_path)

@@ -134,7 +134,7 @@ class VLLMFamily:
         from asyncrl.engines.rollout.vllm.launcher import vllm_spec
 
         assert isinstance(rc, VLLMRolloutConfig)
-        return vllm_spec(rc, at.model_path, at.port, at.host, at.gpu, at.seed, at.lora)
+        return vllm_spec(rc, at)
 
     def startup_timeout(self, rc: RolloutConfig, model_path: str) -> float:
         return model_startup_s(model_path)
