@@ -16,10 +16,11 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
+import msgspec
+
 from asyncrl.config import LoraConfig, RolloutConfig, RunConfig, SGLangRolloutConfig
 from asyncrl.engines.rollout.base import (
     AdapterControl,
-    BucketAnnouncement,
     DigestCompare,
     EngineError,
     ManagedEngine,
@@ -58,11 +59,8 @@ class MyServeWeights:
         self, engine: WeightEngine, m: BucketManifest, group_name: str, flush: bool
     ) -> Coroutine[Any, Any, None]:
         last = m.index == m.count - 1
-        bucket = BucketAnnouncement(
-            names=[e.name for e in m.entries],
-            dtypes=[m.dtype] * len(m.entries),
-            shapes=[e.wire_shape for e in m.entries],
-            group_name=group_name,
+        bucket = msgspec.structs.replace(
+            m.announcement(group_name),
             flush_cache=last and flush,
             weight_version=str(m.version) if last else None,
             load_format="flattened_bucket",

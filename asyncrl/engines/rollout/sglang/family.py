@@ -12,10 +12,11 @@ from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from asyncrl.config import LoraConfig, RolloutConfig, RunConfig, SGLangRolloutConfig
 from asyncrl.engines.rollout.base import (
     AdapterControl,
-    BucketAnnouncement,
     DigestCompare,
     EngineError,
     ManagedEngine,
@@ -80,13 +81,9 @@ class SGLangWeights:
     ) -> Coroutine[Any, Any, None]:
         from asyncrl.transports.weights.collective_wire import bucket_extra
 
-        names = [e.name for e in m.entries]
         last = m.index == m.count - 1
-        bucket = BucketAnnouncement(
-            names=names,
-            dtypes=[m.dtype] * len(names),
-            shapes=[e.wire_shape for e in m.entries],
-            group_name=group_name,
+        bucket = msgspec.structs.replace(
+            m.announcement(group_name),
             flush_cache=last and flush,
             weight_version=str(m.version) if last and self.loads_live else None,
             load_format="flattened_bucket",

@@ -18,7 +18,6 @@ from asyncrl.config import (
 )
 from asyncrl.engines.rollout.base import (
     AdapterControl,
-    BucketAnnouncement,
     DigestCompare,
     EngineError,
     ManagedEngine,
@@ -87,10 +86,7 @@ class VLLMWeights:
     def announce(
         self, engine: WeightEngine, m: BucketManifest, group_name: str, flush: bool
     ) -> Coroutine[Any, Any, None]:
-        names = [e.name for e in m.entries]
-        shapes = [e.wire_shape for e in m.entries]
-        bucket = BucketAnnouncement(names, [m.dtype] * len(names), shapes, group_name)
-        return engine.update_weights_from_distributed(bucket)
+        return engine.update_weights_from_distributed(m.announcement(group_name))
 
     def received(self, exc: EngineError) -> bool:
         return exc.status == 200
