@@ -14,12 +14,10 @@ calls on the wire come in the order SGLang needs.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -28,6 +26,7 @@ import pytest
 import torch
 
 from asyncrl.procs import finish, pid_alive, python_env
+from tests.engines.rollout._background import check_versions, generate_in_background
 from tests.engines.rollout.sglang.code import VERSIONS, sglang_src
 from tests.engines.rollout.sglang.server import StandInServer, start_standin
 
@@ -223,31 +222,17 @@ def test_spans_expand_to_exact_token_versions(
         sender = make_weight_transport(cfg, [server.url], "cpu", "retract", "sglang")
         sender.connect()
         weights = load_file(str(tiny_model_dir / "model.safetensors"))
-        results: dict[str, Any] = {}
-
-        async def generate() -> None:
-            c = SGLangClient(server.url)
-            sp = {"max_new_tokens": 60, "ignore_eos": True}
-            rids = [f"s{i}." for i in range(3)]
-            out = await asyncio.gather(*(c.generate([1, 3, 4], sp, rid=r) for r in rids))
-            results.update(zip(rids, out, strict=True))
-            await c.close()
-
-        t = threading.Thread(target=lambda: asyncio.run(generate()))
-        t.start()
-        deadline = time.monotonic() + 60
-        while not any(len(r["truth"]) >= 5 for r in server.state()["reqs"].values()):
-            assert time.monotonic() < deadline, "no request started"
-            time.sleep(0.05)
+        sp = {"max_new_tokens": 60, "ignore_eos": True}
+        t, results = generate_in_background(
+            lambda: SGLangClient(server.url),
+            [(f"s{i}.", [1, 3, 4], sp) for i in range(3)],
+            lambda: any(len(r["truth"]) >= 5 for r in server.state()["reqs"].values()),
+            "a request started",
+        )
         sender.push(((n, w + 1) for n, w in weights.items()), 1).wait(120)
         t.join(120)
         st = server.state()
-        spanned = 0
-        for rid, res in results.items():
-            truth = st["reqs"][rid]["truth"]
-            assert res.token_versions() == truth, (rid, res.versions, truth)
-            spanned += len(set(truth)) > 1
-        assert spanned, "no request spanned the push"
+        check_versions(results, st["reqs"])
         assert st["mixed_tokens"] == 0 and st["label_errors"] == 0
         want = {
             n: hashlib.sha256((w + 1).contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
