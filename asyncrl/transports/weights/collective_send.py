@@ -63,8 +63,8 @@ from asyncrl.transports.weights.seam import (
     WeightAdapter,
 )
 from asyncrl.transports.weights.send_engines import EngineGroup, GroupSender, settle
-from asyncrl.transports.weights.send_staging import BucketStager, Packed
-from asyncrl.transports.weights.send_stream import Acks, BucketStream
+from asyncrl.transports.weights.send_staging import BucketStager
+from asyncrl.transports.weights.send_stream import Acks, BucketStream, Push
 
 __all__ = ["CollectiveWeightSender", "resolve_backend"]
 
@@ -196,33 +196,27 @@ class CollectiveWeightSender(GroupSender):
             self.stager.decide_delta()
             packed = [self.stager.pack(k, tensors, version) for k in range(len(plan))]
             snap.set()
-        fut = self.engines.run(self._push(tensors, version, snap, t0, packed))
+        fut = self.engines.run(self._push(Push(tensors, version, snap, t0, packed)))
         self._last = PushHandle(version, fut, snap)
         return self._last
 
     # -- a push, on the group's loop -----------------------------------------------------
-    async def _push(
-        self,
-        tensors: dict[str, torch.Tensor],
-        version: int,
-        snap: threading.Event,
-        t_push: float,
-        packed: list[Packed] | None = None,
-    ) -> dict[str, float]:
+    async def _push(self, push: Push) -> dict[str, float]:
         """Deliver one push (re-pushed to engines that load live, on failure); its stats."""
         assert self.engines.lock is not None, "connect() first"
         async with self.engines.lock:
             t0 = time.perf_counter()
             pauses = self.engines.pauses
             try:
-                plan, attempts = await self.stream.deliver(tensors, version, snap, t_push, packed)
+                plan, attempts = await self.stream.deliver(push)
             except BaseException:
                 self.stager.forget_base()  # engines may hold anything staged: next push is full
                 raise
             finally:
-                snap.set()
+                push.snap.set()
+            version = push.version
             self.stager.pushed(version)
-            stats = self._stats(plan, version, t_push, t0, attempts)
+            stats = self._stats(plan, version, push.t_push, t0, attempts)
             stats["pauses"] = float(self.engines.pauses - pauses)  # 0 with pause_scope none
             digest = self.stream.digest
             if digest is not None and digest.engines(version, self.engines.clients):
