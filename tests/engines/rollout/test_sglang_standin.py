@@ -17,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import json
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -25,8 +24,9 @@ from typing import Any
 import pytest
 import torch
 
-from asyncrl.procs import finish, pid_alive, python_env
+from asyncrl.procs import finish, pid_alive
 from tests.engines.rollout._background import check_versions, generate_in_background
+from tests.engines.rollout._runs import start_gloo_run
 from tests.engines.rollout.sglang.code import VERSIONS, sglang_src
 from tests.engines.rollout.sglang.server import StandInServer, start_standin
 
@@ -34,16 +34,12 @@ STEPS = 3
 
 
 def _run(tmp: Path, model_dir: Path, urls: list[str], *extra: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "asyncrl.cli", "run", "--run-dir", str(tmp / "run"), "--quiet"]
-    cmd += [f"--model.path={model_dir}", "--rollout.backend=sglang"]
-    cmd += [f"--rollout.urls={json.dumps(urls)}", "--weights.backend=gloo"]
-    cmd += [f"--controller.total_steps={STEPS}", "--controller.batch_size=2"]
-    cmd += ["--controller.max_staleness=1", "--weights.bucket_mb=1", *extra]
-    cmd += ["--weights.verify=full"]  # every bucket's checksum covers all its bytes (see rank.py)
-    # delta asked for: SGLang still gets full pushes (a delta payload would not match the
-    # bucket SGLang receives into, and _check_state would count it bad)
-    cmd += ["--weights.delta=auto"]
-    return subprocess.Popen(cmd, env=python_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    """The SGLang stand-in tests' job (:func:`~tests.engines.rollout._runs.start_gloo_run`),
+    every bucket's checksum covering all its bytes (see rank.py), delta asked for: SGLang
+    still gets full pushes (a delta payload would not match the bucket SGLang receives into,
+    and _check_state would count it bad)."""
+    checks = ("--weights.verify=full", "--weights.delta=auto")
+    return start_gloo_run("sglang", tmp, model_dir, urls, STEPS, *extra, *checks)
 
 
 def _finish(proc: subprocess.Popen, timeout_s: float = 240) -> tuple[int, str]:
