@@ -19,7 +19,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-__all__ = ["ARRAY_FIELDS", "Batch", "GenerateResult", "Sample", "Trajectory"]
+__all__ = ["ARRAY_FIELDS", "Batch", "GenerateRequest", "GenerateResult", "Sample", "Trajectory"]
 
 # name -> dtype of every per-trajectory array; the codec relies on this order.
 ARRAY_FIELDS: dict[str, np.dtype] = {
@@ -46,6 +46,16 @@ class Sample(msgspec.Struct, frozen=True):
     prompt_ids: list[int]
     answer: Any = None
     id: int = 0
+
+
+class GenerateRequest(msgspec.Struct, frozen=True, gc=False):
+    """One completion asked of a rollout engine: the prompt's token ids, its sampling
+    parameters (the engine's own names; ``lora_path`` names an adapter version) and the
+    request id it can be aborted by (None: the engine names it)."""
+
+    input_ids: list[int]
+    sampling_params: dict[str, Any]
+    rid: str | None = None
 
 
 class GenerateResult(msgspec.Struct, frozen=True, gc=False):

@@ -29,7 +29,7 @@ from asyncrl.bench.common import write_json
 from asyncrl.config import AlgoConfig, ControllerConfig, LocalRolloutConfig, RunConfig
 from asyncrl.controllers.controller import Controller, NoMoreSamples
 from asyncrl.controllers.episode import single_turn
-from asyncrl.core import GenerateResult, Sample, Trajectory
+from asyncrl.core import GenerateRequest, GenerateResult, Sample, Trajectory
 
 TOKENS = 16
 
@@ -55,13 +55,8 @@ class InstantEngine:
     ) -> AsyncIterator[GenerateResult]:
         yield await self.generate(input_ids, sampling_params, rid)
 
-    async def generate_batch(
-        self,
-        input_ids: list[list[int]],
-        sampling_params: list[dict[str, Any]],
-        rids: list[str] | None = None,
-    ) -> list[GenerateResult]:
-        return [await self.generate(i, p) for i, p in zip(input_ids, sampling_params, strict=True)]
+    async def generate_batch(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
+        return [await self.generate(r.input_ids, r.sampling_params) for r in requests]
 
     async def pause_generation(self, mode: str = "abort") -> None:
         pass

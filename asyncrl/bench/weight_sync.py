@@ -299,18 +299,22 @@ def _ours(sender: Any, weights: dict[str, Any], version: int, train_s: float) ->
 
 async def _naive_async(sender: Any, weights: dict[str, Any], version: int) -> None:
     """One control call and one broadcast per tensor, in turn (every engine concurrently)."""
+    from asyncrl.transports.weights.seam import BucketAnnouncement
+
     loop = asyncio.get_running_loop()
     items = list(weights.items())
     for i, (name, t) in enumerate(items):
         last = i == len(items) - 1
         calls = [
             c.update_weights_from_distributed(
-                names=[name],
-                dtypes=[str(t.dtype).removeprefix("torch.")],
-                shapes=[list(t.shape)],
-                group_name=sender.cfg.group_name,
-                flush_cache=last,
-                weight_version=str(version) if last else None,
+                BucketAnnouncement(
+                    names=[name],
+                    dtypes=[str(t.dtype).removeprefix("torch.")],
+                    shapes=[list(t.shape)],
+                    group_name=sender.cfg.group_name,
+                    flush_cache=last,
+                    weight_version=str(version) if last else None,
+                )
             )
             for c in sender.engines.clients
         ]

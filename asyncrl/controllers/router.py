@@ -43,7 +43,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from asyncrl import trace
-from asyncrl.core import GenerateResult
+from asyncrl.core import GenerateRequest, GenerateResult
 from asyncrl.engines.rollout.base import (
     EngineBadRequest,
     EngineError,
@@ -337,9 +337,8 @@ async def _send(engine: Any, calls: list[_Call]) -> None:
             c = calls[0]
             results = [await engine.generate(c.input_ids, c.params, rid=c.rid)]
         else:
-            results = await engine.generate_batch(
-                [c.input_ids for c in calls], [c.params for c in calls], [c.rid for c in calls]
-            )
+            requests = [GenerateRequest(c.input_ids, c.params, c.rid) for c in calls]
+            results = await engine.generate_batch(requests)
     except asyncio.CancelledError:
         for c in calls:
             c.future.cancel()

@@ -14,7 +14,7 @@ import random
 import selectors
 from typing import Any
 
-from asyncrl.core import GenerateResult
+from asyncrl.core import GenerateRequest, GenerateResult
 from asyncrl.engines.rollout.base import EngineError, EngineUnavailable
 
 
@@ -126,20 +126,14 @@ class FakeEngine:
         version = self.version if first_version is None else first_version
         return GenerateResult(out, [-0.5] * len(out), version, reason)
 
-    async def generate_batch(
-        self,
-        input_ids: list[list[int]],
-        sampling_params: list[dict[str, Any]],
-        rids: list[str] | None = None,
-    ) -> list[GenerateResult]:
+    async def generate_batch(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
         """Items as concurrent requests, answered together once all finished; an item's
         failure fails the whole batch (one HTTP call)."""
         if not self.healthy:
             raise EngineUnavailable(f"{self.url} is down")
-        names = rids or [None] * len(input_ids)
-        items = zip(input_ids, sampling_params, names, strict=True)
         out = await asyncio.gather(
-            *(self.generate(i, sp, rid=r) for i, sp, r in items), return_exceptions=True
+            *(self.generate(r.input_ids, r.sampling_params, r.rid) for r in requests),
+            return_exceptions=True,
         )
         for x in out:
             if isinstance(x, BaseException):

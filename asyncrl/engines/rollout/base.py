@@ -21,23 +21,28 @@ version a request runs on (``{name}-v{N}``); the client sends it where its engin
 
 from __future__ import annotations
 
+import abc
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
 import aiohttp
 
-from asyncrl.core import GenerateResult
+from asyncrl.core import GenerateRequest, GenerateResult
 from asyncrl.secret import auth_headers
 from asyncrl.transports.weights.seam import (
     AdapterControl,
+    BucketAnnouncement,
     DigestCompare,
     DigestReport,
     EngineBadRequest,
     EngineControl,
     EngineError,
     EngineUnavailable,
+    GroupSpec,
+    Liveness,
     TensorHandoff,
+    TensorLoad,
     TrainerLink,
     WeightAdapter,
     WeightEngine,
@@ -45,6 +50,7 @@ from asyncrl.transports.weights.seam import (
 
 __all__ = [
     "AdapterControl",
+    "BucketAnnouncement",
     "ControlledEngine",
     "DigestCompare",
     "DigestReport",
@@ -52,13 +58,18 @@ __all__ = [
     "EngineControl",
     "EngineError",
     "EngineUnavailable",
+    "GroupSpec",
     "KeyedHttp",
+    "Liveness",
     "ManagedEngine",
+    "PolledHealth",
     "RolloutEngine",
     "TensorHandoff",
+    "TensorLoad",
     "TrainerLink",
     "WeightAdapter",
     "WeightEngine",
+    "batch_rids",
     "distributed_update_body",
     "failure",
     "parse_sglang_generate",
@@ -161,48 +172,43 @@ async def poll_healthy(
         await asyncio.sleep(interval_s)
 
 
-def weight_group_body(
-    master_address: str,
-    master_port: int,
-    rank_offset: int,
-    world_size: int,
-    group_name: str,
-    backend: str,
-) -> dict[str, Any]:
+def batch_rids(requests: list[GenerateRequest]) -> list[str] | None:
+    """The request ids of a batch (:meth:`RolloutEngine.generate_batch`): every request's,
+    or None when none names one; ValueError when only some do."""
+    named = [r.rid for r in requests if r.rid is not None]
+    if not named:
+        return None
+    if len(named) != len(requests):
+        raise ValueError("generate_batch: either every request names its rid or none does")
+    return [str(r) for r in named]
+
+
+def weight_group_body(group: GroupSpec) -> dict[str, Any]:
     """The body of ``/init_weights_update_group`` (SGLang's route; the embedded engine
-    serves the same)."""
+    serves the same): the group's fields as they are named."""
     return {
-        "master_address": str(master_address),
-        "master_port": int(master_port),
-        "rank_offset": int(rank_offset),
-        "world_size": int(world_size),
-        "group_name": str(group_name),
-        "backend": str(backend),
+        "master_address": str(group.master_address),
+        "master_port": int(group.master_port),
+        "rank_offset": int(group.rank_offset),
+        "world_size": int(group.world_size),
+        "group_name": str(group.group_name),
+        "backend": str(group.backend),
     }
 
 
-def distributed_update_body(
-    names: list[str],
-    dtypes: list[str],
-    shapes: list[list[int]],
-    group_name: str,
-    flush_cache: bool,
-    weight_version: str | None,
-    load_format: str | None,
-    extra: dict[str, Any] | None,
-) -> dict[str, Any]:
+def distributed_update_body(bucket: BucketAnnouncement) -> dict[str, Any]:
     """The body of ``/update_weights_from_distributed`` (SGLang's route; the embedded engine
     serves the same): never aborting requests; the optional fields only where set (SGLang
     omits None); ``extra``: fields SGLang ignores (asyncrl's bucket manifest)."""
     body: dict[str, Any] = {
-        "names": [str(n) for n in names],
-        "dtypes": [str(d) for d in dtypes],
-        "shapes": [[int(x) for x in s] for s in shapes],
-        "group_name": str(group_name),
-        "flush_cache": bool(flush_cache),
+        "names": [str(n) for n in bucket.names],
+        "dtypes": [str(d) for d in bucket.dtypes],
+        "shapes": [[int(x) for x in s] for s in bucket.shapes],
+        "group_name": str(bucket.group_name),
+        "flush_cache": bool(bucket.flush_cache),
         "abort_all_requests": False,
     }
-    set_optional(body, weight_version, load_format, extra)
+    set_optional(body, bucket.weight_version, bucket.load_format, bucket.extra)
     return body
 
 
@@ -219,6 +225,38 @@ def set_optional(
         body["load_format"] = str(load_format)
     if extra:
         body.update(extra)
+
+
+class PolledHealth(abc.ABC):
+    """:meth:`health` and :meth:`wait_healthy` (:class:`Liveness`) from one liveness probe,
+    the family's :meth:`_why_unhealthy`, for a client whose ``url`` names its engine."""
+
+    url: str
+
+    @abc.abstractmethod
+    async def _why_unhealthy(self) -> str | None:
+        """Probe the engine once: None when it answers, else why not; never raises."""
+
+    def _fatal(self, why: str) -> str | None:
+        """The message for a probe failure ``why`` that no retry mends (None: retry)."""
+        return None
+
+    async def health(self) -> bool:
+        """True while the engine answers its liveness probe; never raises."""
+        return await self._why_unhealthy() is None
+
+    async def wait_healthy(
+        self,
+        timeout_s: float,
+        interval_s: float = 0.2,
+        gone: Callable[[], str | None] | None = None,
+    ) -> None:
+        """Poll the probe until it answers or ``timeout_s`` passes: then EngineUnavailable
+        naming the URL, the timeout and the last failure. ``gone`` (optional) is asked
+        between polls: a reason it returns (e.g. "the process exited with 1") ends the wait
+        at once, naming the URL and that reason; so does :meth:`_fatal`'s message. The one
+        health wait: launchers, the run and benchmarks all wait through it."""
+        await poll_healthy(self.url, self._why_unhealthy, timeout_s, interval_s, gone, self._fatal)
 
 
 class KeyedHttp:
@@ -270,14 +308,10 @@ class RolloutEngine(Protocol):
         the iterator early abandons the request (the server aborts it)."""
         ...
 
-    async def generate_batch(
-        self,
-        input_ids: list[list[int]],
-        sampling_params: list[dict[str, Any]],
-        rids: list[str] | None = None,
-    ) -> list[GenerateResult]:
+    async def generate_batch(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
         """Several completions in one request (SGLang's list-form ``/generate``), answered in
-        order once all finished; errors as :meth:`generate`, once for the whole batch."""
+        order once all finished; errors as :meth:`generate`, once for the whole batch. Either
+        every request names its ``rid`` or none does (ValueError)."""
         ...
 
     async def pause_generation(self, mode: str = "abort") -> None:
@@ -305,17 +339,8 @@ class RolloutEngine(Protocol):
         ...
 
 
-class ManagedEngine(RolloutEngine, Protocol):
+class ManagedEngine(RolloutEngine, Liveness, Protocol):
     """A RolloutEngine whose liveness can be waited for (launchers, restarts, the transport)."""
-
-    async def wait_healthy(
-        self,
-        timeout_s: float,
-        interval_s: float = 0.2,
-        gone: Callable[[], str | None] | None = None,
-    ) -> None:
-        """Poll liveness until it answers, else EngineUnavailable naming the engine."""
-        ...
 
 
 class ControlledEngine(ManagedEngine, WeightEngine, Protocol):

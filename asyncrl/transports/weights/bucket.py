@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from asyncrl.transports.weights.delta import DeltaInfo
+from asyncrl.transports.weights.seam import BucketAnnouncement
 
 __all__ = [
     "BucketEntry",
@@ -98,6 +99,14 @@ class BucketManifest(msgspec.Struct, frozen=True):
     @property
     def nbytes(self) -> int:
         return self.numel * self.torch_dtype.itemsize
+
+    def announcement(self, group_name: str) -> BucketAnnouncement:
+        """This bucket as announced to an engine over group ``group_name``: its entries'
+        names and shapes as they lie in it, its dtype for each; the other fields at their
+        defaults, for the engine's family to set (``msgspec.structs.replace``)."""
+        names = [e.name for e in self.entries]
+        shapes = [e.wire_shape for e in self.entries]
+        return BucketAnnouncement(names, [self.dtype] * len(names), shapes, group_name)
 
 
 def spec_of(name: str, tensor: torch.Tensor) -> TensorSpec:

@@ -58,12 +58,13 @@ from asyncrl.transports.weights.seam import (
     EngineControl,
     EngineError,
     EngineUnavailable,
+    GroupSpec,
     TrainerLink,
     WeightAdapter,
 )
-from asyncrl.transports.weights.send_engines import EngineGroup, settle
-from asyncrl.transports.weights.send_staging import BucketStager, Packed
-from asyncrl.transports.weights.send_stream import Acks, BucketStream
+from asyncrl.transports.weights.send_engines import EngineGroup, GroupSender, settle
+from asyncrl.transports.weights.send_staging import BucketStager
+from asyncrl.transports.weights.send_stream import Acks, BucketStream, Push
 
 __all__ = ["CollectiveWeightSender", "resolve_backend"]
 
@@ -138,7 +139,7 @@ async def _after(prev: asyncio.Future[Any] | None, call: Coroutine[Any, Any, Any
     return await call
 
 
-class CollectiveWeightSender:
+class CollectiveWeightSender(GroupSender):
     """WeightTransport over a collective group (see module docstring): the engine group
     (``engines``), the stager and the stream are its parts; it is the group's
     :class:`~asyncrl.transports.weights.send_engines.Formation` and the stream's
@@ -172,15 +173,7 @@ class CollectiveWeightSender:
         # group's first collective, which blocks until every rank joins it
         self._poster = ThreadPoolExecutor(1, thread_name_prefix="weight-post")
 
-    # -- WeightTransport -----------------------------------------------------------------
-    def connect(self, engine_urls: Sequence[str] | None = None) -> None:
-        """Form the group (again, with ``engine_urls`` when given); blocks until formed."""
-        self.engines.connect(engine_urls)
-
-    def engines_changed(self, engine_urls: Sequence[str], epoch: int) -> None:
-        """The run's engine set changed (see ``base``); any thread, returns at once."""
-        self.engines.engines_changed(engine_urls, epoch)
-
+    # -- WeightTransport (connect, engines_changed: GroupSender) ----------------------------
     def close(self) -> None:
         """Wait for the push in flight, tear the group down, stop the sender's threads."""
         settle(self._last, self.cfg.timeout_s)
@@ -203,33 +196,27 @@ class CollectiveWeightSender:
             self.stager.decide_delta()
             packed = [self.stager.pack(k, tensors, version) for k in range(len(plan))]
             snap.set()
-        fut = self.engines.run(self._push(tensors, version, snap, t0, packed))
+        fut = self.engines.run(self._push(Push(tensors, version, snap, t0, packed)))
         self._last = PushHandle(version, fut, snap)
         return self._last
 
     # -- a push, on the group's loop -----------------------------------------------------
-    async def _push(
-        self,
-        tensors: dict[str, torch.Tensor],
-        version: int,
-        snap: threading.Event,
-        t_push: float,
-        packed: list[Packed] | None = None,
-    ) -> dict[str, float]:
+    async def _push(self, push: Push) -> dict[str, float]:
         """Deliver one push (re-pushed to engines that load live, on failure); its stats."""
         assert self.engines.lock is not None, "connect() first"
         async with self.engines.lock:
             t0 = time.perf_counter()
             pauses = self.engines.pauses
             try:
-                plan, attempts = await self.stream.deliver(tensors, version, snap, t_push, packed)
+                plan, attempts = await self.stream.deliver(push)
             except BaseException:
                 self.stager.forget_base()  # engines may hold anything staged: next push is full
                 raise
             finally:
-                snap.set()
+                push.snap.set()
+            version = push.version
             self.stager.pushed(version)
-            stats = self._stats(plan, version, t_push, t0, attempts)
+            stats = self._stats(plan, version, push.t_push, t0, attempts)
             stats["pauses"] = float(self.engines.pauses - pauses)  # 0 with pause_scope none
             digest = self.stream.digest
             if digest is not None and digest.engines(version, self.engines.clients):
@@ -288,12 +275,14 @@ class CollectiveWeightSender:
         offsets = [1 + sum(tps[:i]) for i in range(len(tps))]
         calls = [
             c.init_weights_update_group(
-                master_address=self.cfg.master_address,
-                master_port=port,
-                rank_offset=offsets[i],
-                world_size=world,
-                group_name=self.cfg.group_name,
-                backend=self.backend,
+                GroupSpec(
+                    master_address=self.cfg.master_address,
+                    master_port=port,
+                    rank_offset=offsets[i],
+                    world_size=world,
+                    group_name=self.cfg.group_name,
+                    backend=self.backend,
+                )
             )
             for i, c in enumerate(clients)
         ]

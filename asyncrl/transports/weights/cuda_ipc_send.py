@@ -20,8 +20,8 @@ from asyncrl.config import CudaIpcWeightsConfig
 from asyncrl.transports.weights.base import PushHandle
 from asyncrl.transports.weights.bucket import checksum
 from asyncrl.transports.weights.cuda_ipc_wire import LOAD_FORMAT, b64, dtype_name, share_storage
-from asyncrl.transports.weights.seam import TensorHandoff, WeightAdapter
-from asyncrl.transports.weights.send_engines import EngineGroup, settle
+from asyncrl.transports.weights.seam import TensorHandoff, TensorLoad, WeightAdapter
+from asyncrl.transports.weights.send_engines import EngineGroup, GroupSender, settle
 
 __all__ = ["CudaIpcWeightSender", "IpcExport"]
 
@@ -78,7 +78,7 @@ class IpcExport:
         self._key, self._held, self.layout = [], {}, {}
 
 
-class CudaIpcWeightSender:
+class CudaIpcWeightSender(GroupSender):
     """WeightTransport by CUDA IPC into colocated engines (see ``cuda_ipc_wire``): one
     control call per engine and sync, over an :class:`EngineGroup` (``engines``), whose
     :class:`~asyncrl.transports.weights.send_engines.Formation` it is."""
@@ -104,15 +104,7 @@ class CudaIpcWeightSender:
         self._event = torch.cuda.Event(interprocess=True)
         self._event_handle = b64(self._event.ipc_handle())
 
-    # -- WeightTransport -----------------------------------------------------------------
-    def connect(self, engine_urls: Sequence[str] | None = None) -> None:
-        """Form the group (again, with ``engine_urls`` when given); blocks until formed."""
-        self.engines.connect(engine_urls)
-
-    def engines_changed(self, engine_urls: Sequence[str], epoch: int) -> None:
-        """The run's engine set changed (see ``base``); any thread, returns at once."""
-        self.engines.engines_changed(engine_urls, epoch)
-
+    # -- WeightTransport (connect, engines_changed: GroupSender) ----------------------------
     def close(self) -> None:
         """Wait for the push in flight; engines unmap this sender's tensors; stop."""
         settle(self._last, self.cfg.timeout_s)
@@ -135,7 +127,7 @@ class CudaIpcWeightSender:
         await asyncio.gather(
             *(
                 _handoff(c).update_weights_from_tensor(
-                    [], load_format=LOAD_FORMAT, extra={"asyncrl_ipc": release}
+                    TensorLoad([], load_format=LOAD_FORMAT, extra={"asyncrl_ipc": release})
                 )
                 for c in self.engines.clients
             ),
@@ -220,10 +212,12 @@ class CudaIpcWeightSender:
         try:
             calls = [
                 _handoff(c).update_weights_from_tensor(
-                    serialized_named_tensors=[],
-                    load_format=LOAD_FORMAT,
-                    weight_version=str(version) if single else None,
-                    extra={"asyncrl_ipc": base if c.url in self._mapped else full},
+                    TensorLoad(
+                        serialized_named_tensors=[],
+                        load_format=LOAD_FORMAT,
+                        weight_version=str(version) if single else None,
+                        extra={"asyncrl_ipc": base if c.url in self._mapped else full},
+                    )
                 )
                 for c in clients
             ]

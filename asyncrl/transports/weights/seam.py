@@ -16,6 +16,8 @@ from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+import msgspec
+
 if TYPE_CHECKING:
     import torch
 
@@ -23,13 +25,17 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AdapterControl",
+    "BucketAnnouncement",
     "DigestCompare",
     "DigestReport",
     "EngineBadRequest",
     "EngineControl",
     "EngineError",
     "EngineUnavailable",
+    "GroupSpec",
+    "Liveness",
     "TensorHandoff",
+    "TensorLoad",
     "TrainerLink",
     "WeightAdapter",
     "WeightEngine",
@@ -63,6 +69,41 @@ class EngineUnavailable(ConnectionError):
     """The engine could not be reached or timed out (recoverable: retry elsewhere)."""
 
 
+class GroupSpec(msgspec.Struct, frozen=True):
+    """The weight group an engine joins (:meth:`EngineControl.init_weights_update_group`):
+    its ranks are ``rank_offset ..`` of a group of ``world_size`` whose rank 0 (the trainer)
+    hosts the TCP store at ``master_address:master_port``; ``group_name`` names the group
+    in later calls, ``backend`` is torch's process-group backend. Each family writes it in
+    its own wire (SGLang's ``/init_weights_update_group`` body holds exactly these
+    fields)."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = "weight_update_group"
+    backend: str = "nccl"
+
+
+class BucketAnnouncement(msgspec.Struct, frozen=True):
+    """One bucket announced to an engine (:meth:`EngineControl.update_weights_from_distributed`):
+    the tensors its one broadcast carries (``names``, ``dtypes``, ``shapes``, in order) over
+    group ``group_name``. ``flush_cache``: the engine may flush its cache after loading it
+    (the push's last bucket); ``weight_version``: the version set with it (None: set later);
+    ``load_format``: how the engine reads the broadcast (None: its default); ``extra``:
+    fields the engine ignores unless it knows them (asyncrl's bucket manifest). Each family
+    writes what its wire takes of it (SGLang: all of it; vLLM: names, dtypes, shapes)."""
+
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    flush_cache: bool = True
+    weight_version: str | None = None
+    load_format: str | None = None
+    extra: dict[str, Any] | None = None
+
+
 class EngineControl(Protocol):
     """One engine's weight-group routes, as its family's client speaks them.
 
@@ -73,15 +114,15 @@ class EngineControl(Protocol):
 
     - *form*: :meth:`get_server_info` tells how many ranks the engine joins the weight
       group with (``tp_size``: all of its ranks) and its release (``version``);
-      :meth:`init_weights_update_group` joins them as ranks ``rank_offset ..`` of a group of
-      ``world_size`` whose rank 0 (the trainer, hosting the TCP store at ``master_address:
-      master_port``) joins concurrently; it returns once the engine joined.
+      :meth:`init_weights_update_group` joins them to the :class:`GroupSpec`'s group, whose
+      rank 0 (the trainer) joins concurrently; it returns once the engine joined.
       :meth:`destroy_weights_update_group` leaves it (best effort).
     - *session*: :meth:`begin_weight_update` opens an update session (False: the engine has
       none), :meth:`end_weight_update` closes it; ``version``, when given, is the version the
       buckets of this session make (an engine that sets it on close does so; others ignore
       it and take it from :meth:`update_weight_version`).
-    - *announce*: :meth:`update_weights_from_distributed` announces one bucket: the engine
+    - *announce*: :meth:`update_weights_from_distributed` announces one bucket
+      (:class:`BucketAnnouncement`): the engine
       receives exactly one broadcast per announced bucket, in announcement order, and the
       call answers once it received (and loaded or staged) it; an error answer names why.
     - *version*: :meth:`update_weight_version` makes the loaded weights version
@@ -94,15 +135,7 @@ class EngineControl(Protocol):
 
     async def get_server_info(self) -> dict[str, Any]: ...
 
-    async def init_weights_update_group(
-        self,
-        master_address: str,
-        master_port: int,
-        rank_offset: int,
-        world_size: int,
-        group_name: str = "weight_update_group",
-        backend: str = "nccl",
-    ) -> None: ...
+    async def init_weights_update_group(self, group: GroupSpec) -> None: ...
 
     async def destroy_weights_update_group(
         self, group_name: str = "weight_update_group"
@@ -110,33 +143,17 @@ class EngineControl(Protocol):
 
     async def begin_weight_update(self) -> bool: ...
 
-    async def update_weights_from_distributed(
-        self,
-        names: list[str],
-        dtypes: list[str],
-        shapes: list[list[int]],
-        group_name: str = "weight_update_group",
-        flush_cache: bool = True,
-        weight_version: str | None = None,
-        load_format: str | None = None,
-        extra: dict[str, Any] | None = None,
-    ) -> None: ...
+    async def update_weights_from_distributed(self, bucket: BucketAnnouncement) -> None: ...
 
     async def end_weight_update(self, version: str | None = None) -> bool: ...
 
     async def update_weight_version(self, new_version: str) -> None: ...
 
 
-class WeightEngine(EngineControl, Protocol):
-    """An engine as the weight transport holds it: its weight-group routes plus generation's
-    pause and resume (around a push) and liveness (before forming). ``pause_generation``
-    stops scheduling (``abort``: in-flight requests return at once; other modes keep them),
-    ``continue_generation`` resumes; ``wait_healthy`` polls liveness until it answers,
-    else EngineUnavailable naming the engine; ``close`` releases the client's connections."""
-
-    async def pause_generation(self, mode: str = "abort") -> None: ...
-
-    async def continue_generation(self) -> None: ...
+class Liveness(Protocol):
+    """An engine whose liveness can be waited for (launchers, restarts, the transport):
+    :meth:`wait_healthy` polls it until it answers, else EngineUnavailable naming the engine
+    (after ``timeout_s``, or at once when ``gone``, asked between polls, returns a reason)."""
 
     async def wait_healthy(
         self,
@@ -144,6 +161,17 @@ class WeightEngine(EngineControl, Protocol):
         interval_s: float = 0.2,
         gone: Callable[[], str | None] | None = None,
     ) -> None: ...
+
+
+class WeightEngine(EngineControl, Liveness, Protocol):
+    """An engine as the weight transport holds it: its weight-group routes plus generation's
+    pause and resume (around a push) and liveness (before forming). ``pause_generation``
+    stops scheduling (``abort``: in-flight requests return at once; other modes keep them),
+    ``continue_generation`` resumes; ``close`` releases the client's connections."""
+
+    async def pause_generation(self, mode: str = "abort") -> None: ...
+
+    async def continue_generation(self) -> None: ...
 
     async def close(self) -> None: ...
 
@@ -171,17 +199,23 @@ class AdapterControl(Protocol):
     async def close(self) -> None: ...
 
 
-class TensorHandoff(Protocol):
-    """An engine that maps tensors handed over in-host (CUDA IPC; the embedded engine)."""
+class TensorLoad(msgspec.Struct, frozen=True):
+    """Tensors handed over in-host (:meth:`TensorHandoff.update_weights_from_tensor`):
+    ``serialized_named_tensors``, one base64 string per TP rank (may be empty when ``extra``
+    describes the hand-off); the other fields as :class:`BucketAnnouncement`'s."""
 
-    async def update_weights_from_tensor(
-        self,
-        serialized_named_tensors: list[str],
-        load_format: str | None = None,
-        flush_cache: bool = True,
-        weight_version: str | None = None,
-        extra: dict[str, Any] | None = None,
-    ) -> Any: ...
+    serialized_named_tensors: list[str]
+    load_format: str | None = None
+    flush_cache: bool = True
+    weight_version: str | None = None
+    extra: dict[str, Any] | None = None
+
+
+class TensorHandoff(Protocol):
+    """An engine that maps tensors handed over in-host (CUDA IPC; the embedded engine):
+    :meth:`update_weights_from_tensor` loads them and returns the engine's answer."""
+
+    async def update_weights_from_tensor(self, load: TensorLoad) -> Any: ...
 
 
 class TrainerLink(Protocol):

@@ -31,7 +31,7 @@ from asyncrl.transports.weights.base import EnginesLeft, PushHandle, WeightSyncE
 from asyncrl.transports.weights.pausing import pause_engines, resume_engines, traced
 from asyncrl.transports.weights.seam import EngineError, WeightAdapter, WeightEngine
 
-__all__ = ["EngineGroup", "Formation", "settle"]
+__all__ = ["EngineGroup", "Formation", "GroupSender", "settle"]
 
 log = logging.getLogger("asyncrl.weights")
 
@@ -64,6 +64,21 @@ class Formation(Protocol):
     def client_timeout_s(self) -> float:
         """How long an engine's answer may take (an answer may wait for a whole push)."""
         ...
+
+
+class GroupSender:
+    """What every sender whose engines are an :class:`EngineGroup` (``self.engines``)
+    answers of :class:`~asyncrl.transports.weights.base.WeightTransport` the same way."""
+
+    engines: EngineGroup
+
+    def connect(self, engine_urls: Sequence[str] | None = None) -> None:
+        """Form the group (again, with ``engine_urls`` when given); blocks until formed."""
+        self.engines.connect(engine_urls)
+
+    def engines_changed(self, engine_urls: Sequence[str], epoch: int) -> None:
+        """The run's engine set changed (see ``base``); any thread, returns at once."""
+        self.engines.engines_changed(engine_urls, epoch)
 
 
 class EngineGroup:

@@ -29,6 +29,7 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import msgspec
@@ -67,6 +68,20 @@ class BucketLink(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class Push:
+    """One push as the sender hands it to the group's loop: the trainer's ``tensors`` (by HF
+    name) as version ``version``; ``snap`` is set once every tensor was read (the trainer may
+    write them again); ``t_push`` when the push was asked for (``perf_counter``); ``packed``:
+    the buckets already packed (a snapshot push), else None (packed while sending)."""
+
+    tensors: dict[str, torch.Tensor]
+    version: int
+    snap: threading.Event
+    t_push: float
+    packed: list[Packed] | None = None
+
+
 class BucketStream:
     """Streams the packed buckets of one push through a :class:`BucketLink`."""
 
@@ -99,14 +114,7 @@ class BucketStream:
         budget = self.stager.budget_s(upto[k] if k < len(upto) else 0)
         return self.t_stream + budget, budget
 
-    async def deliver(
-        self,
-        tensors: dict[str, torch.Tensor],
-        version: int,
-        snap: threading.Event,
-        t_push: float,
-        packed: list[Packed] | None,
-    ) -> tuple[list[BucketManifest], int]:
+    async def deliver(self, push: Push) -> tuple[list[BucketManifest], int]:
         """Deliver one push (called holding the group's lock): attempts until one delivers
         (engines that load live: up to ``1 + repush_attempts``; an attempt that engines left
         before anything was sent does not count); the plan delivered and the attempts it took.
@@ -114,63 +122,53 @@ class BucketStream:
         Raises :class:`WeightsUndefined` once such engines were left undefined, and
         for every push after that (fatal: the engines stay as they are)."""
         if self._left_undefined is not None:
-            raise WeightsUndefined(f"v{version} not pushed: {self._left_undefined}")
+            raise WeightsUndefined(f"v{push.version} not pushed: {self._left_undefined}")
         group = self.group
         attempts = 1 + (self.stager.cfg.repush_attempts if group.loads_live else 0)
         attempt = 0
         while True:
             self._started = False  # (also when it is cancelled before it ran)
             try:
-                job = self._attempt(tensors, version, snap, t_push, packed, attempt)
+                job = self._attempt(push, attempt)
                 return await group.guarded(job), attempt + 1
             except WeightSyncError as exc:
                 if isinstance(exc, EnginesLeft) and not self._started:
-                    log.warning("v%d: %s; pushing to %s", version, exc, group.urls)
+                    log.warning("v%d: %s; pushing to %s", push.version, exc, group.urls)
                     continue  # nothing of it sent yet: the engines left get it
                 if isinstance(exc, WeightsUndefined):  # fatal as it is (nothing to re-send)
                     self._left_undefined = exc
                     raise
                 if attempt == attempts - 1:
                     if group.loads_live:
-                        self._left_undefined = self._undefined(version, attempts, exc)
+                        self._left_undefined = self._undefined(push.version, attempts, exc)
                         raise self._left_undefined from exc
                     raise
                 log.warning(
-                    "v%d: re-pushing (%s weights undefined): %s", version, group.family.name, exc
+                    "v%d: re-pushing (%s weights undefined): %s",
+                    push.version,
+                    group.family.name,
+                    exc,
                 )
                 attempt += 1
 
-    async def _attempt(
-        self,
-        tensors: dict[str, torch.Tensor],
-        version: int,
-        snap: threading.Event,
-        t_push: float,
-        packed: list[Packed] | None,
-        attempt: int,
-    ) -> list[BucketManifest]:
+    async def _attempt(self, push: Push, attempt: int) -> list[BucketManifest]:
         """One delivery of a push, the group formed first when it is not (a failed push broke
         it, or the engine set changed); the plan it delivered. ``_started`` tells whether
         anything of it reached an engine."""
         self._started = False
         if not self.group.formed:
             await self.group.reform_locked()
-        plan = self.stager.plan_for(tensors)
-        if packed is None and not attempt:
+        plan = self.stager.plan_for(push.tensors)
+        if push.packed is None and not attempt:
             self.stager.decide_delta()
-        self.snap_at = t_push
+        self.snap_at = push.t_push
         redo = self.packed if attempt and len(self.packed) == len(plan) else None
         self._started = True
-        await self._deliver(plan, tensors, version, snap, redo or packed)
+        await self._deliver(plan, push, redo or push.packed)
         return plan
 
     async def _deliver(
-        self,
-        plan: list[BucketManifest],
-        tensors: dict[str, torch.Tensor],
-        version: int,
-        snap: threading.Event,
-        packed: list[Packed] | None,
+        self, plan: list[BucketManifest], push: Push, packed: list[Packed] | None
     ) -> None:
         """One attempt: [pause] begin, buckets, end, relabel [resume]. Engines that load live
         stay paused when it fails (their weights are undefined until a re-push lands)."""
@@ -182,15 +180,15 @@ class BucketStream:
         try:
             await group.begin_sessions()
             try:
-                acks = await self.stream(plan, tensors, version, snap, packed)
+                acks = await self.stream(plan, push.tensors, push.version, push.snap, packed)
                 await self.check_acks(acks)
             except BaseException:
                 await group.end_sessions()  # without a version: these weights are not it
                 raise
-            await group.end_sessions(version)
+            await group.end_sessions(push.version)
             if self.digest is not None:
-                await self.digest.check(version, group.clients, pushed_tensors(self.packed))
-            await group.commit(version)
+                await self.digest.check(push.version, group.clients, pushed_tensors(self.packed))
+            await group.commit(push.version)
             ok = True
         finally:
             if paused and (ok or not group.loads_live):

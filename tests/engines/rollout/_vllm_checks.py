@@ -6,15 +6,13 @@ calls of each push as vLLM requires them, the stand-in's ground truth after a ru
 from __future__ import annotations
 
 import hashlib
-import json
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from asyncrl.procs import python_env
+from tests.engines.rollout._runs import start_gloo_run
 from tests.engines.rollout.vllm.server import VLLMStandIn
 
 __all__ = ["STEPS", "check_state", "check_wire", "pushes_of", "sha", "start_run"]
@@ -69,12 +67,8 @@ def check_wire(
 
 
 def start_run(tmp: Path, model_dir: Path, urls: list[str], *extra: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "asyncrl.cli", "run", "--run-dir", str(tmp / "run"), "--quiet"]
-    cmd += [f"--model.path={model_dir}", "--rollout.backend=vllm"]
-    cmd += [f"--rollout.urls={json.dumps(urls)}", "--weights.backend=gloo"]
-    cmd += [f"--controller.total_steps={STEPS}", "--controller.batch_size=2"]
-    cmd += ["--controller.max_staleness=1", "--weights.bucket_mb=1", *extra]
-    return subprocess.Popen(cmd, env=python_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    """The vLLM stand-in tests' job (:func:`~tests.engines.rollout._runs.start_gloo_run`)."""
+    return start_gloo_run("vllm", tmp, model_dir, urls, STEPS, *extra)
 
 
 def check_state(server: VLLMStandIn, pushes: int, tp: int, mode: str = "keep") -> dict[str, Any]:

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from asyncrl.engines.rollout.base import BucketAnnouncement, GroupSpec
 from asyncrl.engines.rollout.launcher import (
     LOCAL_SERVER,
     LaunchedServer,
@@ -57,7 +58,8 @@ class WeightPusher:
 
         port = free_port()
         own = asyncio.to_thread(new_weight_group, "gloo", "127.0.0.1", port, 0, 2, group_name, 60)
-        call = client.init_weights_update_group("127.0.0.1", port, 1, 2, group_name, "gloo")
+        group = GroupSpec("127.0.0.1", port, 1, 2, group_name, "gloo")
+        call = client.init_weights_update_group(group)
         self.group, _ = await asyncio.gather(own, call)
         self.group_name = group_name
 
@@ -68,7 +70,7 @@ class WeightPusher:
         from asyncrl.transports.weights.collective_wire import broadcast
 
         flat = torch.cat([t.float().flatten() for t in named.values()])
-        call = client.update_weights_from_distributed(
+        bucket = BucketAnnouncement(
             names=list(named),
             dtypes=["float32"] * len(named),
             shapes=[list(t.shape) for t in named.values()],
@@ -77,6 +79,7 @@ class WeightPusher:
             weight_version=version,
             load_format="flattened_bucket",
         )
+        call = client.update_weights_from_distributed(bucket)
         await asyncio.gather(asyncio.to_thread(broadcast, self.group, flat), call)
 
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
+import msgspec
+
 from asyncrl.config import LoraConfig, RolloutConfig, RunConfig, SGLangRolloutConfig
 from asyncrl.engines.rollout.base import (
     AdapterControl,
@@ -57,15 +59,13 @@ class MyServeWeights:
         self, engine: WeightEngine, m: BucketManifest, group_name: str, flush: bool
     ) -> Coroutine[Any, Any, None]:
         last = m.index == m.count - 1
-        return engine.update_weights_from_distributed(
-            names=[e.name for e in m.entries],
-            dtypes=[m.dtype] * len(m.entries),
-            shapes=[e.wire_shape for e in m.entries],
-            group_name=group_name,
+        bucket = msgspec.structs.replace(
+            m.announcement(group_name),
             flush_cache=last and flush,
             weight_version=str(m.version) if last else None,
             load_format="flattened_bucket",
         )
+        return engine.update_weights_from_distributed(bucket)
 
     def received(self, exc: EngineError) -> bool:
         return exc.status == 200  # an error answer: it did not take part in the broadcast

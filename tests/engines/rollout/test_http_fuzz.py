@@ -11,6 +11,7 @@ import pytest
 
 from asyncrl.bench.fuzz import greedy
 from asyncrl.bench.fuzz_http import cases, send
+from asyncrl.engines.rollout.base import GroupSpec
 from asyncrl.engines.rollout.launcher import (
     LOCAL_SERVER,
     LaunchSpec,
@@ -124,7 +125,7 @@ def test_non_object_bucket_field_gets_400(server: str) -> None:
         client = SGLangClient(server)
         try:
             own = asyncio.to_thread(new_weight_group, "gloo", "127.0.0.1", port, 0, 2, "g", 30)
-            call = client.init_weights_update_group("127.0.0.1", port, 1, 2, "g", "gloo")
+            call = client.init_weights_update_group(GroupSpec("127.0.0.1", port, 1, 2, "g", "gloo"))
             await asyncio.gather(own, call)
         finally:
             await client.close()

@@ -10,7 +10,7 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from asyncrl.core import GenerateResult
+from asyncrl.core import GenerateRequest, GenerateResult
 from asyncrl.engines.rollout.base import EngineError
 from asyncrl.engines.rollout.sglang import SGLangClient
 from asyncrl.procs import free_port, python_env, stop
@@ -52,7 +52,8 @@ async def _script(engine: Any) -> dict[str, Any]:
     sps = [{"max_new_tokens": 6, "temperature": 0.7, "top_p": 0.9}, {"max_new_tokens": 5}]
     sps.append({"max_new_tokens": 4, "temperature": 0.0, "stop_token_ids": [3]})
     ids = [[1, 2, 3], [1, 2, 3], [4, 5, 6, 7, 8]]
-    out["batch"] = [_res(r) for r in await engine.generate_batch(ids, sps, ["b", "c", "d"])]
+    batch = [GenerateRequest(i, sp, rid) for i, sp, rid in zip(ids, sps, "bcd", strict=True)]
+    out["batch"] = [_res(r) for r in await engine.generate_batch(batch)]
     events = [r async for r in engine.generate_stream([2, 3, 4], {"max_new_tokens": 7})]
     for ev in events[:-1]:  # cumulative prefixes of the final answer, unfinished
         assert (
@@ -64,7 +65,9 @@ async def _script(engine: Any) -> dict[str, Any]:
         await _refusal(engine.generate([1, 10**6], {"max_new_tokens": 2})),
         await _refusal(engine.generate([1, 2], {"temperature": "hot"})),
         await _refusal(engine.generate([1, 2], {"max_new_tokens": 2, "lora_path": "p-v1"})),
-        await _refusal(engine.generate_batch([[1], [2]], [{}], None)),
+        await _refusal(
+            engine.generate_batch([GenerateRequest([1], {}), GenerateRequest([1, 10**6], {})])
+        ),
     ]
     # last, what depends on when a pause or an abort lands (timing): a long request, paused
     # in place, relabelled (version 3), continued, then aborted. Its tokens up to the shorter

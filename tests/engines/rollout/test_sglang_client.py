@@ -9,7 +9,13 @@ import math
 import pytest
 import torch
 
-from asyncrl.engines.rollout.base import EngineBadRequest, EngineError, EngineUnavailable
+from asyncrl.core import GenerateRequest
+from asyncrl.engines.rollout.base import (
+    BucketAnnouncement,
+    EngineBadRequest,
+    EngineError,
+    EngineUnavailable,
+)
 from asyncrl.engines.rollout.launcher import LaunchedServer
 from asyncrl.engines.rollout.sglang import SGLangClient
 from asyncrl.procs import free_port
@@ -62,7 +68,8 @@ async def test_batched_generate_answers_each_item_in_order(engine_server: Launch
         greedy = {"temperature": 0, "ignore_eos": True}
         prompts = [[1, 3, 4, 5], [1, 3, 4, 5], [1, 9], [1, 3, 4, 5]]
         params = [{**greedy, "max_new_tokens": n} for n in (7, 3, 5, 1)]
-        batch = await client.generate_batch(prompts, params, ["i0", "i1", "i2", "i3"])
+        items = zip(prompts, params, ["i0", "i1", "i2", "i3"], strict=True)
+        batch = await client.generate_batch([GenerateRequest(*item) for item in items])
         alone = [await client.generate(p, sp) for p, sp in zip(prompts, params, strict=True)]
         assert [len(b.output_ids) for b in batch] == [7, 3, 5, 1]
         for b, a in zip(batch, alone, strict=True):
@@ -177,7 +184,8 @@ async def test_errors_are_typed_and_carry_the_server_message(
         with pytest.raises(EngineBadRequest, match="temprature"):
             await client.generate([1, 3], {"temprature": 0.5})
         with pytest.raises(EngineBadRequest, match="init_weights_update_group"):
-            await client.update_weights_from_distributed(["x"], ["float32"], [[1]], "no-group")
+            bucket = BucketAnnouncement(["x"], ["float32"], [[1]], "no-group")
+            await client.update_weights_from_distributed(bucket)
         with pytest.raises(ValueError, match="pause mode"):
             await client.pause_generation("sideways")
         assert await client.health()

@@ -17,8 +17,7 @@ import hashlib
 import json
 import subprocess
 import sys
-import threading
-import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +31,7 @@ from asyncrl.controllers.router import Router
 from asyncrl.engines.rollout.base import EngineBadRequest
 from asyncrl.engines.rollout.sglang import SGLangClient
 from asyncrl.transports.weights.adapter_send import AdapterFolderSender, AdapterSpec
+from tests.engines.rollout._background import generate_in_background
 from tests.engines.rollout.sglang.code import sglang_src
 from tests.engines.rollout.sglang.server import start_standin
 from tests.marks import needs_peft
@@ -81,13 +81,6 @@ def _sha(tensors: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def _wait(what: str, cond: Any, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, f"SGLang stand-in: {what} not within {timeout_s}s"
-        time.sleep(0.05)
-
-
 @pytest.mark.parametrize("version", ["0.5.10", "0.5.23"])
 def test_adapter_ring_on_sglang(version: str, tmp_path: Path, tiny_model_dir: Path) -> None:
     sglang_src(version)
@@ -95,20 +88,16 @@ def test_adapter_ring_on_sglang(version: str, tmp_path: Path, tiny_model_dir: Pa
     spec = AdapterSpec("policy", RANK, 16.0, 0.0, 2, str(tmp_path / "adapters"), "base")
     sender = AdapterFolderSender([server.url], spec, SGLangClient, timeout_s=60)
     versions, wrapped = _adapters(tiny_model_dir, 3)
-    got: dict[str, Any] = {}
     try:
         sender.push(versions[0].items(), 1).wait(60)
         assert server.state()["lora"]["sha256"] == {"policy-v1": _sha(versions[0])}
-
-        async def long_on_v1() -> None:
-            c = SGLangClient(server.url)
-            sp = {"max_new_tokens": 40, "ignore_eos": True, "lora_path": "policy-v1"}
-            got["v1"] = await c.generate([1, 3, 4], sp, rid="long.")
-            await c.close()
-
-        t = threading.Thread(target=lambda: asyncio.run(long_on_v1()))
-        t.start()
-        _wait("request 'long.' started", lambda: len(_req(server, "long.")["adapters"]) >= 3)
+        sp = {"max_new_tokens": 40, "ignore_eos": True, "lora_path": "policy-v1"}
+        t, got = generate_in_background(
+            lambda: SGLangClient(server.url),
+            [("long.", [1, 3, 4], sp)],
+            lambda: len(_req(server, "long.")["adapters"]) >= 3,
+            "SGLang stand-in: request 'long.' started",
+        )
         sender.push(versions[1].items(), 2).wait(60)  # beside v1: nothing waits
         assert len(_req(server, "long.")["adapters"]) < 40, "v2 waited for the request"
         h3 = sender.push(versions[2].items(), 3)  # the ring is full: v1 goes once unused
@@ -117,7 +106,7 @@ def test_adapter_ring_on_sglang(version: str, tmp_path: Path, tiny_model_dir: Pa
         st = server.state()
         lora = st["lora"]
         assert _req(server, "long.")["adapters"] == ["policy-v1"] * 40
-        assert len(got["v1"].output_ids) == 40
+        assert len(got["long."].output_ids) == 40
         assert lora["held"] == ["policy-v2", "policy-v3"] and lora["most_held"] == 2
         events = [next(iter(e.items())) for e in lora["events"]]
         assert [e for e in events if e[0] != "unregister"] == [
@@ -175,8 +164,12 @@ async def _resubmitted(url: str, names: AdapterNames, made: int) -> Generation:
         await client.close()
 
 
-async def _first_token(url: str, lora_path: str) -> tuple[int, float]:
-    c = SGLangClient(url)
+async def _first_token(
+    url: str, lora_path: str, client: Callable[[str], Any] = SGLangClient
+) -> tuple[int, float]:
+    """The first token of ``[1, 3, 4]`` on adapter ``lora_path`` and its log-prob, sampled
+    by the engine at ``url`` (through ``client``)."""
+    c = client(url)
     try:
         sp = {"max_new_tokens": 1, "temperature": 1.0, "lora_path": lora_path}
         res = await c.generate([1, 3, 4], sp)
@@ -190,6 +183,42 @@ def _req(server: Any, rid: str) -> dict[str, Any]:
 
 
 STEPS = 4
+LOAD_ORDER = [("load", "policy-v1"), ("load", "policy-v2")]
+"""The adapter loads and unloads of a LoRA run of STEPS steps with max_staleness=1: one load
+per step in order, the oldest unloaded first (never more than 2 held)."""
+for _v in range(3, STEPS + 1):
+    LOAD_ORDER += [("unload", f"policy-v{_v - 2}"), ("load", f"policy-v{_v}")]
+
+
+def run_lora_job(backend: str, url: str, model: Path, run_dir: Path, server_log: Path) -> None:
+    """``asyncrl run --lora.rank=8`` for STEPS steps (batch 2, max_staleness 1) against the
+    engine of ``backend`` at ``url``; it must end with rc 0 (else its output and the tail of
+    the engine's log)."""
+    from asyncrl.procs import finish, python_env
+
+    cmd = [sys.executable, "-m", "asyncrl.cli", "run", "--run-dir", str(run_dir)]
+    cmd += ["--quiet", f"--model.path={model}", f"--rollout.backend={backend}"]
+    cmd += [f"--rollout.urls={json.dumps([url])}", "--lora.rank=8"]
+    cmd += [f"--controller.total_steps={STEPS}", "--controller.batch_size=2"]
+    cmd += ["--controller.max_staleness=1", "--logging.trace.enabled=false"]
+    proc = subprocess.Popen(cmd, env=python_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    rc, out = finish(proc, 240)
+    assert rc == 0, out + server_log.read_text()[-3000:]
+
+
+def check_adapters_named(named: list[str | None], sha256: dict[str, str], run_dir: Path) -> None:
+    """What the requests of a :func:`run_lora_job` named (``named``, in order) and the last
+    version the engine held (``sha256`` of each held version)."""
+    from safetensors.torch import load_file
+
+    # The first requests: version 0, the base model. Later ones name held versions only
+    # (all answered 200); which versions get requests depends on timing, but the
+    # last step's samples are at most max_staleness=1 behind: v{STEPS-2} or v{STEPS-1}.
+    adapters = set(named) - {None}
+    assert named[0] is None and adapters <= {f"policy-v{v}" for v in range(1, STEPS + 1)}
+    assert adapters & {f"policy-v{STEPS - 2}", f"policy-v{STEPS - 1}"}, named
+    final = load_file(str(run_dir / "final" / "adapter" / "adapter_model.safetensors"))
+    assert sha256[f"policy-v{STEPS}"] == _sha(final)  # the trainer's final adapter, bit for bit
 
 
 @pytest.mark.slow
@@ -198,49 +227,27 @@ def test_lora_run_against_sglang(tmp_path: Path, tiny_model_dir: Path) -> None:
     one load per step in order, the oldest unloaded first (never more than
     ``max_staleness + 1 = 2`` held), no pause, every request on the adapter it names, and
     the last version held bit for bit as the trainer's final adapter."""
-    from safetensors.torch import load_file
-
     from asyncrl.engines.rollout.sglang.launcher import sglang_lora_args
-    from asyncrl.procs import finish, python_env
 
     sglang_src("0.5.23")
     flags = sglang_lora_args(LoraConfig(rank=8), 2)  # asyncrl's launcher flags
     server = start_standin("0.5.23", tiny_model_dir, tmp_path / "sg", step_s=0.005, flags=flags)
     try:
-        cmd = [sys.executable, "-m", "asyncrl.cli", "run", "--run-dir", str(tmp_path / "run")]
-        cmd += ["--quiet", f"--model.path={tiny_model_dir}", "--rollout.backend=sglang"]
-        cmd += [f"--rollout.urls={json.dumps([server.url])}", "--lora.rank=8"]
-        cmd += [f"--controller.total_steps={STEPS}", "--controller.batch_size=2"]
-        cmd += ["--controller.max_staleness=1", "--logging.trace.enabled=false"]
-        proc = subprocess.Popen(
-            cmd, env=python_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
-        )
-        rc, out = finish(proc, 240)
-        assert rc == 0, out + server.log.read_text()[-3000:]
+        run_lora_job("sglang", server.url, tiny_model_dir, tmp_path / "run", server.log)
         wire = [c for c in server.wire() if c["method"] == "POST"]
         paths = {c["path"] for c in wire}
         assert paths <= {"/generate", "/load_lora_adapter", "/unload_lora_adapter"}, paths
         assert all(c["status"] == 200 for c in wire), [c for c in wire if c["status"] != 200]
         lora = server.state()["lora"]
         events = [next(iter(e.items())) for e in lora["events"] if "unregister" not in e]
-        want = [("load", "policy-v1"), ("load", "policy-v2")]
-        for v in range(3, STEPS + 1):
-            want += [("unload", f"policy-v{v - 2}"), ("load", f"policy-v{v}")]
-        assert events == want
+        assert events == LOAD_ORDER
         assert lora["most_held"] == 2
         named = []  # the adapter each request named, in order (lists: a batch's items)
         for c in wire:
             if c["path"] == "/generate":
                 p = c["body"]["lora_path"]
                 named += p if isinstance(p, list) else [p]
-        # The first requests: version 0, the base model. Later ones name held versions only
-        # (all answered 200); which versions get requests depends on timing, but the
-        # last step's samples are at most max_staleness=1 behind: v{STEPS-2} or v{STEPS-1}.
-        adapters = set(named) - {None}
-        assert named[0] is None and adapters <= {f"policy-v{v}" for v in range(1, STEPS + 1)}
-        assert adapters & {f"policy-v{STEPS - 2}", f"policy-v{STEPS - 1}"}, named
-        final = load_file(str(tmp_path / "run" / "final" / "adapter" / "adapter_model.safetensors"))
-        assert lora["sha256"][f"policy-v{STEPS}"] == _sha(final)
+        check_adapters_named(named, lora["sha256"], tmp_path / "run")
         folders = sorted(p.name for p in (tmp_path / "run" / "adapters").iterdir())
         assert folders == [f"policy-v{STEPS - 1}", f"policy-v{STEPS}"]
     finally:

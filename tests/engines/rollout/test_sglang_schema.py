@@ -27,7 +27,8 @@ import pytest
 import torch
 
 from asyncrl.config import PAUSE_MODES
-from asyncrl.engines.rollout.base import EngineError
+from asyncrl.core import GenerateRequest
+from asyncrl.engines.rollout.base import BucketAnnouncement, EngineError, TensorLoad
 from asyncrl.engines.rollout.launcher import LaunchedServer
 from asyncrl.engines.rollout.sglang import SGLangClient
 from asyncrl.transports.weights.bucket import pack_into, plan_buckets, spec_of
@@ -112,7 +113,9 @@ async def _exercise(client: SGLangClient, pusher: Any) -> None:
     await client.generate([1, 3, 4], {**sp, "stop_token_ids": [2], "ignore_eos": False})
     await client.generate([1, 3], {"max_new_tokens": 2}, rid="7-1.")
     batch = [{"max_new_tokens": 2}, {"max_new_tokens": 3, "temperature": 0}]
-    await client.generate_batch([[1, 3, 4], [1, 3, 4]], batch, ["8-1.", "8-2."])
+    await client.generate_batch(
+        [GenerateRequest([1, 3, 4], batch[0], "8-1."), GenerateRequest([1, 3, 4], batch[1], "8-2.")]
+    )
     await client.abort_request("7-1.")
     await client.abort_request(abort_all=True)
     for mode in PAUSE_MODES:
@@ -130,7 +133,7 @@ async def _exercise(client: SGLangClient, pusher: Any) -> None:
     flat = torch.empty(m.nbytes, dtype=torch.uint8).view(m.torch_dtype)
     pack_into(flat, m, tensors)
     names = [e.name for e in m.entries]
-    call = client.update_weights_from_distributed(
+    bucket = BucketAnnouncement(
         names=names,
         dtypes=[m.dtype] * len(names),
         shapes=[e.wire_shape for e in m.entries],
@@ -140,9 +143,12 @@ async def _exercise(client: SGLangClient, pusher: Any) -> None:
         load_format="flattened_bucket",
         extra={"asyncrl_bucket": bucket_extra(m)},
     )
+    call = client.update_weights_from_distributed(bucket)
     await asyncio.gather(asyncio.to_thread(broadcast, pusher.group, flat), call)
     with contextlib.suppress(EngineError):  # the payload is not a real tensor handle
-        await client.update_weights_from_tensor(["aGVsbG8="], "flattened_bucket", True, "3")
+        await client.update_weights_from_tensor(
+            TensorLoad(["aGVsbG8="], "flattened_bucket", True, "3")
+        )
     await client.end_weight_update()
     await client.update_weight_version("4")
     assert await client.get_weight_version() == "4"

@@ -14,12 +14,9 @@ calls on the wire come in the order SGLang needs.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -27,7 +24,9 @@ from typing import Any
 import pytest
 import torch
 
-from asyncrl.procs import finish, pid_alive, python_env
+from asyncrl.procs import finish, pid_alive
+from tests.engines.rollout._background import check_versions, generate_in_background
+from tests.engines.rollout._runs import start_gloo_run
 from tests.engines.rollout.sglang.code import VERSIONS, sglang_src
 from tests.engines.rollout.sglang.server import StandInServer, start_standin
 
@@ -35,16 +34,12 @@ STEPS = 3
 
 
 def _run(tmp: Path, model_dir: Path, urls: list[str], *extra: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "asyncrl.cli", "run", "--run-dir", str(tmp / "run"), "--quiet"]
-    cmd += [f"--model.path={model_dir}", "--rollout.backend=sglang"]
-    cmd += [f"--rollout.urls={json.dumps(urls)}", "--weights.backend=gloo"]
-    cmd += [f"--controller.total_steps={STEPS}", "--controller.batch_size=2"]
-    cmd += ["--controller.max_staleness=1", "--weights.bucket_mb=1", *extra]
-    cmd += ["--weights.verify=full"]  # every bucket's checksum covers all its bytes (see rank.py)
-    # delta asked for: SGLang still gets full pushes (a delta payload would not match the
-    # bucket SGLang receives into, and _check_state would count it bad)
-    cmd += ["--weights.delta=auto"]
-    return subprocess.Popen(cmd, env=python_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    """The SGLang stand-in tests' job (:func:`~tests.engines.rollout._runs.start_gloo_run`),
+    every bucket's checksum covering all its bytes (see rank.py), delta asked for: SGLang
+    still gets full pushes (a delta payload would not match the bucket SGLang receives into,
+    and _check_state would count it bad)."""
+    checks = ("--weights.verify=full", "--weights.delta=auto")
+    return start_gloo_run("sglang", tmp, model_dir, urls, STEPS, *extra, *checks)
 
 
 def _finish(proc: subprocess.Popen, timeout_s: float = 240) -> tuple[int, str]:
@@ -223,31 +218,17 @@ def test_spans_expand_to_exact_token_versions(
         sender = make_weight_transport(cfg, [server.url], "cpu", "retract", "sglang")
         sender.connect()
         weights = load_file(str(tiny_model_dir / "model.safetensors"))
-        results: dict[str, Any] = {}
-
-        async def generate() -> None:
-            c = SGLangClient(server.url)
-            sp = {"max_new_tokens": 60, "ignore_eos": True}
-            rids = [f"s{i}." for i in range(3)]
-            out = await asyncio.gather(*(c.generate([1, 3, 4], sp, rid=r) for r in rids))
-            results.update(zip(rids, out, strict=True))
-            await c.close()
-
-        t = threading.Thread(target=lambda: asyncio.run(generate()))
-        t.start()
-        deadline = time.monotonic() + 60
-        while not any(len(r["truth"]) >= 5 for r in server.state()["reqs"].values()):
-            assert time.monotonic() < deadline, "no request started"
-            time.sleep(0.05)
+        sp = {"max_new_tokens": 60, "ignore_eos": True}
+        t, results = generate_in_background(
+            lambda: SGLangClient(server.url),
+            [(f"s{i}.", [1, 3, 4], sp) for i in range(3)],
+            lambda: any(len(r["truth"]) >= 5 for r in server.state()["reqs"].values()),
+            "a request started",
+        )
         sender.push(((n, w + 1) for n, w in weights.items()), 1).wait(120)
         t.join(120)
         st = server.state()
-        spanned = 0
-        for rid, res in results.items():
-            truth = st["reqs"][rid]["truth"]
-            assert res.token_versions() == truth, (rid, res.versions, truth)
-            spanned += len(set(truth)) > 1
-        assert spanned, "no request spanned the push"
+        check_versions(results, st["reqs"])
         assert st["mixed_tokens"] == 0 and st["label_errors"] == 0
         want = {
             n: hashlib.sha256((w + 1).contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()

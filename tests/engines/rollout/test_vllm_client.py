@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from asyncrl.config import VLLMRolloutConfig
+from asyncrl.core import GenerateRequest
 from asyncrl.engines.rollout.base import EngineUnavailable
-from asyncrl.engines.rollout.launcher import KEYED, launch_command
+from asyncrl.engines.rollout.launcher import KEYED, ServerSite, launch_command
 from asyncrl.engines.rollout.vllm import auth
 from asyncrl.engines.rollout.vllm.auth import MIDDLEWARE
 from asyncrl.engines.rollout.vllm.client import VLLMClient, expand_spans, vllm_sampling
@@ -155,9 +156,8 @@ async def test_generate_batch_sends_a_group_as_one_request_with_n(vllm: VLLMStan
     c = VLLMClient(vllm.url, record=True)
     try:
         sp = {**SP, "max_new_tokens": 6}
-        out = await c.generate_batch(
-            [[1, 3], [1, 3], [1, 3], [4]], [sp] * 4, ["n0", "n1", "n2", "x"]
-        )
+        group = [GenerateRequest([1, 3], sp, rid) for rid in ("n0", "n1", "n2")]
+        out = await c.generate_batch([*group, GenerateRequest([4], sp, "x")])
         assert c.sent is not None
         bodies = sorted(
             (b for _, p, b in c.sent if p.endswith("generate")), key=lambda b: b["request_id"]
@@ -175,7 +175,8 @@ async def test_generate_batch_sends_a_group_as_one_request_with_n(vllm: VLLMStan
         assert out[3].output_ids == st["x"]["output"]
 
         long = {**SP, "max_new_tokens": 500}
-        task = asyncio.ensure_future(c.generate_batch([[2], [2]], [long, long], ["b0", "b1"]))
+        pair = [GenerateRequest([2], long, "b0"), GenerateRequest([2], long, "b1")]
+        task = asyncio.ensure_future(c.generate_batch(pair))
         await _until_tokens(vllm, "1_b0")
         await c.abort_request("b1")  # a member: vLLM aborts the parent with its children
         res = await asyncio.wait_for(task, 30)
@@ -281,7 +282,7 @@ def test_buckets_are_vllm_packed_chunks() -> None:
 
 def test_launch_command() -> None:
     rc = VLLMRolloutConfig(tp_size=2, gpu_memory_utilization=0.5, dtype="bfloat16")
-    spec = vllm_spec(rc, "/m", 8000, "127.0.0.1", 2, 7)
+    spec = vllm_spec(rc, ServerSite("/m", 8000, "127.0.0.1", 2, 7, "bfloat16", "127.0.0.1"))
     assert spec.entry_point == (VLLM_CLI, "serve")
     assert spec.env["VLLM_SERVER_DEV_MODE"] == "1" and spec.env["CUDA_VISIBLE_DEVICES"] == "2,3"
     args = list(spec.extra_args)

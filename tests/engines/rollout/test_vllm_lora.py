@@ -10,13 +10,7 @@ is refused (404), never reloaded; so the sender keeps an unloaded version's fold
 from __future__ import annotations
 
 import asyncio
-import json
-import subprocess
-import sys
-import threading
-import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -25,9 +19,19 @@ from asyncrl.engines.rollout.base import EngineBadRequest
 from asyncrl.engines.rollout.factory import weight_family
 from asyncrl.engines.rollout.vllm.client import VLLMClient
 from asyncrl.engines.rollout.vllm.launcher import VLLM_LORA_ENV, vllm_lora_args
-from asyncrl.procs import finish, python_env
 from asyncrl.transports.weights.adapter_send import AdapterFolderSender, AdapterSpec
-from tests.engines.rollout.test_sglang_lora import RANK, TARGETS, _adapters, _peft_logprobs, _sha
+from tests.engines.rollout._background import generate_in_background
+from tests.engines.rollout.test_sglang_lora import (
+    LOAD_ORDER,
+    RANK,
+    TARGETS,
+    _adapters,
+    _first_token,
+    _peft_logprobs,
+    _sha,
+    check_adapters_named,
+    run_lora_job,
+)
 from tests.engines.rollout.vllm.server import start_vllm
 from tests.marks import needs_peft
 
@@ -50,22 +54,15 @@ def test_adapter_ring_on_vllm(tmp_path: Path, tiny_model_dir: Path) -> None:
     spec = AdapterSpec("policy", RANK, 16.0, 0.0, 2, str(tmp_path / "adapters"), "base")
     sender = AdapterFolderSender([server.url], spec, family.adapters, 60, keep_folders=True)
     versions, wrapped = _adapters(tiny_model_dir, 3)
-    got: dict[str, Any] = {}
     try:
         sender.push(versions[0].items(), 1).wait(60)
-
-        async def long_on_v1() -> None:
-            c = VLLMClient(server.url)
-            sp = {"max_new_tokens": 30, "ignore_eos": True, "lora_path": "policy-v1"}
-            got["v1"] = await c.generate([1, 3, 4], sp, rid="long")
-            await c.close()
-
-        t = threading.Thread(target=lambda: asyncio.run(long_on_v1()))
-        t.start()
-        deadline = time.monotonic() + 60
-        while len(server.state()["reqs"].get("long", {}).get("adapters", [])) < 3:
-            assert time.monotonic() < deadline, "vLLM stand-in: request 'long' did not start"
-            time.sleep(0.05)
+        sp = {"max_new_tokens": 30, "ignore_eos": True, "lora_path": "policy-v1"}
+        t, _ = generate_in_background(
+            lambda: VLLMClient(server.url),
+            [("long", [1, 3, 4], sp)],
+            lambda: len(server.state()["reqs"].get("long", {}).get("adapters", [])) >= 3,
+            "vLLM stand-in: request 'long' started",
+        )
         sender.push(versions[1].items(), 2).wait(60)
         sender.push(versions[2].items(), 3).wait(60)  # vLLM's unload of v1 does not wait
         assert len(server.state()["reqs"]["long"]["adapters"]) < 30, "the push waited"
@@ -84,27 +81,14 @@ def test_adapter_ring_on_vllm(tmp_path: Path, tiny_model_dir: Path) -> None:
             assert lora["sha256"][f"policy-v{v}"] == _sha(tensors)
         assert (tmp_path / "adapters" / "policy-v1").is_dir()  # kept: see the module doc
         ref = _peft_logprobs(wrapped, versions[2], [1, 3, 4])
-        tok, lp = asyncio.run(_first_token(server.url, "policy-v3"))
+        tok, lp = asyncio.run(_first_token(server.url, "policy-v3", VLLMClient))
         assert abs(lp - float(ref[tok])) < 1e-4
         with pytest.raises(EngineBadRequest, match="policy-v1` does not exist"):
-            asyncio.run(_first_token(server.url, "policy-v1"))
+            asyncio.run(_first_token(server.url, "policy-v1", VLLMClient))
         assert not any(c["path"] == "/pause" for c in server.wire())
     finally:
         sender.close()
         server.stop()
-
-
-async def _first_token(url: str, lora_path: str) -> tuple[int, float]:
-    c = VLLMClient(url)
-    try:
-        sp = {"max_new_tokens": 1, "temperature": 1.0, "lora_path": lora_path}
-        res = await c.generate([1, 3, 4], sp)
-        return res.output_ids[0], res.logprobs[0]
-    finally:
-        await c.close()
-
-
-STEPS = 4
 
 
 @pytest.mark.slow
@@ -112,24 +96,13 @@ def test_lora_run_against_vllm(tmp_path: Path, tiny_model_dir: Path) -> None:
     """``asyncrl run --lora.rank=8 --rollout.backend=vllm``: one load per step in order, the
     oldest unloaded first, no pause, the requests name their versions, and the last
     version held bit for bit as the trainer's final adapter."""
-    from safetensors.torch import load_file
-
     lc = LoraConfig(rank=8)
     flags = _flags(lc, lc.target_modules)
     server = start_vllm(
         tiny_model_dir, tmp_path / "vl", step_s=0.005, flags=flags, env=VLLM_LORA_ENV
     )
     try:
-        cmd = [sys.executable, "-m", "asyncrl.cli", "run", "--run-dir", str(tmp_path / "run")]
-        cmd += ["--quiet", f"--model.path={tiny_model_dir}", "--rollout.backend=vllm"]
-        cmd += [f"--rollout.urls={json.dumps([server.url])}", "--lora.rank=8"]
-        cmd += [f"--controller.total_steps={STEPS}", "--controller.batch_size=2"]
-        cmd += ["--controller.max_staleness=1", "--logging.trace.enabled=false"]
-        proc = subprocess.Popen(
-            cmd, env=python_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
-        )
-        rc, out = finish(proc, 240)
-        assert rc == 0, out + server.log.read_text()[-3000:]
+        run_lora_job("vllm", server.url, tiny_model_dir, tmp_path / "run", server.log)
         wire = [c for c in server.wire() if c["method"] == "POST"]
         paths = {c["path"] for c in wire}
         assert paths <= {
@@ -139,18 +112,8 @@ def test_lora_run_against_vllm(tmp_path: Path, tiny_model_dir: Path) -> None:
         }
         assert all(c["status"] == 200 for c in wire), [c for c in wire if c["status"] != 200]
         lora = server.state()["lora"]
-        want = [("load", "policy-v1"), ("load", "policy-v2")]
-        for v in range(3, STEPS + 1):
-            want += [("unload", f"policy-v{v - 2}"), ("load", f"policy-v{v}")]
-        assert [next(iter(e.items())) for e in lora["events"]] == want
+        assert [next(iter(e.items())) for e in lora["events"]] == LOAD_ORDER
         named = [c["body"]["model"] for c in wire if c["path"] == "/inference/v1/generate"]
-        # The first requests: version 0, the base model. Later ones name held versions only
-        # (all answered 200); which versions get requests depends on timing, but the
-        # last step's samples are at most max_staleness=1 behind: v{STEPS-2} or v{STEPS-1}.
-        adapters = set(named) - {None}
-        assert named[0] is None and adapters <= {f"policy-v{v}" for v in range(1, STEPS + 1)}
-        assert adapters & {f"policy-v{STEPS - 2}", f"policy-v{STEPS - 1}"}, named
-        final = load_file(str(tmp_path / "run" / "final" / "adapter" / "adapter_model.safetensors"))
-        assert lora["sha256"][f"policy-v{STEPS}"] == _sha(final)
+        check_adapters_named(named, lora["sha256"], tmp_path / "run")
     finally:
         server.stop()

@@ -15,15 +15,14 @@ test_vllm_standin_two_engines.py (separate files: pytest-xdist puts them on othe
 
 from __future__ import annotations
 
-import asyncio
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from asyncrl.procs import python_env
+from tests.engines.rollout._background import check_versions, generate_in_background
 from tests.engines.rollout._vllm_checks import check_wire, sha
 from tests.engines.rollout.vllm.server import VLLMStandIn, start_vllm
 
@@ -45,34 +44,20 @@ def test_pushes_are_exact_and_keep_versions_exact(tmp_path: Path, tiny_model_dir
         sender = make_weight_transport(cfg, [server.url], "cpu", "keep", "vllm")
         sender.connect()
         weights = load_file(str(tiny_model_dir / "model.safetensors"))
-        results: dict[str, Any] = {}
-
-        async def generate() -> None:
-            c = VLLMClient(server.url)
-            sp = {"max_new_tokens": 80, "ignore_eos": True}
-            rids = [f"s{i}" for i in range(3)]
-            out = await asyncio.gather(*(c.generate([1, 3, 4], sp, rid=r) for r in rids))
-            results.update(zip(rids, out, strict=True))
-            await c.close()
-
-        t = threading.Thread(target=lambda: asyncio.run(generate()))
-        t.start()
-        deadline = time.monotonic() + 60
-        while not any(len(r["truth"]) >= 5 for r in server.state()["reqs"].values()):
-            assert time.monotonic() < deadline, "no request started"
-            time.sleep(0.05)
+        sp = {"max_new_tokens": 80, "ignore_eos": True}
+        t, results = generate_in_background(
+            lambda: VLLMClient(server.url),
+            [(f"s{i}", [1, 3, 4], sp) for i in range(3)],
+            lambda: any(len(r["truth"]) >= 5 for r in server.state()["reqs"].values()),
+            "a request started",
+        )
         for v in (1, 2):
             sender.push(((n, w + v) for n, w in weights.items()), v).wait(120)
             time.sleep(0.2)
         t.join(120)
         st = server.state()
-        spanned = 0
-        for rid, res in results.items():
-            truth = st["reqs"][rid]["truth"]
-            assert res.token_versions() == truth, (rid, res.versions, truth)
-            assert res.finish_reason == "length"
-            spanned += len(set(truth)) > 1
-        assert spanned, "no request spanned a push"
+        check_versions(results, st["reqs"])
+        assert all(res.finish_reason == "length" for res in results.values())
         assert st["mixed_tokens"] == 0 and st["label_errors"] == 0
         want = {n: sha(w + 2) for n, w in weights.items()}
         assert st["sha256"]["rank0"] == want and st["sha256"]["rank1"] == want

@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -116,20 +117,36 @@ def push(
     pushes: list[tuple[dict[str, torch.Tensor], int]],
     cfg: WeightSyncConfig = CFG,
 ) -> list:
-    """Connect a sender to ``urls``, push each (weights, version), return stats or errors."""
+    """Connect a sender to ``urls``, push each (weights, version), return stats or errors;
+    the stats say whether the push chunked a tensor."""
     sender = make_weight_transport(cfg, urls, "cpu")
+
+    def chunked(stats: dict) -> None:
+        stats["chunked"] = any(not e.whole for m in sender.stager.plan for e in m.entries)
+
+    return push_each(sender, pushes, 60, chunked)
+
+
+def push_each(
+    sender: Any,
+    pushes: list[tuple[dict[str, torch.Tensor], int]],
+    timeout_s: float,
+    note: Callable[[dict], None] | None = None,
+) -> list:
+    """Connect ``sender``, push each (weights, version) in turn, close it: the stats of each
+    push (``note`` adds to them) or its WeightSyncError."""
     out: list = []
     try:
         sender.connect()
         for w, version in pushes:
             handle = sender.push(w.items(), version)
-            handle.wait_snapshot(60)
+            handle.wait_snapshot(timeout_s)
             try:
-                out.append(handle.wait(60))
+                out.append(handle.wait(timeout_s))
             except WeightSyncError as exc:
                 out.append(exc)
-            if isinstance(out[-1], dict):
-                out[-1]["chunked"] = any(not e.whole for m in sender.stager.plan for e in m.entries)
+            if note is not None and isinstance(out[-1], dict):
+                note(out[-1])
     finally:
         sender.close()
     return out

@@ -13,7 +13,7 @@ from asyncrl.engines.rollout.factory import make_weight_transport
 from asyncrl.transports.weights.base import WeightSyncError
 from asyncrl.transports.weights.bucket import checksum
 from asyncrl.transports.weights.cuda_ipc_send import IpcExport
-from tests.transports.weights.test_collective import engines, state
+from tests.transports.weights.test_collective import engines, push_each, state
 
 
 def gpu_engines(model_dir: Path, tmp: Path, faults: list[str]) -> contextlib.AbstractContextManager:
@@ -43,19 +43,7 @@ def push_all(
 ) -> list[object]:
     """Push each (weights, version) through one sender; the stats or the error of each."""
     sender = make_weight_transport(CudaIpcWeightsConfig(**cfg), urls, "cuda")
-    out: list[object] = []
-    try:
-        sender.connect()
-        for w, version in pushes:
-            handle = sender.push(w.items(), version)
-            handle.wait_snapshot(120)
-            try:
-                out.append(handle.wait(120))
-            except WeightSyncError as exc:
-                out.append(exc)
-    finally:
-        sender.close()
-    return out
+    return push_each(sender, pushes, 120)
 
 
 @pytest.mark.gpu

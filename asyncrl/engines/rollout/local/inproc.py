@@ -37,23 +37,26 @@ from typing import Any
 import msgspec
 
 from asyncrl.config import PAUSE_MODES
-from asyncrl.core import GenerateResult
+from asyncrl.core import GenerateRequest, GenerateResult
 from asyncrl.engines.rollout.base import (
+    BucketAnnouncement,
     EngineBadRequest,
     EngineError,
+    GroupSpec,
+    PolledHealth,
+    batch_rids,
     distributed_update_body,
     parse_sglang_generate,
-    poll_healthy,
     weight_group_body,
 )
 from asyncrl.engines.rollout.checks import BadRequest
 from asyncrl.engines.rollout.local.engine import LocalEngine, Request
-from asyncrl.engines.rollout.local.server import EngineServer, _answer, load_engine
+from asyncrl.engines.rollout.local.server import EngineServer, _answer, load_engine, progress
 
 __all__ = ["InProcEngine"]
 
 
-class InProcEngine:
+class InProcEngine(PolledHealth):
     """A :class:`LocalEngine` of this process as a rollout engine and its controls.
 
     ``owns``: :meth:`stop` stops the engine (:meth:`load` makes such a client); ``close``
@@ -95,20 +98,11 @@ class InProcEngine:
         rids = None if rid is None else [rid]
         return (await self._complete([input_ids], [sampling_params], rids))[0]
 
-    async def generate_batch(
-        self,
-        input_ids: list[list[int]],
-        sampling_params: list[dict[str, Any]],
-        rids: list[str] | None = None,
-    ) -> list[GenerateResult]:
+    async def generate_batch(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
         """Several completions queued together (one prefill), answered in order."""
-        n = len(input_ids)
-        for key, items in (("sampling_params", sampling_params), ("rid", rids)):
-            if items is not None and len(items) != n:  # the server's words for it
-                raise EngineBadRequest(
-                    "/generate", 400, f"{key} has {len(items)} entries for {n} input_ids"
-                )
-        return await self._complete(input_ids, sampling_params, rids)
+        rids = batch_rids(requests)
+        input_ids = [r.input_ids for r in requests]
+        return await self._complete(input_ids, [r.sampling_params for r in requests], rids)
 
     async def generate_stream(
         self, input_ids: list[int], sampling_params: dict[str, Any], rid: str | None = None
@@ -120,20 +114,9 @@ class InProcEngine:
         # as the server's streamed /generate: a lora_path is not pinned (the request runs on
         # the newest adapter version when it joins; server.EngineServer._stream)
         [req] = self._requests([input_ids], [sampling_params], rids, pin=False)
-        progress = req.progress = asyncio.Event()
-        self.engine.submit(req)
-        sent = -1
         try:
-            while True:
-                await progress.wait()
-                progress.clear()
-                done = req.future.done()
-                n = len(req.logprobs)  # complete tokens: appended last (engine.Request)
-                if n > sent or done:
-                    sent = n
-                    yield parse_sglang_generate(_answer(req, True, n), partial=True)
-                if done and n == len(req.output_ids):
-                    return
+            async for n in progress(self.engine, req):
+                yield parse_sglang_generate(_answer(req, True, n), partial=True)
         finally:
             if not req.future.done():  # the reader went away (cancelled or closed early)
                 await asyncio.shield(asyncio.to_thread(self.engine.abort, req.rid))
@@ -214,19 +197,9 @@ class InProcEngine:
         resp = await self.server.get_server_info(None)  # type: ignore[arg-type]  # unread
         return dict(json.loads(resp.text or "{}"))
 
-    async def init_weights_update_group(
-        self,
-        master_address: str,
-        master_port: int,
-        rank_offset: int,
-        world_size: int,
-        group_name: str = "weight_update_group",
-        backend: str = "nccl",
-    ) -> None:
+    async def init_weights_update_group(self, group: GroupSpec) -> None:
         """Join the weight group as rank ``rank_offset`` (returns once joined)."""
-        body = weight_group_body(
-            master_address, master_port, rank_offset, world_size, group_name, backend
-        )
+        body = weight_group_body(group)
         await self._weights("/init_weights_update_group", self.server.weights.init_group, body)
 
     async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
@@ -242,21 +215,9 @@ class InProcEngine:
     async def end_weight_update(self, version: str | None = None) -> bool:
         return False
 
-    async def update_weights_from_distributed(
-        self,
-        names: list[str],
-        dtypes: list[str],
-        shapes: list[list[int]],
-        group_name: str = "weight_update_group",
-        flush_cache: bool = True,
-        weight_version: str | None = None,
-        load_format: str | None = None,
-        extra: dict[str, Any] | None = None,
-    ) -> None:
+    async def update_weights_from_distributed(self, bucket: BucketAnnouncement) -> None:
         """Receive and stage one announced bucket (the HTTP route's body and checks)."""
-        body = distributed_update_body(
-            names, dtypes, shapes, group_name, flush_cache, weight_version, load_format, extra
-        )
+        body = distributed_update_body(bucket)
         await self._weights(
             "/update_weights_from_distributed", self.server.weights.update_from_distributed, body
         )
@@ -281,22 +242,9 @@ class InProcEngine:
         return out
 
     # -- liveness -------------------------------------------------------------------------
-    async def health(self) -> bool:
-        """True while the engine's scheduler runs and no step is stuck; never raises."""
-        return self.engine.health() is None
-
-    async def wait_healthy(
-        self,
-        timeout_s: float,
-        interval_s: float = 0.2,
-        gone: Callable[[], str | None] | None = None,
-    ) -> None:
-        """Poll :meth:`health` until it holds, else EngineUnavailable naming the reason."""
-
-        async def why_unhealthy() -> str | None:
-            return self.engine.health()
-
-        await poll_healthy(self.url, why_unhealthy, timeout_s, interval_s, gone)
+    async def _why_unhealthy(self) -> str | None:
+        """The engine's scheduler runs and no step is stuck (:meth:`health`)."""
+        return self.engine.health()
 
     async def close(self) -> None:
         """Nothing to release (no connections); the engine keeps serving."""

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from asyncrl.engines.rollout.local.checks import BadRequest
+from asyncrl.engines.rollout.checks import BadRequest
 
 __all__ = ["AdapterRing", "LoraLinear", "LoraSpec", "UnknownAdapter"]
 

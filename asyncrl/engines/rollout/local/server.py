@@ -28,6 +28,7 @@ import contextlib
 import json
 import logging
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 import torch
@@ -84,6 +85,25 @@ def _answer(req: Request, logprobs: bool, n: int | None = None) -> dict[str, Any
             [lp, tok, None] for lp, tok in zip(req.logprobs[:n], ids, strict=True)
         ]
     return {"text": "", "output_ids": ids, "meta_info": meta}
+
+
+async def progress(engine: LocalEngine, req: Request) -> AsyncIterator[int]:
+    """Submit ``req`` to ``engine`` and yield its count of complete tokens after each step
+    that made some, and once it finished (the last count: its whole answer). The caller
+    aborts ``req`` when it stops reading early (cancelled, closed, its reader gone)."""
+    event = req.progress = asyncio.Event()
+    engine.submit(req)
+    sent = -1
+    while True:
+        await event.wait()
+        event.clear()
+        done = req.future.done()
+        n = len(req.logprobs)  # complete tokens: appended last (engine.Request)
+        if n > sent or done:
+            sent = n
+            yield n
+        if done and n == len(req.output_ids):
+            return
 
 
 def _spans(versions: list[str]) -> list[dict[str, Any]]:
@@ -177,21 +197,10 @@ class EngineServer:
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
         await resp.prepare(request)
-        progress = req.progress = asyncio.Event()
-        self.engine.submit(req)
-        sent = -1
         try:
-            while True:
-                await progress.wait()
-                progress.clear()
-                done = req.future.done()
-                n = len(req.logprobs)  # complete tokens: appended last (engine.Request)
-                if n > sent or done:
-                    chunk = json.dumps(_answer(req, logprobs, n)).encode()
-                    await resp.write(b"data: " + chunk + b"\n\n")
-                    sent = n
-                if done and n == len(req.output_ids):
-                    break
+            async for n in progress(self.engine, req):
+                chunk = json.dumps(_answer(req, logprobs, n)).encode()
+                await resp.write(b"data: " + chunk + b"\n\n")
             await resp.write(b"data: [DONE]\n\n")
         except (asyncio.CancelledError, ConnectionError):  # the reader went away
             await asyncio.shield(asyncio.to_thread(self.engine.abort, req.rid))

@@ -20,7 +20,7 @@ The flags of SGLang server processes: :mod:`asyncrl.engines.rollout.sglang.launc
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -28,16 +28,20 @@ import msgspec
 
 from asyncrl import secret
 from asyncrl.config import PAUSE_MODES
-from asyncrl.core import GenerateResult
+from asyncrl.core import GenerateRequest, GenerateResult
 from asyncrl.engines.rollout.base import (
+    BucketAnnouncement,
     EngineBadRequest,
     EngineError,
     EngineUnavailable,
+    GroupSpec,
     KeyedHttp,
+    PolledHealth,
+    TensorLoad,
+    batch_rids,
     distributed_update_body,
     failure,
     parse_sglang_generate,
-    poll_healthy,
     set_optional,
     weight_group_body,
 )
@@ -70,7 +74,7 @@ def _is_json_object(raw: bytes) -> bool:
         return False
 
 
-class SGLangClient(KeyedHttp):
+class SGLangClient(KeyedHttp, PolledHealth):
     """One SGLang-protocol server at ``base_url``. Create and use it inside one event loop.
 
     ``record=True`` keeps every request sent as ``(method, path, body)`` in
@@ -155,26 +159,22 @@ class SGLangClient(KeyedHttp):
         async for res in read_generate_stream(self._http(), self.url + "/generate", body):
             yield res
 
-    async def generate_batch(
-        self,
-        input_ids: list[list[int]],
-        sampling_params: list[dict[str, Any]],
-        rids: list[str] | None = None,
-    ) -> list[GenerateResult]:
-        """Several completions in one ``/generate`` (SGLang's list form), answered in order
-        once all finished; as :meth:`generate` per item."""
+    async def generate_batch(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
+        """Several completions in one ``/generate`` (SGLang's list form: one list per field),
+        answered in order once all finished; as :meth:`generate` per item."""
+        rids = batch_rids(requests)
         body: dict[str, Any] = {
-            "input_ids": [[int(t) for t in ids] for ids in input_ids],
-            "sampling_params": [dict(sp) for sp in sampling_params],
+            "input_ids": [[int(t) for t in r.input_ids] for r in requests],
+            "sampling_params": [dict(r.sampling_params) for r in requests],
             "return_logprob": True,
         }
         _move_lora_path(body)
         if rids is not None:
-            body["rid"] = [str(r) for r in rids]
+            body["rid"] = rids
         out = await self._call("POST", "/generate", body)
-        if not isinstance(out, list) or len(out) != len(input_ids):
+        if not isinstance(out, list) or len(out) != len(requests):
             got = f"{len(out)} answers" if isinstance(out, list) else type(out).__name__
-            raise EngineError("/generate", 200, f"batch of {len(input_ids)}: got {got}")
+            raise EngineError("/generate", 200, f"batch of {len(requests)}: got {got}")
         return [parse_sglang_generate(o) for o in out]
 
     async def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
@@ -221,56 +221,26 @@ class SGLangClient(KeyedHttp):
         return "incomplete" if "has an incomplete unload" in text else ""
 
     # -- weights -----------------------------------------------------------------------
-    async def init_weights_update_group(
-        self,
-        master_address: str,
-        master_port: int,
-        rank_offset: int,
-        world_size: int,
-        group_name: str = "weight_update_group",
-        backend: str = "nccl",
-    ) -> None:
+    async def init_weights_update_group(self, group: GroupSpec) -> None:
         """Join the weight-sync process group as ranks ``rank_offset..`` (blocks until formed)."""
-        body = weight_group_body(
-            master_address, master_port, rank_offset, world_size, group_name, backend
-        )
-        await self._call("POST", "/init_weights_update_group", body)
+        await self._call("POST", "/init_weights_update_group", weight_group_body(group))
 
-    async def update_weights_from_distributed(
-        self,
-        names: list[str],
-        dtypes: list[str],
-        shapes: list[list[int]],
-        group_name: str = "weight_update_group",
-        flush_cache: bool = True,
-        weight_version: str | None = None,
-        load_format: str | None = None,
-        extra: dict[str, Any] | None = None,
-    ) -> None:
+    async def update_weights_from_distributed(self, bucket: BucketAnnouncement) -> None:
         """Receive one broadcast of the named tensors (``load_format="flattened_bucket"``:
         one flat buffer). ``flush_cache=True`` commits; ``weight_version`` is set with it.
         ``extra`` adds fields SGLang ignores (asyncrl's bucket manifest)."""
-        body = distributed_update_body(
-            names, dtypes, shapes, group_name, flush_cache, weight_version, load_format, extra
-        )
+        body = distributed_update_body(bucket)
         await self._call("POST", "/update_weights_from_distributed", body)
 
-    async def update_weights_from_tensor(
-        self,
-        serialized_named_tensors: list[str],
-        load_format: str | None = None,
-        flush_cache: bool = True,
-        weight_version: str | None = None,
-        extra: dict[str, Any] | None = None,
-    ) -> Any:
+    async def update_weights_from_tensor(self, load: TensorLoad) -> Any:
         """Load tensors handed over in-host (CUDA IPC handles), one base64 string per TP rank.
         ``extra`` adds fields SGLang ignores (asyncrl's IPC descriptor); returns the answer."""
         body: dict[str, Any] = {
-            "serialized_named_tensors": [str(s) for s in serialized_named_tensors],
-            "flush_cache": bool(flush_cache),
+            "serialized_named_tensors": [str(s) for s in load.serialized_named_tensors],
+            "flush_cache": bool(load.flush_cache),
             "abort_all_requests": False,
         }
-        set_optional(body, weight_version, load_format, extra)
+        set_optional(body, load.weight_version, load.load_format, load.extra)
         return await self._call("POST", "/update_weights_from_tensor", body)
 
     async def begin_weight_update(self) -> bool:
@@ -342,34 +312,18 @@ class SGLangClient(KeyedHttp):
         return out
 
     # -- liveness ----------------------------------------------------------------------
-    async def health(self) -> bool:
-        """True when the server answers ``/model_info`` (``/get_model_info``); never raises.
+    async def _why_unhealthy(self) -> str | None:
+        """The server answers ``/model_info`` (``/get_model_info``) (:meth:`health`).
 
         A liveness probe, cheap on every server. Not SGLang's ``/health``: that runs a
         one-token generation (>= 1 s; 503 after 20 s while generation is paused;
         0.5.23 http_server.py:721-799), so it fails during every long weight update.
         """
-        return await self._why_unhealthy() is None
-
-    async def _why_unhealthy(self) -> str | None:
         return await failure(self._get_either(("/model_info", "/get_model_info")))
 
-    async def wait_healthy(
-        self,
-        timeout_s: float,
-        interval_s: float = 0.2,
-        gone: Callable[[], str | None] | None = None,
-    ) -> None:
-        """Poll liveness until it answers or ``timeout_s`` passes: then EngineUnavailable
-        naming the URL, the timeout and the last failure. ``gone`` (optional) is asked
-        between polls: a reason it returns (e.g. "the process exited with 1") ends the wait
-        at once with EngineUnavailable naming the URL and that reason. The one health wait:
-        launchers, the run and benchmarks all wait through it."""
-
-        def refused(why: str) -> str | None:  # no retry mends a 401 (docs/security.md)
-            return f"{secret.refused(self.url)} ({why})" if " -> 401: " in why else None
-
-        await poll_healthy(self.url, self._why_unhealthy, timeout_s, interval_s, gone, refused)
+    def _fatal(self, why: str) -> str | None:
+        """A refused key (401): no retry mends it (docs/security.md)."""
+        return f"{secret.refused(self.url)} ({why})" if " -> 401: " in why else None
 
 
 def _move_lora_path(body: dict[str, Any]) -> None:

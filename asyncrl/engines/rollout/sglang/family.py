@@ -12,6 +12,8 @@ from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from asyncrl.config import LoraConfig, RolloutConfig, RunConfig, SGLangRolloutConfig
 from asyncrl.engines.rollout.base import (
     AdapterControl,
@@ -79,18 +81,15 @@ class SGLangWeights:
     ) -> Coroutine[Any, Any, None]:
         from asyncrl.transports.weights.collective_wire import bucket_extra
 
-        names = [e.name for e in m.entries]
         last = m.index == m.count - 1
-        return engine.update_weights_from_distributed(
-            names=names,
-            dtypes=[m.dtype] * len(names),
-            shapes=[e.wire_shape for e in m.entries],
-            group_name=group_name,
+        bucket = msgspec.structs.replace(
+            m.announcement(group_name),
             flush_cache=last and flush,
             weight_version=str(m.version) if last and self.loads_live else None,
             load_format="flattened_bucket",
             extra={"asyncrl_bucket": bucket_extra(m)},
         )
+        return engine.update_weights_from_distributed(bucket)
 
     def received(self, exc: EngineError) -> bool:
         """SGLang answers 400 with its JSON body also after receiving and loading a bucket
@@ -147,7 +146,7 @@ class SGLangFamily:
         from asyncrl.engines.rollout.sglang.launcher import sglang_spec
 
         assert isinstance(rc, SGLangRolloutConfig)
-        return sglang_spec(rc, at.model_path, at.port, at.host, at.gpu, at.seed, at.lora)
+        return sglang_spec(rc, at)
 
     def startup_timeout(self, rc: RolloutConfig, model_path: str) -> float:
         return model_startup_s(model_path)

@@ -5,11 +5,10 @@ are the generic launcher's (:mod:`asyncrl.engines.rollout.launcher`)."""
 from __future__ import annotations
 
 import importlib.metadata
-from collections.abc import Sequence
 from pathlib import Path
 
 from asyncrl.config import LoraConfig, SGLangRolloutConfig
-from asyncrl.engines.rollout.launcher import SGLANG_SERVER, LaunchSpec, stored_dtype
+from asyncrl.engines.rollout.launcher import SGLANG_SERVER, LaunchSpec, ServerSite, stored_dtype
 
 __all__ = [
     "SGLANG_CLI",
@@ -74,24 +73,16 @@ def sglang_lora_args(lc: LoraConfig, capacity: int) -> tuple[str, ...]:
     )  # fmt: skip
 
 
-def sglang_spec(
-    rc: SGLangRolloutConfig,
-    model_path: str,
-    port: int,
-    host: str,
-    base_gpu: int,
-    seed: int,
-    lora: Sequence[str] = (),
-) -> LaunchSpec:
-    """One SGLang server of a run: ``rc.tp_size`` GPUs from ``base_gpu`` (``--base-gpu-id``),
-    :func:`sglang_dtype`, sampling seed ``seed``, the run's LoRA flags ``lora``
-    (:func:`sglang_lora_args`), ``rc.extra_args`` last."""
-    extra = ["--dtype", sglang_dtype(rc, model_path), "--random-seed", str(seed)]
-    extra += ["--base-gpu-id", str(base_gpu), *lora]
+def sglang_spec(rc: SGLangRolloutConfig, at: ServerSite) -> LaunchSpec:
+    """One SGLang server of a run at ``at``: ``rc.tp_size`` GPUs from ``at.gpu``
+    (``--base-gpu-id``), :func:`sglang_dtype`, sampling seed ``at.seed``, the run's LoRA flags
+    ``at.lora`` (:func:`sglang_lora_args`), ``rc.extra_args`` last."""
+    extra = ["--dtype", sglang_dtype(rc, at.model_path), "--random-seed", str(at.seed)]
+    extra += ["--base-gpu-id", str(at.gpu), *at.lora]
     return LaunchSpec(
-        model_path,
-        port,
-        host,
+        at.model_path,
+        at.port,
+        at.host,
         rc.tp_size,
         rc.mem_fraction_static or None,
         (*extra, *rc.extra_args),

@@ -48,22 +48,23 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
 import msgspec
 
 from asyncrl.config import VLLM_PAUSE_MODES
-from asyncrl.core import GenerateResult
+from asyncrl.core import GenerateRequest, GenerateResult
 from asyncrl.engines.rollout.base import (
     EngineBadRequest,
     EngineError,
     EngineUnavailable,
     KeyedHttp,
+    PolledHealth,
+    batch_rids,
     failure,
     parse_version,
-    poll_healthy,
 )
 from asyncrl.engines.rollout.sglang.client import _is_json_object, _server_message
 
@@ -187,7 +188,7 @@ _IDEMPOTENT = frozenset(
 one or two of them)."""
 
 
-class VLLMClient(KeyedHttp):
+class VLLMClient(KeyedHttp, PolledHealth):
     """One vLLM 0.33 server at ``base_url`` (module docstring); one event loop.
 
     ``record=True`` keeps every request sent as ``(method, path, body)`` in ``self.sent``.
@@ -296,33 +297,24 @@ class VLLMClient(KeyedHttp):
         out = await self._post_generate(self._body(input_ids, sampling_params, rid, False))
         return _parse_choice(_choice(out))
 
-    async def generate_batch(
-        self,
-        input_ids: list[list[int]],
-        sampling_params: list[dict[str, Any]],
-        rids: list[str] | None = None,
-    ) -> list[GenerateResult]:
+    async def generate_batch(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
         """Several completions, answered in order once all finished. Runs of equal prompts
         with equal sampling parameters (a GRPO group's samples) go as one request with ``n``
         = the run's length (module docstring), named by the run's first rid; the others as
         requests of their own, all at once. :meth:`abort_request` of any rid of a run
         aborts the whole run (vLLM aborts a parallel-sampling parent with its children and
         cannot abort one child by its external id, output_processor.py:610-629)."""
-        names = list(rids) if rids is not None else [uuid.uuid4().hex for _ in input_ids]
-        if not len(input_ids) == len(sampling_params) == len(names):
-            raise ValueError("generate_batch: input_ids, sampling_params and rids differ in length")
+        names = batch_rids(requests) or [uuid.uuid4().hex for _ in requests]
+        keys = [(r.input_ids, r.sampling_params) for r in requests]
         runs: list[list[int]] = []
-        for i, (ids, sp) in enumerate(zip(input_ids, sampling_params, strict=True)):
-            first = runs[-1][0] if runs else -1
-            same = first >= 0 and ids == input_ids[first] and sp == sampling_params[first]
-            if same and "n" not in sp:
+        for i, key in enumerate(keys):
+            if runs and key == keys[runs[-1][0]] and "n" not in key[1]:
                 runs[-1].append(i)
             else:
                 runs.append([i])
         answers = await asyncio.gather(
-            *(self._generate_n(input_ids[r[0]], sampling_params[r[0]], [names[i] for i in r])
-              for r in runs)
-        )  # fmt: skip
+            *(self._generate_n(*keys[r[0]], [names[i] for i in r]) for r in runs)
+        )
         return [res for answer in answers for res in answer]
 
     async def _generate_n(
@@ -464,20 +456,9 @@ class VLLMClient(KeyedHttp):
             raise EngineError("/weight_info", 200, f"unexpected response: {out!r:.200}")
         return str(out["weight_version"])
 
-    async def health(self) -> bool:
-        return await self._why_unhealthy() is None
-
     async def _why_unhealthy(self) -> str | None:
+        """vLLM's ``/health`` answers 200 (:meth:`health`, :meth:`wait_healthy`)."""
         return await failure(self._call("GET", "/health"))
-
-    async def wait_healthy(
-        self,
-        timeout_s: float,
-        interval_s: float = 0.2,
-        gone: Callable[[], str | None] | None = None,
-    ) -> None:
-        """Poll ``/health`` until it answers 200 (as ``SGLangClient.wait_healthy``)."""
-        await poll_healthy(self.url, self._why_unhealthy, timeout_s, interval_s, gone)
 
 
 class _Retry(Exception):

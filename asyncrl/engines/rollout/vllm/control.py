@@ -45,7 +45,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from asyncrl.engines.rollout.base import EngineError
+from asyncrl.engines.rollout.base import BucketAnnouncement, EngineError, GroupSpec
 from asyncrl.engines.rollout.vllm.client import VLLMClient
 
 __all__ = ["DTYPE_BYTES", "VLLMControl", "packed_chunks"]
@@ -88,22 +88,15 @@ class VLLMControl(VLLMClient):
             raise EngineError("/get_world_size", 200, f"unexpected response: {out!r:.200}")
         return {"tp_size": out["world_size"], "version": "vllm"}
 
-    async def init_weights_update_group(
-        self,
-        master_address: str,
-        master_port: int,
-        rank_offset: int,
-        world_size: int,
-        group_name: str = "weight_update_group",
-        backend: str = "nccl",
-    ) -> None:
-        """Join as ranks ``rank_offset ..`` (returns once the workers joined)."""
+    async def init_weights_update_group(self, group: GroupSpec) -> None:
+        """Join as ranks ``rank_offset ..`` (returns once the workers joined); vLLM's group
+        has no name and its backend is NCCL."""
         self._meta, self._finished = None, None
         info = {
-            "master_address": str(master_address),
-            "master_port": int(master_port),
-            "rank_offset": int(rank_offset),
-            "world_size": int(world_size),
+            "master_address": str(group.master_address),
+            "master_port": int(group.master_port),
+            "rank_offset": int(group.rank_offset),
+            "world_size": int(group.world_size),
             "packed": True,
             "packed_buffer_size_bytes": int(self.bucket_bytes),
             "packed_num_buffers": NUM_BUFFERS,
@@ -120,21 +113,12 @@ class VLLMControl(VLLMClient):
         self._open = True
         return True
 
-    async def update_weights_from_distributed(
-        self,
-        names: list[str],
-        dtypes: list[str],
-        shapes: list[list[int]],
-        group_name: str = "weight_update_group",
-        flush_cache: bool = True,
-        weight_version: str | None = None,
-        load_format: str | None = None,
-        extra: dict[str, Any] | None = None,
-    ) -> None:
+    async def update_weights_from_distributed(self, bucket: BucketAnnouncement) -> None:
         """Announce one bucket (one packed chunk, see module docstring); answers once every
-        worker received and loaded it. ``flush_cache``, ``weight_version``, ``load_format``
-        and ``extra`` are SGLang's and not sent (vLLM refuses unknown fields)."""
-        dtype_names = [str(d).removeprefix("torch.") for d in dtypes]
+        worker received and loaded it. Only names, dtypes and shapes are sent: the rest is
+        SGLang's (vLLM refuses unknown fields)."""
+        names, shapes = bucket.names, bucket.shapes
+        dtype_names = [str(d).removeprefix("torch.") for d in bucket.dtypes]
         sizes = [math.prod(s) * DTYPE_BYTES[d] for s, d in zip(shapes, dtype_names, strict=True)]
         if len(packed_chunks(sizes, self.bucket_bytes)) != 1:
             raise ValueError(

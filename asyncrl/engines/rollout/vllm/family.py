@@ -86,11 +86,7 @@ class VLLMWeights:
     def announce(
         self, engine: WeightEngine, m: BucketManifest, group_name: str, flush: bool
     ) -> Coroutine[Any, Any, None]:
-        names = [e.name for e in m.entries]
-        shapes = [e.wire_shape for e in m.entries]
-        return engine.update_weights_from_distributed(
-            names, [m.dtype] * len(names), shapes, group_name
-        )
+        return engine.update_weights_from_distributed(m.announcement(group_name))
 
     def received(self, exc: EngineError) -> bool:
         return exc.status == 200
@@ -134,7 +130,7 @@ class VLLMFamily:
         from asyncrl.engines.rollout.vllm.launcher import vllm_spec
 
         assert isinstance(rc, VLLMRolloutConfig)
-        return vllm_spec(rc, at.model_path, at.port, at.host, at.gpu, at.seed, at.lora)
+        return vllm_spec(rc, at)
 
     def startup_timeout(self, rc: RolloutConfig, model_path: str) -> float:
         return model_startup_s(model_path)

@@ -14,10 +14,9 @@ health-waiting and stopping are the generic launcher's (:mod:`asyncrl.engines.ro
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 
 from asyncrl.config import LoraConfig, VLLMRolloutConfig
-from asyncrl.engines.rollout.launcher import LaunchSpec, stored_dtype
+from asyncrl.engines.rollout.launcher import LaunchSpec, ServerSite, stored_dtype
 from asyncrl.engines.rollout.vllm.auth import MIDDLEWARE
 
 __all__ = [
@@ -76,30 +75,22 @@ def vllm_args(rc: VLLMRolloutConfig, model_path: str, port: int, host: str, seed
     return [*args, *rc.extra_args]
 
 
-def vllm_spec(
-    rc: VLLMRolloutConfig,
-    model_path: str,
-    port: int,
-    host: str,
-    base_gpu: int,
-    seed: int,
-    lora: Sequence[str] = (),
-) -> LaunchSpec:
-    """One vLLM server of a run on GPUs ``base_gpu .. base_gpu + tp_size - 1``
-    (``CUDA_VISIBLE_DEVICES``), with ``VLLM_SERVER_DEV_MODE=1``; a LoRA run's flags ``lora``
-    (:func:`vllm_lora_args`) with :data:`VLLM_LORA_ENV`. The model path is ``vllm serve``'s
-    positional argument, so the spec's own flags are not used."""
-    gpus = ",".join(str(base_gpu + k) for k in range(rc.tp_size))
-    args = [*vllm_args(rc, model_path, port, host, seed), *lora]
+def vllm_spec(rc: VLLMRolloutConfig, at: ServerSite) -> LaunchSpec:
+    """One vLLM server of a run at ``at``, on GPUs ``at.gpu .. at.gpu + tp_size - 1``
+    (``CUDA_VISIBLE_DEVICES``), with ``VLLM_SERVER_DEV_MODE=1``; a LoRA run's flags
+    ``at.lora`` (:func:`vllm_lora_args`) with :data:`VLLM_LORA_ENV`. The model path is ``vllm
+    serve``'s positional argument, so the spec's own flags are not used."""
+    gpus = ",".join(str(at.gpu + k) for k in range(rc.tp_size))
+    args = [*vllm_args(rc, at.model_path, at.port, at.host, at.seed), *at.lora]
     return LaunchSpec(
-        model_path,
-        port,
-        host,
+        at.model_path,
+        at.port,
+        at.host,
         rc.tp_size,
         None,
         tuple(args),
         "vllm",
-        env={**VLLM_ENV, **(VLLM_LORA_ENV if lora else {}), "CUDA_VISIBLE_DEVICES": gpus},
+        env={**VLLM_ENV, **(VLLM_LORA_ENV if at.lora else {}), "CUDA_VISIBLE_DEVICES": gpus},
         entry_point=(VLLM_CLI, "serve"),
         own_flags=False,
         key_flag="--api-key",  # the run secret (asyncrl.entrypoints.keyed)

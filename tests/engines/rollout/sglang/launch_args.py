@@ -74,18 +74,11 @@ def build_and_parse(case: dict[str, Any]) -> dict[str, Any]:
         kind, target, argv = keyed_argv(cmdline[4:], cmdline[2], case["api_key"])
         args = [kind, target, *argv[1:]]
     entry, flags = _entry(args)
+    built = {"args": args, "cmdline": cmdline, "keyed": keyed, "entry": entry, "flags": flags}
     try:
         from sglang.srt.server_args import ServerArgs
     except ImportError as exc:  # 0.5.10: srt/utils/common.py:90 imports torchvision
-        return {
-            "args": args,
-            "cmdline": cmdline,
-            "keyed": keyed,
-            "entry": entry,
-            "flags": flags,
-            "parsed": None,
-            "error": str(exc),
-        }
+        return {**built, "parsed": None, "error": str(exc)}
     parser = argparse.ArgumentParser(prog="sglang serve")  # as prepare_server_args builds it
     ServerArgs.add_cli_args(parser)
     err = io.StringIO()
@@ -96,14 +89,7 @@ def build_and_parse(case: dict[str, Any]) -> dict[str, Any]:
         parsed = {k: v for k, v in vars(ns).items() if _jsonable(v)}
     except SystemExit:
         parsed = err.getvalue()
-    return {
-        "args": args,
-        "cmdline": cmdline,
-        "keyed": keyed,
-        "entry": entry,
-        "flags": flags,
-        "parsed": parsed,
-    }
+    return {**built, "parsed": parsed}
 
 
 def main() -> None:
