@@ -86,7 +86,8 @@ def test_the_grpo_step_uses_trls_advantage_from_the_trajectories_components() ->
     groups, n = 5, 4
     parts, weights = _inputs(7, groups, n)
     specs = [{"fn": "task", "name": NAMES[0], "weight": float(weights[0])}]
-    specs += [{"fn": f"m:{k}", "weight": float(w)} for k, w in zip(NAMES[1:], weights[1:], strict=True)]
+    for k, w in zip(NAMES[1:], weights[1:].tolist(), strict=True):
+        specs.append({"fn": f"m:{k}", "weight": w})
     over = [f"--task.rewards={json.dumps(specs)}", "--task.reward_aggregation=normalize_then_sum"]
     cfg = load_config(None, over)
     agg = aggregation_of(cfg)
