@@ -313,14 +313,29 @@ class MathTaskConfig(_SingleTurnBase, frozen=True, tag="math"):
 class AgentTaskConfig(_TaskBase, frozen=True, tag="agent"):
     """``task.name = "agent"``: an OpenAI-API agent (``agent``, or the command
     ``agent_command``) runs once per episode against the gateway, on samples from ``path``
-    (JSONL rows: ``prompt`` or ``messages``, ``answer``) or, without a path, the built-in
-    weather chat task (``prompt`` "What is the weather in CITY?", ``answer`` the city; an
-    agent for it: ``examples/agents.py:weather_agent``). Without ``model.path`` the run uses
-    the tiny chat model (agents need a chat template)."""
+    (or several ``sources`` mixed by weight: JSONL, Parquet or a ``datasets.save_to_disk``
+    folder, as the ``math`` task reads them; rows: ``prompt`` or ``messages``, ``answer``) or,
+    without data, the built-in weather chat task (``prompt`` "What is the weather in CITY?",
+    ``answer`` the city; an agent for it: ``examples/agents.py:weather_agent``). Without
+    ``model.path`` the run uses the tiny chat model (agents need a chat template)."""
 
     path: str = ""
-    """Local ``.jsonl`` file of samples, one object per line: ``prompt`` (text) or
-    ``messages`` (a chat), and ``answer``. Empty: the built-in weather task's samples."""
+    """Local ``.jsonl`` or ``.parquet`` file, or a ``datasets`` ``save_to_disk`` folder, of
+    samples, one per row: ``prompt`` (text) or ``messages`` (a chat), and ``answer``. Empty
+    (and no ``sources``): the built-in weather task's samples."""
+    sources: list[DataSource] = []
+    """Several sources mixed by weight, instead of ``path`` (``task.sources`` of ``math``)."""
+    prompt_key: str = "prompt"
+    """Column holding the prompt text (``sample.prompt``)."""
+    messages_key: str = "messages"
+    """Column holding a chat (``sample.messages``: a list of ``{role, content}``), for a row
+    without ``prompt_key``."""
+    answer_key: str = "answer"
+    """Column holding the answer (``sample.answer``, any JSON value; may be absent)."""
+    extra_keys: list[str] = []
+    """Further columns each row must hold, passed to the agent in ``sample.fields``."""
+    shuffle: bool = False
+    """Visit the rows in a seeded random order each pass (else file order, again and again)."""
     agent: str = ""
     """``package.module:function`` (or ``path/to/file.py:function``), ``async def fn(client,
     sample) -> float | None`` with ``client`` an ``openai.AsyncOpenAI`` on the episode's
@@ -341,6 +356,16 @@ class AgentTaskConfig(_TaskBase, frozen=True, tag="agent"):
     @property
     def budget_key(self) -> str:
         return "task.max_new_tokens"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.path and self.sources:
+            raise ValueError("task.path and task.sources are exclusive: give one or the other")
+
+    def all_sources(self) -> list[DataSource]:
+        """The sources rows come from: ``sources``, else ``path`` as the one source (none:
+        the built-in weather task)."""
+        return list(self.sources) or ([DataSource(path=self.path)] if self.path else [])
 
     @property
     def chat_model(self) -> bool:
