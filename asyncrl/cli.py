@@ -23,6 +23,7 @@ if sys.argv and sys.argv[0].replace("\\", "/").endswith(("/asyncrl", "asyncrl/cl
 import argparse  # noqa: E402
 
 from asyncrl.bench import BENCHES  # noqa: E402
+from asyncrl.config.algo_recipes import RECIPES  # noqa: E402
 
 __all__ = ["main"]
 
@@ -47,7 +48,14 @@ def _parser() -> argparse.ArgumentParser:
         "under runs/); its recorded config is used, overrides only where safe",
     )
     run.add_argument("--quiet", action="store_true", help="no per-step progress lines")
-    run.add_argument("--algo", choices=("grpo", "ppo"), help="shorthand of --algo.name=...")
+    run.add_argument(
+        "--algo",
+        metavar="RECIPE",
+        choices=tuple(RECIPES),
+        help="a named algorithm recipe: sets its [algo] keys (docs/algorithms.md, 'Recipes'; "
+        "a key given on the command line wins): "
+        + "; ".join(f"{name}: {doc}" for name, (doc, _) in RECIPES.items()),
+    )
     serve = sub.add_parser("serve", help="start the embedded engine (SGLang HTTP protocol)")
     serve.add_argument(
         "args", nargs=argparse.REMAINDER, help="[--model-path DIR] [--port N] ... (see -h)"

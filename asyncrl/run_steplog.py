@@ -3,7 +3,8 @@ progress line), eval rows, checkpoint and recovery records, CPU times.
 
 Files in the run folder (each line one JSON object):
 
-- ``metrics.jsonl``: a row per trained step, in step order, and eval rows; a recovery or a
+- ``metrics.jsonl``: a row per trained step, in step order (``reward/<name>_mean`` per
+  named reward component, :func:`component_means`), and eval rows; a recovery or a
   resume from checkpoint ``n`` drops the rows of steps ``>= n`` (:meth:`StepLog.rewind`)
   and the retrained steps are logged again, so each step has one row in the end.
 - ``trajectories.jsonl`` (``logging.trajectories``): every trajectory of every step.
@@ -28,7 +29,7 @@ from asyncrl.progress import Progress
 from asyncrl.sinks import log_row, rewind_sinks
 from asyncrl.transports.experience.control import StepDone
 
-__all__ = ["StepLog", "write_trajectories"]
+__all__ = ["StepLog", "component_means", "write_trajectories"]
 
 
 class StepLog:
@@ -61,6 +62,7 @@ class StepLog:
         row = {
             "step": msg.step,
             "reward_mean": batch.reward_mean,
+            **component_means(batch),
             "staleness_max": batch.staleness_max,
             "staleness_mean": sum(stale) / len(stale),
             "staleness_hist": [stale.count(k) for k in range(max(stale) + 1)],
@@ -157,7 +159,8 @@ def write_trajectories(path: Path, batch: Batch) -> None:
     """Every trajectory of ``batch`` as one JSON line: step, session (gateway sessions;
     else null), episode, reward, and per token (prompt then response, one length):
     token_ids, loss_mask, logprobs, versions (prompt tokens: mask 0, log-prob 0, the
-    version of the first response token)."""
+    version of the first response token); ``rewards`` (the named components) when it has
+    them."""
     with open(path, "a") as f:
         for t in batch.trajectories:
             n = len(t.prompt_ids)
@@ -168,12 +171,24 @@ def write_trajectories(path: Path, batch: Batch) -> None:
                 "episode": t.episode_id,
                 "group": t.group_id,
                 "reward": t.reward,
+                **({"rewards": t.rewards} if t.rewards else {}),
                 "token_ids": [*t.prompt_ids.tolist(), *t.response_ids.tolist()],
                 "loss_mask": [0] * n + t.loss_mask.tolist(),
                 "logprobs": [0.0] * n + t.behav_logprobs.tolist(),
                 "versions": [first] * n + t.versions.tolist(),
             }
             f.write(json.dumps(row) + "\n")
+
+
+def component_means(batch: Batch) -> dict[str, float]:
+    """``reward/<name>_mean`` per named reward component (``Trajectory.rewards``: the
+    functions of ``task.rewards``, or what an episode put there), over the batch's
+    trajectories that carry it."""
+    sums: dict[str, list[float]] = {}
+    for t in batch.trajectories:
+        for name, value in t.rewards.items():
+            sums.setdefault(name, []).append(float(value))
+    return {f"reward/{n}_mean": sum(v) / len(v) for n, v in sorted(sums.items())}
 
 
 def _sample_id(sample: Any) -> Any:

@@ -38,7 +38,14 @@ if TYPE_CHECKING:
     from asyncrl.controllers.episode import Episode, RewardFn
     from asyncrl.gateway.app import Gateway
 
-__all__ = ["BUILDERS", "BuiltTask", "build_task", "check_task", "eval_samples"]
+__all__ = [
+    "BUILDERS",
+    "BuiltTask",
+    "build_task",
+    "check_aggregation",
+    "check_task",
+    "eval_samples",
+]
 
 
 @dataclass(frozen=True)
@@ -59,16 +66,45 @@ class BuiltTask:
 def _single_turn(cfg: RunConfig, model_path: str) -> BuiltTask:
     from asyncrl.controllers.episode import single_turn
     from asyncrl.tasks.base import make_task
+    from asyncrl.tasks.rewards import WeightedRewards
 
     assert isinstance(cfg.task, ReverseTaskConfig | MathTaskConfig)
+    check_aggregation(cfg)
     task = make_task(cfg.task, model_path)
-    episode = single_turn(task.reward, cfg.controller.inline_reward_s)
+    if isinstance(task, WeightedRewards):  # several functions: each kept on the trajectory
+        episode = task.episode(cfg.controller.inline_reward_s)
+    else:
+        episode = single_turn(task.reward, cfg.controller.inline_reward_s)
     budget = {"max_new_tokens": cfg.generation_budget()}
     if isinstance(cfg.task, MathTaskConfig):  # its samples name their source: restored so
         from asyncrl.tasks.data import DataSample
 
         return BuiltTask(task, episode, task.samples(), budget, sample_type=DataSample)
     return BuiltTask(task, episode, task.samples(), budget)
+
+
+def check_aggregation(cfg: RunConfig) -> None:
+    """ValueError naming the keys where ``task.reward_aggregation = "normalize_then_sum"``
+    meets an algorithm it does not define the advantage of: it *is* GRPO's advantage (TRL
+    1.16 ``grpo_trainer.py:2790-2799``), so ``algo.name`` must be ``grpo``; and the overlong
+    penalty (``algo.overlong_buffer_len``) would have to be one more reward function."""
+    t = cfg.task
+    if not isinstance(t, ReverseTaskConfig | MathTaskConfig):
+        return
+    if t.reward_aggregation != "normalize_then_sum":
+        return
+    if cfg.algo.name != "grpo":
+        raise ValueError(
+            f"task.reward_aggregation='normalize_then_sum' is GRPO's advantage (TRL's "
+            f"multi_objective_aggregation), not algo.name={cfg.algo.name!r}'s: use "
+            "algo.name='grpo' or task.reward_aggregation='sum'"
+        )
+    if cfg.algo.overlong_buffer_len:
+        raise ValueError(
+            "algo.overlong_buffer_len shapes the summed reward; with "
+            "task.reward_aggregation='normalize_then_sum' write the length penalty as one of "
+            "task.rewards instead (or set algo.overlong_buffer_len=0)"
+        )
 
 
 def _longtail(cfg: RunConfig, model_path: str) -> BuiltTask:
@@ -123,8 +159,12 @@ def eval_samples(cfg: RunConfig, model_path: str) -> tuple[list[Any], RewardFn]:
     from asyncrl.tasks.base import make_task
 
     held_out = cfg.task.held_out(EVAL_SEED_OFFSET, cfg.eval.path, tuple(cfg.eval.sources))
+    from asyncrl.tasks.rewards import WeightedRewards
+
     task = make_task(held_out, model_path)
-    return list(itertools.islice(task.samples(), cfg.eval.num_prompts)), task.reward
+    # several reward functions: the object itself, whose score() gives each one's value
+    reward = task if isinstance(task, WeightedRewards) else task.reward
+    return list(itertools.islice(task.samples(), cfg.eval.num_prompts)), reward
 
 
 def check_task(cfg: RunConfig) -> None:
@@ -132,8 +172,10 @@ def check_task(cfg: RunConfig) -> None:
     it: ``math`` without its files or folders (``task.path``, ``task.sources``), ``agent``
     without one of ``task.agent`` / ``task.agent_command``, with a ``task.path`` that is no
     file, or with an agent function that does not import, is not an ``async def`` or does
-    not take ``(client, sample)``."""
+    not take ``(client, sample)``; ``task.reward_aggregation`` with an algorithm it does not
+    fit (:func:`check_aggregation`)."""
     t = cfg.task
+    check_aggregation(cfg)
     if isinstance(t, MathTaskConfig):
         key = "task.sources" if t.sources else "task.path"
         for path in [s.path for s in t.all_sources()] or [""]:

@@ -15,6 +15,7 @@ __all__ = [
     "grpo_advantages",
     "masked_mean",
     "masked_whiten",
+    "normalize_then_sum_advantages",
     "pad_rows",
     "reinforce_pp_advantages",
     "reinforce_pp_baseline_advantages",
@@ -80,6 +81,29 @@ def rloo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Ten
     n = counts[inverse].to(torch.float32)
     adv = (rewards - means[inverse]) * n / (n - 1).clamp(min=1)
     return torch.where(n > 1, adv, rewards)
+
+
+def normalize_then_sum_advantages(
+    components: torch.Tensor, weights: torch.Tensor, group_ids: torch.Tensor, eps: float = 1e-4
+) -> torch.Tensor:
+    """TRL 1.16's ``multi_objective_aggregation="normalize_then_sum"`` (GDPO, arXiv
+    2601.05242), as ``trl/trainer/grpo_trainer.py:2790-2799`` computes it: each reward
+    function's values (``components``, (B, K)) normalised within their group, ``(x - mean) /
+    (std + eps)`` (sample std; a group of one: std 0), summed with ``weights`` (K,), then the
+    sum normalised over the batch, ``(r - mean) / (std + eps)`` (sample std; one row: std 0).
+    Groups are ``group_ids`` (any sizes; TRL's are ``num_generations`` consecutive rows)."""
+    x = components.to(torch.float32)
+    inverse, counts = _group_index(group_ids)
+    n = len(counts)
+    sums = torch.zeros((n, x.shape[1]), dtype=torch.float32).index_add_(0, inverse, x)
+    means = sums / counts[:, None]
+    dev = x - means[inverse]
+    sq = torch.zeros((n, x.shape[1]), dtype=torch.float32).index_add_(0, inverse, dev**2)
+    std = torch.sqrt(sq / (counts[:, None] - 1).clamp(min=1))
+    std = torch.where(counts[:, None] > 1, std, torch.zeros_like(std))
+    rewards = (dev / (std[inverse] + eps) * weights.to(torch.float32)[None, :]).sum(dim=1)
+    batch_std = rewards.std() if rewards.numel() > 1 else torch.tensor(0.0)
+    return (rewards - rewards.mean()) / (batch_std + eps)
 
 
 def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:

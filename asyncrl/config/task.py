@@ -86,6 +86,32 @@ class DataSource(_Section, frozen=True):
         return stem.rsplit(".", 1)[0] if "." in stem else stem
 
 
+class RewardSpec(_Section, frozen=True):
+    """One reward function of several (``task.rewards = [{fn = "pkg.mod:fn", weight = 1.0,
+    name = "format"}, ...]``): each is logged on its own (``reward/<name>_mean``), the
+    trajectory's reward is their weighted combination (``task.reward_aggregation``)."""
+
+    fn: str
+    """``package.module:function`` or ``path/to/file.py:function`` (the one reward signature,
+    as ``task.reward_fn``'s), or ``task``: the task's own reward."""
+    weight: float = 1.0
+    """Its weight in the combination (negative: a penalty; 0: logged only). The weights must
+    sum to more than 0."""
+    name: str = ""
+    """Its name in metrics (``reward/<name>_mean``) and in ``Trajectory.rewards``; empty: the
+    function's name (``task`` for the task's own)."""
+
+    @property
+    def label(self) -> str:
+        """``name``, else the function's name."""
+        if self.name:
+            return self.name
+        return self.fn.rpartition(":")[2] if ":" in self.fn else self.fn.rpartition(".")[2]
+
+
+RewardAggregation: TypeAlias = Literal["sum", "normalize_then_sum"]
+
+
 class _TaskBase(_Section, frozen=True, tag_field="name"):
     """What every task takes; ``name`` (the tag) picks the subclass."""
 
@@ -166,6 +192,24 @@ class _SingleTurnBase(_TaskBase, frozen=True):
     the decoded response. ``sample.answer`` holds the row's answer (``math``) or the digits.
     The old ``fn(sample, response_ids, response_text)`` still works, with a deprecation
     warning."""
+    rewards: list[RewardSpec] = []
+    """Several reward functions with weights, instead of ``reward_fn``: ``[{fn = "task"},
+    {fn = "my_rewards:brevity", weight = 0.5}]``. Each is kept on the trajectory
+    (``Trajectory.rewards[name]``) and logged on its own (``reward/<name>_mean``, and
+    ``eval/reward/<name>_mean`` in eval rows); the trajectory's ``reward`` is their weighted
+    sum."""
+    reward_aggregation: RewardAggregation = "sum"
+    """How ``rewards`` make the advantage: ``sum``: the weighted sum is the reward, and the
+    estimator (``algo.name``) runs on it (TRL's ``sum_then_normalize``);
+    ``normalize_then_sum`` (``algo.name = "grpo"`` only; TRL 1.16's
+    ``multi_objective_aggregation``, GDPO): each function normalised within its group,
+    ``(x - mean) / (std + 1e-4)``, then the weighted sum, then the advantage is that sum
+    normalised over the batch, ``(r - mean) / (std + 1e-4)`` (``algo.scale_rewards`` does
+    not apply)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_rewards(self.reward_fn, self.rewards, self.reward_aggregation)
 
     @property
     def single_turn(self) -> bool:
@@ -269,14 +313,29 @@ class MathTaskConfig(_SingleTurnBase, frozen=True, tag="math"):
 class AgentTaskConfig(_TaskBase, frozen=True, tag="agent"):
     """``task.name = "agent"``: an OpenAI-API agent (``agent``, or the command
     ``agent_command``) runs once per episode against the gateway, on samples from ``path``
-    (JSONL rows: ``prompt`` or ``messages``, ``answer``) or, without a path, the built-in
-    weather chat task (``prompt`` "What is the weather in CITY?", ``answer`` the city; an
-    agent for it: ``examples/agents.py:weather_agent``). Without ``model.path`` the run uses
-    the tiny chat model (agents need a chat template)."""
+    (or several ``sources`` mixed by weight: JSONL, Parquet or a ``datasets.save_to_disk``
+    folder, as the ``math`` task reads them; rows: ``prompt`` or ``messages``, ``answer``) or,
+    without data, the built-in weather chat task (``prompt`` "What is the weather in CITY?",
+    ``answer`` the city; an agent for it: ``examples/agents.py:weather_agent``). Without
+    ``model.path`` the run uses the tiny chat model (agents need a chat template)."""
 
     path: str = ""
-    """Local ``.jsonl`` file of samples, one object per line: ``prompt`` (text) or
-    ``messages`` (a chat), and ``answer``. Empty: the built-in weather task's samples."""
+    """Local ``.jsonl`` or ``.parquet`` file, or a ``datasets`` ``save_to_disk`` folder, of
+    samples, one per row: ``prompt`` (text) or ``messages`` (a chat), and ``answer``. Empty
+    (and no ``sources``): the built-in weather task's samples."""
+    sources: list[DataSource] = []
+    """Several sources mixed by weight, instead of ``path`` (``task.sources`` of ``math``)."""
+    prompt_key: str = "prompt"
+    """Column holding the prompt text (``sample.prompt``)."""
+    messages_key: str = "messages"
+    """Column holding a chat (``sample.messages``: a list of ``{role, content}``), for a row
+    without ``prompt_key``."""
+    answer_key: str = "answer"
+    """Column holding the answer (``sample.answer``, any JSON value; may be absent)."""
+    extra_keys: list[str] = []
+    """Further columns each row must hold, passed to the agent in ``sample.fields``."""
+    shuffle: bool = False
+    """Visit the rows in a seeded random order each pass (else file order, again and again)."""
     agent: str = ""
     """``package.module:function`` (or ``path/to/file.py:function``), ``async def fn(client,
     sample) -> float | None`` with ``client`` an ``openai.AsyncOpenAI`` on the episode's
@@ -297,6 +356,16 @@ class AgentTaskConfig(_TaskBase, frozen=True, tag="agent"):
     @property
     def budget_key(self) -> str:
         return "task.max_new_tokens"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.path and self.sources:
+            raise ValueError("task.path and task.sources are exclusive: give one or the other")
+
+    def all_sources(self) -> list[DataSource]:
+        """The sources rows come from: ``sources``, else ``path`` as the one source (none:
+        the built-in weather task)."""
+        return list(self.sources) or ([DataSource(path=self.path)] if self.path else [])
 
     @property
     def chat_model(self) -> bool:
@@ -380,6 +449,39 @@ class AgenticTaskConfig(_TaskBase, frozen=True, tag="agentic"):
     def prompt_tokens(self) -> int | None:
         # the last turn's prompt: the first question, then every earlier answer and question
         return self.num_digits + 2 + (self.agentic.turns - 1) * (2 * self.num_digits + 3)
+
+
+def check_rewards(
+    reward_fn: str, rewards: list[RewardSpec], aggregation: RewardAggregation
+) -> None:
+    """ValueError naming the key when ``task.rewards`` cannot be combined: given with
+    ``task.reward_fn``, a name twice, weights summing to 0 or less, ``normalize_then_sum``
+    without ``task.rewards``."""
+    if reward_fn and rewards:
+        raise ValueError(
+            "task.reward_fn and task.rewards are exclusive: give one function or several "
+            '(task.rewards = [{fn = "task"}, {fn = "pkg.mod:fn", weight = 0.5}])'
+        )
+    names = [r.label for r in rewards]
+    if dup := sorted({n for n in names if names.count(n) > 1}):
+        raise ValueError(
+            f"task.rewards names {dup} more than once: give each function its own name "
+            '({fn = "...", name = "..."})'
+        )
+    for n in names:
+        if not n or "/" in n:
+            raise ValueError(f"task.rewards name {n!r} must be non-empty and hold no '/'")
+    if rewards and sum(r.weight for r in rewards) <= 0:
+        weights = [r.weight for r in rewards]
+        raise ValueError(
+            f"task.rewards weights {weights} sum to {sum(weights):g}: they must sum to more "
+            "than 0 (a negative weight is a penalty beside a positive one)"
+        )
+    if aggregation == "normalize_then_sum" and not rewards:
+        raise ValueError(
+            "task.reward_aggregation='normalize_then_sum' normalises each of task.rewards "
+            "within its group: name the functions in task.rewards"
+        )
 
 
 TaskConfig: TypeAlias = (

@@ -16,7 +16,9 @@ prompts), ``response_len`` (mean generated tokens), ``greedy_reward`` / ``greedy
 (one temperature-0 response per prompt), ``num_prompts``, ``wall_s``. When the prompts come
 from more than one source (``sample.source``: ``eval.sources``), each source also gets
 ``eval/<source>/reward_mean``, ``pass@1``, ``pass@k``, ``response_len``, ``num_prompts`` (and
-``greedy_pass`` with ``greedy``).
+``greedy_pass`` with ``greedy``). A reward of several functions (``task.rewards``: an
+object with ``score(sample, ids) -> (reward, {name: value})``) adds
+``eval/reward/<name>_mean`` per function over the sampled responses.
 
 :class:`Evaluator` runs them for ``asyncrl run`` (``[eval]``: before the first step, every
 ``every_steps`` versions, at the end); ``await ctl.evaluate(samples, reward, ...)`` runs one
@@ -81,21 +83,30 @@ async def evaluate(
     t0 = time.perf_counter()
     base = {**(sampling or {}), "max_new_tokens": max_new_tokens}
     runner = RewardRunner(reward, 0.0)
+    score = getattr(reward, "score", None)  # several functions (task.rewards): each one's too
+    parts: list[dict[str, float]] = []
 
-    async def one(sample: Any, temp: float) -> tuple[float, int, int, int]:
+    async def one(sample: Any, temp: float, greedy: bool = False) -> tuple[float, int, int, int]:
         ctx = EpisodeContext(router, -1, next(_ids), base, max_retries, gate)
         gen = await ctx.generate(sample.prompt_ids, temperature=temp)
-        r = await runner(sample, gen.output_ids)
+        if score is None:
+            r = await runner(sample, gen.output_ids)
+        else:
+            r, mine = await score(sample, gen.output_ids)
+            parts.extend([] if greedy else [mine])
         versions = gen.versions or [-1]
         return float(r), len(gen.output_ids), min(versions), max(versions)
 
     jobs = [one(s, temperature) for s in samples for _ in range(k)]
     if greedy:
-        jobs += [one(s, 0.0) for s in samples]
+        jobs += [one(s, 0.0, greedy=True) for s in samples]
     done = await asyncio.gather(*jobs)
     sampled, greedy_out = done[: len(samples) * k], done[len(samples) * k :]
     out = _scores(samples, sampled, k, pass_threshold, "eval/")
     out["eval/num_prompts"] = float(len(samples))
+    for name in sorted({n for p in parts for n in p}):
+        values = [p[name] for p in parts if name in p]
+        out[f"eval/reward/{name}_mean"] = sum(values) / len(values)
     out.update(by_source(samples, sampled, [r for r, *_ in greedy_out], k, pass_threshold))
     if greedy_out:
         out["eval/greedy_reward"] = sum(r for r, *_ in greedy_out) / len(greedy_out)

@@ -21,8 +21,10 @@ __all__ = ["main"]
 def _load(ns: argparse.Namespace, overrides: list[str]):  # -> (RunConfig, Path | None)
     from asyncrl.config import load_config
 
-    if ns.algo:
-        overrides = [f"--algo.name={ns.algo}", *overrides]
+    if ns.algo:  # a named recipe: its [algo] keys, before the user's own overrides
+        from asyncrl.config.algo_recipes import recipe_overrides
+
+        overrides = [*recipe_overrides(ns.algo), *overrides]
     if ns.resume is None:
         return load_config(ns.config, overrides), None
     from asyncrl.controllers.checkpoints import find_run_dir, resume_config

@@ -3,8 +3,9 @@
 ``async def fn(client, sample) -> float | None``: ``client`` is an ``openai.AsyncOpenAI``
 whose ``base_url`` is the episode's session; ``sample`` an :class:`AgentSample`. The
 float is the reward of every trajectory the session made; None rejects the sample.
-Samples come from ``task.path`` (JSONL, one object per line: ``prompt`` (text) or
-``messages`` (a chat), and ``answer``) or, without a path, the built-in weather task
+Samples come from ``task.path`` or ``task.sources`` (JSONL, Parquet or a ``datasets``
+folder, read and mixed by :mod:`asyncrl.tasks.data`; rows: ``prompt`` (text) or ``messages``
+(a chat), and ``answer``) or, without data, the built-in weather task
 (``prompt`` "What is the weather in CITY?", ``answer`` the city). The agents themselves are
 the user's: examples (``weather_agent`` for the weather task, ``reverse_agent``,
 ``reverse_chat_agent``) are in ``examples/agents.py`` (``--task.agent=
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import inspect
 import itertools
-import json
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,8 +24,10 @@ from typing import Any
 import msgspec
 
 from asyncrl.config import AgentTaskConfig, RunConfig
+from asyncrl.config.task import DataSource
 from asyncrl.gateway.app import AgentFn, Gateway
 from asyncrl.tasks.base import load_reward_fn
+from asyncrl.tasks.data import chat_messages, load_rows, mix, row_error
 
 __all__ = ["AgentSample", "agent_gateway", "agent_samples", "check_agent"]
 
@@ -39,6 +41,10 @@ class AgentSample(msgspec.Struct, frozen=True):
     messages: list[dict[str, Any]] = []
     answer: Any = None
     id: int = 0
+    source: str = ""
+    """The name of the source the row came from (``task.sources``; empty: built-in)."""
+    fields: dict[str, Any] = {}
+    """The row's ``task.extra_keys`` columns (column -> value)."""
 
 
 def _agent_task(cfg: RunConfig) -> AgentTaskConfig:
@@ -48,30 +54,60 @@ def _agent_task(cfg: RunConfig) -> AgentTaskConfig:
 
 
 def agent_samples(cfg: RunConfig) -> Iterator[AgentSample]:
-    """The task's samples, forever (the file's rows in order, again and again)."""
+    """The task's samples, forever: rows of ``task.path`` / ``task.sources`` (read and mixed
+    by :mod:`asyncrl.tasks.data`, as the ``math`` task's; one source unshuffled: its rows in
+    order, again and again), else the built-in weather task's. Unusable rows fail here, at
+    build time, naming the file, row and column."""
     tc = _agent_task(cfg)
-    if not tc.path:
-        rng = random.Random(tc.seed)
-        for i in itertools.count():
-            city = rng.choice(CITIES)
-            yield AgentSample(prompt=f"What is the weather in {city}?", answer=city, id=i)
-    rows = []
-    for n, line in enumerate(Path(tc.path).read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except ValueError as exc:
-            raise ValueError(f"task.path {tc.path}: line {n} is not JSON ({exc})") from None
-        if not isinstance(row, dict) or not (row.get("prompt") or row.get("messages")):
-            raise ValueError(f"task.path {tc.path}: line {n} needs 'prompt' or 'messages'")
-        rows.append(row)
-    if not rows:
-        raise ValueError(f"task.path {tc.path} holds no rows")
-    for i, row in enumerate(itertools.cycle(rows)):
-        yield AgentSample(
-            str(row.get("prompt") or ""), list(row.get("messages") or []), row.get("answer"), i
-        )
+    sources = tc.all_sources()
+    if not sources:
+        return _weather(tc.seed)
+    labels = [s.label for s in sources]
+    if len(set(labels)) < len(labels):
+        raise ValueError(f"task.sources: two sources share a name ({labels}): set name")
+    key = "task.sources" if tc.sources else "task.path"
+    items = [_rows(tc, src, key) for src in sources]
+    return _mixed(tc, items, labels, [s.weight for s in sources])
+
+
+def _weather(seed: int) -> Iterator[AgentSample]:
+    rng = random.Random(seed)
+    for i in itertools.count():
+        city = rng.choice(CITIES)
+        yield AgentSample(prompt=f"What is the weather in {city}?", answer=city, id=i)
+
+
+def _mixed(
+    tc: AgentTaskConfig, items: list[list[AgentSample]], labels: list[str], weights: list[float]
+) -> Iterator[AgentSample]:
+    stream = mix([len(x) for x in items], weights, tc.seed, tc.shuffle)
+    for i, (j, k) in enumerate(stream):
+        yield msgspec.structs.replace(items[j][k], id=i, source=labels[j])
+
+
+def _rows(tc: AgentTaskConfig, src: DataSource, key: str) -> list[AgentSample]:
+    """One source's rows as samples (ids and source set when drawn)."""
+    prompt_key = src.prompt_key or tc.prompt_key
+    messages_key = src.messages_key or tc.messages_key
+    answer_key = src.answer_key or tc.answer_key
+    out = []
+    for i, row in enumerate(load_rows(src.path, key)):
+        prompt, chat = row.get(prompt_key), row.get(messages_key)
+        messages = chat_messages(src.path, i, messages_key, chat) if chat else []
+        if not prompt and not messages:
+            raise row_error(
+                src.path, i, prompt_key,
+                f"missing or empty (nor a {messages_key!r} chat): task.prompt_key / "
+                f"task.messages_key; the row has {sorted(row)}",
+            )  # fmt: skip
+        missing = [k for k in tc.extra_keys if k not in row]
+        if missing:
+            raise row_error(src.path, i, missing[0], "missing (task.extra_keys)")
+        fields = {k: row[k] for k in tc.extra_keys}
+        out.append(AgentSample(str(prompt or ""), messages, row.get(answer_key), fields=fields))
+    if not out:
+        raise ValueError(f"{key} {src.path} holds no rows")
+    return out
 
 
 def agent_gateway(cfg: RunConfig, model_path: str) -> Gateway:
@@ -91,16 +127,21 @@ def agent_gateway(cfg: RunConfig, model_path: str) -> Gateway:
 
 def check_agent(t: AgentTaskConfig) -> None:
     """The agent task's preflight: one of ``task.agent`` / ``task.agent_command``; a
-    ``task.path`` that is a file; an agent function that imports, is an ``async def`` and
-    takes ``(client, sample)``. ValueError naming the key."""
+    ``task.path`` / ``task.sources`` that exist; an agent function that imports, is an
+    ``async def`` and takes ``(client, sample)``. ValueError naming the key."""
     if bool(t.agent) == bool(t.agent_command):
         raise ValueError(
             "task.name='agent' needs task.agent='package.module:function' (an async def "
             "fn(client, sample)) or task.agent_command=[argv...], one of the two (the built-in "
             "weather task's example agent: --task.agent=examples/agents.py:weather_agent)"
         )
-    if t.path and not Path(t.path).is_file():
-        raise ValueError(f"task.path {t.path!r} is not a file (task.name='agent')")
+    key = "task.sources" if t.sources else "task.path"
+    for src in t.all_sources():
+        if not Path(src.path).exists():
+            raise ValueError(
+                f"{key} {src.path!r} is not a file (task.name='agent'): give a .jsonl or "
+                ".parquet file or a folder written by datasets' save_to_disk"
+            )
     if not t.agent:
         return
     fn = load_reward_fn(t.agent, key="task.agent")

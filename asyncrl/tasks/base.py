@@ -44,7 +44,8 @@ class Task(Protocol):
 
 def make_task(cfg: TaskConfig, model_path: str) -> Task:
     """The single-turn task (a prompt stream and a reward) of the config type ``cfg``
-    (``reverse``, ``math``), wrapped with ``cfg.reward_fn`` when one is named; what runs the
+    (``reverse``, ``math``), wrapped with ``cfg.reward_fn`` when one is named (with
+    ``cfg.rewards``: a :class:`~asyncrl.tasks.rewards.WeightedRewards`); what runs the
     other tasks is :func:`asyncrl.task_factory.build_task`'s."""
     task: Any
     match cfg:
@@ -63,6 +64,11 @@ def make_task(cfg: TaskConfig, model_path: str) -> Task:
                 "episodes of asyncrl.tasks.workloads: asyncrl.task_factory.build_task builds "
                 "them)"
             )
+    if cfg.rewards:  # several functions with weights: asyncrl.tasks.rewards
+        from asyncrl.tasks.rewards import WeightedRewards
+
+        task = WeightedRewards(task, cfg.rewards, model_path)  # its reward is async
+        return task
     if cfg.reward_fn:
         fn = load_reward_fn(cfg.reward_fn)
         try:

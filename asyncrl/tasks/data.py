@@ -19,7 +19,7 @@ from typing import Any
 
 from asyncrl.core import Sample
 
-__all__ = ["DataSample", "load_rows", "mix", "row_error"]
+__all__ = ["DataSample", "chat_messages", "load_rows", "mix", "row_error"]
 
 
 class DataSample(Sample, frozen=True):
@@ -34,6 +34,21 @@ class DataSample(Sample, frozen=True):
 def row_error(path: str, row: int, column: str, why: str) -> ValueError:
     """The one form of an unusable row's error: file, row (0-based) and column."""
     return ValueError(f"{path} row {row}, column {column!r}: {why}")
+
+
+def chat_messages(path: str, row: int, column: str, value: Any) -> list[dict[str, Any]]:
+    """A row's chat column as messages: a list of ``{role, content}`` objects (else the row
+    error naming ``path``, ``row`` and ``column``)."""
+    ok = (
+        isinstance(value, list | tuple)
+        and value
+        and all(isinstance(m, dict) and "role" in m and "content" in m for m in value)
+    )
+    if not ok:
+        raise row_error(
+            path, row, column, f"not a list of {{role, content}} messages: {value!r:.80}"
+        )
+    return [dict(m) for m in value]
 
 
 def load_rows(path: str | Path, key: str = "task.path") -> list[dict[str, Any]]:

@@ -23,7 +23,7 @@ from typing import Any
 from asyncrl.config import MathTaskConfig
 from asyncrl.config.task import DataSource
 from asyncrl.core import Sample
-from asyncrl.tasks.data import DataSample, load_rows, mix, row_error
+from asyncrl.tasks.data import DataSample, chat_messages, load_rows, mix, row_error
 from asyncrl.tasks.text import ChatTokenizer
 
 __all__ = ["MathTask", "extract_answer", "load_rows", "normalize_int"]  # load_rows: tasks.data
@@ -93,7 +93,7 @@ class MathTask:
             if prompt_key in row:
                 prompt = self._prompt(str(row[prompt_key]))
             elif messages_key in row:
-                prompt = self._chat(_messages(src.path, i, messages_key, row[messages_key]))
+                prompt = self._chat(chat_messages(src.path, i, messages_key, row[messages_key]))
             else:
                 raise row_error(
                     src.path, i, prompt_key,
@@ -149,17 +149,3 @@ class MathTask:
     def reward(self, sample: Sample, response_ids: list[int]) -> float:
         got = extract_answer(self.decode(response_ids))
         return 1.0 if got is not None and got == sample.answer else 0.0
-
-
-def _messages(path: str, row: int, column: str, value: Any) -> list[dict[str, Any]]:
-    """A row's chat column as messages: a list of ``{role, content}`` objects."""
-    ok = (
-        isinstance(value, list | tuple)
-        and value
-        and all(isinstance(m, dict) and "role" in m and "content" in m for m in value)
-    )
-    if not ok:
-        raise row_error(
-            path, row, column, f"not a list of {{role, content}} messages: {value!r:.80}"
-        )
-    return [dict(m) for m in value]
