@@ -137,8 +137,57 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         terminalreporter.write(report.read_text())
 
 
+# Test-seconds per file (idle box, 4 workers, `pytest --durations=0`; docs/results/test-suite.md,
+# session 8), the heaviest first. `--dist loadfile` gives each worker a whole file at a time, in
+# collection order (`pytest_configure` turns off xdist's own order, by number of tests): a heavy
+# file started last would run alone at the end while the other workers idle.
+_FILE_SECONDS = {
+    "tests/launchers/test_ray.py": 184,
+    "tests/test_resume.py": 106,
+    "tests/test_examples.py": 89,
+    "tests/engines/rollout/test_vllm_standin_runs.py": 85,
+    "tests/engines/rollout/test_vllm_client.py": 73,
+    "tests/engines/rollout/test_vllm_verify.py": 65,
+    "tests/tasks/test_workloads.py": 64,
+    "tests/bench/test_smoke.py": 61,
+    "tests/engines/rollout/test_vllm_standin.py": 53,
+    "tests/engines/rollout/test_sglang_launch.py": 48,
+    "tests/transports/weights/test_sglang_group.py": 43,
+    "tests/test_cli_mistakes.py": 42,
+    "tests/controllers/test_schedules.py": 38,
+    "tests/test_wheel.py": 34,
+    "tests/engines/rollout/test_vllm_standin_two_engines.py": 34,
+    "tests/test_run.py": 33,
+    "tests/engines/rollout/test_sglang_standin.py": 31,
+    "tests/test_observability.py": 29,
+    "tests/engines/rollout/test_sglang_schema.py": 27,
+    "tests/engines/rollout/test_vllm_lora.py": 27,
+    "tests/engines/rollout/test_standin_auth.py": 25,
+    "tests/engines/rollout/test_vllm_trainer_nccl.py": 24,
+    "tests/test_layout.py": 22,
+    "tests/test_docs_commands.py": 22,
+    "tests/engines/rollout/test_engine_auth.py": 19,
+    "tests/test_forkserver.py": 19,
+    "tests/bench/test_faults.py": 18,
+    "tests/bench/test_controller_cpu.py": 18,
+    "tests/runner/test_orderings.py": 16,
+    "tests/gateway/test_run_agent.py": 15,
+}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist: keep the order made below
+        config.option.loadscopereorder = False
+
+
+def _heaviest_files_first(items: list[pytest.Item]) -> None:
+    """Stable: tests keep their order inside a file, unlisted files theirs after the listed."""
+    items.sort(key=lambda item: -_FILE_SECONDS.get(item.nodeid.split("::", 1)[0], 0))
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     _mark_slow(items)
+    _heaviest_files_first(items)
     try:
         import torch
 
