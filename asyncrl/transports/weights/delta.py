@@ -33,11 +33,14 @@ switches to the buffers only at the commit.
 
 from __future__ import annotations
 
+import ctypes
 import math
 
 import msgspec
 import numpy as np
 import torch
+
+from asyncrl.transports.weights.delta_native import Kernels, kernels
 
 __all__ = [
     "DELTA_CAPABILITY",
@@ -97,14 +100,32 @@ def apply_payload(dst: torch.Tensor, payload: torch.Tensor) -> int:
     c, rest = divmod(payload.numel() - tail, 12)
     if rest or c < 0:
         raise ValueError(f"a {payload.numel()} B delta does not fit a {dst.numel()} B bucket")
-    idx = payload[8 * c : 12 * c].view(torch.int32).to(torch.int64)
     words = _words(dst)
-    if c and (int(idx.min()) < 0 or int(idx.max()) >= words.numel()):
-        raise ValueError(f"delta payload indexes words outside a {dst.numel()} B bucket")
-    words.index_copy_(0, idx, payload[: 8 * c].view(torch.int64))
+    native = _native(dst, payload)
+    if native is not None:
+        done = native.apply(_ptr(words), words.numel(), _ptr(payload), _ptr(payload, 8 * c), c)
+        if done != c:
+            raise ValueError(f"delta payload indexes words outside a {dst.numel()} B bucket")
+    elif c:
+        idx = payload[8 * c : 12 * c].view(torch.int32).to(torch.int64)
+        if int(idx.min()) < 0 or int(idx.max()) >= words.numel():
+            raise ValueError(f"delta payload indexes words outside a {dst.numel()} B bucket")
+        words.index_copy_(0, idx, payload[: 8 * c].view(torch.int64))
     if tail:
         dst[dst.numel() - tail :].copy_(payload[12 * c :])
     return c
+
+
+def _native(*tensors: torch.Tensor) -> Kernels | None:
+    """The compiled loops when every tensor is a contiguous CPU buffer (else None)."""
+    if all(t.device.type == "cpu" and t.is_contiguous() for t in tensors):
+        return kernels()
+    return None
+
+
+def _ptr(t: torch.Tensor, offset: int = 0) -> int:
+    """Address of byte ``offset`` of a contiguous tensor."""
+    return t.data_ptr() + offset
 
 
 class DeltaEncoder:
@@ -119,17 +140,20 @@ class DeltaEncoder:
         self.mode = mode
         self.bases: dict[int, torch.Tensor] = {}  # bucket index -> uint8 bytes pushed last
         self._mask: torch.Tensor | None = None
+        self._idx = torch.empty(0, dtype=torch.int32)  # the compiled loop's index scratch
         self.stats: dict[str, float] = {}
 
     def reset(self) -> None:
         """Forget every base (the plan changed): memory is freed, the next push is full."""
         self.bases.clear()
         self._mask = None
+        self._idx = torch.empty(0, dtype=torch.int32)
 
     def memory_bytes(self) -> int:
-        """Bytes held between pushes: the bases and the compare mask."""
+        """Bytes held between pushes: the bases, the compare mask (torch/numpy path) or the
+        index scratch (compiled path)."""
         mask = 0 if self._mask is None else self._mask.numel()
-        return sum(b.numel() for b in self.bases.values()) + mask
+        return sum(b.numel() for b in self.bases.values()) + mask + 4 * self._idx.numel()
 
     def base(self, k: int, nbytes: int, device: torch.device) -> torch.Tensor:
         """Bucket ``k``'s base (flat uint8), allocated at ``nbytes`` when it has none of that
@@ -154,11 +178,15 @@ class DeltaEncoder:
             return None, -1
         new_w, old_w = _words(packed), _words(old)
         full_c = math.ceil(nbytes / 12)  # a payload of this many words is no smaller
-        if self.mode == "auto" and new_w.numel() >= 64 * SAMPLE_STRIDE:
-            est = (new_w[::SAMPLE_STRIDE] != old_w[::SAMPLE_STRIDE]).sum().item()
-            if est * SAMPLE_STRIDE >= 0.9 * full_c:
+        est = None
+        if new_w.numel() >= 64 * SAMPLE_STRIDE:
+            est = (new_w[::SAMPLE_STRIDE] != old_w[::SAMPLE_STRIDE]).sum().item() * SAMPLE_STRIDE
+            if self.mode == "auto" and est >= 0.9 * full_c:
                 old.copy_(packed)
                 return None, -1
+        native = _native(packed, old)
+        if native is not None:
+            return self._take_native(native, packed, old, est, full_c)
         if self._mask is None or self._mask.numel() < new_w.numel():
             self._mask = torch.empty(new_w.numel(), dtype=torch.bool, device=packed.device)
         idx = _changed(new_w, old_w, self._mask[: new_w.numel()])
@@ -167,10 +195,57 @@ class DeltaEncoder:
             return None, idx.numel()
         payload = encode(packed, old, idx)
         old_w.index_copy_(0, idx.to(old.device), payload[: 8 * idx.numel()].view(torch.int64))
-        tail = nbytes % 8
-        if tail:
-            old[nbytes - tail :].copy_(packed[nbytes - tail :])
+        self._copy_tail(packed, old)
         return payload, idx.numel()
+
+    def _take_native(
+        self, native: Kernels, packed: torch.Tensor, old: torch.Tensor, est: int | None, full_c: int
+    ) -> tuple[torch.Tensor | None, int]:
+        """:meth:`take` with the compiled loop: one pass that finds the changed words, writes
+        them into the base and their values into the payload (sized from the estimate,
+        grown when it was short); their indices go through a scratch buffer of this
+        encoder into the payload's index part once their count is known."""
+        new_w, old_w = _words(packed), _words(old)
+        n, nbytes = new_w.numel(), packed.numel()
+        limit = full_c - 1 if self.mode == "auto" else n  # auto: more and it goes whole
+        cap = limit if est is None else min(limit, max(4096, est + est // 4 + 4096))
+        payload = torch.empty(12 * cap + nbytes % 8, dtype=torch.uint8)
+        count, i = ctypes.c_int64(0), 0
+        while True:
+            idx = self._indices(cap)
+            i = native.encode(
+                _ptr(new_w), _ptr(old_w), i, n, _ptr(payload), _ptr(idx), ctypes.byref(count), cap
+            )
+            if i == n:
+                break
+            if cap >= limit:  # auto: the payload would not be smaller; the rest of the base
+                old.copy_(packed)  # is brought up to date at once, the bucket goes whole
+                return None, -1
+            cap = min(limit, 2 * cap)  # the estimate was short: grow, keep what was found
+            grown = torch.empty(12 * cap + nbytes % 8, dtype=torch.uint8)
+            grown[: 8 * count.value].copy_(payload[: 8 * count.value])
+            payload = grown
+        c = count.value
+        out = payload[: 12 * c + nbytes % 8]
+        out[8 * c : 12 * c].view(torch.int32).copy_(self._indices(c)[:c])
+        out[12 * c :].copy_(packed[n * 8 :])
+        self._copy_tail(packed, old)
+        return out, c
+
+    def _indices(self, cap: int) -> torch.Tensor:
+        """The index scratch (int32), at least ``cap`` long; grown keeping its contents."""
+        if self._idx.numel() < cap:
+            grown = torch.empty(cap, dtype=torch.int32)
+            grown[: self._idx.numel()].copy_(self._idx)
+            self._idx = grown
+        return self._idx
+
+    @staticmethod
+    def _copy_tail(packed: torch.Tensor, old: torch.Tensor) -> None:
+        """The bucket's last ``nbytes % 8`` bytes (no whole word) into the base."""
+        tail = packed.numel() % 8
+        if tail:
+            old[packed.numel() - tail :].copy_(packed[packed.numel() - tail :])
 
 
 class DeltaApplier:
