@@ -180,7 +180,7 @@ class DeltaEncoder:
         full_c = math.ceil(nbytes / 12)  # a payload of this many words is no smaller
         est = None
         if new_w.numel() >= 64 * SAMPLE_STRIDE:
-            est = (new_w[::SAMPLE_STRIDE] != old_w[::SAMPLE_STRIDE]).sum().item() * SAMPLE_STRIDE
+            est = int((new_w[::SAMPLE_STRIDE] != old_w[::SAMPLE_STRIDE]).sum()) * SAMPLE_STRIDE
             if self.mode == "auto" and est >= 0.9 * full_c:
                 old.copy_(packed)
                 return None, -1
