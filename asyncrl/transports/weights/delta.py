@@ -23,6 +23,11 @@ once. ``auto`` first compares every 61st word and sends the bucket whole when
 the estimate says the payload would not be smaller; otherwise it compares all
 words and still sends it whole when the payload is not smaller.
 
+On CPU buffers the compare and the apply are compiled C loops (``delta_native``: one
+branch-free pass each, no mask, no index arrays); the payload is sized from the estimate
+and grown when it was short. Without a C compiler the torch/numpy path gives the same
+payloads, bit for bit, more slowly.
+
 Engine (:class:`DeltaApplier`): knows which version of bucket k each receive
 buffer holds and the last delta it applied to bucket k. The buffer receiving
 version v+1 holds v-1 (the other one is live, serving v): it is brought to v
@@ -132,7 +137,9 @@ class DeltaEncoder:
     """Sender side: the base of every bucket and the per-bucket choice (see module doc).
 
     Memory: the bases (one copy of the synced bytes) and a compare mask of one byte per
-    8-byte word of the largest bucket; a push's payloads live until it is delivered.
+    8-byte word of the largest bucket (torch/numpy path) or an index scratch of 4 bytes
+    per changed word of the largest payload (compiled path); a push's payloads live until
+    it is delivered.
     """
 
     def __init__(self, mode: str):
