@@ -137,8 +137,7 @@ class DeltaEncoder:
     """Sender side: the base of every bucket and the per-bucket choice (see module doc).
 
     Memory: the bases (one copy of the synced bytes) and a compare mask of one byte per
-    8-byte word of the largest bucket (torch/numpy path) or an index scratch of 4 bytes
-    per changed word of the largest payload (compiled path); a push's payloads live until
+    8-byte word of the largest bucket (torch/numpy path only); a push's payloads live until
     it is delivered.
     """
 
@@ -147,20 +146,17 @@ class DeltaEncoder:
         self.mode = mode
         self.bases: dict[int, torch.Tensor] = {}  # bucket index -> uint8 bytes pushed last
         self._mask: torch.Tensor | None = None
-        self._idx = torch.empty(0, dtype=torch.int32)  # the compiled loop's index scratch
         self.stats: dict[str, float] = {}
 
     def reset(self) -> None:
         """Forget every base (the plan changed): memory is freed, the next push is full."""
         self.bases.clear()
         self._mask = None
-        self._idx = torch.empty(0, dtype=torch.int32)
 
     def memory_bytes(self) -> int:
-        """Bytes held between pushes: the bases, the compare mask (torch/numpy path) or the
-        index scratch (compiled path)."""
+        """Bytes held between pushes: the bases and the compare mask (torch/numpy path)."""
         mask = 0 if self._mask is None else self._mask.numel()
-        return sum(b.numel() for b in self.bases.values()) + mask + 4 * self._idx.numel()
+        return sum(b.numel() for b in self.bases.values()) + mask
 
     def base(self, k: int, nbytes: int, device: torch.device) -> torch.Tensor:
         """Bucket ``k``'s base (flat uint8), allocated at ``nbytes`` when it has none of that
@@ -209,9 +205,9 @@ class DeltaEncoder:
         self, native: Kernels, packed: torch.Tensor, old: torch.Tensor, est: int | None, full_c: int
     ) -> tuple[torch.Tensor | None, int]:
         """:meth:`take` with the compiled loop: one pass that finds the changed words, writes
-        them into the base and their values into the payload (sized from the estimate,
-        grown when it was short); their indices go through a scratch buffer of this
-        encoder into the payload's index part once their count is known."""
+        them into the base, their values to the front of the payload and their indices
+        behind room for ``cap`` values (the payload is sized from the estimate and grown
+        when it was short); the indices are moved down behind the values at the end."""
         new_w, old_w = _words(packed), _words(old)
         n, nbytes = new_w.numel(), packed.numel()
         limit = full_c - 1 if self.mode == "auto" else n  # auto: more and it goes whole
@@ -219,33 +215,27 @@ class DeltaEncoder:
         payload = torch.empty(12 * cap + nbytes % 8, dtype=torch.uint8)
         count, i = ctypes.c_int64(0), 0
         while True:
-            idx = self._indices(cap)
             i = native.encode(
-                _ptr(new_w), _ptr(old_w), i, n, _ptr(payload), _ptr(idx), ctypes.byref(count), cap
-            )
+                _ptr(new_w), _ptr(old_w), i, n, _ptr(payload), _ptr(payload, 8 * cap),
+                ctypes.byref(count), cap,
+            )  # fmt: skip
             if i == n:
                 break
             if cap >= limit:  # auto: the payload would not be smaller; the rest of the base
                 old.copy_(packed)  # is brought up to date at once, the bucket goes whole
                 return None, -1
-            cap = min(limit, 2 * cap)  # the estimate was short: grow, keep what was found
-            grown = torch.empty(12 * cap + nbytes % 8, dtype=torch.uint8)
-            grown[: 8 * count.value].copy_(payload[: 8 * count.value])
-            payload = grown
+            grown_cap = min(limit, 2 * cap)  # the estimate was short: grow, keep what was found
+            grown = torch.empty(12 * grown_cap + nbytes % 8, dtype=torch.uint8)
+            c = count.value
+            grown[: 8 * c].copy_(payload[: 8 * c])
+            grown[8 * grown_cap : 8 * grown_cap + 4 * c].copy_(payload[8 * cap : 8 * cap + 4 * c])
+            payload, cap = grown, grown_cap
         c = count.value
+        ctypes.memmove(_ptr(payload, 8 * c), _ptr(payload, 8 * cap), 4 * c)  # may overlap
         out = payload[: 12 * c + nbytes % 8]
-        out[8 * c : 12 * c].view(torch.int32).copy_(self._indices(c)[:c])
         out[12 * c :].copy_(packed[n * 8 :])
         self._copy_tail(packed, old)
         return out, c
-
-    def _indices(self, cap: int) -> torch.Tensor:
-        """The index scratch (int32), at least ``cap`` long; grown keeping its contents."""
-        if self._idx.numel() < cap:
-            grown = torch.empty(cap, dtype=torch.int32)
-            grown[: self._idx.numel()].copy_(self._idx)
-            self._idx = grown
-        return self._idx
 
     @staticmethod
     def _copy_tail(packed: torch.Tensor, old: torch.Tensor) -> None:
