@@ -23,6 +23,11 @@ once. ``auto`` first compares every 61st word and sends the bucket whole when
 the estimate says the payload would not be smaller; otherwise it compares all
 words and still sends it whole when the payload is not smaller.
 
+On CPU buffers the compare and the apply are compiled C loops (``delta_native``: one
+branch-free pass each, no mask, no index arrays); the payload is sized from the estimate
+and grown when it was short. Without a C compiler the torch/numpy path gives the same
+payloads, bit for bit, more slowly.
+
 Engine (:class:`DeltaApplier`): knows which version of bucket k each receive
 buffer holds and the last delta it applied to bucket k. The buffer receiving
 version v+1 holds v-1 (the other one is live, serving v): it is brought to v
@@ -33,11 +38,14 @@ switches to the buffers only at the commit.
 
 from __future__ import annotations
 
+import ctypes
 import math
 
 import msgspec
 import numpy as np
 import torch
+
+from asyncrl.transports.weights.delta_native import Kernels, kernels
 
 __all__ = [
     "DELTA_CAPABILITY",
@@ -97,21 +105,40 @@ def apply_payload(dst: torch.Tensor, payload: torch.Tensor) -> int:
     c, rest = divmod(payload.numel() - tail, 12)
     if rest or c < 0:
         raise ValueError(f"a {payload.numel()} B delta does not fit a {dst.numel()} B bucket")
-    idx = payload[8 * c : 12 * c].view(torch.int32).to(torch.int64)
     words = _words(dst)
-    if c and (int(idx.min()) < 0 or int(idx.max()) >= words.numel()):
-        raise ValueError(f"delta payload indexes words outside a {dst.numel()} B bucket")
-    words.index_copy_(0, idx, payload[: 8 * c].view(torch.int64))
+    native = _native(dst, payload)
+    if native is not None:
+        done = native.apply(_ptr(words), words.numel(), _ptr(payload), _ptr(payload, 8 * c), c)
+        if done != c:
+            raise ValueError(f"delta payload indexes words outside a {dst.numel()} B bucket")
+    elif c:
+        idx = payload[8 * c : 12 * c].view(torch.int32).to(torch.int64)
+        if int(idx.min()) < 0 or int(idx.max()) >= words.numel():
+            raise ValueError(f"delta payload indexes words outside a {dst.numel()} B bucket")
+        words.index_copy_(0, idx, payload[: 8 * c].view(torch.int64))
     if tail:
         dst[dst.numel() - tail :].copy_(payload[12 * c :])
     return c
+
+
+def _native(*tensors: torch.Tensor) -> Kernels | None:
+    """The compiled loops when every tensor is a contiguous CPU buffer (else None)."""
+    if all(t.device.type == "cpu" and t.is_contiguous() for t in tensors):
+        return kernels()
+    return None
+
+
+def _ptr(t: torch.Tensor, offset: int = 0) -> int:
+    """Address of byte ``offset`` of a contiguous tensor."""
+    return t.data_ptr() + offset
 
 
 class DeltaEncoder:
     """Sender side: the base of every bucket and the per-bucket choice (see module doc).
 
     Memory: the bases (one copy of the synced bytes) and a compare mask of one byte per
-    8-byte word of the largest bucket; a push's payloads live until it is delivered.
+    8-byte word of the largest bucket (torch/numpy path only); a push's payloads live until
+    it is delivered.
     """
 
     def __init__(self, mode: str):
@@ -127,7 +154,7 @@ class DeltaEncoder:
         self._mask = None
 
     def memory_bytes(self) -> int:
-        """Bytes held between pushes: the bases and the compare mask."""
+        """Bytes held between pushes: the bases and the compare mask (torch/numpy path)."""
         mask = 0 if self._mask is None else self._mask.numel()
         return sum(b.numel() for b in self.bases.values()) + mask
 
@@ -154,11 +181,15 @@ class DeltaEncoder:
             return None, -1
         new_w, old_w = _words(packed), _words(old)
         full_c = math.ceil(nbytes / 12)  # a payload of this many words is no smaller
-        if self.mode == "auto" and new_w.numel() >= 64 * SAMPLE_STRIDE:
-            est = (new_w[::SAMPLE_STRIDE] != old_w[::SAMPLE_STRIDE]).sum().item()
-            if est * SAMPLE_STRIDE >= 0.9 * full_c:
+        est = None
+        if new_w.numel() >= 64 * SAMPLE_STRIDE:
+            est = int((new_w[::SAMPLE_STRIDE] != old_w[::SAMPLE_STRIDE]).sum()) * SAMPLE_STRIDE
+            if self.mode == "auto" and est >= 0.9 * full_c:
                 old.copy_(packed)
                 return None, -1
+        native = _native(packed, old)
+        if native is not None:
+            return self._take_native(native, packed, old, est, full_c)
         if self._mask is None or self._mask.numel() < new_w.numel():
             self._mask = torch.empty(new_w.numel(), dtype=torch.bool, device=packed.device)
         idx = _changed(new_w, old_w, self._mask[: new_w.numel()])
@@ -167,10 +198,51 @@ class DeltaEncoder:
             return None, idx.numel()
         payload = encode(packed, old, idx)
         old_w.index_copy_(0, idx.to(old.device), payload[: 8 * idx.numel()].view(torch.int64))
-        tail = nbytes % 8
-        if tail:
-            old[nbytes - tail :].copy_(packed[nbytes - tail :])
+        self._copy_tail(packed, old)
         return payload, idx.numel()
+
+    def _take_native(
+        self, native: Kernels, packed: torch.Tensor, old: torch.Tensor, est: int | None, full_c: int
+    ) -> tuple[torch.Tensor | None, int]:
+        """:meth:`take` with the compiled loop: one pass that finds the changed words, writes
+        them into the base, their values to the front of the payload and their indices
+        behind room for ``cap`` values (the payload is sized from the estimate and grown
+        when it was short); the indices are moved down behind the values at the end."""
+        new_w, old_w = _words(packed), _words(old)
+        n, nbytes = new_w.numel(), packed.numel()
+        limit = full_c - 1 if self.mode == "auto" else n  # auto: more and it goes whole
+        cap = limit if est is None else min(limit, max(4096, est + est // 4 + 4096))
+        payload = torch.empty(12 * cap + nbytes % 8, dtype=torch.uint8)
+        count, i = ctypes.c_int64(0), 0
+        while True:
+            i = native.encode(
+                _ptr(new_w), _ptr(old_w), i, n, _ptr(payload), _ptr(payload, 8 * cap),
+                ctypes.byref(count), cap,
+            )  # fmt: skip
+            if i == n:
+                break
+            if cap >= limit:  # auto: the payload would not be smaller; the rest of the base
+                old.copy_(packed)  # is brought up to date at once, the bucket goes whole
+                return None, -1
+            grown_cap = min(limit, 2 * cap)  # the estimate was short: grow, keep what was found
+            grown = torch.empty(12 * grown_cap + nbytes % 8, dtype=torch.uint8)
+            c = count.value
+            grown[: 8 * c].copy_(payload[: 8 * c])
+            grown[8 * grown_cap : 8 * grown_cap + 4 * c].copy_(payload[8 * cap : 8 * cap + 4 * c])
+            payload, cap = grown, grown_cap
+        c = count.value
+        ctypes.memmove(_ptr(payload, 8 * c), _ptr(payload, 8 * cap), 4 * c)  # may overlap
+        out = payload[: 12 * c + nbytes % 8]
+        out[12 * c :].copy_(packed[n * 8 :])
+        self._copy_tail(packed, old)
+        return out, c
+
+    @staticmethod
+    def _copy_tail(packed: torch.Tensor, old: torch.Tensor) -> None:
+        """The bucket's last ``nbytes % 8`` bytes (no whole word) into the base."""
+        tail = packed.numel() % 8
+        if tail:
+            old[packed.numel() - tail :].copy_(packed[packed.numel() - tail :])
 
 
 class DeltaApplier:
