@@ -31,7 +31,8 @@ def test_summary_is_null_unless_every_seed_reached() -> None:
         t, s = reach(_rows(rewards), [0.5], 1.0, 0.0)
         return {"arm": arm, "seed": seed, "time_to": t, "samples_to": s, "final_reward": 0.0,
                 "first_reward": 0.0, "wall_s": 1.0, "steps_wall_s": 1.0,
-                "trainer_idle": 0.75 if arm == "sync" else 0.1, "staleness_mean": 0.0}  # fmt: skip
+                "trainer_idle": 0.75 if arm == "sync" else 0.1, "staleness_mean": 0.0,
+                "filtered_share": 0.0}  # fmt: skip
 
     runs = [run("sync", 0, [0.1, 0.6]), run("sync", 1, [0.6, 0.7])]
     runs += [run("async_decoupled", 0, [0.1, 0.2]), run("async_decoupled", 1, [0.9])]
