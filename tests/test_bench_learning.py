@@ -78,10 +78,11 @@ def test_each_workload_brings_the_settings_its_results_used() -> None:
         return args
 
     longtail = parsed("longtail")
-    assert (longtail.steps, longtail.staleness, longtail.batch_size) == (150, 3, 16)
+    assert (longtail.steps, longtail.staleness, longtail.batch_size) == (160, 3, 16)
     assert longtail.arms == "sync,async_decoupled"
-    assert longtail.override == ["--trainer.lr=0.002", "--x.y=1"]  # the user's come after
-    assert parsed("agentic").override[0] == "--trainer.lr=0.004"
+    assert longtail.override == ["--x.y=1"]  # the run's own lr
+    agentic = parsed("agentic")
+    assert agentic.override == ["--trainer.lr=0.004", "--x.y=1"]  # the user's come after
     default = parsed("default")  # the default job: the bench's short run, the run's own lr
     assert (default.steps, default.staleness, default.batch_size) == (30, 4, 0)
     assert default.arms == "sync,async_decoupled,async_naive" and default.override == ["--x.y=1"]
