@@ -408,7 +408,8 @@ def _losses_main(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict[s
 
 def _dflt(key: str) -> str:
     """The per-workload defaults of ``key`` for ``--help``."""
-    vals = ", ".join(f"{w} {WORKLOAD_DEFAULTS[w][key]}" for w in WORKLOAD_NAMES)
+    own = {w: WORKLOAD_DEFAULTS[w][key] for w in WORKLOAD_NAMES}
+    vals = ", ".join(f"{w} {'the run' + chr(39) + 's' if v is None else v}" for w, v in own.items())
     return f" (default per --workload: {vals})"
 
 
