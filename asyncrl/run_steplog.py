@@ -70,6 +70,7 @@ class StepLog:
             "weight_version": msg.version,
             "num_samples": len(batch.trajectories),
             "filtered_groups": batch.filtered,
+            "filtered_share": batch.filtered / (batch.filtered + len(batch.groups)),
             "sample_ids": [_sample_id(x) for x in batch.samples],
             "wall_s": time.perf_counter() - self.t0,
             "controller_s": time.perf_counter() - self.t_controller,

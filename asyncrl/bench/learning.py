@@ -9,15 +9,22 @@ controller, weight sync) on a workload (``--workload``) with the same sample bud
 - ``async_decoupled``: ``max_staleness = --staleness``, the decoupled objective (its
   off-policy correction ``algo.behav_correction``: the default, TIS);
 - ``async_mis`` / ``async_icepop``: the same with ``behav_correction = mis`` / ``icepop``;
-- ``async_naive``: ``max_staleness = --staleness``, PPO clipped against the behaviour policy.
+- ``async_naive``: ``max_staleness = --staleness``, PPO clipped against the behaviour policy;
+- ``async_filtered``: ``async_decoupled`` with DAPO's dynamic sampling (``algo.filter_groups``:
+  groups of equal rewards dropped, the batch refilled); its ``filtered`` share and its trainer
+  idle against ``async_decoupled``'s are what it costs.
 
 Workloads: ``default`` (the default job: the reverse task, short uniform generations);
 ``longtail`` and ``agentic`` (``task.name = "longtail" | "agentic"``, the episodes of
 ``asyncrl.tasks.workloads``: heavy-tailed generation lengths; multi-turn episodes waiting
 on a tool with heavy-tailed latency), knobs via ``--workload-arg KEY=VALUE``
-(``task.<workload>.KEY``). The engine and the trainer are pinned to their own cores
-(``--engine-core``, ``--trainer-core``; ``--no-pin`` to share), as ``bench pipeline`` does,
-so the comparison measures overlap, not two processes fighting over one core.
+(``task.<workload>.KEY``). Each workload brings its own defaults of ``--steps``,
+``--staleness``, ``--batch-size``, ``--arms`` and ``trainer.lr`` (``WORKLOAD_DEFAULTS``: the
+settings docs/results/learning.md measured it with), so ``--workload W`` alone prints every
+arm's time to 0.9; ``default`` keeps the bench's short run. The engine and the trainer are
+pinned to their own cores (``--engine-core``, ``--trainer-core``; ``--no-pin`` to share), as
+``bench pipeline`` does, so the comparison measures overlap, not two processes fighting over
+one core.
 Per run: ``trainer_idle`` = 1 - (train steps + weight-push calls) / time from the first
 step's report to the last; ``staleness_mean``/``max`` of the trained samples. The
 trainer-bound ceiling of any async speed-up is ``1 / (1 - sync trainer_idle)``.
@@ -51,6 +58,7 @@ from typing import Any
 
 from asyncrl.bench import RawHelpFormatter
 from asyncrl.bench.common import write_json
+from asyncrl.bench.learning_losses import LOSSES, run_losses
 from asyncrl.config import load_config
 from asyncrl.runner import run_job
 from asyncrl.tasks.workloads import WORKLOADS
@@ -69,9 +77,26 @@ ARMS: dict[str, list[str]] = {
         "--algo.behav_correction=icepop",
     ],
     "async_naive": ["--controller.max_staleness={s}", "--algo.decoupled=false"],
+    "async_filtered": [
+        "--controller.max_staleness={s}",
+        "--algo.decoupled=true",
+        "--algo.filter_groups=true",
+    ],
 }
 WORKLOAD_NAMES = ("default", *WORKLOADS)
 DEFAULT_ARMS = "sync,async_decoupled,async_naive"
+# Each workload's defaults of --steps/--staleness/--batch-size/--arms and its run overrides
+# (before --override's, which win): the settings docs/results/learning.md measured it with,
+# so `asyncrl bench learning --workload W` alone prints times to 0.9 for every arm.
+WORKLOAD_DEFAULTS: dict[str, dict[str, Any]] = {
+    "default": {"steps": 30, "staleness": 4, "batch_size": 0, "arms": DEFAULT_ARMS, "lr": None},
+    "longtail": {  # lr 2e-3 (session 4's) collapsed the sync arm's entropy on 2026-11-29
+        "steps": 160, "staleness": 3, "batch_size": 16, "arms": "sync,async_decoupled", "lr": None
+    },
+    "agentic": {
+        "steps": 200, "staleness": 2, "batch_size": 16, "arms": "sync,async_decoupled", "lr": 4e-3
+    },
+}  # fmt: skip
 
 
 def _mean(xs: list[float]) -> float:
@@ -114,6 +139,8 @@ def run_arm(arm: str, seed: int, args: argparse.Namespace, root: Path) -> dict[s
         "staleness_mean": _mean([r.get("staleness_mean", 0.0) for r in rows]),
         "trainer_idle": trainer_idle(rows),
         "samples": sum(r["num_samples"] for r in rows),
+        "filtered": sum(r.get("filtered_groups", 0) for r in rows),
+        "filtered_share": filtered_share(rows),
         "imp_weight_max": max(r.get("imp_weight_max", 1.0) for r in rows),
         "time_to": time_to,
         "samples_to": samples_to,
@@ -132,6 +159,12 @@ def workload_overrides(workload: str, knobs: dict[str, Any]) -> list[str]:
         dotted = "task.num_digits" if key == "num_digits" else f"task.{workload}.{key}"
         out.append(f"--{dotted}={value}")
     return out
+
+
+def filtered_share(rows: list[dict[str, Any]]) -> float:
+    """Mean over the steps of the share of finished groups dynamic sampling dropped
+    (``filtered_share`` of each metrics row: dropped / (dropped + the batch's groups))."""
+    return _mean([r.get("filtered_share", 0.0) for r in rows])
 
 
 def trainer_idle(rows: list[dict[str, Any]]) -> float:
@@ -179,6 +212,7 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
             "steps_wall_s",
             "trainer_idle",
             "staleness_mean",
+            "filtered_share",
         ):
             out[f"{arm}_{key}"] = _mean([r[key] for r in mine])
         for key in ("time_to", "samples_to"):
@@ -209,12 +243,13 @@ def _ratios(mine: dict[str, Any], base: dict[str, Any]) -> dict[str, float | Non
 
 def print_table(results: list[dict[str, Any]], summary: dict[str, Any]) -> None:
     head = f"{'arm':<16} {'seed':>4} {'first10':>8} {'last10':>8} {'wall_s':>7} {'steps_s':>7}"
-    print(head + f" {'stale':>5} {'stale_mean':>10} {'idle':>5}")
+    print(head + f" {'stale':>5} {'stale_mean':>10} {'idle':>5} {'filtered':>8}")
     for r in results:
         print(
             f"{r['arm']:<16} {r['seed']:>4} {r['first_reward']:>8.3f} {r['final_reward']:>8.3f}"
             f" {r['wall_s']:>7.1f} {r['steps_wall_s']:>7.1f} {r['staleness_max']:>5}"
             f" {r['staleness_mean']:>10.2f} {r['trainer_idle']:>5.2f}"
+            f" {r['filtered_share']:>8.2f}"
         )
     print("-" * 60)
     for arm in ARMS:
@@ -280,18 +315,45 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--trainer-core", type=int, default=1, help="core of the trainer process")
     p.add_argument("--no-pin", dest="pin", action="store_false", help="do not pin processes")
     p.add_argument("--seeds", default="0,1", help="comma-separated seeds (>= 2 for the claim)")
-    p.add_argument("--steps", type=int, default=30, help="train steps per run")
-    p.add_argument("--batch-size", type=int, default=0, help="groups per step (0: run default)")
+    p.add_argument("--steps", type=int, default=None, help="train steps per run" + _dflt("steps"))
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="groups per step (0: the run's default)" + _dflt("batch_size"),
+    )
     p.add_argument("--group-size", type=int, default=0, help="samples per group (0: default)")
-    p.add_argument("--staleness", type=int, default=4, help="max_staleness of the async arms")
-    p.add_argument("--arms", default=DEFAULT_ARMS, help="subset of: " + ", ".join(ARMS))
-    p.add_argument("--override", action="append", default=[], help="extra --section.key=value")
+    p.add_argument(
+        "--staleness",
+        type=int,
+        default=None,
+        help="max_staleness of the async arms" + _dflt("staleness"),
+    )
+    p.add_argument("--arms", default=None, help="subset of: " + ", ".join(ARMS) + _dflt("arms"))
+    p.add_argument(
+        "--override",
+        action="append",
+        default=[],
+        help="extra --section.key=value (after the workload's own: trainer.lr" + _dflt("lr") + ")",
+    )
     p.add_argument("--levels", default="0.5,0.9", help="reward levels, fractions of the maximum")
     p.add_argument("--max-reward", type=float, default=1.0, help="the task's maximum reward")
     p.add_argument("--smooth", type=float, default=0.8, help="EMA weight of the reward curve")
     p.add_argument("--run-root", default=None, help="keep the runs here (default: a temp dir)")
     p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument(
+        "--losses",
+        default=None,
+        metavar="all|NAME,...",
+        help="instead of the arms: one run of the default job per policy loss / advantage"
+        " estimator (" + ", ".join(LOSSES) + "; asyncrl/bench/learning_losses.py) and seed, at"
+        " the job's own step budget unless --steps",
+    )
+    p.add_argument("--target", type=float, default=0.9, help="--losses: the 10-step mean to reach")
     args = p.parse_args(argv)
+    if args.losses is not None:
+        return _losses_main(p, args)
+    apply_workload_defaults(args)
     try:
         args.levels = [float(x) for x in args.levels.split(",") if x]
     except ValueError:
@@ -326,6 +388,40 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     write_json(args.json, out)
     return out
+
+
+def _losses_main(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, Any]:
+    """``--losses``: the per-loss table on the default job (learning_losses.py)."""
+    unknown = [n for n in args.losses.split(",") if n and n not in LOSSES and n != "all"]
+    if unknown:
+        p.error(f"unknown losses {unknown} (allowed: all, {', '.join(LOSSES)})")
+    if args.workload != "default":
+        p.error("--losses runs the default job: leave --workload out")
+    logging.basicConfig(level=logging.WARNING)
+    seeds = [int(s) for s in args.seeds.split(",") if s]
+    with tempfile.TemporaryDirectory(prefix="asyncrl-learning-") as tmp:
+        out = run_losses(args, seeds, Path(args.run_root or tmp))
+    out["config"] = {k: v for k, v in vars(args).items() if k != "json"}
+    write_json(args.json, out)
+    return out
+
+
+def _dflt(key: str) -> str:
+    """The per-workload defaults of ``key`` for ``--help``."""
+    own = {w: WORKLOAD_DEFAULTS[w][key] for w in WORKLOAD_NAMES}
+    vals = ", ".join(f"{w} {'the run' + chr(39) + 's' if v is None else v}" for w, v in own.items())
+    return f" (default per --workload: {vals})"
+
+
+def apply_workload_defaults(args: argparse.Namespace) -> None:
+    """Fill what the command line left unset from ``WORKLOAD_DEFAULTS[--workload]``; its
+    learning rate goes first in ``--override`` (a later ``--override trainer.lr=...`` wins)."""
+    own = WORKLOAD_DEFAULTS[args.workload]
+    for key in ("steps", "staleness", "batch_size", "arms"):
+        if getattr(args, key) is None:
+            setattr(args, key, own[key])
+    if own["lr"] is not None:
+        args.override = [f"--trainer.lr={own['lr']:g}", *args.override]
 
 
 def _knob(kv: str) -> tuple[str, float | int | str]:

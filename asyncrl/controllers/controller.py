@@ -47,6 +47,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Coroutine, Iterable, Iterator, Sequence
@@ -179,6 +180,7 @@ class Controller:
         self._filter = config.algo.filter_groups  # DAPO dynamic sampling: _uniform groups
         self._filter_cap = config.algo.filter_max_groups or 10 * cc.batch_size
         self._filtered_step = 0  # groups filtered since the last batch
+        self._filter_share = 0.0  # moving share of the groups filtered per step (look-ahead)
         self._sampling = {
             "temperature": config.rollout.temperature,
             "top_p": config.rollout.top_p,
@@ -693,12 +695,28 @@ class Controller:
         self.step += 1
         self.counters["trained"] += len(chosen)
         filtered, self._filtered_step = self._filtered_step, 0
+        if self._filter:
+            self._admit_ahead(filtered, len(chosen))
         return Batch(
             step=step,
             groups=[g.trajs for g in chosen],
             samples=[g.sample for g in chosen],
             filtered=filtered,
         )
+
+    def _admit_ahead(self, filtered: int, trained: int) -> None:
+        """Dynamic sampling's look-ahead: with a share ``f`` of finished groups dropped (moving
+        average over the steps, weight 1/2 to the newest), a window of ``(s + 1) B`` useful
+        groups in flight needs ``(s + 1) B f / (1 - f)`` more beside it; admitting them now
+        starts the refill with the groups it replaces, not after they finished, so the
+        trainer waits for the engines' throughput, not for their latency twice. Bounded by
+        ``algo.filter_max_groups`` (its default, 10 B) and by ``f <= 0.9``."""
+        share = filtered / max(1, filtered + trained)
+        self._filter_share = 0.5 * self._filter_share + 0.5 * share
+        f = min(self._filter_share, 0.9)
+        window = (self.staleness.max_staleness + 1) * self._batch_size
+        self.staleness.ahead = min(self._filter_cap, math.ceil(window * f / (1.0 - f)))
+        self._changed.set()
 
 
 def _uniform(trajs: list[Trajectory]) -> bool:

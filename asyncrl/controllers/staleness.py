@@ -14,6 +14,11 @@ from zero. ``max_staleness = 0`` is synchronous training through the same rule.
 The rule paces generation; it cannot by itself order completions, so the batch
 former re-checks every group with :meth:`Staleness.fits` before step ``t``
 trains it: ``t - min_version <= max_staleness``.
+
+Dynamic sampling (``algo.filter_groups``) adds ``ahead`` slots to the capacity: the groups it
+expects to drop among those in flight, admitted at once so their refill runs beside them
+instead of after they finished (the controller sets it from the share it dropped lately).
+Those groups are bounded the same way at batch time (``fits``).
 """
 
 from __future__ import annotations
@@ -32,10 +37,11 @@ class Staleness:
         self.version = version
         self.admitted = version * batch_size
         self.released = 0
+        self.ahead = 0  # extra slots for groups dynamic sampling is expected to drop
 
     @property
     def capacity(self) -> int:
-        return (self.max_staleness + self.version + 1) * self.batch_size
+        return (self.max_staleness + self.version + 1) * self.batch_size + self.ahead
 
     @property
     def in_flight(self) -> int:

@@ -38,6 +38,8 @@ SMOKE: dict[str, tuple[str, list[str]]] = {  # the longest first
         "--workload=longtail --workload-arg=max_len=16 --seeds=0 --steps=2 --batch-size=2 "
         "--group-size=2 --arms=sync,async_decoupled --no-pin".split(),
     ),
+    # --losses: one default-job run of one option, 2 steps (the table: test_bench_learning.py)
+    "learning-losses": ("learning", "--losses=rpp_baseline --seeds=0 --steps=2 --no-pin".split()),
     # the default job, 3 steps a side, TRL at 1 thread (the summary: tests/bench/test_peer.py)
     "peer": ("peer", "--seeds=0 --steps=3 --trl-max-steps=3 --trl-threads=1".split()),
     "weight-sync-delta": (
@@ -86,6 +88,7 @@ PARTS = {  # module of asyncrl/bench -> (the bench that runs it, the flag its ru
     "peer_trl": ("peer", ""),  # the TRL side: every peer run
     "peer_settings": ("peer", ""),  # TRL's arguments and the settings table: every peer run
     "common": ("weight-sync", ""),  # model shapes and --json writing: most benches' runs
+    "learning_losses": ("learning", "--losses"),  # the per-loss table
 }
 
 
@@ -256,6 +259,14 @@ def _learning(res: dict[str, Any], out: str) -> None:
     assert "0.9" in res["async_decoupled_time_ratio"]
 
 
+def _learning_losses(res: dict[str, Any], out: str) -> None:
+    assert "rpp_baseline" in out and "NOT reached" in out  # 2 steps: no 10-step window
+    assert [(r["loss"], r["steps"], r["steps_to"]) for r in res["runs"]] == [
+        ("rpp_baseline", 2, None)
+    ]
+    assert res["losses"]["rpp_baseline"]["reached"] is False and res["target"] == 0.9
+
+
 def _pipeline(res: dict[str, Any], out: str) -> None:
     assert "speedup" in out and "trainer idle" in out
     assert res["steps"] == 2 and res["samples_per_step"] == 4
@@ -288,6 +299,7 @@ CHECKS: dict[str, Callable[[Any, str], None]] = {
     "weight-sync-lora": _weight_sync_lora,
     "trace": _trace,
     "learning": _learning,
+    "learning-losses": _learning_losses,
     "pipeline": _pipeline,
     "peer": _peer,
 }

@@ -16,7 +16,9 @@ from asyncrl.controllers.episode import EpisodeContext
 from tests.controllers.fakes import FakeEngine, VirtualTimeLoop
 
 
-async def _drive(filter_groups: bool, cap: int, samples: int = 24) -> tuple[list, dict]:
+async def _drive(
+    filter_groups: bool, cap: int, samples: int = 24, uniform_mod: int = 3
+) -> tuple[list, dict]:
     cfg = RunConfig(
         controller=ControllerConfig(batch_size=2, max_staleness=1, health_interval_s=0.5),
         algo=AlgoConfig(group_size=3, filter_groups=filter_groups, filter_max_groups=cap),
@@ -28,20 +30,27 @@ async def _drive(filter_groups: bool, cap: int, samples: int = 24) -> tuple[list
     async def episode(ctx: EpisodeContext, sample: int):
         gen = await ctx.generate([1, 2, sample])
         # samples divisible by 3: every episode gets reward 1 (no signal); others vary
-        reward = 1.0 if sample % 3 == 0 else float(ctx.episode_id % 2)
+        # (uniform_mod=-3: the other way round, two samples in three uniform)
+        uniform = sample % abs(uniform_mod) == 0
+        reward = 1.0 if uniform == (uniform_mod > 0) else float(ctx.episode_id % 2)
         traj = ctx.trajectory([1, 2, sample], [gen], reward)
         traj.metadata = {"sample": sample}
         return traj
 
     batches = []
+    loop = asyncio.get_running_loop()
     async with Controller(cfg, episode, engines, source=range(samples)) as ctl:
         ctl.end_input()
         while True:
+            t0 = loop.time()
             try:
                 batch = await ctl.next_batch()
             except NoMoreSamples:
                 break
+            st = ctl.stats()  # capacity = (s + v + 1) B + the slots admitted ahead
+            ahead = st["capacity"] - (1 + st["version"] + 1) * 2
             batches.append(batch)
+            WAITS.append((loop.time() - t0, ahead))
             await asyncio.sleep(0.3)
             await ctl.set_version(batch.step + 1)
             for e in engines:
@@ -49,10 +58,14 @@ async def _drive(filter_groups: bool, cap: int, samples: int = 24) -> tuple[list
         return batches, ctl.stats()
 
 
-def _run(filter_groups: bool, cap: int = 0) -> tuple[list, dict]:
+WAITS: list[tuple[float, int]] = []  # per batch of the last run: time next_batch took, ahead
+
+
+def _run(filter_groups: bool, cap: int = 0, **kw: int) -> tuple[list, dict]:
+    WAITS.clear()
     loop = VirtualTimeLoop()
     try:
-        return loop.run_until_complete(asyncio.wait_for(_drive(filter_groups, cap), 1e5))
+        return loop.run_until_complete(asyncio.wait_for(_drive(filter_groups, cap, **kw), 1e5))
     finally:
         loop.close()
 
@@ -88,3 +101,22 @@ def test_cap_bounds_filtered_groups_per_step(cap: int) -> None:
     assert all(b.filtered <= cap for b in batches)
     uniform_trained = [g for b in batches for g in b.groups if g[0].metadata["sample"] % 3 == 0]
     assert st["filtered"] + len(uniform_trained) == 8  # past the cap they are trained
+
+
+def test_refill_is_admitted_ahead_by_the_filtered_share(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two samples in three uniform: after a step that dropped some, admission runs ahead by
+    the dropped share (bounded by the cap), so the trainer waits less for its batches than
+    when every refill starts only after a drop (the look-ahead switched off)."""
+    batches, st = _run(True, samples=60, uniform_mod=-3)
+    aheads = [a for _, a in WAITS]
+    assert min(aheads) >= 0 and max(aheads) > 0 and st["filtered"] == 40
+    assert all(len(b.groups) == 2 for b in batches[:-1])
+    waited = sum(w for w, _ in WAITS)
+    _run(True, cap=1, samples=60, uniform_mod=-3)
+    assert all(a <= 1 for _, a in WAITS)
+    monkeypatch.setattr(Controller, "_admit_ahead", lambda self, filtered, trained: None)
+    _, st_late = _run(True, samples=60, uniform_mod=-3)
+    assert all(a == 0 for _, a in WAITS) and st_late["filtered"] == 40
+    assert waited < 0.8 * sum(w for w, _ in WAITS)
+    _run(False, samples=60, uniform_mod=-3)
+    assert all(a == 0 for _, a in WAITS)
