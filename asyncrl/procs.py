@@ -7,6 +7,7 @@ its whole tree. ``stop`` sends SIGTERM, waits, then SIGKILLs what is left.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -51,10 +52,36 @@ launchers' seam: :func:`spawn`, or the run's fork server)."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free on ``host`` a moment ago."""
+    """A TCP port that was free on ``host`` a moment ago, drawn at random below the kernel's
+    ephemeral range (``net.ipv4.ip_local_port_range``) where there is room: the ports the
+    kernel hands out itself — a ``bind`` to port 0 (ZeroMQ's and Gloo's random binds, this
+    process's neighbours') and every outgoing connection's own end — all come from that
+    range, so none of them can take the port between this call and the caller's bind (a
+    server that starts slowly, e.g. an engine loading its model). Falls back to a port from
+    the kernel when nothing below the range is free."""
+    low = _ephemeral_low()
+    for _ in range(64 if low > _FIXED_FLOOR + 1024 else 0):
+        port = random.randrange(_FIXED_FLOOR, low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+_FIXED_FLOOR = 10_000  # below: ports services are more often configured on
+
+
+def _ephemeral_low() -> int:
+    """The low end of the kernel's ephemeral port range (32768 where it cannot be read)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def python_env(extra: dict[str, str] | None = None) -> dict[str, str]:

@@ -346,7 +346,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         default=None,
         metavar="all|NAME,...",
         help="instead of the arms: one run of the default job per policy loss / advantage"
-        " estimator (" + ", ".join(LOSSES) + "; asyncrl/bench/learning_losses.py) and seed, at"
+        " estimator (" + ", ".join(LOSSES) + ") and seed, at"
         " the job's own step budget unless --steps",
     )
     p.add_argument("--target", type=float, default=0.9, help="--losses: the 10-step mean to reach")

@@ -27,6 +27,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
 import aiohttp
+import msgspec
 
 from asyncrl.core import GenerateRequest, GenerateResult
 from asyncrl.secret import auth_headers
@@ -259,11 +260,17 @@ class PolledHealth(abc.ABC):
         await poll_healthy(self.url, self._why_unhealthy, timeout_s, interval_s, gone, self._fatal)
 
 
+def _json_text(obj: Any) -> str:
+    return msgspec.json.encode(obj).decode()
+
+
 class KeyedHttp:
     """A lazily opened ``aiohttp`` session that sends the run secret on every request
     (:func:`asyncrl.secret.auth_headers`), shared by the HTTP engine clients. The class
     using it sets ``self._timeout`` and ``self._session = None`` in its ``__init__``; the
-    session belongs to the event loop of its first request."""
+    session belongs to the event loop of its first request. Request bodies (``json=``) are
+    encoded by msgspec (~9x the standard library's ``json.dumps``: one body per generate
+    request is on the controller's hot path)."""
 
     _timeout: aiohttp.ClientTimeout
     _session: aiohttp.ClientSession | None
@@ -274,6 +281,7 @@ class KeyedHttp:
                 timeout=self._timeout,
                 connector=aiohttp.TCPConnector(limit=0),
                 headers=auth_headers(),
+                json_serialize=_json_text,
             )
         return self._session
 
