@@ -351,9 +351,11 @@ class WeightReceiver:
             self._update = _Update(m.version, m.count)  # a new push drops whatever was staged
             return self._update
 
-        def ready() -> bool:
+        def ready() -> bool:  # an older push's state: wait for this push's bucket 0
             up = self._update
-            return up is not None and (up.version > m.version or up.next_index >= m.index)
+            if up is None or up.version < m.version:
+                return False
+            return up.version > m.version or up.next_index >= m.index
 
         async with self._turn:  # give up only when no bucket moved for turn_timeout_s
             while not ready():
