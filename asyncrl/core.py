@@ -19,7 +19,16 @@ from typing import Any
 import msgspec
 import numpy as np
 
-__all__ = ["ARRAY_FIELDS", "Batch", "GenerateRequest", "GenerateResult", "Sample", "Trajectory"]
+__all__ = [
+    "ARRAY_FIELDS",
+    "Batch",
+    "GenerateRequest",
+    "GenerateResult",
+    "Sample",
+    "TrajScalars",
+    "Trajectory",
+    "scalars_of",
+]
 
 # name -> dtype of every per-trajectory array; the codec relies on this order.
 ARRAY_FIELDS: dict[str, np.dtype] = {
@@ -75,7 +84,27 @@ class GenerateResult(msgspec.Struct, frozen=True, gc=False):
         return [self.weight_version] * len(self.output_ids)
 
 
-class Trajectory(msgspec.Struct, kw_only=True, gc=False):
+class TrajScalars(msgspec.Struct, kw_only=True, gc=False):
+    """The scalars of a finished trajectory, declared once for every form it takes: the
+    :class:`Trajectory`, its entry in an experience header (``TrajMeta``) and its record in
+    a run checkpoint (``TrajState``). Those two are positional (``array_like``) and not
+    keyword-only, so msgspec puts their own fields ahead of these: their layouts are
+    ``<own fields>, reward, group_id, episode_id, rewards, timings, metadata``."""
+
+    reward: float
+    group_id: int
+    episode_id: int
+    rewards: dict[str, float] = {}
+    timings: dict[str, float] = {}
+    metadata: dict[str, Any] = {}
+
+
+def scalars_of(t: TrajScalars) -> dict[str, Any]:
+    """``t``'s :class:`TrajScalars` fields by name (to build another form of the trajectory)."""
+    return {name: getattr(t, name) for name in TrajScalars.__struct_fields__}
+
+
+class Trajectory(TrajScalars, kw_only=True, gc=False):
     """One finished episode, as trained on.
 
     ``response_ids``, ``behav_logprobs``, ``versions`` and ``loss_mask`` are
@@ -98,12 +127,6 @@ class Trajectory(msgspec.Struct, kw_only=True, gc=False):
     behav_logprobs: np.ndarray
     versions: np.ndarray
     loss_mask: np.ndarray
-    reward: float
-    group_id: int
-    episode_id: int
-    rewards: dict[str, float] = {}
-    timings: dict[str, float] = {}
-    metadata: dict[str, Any] = {}
 
     def __post_init__(self) -> None:
         for name, dtype in ARRAY_FIELDS.items():

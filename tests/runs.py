@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from asyncrl import forkserver
 from asyncrl.controllers.checkpoints import latest_checkpoint
-from asyncrl.procs import Proc, descendants, finish, pid_alive
+from asyncrl.procs import Proc, descendants, finish, free_port, pid_alive, python_env, stop
 
 MARK = "ASYNCRL_TEST_MARK"
 """Environment variable a test sets on a run: every process the run starts inherits it."""
@@ -33,6 +37,34 @@ def spawn_shared(args: list[str], log: Path, env: dict[str, str]) -> Proc:
     a stand-in server then skips importing torch. Its own session, log, environment
     (``PYTHONPATH`` first on its path); stopped by pid like any other."""
     return forkserver.spawn_shared(args, log, env)
+
+
+@contextlib.contextmanager
+def engine_server(model_dir: Path, log: Path, **engine_args: Any) -> Iterator[str]:
+    """An embedded engine server process on ``model_dir`` (forked by :func:`spawn_shared`,
+    ``engine_args`` as :func:`tests.inproc.inproc_engine`'s, given as its options: ``seed=1``
+    is ``--seed 1``); its URL once it is healthy. Stopped on exit."""
+    from asyncrl.engines.rollout.sglang import SGLangClient
+
+    port = free_port()
+    args = ["-m", "asyncrl.entrypoints.engine", "--model-path", str(model_dir)]
+    for key, value in engine_args.items():
+        args += [f"--{key.replace('_', '-')}", str(value)]
+    proc = spawn_shared([*args, "--port", str(port)], log, python_env())
+    url = f"http://127.0.0.1:{port}"
+    try:
+
+        async def up() -> None:
+            c = SGLangClient(url)
+            try:
+                await c.wait_healthy(120)
+            finally:
+                await c.close()
+
+        asyncio.run(up())
+        yield url
+    finally:
+        stop([proc])
 
 
 def marked_pids(mark: str) -> list[int]:

@@ -30,7 +30,7 @@ import msgspec
 import numpy as np
 
 from asyncrl.controllers.episode import Generation, input_crc
-from asyncrl.core import ARRAY_FIELDS, Trajectory
+from asyncrl.core import ARRAY_FIELDS, Trajectory, TrajScalars, scalars_of
 
 __all__ = [
     "CHECKPOINTABLE",
@@ -50,16 +50,11 @@ __all__ = [
 STATE_FORMAT = 1
 
 
-class TrajState(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
-    """A finished trajectory: each of ``ARRAY_FIELDS`` as raw bytes, in that order."""
+class TrajState(TrajScalars, array_like=True, gc=False, omit_defaults=True):
+    """A finished trajectory: each of ``ARRAY_FIELDS`` as raw bytes, in that order, then its
+    scalars (:class:`~asyncrl.core.TrajScalars`)."""
 
     arrays: list[bytes]
-    reward: float
-    group_id: int
-    episode_id: int
-    rewards: dict[str, float] = {}
-    timings: dict[str, float] = {}
-    metadata: dict[str, Any] = {}
 
 
 class ReadyState(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
@@ -177,15 +172,7 @@ def decode_sample(raw: msgspec.Raw, sample_type: Any) -> Any:
 
 
 def traj_state(t: Trajectory) -> TrajState:
-    return TrajState(
-        arrays=[getattr(t, name).tobytes() for name in ARRAY_FIELDS],
-        reward=t.reward,
-        group_id=t.group_id,
-        episode_id=t.episode_id,
-        rewards=t.rewards,
-        timings=t.timings,
-        metadata=t.metadata,
-    )
+    return TrajState(arrays=[getattr(t, name).tobytes() for name in ARRAY_FIELDS], **scalars_of(t))
 
 
 def traj_from_state(s: TrajState) -> Trajectory:
@@ -193,15 +180,7 @@ def traj_from_state(s: TrajState) -> Trajectory:
         name: np.frombuffer(buf, dtype).copy()
         for (name, dtype), buf in zip(ARRAY_FIELDS.items(), s.arrays, strict=True)
     }
-    return Trajectory(
-        **arrays,
-        reward=s.reward,
-        group_id=s.group_id,
-        episode_id=s.episode_id,
-        rewards=s.rewards,
-        timings=s.timings,
-        metadata=s.metadata,
-    )
+    return Trajectory(**arrays, **scalars_of(s))
 
 
 def journal_of(journal: list[tuple[list[int], Generation]], current: Any) -> list[Generation]:

@@ -139,6 +139,12 @@ def _bool(body: dict[str, Any], key: str) -> bool:
     return bool(v)
 
 
+_COMMON_KEYS = frozenset(
+    {"n", "temperature", "top_p", "top_k", "seed", "stream", "ignore_eos", "stop", "stream_options"}
+)
+"""The keys :func:`_common` reads, which both endpoints take."""
+
+
 def _common(body: Any, known: frozenset[str], max_n: int) -> Params:
     if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object")
@@ -187,26 +193,15 @@ def _stop(v: Any) -> list[str]:
     return stops
 
 
-_CHAT_KEYS = frozenset(
-    {
-        "messages",
-        "n",
-        "max_tokens",
-        "max_completion_tokens",
-        "temperature",
-        "top_p",
-        "top_k",
-        "seed",
-        "stop",
-        "logprobs",
-        "top_logprobs",
-        "stream",
-        "stream_options",
-        "tools",
-        "tool_choice",
-        "ignore_eos",
-    }
-)
+_CHAT_KEYS = _COMMON_KEYS | {
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "logprobs",
+    "top_logprobs",
+    "tools",
+    "tool_choice",
+}
 
 
 def chat_request(body: Any, max_n: int) -> tuple[Params, list[dict[str, Any]]]:
@@ -264,22 +259,7 @@ def _tool_choice(v: Any, tools: list[dict[str, Any]] | None) -> bool:
     )
 
 
-_COMPLETION_KEYS = frozenset(
-    {
-        "prompt",
-        "n",
-        "max_tokens",
-        "temperature",
-        "top_p",
-        "top_k",
-        "seed",
-        "stop",
-        "logprobs",
-        "stream",
-        "stream_options",
-        "ignore_eos",
-    }
-)
+_COMPLETION_KEYS = _COMMON_KEYS | {"prompt", "max_tokens", "logprobs"}
 
 
 def completion_request(body: Any, max_n: int) -> tuple[Params, str | list[int]]:

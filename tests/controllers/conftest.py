@@ -3,17 +3,14 @@ episode logic, and an engine process for the tests of the HTTP path (test_batchi
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
 
-from asyncrl.engines.rollout.sglang import SGLangClient
-from asyncrl.procs import free_port, python_env, stop
 from tests.inproc import inproc_engine
-from tests.runs import spawn_shared
+from tests.runs import engine_server
 
 if TYPE_CHECKING:
     from asyncrl.engines.rollout.local.inproc import InProcEngine
@@ -32,22 +29,6 @@ def engine(tiny_model_dir: Path) -> Iterator[InProcEngine]:
 @pytest.fixture(scope="module")
 def engine_url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """An embedded engine server process (tiny model), one per test module."""
-    port = free_port()
     log = tmp_path_factory.mktemp("engine") / "engine.log"
-    args = ["-m", "asyncrl.entrypoints.engine", "--model-path", str(tiny_model_dir)]
-    args += ["--seed", str(ENGINE_ARGS["seed"]), "--context-length", "1000000"]
-    proc = spawn_shared([*args, "--port", str(port)], log, python_env())
-    url = f"http://127.0.0.1:{port}"
-    try:
-
-        async def up() -> None:
-            c = SGLangClient(url)
-            try:
-                await c.wait_healthy(120)
-            finally:
-                await c.close()
-
-        asyncio.run(up())
+    with engine_server(tiny_model_dir, log, **ENGINE_ARGS) as url:
         yield url
-    finally:
-        stop([proc])

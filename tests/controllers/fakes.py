@@ -12,10 +12,13 @@ from __future__ import annotations
 import asyncio
 import random
 import selectors
-from typing import Any
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 from asyncrl.core import GenerateRequest, GenerateResult
 from asyncrl.engines.rollout.base import EngineError, EngineUnavailable
+
+T = TypeVar("T")
 
 
 class _Clock:
@@ -60,6 +63,15 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
 
     def time(self) -> float:
         return self._vclock.now
+
+
+def run_virtual(coro: Coroutine[Any, Any, T]) -> T:
+    """``coro`` run to its end on a fresh :class:`VirtualTimeLoop` (closed after)."""
+    loop = VirtualTimeLoop()
+    try:
+        return loop.run_until_complete(coro)
+    finally:
+        loop.close()
 
 
 class FakeEngine:

@@ -22,7 +22,7 @@ from asyncrl.controllers.episode import EpisodeContext
 from asyncrl.controllers.state import ControllerState
 from asyncrl.core import Sample
 from asyncrl.engines.rollout.local.inproc import InProcEngine
-from tests.controllers.fakes import FakeEngine, VirtualTimeLoop
+from tests.controllers.fakes import FakeEngine, run_virtual
 
 TOOL = [13, 13]
 
@@ -122,14 +122,6 @@ async def test_interrupted_episodes_resume_with_their_tokens(engine: InProcEngin
     assert generated == total  # the engine produced exactly the missing tokens
 
 
-def _run_virtual(coro) -> object:
-    loop = VirtualTimeLoop()
-    try:
-        return loop.run_until_complete(coro)
-    finally:
-        loop.close()
-
-
 def test_data_stream_continues_and_every_sample_trains_once() -> None:
     cfg = RunConfig(
         controller=ControllerConfig(batch_size=2, max_staleness=2),
@@ -171,7 +163,7 @@ def test_data_stream_continues_and_every_sample_trains_once() -> None:
                 await ctl.set_version(step + 1)
         return trained
 
-    trained = _run_virtual(go())
+    trained = run_virtual(go())
     assert sorted(trained) == list(range(len(trained)))  # none skipped, none twice
     assert len(trained) == 20
 
@@ -209,7 +201,7 @@ def test_an_uncheckpointable_sample_is_refused_at_submit_naming_field_and_type()
             await ctl.next_batch()
             assert msgspec.msgpack.encode(ctl.snapshot())
 
-    _run_virtual(go())
+    run_virtual(go())
 
 
 def test_an_uncheckpointable_sample_from_the_source_stops_the_controller() -> None:
@@ -223,4 +215,4 @@ def test_an_uncheckpointable_sample_from_the_source_stops_the_controller() -> No
             cause = err.value.__cause__
             assert isinstance(cause, TypeError) and "Sample.answer is a _Handle" in str(cause)
 
-    _run_virtual(go())
+    run_virtual(go())

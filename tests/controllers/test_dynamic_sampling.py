@@ -13,7 +13,7 @@ import pytest
 from asyncrl.config import AlgoConfig, ControllerConfig, LocalRolloutConfig, RunConfig
 from asyncrl.controllers.controller import Controller, NoMoreSamples
 from asyncrl.controllers.episode import EpisodeContext
-from tests.controllers.fakes import FakeEngine, VirtualTimeLoop
+from tests.controllers.fakes import FakeEngine, run_virtual
 
 
 async def _drive(
@@ -63,11 +63,7 @@ WAITS: list[tuple[float, int]] = []  # per batch of the last run: time next_batc
 
 def _run(filter_groups: bool, cap: int = 0, **kw: int) -> tuple[list, dict]:
     WAITS.clear()
-    loop = VirtualTimeLoop()
-    try:
-        return loop.run_until_complete(asyncio.wait_for(_drive(filter_groups, cap, **kw), 1e5))
-    finally:
-        loop.close()
+    return run_virtual(asyncio.wait_for(_drive(filter_groups, cap, **kw), 1e5))
 
 
 def test_uniform_groups_are_filtered_and_the_batch_refilled() -> None:

@@ -27,7 +27,7 @@ from asyncrl.controllers.router import Router
 from asyncrl.engines.rollout.local.inproc import InProcEngine
 from asyncrl.engines.rollout.sglang import SGLangClient
 from asyncrl.procs import free_port
-from tests.controllers.fakes import FakeEngine, VirtualTimeLoop
+from tests.controllers.fakes import FakeEngine, run_virtual
 
 
 async def test_tool_tokens_masked_and_versions_exact(engine: InProcEngine) -> None:
@@ -250,14 +250,6 @@ async def test_reward_errors_are_logged_once_per_distinct_error(
     assert await RewardRunner(lambda s, ids: True)(None, [1]) == 1.0  # a bool is a number
 
 
-def _run_virtual(coro) -> object:
-    loop = VirtualTimeLoop()
-    try:
-        return loop.run_until_complete(coro)
-    finally:
-        loop.close()
-
-
 def test_admission_counters_survive_resume_and_sync_mode_is_lockstep() -> None:
     import random
 
@@ -286,7 +278,7 @@ def test_admission_counters_survive_resume_and_sync_mode_is_lockstep() -> None:
                 engine.version = step + 1
                 await ctl.set_version(step + 1)
 
-    _run_virtual(go())
+    run_virtual(go())
 
 
 def test_failover_to_healthy_engine_and_back_into_rotation() -> None:
@@ -321,7 +313,7 @@ def test_failover_to_healthy_engine_and_back_into_rotation() -> None:
         assert st["engines_out"] == 0 or asyncio.get_running_loop().time() < 6.0
         assert b.requests > a.requests
 
-    _run_virtual(go())
+    run_virtual(go())
 
 
 async def test_an_outage_waits_for_an_engine_and_is_no_failure(engine: InProcEngine) -> None:

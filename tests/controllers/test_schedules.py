@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from asyncrl.config import AlgoConfig, ControllerConfig, LocalRolloutConfig, RunConfig
 from asyncrl.controllers.controller import Controller, NoMoreSamples
 from asyncrl.controllers.episode import EpisodeContext
-from tests.controllers.fakes import FakeEngine, VirtualTimeLoop
+from tests.controllers.fakes import FakeEngine, run_virtual
 
 schedules = st.fixed_dictionaries(
     {
@@ -130,8 +130,4 @@ async def _drive(p: dict) -> None:
 )
 @given(schedules)
 def test_random_schedules_respect_bound_and_lose_nothing(p: dict) -> None:
-    loop = VirtualTimeLoop()
-    try:
-        loop.run_until_complete(asyncio.wait_for(_drive(p), timeout=1e5))
-    finally:
-        loop.close()
+    run_virtual(asyncio.wait_for(_drive(p), timeout=1e5))

@@ -14,9 +14,8 @@ import pytest
 
 from asyncrl.config import AlgoConfig, ControllerConfig, GatewayConfig, RunConfig
 from asyncrl.core import GenerateResult
-from asyncrl.procs import free_port, python_env, stop
 from tests.inproc import inproc_engine
-from tests.runs import spawn_shared
+from tests.runs import engine_server
 
 if TYPE_CHECKING:
     from asyncrl.engines.rollout.base import ManagedEngine
@@ -140,15 +139,9 @@ def engine(chat_model_dir: Path) -> Iterator[InProcEngine]:
 @pytest.fixture(scope="module")
 def engine_url(chat_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """One embedded engine process (tiny chat model) per test module (the HTTP path)."""
-    port = free_port()
     log = tmp_path_factory.mktemp("engine") / "engine.log"
-    args = ["-m", "asyncrl.entrypoints.engine", "--model-path", str(chat_model_dir)]
-    args += ["--seed", str(ENGINE_ARGS["seed"]), "--max-batch-size", "16"]
-    proc = spawn_shared([*args, "--port", str(port)], log, python_env())
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        stop([proc])
+    with engine_server(chat_model_dir, log, **ENGINE_ARGS) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -15,10 +15,9 @@ Messages and who sends them (see ``zmq_send.py`` for the protocol)::
 
 from __future__ import annotations
 
-from typing import Any
-
 import msgspec
 
+from asyncrl.core import TrajScalars
 from asyncrl.transports.experience.control import (
     ConsumerLost,
     Engines,
@@ -41,21 +40,16 @@ SCHEMA_VERSION = 6
 
 
 class TrajMeta(
-    msgspec.Struct,
+    TrajScalars,
     array_like=True,
     gc=False,
     omit_defaults=True,
     forbid_unknown_fields=True,
 ):
-    """Header entry of one trajectory: its scalars and the length of each array."""
+    """Header entry of one trajectory: the length of each array, then its scalars
+    (:class:`~asyncrl.core.TrajScalars`)."""
 
     lengths: tuple[int, int]  # (prompt tokens, response tokens)
-    reward: float
-    group_id: int
-    episode_id: int
-    rewards: dict[str, float] = {}
-    timings: dict[str, float] = {}
-    metadata: dict[str, Any] = {}
 
 
 class TrainBatch(

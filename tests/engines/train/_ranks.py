@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -101,6 +101,25 @@ def grads(engine: FSDPEngine) -> dict[str, torch.Tensor]:
         g = p.grad
         out[name] = (g.full_tensor() if isinstance(g, DTensor) else g).detach().clone()
     return out
+
+
+def assert_resumes_exactly(
+    engine: FSDPEngine, fresh: Callable[[], FSDPEngine], ckpt: Path, batch: list[Seq]
+) -> None:
+    """Save ``engine`` (one step trained) to ``ckpt`` and train it on ``batch``; an engine from
+    ``fresh()`` that loads ``ckpt`` is at step 1 and, trained on ``batch``, ends with the
+    same weights."""
+    engine.save(str(ckpt))
+    engine.train_batch(batch, TokenMeanLoss())
+    expected = dict(engine.named_weights())
+    resumed = fresh()
+    resumed.load(str(ckpt))
+    assert resumed.step == 1
+    resumed.train_batch(batch, TokenMeanLoss())
+    got = dict(resumed.named_weights())
+    assert got.keys() == expected.keys()
+    for k, v in expected.items():
+        torch.testing.assert_close(got[k], v, atol=1e-6, rtol=1e-5)
 
 
 def shard(seqs: list[Seq], rank: int, world: int) -> list[Seq]:

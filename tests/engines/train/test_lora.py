@@ -11,7 +11,7 @@ import torch
 
 from asyncrl.config import load_config
 from asyncrl.engines.train.fsdp import FSDPEngine
-from tests.engines.train._ranks import TokenMeanLoss, make_batch
+from tests.engines.train._ranks import TokenMeanLoss, assert_resumes_exactly, make_batch
 from tests.marks import needs_peft
 
 pytestmark = needs_peft  # (not importorskip: see tests/marks.py)
@@ -53,17 +53,7 @@ def test_lora_resume_continues_exactly(tiny_model_dir: Path, tmp_path: Path) -> 
     engine = _engine(tiny_model_dir)
     batch, batch2 = make_batch(1), make_batch(2)
     engine.train_batch(batch, TokenMeanLoss())
-    engine.save(str(tmp_path / "ckpt"))
-    engine.train_batch(batch2, TokenMeanLoss())
-    expected = dict(engine.named_weights())
-    resumed = _engine(tiny_model_dir)
-    resumed.load(str(tmp_path / "ckpt"))
-    assert resumed.step == 1
-    resumed.train_batch(batch2, TokenMeanLoss())
-    got = dict(resumed.named_weights())
-    assert got.keys() == expected.keys()
-    for k, v in expected.items():
-        torch.testing.assert_close(got[k], v, atol=1e-6, rtol=1e-5)
+    assert_resumes_exactly(engine, lambda: _engine(tiny_model_dir), tmp_path / "ckpt", batch2)
     # the checkpoint holds the adapter (and its optimizer state), not the frozen base
     meta = (tmp_path / "ckpt" / ".metadata").read_bytes()
     assert b"lora_A" in meta and b"embed_tokens" not in meta
