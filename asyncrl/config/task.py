@@ -3,7 +3,7 @@
 ``[task] name = "math"`` picks :class:`MathTaskConfig`; an omitted ``name`` is ``reverse``
 (the default job). A key of another task is refused, naming the task(s) it belongs to. What
 the choice of task decides beyond its own keys is said here, once, by the type: the task's
-own generation budget (:meth:`~_TaskBase.own_budget`), its prompt length for the context
+own generation budget (``own_budget``), its prompt length for the context
 check, which tiny default model it runs on, whether the run serves the gateway, its held-out
 split and the defaults it changes in other sections (:meth:`~_TaskBase.defaults`). What it
 *builds* (the task, its episodes) is :func:`asyncrl.task_factory.build_task`'s.
@@ -113,7 +113,16 @@ RewardAggregation: TypeAlias = Literal["sum", "normalize_then_sum"]
 
 
 class _TaskBase(_Section, frozen=True, tag_field="name"):
-    """What every task takes; ``name`` (the tag) picks the subclass."""
+    """What every task takes; ``name`` (the tag) picks the subclass.
+
+    Every task type also defines (``TaskConfig``, the union of them, is what callers hold,
+    so mypy checks each type has both):
+
+    - ``own_budget(tiny: bool) -> int``: the most response tokens of one episode (per turn
+      of ``agentic``, per completion of ``agent``) when ``rollout.max_new_tokens`` is 0;
+      ``tiny``: no ``model.path`` (the tiny default model);
+    - ``budget_key: str`` (property): the key that sets it (named when it does not fit the
+      context)."""
 
     seed: int = 0
     """Seed of the prompt stream."""
@@ -122,17 +131,6 @@ class _TaskBase(_Section, frozen=True, tag_field="name"):
     def name(self) -> TaskName:
         """The tag: which task this is."""
         return typing.cast(TaskName, self.__struct_config__.tag)
-
-    def own_budget(self, tiny: bool) -> int:
-        """The most response tokens of one episode (per turn of ``agentic``, per completion of
-        ``agent``) when ``rollout.max_new_tokens`` is 0; ``tiny``: no ``model.path`` (the tiny
-        default model)."""
-        raise NotImplementedError
-
-    @property
-    def budget_key(self) -> str:
-        """The key that sets :meth:`own_budget` (named when it does not fit the context)."""
-        raise NotImplementedError
 
     def prompt_tokens(self) -> int | None:
         """Tokens of the longest prompt an episode sends, where the task fixes it; None: it
