@@ -73,7 +73,7 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-_FIXED_FLOOR = 10_000  # below: ports services are more often configured on
+_FIXED_FLOOR = 20_000  # below: ports services claim by default (Ray's workers: 10002-19999)
 
 
 def _ephemeral_low() -> int:
