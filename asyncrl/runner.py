@@ -51,7 +51,7 @@ from asyncrl.controllers.controller import Controller
 from asyncrl.controllers.evaluation import Evaluator
 from asyncrl.controllers.membership import EngineSet
 from asyncrl.controllers.state import ControllerState
-from asyncrl.core import Batch, Sample
+from asyncrl.core import Batch
 from asyncrl.engines.rollout.launcher import startup_timeout
 from asyncrl.guard import proc_start_time, release_guard, start_guard
 from asyncrl.launchers import Launcher, TrainerArgs, make_launcher
@@ -65,7 +65,7 @@ from asyncrl.run_steplog import StepLog
 from asyncrl.run_supervisor import DiskCheckpoints, TrainerSupervisor
 from asyncrl.run_supervisor import unless as _unless
 from asyncrl.sinks import close_sinks, make_sinks
-from asyncrl.task_factory import build_task, eval_samples
+from asyncrl.task_factory import BuiltTask, build_task, eval_samples
 from asyncrl.transports.experience.assign import make_assigner
 from asyncrl.transports.experience.control import Shutdown, StepDone, Synced
 from asyncrl.transports.experience.zmq_send import ExperienceSender, bind_endpoint
@@ -132,6 +132,7 @@ class _Run:
         self.sup: TrainerSupervisor | None = None  # supervise(): once the channel is bound
         self.startup_s = cfg.rollout.startup_timeout_s or 120.0  # set from the model: run_job
         self.evaluator: Evaluator | None = None  # [eval] on: asyncrl.controllers.evaluation
+        self.task: BuiltTask | None = None  # run_job: built before any process starts
 
     def supervise(self, chan: ExperienceSender) -> TrainerSupervisor:
         """The trainer supervisor, on the bound channel (trainer deaths while starting too)."""
@@ -296,8 +297,8 @@ async def run_job(
     launcher = make_launcher(cfg, run_dir, pin)
     job = _Run(cfg, run_dir, quiet, launcher)
     state = _resume_state(job) if resume else None
-    if state is None:  # a resume records its overrides only once it has started (below)
-        (run_dir / "config.json").write_bytes(msgspec.json.encode(to_dict(cfg)))
+    if state is None:  # a resume records its overrides only once it has started (_start)
+        _write_config(cfg, run_dir)
     model_path = resolve_model(cfg)
     job.startup_s = startup_timeout(cfg.rollout, model_path)
     (run_dir / "pids.json").write_text("{}")
@@ -314,84 +315,116 @@ async def run_job(
     tc = cfg.logging.trace
     trace.start_run(run_dir, tc.enabled, tc.every, tc.max_mb)  # children started below trace too
     job.steplog.sinks = make_sinks(cfg, run_dir, max(job.ledger.resumed_step, 0))
-    gateway = None
-    sample_type: Any = Sample
     try:
-        sampling: dict[str, Any] = {}
         if episode is None:  # built before any process starts: a bad task fails fast
-            built = build_task(cfg, model_path)
-            episode, samples, sampling = built.episode, built.samples, built.sampling
-            gateway, sample_type = built.gateway, built.sample_type
+            job.task = build_task(cfg, model_path)
+        else:
+            job.task = BuiltTask(None, episode, samples)
         held_out = eval_samples(cfg, model_path) if cfg.eval.enabled else None
-        urls = list(cfg.rollout.urls) or launcher.start_engines(model_path)
-        job.engines = EngineSet(cfg, launcher, urls, job.record_recovery)
-        job.engines.startup_s = job.startup_s
-        clients = list(job.engines.clients.values())
-        if cfg.rollout.urls:  # engines running elsewhere: reachable before anything starts
-            await _reachable(clients, job.startup_s)
-        job.start_trainers(model_path, chan, urls)
-        job.record_pids()
-        started = await _unless(
-            _first(
-                asyncio.gather(*(c.wait_healthy(job.startup_s) for c in clients)),
-                job.watchdog(),
-            ),
-            stop_event,
-        )
-        if started is not None and state is not None:
-            started = await _unless(
-                _first(job.wait_synced(chan, state.step), job.watchdog()), stop_event
-            )
-        if started is None:  # a stop while starting: nothing trained since the last checkpoint
-            raise RunStopped(None if state is None else state.step)
-        if state is not None:  # resumed and synced: from here on it is this config's run
-            (run_dir / "config.json").write_bytes(msgspec.json.encode(to_dict(cfg)))
+        clients = await _start(job, chan, model_path, state, stop_event)
         job.steplog.t_controller = time.perf_counter()
+        t = job.task
         start = state.step if state is not None else 0
-        ctl = Controller(cfg, episode, clients, samples, sampling, start, state, sample_type)
-        if gateway is not None:
-            gateway.attach(ctl)
-            await gateway.start()
-            write_gateway_info(run_dir, gateway)
+        ctl = Controller(
+            cfg, t.episode, clients, t.samples, t.sampling, start, state, t.sample_type
+        )
         if held_out is not None:
             job.evaluator = Evaluator(cfg, ctl, *held_out, job.steplog.eval_row)
-        async with ctl:
-            if job.evaluator is not None and state is None:  # a resumed run: trained already
-                job.evaluator.start()
-            if state is not None:
-                resumed = {"from_step": state.step, **ctl.resumed}
-                (run_dir / "resumed.json").write_text(json.dumps(resumed))
-                if not quiet:
-                    print(f"resumed: {resumed}", flush=True)
-            pipeline = job.pipeline(ctl, chan)
-            await _first(
-                pipeline.report(),
-                pipeline.dispatch(stop_event),
-                job.watchdog(ctl, chan),
-            )
-            if job.evaluator is not None:
-                await job.evaluator.finish(ctl.staleness.version)
+        await _train(job, ctl, chan, state, stop_event)
         return job.steplog.rows
     finally:
+        await _teardown(job, chan, guard, ctl_log)
+
+
+def _write_config(cfg: RunConfig, run_dir: Path) -> None:
+    """``RUN_DIR/config.json``: the run's whole config (what the trainer ranks read)."""
+    (run_dir / "config.json").write_bytes(msgspec.json.encode(to_dict(cfg)))
+
+
+async def _start(
+    job: _Run,
+    chan: ExperienceSender,
+    model_path: str,
+    state: ControllerState | None,
+    stop_event: asyncio.Event | None,
+) -> list[Any]:
+    """Start (or reach, for ``rollout.urls``) the engines and start the trainer ranks; wait
+    until every engine is healthy and, on a resume, the trainer has restored ``state``'s
+    step and synced the engines. Returns the engine clients. A trainer death while starting
+    is the supervisor's (watchdog); a stop while starting raises :class:`RunStopped`."""
+    cfg = job.cfg
+    urls = list(cfg.rollout.urls) or job.launcher.start_engines(model_path)
+    job.engines = EngineSet(cfg, job.launcher, urls, job.record_recovery)
+    job.engines.startup_s = job.startup_s
+    clients = list(job.engines.clients.values())
+    if cfg.rollout.urls:  # engines running elsewhere: reachable before anything starts
+        await _reachable(clients, job.startup_s)
+    job.start_trainers(model_path, chan, urls)
+    job.record_pids()
+    healthy = asyncio.gather(*(c.wait_healthy(job.startup_s) for c in clients))
+    started = await _unless(_first(healthy, job.watchdog()), stop_event)
+    if started is not None and state is not None:
+        synced = job.wait_synced(chan, state.step)
+        started = await _unless(_first(synced, job.watchdog()), stop_event)
+    if started is None:  # a stop while starting: nothing trained since the last checkpoint
+        raise RunStopped(None if state is None else state.step)
+    if state is not None:  # resumed and synced: from here on it is this config's run
+        _write_config(cfg, job.run_dir)
+    return clients
+
+
+async def _train(
+    job: _Run,
+    ctl: Controller,
+    chan: ExperienceSender,
+    state: ControllerState | None,
+    stop_event: asyncio.Event | None,
+) -> None:
+    """Drive the controller until every step is reported (or a stop): the dispatcher, the
+    reporter and the watchdog, the gateway of an agent task served meanwhile, evals."""
+    gateway = job.task.gateway if job.task is not None else None
+    if gateway is not None:
+        gateway.attach(ctl)
+        await gateway.start()
+        write_gateway_info(job.run_dir, gateway)
+    async with ctl:
+        if job.evaluator is not None and state is None:  # a resumed run: trained already
+            job.evaluator.start()
+        if state is not None:
+            resumed = {"from_step": state.step, **ctl.resumed}
+            (job.run_dir / "resumed.json").write_text(json.dumps(resumed))
+            if not job.quiet:
+                print(f"resumed: {resumed}", flush=True)
+        pipeline = job.pipeline(ctl, chan)
+        await _first(pipeline.report(), pipeline.dispatch(stop_event), job.watchdog(ctl, chan))
         if job.evaluator is not None:
-            await job.evaluator.close()
-        if gateway is not None:
-            await gateway.close()
-        told = False
-        try:
-            told = await asyncio.wait_for(chan.broadcast(Shutdown(reason="run finished")), 1.0) > 0
-        except (asyncio.TimeoutError, OSError):
-            pass
-        await job.engines.close()
-        # told: trainers leave the weight group while the engines still answer
-        await asyncio.to_thread(launcher.stop, 10.0 if told else 0.0)
-        await chan.close()
-        trace.end_run(run_dir)  # every process has ended: RUN_DIR/trace.json
-        close_sinks(job.steplog.sinks)
-        job.steplog.close()
-        await asyncio.to_thread(release_guard, guard)
-        logging.getLogger("asyncrl").removeHandler(ctl_log)
-        ctl_log.close()
+            await job.evaluator.finish(ctl.staleness.version)
+
+
+async def _teardown(
+    job: _Run, chan: ExperienceSender, guard: Any, ctl_log: logging.Handler
+) -> None:
+    """End everything the run started, however it ends: evals, the gateway, the trainers
+    (told to leave the weight group while the engines still answer), the engines, the
+    channel, the trace, the sinks, the guardian and the run's log handler."""
+    if job.evaluator is not None:
+        await job.evaluator.close()
+    if job.task is not None and job.task.gateway is not None:
+        await job.task.gateway.close()
+    told = False
+    try:
+        told = await asyncio.wait_for(chan.broadcast(Shutdown(reason="run finished")), 1.0) > 0
+    except (asyncio.TimeoutError, OSError):
+        pass
+    await job.engines.close()
+    await asyncio.to_thread(job.launcher.stop, 10.0 if told else 0.0)
+    await chan.close()
+    trace.end_run(job.run_dir)  # every process has ended: RUN_DIR/trace.json
+    close_sinks(job.steplog.sinks)
+    job.steplog.close()
+    await asyncio.to_thread(release_guard, guard)
+    logging.getLogger("asyncrl").removeHandler(ctl_log)
+    ctl_log.close()
 
 
 def _controller_log(run_dir: Path) -> logging.Handler:

@@ -19,7 +19,7 @@ agent per episode through the gateway. This module sits above ``tasks``, ``contr
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -57,7 +57,8 @@ class BuiltTask:
     task: Any
     """What was built: a :class:`~asyncrl.tasks.base.Task`, a workload or the gateway."""
     episode: Episode
-    samples: Iterator[Any]
+    samples: Iterable[Any] | None
+    """The prompt stream (None: samples come by ``Controller.submit``)."""
     sampling: dict[str, Any] = field(default_factory=dict)
     sample_type: Any = Sample
     gateway: Gateway | None = None
