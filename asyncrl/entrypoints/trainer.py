@@ -179,6 +179,8 @@ def _adapter_spec(cfg: RunConfig, config_path: str, model_path: str) -> AdapterS
 
 
 def run(args: argparse.Namespace) -> None:
+    """One trainer rank: join the process group, build the algorithm, serve the experience
+    channel until the controller's ``Shutdown`` (or SIGTERM/SIGINT)."""
     cfg = msgspec.json.decode(open(args.config, "rb").read(), type=RunConfig)
     if args.host:  # this rank's routable address: the weight-sync master on rank 0
         cfg = msgspec.structs.replace(
@@ -191,99 +193,132 @@ def run(args: argparse.Namespace) -> None:
     # rank 0's store listens on its advertised address only (torch's own: every interface)
     store = tcp_store(args.dist_addr, args.dist_port, args.world_size, args.rank == 0, 600.0)
     init_process_group(args.rank, args.world_size, device=cfg.trainer.device, store=store)
-    model_path = args.model_path
-    algorithm = make_algorithm(cfg, lambda role, c: FSDPEngine(model_path, c, role=role))
-    engine = algorithm.actor  # only the actor's weights go to the engines
-    chan = ExperienceReceiver(
-        [args.batch_endpoint],
-        args.rank,
-        args.world_size,
-        credits=cfg.experience.credits,
-        max_message_bytes=cfg.experience.max_message_mb << 20,
-        heartbeat_s=cfg.experience.heartbeat_s,
-        shm=cfg.experience.shm != "off",  # ring arrays stay valid until ack (after training)
-    )
-    sender = None
-    resume_from, sync, now = _resume_from(args.resume_file)
-    if args.rank == 0:
-        urls = now or [u for u in args.engine_urls.split(",") if u]
-        wcfg = cfg.weights
-        if cfg.lora.enabled:  # adapter pushes load beside the served versions: never pause
-            wcfg = msgspec.structs.replace(wcfg, pause_scope="none")
-        sender = make_weight_transport(
-            wcfg, urls, cfg.trainer.device, cfg.rollout.pause_mode, cfg.rollout,
-            _adapter_spec(cfg, args.config, model_path),
-        )  # fmt: skip
-        sender.connect()
-        chan.on_notice = _notice_handler(sender)  # engine set changes, also mid-step
-    state = RunState(algorithm, args.rank, chan.report)
-    fatal = threading.Event()  # set once a push left engines undefined: train no more
-    version = 0  # of the weights this rank holds (step + 1 of the last step trained)
-    if sync:
-        version = _resume(resume_from, state, sender, chan, fatal)
-    pending: list[PushHandle] = []  # the last push, until the sender has read the weights
-    waits: list[float] = []
-    failed = [0]  # failed pushes in a row
-
-    def _before_step(*_: object) -> None:  # the only place the trainer waits for weight sync
-        if pending:
-            with tracer.span("wait for weight snapshot", "trainer"):
-                waits.append(pending[-1].wait_snapshot())
-            pending.clear()
-
-    engine.optimizer.register_step_pre_hook(_before_step)
-    t_free = time.perf_counter()  # since when the trainer has had nothing to do
+    rank = _Rank(args, cfg, tracer)
     try:
-        while True:
-            got = chan.recv(timeout_s=0.1)
-            if got is None:
-                continue
-            msg, trajs = got.msg, got.trajs
-            if isinstance(msg, Shutdown):
-                break
-            if isinstance(msg, Save):
-                with tracer.span("checkpoint", "trainer", {"step": msg.step}):
-                    stall = state.save(msg)
-                log.info("rank %d: step %d saved (stall %.3fs)", args.rank, msg.step, stall)
-                t_free = time.perf_counter()  # saving is work, not idle time
-                continue
-            if isinstance(msg, Engines):
-                if not fatal.is_set():
-                    _resync(chan, sender, engine.named_weights(), msg, version, fatal)
-                continue
-            if not isinstance(msg, TrainBatch) or fatal.is_set():
-                continue  # after a fatal push: wait for the controller's Shutdown
-            t0 = time.perf_counter()
-            tracer.set_step(msg.step)
-            tracer.complete("wait for batch", "trainer", trace.us_of(t_free), trace.us_of(t0))
-            with tracer.span("train step", "trainer", {"step": msg.step, "samples": len(trajs)}):
-                stats = algorithm.train_step(msg.step, trajs)
-            metrics = _metrics(stats, len(trajs), time.perf_counter() - t0)
-            metrics["idle_s"] = t0 - t_free
-            chan.ack(got, flush=True)  # trained on: the controller may send another batch
-            version = msg.step + 1
-            weights = engine.named_weights()
-            if sender is not None and not fatal.is_set():
-                t1 = time.perf_counter()
-                with tracer.span("push weights", "trainer", {"version": msg.step + 1}):
-                    handle = sender.push(weights, version=msg.step + 1)
-                metrics["push_call_s"] = time.perf_counter() - t1
-                metrics["push_wait_before_step_s"] = waits.pop() if waits else 0.0
-                pending.append(handle)
-                handle.add_done_callback(_reporter(chan, msg.step, metrics, failed, fatal))
-            else:
-                for _ in weights:  # collective under sharding: every rank takes part
-                    pass
-            t_free = time.perf_counter()
+        rank.serve()
     except _Stop as exc:
         log.info("trainer rank %d stopping: %s", args.rank, exc)
     finally:
-        state.wait()
-        if sender is not None:
-            sender.close()
-        chan.close()
+        rank.close()
         dist.destroy_process_group()
         tracer.close()
+
+
+def _sender(
+    args: argparse.Namespace, cfg: RunConfig, chan: ExperienceReceiver, urls: list[str]
+) -> WeightTransport:
+    """Rank 0's weight sender to the engines at ``urls`` (default: ``--engine-urls``),
+    connected; engine-set notices on ``chan`` reach it, also mid-step."""
+    urls = urls or [u for u in args.engine_urls.split(",") if u]
+    wcfg = cfg.weights
+    if cfg.lora.enabled:  # adapter pushes load beside the served versions: never pause
+        wcfg = msgspec.structs.replace(wcfg, pause_scope="none")
+    sender = make_weight_transport(
+        wcfg, urls, cfg.trainer.device, cfg.rollout.pause_mode, cfg.rollout,
+        _adapter_spec(cfg, args.config, args.model_path),
+    )  # fmt: skip
+    sender.connect()
+    chan.on_notice = _notice_handler(sender)
+    return sender
+
+
+class _Rank:
+    """A trainer rank's loop: batches in, one train step each, then (rank 0) the new
+    weights pushed while the next step trains. Contract: the only place the trainer waits
+    for weight sync is the optimizer-step pre-hook (the next step waits until the sender
+    has read the previous push's weights); after a push that left the engines' weights
+    undefined (``fatal``) the rank trains no more and waits for the controller's Shutdown."""
+
+    def __init__(self, args: argparse.Namespace, cfg: RunConfig, tracer: Any):
+        self.args, self.tracer = args, tracer
+        model_path = args.model_path
+        self.algorithm = make_algorithm(cfg, lambda role, c: FSDPEngine(model_path, c, role=role))
+        self.engine = self.algorithm.actor  # only the actor's weights go to the engines
+        xc = cfg.experience
+        self.chan = ExperienceReceiver(
+            [args.batch_endpoint],
+            args.rank,
+            args.world_size,
+            credits=xc.credits,
+            max_message_bytes=xc.max_message_mb << 20,
+            heartbeat_s=xc.heartbeat_s,
+            shm=xc.shm != "off",  # ring arrays stay valid until ack (after training)
+        )
+        resume_from, sync, now = _resume_from(args.resume_file)
+        self.sender = _sender(args, cfg, self.chan, now) if args.rank == 0 else None
+        self.state = RunState(self.algorithm, args.rank, self.chan.report)
+        self.fatal = threading.Event()  # set once a push left engines undefined
+        self.version = 0  # of the weights this rank holds (step + 1 of the last step trained)
+        if sync:
+            self.version = _resume(resume_from, self.state, self.sender, self.chan, self.fatal)
+        self.pending: list[PushHandle] = []  # the last push, until the sender read the weights
+        self.waits: list[float] = []
+        self.failed = [0]  # failed pushes in a row
+        self.engine.optimizer.register_step_pre_hook(self._before_step)
+        self.t_free = time.perf_counter()  # since when the trainer has had nothing to do
+
+    def _before_step(self, *_: object) -> None:
+        if self.pending:
+            with self.tracer.span("wait for weight snapshot", "trainer"):
+                self.waits.append(self.pending[-1].wait_snapshot())
+            self.pending.clear()
+
+    def serve(self) -> None:
+        """Until the controller's Shutdown: train each batch, save on ``Save``, re-sync on
+        ``Engines``."""
+        while True:
+            got = self.chan.recv(timeout_s=0.1)
+            if got is None:
+                continue
+            msg = got.msg
+            if isinstance(msg, Shutdown):
+                return
+            if isinstance(msg, Save):
+                with self.tracer.span("checkpoint", "trainer", {"step": msg.step}):
+                    stall = self.state.save(msg)
+                log.info("rank %d: step %d saved (stall %.3fs)", self.args.rank, msg.step, stall)
+                self.t_free = time.perf_counter()  # saving is work, not idle time
+            elif isinstance(msg, Engines):
+                if not self.fatal.is_set():
+                    weights = self.engine.named_weights()
+                    _resync(self.chan, self.sender, weights, msg, self.version, self.fatal)
+            elif isinstance(msg, TrainBatch) and not self.fatal.is_set():
+                self._train(got, msg)  # after a fatal push: wait for the Shutdown
+
+    def _train(self, got: Any, msg: TrainBatch) -> None:
+        """Train step ``msg.step`` on ``got``'s trajectories, ack them, push the weights."""
+        t0 = time.perf_counter()
+        self.tracer.set_step(msg.step)
+        self.tracer.complete("wait for batch", "trainer", trace.us_of(self.t_free), trace.us_of(t0))
+        trajs = got.trajs
+        with self.tracer.span("train step", "trainer", {"step": msg.step, "samples": len(trajs)}):
+            stats = self.algorithm.train_step(msg.step, trajs)
+        metrics = _metrics(stats, len(trajs), time.perf_counter() - t0)
+        metrics["idle_s"] = t0 - self.t_free
+        self.chan.ack(got, flush=True)  # trained on: the controller may send another batch
+        self.version = msg.step + 1
+        weights = self.engine.named_weights()
+        if self.sender is not None and not self.fatal.is_set():
+            t1 = time.perf_counter()
+            with self.tracer.span("push weights", "trainer", {"version": self.version}):
+                handle = self.sender.push(weights, version=self.version)
+            metrics["push_call_s"] = time.perf_counter() - t1
+            metrics["push_wait_before_step_s"] = self.waits.pop() if self.waits else 0.0
+            self.pending.append(handle)
+            handle.add_done_callback(
+                _reporter(self.chan, msg.step, metrics, self.failed, self.fatal)
+            )
+        else:
+            for _ in weights:  # collective under sharding: every rank takes part
+                pass
+        self.t_free = time.perf_counter()
+
+    def close(self) -> None:
+        """Wait for a checkpoint being written, close the sender and the channel."""
+        self.state.wait()
+        if self.sender is not None:
+            self.sender.close()
+        self.chan.close()
 
 
 def _resume_from(path: str) -> tuple[str, bool, list[str]]:
