@@ -233,6 +233,24 @@ def shared_fork_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str
         stop([proc])
 
 
+@pytest.fixture(scope="session", autouse=True)
+def vllm_fork_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The vLLM test servers and parser probes of this test process are forked from one
+    server with vLLM's code imported (tests/engines/rollout/vllm/forks.py), started at the
+    first of them (a worker that starts none pays nothing) and stopped at the end;
+    ``ASYNCRL_TEST_SHARED_FORK_SERVER=0`` turns it off too."""
+    from tests.engines.rollout.vllm import forks
+
+    if os.environ.get("ASYNCRL_TEST_SHARED_FORK_SERVER", "1") == "0" or forks.ENV in os.environ:
+        yield
+        return
+    forks.allow(tmp_path_factory.mktemp("vllm-forks"))
+    try:
+        yield
+    finally:
+        forks.close()
+
+
 @pytest.fixture(autouse=True)
 def _own_fork_server(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     """``@pytest.mark.own_fork_server``: runs of this test start their own fork server (the

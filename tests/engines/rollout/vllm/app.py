@@ -468,8 +468,17 @@ async def serve(args: argparse.Namespace) -> None:
     await shutdown
 
 
+def as_imported() -> None:
+    """Forked from the vLLM fork server (``forks.py``): the environment variables vLLM's
+    imports set (``preload.IMPORT_ENV``), as in a fresh interpreter; else nothing."""
+    preload = sys.modules.get("tests.engines.rollout.vllm.preload")
+    if preload is not None:
+        preload.as_imported()
+
+
 def main() -> None:
     torch.set_num_threads(1)
+    as_imported()
     args = parse_vllm_argv(sys.argv[1:])
     import uvloop
 
