@@ -24,6 +24,7 @@ from typing import Any
 from asyncrl.procs import python_env
 from tests.engines.rollout._background import check_versions, generate_in_background
 from tests.engines.rollout._vllm_checks import check_wire, sha
+from tests.engines.rollout.vllm import forks
 from tests.engines.rollout.vllm.server import VLLMStandIn, start_vllm
 
 
@@ -40,6 +41,10 @@ def test_pushes_are_exact_and_keep_versions_exact(tmp_path: Path, tiny_model_dir
     server = start_vllm(tiny_model_dir, tmp_path / "vllm", tp_size=2, step_s=0.02)
     sender = None
     try:
+        if forks.server_pid() is not None:  # the server and its rank 1: forks (forks.py)
+            kids = forks.children()
+            assert server.proc.pid in kids, kids
+            assert any("-m tests.engines.rollout.vllm.rank --connect" in c for c in kids.values())
         cfg = GlooWeightsConfig(bucket_mb=1, timeout_s=60)
         sender = make_weight_transport(cfg, [server.url], "cpu", "keep", "vllm")
         sender.connect()

@@ -26,7 +26,16 @@ from asyncrl.forkserver import ENV_SHARED, spawn_shared
 from asyncrl.procs import Proc, python_env, spawn, stop
 from tests.engines.rollout.vllm.code import vllm_env
 
-__all__ = ["ENV", "PRELOAD", "allow", "close", "server_pid", "spawn_vllm"]
+__all__ = [
+    "ENV",
+    "PRELOAD",
+    "allow",
+    "children",
+    "close",
+    "server_pid",
+    "socket_path",
+    "spawn_vllm",
+]
 
 ENV = "ASYNCRL_TEST_VLLM_FORK_SERVER"
 """The socket of the test session's vLLM fork server, once started."""
@@ -55,8 +64,23 @@ def server_pid() -> int | None:
     return _proc.pid if _proc is not None and _proc.poll() is None else None
 
 
-def _path() -> str | None:
-    """The server's socket: started now if this process may and has none yet."""
+def children() -> dict[int, str]:
+    """The live processes the server this process started forked: pid -> command line."""
+    server = server_pid()
+    out: dict[int, str] = {}
+    for d in Path("/proc").iterdir() if server is not None else ():
+        try:
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if ppid == server:
+                out[int(d.name)] = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, ValueError, IndexError):  # not a process, or gone meanwhile
+            continue
+    return out
+
+
+def socket_path() -> str | None:
+    """The server's socket (None: none here): started now if this process may and has
+    none yet."""
     global _proc
     with _lock:
         if _folder is None:
@@ -88,7 +112,7 @@ def _wait_listening(proc: Proc, sock: Path, log: Path, timeout_s: float) -> None
 def spawn_vllm(args: list[str], log: Path, env: dict[str, str]) -> Any:
     """Start ``python ARGS`` (``-m MODULE ...``) with ``env`` (``code.vllm_env``'s path),
     forked from the vLLM fork server when there is one (module docstring)."""
-    path = _path()
+    path = socket_path()
     env = python_env(env)
     if path is not None:
         env[ENV_SHARED] = path

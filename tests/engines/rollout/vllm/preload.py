@@ -1,5 +1,6 @@
-"""vLLM 0.33's modules that the test server (``app.py``) and the parser probe (``parse.py``)
-import when they run, imported here once by the vLLM fork server (``forks.py``).
+"""vLLM 0.33's modules that the test server (``app.py``), its receiving ranks (``rank.py``)
+and the parser probe (``parse.py``) import when they run, imported here once by the vLLM
+fork server (``forks.py``).
 
 ``IMPORT_ENV``: the environment variables these imports set (vLLM's ``env_override`` and
 friends set them at import time: ``TORCHINDUCTOR_COMPILE_THREADS``, ...). A process forked
@@ -23,6 +24,7 @@ MODULES = (
     "vllm.entrypoints.scale_out.token_in_token_out.protocol",
     "vllm.entrypoints.serve.exception_handling.error_response",
     "vllm.exceptions",
+    "vllm.distributed.utils",  # the receiving ranks' StatelessProcessGroup (rank.py)
 )
 
 
