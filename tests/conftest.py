@@ -234,21 +234,23 @@ def shared_fork_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str
 
 
 @pytest.fixture(scope="session", autouse=True)
-def vllm_fork_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """The vLLM test servers and parser probes of this test process are forked from one
-    server with vLLM's code imported (tests/engines/rollout/vllm/forks.py), started at the
-    first of them (a worker that starts none pays nothing) and stopped at the end;
-    ``ASYNCRL_TEST_SHARED_FORK_SERVER=0`` turns it off too."""
-    from tests.engines.rollout.vllm import forks
+def session_fork_servers(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The vLLM and SGLang test servers, ranks and probes are forked from one server per
+    upstream environment for the whole session (tests/session_forks.py), each started by
+    the first worker that needs it, in the folder every worker shares, and ending with the
+    session's main process (the xdist controller, whose child each worker is; else this
+    one). ``ASYNCRL_TEST_SHARED_FORK_SERVER=0`` turns them off too."""
+    from tests import session_forks
 
-    if os.environ.get("ASYNCRL_TEST_SHARED_FORK_SERVER", "1") == "0" or forks.ENV in os.environ:
-        yield
+    if os.environ.get("ASYNCRL_TEST_SHARED_FORK_SERVER", "1") == "0":
         return
-    forks.allow(tmp_path_factory.mktemp("vllm-forks"))
-    try:
-        yield
-    finally:
-        forks.close()
+    if session_forks.ENV in os.environ:  # a test session started by a test: its own servers
+        os.environ.pop(session_forks.ENV)
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        session_forks.allow(base.parent, os.getppid())
+    else:
+        session_forks.allow(base, os.getpid())
 
 
 @pytest.fixture(autouse=True)

@@ -41,10 +41,12 @@ def test_pushes_are_exact_and_keep_versions_exact(tmp_path: Path, tiny_model_dir
     server = start_vllm(tiny_model_dir, tmp_path / "vllm", tp_size=2, step_s=0.02)
     sender = None
     try:
-        if forks.server_pid() is not None:  # the server and its rank 1: forks (forks.py)
-            kids = forks.children()
+        if forks.SERVER.server_pid() is not None:  # the server and its rank 1: forks (forks.py)
+            kids = forks.SERVER.children()
             assert server.proc.pid in kids, kids
-            assert any("-m tests.engines.rollout.vllm.rank --connect" in c for c in kids.values())
+            rank_pids = server.state()["rank_pids"]
+            assert len(rank_pids) == 1 and rank_pids[0] in kids, (rank_pids, kids)
+            assert "-m tests.engines.rollout.vllm.rank --connect" in kids[rank_pids[0]]
         cfg = GlooWeightsConfig(bucket_mb=1, timeout_s=60)
         sender = make_weight_transport(cfg, [server.url], "cpu", "keep", "vllm")
         sender.connect()

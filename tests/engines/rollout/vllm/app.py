@@ -60,6 +60,7 @@ from typing import Any
 import torch
 
 from tests.engines.rollout.vllm.standin import PAUSED_MSG, Req, StandIn, arg_parser
+from tests.session_forks import as_imported
 
 ENV = "ASYNCRL_VLLM_STANDIN"
 
@@ -468,17 +469,9 @@ async def serve(args: argparse.Namespace) -> None:
     await shutdown
 
 
-def as_imported() -> None:
-    """Forked from the vLLM fork server (``forks.py``): the environment variables vLLM's
-    imports set (``preload.IMPORT_ENV``), as in a fresh interpreter; else nothing."""
-    preload = sys.modules.get("tests.engines.rollout.vllm.preload")
-    if preload is not None:
-        preload.as_imported()
-
-
 def main() -> None:
     torch.set_num_threads(1)
-    as_imported()
+    as_imported()  # forked from the session's vLLM fork server: what vLLM's imports set
     args = parse_vllm_argv(sys.argv[1:])
     import uvloop
 

@@ -13,7 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tests.engines.rollout.vllm.app import as_imported, parse_vllm_argv
+from tests.engines.rollout.vllm.app import parse_vllm_argv
+from tests.session_forks import as_imported
 
 KEYS = ("model", "api_key", "middleware", "enable_scale_out", "tensor_parallel_size", "dtype",
         "port", "host")  # fmt: skip

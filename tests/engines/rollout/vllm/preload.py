@@ -1,17 +1,11 @@
 """vLLM 0.33's modules that the test server (``app.py``), its receiving ranks (``rank.py``)
-and the parser probe (``parse.py``) import when they run, imported here once by the vLLM
-fork server (``forks.py``).
-
-``IMPORT_ENV``: the environment variables these imports set (vLLM's ``env_override`` and
-friends set them at import time: ``TORCHINDUCTOR_COMPILE_THREADS``, ...). A process forked
-from the server has them imported already, with the environment it was given: it sets them
-again (:func:`as_imported`), as the imports would have in a fresh interpreter.
-"""
+and the parser probe (``parse.py``) import when they run, imported once by the session's
+vLLM fork server (``forks.py``); what they set in the environment is set again in each
+fork (``tests.session_forks.as_imported``)."""
 
 from __future__ import annotations
 
-import importlib
-import os
+from tests.session_forks import preload
 
 MODULES = (
     "fastapi",
@@ -27,18 +21,4 @@ MODULES = (
     "vllm.distributed.utils",  # the receiving ranks' StatelessProcessGroup (rank.py)
 )
 
-
-def _import_all() -> dict[str, str]:
-    before = dict(os.environ)
-    for name in MODULES:
-        importlib.import_module(name)
-    return {k: v for k, v in os.environ.items() if before.get(k) != v}
-
-
-IMPORT_ENV = _import_all()
-
-
-def as_imported() -> None:
-    """Set what vLLM's imports set in the environment, where it is not set (module doc)."""
-    for key, value in IMPORT_ENV.items():
-        os.environ.setdefault(key, value)
+preload(MODULES)

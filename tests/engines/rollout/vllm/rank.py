@@ -46,6 +46,7 @@ from asyncrl.transports.weights.collective_wire import (
 )
 from tests.engines.rollout.vllm.code import packed_tensor
 from tests.engines.rollout.vllm.model_layout import VLLMQwen2, served_dtype
+from tests.session_forks import as_imported
 
 GROUP = GlooWeightsConfig().group_name
 """The Gloo group's store prefix: asyncrl's default ``weights.group_name`` (vLLM's init info
@@ -127,6 +128,7 @@ def main() -> None:
     p.add_argument("--connect", default="", help="a unix socket to talk over")
     args = p.parse_args()
     torch.set_num_threads(1)
+    as_imported()  # forked from the session's vLLM fork server: what vLLM's imports set
     rx, tx = sys.stdin, sys.stdout
     if args.connect:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

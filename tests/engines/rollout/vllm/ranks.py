@@ -20,5 +20,5 @@ class VLLMRank(RankProc):
     def __init__(self, log: Any = None, start_timeout_s: float = 120.0):
         env = python_env(vllm_env())
         argv = ["tests.engines.rollout.vllm.rank"]
-        spawn = spawn_vllm if forks.socket_path() is not None else None
+        spawn = spawn_vllm if forks.SERVER.socket_path() is not None else None
         super().__init__("vLLM rank", argv, env, log, start_timeout_s, 120.0, spawn)
