@@ -180,6 +180,17 @@ def pytest_configure(config: pytest.Config) -> None:
         config.option.loadscopereorder = False
 
 
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """The session's main process (the xdist controller, or pytest alone) ends the session's
+    fork servers (``session_fork_servers``) before it exits."""
+    factory = getattr(config, "_tmp_path_factory", None)
+    if hasattr(config, "workerinput") or factory is None or factory._basetemp is None:
+        return
+    from tests.session_forks import stop_all
+
+    stop_all(factory.getbasetemp())
+
+
 def _heaviest_files_first(items: list[pytest.Item]) -> None:
     """Stable: tests keep their order inside a file, unlisted files theirs after the listed."""
     items.sort(key=lambda item: -_FILE_SECONDS.get(item.nodeid.split("::", 1)[0], 0))

@@ -33,7 +33,9 @@ from typing import Any
 from asyncrl.forkserver import ENV_SHARED, spawn_shared
 from asyncrl.procs import python_env, stop
 
-__all__ = ["ENV", "SessionForkServer", "allow", "as_imported", "children", "preload"]
+__all__ = [
+    "ENV", "SessionForkServer", "allow", "as_imported", "children", "preload", "stop_all",
+]  # fmt: skip
 
 ENV = "ASYNCRL_TEST_SESSION_FORKS"
 """``FOLDER:PID``: the session's fork servers' folder and the process they end with."""
@@ -76,6 +78,23 @@ def allow(folder: Path, owner: int) -> None:
     os.environ[ENV] = f"{folder}:{owner}"
 
 
+def stop_all(folder: Path, timeout_s: float = 10.0) -> None:
+    """End the servers started in ``folder`` (SIGTERM: each kills what it forked) and wait
+    for them to go; the session's main process calls this at its end, so that none
+    outlives it even briefly (``--exit-with`` ends them anyway, a moment later)."""
+    import signal
+
+    pids = [int(f.read_text()) for f in folder.glob("*.pid") if f.read_text().isdigit()]
+    for pid in pids:
+        if _alive(pid):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while (left := [p for p in pids if _alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+
+
 def _room() -> tuple[Path, int] | None:
     folder, _, owner = os.environ.get(ENV, "").rpartition(":")
     return (Path(folder), int(owner)) if folder and owner.isdigit() else None
@@ -110,11 +129,26 @@ class SessionForkServer:
         folder, owner = room
         sock, pid_file = folder / f"{self.name}.sock", folder / f"{self.name}.pid"
         with self._lock, open(folder / f"{self.name}.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # one worker starts it; the others wait for it
+            self._locked(lock, 240.0)  # one worker starts it; the others wait for it
             if not pid_file.exists():
                 pid_file.write_text(str(self._start(folder, sock, owner)))
         pid = int(pid_file.read_text())
         return str(sock) if sock.exists() and _alive(pid) else None
+
+    def _locked(self, lock: Any, timeout_s: float) -> None:
+        """Take the start lock (held while a worker starts the server: at most its 180 s)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"{self.name} fork server: another test process held its start lock "
+                        f"for {timeout_s:.0f} s"
+                    ) from None
+                time.sleep(0.1)
 
     def server_pid(self) -> int | None:
         """The server's pid once started and while it runs."""
