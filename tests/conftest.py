@@ -180,6 +180,17 @@ def pytest_configure(config: pytest.Config) -> None:
         config.option.loadscopereorder = False
 
 
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """The session's main process (the xdist controller, or pytest alone) ends the session's
+    fork servers (``session_fork_servers``) before it exits."""
+    factory = getattr(config, "_tmp_path_factory", None)
+    if hasattr(config, "workerinput") or factory is None or factory._basetemp is None:
+        return
+    from tests.session_forks import stop_all
+
+    stop_all(factory.getbasetemp())
+
+
 def _heaviest_files_first(items: list[pytest.Item]) -> None:
     """Stable: tests keep their order inside a file, unlisted files theirs after the listed."""
     items.sort(key=lambda item: -_FILE_SECONDS.get(item.nodeid.split("::", 1)[0], 0))
@@ -231,6 +242,26 @@ def shared_fork_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str
         runs.shared_server_pid = None
         os.environ.pop(ENV_SHARED, None)
         stop([proc])
+
+
+@pytest.fixture(scope="session", autouse=True)
+def session_fork_servers(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The vLLM and SGLang test servers, ranks and probes are forked from one server per
+    upstream environment for the whole session (tests/session_forks.py), each started by
+    the first worker that needs it, in the folder every worker shares, and ending with the
+    session's main process (the xdist controller, whose child each worker is; else this
+    one). ``ASYNCRL_TEST_SHARED_FORK_SERVER=0`` turns them off too."""
+    from tests import session_forks
+
+    if os.environ.get("ASYNCRL_TEST_SHARED_FORK_SERVER", "1") == "0":
+        return
+    if session_forks.ENV in os.environ:  # a test session started by a test: its own servers
+        os.environ.pop(session_forks.ENV)
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        session_forks.allow(base.parent, os.getppid())
+    else:
+        session_forks.allow(base, os.getpid())
 
 
 @pytest.fixture(autouse=True)

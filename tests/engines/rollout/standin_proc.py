@@ -5,9 +5,13 @@ driven by JSON lines. Each family keeps its own wire (``sglang/``, ``vllm/``).""
 from __future__ import annotations
 
 import json
+import os
 import queue
+import shutil
+import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -73,7 +77,11 @@ def wait_answering(
 
 class RankProc:
     """One rank process (``python -m module``) speaking JSON lines: ``send`` a command now,
-    ``answer`` it later (in order). The first answer is its ready line (``ready``)."""
+    ``answer`` it later (in order). The first answer is its ready line (``ready``).
+
+    Started as a fresh interpreter talking over its stdin and stdout; or, with ``spawn``
+    (``spawn(args, log_path, env) -> process``, e.g. a fork server's), with
+    ``--connect PATH`` appended, over a unix socket it connects to at ``PATH``."""
 
     def __init__(
         self,
@@ -83,30 +91,67 @@ class RankProc:
         log: Any = None,
         start_timeout_s: float = 120.0,
         timeout_s: float = 60.0,
+        spawn: Callable[[list[str], Path | None, dict[str, str]], Any] | None = None,
     ):
         self.who, self.timeout_s = who, timeout_s
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", *argv],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=log if log is not None else subprocess.DEVNULL,
-            env=env,
-            text=True,
-        )
+        self._in: Any
+        self._out: Any
+        if spawn is None:
+            self.proc: Any = subprocess.Popen(
+                [sys.executable, "-m", *argv],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log if log is not None else subprocess.DEVNULL,
+                env=env,
+                text=True,
+            )
+            self._in, self._out = self.proc.stdin, self.proc.stdout
+        else:
+            log_path = Path(log.name) if isinstance(getattr(log, "name", None), str) else None
+            self._connected(argv, env, log_path, spawn, start_timeout_s)
         self._lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
         self.ready = self.answer(start_timeout_s)
 
+    def _connected(
+        self, argv: list[str], env: dict[str, str], log: Path | None, spawn: Any, timeout_s: float
+    ) -> None:
+        """Start the rank by ``spawn`` and wait (up to ``timeout_s``) for it to connect."""
+        folder = tempfile.mkdtemp(prefix="asyncrl-rank-")
+        path = os.path.join(folder, "rank.sock")
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            listener.bind(path)
+            listener.listen(1)
+            listener.settimeout(0.2)
+            self.proc = spawn(["-m", *argv, "--connect", path], log, env)
+            deadline = time.monotonic() + timeout_s
+            while True:
+                try:
+                    conn, _ = listener.accept()
+                    break
+                except TimeoutError:
+                    if self.proc.poll() is not None:
+                        raise RuntimeError(f"{self.who} (pid {self.proc.pid}) exited") from None
+                    if time.monotonic() > deadline:
+                        stop([self.proc])
+                        raise TimeoutError(
+                            f"{self.who} (pid {self.proc.pid}) did not connect in {timeout_s}s"
+                        ) from None
+        finally:
+            listener.close()
+            shutil.rmtree(folder, ignore_errors=True)
+        conn.settimeout(None)
+        self._in, self._out = conn.makefile("w"), conn.makefile("r")
+
     def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
+        for line in self._out:
             self._lines.put(line)
         self._lines.put(None)
 
     def send(self, op: str, **fields: Any) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"op": op, **fields}) + "\n")
-        self.proc.stdin.flush()
+        self._in.write(json.dumps({"op": op, **fields}) + "\n")
+        self._in.flush()
 
     def answer(self, timeout_s: float | None = None) -> dict[str, Any]:
         """The next answer; raises TimeoutError / RuntimeError naming this rank and its pid."""
@@ -126,6 +171,9 @@ class RankProc:
         return self.answer(timeout_s)
 
     def close(self) -> None:
+        if not isinstance(self.proc, subprocess.Popen):  # forked: its own session
+            stop([self.proc], 0.0)
+            return
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait(timeout=30)

@@ -13,8 +13,6 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +21,8 @@ import pytest
 from asyncrl.config import LocalRolloutConfig, LoraConfig, SGLangRolloutConfig
 from asyncrl.engines.rollout.launcher import engine_spec, launch_command, startup_timeout
 from asyncrl.engines.rollout.sglang.launcher import SGLANG_CLI, sglang_dtype, sglang_entry_point
-from tests.engines.rollout.sglang.code import VERSIONS, sglang_env, sglang_src
+from tests.engines.rollout.sglang.code import VERSIONS, sglang_src
+from tests.engines.rollout.sglang.forks import probe
 
 ROLLOUT = {
     "backend": "sglang",
@@ -36,15 +35,7 @@ KEY = "-k3y-of-the-run-0123456789abcdefghij"  # a leading "-", as 1 in 64 run se
 
 def _judge(version: str, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
     sglang_src(version)
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.engines.rollout.sglang.launch_args"],
-        input=json.dumps({"cases": cases}).encode(),
-        capture_output=True,
-        env=sglang_env(version),
-        timeout=240,
-    )
-    assert proc.returncode == 0, proc.stderr.decode()[-4000:]
-    return json.loads(proc.stdout)
+    return list(probe(version, "tests.engines.rollout.sglang.launch_args", {"cases": cases}))
 
 
 def _bf16_model(tmp: Path) -> Path:

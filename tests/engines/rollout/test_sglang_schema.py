@@ -17,8 +17,6 @@ import asyncio
 import contextlib
 import functools
 import json
-import subprocess
-import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -33,7 +31,8 @@ from asyncrl.engines.rollout.launcher import LaunchedServer
 from asyncrl.engines.rollout.sglang import SGLangClient
 from asyncrl.transports.weights.bucket import pack_into, plan_buckets, spec_of
 from asyncrl.transports.weights.collective_wire import broadcast, bucket_extra
-from tests.engines.rollout.sglang.code import VERSIONS, sglang_env, sglang_src
+from tests.engines.rollout.sglang.code import VERSIONS, sglang_src
+from tests.engines.rollout.sglang.forks import probe
 
 # Routes asyncrl may call that a version does not have, and why that is fine:
 ABSENT = {
@@ -50,18 +49,12 @@ IGNORED = {  # fields SGLang drops (FastAPI ignores keys its body class does not
 }
 
 
-def _run_judge(version: str, payload: str) -> subprocess.CompletedProcess[bytes]:
-    return subprocess.run(
-        [sys.executable, "-m", "tests.engines.rollout.sglang.wire_schema"],
-        input=payload.encode(),
-        capture_output=True,
-        env=sglang_env(version),
-        timeout=240,
-    )
+def _run_judge(version: str, payload: str) -> dict[str, Any]:
+    return dict(probe(version, "tests.engines.rollout.sglang.wire_schema", json.loads(payload)))
 
 
 @functools.cache
-def _judges(payload: str) -> dict[str, Future[subprocess.CompletedProcess[bytes]]]:
+def _judges(payload: str) -> dict[str, Future[dict[str, Any]]]:
     """Every version's judge started at once on ``payload`` (each imports its SGLang: most
     of their time), so the first test waits for one judge and the next versions' are done."""
     pool = ThreadPoolExecutor(len(VERSIONS))
@@ -73,9 +66,7 @@ def _judges(payload: str) -> dict[str, Future[subprocess.CompletedProcess[bytes]
 
 def _judge(version: str, payload: str) -> dict[str, Any]:
     sglang_src(version)  # skips, naming why, when that version's source is absent
-    proc = _judges(payload)[version].result(timeout=300)
-    assert proc.returncode == 0, proc.stderr.decode()[-4000:]
-    return json.loads(proc.stdout)
+    return _judges(payload)[version].result(timeout=300)
 
 
 def judge(version: str, requests: list[Any], answers: list[Any]) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from typing import Any
 from asyncrl.procs import python_env
 from tests.engines.rollout._background import check_versions, generate_in_background
 from tests.engines.rollout._vllm_checks import check_wire, sha
+from tests.engines.rollout.vllm import forks
 from tests.engines.rollout.vllm.server import VLLMStandIn, start_vllm
 
 
@@ -40,6 +41,12 @@ def test_pushes_are_exact_and_keep_versions_exact(tmp_path: Path, tiny_model_dir
     server = start_vllm(tiny_model_dir, tmp_path / "vllm", tp_size=2, step_s=0.02)
     sender = None
     try:
+        if forks.SERVER.server_pid() is not None:  # the server and its rank 1: forks (forks.py)
+            kids = forks.SERVER.children()
+            assert server.proc.pid in kids, kids
+            rank_pids = server.state()["rank_pids"]
+            assert len(rank_pids) == 1 and rank_pids[0] in kids, (rank_pids, kids)
+            assert "-m tests.engines.rollout.vllm.rank --connect" in kids[rank_pids[0]]
         cfg = GlooWeightsConfig(bucket_mb=1, timeout_s=60)
         sender = make_weight_transport(cfg, [server.url], "cpu", "keep", "vllm")
         sender.connect()

@@ -22,6 +22,7 @@ from asyncrl.transports.weights.collective_wire import (
     destroy_weight_group,
     new_weight_group,
 )
+from tests.engines.rollout.sglang import forks
 from tests.engines.rollout.sglang.code import VERSIONS, sglang_src
 from tests.engines.rollout.sglang.ranks import SGLangRank
 
@@ -54,6 +55,10 @@ def test_sglang_ranks_receive_bit_exact(version: str, free_port: int, tmp_path) 
     with open(tmp_path / "ranks.log", "w") as log:
         ranks = [SGLangRank(version, log) for _ in range(tp)]
         try:
+            fork = forks.server(version)  # the session's SGLang V fork server, where it runs
+            if fork.server_pid() is not None:
+                kids = fork.children()
+                assert all(r.proc.pid in kids for r in ranks), ([r.proc.pid for r in ranks], kids)
             own: dict[str, object] = {}
 
             def form() -> None:

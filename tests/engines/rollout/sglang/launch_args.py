@@ -37,6 +37,7 @@ from asyncrl.config import LoraConfig, RolloutConfig
 from asyncrl.engines.rollout.launcher import KEYED, engine_spec, launch_command
 from asyncrl.engines.rollout.sglang.launcher import sglang_lora_args
 from asyncrl.entrypoints.keyed import keyed_argv
+from tests.session_forks import as_imported
 
 
 def _entry(args: list[str]) -> tuple[dict[str, Any], list[str]]:
@@ -93,6 +94,12 @@ def build_and_parse(case: dict[str, Any]) -> dict[str, Any]:
 
 
 def main() -> None:
+    """stdin to stdout; or ``IN OUT``: from and to those files (``forks.probe``)."""
+    as_imported()
+    if len(sys.argv) == 3:
+        with open(sys.argv[1]) as rx, open(sys.argv[2], "w") as tx:
+            json.dump([build_and_parse(c) for c in json.load(rx)["cases"]], tx)
+        return
     cases = json.load(sys.stdin)["cases"]
     json.dump([build_and_parse(c) for c in cases], sys.stdout)
 

@@ -2,7 +2,8 @@
 
 Run as ``python -m tests.engines.rollout.sglang.rank --version V`` with SGLang
 ``V``'s source first on ``PYTHONPATH`` (``code.sglang_env``). It reads one JSON
-command per line on stdin and answers one JSON line on stdout:
+command per line on stdin and answers one JSON line on stdout (with ``--connect PATH``: per
+line of a unix socket it connects to, as when forked):
 
 - ``init`` {master_address, master_port, rank_offset, tp_rank, world_size,
   group_name, backend}: joins the weight group as rank ``rank_offset + tp_rank``
@@ -32,6 +33,7 @@ import ast
 import hashlib
 import importlib.util
 import json
+import socket
 import sys
 import traceback
 from pathlib import Path
@@ -41,6 +43,7 @@ import torch
 
 from asyncrl.transports.weights.bucket import BucketEntry, BucketManifest
 from asyncrl.transports.weights.integrity import bucket_checksum
+from tests.session_forks import as_imported
 
 
 def as_sent(flat: torch.Tensor, c: dict[str, Any]) -> int | None:
@@ -158,19 +161,28 @@ class Rank:
 
 
 def main() -> None:
+    """JSON lines over stdin/stdout, or over the unix socket of ``--connect PATH``
+    (``standin_proc.RankProc``, as when forked from the version's session fork server)."""
     p = argparse.ArgumentParser()
     p.add_argument("--version", required=True)
+    p.add_argument("--connect", default="", help="a unix socket to talk over")
     args = p.parse_args()
+    as_imported()
+    rx, tx = sys.stdin, sys.stdout
+    if args.connect:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(args.connect)
+        rx, tx = sock.makefile("r"), sock.makefile("w")
     rank = Rank(args.version)
-    print(json.dumps({"ok": True, "ready": rank.loaded_how}), flush=True)
-    for line in sys.stdin:
+    print(json.dumps({"ok": True, "ready": rank.loaded_how}), file=tx, flush=True)
+    for line in rx:
         c = json.loads(line)
         try:
             out = {"ok": True, **getattr(rank, c["op"])(c)}
         except Exception as exc:  # reported to the driver, which decides
             out = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
             traceback.print_exc(file=sys.stderr)
-        print(json.dumps(out), flush=True)
+        print(json.dumps(out), file=tx, flush=True)
 
 
 if __name__ == "__main__":

@@ -328,7 +328,16 @@ def _constants_of(tree: ast.AST) -> set[str]:
 
 
 def main() -> None:
-    got = json.load(sys.stdin)
+    """stdin to stdout; or ``IN OUT``: from and to those files (``forks.probe``)."""
+    from tests.session_forks import as_imported
+
+    as_imported()
+    files = sys.argv[1:] if len(sys.argv) == 3 else None
+    if files:
+        with open(files[0]) as rx:
+            got = json.load(rx)
+    else:
+        got = json.load(sys.stdin)
     import sglang
 
     src = Path(sglang.__file__).resolve().parents[1]
@@ -342,7 +351,11 @@ def main() -> None:
         "requests": [check_request(m, p, b, table, io) for m, p, b in got["requests"]],
         "answers": check_answers(got["answers"], src),
     }
-    json.dump(report, sys.stdout)
+    if files:
+        with open(files[1], "w") as tx:
+            json.dump(report, tx)
+    else:
+        json.dump(report, sys.stdout)
 
 
 if __name__ == "__main__":

@@ -60,6 +60,7 @@ from typing import Any
 import torch
 
 from tests.engines.rollout.vllm.standin import PAUSED_MSG, Req, StandIn, arg_parser
+from tests.session_forks import as_imported
 
 ENV = "ASYNCRL_VLLM_STANDIN"
 
@@ -470,6 +471,7 @@ async def serve(args: argparse.Namespace) -> None:
 
 def main() -> None:
     torch.set_num_threads(1)
+    as_imported()  # forked from the session's vLLM fork server: what vLLM's imports set
     args = parse_vllm_argv(sys.argv[1:])
     import uvloop
 

@@ -1,7 +1,8 @@
 """One receiving worker rank of a vLLM 0.33 engine, for the stand-in (``standin.py``).
 
 Run as ``python -m tests.engines.rollout.vllm.rank`` with vLLM's source on ``PYTHONPATH``
-(``code.vllm_env``). One JSON command per stdin line, one JSON answer per stdout line:
+(``code.vllm_env``). One JSON command per stdin line, one JSON answer per stdout line (with
+``--connect PATH``: per line of a unix socket it connects to, as when forked):
 
 - ``init`` {master_address, master_port, rank_offset, world_size, tp_rank}: joins as rank
   ``rank_offset + dp·TP·PP + rank`` (vllm/distributed/weight_transfer/nccl_common.py:
@@ -26,9 +27,11 @@ Run as ``python -m tests.engines.rollout.vllm.rank`` with vLLM's source on ``PYT
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import math
+import socket
 import sys
 import traceback
 from typing import Any
@@ -43,6 +46,7 @@ from asyncrl.transports.weights.collective_wire import (
 )
 from tests.engines.rollout.vllm.code import packed_tensor
 from tests.engines.rollout.vllm.model_layout import VLLMQwen2, served_dtype
+from tests.session_forks import as_imported
 
 GROUP = GlooWeightsConfig().group_name
 """The Gloo group's store prefix: asyncrl's default ``weights.group_name`` (vLLM's init info
@@ -118,17 +122,28 @@ def _sha(t: torch.Tensor) -> str:
 
 
 def main() -> None:
+    """JSON lines over stdin/stdout, or over the unix socket of ``--connect PATH``
+    (``standin_proc.RankProc``)."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--connect", default="", help="a unix socket to talk over")
+    args = p.parse_args()
     torch.set_num_threads(1)
+    as_imported()  # forked from the session's vLLM fork server: what vLLM's imports set
+    rx, tx = sys.stdin, sys.stdout
+    if args.connect:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(args.connect)
+        rx, tx = sock.makefile("r"), sock.makefile("w")
     rank = Rank()
-    print(json.dumps({"ready": True}), flush=True)
-    for line in sys.stdin:
+    print(json.dumps({"ready": True}), file=tx, flush=True)
+    for line in rx:
         c = json.loads(line)
         try:
             out = {"ok": True, **getattr(rank, c.pop("op"))(c)}
         except Exception as exc:  # answered, named: the stand-in turns it into vLLM's error
             out = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
             traceback.print_exc(file=sys.stderr)
-        print(json.dumps(out), flush=True)
+        print(json.dumps(out), file=tx, flush=True)
 
 
 if __name__ == "__main__":

@@ -12,12 +12,12 @@ from typing import Any
 from asyncrl.config import VLLMRolloutConfig
 from asyncrl.engines.rollout.launcher import KEYED
 from asyncrl.engines.rollout.vllm.launcher import VLLM_ENV, vllm_args
-from asyncrl.procs import free_port, python_env
+from asyncrl.procs import finish, free_port
 from asyncrl.secret import auth_headers
 from tests.engines.rollout.standin_proc import StandIn, wait_answering
 from tests.engines.rollout.vllm.app import ENV
 from tests.engines.rollout.vllm.code import vllm_deps, vllm_env, vllm_src
-from tests.runs import spawn_shared
+from tests.engines.rollout.vllm.forks import spawn_vllm
 
 __all__ = ["VLLMStandIn", "start_vllm"]
 
@@ -66,7 +66,7 @@ def start_vllm(
     own = ["--calls", str(calls), "--fail-calls", fail_calls, "--corrupt-calls", corrupt_calls]
     own += ["--step-s", str(step_s), "--log", str(log), *(a for a in flags if a in OWN_FLAGS)]
     env = {**vllm_env(), **VLLM_ENV, **(env or {}), ENV: json.dumps(own)}
-    proc = spawn_shared(args, log, python_env(env))
+    proc = spawn_vllm(args, log, env)
     server = VLLMStandIn(f"http://127.0.0.1:{port}", proc, calls, log)
 
     def health() -> None:
@@ -79,36 +79,19 @@ def start_vllm(
 
 def vllm_parse(*argvs: list[str]) -> list[dict[str, Any] | str]:
     """Each argv parsed by vLLM 0.33's own ``vllm serve`` parser (``app.parse_vllm_argv``),
-    in one process with vLLM's server dependencies on its path: a few parsed values, or the
-    parser's error message (it exits 2, as ``vllm serve`` does)."""
-    import subprocess
-    import sys
+    in one process with vLLM's server dependencies on its path (``parse.py``, forked from
+    the vLLM fork server where there is one): a few parsed values, or the parser's error
+    message (it exits 2, as ``vllm serve`` does)."""
+    import tempfile
 
     vllm_src()
     vllm_deps()
-    code = """
-import contextlib, io, json, sys
-from tests.engines.rollout.vllm.app import parse_vllm_argv
-keys = ('model', 'api_key', 'middleware', 'enable_scale_out', 'tensor_parallel_size',
-        'dtype', 'port', 'host')
-out = []
-for argv in json.loads(sys.argv[1]):
-    err = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(err):
-            a = parse_vllm_argv(argv)
-        out.append({k: getattr(a, k) for k in keys})
-    except SystemExit:
-        out.append(err.getvalue().strip().splitlines()[-1])
-print(json.dumps(out))
-"""
-    done = subprocess.run(
-        [sys.executable, "-c", code, json.dumps(list(argvs))],
-        env=python_env(vllm_env()),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    if done.returncode:
-        raise RuntimeError(f"vLLM's parser could not run: {done.stderr[-2000:]}")
-    return list(json.loads(done.stdout.strip().splitlines()[-1]))
+    with tempfile.TemporaryDirectory(prefix="asyncrl-vllm-parse-") as tmp:
+        out, log = Path(tmp) / "out.json", Path(tmp) / "log"
+        args = ["-m", "tests.engines.rollout.vllm.parse", json.dumps(list(argvs)), str(out)]
+        code, _ = finish(spawn_vllm(args, log, vllm_env()), 120.0)
+        if code or not out.is_file():
+            raise RuntimeError(
+                f"vLLM's parser could not run (rc {code}): {log.read_text()[-2000:]}"
+            )
+        return list(json.loads(out.read_text()))

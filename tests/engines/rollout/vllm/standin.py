@@ -392,6 +392,7 @@ class StandIn:
                            "hung_up": r.hung_up}
                      for rid, r in self.reqs.items()},
             "lora": self.lora.state(),
+            "rank_pids": [r.proc.pid for r in self.ranks],  # TP ranks 1.. (rank.py)
         }  # fmt: skip
 
 
