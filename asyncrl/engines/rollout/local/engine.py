@@ -144,6 +144,7 @@ class LocalEngine:
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []  # row i of self._kv is self._running[i]
         self._kv: BatchCache | None = None
+        self._spare: BatchCache | None = None  # the last emptied batch's cache: its buffers
         self._stale = False
         self._paused = False
         self._stopped = False
@@ -430,7 +431,7 @@ class LocalEngine:
         self.stats["retracted"] += len(self._running)
         self._waiting.extendleft(reversed(self._running))
         self._running = []
-        self._kv = None
+        self._spare, self._kv = self._kv or self._spare, None
         self._stale = False
 
     def _keep_running(self, rows: list[int]) -> None:
@@ -438,7 +439,7 @@ class LocalEngine:
         if len(rows) == len(self._running):
             return
         if not rows:
-            self._running, self._kv = [], None
+            self._running, self._spare, self._kv = [], self._kv or self._spare, None
             return
         order = rows
         if self._kv is not None:
@@ -496,8 +497,9 @@ class LocalEngine:
             self.stats["prefill_shared"] += len(reqs) - len(seqs)
         lens = [len(seqs[i]) for i in index]
         if self._kv is None:
+            spare, self._spare = self._spare, None
             self._kv = BatchCache(
-                out.past_key_values, lens, self.max_batch_size, self.context_length
+                out.past_key_values, lens, self.max_batch_size, self.context_length, spare
             )
         else:
             self._kv.extend(out.past_key_values, lens)
@@ -587,7 +589,7 @@ class LocalEngine:
     def _fail_all(self, exc: Exception) -> None:
         with self._cv:
             victims = [*self._running, *self._joining]
-            self._running, self._kv = [], None
+            self._running, self._kv, self._spare = [], None, None
         for r in victims:
             self._finish(r, {"type": "abort", "message": f"engine error: {exc}"})
 
