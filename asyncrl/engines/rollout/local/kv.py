@@ -216,6 +216,8 @@ def _layers(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
 class BatchCache:
     """Per-sequence KV cache of the running batch (see module docstring)."""
 
+    cache: DynamicCache  # of GrowingLayer s
+
     def __init__(
         self,
         cache: DynamicCache,
