@@ -242,8 +242,7 @@ class LocalEngine:
             gone = {id(r) for r in victims}
             self._waiting = deque(r for r in self._waiting if id(r) not in gone)
             self._keep_running([i for i, r in enumerate(self._running) if id(r) not in gone])
-        for r in victims:
-            self._finish(r, {"type": "abort", "message": "aborted by request"})
+        self._finish_all([(r, {"type": "abort", "message": "aborted by request"}) for r in victims])
         return len(victims) + cancelled
 
     def _cancel_prefill(self, match: Any) -> int:
@@ -583,29 +582,39 @@ class LocalEngine:
         with self._cv:
             self._keep_running([i for i, r in enumerate(self._running) if id(r) not in finished])
         self.stats["leave_s"] += time.perf_counter() - t0
-        for r, reason in done:
-            self._finish(r, reason)
+        self._finish_all(done)
 
     def _fail_all(self, exc: Exception) -> None:
         with self._cv:
             victims = [*self._running, *self._joining]
             self._running, self._kv, self._spare = [], None, None
-        for r in victims:
-            self._finish(r, {"type": "abort", "message": f"engine error: {exc}"})
+        reason = {"type": "abort", "message": f"engine error: {exc}"}
+        self._finish_all([(r, reason) for r in victims])
 
     def _finish(self, r: Request, reason: dict[str, Any]) -> None:
-        if r.finish is not None:
-            return
-        r.finish = reason
-        if r.lora_slot >= 0 and self.lora is not None:
-            self.lora.unpin(r.lora_slot)
-        if r.min_version is None:
-            r.min_version = self.weight_version
+        self._finish_all([(r, reason)])
 
-        def _set() -> None:
-            if not r.future.done():
-                r.future.set_result(r)
-            if r.progress is not None:
-                r.progress.set()
+    def _finish_all(self, done: list[tuple[Request, dict[str, Any]]]) -> None:
+        """Finish each request (once: a finished one stays as it is); their futures resolve
+        on their own loops, one callback per loop for all of them."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[Request]] = {}
+        for r, reason in done:
+            if r.finish is not None:
+                continue
+            r.finish = reason
+            if r.lora_slot >= 0 and self.lora is not None:
+                self.lora.unpin(r.lora_slot)
+            if r.min_version is None:
+                r.min_version = self.weight_version
+            by_loop.setdefault(r.loop, []).append(r)
+        for loop, reqs in by_loop.items():
+            loop.call_soon_threadsafe(_resolve, reqs)
 
-        r.loop.call_soon_threadsafe(_set)
+
+def _resolve(reqs: list[Request]) -> None:
+    """On the requests' loop: their futures get their results, their readers a wake-up."""
+    for r in reqs:
+        if not r.future.done():
+            r.future.set_result(r)
+        if r.progress is not None:
+            r.progress.set()
