@@ -72,9 +72,10 @@ async def test_a_drained_batch_hands_its_buffers_to_the_next(
     and a narrow batch after it does not keep four times the columns it needs."""
     await _wave(engine, model, [5, 7, 3, 5, 5, 6, 2, 5], 4, seed=0)
     first = _buffers(engine)
-    for layer in engine._spare._glayers:  # type: ignore[union-attr]
-        layer._kbuf.fill_(float("nan"))
-        layer._vbuf.fill_(float("nan"))
+    with torch.inference_mode():  # the engine's cache tensors are inference tensors
+        for layer in engine._spare._glayers:  # type: ignore[union-attr]
+            layer._kbuf.fill_(float("nan"))
+            layer._vbuf.fill_(float("nan"))
     await _wave(engine, model, [6, 4, 4, 8, 2, 6], 5, seed=1)  # different widths: padding
     assert _buffers(engine) == first
     await _wave(engine, model, [300, 9], 3, seed=2)
