@@ -68,7 +68,8 @@ async def test_a_drained_batch_hands_its_buffers_to_the_next(
     engine: LocalEngine, model: torch.nn.Module
 ) -> None:
     """Short batches that drain reuse one set of buffers, even filled with NaN in between
-    (nothing outside a batch's written window is read); a much wider batch gets new ones,
+    (nothing outside a batch's written window is read), also a batch of fewer rows; a much
+    wider batch gets new ones,
     and a narrow batch after it does not keep four times the columns it needs."""
     await _wave(engine, model, [5, 7, 3, 5, 5, 6, 2, 5], 4, seed=0)
     first = _buffers(engine)
@@ -77,6 +78,8 @@ async def test_a_drained_batch_hands_its_buffers_to_the_next(
             layer._kbuf.fill_(float("nan"))
             layer._vbuf.fill_(float("nan"))
     await _wave(engine, model, [6, 4, 4, 8, 2, 6], 5, seed=1)  # different widths: padding
+    assert _buffers(engine) == first
+    await _wave(engine, model, [4], 3, seed=4)  # one row: the spare rows are kept
     assert _buffers(engine) == first
     await _wave(engine, model, [300, 9], 3, seed=2)
     wide = _buffers(engine)

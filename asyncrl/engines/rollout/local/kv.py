@@ -101,18 +101,17 @@ class GrowingLayer(DynamicLayer):
 
     def fits(self, keys: torch.Tensor) -> bool:
         """Whether a new batch's prefilled ``keys`` can take this (emptied) layer's buffers:
-        the same dtype, device, heads and head size; room for its columns but not over four
-        times what a fresh buffer would get (``ROOM`` spare, at most ``max_width``: a
-        narrow batch does not keep a wide one's memory); and a row capacity a reallocation
-        for its rows would keep. (Fewer spare columns than a fresh buffer's cost at most
-        one reallocation later, which a fresh buffer costs now.)"""
+        the same dtype, device, heads and head size; room for its rows and columns but not
+        over four times the columns a fresh buffer would get (``ROOM`` spare, at most
+        ``max_width``: a narrow batch does not keep a long prompt's memory). Spare rows are
+        kept: a batch that starts with one group grows to the size of the last one, which
+        a fresh buffer would reach by reallocations. (Fewer spare columns than a fresh
+        buffer's cost at most one reallocation later, which a fresh buffer costs now.)"""
         rows, heads, width, dim = keys.shape
-        _, bheads, wcap, bdim = self._kbuf.shape
+        rcap, bheads, wcap, bdim = self._kbuf.shape
         same = (keys.dtype, keys.device, heads, dim) == (self.dtype, self.device, bheads, bdim)
         fresh = max(width, min(width + ROOM, self.max_width))
-        return (
-            same and width <= wcap <= 4 * fresh and self._row_capacity(rows) == self._kbuf.shape[0]
-        )
+        return same and rows <= rcap and width <= wcap <= 4 * fresh
 
     @property
     def width(self) -> int:
