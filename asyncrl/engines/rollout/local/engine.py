@@ -8,7 +8,9 @@ their first token and appends their cache rows to the running batch;
 otherwise it runs one *decode* step — one new token per running sequence
 against the cached past. Finished sequences leave at once and their rows are
 dropped. Abort, pause and weight updates take the model lock, so they happen
-between two steps and never see a half-updated batch or model.
+between two steps and never see a half-updated batch or model. Steps run under
+``torch.inference_mode`` (less work per op than ``no_grad``), so the cache's
+tensors are inference tensors: what changes them between steps enters it too.
 
 Pause modes (SGLang's): ``abort`` returns every request (running and waiting)
 at once with its partial output; ``in_place`` keeps them and their cache;
@@ -144,6 +146,7 @@ class LocalEngine:
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []  # row i of self._kv is self._running[i]
         self._kv: BatchCache | None = None
+        self._spare: BatchCache | None = None  # the last emptied batch's cache: its buffers
         self._stale = False
         self._paused = False
         self._stopped = False
@@ -241,8 +244,7 @@ class LocalEngine:
             gone = {id(r) for r in victims}
             self._waiting = deque(r for r in self._waiting if id(r) not in gone)
             self._keep_running([i for i, r in enumerate(self._running) if id(r) not in gone])
-        for r in victims:
-            self._finish(r, {"type": "abort", "message": "aborted by request"})
+        self._finish_all([(r, {"type": "abort", "message": "aborted by request"}) for r in victims])
         return len(victims) + cancelled
 
     def _cancel_prefill(self, match: Any) -> int:
@@ -400,7 +402,7 @@ class LocalEngine:
                 joining.append(self._waiting.popleft())
                 budget -= n
             self._joining, self._cancel = joining, False
-        with torch.no_grad():
+        with torch.inference_mode():  # cheaper per op than no_grad (no version counters)
             if joining:
                 try:
                     self._prefill(joining)
@@ -430,7 +432,7 @@ class LocalEngine:
         self.stats["retracted"] += len(self._running)
         self._waiting.extendleft(reversed(self._running))
         self._running = []
-        self._kv = None
+        self._spare, self._kv = self._kv or self._spare, None
         self._stale = False
 
     def _keep_running(self, rows: list[int]) -> None:
@@ -438,12 +440,13 @@ class LocalEngine:
         if len(rows) == len(self._running):
             return
         if not rows:
-            self._running, self._kv = [], None
+            self._running, self._spare, self._kv = [], self._kv or self._spare, None
             return
         order = rows
         if self._kv is not None:
             keep = set(rows)
-            order = self._kv.drop([i for i in range(len(self._running)) if i not in keep])
+            with torch.inference_mode():  # the cache's tensors are inference tensors
+                order = self._kv.drop([i for i in range(len(self._running)) if i not in keep])
         self._running = [self._running[i] for i in order]
 
     def _prefill(self, reqs: list[Request]) -> None:
@@ -496,8 +499,9 @@ class LocalEngine:
             self.stats["prefill_shared"] += len(reqs) - len(seqs)
         lens = [len(seqs[i]) for i in index]
         if self._kv is None:
+            spare, self._spare = self._spare, None
             self._kv = BatchCache(
-                out.past_key_values, lens, self.max_batch_size, self.context_length
+                out.past_key_values, lens, self.max_batch_size, self.context_length, spare
             )
         else:
             self._kv.extend(out.past_key_values, lens)
@@ -581,29 +585,39 @@ class LocalEngine:
         with self._cv:
             self._keep_running([i for i, r in enumerate(self._running) if id(r) not in finished])
         self.stats["leave_s"] += time.perf_counter() - t0
-        for r, reason in done:
-            self._finish(r, reason)
+        self._finish_all(done)
 
     def _fail_all(self, exc: Exception) -> None:
         with self._cv:
             victims = [*self._running, *self._joining]
-            self._running, self._kv = [], None
-        for r in victims:
-            self._finish(r, {"type": "abort", "message": f"engine error: {exc}"})
+            self._running, self._kv, self._spare = [], None, None
+        reason = {"type": "abort", "message": f"engine error: {exc}"}
+        self._finish_all([(r, reason) for r in victims])
 
     def _finish(self, r: Request, reason: dict[str, Any]) -> None:
-        if r.finish is not None:
-            return
-        r.finish = reason
-        if r.lora_slot >= 0 and self.lora is not None:
-            self.lora.unpin(r.lora_slot)
-        if r.min_version is None:
-            r.min_version = self.weight_version
+        self._finish_all([(r, reason)])
 
-        def _set() -> None:
-            if not r.future.done():
-                r.future.set_result(r)
-            if r.progress is not None:
-                r.progress.set()
+    def _finish_all(self, done: list[tuple[Request, dict[str, Any]]]) -> None:
+        """Finish each request (once: a finished one stays as it is); their futures resolve
+        on their own loops, one callback per loop for all of them."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[Request]] = {}
+        for r, reason in done:
+            if r.finish is not None:
+                continue
+            r.finish = reason
+            if r.lora_slot >= 0 and self.lora is not None:
+                self.lora.unpin(r.lora_slot)
+            if r.min_version is None:
+                r.min_version = self.weight_version
+            by_loop.setdefault(r.loop, []).append(r)
+        for loop, reqs in by_loop.items():
+            loop.call_soon_threadsafe(_resolve, reqs)
 
-        r.loop.call_soon_threadsafe(_set)
+
+def _resolve(reqs: list[Request]) -> None:
+    """On the requests' loop: their futures get their results, their readers a wake-up."""
+    for r in reqs:
+        if not r.future.done():
+            r.future.set_result(r)
+        if r.progress is not None:
+            r.progress.set()

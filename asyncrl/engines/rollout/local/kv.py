@@ -23,8 +23,17 @@ at most about twice its own keys/values:
   right-aligned, their padding zeroed; a wider joiner widens the window to the
   left when there is room;
 - leaving rows are filled by moving the last rows into their places (one row
-  copied per leaver, the batch order changes: :meth:`BatchCache.drop` returns
-  it), and all-padding leading columns are trimmed by moving the window start.
+  copied per leaver, all of them in one indexed copy per buffer; the batch order
+  changes: :meth:`BatchCache.drop` returns it), and all-padding leading columns
+  are trimmed by moving the window start;
+- a batch that empties hands its buffers to the next one (``spare``), which
+  keeps them when they fit (the same limits as a reallocation), so a workload
+  whose batches drain and refill (short answers: every step's batch empties)
+  allocates nothing per batch.
+
+Buffers are allocated uninitialised: every column inside the window is written
+(keys/values, or zeros for padding) before it becomes part of it, and nothing
+reads outside the window.
 
 Only full-attention decoder layers are supported (``DynamicLayer``), which
 covers Llama/Qwen2/Qwen3/Mistral-style models without sliding windows.
@@ -63,7 +72,10 @@ class GrowingLayer(DynamicLayer):
         values: torch.Tensor,
         max_rows: int | None = None,
         max_width: int | None = None,
+        spare: GrowingLayer | None = None,
     ):
+        """``spare``: a layer of an emptied batch whose buffers this one takes when they
+        fit (:meth:`fits`); the caller checked."""
         super().__init__()
         self.max_rows, self.max_width = max_rows or 1 << 62, max_width or 1 << 62
         self.dtype, self.device = keys.dtype, keys.device
@@ -71,7 +83,35 @@ class GrowingLayer(DynamicLayer):
         self._kbuf = self._vbuf = keys[:0, :, :0]  # no capacity yet: _realloc sizes them
         self.keys, self.values = keys, values
         self._rows, self._start, self._end = keys.shape[0], 0, keys.shape[-2]
-        self._realloc(keys.shape[0], keys.shape[-2], fresh=True)
+        if spare is None:
+            self._realloc(keys.shape[0], keys.shape[-2], fresh=True)
+            return
+        self._kbuf, self._vbuf = spare._kbuf, spare._vbuf
+        self._kbuf[: self._rows, :, : self._end] = keys
+        self._vbuf[: self._rows, :, : self._end] = values
+        self._views()
+
+    def _row_capacity(self, rows: int) -> int:
+        """Rows a buffer for ``rows`` rows gets: the current capacity while it holds them
+        and is at most four times what they want (spare rows cost every reallocation),
+        else twice ``rows`` (at most ``max_rows``)."""
+        rcap = self._kbuf.shape[0]
+        want = max(rows, min(2 * rows, self.max_rows))
+        return rcap if rows <= rcap and rcap <= 4 * want else want
+
+    def fits(self, keys: torch.Tensor) -> bool:
+        """Whether a new batch's prefilled ``keys`` can take this (emptied) layer's buffers:
+        the same dtype, device, heads and head size; room for its rows and columns but not
+        over four times the columns a fresh buffer would get (``ROOM`` spare, at most
+        ``max_width``: a narrow batch does not keep a long prompt's memory). Spare rows are
+        kept: a batch that starts with one group grows to the size of the last one, which
+        a fresh buffer would reach by reallocations. (Fewer spare columns than a fresh
+        buffer's cost at most one reallocation later, which a fresh buffer costs now.)"""
+        rows, heads, width, dim = keys.shape
+        rcap, bheads, wcap, bdim = self._kbuf.shape
+        same = (keys.dtype, keys.device, heads, dim) == (self.dtype, self.device, bheads, bdim)
+        fresh = max(width, min(width + ROOM, self.max_width))
+        return same and rows <= rcap and width <= wcap <= 4 * fresh
 
     @property
     def width(self) -> int:
@@ -84,18 +124,16 @@ class GrowingLayer(DynamicLayer):
     def _realloc(self, rows: int, width: int, left: int = 0, fresh: bool = False) -> None:
         """Buffers for at least ``rows`` x ``width`` (capacity doubles, up to ``max_rows`` x
         ``max_width``; a ``fresh`` buffer gets ``ROOM`` spare columns); the window is copied
-        to columns ``[left, left + width)``. New room is zero. Row capacity also shrinks back
-        when it is over four times what ``rows`` needs (a wave of joiners has left): the new
-        buffers are zeroed whole, so spare rows would cost every later reallocation."""
-        rcap, wcap = self._kbuf.shape[0], self._kbuf.shape[-2]
-        want = max(rows, min(2 * rows, self.max_rows))
-        rcap = rcap if rows <= rcap and rcap <= 4 * want else want
+        to columns ``[left, left + width)``. New room is uninitialised (see the module
+        docstring). Row capacity also shrinks back when it is over four times what ``rows``
+        needs (a wave of joiners has left): spare rows would cost every later reallocation."""
+        rcap, wcap = self._row_capacity(rows), self._kbuf.shape[-2]
         if width > wcap:
             grown = width + ROOM if fresh else max(2 * width, width + ROOM)
             wcap = max(width, min(grown, self.max_width))
         _, heads, w, dim = self.keys.shape
-        kbuf = self.keys.new_zeros(rcap, heads, wcap, dim)
-        vbuf = self.values.new_zeros(rcap, heads, wcap, dim)
+        kbuf = self.keys.new_empty(rcap, heads, wcap, dim)
+        vbuf = self.values.new_empty(rcap, heads, wcap, dim)
         kbuf[: self._rows, :, left : left + w] = self.keys
         vbuf[: self._rows, :, left : left + w] = self.values
         self._kbuf, self._vbuf = kbuf, vbuf
@@ -150,9 +188,11 @@ class GrowingLayer(DynamicLayer):
         self._rows += m
         self._views()
 
-    def move_row(self, src: int, dst: int) -> None:
-        self._kbuf[dst, :, self._start : self._end] = self._kbuf[src, :, self._start : self._end]
-        self._vbuf[dst, :, self._start : self._end] = self._vbuf[src, :, self._start : self._end]
+    def move_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Rows ``dst`` of the window become rows ``src`` (disjoint index sets)."""
+        for buf in (self._kbuf, self._vbuf):
+            win = buf[: self._rows, :, self._start : self._end]
+            win[dst] = win[src]
 
     def permute_rows(self, index: torch.Tensor) -> None:
         """Row ``i`` becomes old row ``index[i]`` (one copy of the window)."""
@@ -177,18 +217,30 @@ def _layers(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
 class BatchCache:
     """Per-sequence KV cache of the running batch (see module docstring)."""
 
+    cache: DynamicCache  # of GrowingLayer s
+
     def __init__(
         self,
         cache: DynamicCache,
         lens: Sequence[int],
         max_rows: int | None = None,
         max_width: int | None = None,
+        spare: BatchCache | None = None,
     ):
         """``max_rows`` / ``max_width``: the most rows and columns the cache will ever need
-        (capacity never grows beyond them)."""
+        (capacity never grows beyond them). ``spare``: an emptied batch's cache whose buffers
+        this one takes where they fit (it must not be used afterwards)."""
         if not all(isinstance(layer, GrowingLayer) for layer in cache.layers):
+            kv = _layers(cache)
+            old: list[GrowingLayer | None] = [None] * len(kv)
+            if spare is not None and len(spare._glayers) == len(kv):
+                old = [g if g.fits(k) else None for g, (k, _) in zip(spare._glayers, kv)]  # noqa: B905
+                spare.cache.layers = []  # the buffers that do not fit go before any allocation
             grown = DynamicCache()
-            grown.layers = [GrowingLayer(k, v, max_rows, max_width) for k, v in _layers(cache)]
+            grown.layers = [
+                GrowingLayer(k, v, max_rows, max_width, g)
+                for (k, v), g in zip(kv, old, strict=True)
+            ]
             cache = grown
         self.cache = cache
         self.lens = list(lens)
@@ -233,12 +285,16 @@ class BatchCache:
         gone = sorted(set(rows), reverse=True)
         assert len(gone) < len(order), "drop the whole BatchCache instead of every row"
         for i in gone:  # descending: every row after i that was to go is gone already
-            last = len(order) - 1
-            if i != last:
-                for layer in self._glayers:
-                    layer.move_row(last, i)
-                order[i] = order[last]
+            order[i] = order[-1]
             order.pop()
+        # every moved row comes from past the new end into a hole before it: one copy each
+        moved = [(i, j) for i, j in enumerate(order) if i != j]
+        if moved:
+            device = self._glayers[0].device
+            dst = torch.tensor([i for i, _ in moved], device=device)
+            src = torch.tensor([j for _, j in moved], device=device)
+            for layer in self._glayers:
+                layer.move_rows(src, dst)
         self.lens = [self.lens[j] for j in order]
         trim = self.width - max(self.lens)
         for layer in self._glayers:

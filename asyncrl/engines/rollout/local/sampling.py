@@ -80,7 +80,25 @@ class SamplingParams:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SamplingParams:
-        """Parse SGLang-style sampling params; ValueError names an unsupported or bad key."""
+        """Parse SGLang-style sampling params; ValueError names an unsupported or bad key.
+
+        Equal dicts (the same keys, each value of the same type and equal) give the same
+        object: every request of a run sends the same few dicts, so each is parsed once
+        (at most ``_PARSED_MAX`` kept; a dict with a list value is parsed every time), and
+        :func:`sample` takes rows that share one object as one."""
+        key = (cls, *((k, type(v), v) for k, v in d.items()))
+        try:
+            hit = _PARSED.get(key)
+        except TypeError:  # an unhashable value (a list of stop_token_ids)
+            return cls._parse(d)
+        if hit is None:
+            if len(_PARSED) >= _PARSED_MAX:
+                _PARSED.clear()
+            hit = _PARSED[key] = cls._parse(d)
+        return hit
+
+    @classmethod
+    def _parse(cls, d: dict[str, Any]) -> SamplingParams:
         known = {
             "max_new_tokens": int,
             "temperature": float,
@@ -118,12 +136,24 @@ class SamplingParams:
         return self.temperature < 1e-6 or self.top_k == 1
 
 
+_PARSED: dict[tuple[Any, ...], SamplingParams] = {}
+_PARSED_MAX = 256
+
+
 def sample(
     logits: torch.Tensor, params: Sequence[SamplingParams], generator: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row of ``logits`` (B, V) float; returns (tokens, log-probs)."""
+    """Sample one token per row of ``logits`` (B, V) float; returns (tokens, log-probs).
+
+    Rows that all share one params object (equal requests' parsed params are one object:
+    :meth:`SamplingParams.from_dict`) take its settings as one broadcast column instead of
+    a column built row by row; the arithmetic, and so every token and log-prob, is the same.
+    """
     dev = logits.device
     vocab = logits.shape[-1]
+    first = params[0]
+    if all(p is first for p in params):
+        params = [first]
     temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=dev)
     scaled = logits / temps[:, None]
     logp = torch.log_softmax(scaled, dim=-1)
@@ -141,10 +171,11 @@ def sample(
         if min(ps) < 1.0:
             probs = torch.softmax(sorted_l.masked_fill(drop, float("-inf")), dim=-1)
             before = probs.cumsum(-1) - probs  # mass strictly above this token
-            drop |= before > torch.tensor(ps, device=dev)[:, None]
+            drop = drop | (before > torch.tensor(ps, device=dev)[:, None])
         sorted_l = sorted_l.masked_fill(drop, float("-inf"))
         filtered = torch.empty_like(scaled).scatter_(-1, idx, sorted_l)
     probs = torch.softmax(filtered, dim=-1)
-    sampled = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-    tokens = torch.where(torch.tensor(greedy, device=dev), logits.argmax(-1), sampled)
+    tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    if any(greedy):
+        tokens = torch.where(torch.tensor(greedy, device=dev), logits.argmax(-1), tokens)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)

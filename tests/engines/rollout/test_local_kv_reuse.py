@@ -1,0 +1,112 @@
+"""The embedded engine's KV buffers across batches: an emptied batch's buffers serve the next
+batch when they fit (no allocation per batch), whatever they held before; leavers are moved
+in one indexed copy. Every sampled log-prob still equals a plain full forward's."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from asyncrl.engines.rollout.local.engine import LocalEngine, Request
+from asyncrl.engines.rollout.local.kv import BatchCache
+from asyncrl.engines.rollout.local.sampling import SamplingParams
+
+EOS = 2
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir: Path) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture
+def engine(model: torch.nn.Module) -> Iterator[LocalEngine]:
+    eng = LocalEngine(model, {EOS}, max_batch_size=32, context_length=512)
+    try:
+        yield eng
+    finally:
+        eng.stop()
+
+
+async def _wave(
+    engine: LocalEngine, model: torch.nn.Module, plens: list[int], n: int, seed: int
+) -> None:
+    """Requests of prompt lengths ``plens`` (``n`` tokens each) at once; every log-prob is
+    checked against a full forward of its sequence."""
+    rng = random.Random(seed)
+    loop = asyncio.get_running_loop()
+    reqs = []
+    for i, plen in enumerate(plens):
+        prompt = [1] + [rng.randrange(3, model.config.vocab_size) for _ in range(plen - 1)]
+        sp = SamplingParams(max_new_tokens=n, ignore_eos=True)
+        reqs.append(Request(f"w{seed}-{i}", prompt, sp, loop, loop.create_future()))
+    engine.submit_all(reqs)
+    for r in await asyncio.gather(*(r.future for r in reqs)):
+        assert len(r.output_ids) == n
+        with torch.no_grad():
+            ids = torch.tensor([r.input_ids + r.output_ids])
+            logits = model(ids).logits[0, len(r.input_ids) - 1 : -1].float()
+        want = torch.log_softmax(logits, -1).gather(-1, torch.tensor(r.output_ids)[:, None])
+        torch.testing.assert_close(torch.tensor(r.logprobs), want.squeeze(-1), atol=1e-4, rtol=0)
+
+
+def _buffers(engine: LocalEngine) -> list[int]:
+    assert engine._spare is not None and engine._kv is None
+    return [layer._kbuf.data_ptr() for layer in engine._spare._glayers]
+
+
+async def test_a_drained_batch_hands_its_buffers_to_the_next(
+    engine: LocalEngine, model: torch.nn.Module
+) -> None:
+    """Short batches that drain reuse one set of buffers, even filled with NaN in between
+    (nothing outside a batch's written window is read), also a batch of fewer rows; a much
+    wider batch gets new ones,
+    and a narrow batch after it does not keep four times the columns it needs."""
+    await _wave(engine, model, [5, 7, 3, 5, 5, 6, 2, 5], 4, seed=0)
+    first = _buffers(engine)
+    with torch.inference_mode():  # the engine's cache tensors are inference tensors
+        for layer in engine._spare._glayers:  # type: ignore[union-attr]
+            layer._kbuf.fill_(float("nan"))
+            layer._vbuf.fill_(float("nan"))
+    await _wave(engine, model, [6, 4, 4, 8, 2, 6], 5, seed=1)  # different widths: padding
+    assert _buffers(engine) == first
+    await _wave(engine, model, [4], 3, seed=4)  # one row: the spare rows are kept
+    assert _buffers(engine) == first
+    await _wave(engine, model, [300, 9], 3, seed=2)
+    wide = _buffers(engine)
+    assert wide != first
+    await _wave(engine, model, [5, 5, 4], 3, seed=3)
+    assert _buffers(engine) != wide
+    assert engine._spare._glayers[0]._kbuf.shape[-2] < 300  # type: ignore[union-attr]
+
+
+def test_drop_moves_each_kept_row_whole() -> None:
+    """Rows leaving in any set: each kept row's keys/values and length are its own, in the
+    returned order; padding-only leading columns are trimmed."""
+    rng = random.Random(0)
+    for trial in range(30):
+        rows = rng.randrange(2, 12)
+        lens = [rng.randrange(1, 9) for _ in range(rows)]
+        width = max(lens)
+        cache, keys = DynamicCache(), []
+        for layer in range(2):
+            k = torch.randn(rows, 2, width, 4)
+            keys.append(k)
+            cache.update(k, k + 100, layer)
+        kv = BatchCache(cache, lens, max_rows=16)
+        gone = rng.sample(range(rows), rng.randrange(1, rows))
+        order = kv.drop(gone)
+        assert sorted(order) == sorted(set(range(rows)) - set(gone)), trial
+        assert kv.lens == [lens[j] for j in order] and kv.width == max(kv.lens)
+        for layer, k in zip(kv._glayers, keys, strict=True):
+            want = k[order][:, :, width - kv.width :]
+            assert torch.equal(layer.keys, want) and torch.equal(layer.values, want + 100)
