@@ -5,9 +5,10 @@ and the standby one, which receives the next push. The applier knows which versi
 buffer holds and the last delta it applied per bucket. A delta v -> v+1 is applied into the
 standby buffer once it holds v; after the commit of v the standby buffer holds v-1, so it is
 *caught up*: the last delta (v-1 -> v) re-applied, or the live buffer copied. The receiver
-does that right after each commit, in the background (:meth:`DeltaApplier.catch_up`), so the
-next push only applies its own delta; a push that arrives first stops the catch-up at the
-next bucket and catches the remaining buckets up itself, inline, as it applies them.
+replays the last delta right after each commit, in the background
+(:meth:`DeltaApplier.catch_up`), so the next push only applies its own delta; a push that
+arrives first stops the catch-up at the next bucket and catches the remaining buckets up
+itself, inline, as it applies them.
 
 All-or-nothing stays the receiver's: the model switches to the buffers only at the commit.
 Thread-safe: every method holds one lock while it reads or writes a buffer's state.
@@ -95,19 +96,21 @@ class DeltaApplier:
 
     def catch_up(self, index: int, dst: torch.Tensor, live: torch.Tensor, generation: int) -> bool:
         """After a commit: bring bucket ``index``'s standby buffer ``dst`` to the version the
-        live one holds (never backwards). False once a push started after ``generation``:
-        stop, that push's buckets catch up themselves."""
+        live one holds when the last delta leads there from the version ``dst`` holds (its
+        replay; a copy of the live buffer is left to a push that needs it: a sender may still
+        send a delta against the version ``dst`` holds, e.g. after another sender's full push).
+        False once a push started after ``generation``: stop, that push's buckets catch up
+        themselves."""
         with self._lock:
             if generation != self._generation:
                 return False
-            want = self._held.get(live.data_ptr())
+            last = self._last.get(index)
             held = self._held.get(dst.data_ptr())
-            if want is None or (held is not None and held >= want):
-                return True
-            try:
-                self._bring(index, dst, live, want)
-            except ValueError:  # nothing to bring it from: the next push copies or refuses
-                pass
+            want = self._held.get(live.data_ptr())
+            if want is not None and last is not None and (held, want) == last[:2]:
+                self._held.pop(dst.data_ptr(), None)
+                apply_payload(dst, last[2])
+                self._held[dst.data_ptr()] = want
             return True
 
     def payload_buffer(self, index: int, nbytes: int, bucket_nbytes: int, device: torch.device):

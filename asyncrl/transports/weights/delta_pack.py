@@ -20,8 +20,11 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import functools
+import itertools
 import math
 from collections.abc import Mapping
+from concurrent.futures import Executor
 
 import torch
 
@@ -65,75 +68,125 @@ def take_chunked(
     segs: Segments,
     dtype: torch.dtype,
     base: torch.Tensor,
-    scratch: torch.Tensor,
+    scratches: list[torch.Tensor],
     guess: int,
     auto: bool,
     reuse: torch.Tensor | None = None,
+    pool: Executor | None = None,
 ) -> tuple[torch.Tensor | None, int]:
     """Bring ``base`` (flat uint8, the bytes pushed last) to the bucket ``segs`` packs as
     ``dtype`` and return ``(payload, changed words)``, or ``(None, -1)`` when ``auto`` and
-    the payload would not be smaller (the base then holds the whole bucket). ``scratch``:
-    the chunk (its size a multiple of 8 bytes); ``guess``: the changed words expected (the
-    payload's first size); ``reuse``: a buffer the payload may be written into (its pages
-    already mapped) when large enough."""
-    item, chunk = dtype.itemsize, scratch.numel()
+    the payload would not be smaller (the base then holds the whole bucket).
+
+    ``scratches``: one chunk buffer per part (each a multiple of 8 bytes). With a ``pool``
+    the bucket is cut into that many runs of whole chunks, each compared by its own thread
+    (the first here, the others on ``pool``; the loops and copies release the GIL), each
+    part's words into its own region of the payload, moved together at the end; ``auto``
+    then sends the bucket whole as soon as one part would not be smaller. ``guess``: the
+    changed words expected (sizes the payload); ``reuse``: a buffer the payload may be
+    written into (its pages already mapped) when large enough."""
+    item, chunk = dtype.itemsize, scratches[0].numel()
     assert chunk % 8 == 0 and chunk >= 8, chunk
     nbytes = segs.numel * item
-    n, tail = nbytes // 8, nbytes % 8
+    n = nbytes // 8
     limit = math.ceil(nbytes / 12) - 1 if auto else n  # auto: more and it goes whole
-    out = _Payload(min(limit, max(4096, guess)), tail, reuse)
+    chunks = math.ceil(nbytes / chunk)
+    ways = 1 if pool is None else max(1, min(len(scratches), chunks))
+    cuts = [min(nbytes, chunks * j // ways * chunk) for j in range(ways + 1)]
+    spans = list(itertools.pairwise(cuts))
+    caps = [min(limit, max(1024, guess * (b - a) // max(1, nbytes))) for a, b in spans]
+    total = sum(caps)
+    size = 12 * total + 8
+    buf = reuse[:size] if reuse is not None and reuse.numel() >= size else None
+    buf = torch.empty(size, dtype=torch.uint8) if buf is None else buf
+    parts, at = [], 0
+    for (a, b), cap in zip(spans, caps, strict=True):
+        own = limit if ways == 1 else min(limit, math.ceil((b - a) / 12) - 1 if auto else n)
+        vals = buf[8 * at : 8 * (at + cap)]
+        parts.append(_Part(vals, buf[8 * total + 4 * at :][: 4 * cap], own, a, b))
+        at += cap
+    run = functools.partial(_compare, native, segs, dtype, base)
+    jobs = list(zip(parts, scratches[:ways], strict=True))
+    later = [pool.submit(run, *job) for job in jobs[1:]] if pool else []
+    whole = [run(*jobs[0]), *(f.result() for f in later)]
+    count = sum(p.count.value for p in parts)
+    if any(whole) or (ways > 1 and count > limit):
+        return None, -1
+    return _joined(parts, buf, count, base[n * 8 :]), count
+
+
+class _Part:
+    """One part's payload being filled: values and indices (uint8 views, room for ``cap``);
+    grown (copied into new buffers) when the guess was short, up to ``limit``; bucket bytes
+    ``[lo, hi)``."""
+
+    def __init__(self, vals: torch.Tensor, idx: torch.Tensor, limit: int, lo: int, hi: int):
+        self.vals, self.idx, self.limit, self.lo, self.hi = vals, idx, limit, lo, hi
+        self.cap = vals.numel() // 8
+        self.count = ctypes.c_int64(0)
+        self.grown = False
+
+    def grow(self) -> None:
+        cap, c = min(self.limit, 2 * self.cap), self.count.value
+        vals = torch.empty(8 * cap, dtype=torch.uint8)
+        idx = torch.empty(4 * cap, dtype=torch.uint8)
+        vals[: 8 * c].copy_(self.vals[: 8 * c])
+        idx[: 4 * c].copy_(self.idx[: 4 * c])
+        self.vals, self.idx, self.cap, self.grown = vals, idx, cap, True
+
+
+def _compare(
+    native: Kernels,
+    segs: Segments,
+    dtype: torch.dtype,
+    base: torch.Tensor,
+    part: _Part,
+    scratch: torch.Tensor,
+) -> bool:
+    """The part's bytes (whole chunks, or up to the bucket's end) chunk by chunk into its
+    payload and the base; True when it reached its limit of changed words first: the rest
+    of the part is then packed straight into the base (the bucket goes whole)."""
+    item, chunk, hi = dtype.itemsize, scratch.numel(), part.hi
     typed = scratch.view(dtype)
-    for a in range(0, nbytes, chunk):
-        b = min(nbytes, a + chunk)
+    for a in range(part.lo, hi, chunk):
+        b = min(hi, a + chunk)
         segs.pack(typed, a // item, b // item)
         i, end = a // 8, b // 8
         new_at = scratch.data_ptr() - a  # so word i of the bucket is new_[i]
         while True:
             i = native.encode(
-                new_at, base.data_ptr(), i, end, out.ptr(0), out.ptr(8 * out.cap),
-                ctypes.byref(out.count), out.cap,
+                new_at, base.data_ptr(), i, end, part.vals.data_ptr(), part.idx.data_ptr(),
+                ctypes.byref(part.count), part.cap,
             )  # fmt: skip
             if i == end:
                 break
-            if out.cap >= limit:  # the rest of the bucket straight into the base: whole
+            if part.cap >= part.limit:  # the rest of the part straight into the base: whole
                 base[8 * i : b].copy_(scratch[8 * i - a : b - a])
-                segs.pack(base.view(dtype)[b // item :], b // item, segs.numel)
-                return None, -1
-            out.grow(min(limit, 2 * out.cap))
-        if b == nbytes and tail:
-            base[nbytes - tail :].copy_(scratch[nbytes - tail - a : b - a])
-            out.buf[12 * out.cap :].copy_(scratch[nbytes - tail - a : b - a])
-    return out.finish(), out.count.value
+                segs.pack(base.view(dtype)[b // item : hi // item], b // item, hi // item)
+                return True
+            part.grow()
+        if b % 8:  # the bucket's last bytes (no whole word) into the base
+            base[b - b % 8 : b].copy_(scratch[b - b % 8 - a : b - a])
+    return False
 
 
-class _Payload:
-    """A payload being filled: values at the front, indices behind room for ``cap`` values,
-    the bucket's tail at the end; ``finish`` moves the indices down behind the values."""
-
-    def __init__(self, cap: int, tail: int, reuse: torch.Tensor | None = None):
-        self.cap, self.tail = cap, tail
-        size = 12 * cap + tail
-        if reuse is not None and reuse.numel() >= size:
-            self.buf = reuse[:size]
-        else:
-            self.buf = torch.empty(size, dtype=torch.uint8)
-        self.count = ctypes.c_int64(0)
-
-    def ptr(self, offset: int) -> int:
-        return self.buf.data_ptr() + offset
-
-    def grow(self, cap: int) -> None:
-        """Room for ``cap`` values, keeping those found (the estimate was short)."""
-        grown = torch.empty(12 * cap + self.tail, dtype=torch.uint8)
-        c = self.count.value
-        grown[: 8 * c].copy_(self.buf[: 8 * c])
-        grown[8 * cap : 8 * cap + 4 * c].copy_(self.buf[8 * self.cap : 8 * self.cap + 4 * c])
-        self.buf, self.cap = grown, cap
-
-    def finish(self) -> torch.Tensor:
-        c, tail = self.count.value, self.tail
-        ctypes.memmove(self.ptr(8 * c), self.ptr(8 * self.cap), 4 * c)  # may overlap
-        out = self.buf[: 12 * c + tail]
-        if tail and c < self.cap:
-            out[12 * c :].copy_(self.buf[12 * self.cap :])
-        return out
+def _joined(parts: list[_Part], buf: torch.Tensor, count: int, tail: torch.Tensor) -> torch.Tensor:
+    """The payload: every part's values, then their indices, then the bucket's tail; moved
+    together inside ``buf`` (each part's region lies at or after where its words go), or
+    copied into a new buffer once a part grew out of its region or ``buf`` is short."""
+    size = 12 * count + tail.numel()
+    if any(p.grown for p in parts) or size > buf.numel():
+        buf = torch.empty(size, dtype=torch.uint8)
+    at = 0
+    for p in parts:  # values first: the indices' regions lie behind every value's
+        c = p.count.value
+        ctypes.memmove(buf.data_ptr() + 8 * at, p.vals.data_ptr(), 8 * c)
+        at += c
+    at = 0
+    for p in parts:
+        c = p.count.value
+        ctypes.memmove(buf.data_ptr() + 8 * count + 4 * at, p.idx.data_ptr(), 4 * c)
+        at += c
+    out = buf[:size]
+    out[12 * count :].copy_(tail)
+    return out

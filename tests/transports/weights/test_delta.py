@@ -113,6 +113,9 @@ def test_applier_catches_the_standby_buffer_up_after_a_commit_unless_a_push_star
     assert not app.catch_up(0, b, a, gen) and torch.equal(b, v[2])
     assert app.catch_up(0, b, a, app.generation()) and torch.equal(b, v[3])
     assert app.catch_up(0, a, b, app.generation()) and torch.equal(a, v[3])  # never backwards
+    c = v[1].clone()  # a buffer the last delta does not lead from (another sender's push):
+    app.received(c, 1)  # left as it is, a delta against v1 may still come
+    assert app.catch_up(0, c, a, app.generation()) and torch.equal(c, v[1])
 
 
 def test_payload_buffers_are_reused_but_never_the_last_payloads() -> None:
