@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import ctypes
 import math
-from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 import numpy as np
@@ -57,9 +56,6 @@ __all__ = [
 DELTA_CAPABILITY = "asyncrl_weight_delta"
 """Key of ``/get_server_info`` by which an engine says it applies delta buckets (the embedded
 engine does; SGLang does not, so it always gets full pushes)."""
-
-MAX_THREADS = 8
-"""At most this many threads compare one bucket (``DeltaEncoder.take_chunked``)."""
 
 SAMPLE_STRIDE = 61
 """``auto``: words compared to estimate a bucket's changed fraction (every 61st)."""
@@ -142,15 +138,12 @@ class DeltaEncoder:
     it is delivered.
     """
 
-    def __init__(self, mode: str, threads: int | None = None):
+    def __init__(self, mode: str):
         assert mode in ("auto", "on"), mode
-        self.threads = threads  # compare threads (None: torch's intra-op thread count)
-        self._pool: ThreadPoolExecutor | None = None  # the compare threads beyond the caller's
-        self._pool_size = 0
         self.mode = mode
         self.bases: dict[int, torch.Tensor] = {}  # bucket index -> uint8 bytes pushed last
         self._mask: torch.Tensor | None = None
-        self._scratches: list[torch.Tensor] = []  # take_chunked's chunks, one per thread
+        self._scratch: torch.Tensor | None = None  # take_chunked's chunk
         self._changed: dict[int, int] = {}  # bucket -> changed words at its last push
         self._payloads: dict[int, torch.Tensor] = {}  # bucket -> its payload buffer, reused
         self.chunk_bytes = CHUNK_BYTES
@@ -161,14 +154,12 @@ class DeltaEncoder:
         self.bases.clear()
         self._changed.clear()
         self._payloads.clear()
-        self._mask = None
-        self._scratches = []
+        self._mask = self._scratch = None
 
     def memory_bytes(self) -> int:
         """Bytes held between pushes: the bases, the compare mask (torch/numpy path), the
         chunk scratch and the payload buffers kept for the next push (compiled path)."""
-        extra = sum(t.numel() for t in ([] if self._mask is None else [self._mask]))
-        extra += sum(t.numel() for t in self._scratches)
+        extra = sum(0 if t is None else t.numel() for t in (self._mask, self._scratch))
         extra += sum(p.untyped_storage().nbytes() for p in self._payloads.values())
         return sum(b.numel() for b in self.bases.values()) + extra
 
@@ -227,21 +218,14 @@ class DeltaEncoder:
         native = None if base is None or base.numel() != nbytes else _native(base)
         if native is None or base is None:
             return None
-        ways = max(1, min(MAX_THREADS, self.threads or torch.get_num_threads()))
-        while len(self._scratches) < ways:
-            self._scratches.append(torch.empty(self.chunk_bytes, dtype=torch.uint8))
-        if ways > 1 and self._pool_size < ways - 1:
-            if self._pool is not None:
-                self._pool.shutdown()
-            self._pool = ThreadPoolExecutor(ways - 1, thread_name_prefix="delta-compare")
-            self._pool_size = ways - 1
+        if self._scratch is None:
+            self._scratch = torch.empty(self.chunk_bytes, dtype=torch.uint8)
         last = self._changed.get(k)
         guess = nbytes // 64 if last is None else nbytes if last < 0 else last + last // 4
         auto, reuse = self.mode == "auto", self._payloads.pop(k, None)
         payload, changed = take_chunked(
-            native, segs, dtype, base, self._scratches[:ways], guess, auto, reuse,
-            self._pool if ways > 1 else None,
-        )  # fmt: skip
+            native, segs, dtype, base, self._scratch, guess, auto, reuse
+        )
         self._changed[k] = changed
         if payload is not None and 4 * payload.untyped_storage().nbytes() <= nbytes:
             # kept for the next push (written again only once this push was delivered: a push

@@ -20,11 +20,8 @@ from __future__ import annotations
 
 import bisect
 import ctypes
-import functools
-import itertools
 import math
 from collections.abc import Mapping
-from concurrent.futures import Executor
 
 import torch
 
@@ -68,57 +65,40 @@ def take_chunked(
     segs: Segments,
     dtype: torch.dtype,
     base: torch.Tensor,
-    scratches: list[torch.Tensor],
+    scratch: torch.Tensor,
     guess: int,
     auto: bool,
     reuse: torch.Tensor | None = None,
-    pool: Executor | None = None,
 ) -> tuple[torch.Tensor | None, int]:
     """Bring ``base`` (flat uint8, the bytes pushed last) to the bucket ``segs`` packs as
     ``dtype`` and return ``(payload, changed words)``, or ``(None, -1)`` when ``auto`` and
-    the payload would not be smaller (the base then holds the whole bucket).
-
-    ``scratches``: one chunk buffer per part (each a multiple of 8 bytes). With a ``pool``
-    the bucket is cut into that many runs of whole chunks, each compared by its own thread
-    (the first here, the others on ``pool``; the loops and copies release the GIL), each
-    part's words into its own region of the payload, moved together at the end; ``auto``
-    then sends the bucket whole as soon as one part would not be smaller. ``guess``: the
-    changed words expected (sizes the payload); ``reuse``: a buffer the payload may be
-    written into (its pages already mapped) when large enough."""
-    item, chunk = dtype.itemsize, scratches[0].numel()
-    assert chunk % 8 == 0 and chunk >= 8, chunk
-    nbytes = segs.numel * item
+    the payload would not be smaller (the base then holds the whole bucket). ``scratch``:
+    the chunk buffer (a multiple of 8 bytes); ``guess``: the changed words expected (sizes
+    the payload); ``reuse``: a buffer the payload may be written into (its pages already
+    mapped) when large enough."""
+    nbytes = segs.numel * dtype.itemsize
     n = nbytes // 8
     limit = math.ceil(nbytes / 12) - 1 if auto else n  # auto: more and it goes whole
-    chunks = math.ceil(nbytes / chunk)
-    ways = 1 if pool is None else max(1, min(len(scratches), chunks))
-    cuts = [min(nbytes, chunks * j // ways * chunk) for j in range(ways + 1)]
-    spans = list(itertools.pairwise(cuts))
-    caps = [min(limit, max(1024, guess * (b - a) // max(1, nbytes))) for a, b in spans]
-    total = sum(caps)
-    size = 12 * total + 8
+    cap = min(limit, max(1024, guess))
+    size = 12 * cap + 8
     buf = reuse[:size] if reuse is not None and reuse.numel() >= size else None
     buf = torch.empty(size, dtype=torch.uint8) if buf is None else buf
-    parts, at = [], 0
-    for (a, b), cap in zip(spans, caps, strict=True):
-        own = limit if ways == 1 else min(limit, math.ceil((b - a) / 12) - 1 if auto else n)
-        vals = buf[8 * at : 8 * (at + cap)]
-        parts.append(_Part(vals, buf[8 * total + 4 * at :][: 4 * cap], own, a, b))
-        at += cap
-    run = functools.partial(_compare, native, segs, dtype, base)
-    jobs = list(zip(parts, scratches[:ways], strict=True))
-    later = [pool.submit(run, *job) for job in jobs[1:]] if pool else []
-    whole = [run(*jobs[0]), *(f.result() for f in later)]
-    count = sum(p.count.value for p in parts)
-    if any(whole) or (ways > 1 and count > limit):
+    part = _Part(buf[: 8 * cap], buf[8 * cap : 12 * cap], limit, 0, nbytes)
+    if _compare(native, segs, dtype, base, part, scratch):
         return None, -1
-    return _joined(parts, buf, count, base[n * 8 :]), count
+    c = part.count.value
+    out = buf if not part.grown else torch.empty(12 * c + 8, dtype=torch.uint8)
+    ctypes.memmove(out.data_ptr(), part.vals.data_ptr(), 8 * c)  # no move unless it grew
+    ctypes.memmove(out.data_ptr() + 8 * c, part.idx.data_ptr(), 4 * c)  # may overlap
+    payload = out[: 12 * c + nbytes % 8]
+    payload[12 * c :].copy_(base[n * 8 :])
+    return payload, c
 
 
 class _Part:
-    """One part's payload being filled: values and indices (uint8 views, room for ``cap``);
-    grown (copied into new buffers) when the guess was short, up to ``limit``; bucket bytes
-    ``[lo, hi)``."""
+    """The payload being filled for bucket bytes ``[lo, hi)``: values and indices (uint8
+    views, room for ``cap``); grown (copied into new buffers) when the guess was short, up
+    to ``limit`` changed words."""
 
     def __init__(self, vals: torch.Tensor, idx: torch.Tensor, limit: int, lo: int, hi: int):
         self.vals, self.idx, self.limit, self.lo, self.hi = vals, idx, limit, lo, hi
@@ -143,9 +123,9 @@ def _compare(
     part: _Part,
     scratch: torch.Tensor,
 ) -> bool:
-    """The part's bytes (whole chunks, or up to the bucket's end) chunk by chunk into its
-    payload and the base; True when it reached its limit of changed words first: the rest
-    of the part is then packed straight into the base (the bucket goes whole)."""
+    """The part's bytes chunk by chunk into its payload and the base; True when it reached
+    its limit of changed words first: the rest is then packed straight into the base (the
+    bucket goes whole)."""
     item, chunk, hi = dtype.itemsize, scratch.numel(), part.hi
     typed = scratch.view(dtype)
     for a in range(part.lo, hi, chunk):
@@ -168,25 +148,3 @@ def _compare(
         if b % 8:  # the bucket's last bytes (no whole word) into the base
             base[b - b % 8 : b].copy_(scratch[b - b % 8 - a : b - a])
     return False
-
-
-def _joined(parts: list[_Part], buf: torch.Tensor, count: int, tail: torch.Tensor) -> torch.Tensor:
-    """The payload: every part's values, then their indices, then the bucket's tail; moved
-    together inside ``buf`` (each part's region lies at or after where its words go), or
-    copied into a new buffer once a part grew out of its region or ``buf`` is short."""
-    size = 12 * count + tail.numel()
-    if any(p.grown for p in parts) or size > buf.numel():
-        buf = torch.empty(size, dtype=torch.uint8)
-    at = 0
-    for p in parts:  # values first: the indices' regions lie behind every value's
-        c = p.count.value
-        ctypes.memmove(buf.data_ptr() + 8 * at, p.vals.data_ptr(), 8 * c)
-        at += c
-    at = 0
-    for p in parts:
-        c = p.count.value
-        ctypes.memmove(buf.data_ptr() + 8 * count + 4 * at, p.idx.data_ptr(), 4 * c)
-        at += c
-    out = buf[:size]
-    out[12 * count :].copy_(tail)
-    return out
