@@ -11,11 +11,13 @@ in memory is sent from the tensors themselves (no copy) when the transport allow
 (``zero_copy_ok``).
 
 Deltas (``weights.delta``, see ``delta``): every bucket has a base (the bytes pushed
-last); a push without deltas packs straight into the bases, a delta push packs into one
-scratch slot and brings the base up to date, and the bucket goes as a delta payload
-against the version every engine holds (``base_version``) or whole from its base. So the
-sender holds one copy of the synced bytes plus one bucket, and a push's payloads while it
-is in flight (``memory_bytes``). ``forget_base`` after anything that may have changed what
+last); a push without deltas packs straight into the bases, a delta push packs chunk by
+chunk and compares as it goes (CPU, compiled loops: ``DeltaEncoder.take_chunked``), else
+into one scratch slot, and brings the base up to date, and the bucket goes as a delta
+payload against the version every engine holds (``base_version``) or whole from its base.
+So the sender holds one copy of the synced bytes plus one chunk (or one bucket), its
+small payloads kept for the next push, and a push's payloads while it is in flight
+(``memory_bytes``). ``forget_base`` after anything that may have changed what
 the engines hold (a re-form, a failed push).
 
 Not thread-safe: ``pack`` runs on the sender's packer thread while the sender's loop

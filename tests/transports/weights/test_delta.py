@@ -210,8 +210,9 @@ def test_full_push_is_forced_first_every_n_after_a_failure_and_a_reconnect(
 def test_delta_sender_holds_one_copy_of_the_weights_and_one_bucket(
     model_dir: Path, tmp_path: Path
 ) -> None:
-    """Between pushes the delta sender holds its bases (one copy of the synced bytes), one
-    scratch slot (a bucket) and a compare mask; the full sender at most one staging copy.
+    """Between pushes the delta sender holds its bases (one copy of the synced bytes), a
+    chunk, and payload buffers of at most a quarter of their buckets (or a scratch slot and
+    a compare mask without the compiled loops); the full sender at most one staging copy.
     The bases are what the engine holds: every push, delta or not, lands bit-exact."""
     cfg = msgspec.structs.replace(CFG, delta="on", dtype="float32", full_every=0)
     full = msgspec.structs.replace(cfg, delta="off", group_name="full")
