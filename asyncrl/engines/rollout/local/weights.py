@@ -349,7 +349,6 @@ class WeightReceiver:
     async def _turn_of(self, m: BucketManifest) -> _Update:
         """Wait until bucket ``m.index`` is next (buckets may be announced before their turn)."""
         if m.index == 0:
-            self._deltas.push_started()  # a catch-up still running stops (see delta_apply)
             self._update = _Update(m.version, m.count)  # a new push drops whatever was staged
             return self._update
 
@@ -395,6 +394,8 @@ class WeightReceiver:
         """
         loop = asyncio.get_running_loop()
         up = await self._turn_of(m)
+        if m.index == 0:
+            self._deltas.push_started()  # a catch-up still running stops (see delta_apply)
         flat = self._buffer(m)
         done: asyncio.Future[None] = loop.create_future()
         up.verified[m.index] = done
