@@ -221,8 +221,9 @@ class DeltaEncoder:
         native = None if base is None or base.numel() != nbytes else _native(base)
         if native is None or base is None:
             return None
-        if self._scratch is None:
-            self._scratch = torch.empty(self.chunk_bytes, dtype=torch.uint8)
+        size = min(self.chunk_bytes, -(-nbytes // 64) * 8)  # at most an eighth of the bucket
+        if self._scratch is None or self._scratch.numel() < size:
+            self._scratch = torch.empty(size, dtype=torch.uint8)
         last = self._changed.get(k)
         guess = nbytes // 64 if last is None else nbytes if last < 0 else last + last // 4
         auto, reuse = self.mode == "auto", self._payloads.pop(k, None)
