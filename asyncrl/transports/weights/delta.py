@@ -24,16 +24,16 @@ the estimate says the payload would not be smaller; otherwise it compares all
 words and still sends it whole when the payload is not smaller.
 
 On CPU buffers the compare and the apply are compiled C loops (``delta_native``: one
-branch-free pass each, no mask, no index arrays); the payload is sized from the estimate
-and grown when it was short. Without a C compiler the torch/numpy path gives the same
-payloads, bit for bit, more slowly.
+pass each, no branch per word, no mask, no index arrays), and a delta push does not pack
+the bucket whole at all: :meth:`DeltaEncoder.take_chunked` packs it a cache-sized chunk at
+a time and compares each chunk at once (``delta_pack``; no scratch slot), its payload
+sized from the bucket's last push, grown when short, and kept for the next push when
+small. Without a C compiler the torch/numpy path gives the same payloads, bit for bit,
+more slowly.
 
-Engine (:class:`DeltaApplier`): knows which version of bucket k each receive
-buffer holds and the last delta it applied to bucket k. The buffer receiving
-version v+1 holds v-1 (the other one is live, serving v): it is brought to v
-by re-applying the last delta (v-1 -> v), or by a copy of the live buffer,
-then the new delta is applied. All-or-nothing stays the receiver's: the model
-switches to the buffers only at the commit.
+Engine (``delta_apply.DeltaApplier``): knows which version of bucket k each
+receive buffer holds and the last delta it applied to bucket k; it brings the
+standby buffer up to date after each commit, off the next push's path.
 """
 
 from __future__ import annotations
@@ -46,10 +46,10 @@ import numpy as np
 import torch
 
 from asyncrl.transports.weights.delta_native import Kernels, kernels
+from asyncrl.transports.weights.delta_pack import CHUNK_BYTES, Segments, take_chunked
 
 __all__ = [
     "DELTA_CAPABILITY",
-    "DeltaApplier",
     "DeltaEncoder",
     "DeltaInfo",
     "apply_payload",
@@ -146,17 +146,25 @@ class DeltaEncoder:
         self.mode = mode
         self.bases: dict[int, torch.Tensor] = {}  # bucket index -> uint8 bytes pushed last
         self._mask: torch.Tensor | None = None
+        self._scratch: torch.Tensor | None = None  # take_chunked's chunk
+        self._changed: dict[int, int] = {}  # bucket -> changed words at its last push
+        self._payloads: dict[int, torch.Tensor] = {}  # bucket -> its payload buffer, reused
+        self.chunk_bytes = CHUNK_BYTES
         self.stats: dict[str, float] = {}
 
     def reset(self) -> None:
         """Forget every base (the plan changed): memory is freed, the next push is full."""
         self.bases.clear()
-        self._mask = None
+        self._changed.clear()
+        self._payloads.clear()
+        self._mask = self._scratch = None
 
     def memory_bytes(self) -> int:
-        """Bytes held between pushes: the bases and the compare mask (torch/numpy path)."""
-        mask = 0 if self._mask is None else self._mask.numel()
-        return sum(b.numel() for b in self.bases.values()) + mask
+        """Bytes held between pushes: the bases, the compare mask (torch/numpy path), the
+        chunk scratch and the payload buffers kept for the next push (compiled path)."""
+        extra = sum(0 if t is None else t.numel() for t in (self._mask, self._scratch))
+        extra += sum(p.untyped_storage().nbytes() for p in self._payloads.values())
+        return sum(b.numel() for b in self.bases.values()) + extra
 
     def base(self, k: int, nbytes: int, device: torch.device) -> torch.Tensor:
         """Bucket ``k``'s base (flat uint8), allocated at ``nbytes`` when it has none of that
@@ -201,6 +209,35 @@ class DeltaEncoder:
         self._copy_tail(packed, old)
         return payload, idx.numel()
 
+    def take_chunked(
+        self, k: int, segs: Segments, dtype: torch.dtype
+    ) -> tuple[torch.Tensor | None, int] | None:
+        """:meth:`take` of the bucket ``segs`` packs as ``dtype``, without packing it whole:
+        chunk by chunk, each compared while in cache (``delta_pack``). None when that path
+        does not apply (no compiled loops, not a CPU base, no base of this size): pack the
+        bucket and call :meth:`take`."""
+        base = self.bases.get(k)
+        nbytes = segs.numel * dtype.itemsize
+        native = None if base is None or base.numel() != nbytes else _native(base)
+        if native is None or base is None:
+            return None
+        size = min(self.chunk_bytes, -(-nbytes // 64) * 8)  # at most an eighth of the bucket
+        if self._scratch is None or self._scratch.numel() < size:
+            self._scratch = torch.empty(size, dtype=torch.uint8)
+        last = self._changed.get(k)
+        guess = nbytes // 64 if last is None else nbytes if last < 0 else last + last // 4
+        auto, reuse = self.mode == "auto", self._payloads.pop(k, None)
+        payload, changed = take_chunked(
+            native, segs, dtype, base, self._scratch, guess, auto, reuse
+        )
+        self._changed[k] = changed
+        if payload is not None and 4 * payload.untyped_storage().nbytes() <= nbytes:
+            # kept for the next push (written again only once this push was delivered: a push
+            # is packed after the last one's sends), so its pages are not mapped again; not
+            # when it is large (more than a quarter of the bucket)
+            self._payloads[k] = torch.empty(0, dtype=torch.uint8).set_(payload.untyped_storage())
+        return payload, changed
+
     def _take_native(
         self, native: Kernels, packed: torch.Tensor, old: torch.Tensor, est: int | None, full_c: int
     ) -> tuple[torch.Tensor | None, int]:
@@ -243,55 +280,3 @@ class DeltaEncoder:
         tail = packed.numel() % 8
         if tail:
             old[packed.numel() - tail :].copy_(packed[packed.numel() - tail :])
-
-
-class DeltaApplier:
-    """Engine side: the version each receive buffer holds and the last delta per bucket."""
-
-    def __init__(self) -> None:
-        self._held: dict[int, int] = {}  # buffer data_ptr -> version it holds
-        self._last: dict[int, tuple[int, int, torch.Tensor]] = {}  # bucket -> (from, to, payload)
-
-    def received(self, buf: torch.Tensor, version: int | None) -> None:
-        """``buf`` now holds ``version`` of its bucket (None: undefined, being overwritten)."""
-        if version is None:
-            self._held.pop(buf.data_ptr(), None)
-        else:
-            self._held[buf.data_ptr()] = version
-
-    def apply(
-        self,
-        index: int,
-        dst: torch.Tensor,
-        live: torch.Tensor | None,
-        payload: torch.Tensor,
-        base: int,
-        version: int,
-    ) -> int:
-        """Make ``dst`` (flat uint8) hold ``version`` = ``base`` + ``payload``; ``live`` is the
-        bucket's other buffer (serving, never written). Raises ValueError when neither buffer
-        can be brought to ``base`` (the sender must push in full)."""
-        held = self._held.get(dst.data_ptr())
-        if held != base:
-            last = self._last.get(index)
-            live_v = None if live is None else self._held.get(live.data_ptr())
-            if last is not None and held == last[0] and last[1] == base:
-                self.received(dst, None)
-                apply_payload(dst, last[2])
-            elif live is not None and live_v == base:
-                self.received(dst, None)
-                dst.copy_(live)
-            else:
-                raise ValueError(
-                    f"bucket {index}: a delta against v{base}, but this engine holds "
-                    f"v{live_v if live_v is not None else held} of it (a full push is needed)"
-                )
-        self.received(dst, None)
-        changed = apply_payload(dst, payload)
-        self.received(dst, version)
-        self._last[index] = (base, version, payload)
-        return changed
-
-    def clear(self) -> None:
-        self._held.clear()
-        self._last.clear()

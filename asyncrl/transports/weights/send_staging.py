@@ -11,11 +11,13 @@ in memory is sent from the tensors themselves (no copy) when the transport allow
 (``zero_copy_ok``).
 
 Deltas (``weights.delta``, see ``delta``): every bucket has a base (the bytes pushed
-last); a push without deltas packs straight into the bases, a delta push packs into one
-scratch slot and brings the base up to date, and the bucket goes as a delta payload
-against the version every engine holds (``base_version``) or whole from its base. So the
-sender holds one copy of the synced bytes plus one bucket, and a push's payloads while it
-is in flight (``memory_bytes``). ``forget_base`` after anything that may have changed what
+last); a push without deltas packs straight into the bases, a delta push packs chunk by
+chunk and compares as it goes (CPU, compiled loops: ``DeltaEncoder.take_chunked``), else
+into one scratch slot, and brings the base up to date, and the bucket goes as a delta
+payload against the version every engine holds (``base_version``) or whole from its base.
+So the sender holds one copy of the synced bytes plus one chunk (or one bucket), its
+small payloads kept for the next push, and a push's payloads while it is in flight
+(``memory_bytes``). ``forget_base`` after anything that may have changed what
 the engines hold (a re-form, a failed push).
 
 Not thread-safe: ``pack`` runs on the sender's packer thread while the sender's loop
@@ -43,6 +45,7 @@ from asyncrl.transports.weights.bucket import (
     spec_of,
 )
 from asyncrl.transports.weights.delta import DeltaEncoder, DeltaInfo
+from asyncrl.transports.weights.delta_pack import Segments
 from asyncrl.transports.weights.integrity import bucket_checksum, full_checksum
 
 __all__ = ["BucketStager"]
@@ -183,6 +186,13 @@ class BucketStager:
             m = self._pack_into(flat, m, tensors)
             self._count(m.nbytes, m.nbytes, 0)
             return m, flat
+        if self.delta is not None:  # a delta push: packed and compared chunk by chunk
+            segs = Segments([(e.name, e.start, e.numel) for e in m.entries], tensors)
+            took = self.delta.take_chunked(k, segs, m.torch_dtype)
+            if took is not None:
+                base = self.delta.bases[k].view(m.torch_dtype)
+                m = msgspec.structs.replace(m, checksum=bucket_checksum(base, m, self.cfg.verify))
+                return self._delta_packed(k, m, *took)
         slot = self._slot(k % len(self.slot_bytes))
         flat = slot[: m.nbytes].view(m.torch_dtype)
         m = self._pack_into(flat, m, tensors)
@@ -211,7 +221,13 @@ class BucketStager:
         """A delta push: bucket k, packed into the scratch slot, brings its base up to date
         and goes as a delta payload, or whole from the base when that is not smaller."""
         assert self.delta is not None
-        payload, changed = self.delta.take(k, packed, True)
+        return self._delta_packed(k, m, *self.delta.take(k, packed, True))
+
+    def _delta_packed(
+        self, k: int, m: BucketManifest, payload: torch.Tensor | None, changed: int
+    ) -> Packed:
+        """Bucket k's payload, or (None) the bucket whole from its base."""
+        assert self.delta is not None
         if payload is None:
             self._count(m.nbytes, max(changed, 0), 0)
             return m, self.delta.bases[k].view(m.torch_dtype)

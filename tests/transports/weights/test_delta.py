@@ -13,7 +13,8 @@ from asyncrl.config import GlooWeightsConfig
 from asyncrl.engines.rollout.factory import make_weight_transport
 from asyncrl.transports.weights.base import WeightSyncError
 from asyncrl.transports.weights.bucket import checksum
-from asyncrl.transports.weights.delta import DeltaApplier, DeltaEncoder, apply_payload
+from asyncrl.transports.weights.delta import DeltaEncoder, apply_payload
+from asyncrl.transports.weights.delta_apply import DeltaApplier
 
 sys.path.insert(0, str(Path(__file__).parent))
 import test_collective
@@ -84,6 +85,54 @@ def test_applier_catches_up_the_standby_buffer_or_refuses() -> None:
     fresh = torch.zeros(800, dtype=torch.uint8)
     with pytest.raises(ValueError, match="full push is needed"):
         app.apply(0, fresh, None, p3, base=2, version=3)
+
+
+def test_applier_catches_the_standby_buffer_up_after_a_commit_unless_a_push_started() -> None:
+    """After v2's commit the standby buffer (v1) is brought to v2 off the push's path, so v3
+    applies only its own payload; never backwards, and not once v3's push started."""
+    v = [_bytes(800, 0)]
+    for i in range(1, 4):
+        nxt = v[-1].clone()
+        nxt[i * 100 : i * 100 + 9] += 1
+        v.append(nxt)
+    enc, app = DeltaEncoder("on"), DeltaApplier()
+    a, b = v[1].clone(), v[1].clone()
+    enc.take(0, v[1].clone(), True)
+    app.received(a, 1)
+    app.received(b, 1)
+    p2, _ = enc.take(0, v[2].clone(), True)
+    app.apply(0, b, a, p2, base=1, version=2)  # b: v2, committed (live)
+    gen = app.generation()
+    assert app.catch_up(0, a, b, gen) and torch.equal(a, v[2])
+    assert app.catch_up(0, b, a, gen) and torch.equal(b, v[2])  # at v2 already: untouched
+    p3, _ = enc.take(0, v[3].clone(), True)
+    app.apply(0, a, None, p3, base=2, version=3)  # no live buffer needed: a holds v2
+    assert torch.equal(a, v[3])
+    gen = app.generation()
+    app.push_started()  # the next push's bucket 0: the catch-up of v3's commit stops
+    assert not app.catch_up(0, b, a, gen) and torch.equal(b, v[2])
+    assert app.catch_up(0, b, a, app.generation()) and torch.equal(b, v[3])
+    assert app.catch_up(0, a, b, app.generation()) and torch.equal(a, v[3])  # never backwards
+    c = v[1].clone()  # a buffer the last delta does not lead from (another sender's push):
+    app.received(c, 1)  # left as it is, a delta against v1 may still come
+    assert app.catch_up(0, c, a, app.generation()) and torch.equal(c, v[1])
+
+
+def test_payload_buffers_are_reused_but_never_the_last_payloads() -> None:
+    """A delta payload is received into one of two buffers kept per bucket: never the one
+    holding the last payload (a catch-up replays it); large payloads get a fresh buffer."""
+    app = DeltaApplier()
+    seen = set()
+    for version in range(1, 6):
+        buf = app.payload_buffer(0, 120 - version, 1000, torch.device("cpu"))
+        last = app._last.get(0)
+        if last is not None:
+            assert buf.untyped_storage().data_ptr() != last[2].untyped_storage().data_ptr()
+        seen.add(buf.untyped_storage().data_ptr())
+        app._last[0] = (version - 1, version, buf)
+    assert len(seen) == 2
+    big = app.payload_buffer(0, 600, 1000, torch.device("cpu"))
+    assert big.untyped_storage().data_ptr() not in seen
 
 
 def _train_steps(model_dir: Path, lr: float, steps: int):
@@ -161,8 +210,9 @@ def test_full_push_is_forced_first_every_n_after_a_failure_and_a_reconnect(
 def test_delta_sender_holds_one_copy_of_the_weights_and_one_bucket(
     model_dir: Path, tmp_path: Path
 ) -> None:
-    """Between pushes the delta sender holds its bases (one copy of the synced bytes), one
-    scratch slot (a bucket) and a compare mask; the full sender at most one staging copy.
+    """Between pushes the delta sender holds its bases (one copy of the synced bytes), a
+    chunk, and payload buffers of at most a quarter of their buckets (or a scratch slot and
+    a compare mask without the compiled loops); the full sender at most one staging copy.
     The bases are what the engine holds: every push, delta or not, lands bit-exact."""
     cfg = msgspec.structs.replace(CFG, delta="on", dtype="float32", full_every=0)
     full = msgspec.structs.replace(cfg, delta="off", group_name="full")
@@ -188,3 +238,25 @@ def test_delta_sender_holds_one_copy_of_the_weights_and_one_bucket(
         finally:
             for s in senders.values():
                 s.close()
+
+
+def test_back_to_back_delta_pushes_race_the_standby_catch_up_and_stay_exact(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """float32 sync into float32 parameters (the receive buffers are the served tensors, two
+    per bucket, so each commit starts a catch-up of the standby ones) and every word changing
+    (lr 1e-3): each push follows the last one's answer at once, racing that catch-up; the
+    engine holds every version bit for bit."""
+    cfg = msgspec.structs.replace(CFG, delta="on", dtype="float32", full_every=0)
+    with engines(model_dir, tmp_path, [""]) as urls:
+        sender = make_weight_transport(cfg, urls, "cpu")
+        try:
+            sender.connect()
+            for version, w in enumerate(_train_steps(model_dir, 1e-3, 9), start=1):
+                stats = sender.push(w.items(), version).wait(60)
+                assert stats["delta"] == float(version > 1), stats
+                if version % 3 == 1:  # the others are pushed while a catch-up may still run
+                    assert state(urls[0]) == (str(version), expected(w)), f"v{version}"
+            assert state(urls[0]) == (str(version), expected(w))
+        finally:
+            sender.close()

@@ -61,7 +61,7 @@ from asyncrl.engines.rollout.local.collective_recv import (
 )
 from asyncrl.transports.weights.bucket import BucketManifest, assemble, checksum
 from asyncrl.transports.weights.collective_wire import destroy_weight_group, new_weight_group
-from asyncrl.transports.weights.delta import DeltaApplier
+from asyncrl.transports.weights.delta_apply import DeltaApplier
 from asyncrl.transports.weights.integrity import bucket_checksum
 
 if TYPE_CHECKING:
@@ -106,6 +106,7 @@ class WeightReceiver:
         self._model_numel = sum(p.numel() for p in engine.model.parameters())
         self._io = ThreadPoolExecutor(1, thread_name_prefix="weights-io")  # receives, in order
         self._poster = ThreadPoolExecutor(1, thread_name_prefix="weights-post")
+        self._catchup = ThreadPoolExecutor(1, thread_name_prefix="weights-catchup")
         self._update: _Update | None = None
         self._pool: dict[tuple[int, str, int], list[torch.Tensor]] = {}
         self._live: set[int] = set()
@@ -393,6 +394,8 @@ class WeightReceiver:
         """
         loop = asyncio.get_running_loop()
         up = await self._turn_of(m)
+        if m.index == 0:
+            self._deltas.push_started()  # a catch-up still running stops (see delta_apply)
         flat = self._buffer(m)
         done: asyncio.Future[None] = loop.create_future()
         up.verified[m.index] = done
@@ -400,7 +403,8 @@ class WeightReceiver:
             self._deltas.received(flat, None)  # overwritten below
             target = flat
         else:  # the changed words travel; applied into flat once verified
-            target = torch.empty(m.delta.nbytes, dtype=torch.uint8, device=self.engine.device)
+            size, device = m.delta.nbytes, self.engine.device
+            target = self._deltas.payload_buffer(m.index, size, m.nbytes, device)
         try:
             try:
                 wait = await loop.run_in_executor(self._poster, receive, target)  # drain it all
@@ -526,7 +530,26 @@ class WeightReceiver:
         await asyncio.to_thread(self.engine.load_weights, up.ready, version, True)
         # the buffers served parameters are views of now; converted ones own their memory
         self._live = {p.untyped_storage().data_ptr() for p in self.engine.model.parameters()}
+        self._catch_up_after(up)
         return {"success": True, "message": f"switched to v{version}"}
+
+    def _catch_up_after(self, up: _Update) -> None:
+        """Bring each bucket's standby buffer to the version just committed, in the background
+        (``delta_apply``): the next delta push then applies only its own payload. Buckets
+        whose parameters are converted copies have no live buffer: nothing to do."""
+        pairs = []
+        for m, flat in up.buckets.values():
+            live = flat.view(-1).view(torch.uint8)
+            for buf in self._pool.get((m.index, m.dtype, m.numel), []):
+                if buf.data_ptr() != flat.data_ptr() and flat.data_ptr() in self._live:
+                    pairs.append((m.index, buf.view(-1).view(torch.uint8), live))
+        if pairs:
+            self._catchup.submit(self._catch_up, pairs, self._deltas.generation())
+
+    def _catch_up(self, pairs: list[tuple[int, torch.Tensor, torch.Tensor]], gen: int) -> None:
+        for index, standby, live in pairs:
+            if not self._deltas.catch_up(index, standby, live, gen):
+                return  # a push started: it catches up the rest as it applies
 
     def weights_checksum(self) -> dict[str, Any]:
         """Per-parameter checksums of the served model (for tests and benchmarks)."""
@@ -545,5 +568,6 @@ class WeightReceiver:
 
     def close(self) -> None:
         self.groups.clear()
-        self._io.shutdown(wait=False)
-        self._poster.shutdown(wait=False)
+        self._deltas.clear()  # a catch-up still running stops after its bucket
+        for pool in (self._io, self._poster, self._catchup):
+            pool.shutdown(wait=False)

@@ -1,0 +1,105 @@
+"""Delta buckets packed and compared chunk by chunk (``delta_pack``) against the bucket
+packed whole and compared (``DeltaEncoder.take``): the same payloads and bases, bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from asyncrl.transports.weights import delta_native
+from asyncrl.transports.weights.bucket import BucketManifest, TensorSpec, pack_into, plan_buckets
+from asyncrl.transports.weights.delta import DeltaEncoder, apply_payload
+from asyncrl.transports.weights.delta_pack import Segments
+
+
+def _tensors(seed: int) -> dict[str, torch.Tensor]:
+    """fp32 masters of odd sizes (entries straddle chunks and words), some not contiguous."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"emb": (301, 17), "a.bias": (7,), "b": (33, 5), "norm": (3,), "c": (129, 9)}
+    out = {n: torch.randn(s, generator=g) * 0.02 for n, s in shapes.items()}
+    out["t"] = torch.randn(11, 13, generator=g).t()  # packed through a reshape copy
+    out["a.bias"][2] = float("inf")
+    out["norm"][1] = -0.0
+    out["c"][0, :4] = torch.tensor([1e-40, -1e-41, 3.0e38, -3.4e38])  # subnormals, rounding to inf
+    return out
+
+
+def _step(w: dict[str, torch.Tensor], frac: float, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for n, t in w.items():
+        moved = torch.rand(t.shape, generator=g) < frac
+        out[n] = torch.where(moved, t + 0.01 * torch.randn(t.shape, generator=g), t)
+    return out
+
+
+def _plan(w: dict[str, torch.Tensor], bucket_bytes: int) -> list[BucketManifest]:
+    specs = [TensorSpec(n, "bfloat16", tuple(t.shape)) for n, t in w.items()]
+    return plan_buckets(specs, bucket_bytes, min_buckets=2)
+
+
+def _packed(m: BucketManifest, w: dict[str, torch.Tensor]) -> torch.Tensor:
+    flat = torch.empty(m.numel, dtype=torch.bfloat16)
+    pack_into(flat, m, w)
+    return flat.view(torch.uint8)
+
+
+@pytest.mark.parametrize("frac", [0.0, 0.003, 0.05, 0.5, 1.0])
+@pytest.mark.parametrize("mode", ["auto", "on"])
+@pytest.mark.parametrize("chunk", [8, 40, 1024, 1 << 19])
+@pytest.mark.parametrize("bucket_bytes", [2000, 1 << 20])
+def test_chunked_payloads_and_bases_equal_the_packed_ones(
+    frac: float, mode: str, chunk: int, bucket_bytes: int
+) -> None:
+    assert delta_native.kernels() is not None  # the compiled path is what is checked
+    v1 = _tensors(0)
+    v2 = _step(v1, frac, 1)
+    v3 = _step(v2, frac / 2, 2)
+    plan = _plan(v1, bucket_bytes)
+    whole, chunked = DeltaEncoder(mode), DeltaEncoder(mode)
+    chunked.chunk_bytes = chunk
+    for m in plan:  # the first push: whole, the base of both
+        whole.take(m.index, _packed(m, v1), True)
+        chunked.take(m.index, _packed(m, v1), True)
+    for w in (v2, v3):  # the second push guesses its payload's size from the first
+        for m in plan:
+            segs = Segments([(e.name, e.start, e.numel) for e in m.entries], w)
+            before = chunked.bases[m.index].clone()
+            got = chunked.take_chunked(m.index, segs, torch.bfloat16)
+            want = whole.take(m.index, _packed(m, w), True)
+            assert got is not None
+            assert torch.equal(chunked.bases[m.index], whole.bases[m.index])
+            assert torch.equal(chunked.bases[m.index], _packed(m, w))
+            assert got[1] == want[1]
+            if want[0] is None:
+                assert got[0] is None and mode == "auto"
+                continue
+            assert got[0] is not None and torch.equal(got[0], want[0])
+            assert apply_payload(before, got[0]) == got[1]
+            assert torch.equal(before, _packed(m, w))
+
+
+def test_segments_pack_any_range_as_the_whole_bucket_is_packed() -> None:
+    w = _tensors(3)
+    m = _plan(w, 1 << 20)[0]
+    want = _packed(m, w).view(torch.bfloat16)
+    segs = Segments([(e.name, e.start, e.numel) for e in m.entries], w)
+    assert segs.numel == m.numel
+    for lo, hi in ((0, m.numel), (5, 6), (100, 5200), (m.numel - 3, m.numel), (17, 17)):
+        dst = torch.empty(hi - lo, dtype=torch.bfloat16)
+        segs.pack(dst, lo, hi)
+        assert torch.equal(dst.view(torch.int16), want[lo:hi].view(torch.int16))
+
+
+def test_without_compiled_loops_the_bucket_is_packed_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ASYNCRL_DELTA_NATIVE", "0")
+    delta_native._loaded.clear()
+    try:
+        w = _tensors(4)
+        m = _plan(w, 1 << 20)[0]
+        enc = DeltaEncoder("on")
+        enc.take(0, _packed(m, w), True)
+        segs = Segments([(e.name, e.start, e.numel) for e in m.entries], w)
+        assert enc.take_chunked(0, segs, torch.bfloat16) is None
+    finally:
+        delta_native._loaded.clear()
