@@ -138,9 +138,10 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
 
 
 # Test-seconds per file (idle box, 4 workers, `pytest --durations=0`; docs/results/test-suite.md,
-# session 9, merged main), the heaviest first. `--dist loadfile` gives each worker a whole file at a time, in
-# collection order (`pytest_configure` turns off xdist's own order, by number of tests): a heavy
-# file started last would run alone at the end while the other workers idle.
+# session 9, merged main), the heaviest first. `--dist loadfile` gives each worker a whole
+# file at a time, in collection order (`pytest_configure` turns off xdist's own order, by
+# number of tests): a heavy file started last would run alone at the end while the other
+# workers idle.
 _FILE_SECONDS = {
     "tests/launchers/test_ray.py": 156,
     "tests/test_resume.py": 72,
