@@ -23,6 +23,15 @@ from asyncrl.procs import free_port
 from tests.runs import spawn_shared
 
 
+@pytest.fixture(scope="module")
+def model(tiny_model_dir: Path) -> torch.nn.Module:
+    """The tiny default model in float32 for in-process engine tests (one torch thread)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
 @pytest.fixture(scope="session")
 def engine_server(
     tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,14 +16,6 @@ from asyncrl.engines.rollout.local.sampling import SamplingParams
 from tests.engines.rollout._pausing import pause_in_flight
 
 EOS = 2
-
-
-@pytest.fixture(scope="module")
-def model(tiny_model_dir: Path) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    torch.set_num_threads(1)
-    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
 
 
 @pytest.fixture(params=[6, 48])

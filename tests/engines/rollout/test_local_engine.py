@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,14 +14,6 @@ from asyncrl.engines.rollout.local.sampling import SamplingParams, sample
 
 EOS = 2
 PROMPTS = [[1, 3, 4, 5], [1, 6, 7, 8, 9, 10, 3], [1, 4], [1, 5, 5, 5, 5, 5, 5, 5, 5], [1, 3, 9]]
-
-
-@pytest.fixture(scope="module")
-def model(tiny_model_dir: Path) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    torch.set_num_threads(1)
-    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
 
 
 @pytest.fixture

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,14 +17,6 @@ from asyncrl.engines.rollout.local.kv import BatchCache
 from asyncrl.engines.rollout.local.sampling import SamplingParams
 
 EOS = 2
-
-
-@pytest.fixture(scope="module")
-def model(tiny_model_dir: Path) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    torch.set_num_threads(1)
-    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
 
 
 @pytest.fixture

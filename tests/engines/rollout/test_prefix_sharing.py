@@ -5,10 +5,8 @@ separate prefills, also across a weight update in flight and an abort resumed la
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 
 from asyncrl.engines.rollout.local.engine import LocalEngine, Request
@@ -18,14 +16,6 @@ from tests.engines.rollout._pausing import pause_in_flight
 EOS = 2
 PROMPT = [1, 5, 3, 9, 4, 4, 7, 3, 10, 6, 8, 3]
 OTHER = [1, 7, 7, 3]
-
-
-@pytest.fixture(scope="module")
-def model(tiny_model_dir: Path) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    torch.set_num_threads(1)
-    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
 
 
 def _recompute(model: torch.nn.Module, prompt: list[int], out: list[int]) -> torch.Tensor:

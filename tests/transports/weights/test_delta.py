@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -159,6 +160,32 @@ def _bf16(weights: dict[str, torch.Tensor]) -> dict[str, int]:
     return {n: checksum(t.bfloat16().float().contiguous()) for n, t in weights.items()}
 
 
+def _push_trained(
+    cfg: GlooWeightsConfig,
+    model_dir: Path,
+    tmp_path: Path,
+    lr: float,
+    steps: int,
+    holds: Callable[[dict[str, torch.Tensor]], dict[str, int]],
+    check_every: int,
+) -> None:
+    """Push the model's weights after each of ``steps`` real training steps (version 1 =
+    the untrained model) to one engine, each push right after the last one's answer: the
+    first in full, the rest as deltas; every ``check_every``-th version and the last, the
+    engine holds ``holds(weights)`` bit for bit."""
+    with engines(model_dir, tmp_path, [""]) as urls:
+        sender = make_weight_transport(cfg, urls, "cpu")
+        try:
+            sender.connect()
+            for version, w in enumerate(_train_steps(model_dir, lr, steps), start=1):
+                stats = sender.push(w.items(), version).wait(60)
+                assert stats["delta"] == float(version > 1), stats
+                if (version - 1) % check_every == 0 or version == steps + 1:
+                    assert state(urls[0]) == (str(version), holds(w)), f"v{version}"
+        finally:
+            sender.close()
+
+
 def test_fifty_delta_pushes_of_a_trained_model_stay_bit_identical(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -167,16 +194,7 @@ def test_fifty_delta_pushes_of_a_trained_model_stay_bit_identical(
     anyway): after every one of 50 pushes the engine holds the trainer's weights bit for bit;
     all but the first go as deltas."""
     cfg = msgspec.structs.replace(CFG, delta="on", full_every=0, bucket_mb=16)
-    with engines(tiny_model_dir, tmp_path, [""]) as urls:
-        sender = make_weight_transport(cfg, urls, "cpu")
-        try:
-            sender.connect()
-            for version, w in enumerate(_train_steps(tiny_model_dir, 1.5e-3, 50), start=1):
-                stats = sender.push(w.items(), version).wait(60)
-                assert stats["delta"] == float(version > 1), stats
-                assert state(urls[0]) == (str(version), _bf16(w)), f"v{version}"
-        finally:
-            sender.close()
+    _push_trained(cfg, tiny_model_dir, tmp_path, 1.5e-3, 50, _bf16, check_every=1)
 
 
 def test_full_push_is_forced_first_every_n_after_a_failure_and_a_reconnect(
@@ -248,15 +266,5 @@ def test_back_to_back_delta_pushes_race_the_standby_catch_up_and_stay_exact(
     (lr 1e-3): each push follows the last one's answer at once, racing that catch-up; the
     engine holds every version bit for bit."""
     cfg = msgspec.structs.replace(CFG, delta="on", dtype="float32", full_every=0)
-    with engines(model_dir, tmp_path, [""]) as urls:
-        sender = make_weight_transport(cfg, urls, "cpu")
-        try:
-            sender.connect()
-            for version, w in enumerate(_train_steps(model_dir, 1e-3, 9), start=1):
-                stats = sender.push(w.items(), version).wait(60)
-                assert stats["delta"] == float(version > 1), stats
-                if version % 3 == 1:  # the others are pushed while a catch-up may still run
-                    assert state(urls[0]) == (str(version), expected(w)), f"v{version}"
-            assert state(urls[0]) == (str(version), expected(w))
-        finally:
-            sender.close()
+    # the versions not checked are pushed while a catch-up may still run
+    _push_trained(cfg, model_dir, tmp_path, 1e-3, 9, expected, check_every=3)
