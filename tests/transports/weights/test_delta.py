@@ -66,13 +66,19 @@ def test_nan_payloads_and_signed_zeros_survive() -> None:
     assert torch.equal(dst, new.view(torch.uint8))
 
 
-def test_applier_catches_up_the_standby_buffer_or_refuses() -> None:
-    """The buffer receiving v3 holds v1 (v2 is live): it replays v1->v2, then applies v2->v3."""
+def _versions() -> list[torch.Tensor]:
+    """Four versions of an 800-byte bucket, each changing 9 bytes of the last."""
     v = [_bytes(800, 0)]
     for i in range(1, 4):
         nxt = v[-1].clone()
         nxt[i * 100 : i * 100 + 9] += 1
         v.append(nxt)
+    return v
+
+
+def test_applier_catches_up_the_standby_buffer_or_refuses() -> None:
+    """The buffer receiving v3 holds v1 (v2 is live): it replays v1->v2, then applies v2->v3."""
+    v = _versions()
     enc, app = DeltaEncoder("on"), DeltaApplier()
     a, b = v[1].clone(), v[1].clone()  # v1 in both
     enc.take(0, v[1].clone(), True)
@@ -91,11 +97,7 @@ def test_applier_catches_up_the_standby_buffer_or_refuses() -> None:
 def test_applier_catches_the_standby_buffer_up_after_a_commit_unless_a_push_started() -> None:
     """After v2's commit the standby buffer (v1) is brought to v2 off the push's path, so v3
     applies only its own payload; never backwards, and not once v3's push started."""
-    v = [_bytes(800, 0)]
-    for i in range(1, 4):
-        nxt = v[-1].clone()
-        nxt[i * 100 : i * 100 + 9] += 1
-        v.append(nxt)
+    v = _versions()
     enc, app = DeltaEncoder("on"), DeltaApplier()
     a, b = v[1].clone(), v[1].clone()
     enc.take(0, v[1].clone(), True)
