@@ -150,6 +150,7 @@ class DeltaEncoder:
         self._changed: dict[int, int] = {}  # bucket -> changed words at its last push
         self._payloads: dict[int, torch.Tensor] = {}  # bucket -> its payload buffer, reused
         self.chunk_bytes = CHUNK_BYTES
+        self.fused = True  # fp32 entries synced as bf16: cast while compared (delta_pack)
         self.stats: dict[str, float] = {}
 
     def reset(self) -> None:
@@ -228,7 +229,7 @@ class DeltaEncoder:
         guess = nbytes // 64 if last is None else nbytes if last < 0 else last + last // 4
         auto, reuse = self.mode == "auto", self._payloads.pop(k, None)
         payload, changed = take_chunked(
-            native, segs, dtype, base, self._scratch, guess, auto, reuse
+            native, segs, dtype, base, self._scratch, guess, auto, reuse, self.fused
         )
         self._changed[k] = changed
         if payload is not None and 4 * payload.untyped_storage().nbytes() <= nbytes:

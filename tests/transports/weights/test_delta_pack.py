@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncrl.transports.weights import delta_native
+from asyncrl.transports.weights import delta_native, delta_pack
 from asyncrl.transports.weights.bucket import BucketManifest, TensorSpec, pack_into, plan_buckets
 from asyncrl.transports.weights.delta import DeltaEncoder, apply_payload
-from asyncrl.transports.weights.delta_pack import Segments
+from asyncrl.transports.weights.delta_pack import Segments, bf16_nan
 
 
 def _tensors(seed: int) -> dict[str, torch.Tensor]:
@@ -21,7 +21,13 @@ def _tensors(seed: int) -> dict[str, torch.Tensor]:
     out["a.bias"][2] = float("inf")
     out["norm"][1] = -0.0
     out["c"][0, :4] = torch.tensor([1e-40, -1e-41, 3.0e38, -3.4e38])  # subnormals, rounding to inf
+    out["c"][1, :3] = _floats([0x7FC00000, 0xFFA00001, 0x7F800001])  # NaNs: sign, payloads
     return out
+
+
+def _floats(bits: list[int]) -> torch.Tensor:
+    """fp32 values of the given bit patterns."""
+    return torch.tensor(bits, dtype=torch.int64).to(torch.int32).view(torch.float32)
 
 
 def _step(w: dict[str, torch.Tensor], frac: float, seed: int) -> dict[str, torch.Tensor]:
@@ -46,22 +52,92 @@ def _packed(m: BucketManifest, w: dict[str, torch.Tensor]) -> torch.Tensor:
 
 @pytest.mark.parametrize("frac", [0.0, 0.003, 0.05, 0.5, 1.0])
 @pytest.mark.parametrize("mode", ["auto", "on"])
-@pytest.mark.parametrize("chunk", [8, 40, 1024, 1 << 19])
+@pytest.mark.parametrize(
+    ("chunk", "fused"), [(8, False), (40, False), (1024, False), (1 << 19, False), (8, True)]
+)
 @pytest.mark.parametrize("bucket_bytes", [2000, 1 << 20])
 def test_chunked_payloads_and_bases_equal_the_packed_ones(
-    frac: float, mode: str, chunk: int, bucket_bytes: int
+    monkeypatch: pytest.MonkeyPatch,
+    frac: float,
+    mode: str,
+    chunk: int,
+    fused: bool,
+    bucket_bytes: int,
 ) -> None:
-    assert delta_native.kernels() is not None  # the compiled path is what is checked
+    """Packed chunk by chunk by torch (``fused`` false) or cast while compared (fp32 as
+    bf16, one compiled pass): the payloads and bases of packing whole and comparing."""
+    if fused:  # the torch-packed path must not be the one that passes
+        monkeypatch.setattr(delta_pack, "_compare", _not_called)
     v1 = _tensors(0)
     v2 = _step(v1, frac, 1)
-    v3 = _step(v2, frac / 2, 2)
+    _assert_takes_equal(v1, [v2, _step(v2, frac / 2, 2)], mode, chunk, fused, bucket_bytes)
+
+
+def _not_called(*args: object) -> bool:
+    raise AssertionError("packed by torch chunk by chunk, not cast while compared")
+
+
+def _bits(seed: int, sizes: dict[str, int]) -> dict[str, torch.Tensor]:
+    """fp32 entries of random bit patterns: every class of value (NaNs of both signs and any
+    payload, infinities, subnormals), a quarter of them exact ties of the bf16 rounding, and
+    :data:`delta_pack._PROBE` in the first entry large enough."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, n in sizes.items():
+        bits = torch.randint(0, 1 << 32, (n,), generator=g, dtype=torch.int64)
+        tie = torch.rand(n, generator=g) < 0.25
+        bits = torch.where(tie, bits & ~0xFFFF | 0x8000, bits)
+        if n >= len(delta_pack._PROBE) and not out:
+            bits[: len(delta_pack._PROBE)] = torch.tensor(delta_pack._PROBE)
+        out[name] = bits.to(torch.int32).view(torch.float32)
+    return out
+
+
+def _redrawn(w: dict[str, torch.Tensor], frac: float, seed: int) -> dict[str, torch.Tensor]:
+    """``w`` with a fraction of its elements given new random bit patterns."""
+    new = _bits(seed, {n: t.numel() for n, t in w.items()})
+    g = torch.Generator().manual_seed(seed)
+    return {
+        n: torch.where(torch.rand(t.shape, generator=g) < frac, new[n], t) for n, t in w.items()
+    }
+
+
+@pytest.mark.parametrize("frac", [0.01, 0.2])
+@pytest.mark.parametrize("mode", ["auto", "on"])
+@pytest.mark.parametrize("bucket_bytes", [64, 2000, 1 << 20])
+def test_the_fused_cast_gives_torchs_bits_for_any_pattern(
+    monkeypatch: pytest.MonkeyPatch, frac: float, mode: str, bucket_bytes: int
+) -> None:
+    """fp32 entries of any bit pattern, sized so that words straddle entries (some entries
+    inside one word), cast while compared: the same payloads and bases as torch's cast of
+    the bucket packed whole, the tie, NaN, infinity and subnormal bits included."""
+    monkeypatch.setattr(delta_pack, "_compare", _not_called)
+    sizes = {"probe": 4096 + 3, "one": 1, "two": 2, "five": 5, "odd": 7 * 61 * 8 + 1, "last": 6}
+    v1 = _bits(0, sizes)
+    v2 = _redrawn(v1, frac, 1)
+    _assert_takes_equal(v1, [v2, _redrawn(v2, frac, 2)], mode, 8, True, bucket_bytes)
+
+
+def _assert_takes_equal(
+    v1: dict[str, torch.Tensor],
+    steps: list[dict[str, torch.Tensor]],
+    mode: str,
+    chunk: int,
+    fused: bool,
+    bucket_bytes: int,
+) -> None:
+    """Pushes ``v1`` then each of ``steps``: ``take_chunked`` gives ``take``'s payloads and
+    bases (of the buckets packed whole), and its payloads applied give the packed bytes."""
+    native = delta_native.kernels()
+    assert native is not None  # the compiled path is what is checked
+    assert bf16_nan(native) is not None  # so is the fused cast, where asked for
     plan = _plan(v1, bucket_bytes)
     whole, chunked = DeltaEncoder(mode), DeltaEncoder(mode)
-    chunked.chunk_bytes = chunk
+    chunked.chunk_bytes, chunked.fused = chunk, fused
     for m in plan:  # the first push: whole, the base of both
         whole.take(m.index, _packed(m, v1), True)
         chunked.take(m.index, _packed(m, v1), True)
-    for w in (v2, v3):  # the second push guesses its payload's size from the first
+    for w in steps:  # the second push guesses its payload's size from the first
         for m in plan:
             segs = Segments([(e.name, e.start, e.numel) for e in m.entries], w)
             before = chunked.bases[m.index].clone()
