@@ -3,6 +3,11 @@ packed whole and compared (``DeltaEncoder.take``): the same payloads and bases, 
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -153,6 +158,42 @@ def _assert_takes_equal(
             assert got[0] is not None and torch.equal(got[0], want[0])
             assert apply_payload(before, got[0]) == got[1]
             assert torch.equal(before, _packed(m, w))
+
+
+def test_entries_not_fp32_are_packed_by_torch() -> None:
+    """bf16 masters (nothing to cast) and an fp64 entry: the fused cast does not apply, the
+    bucket is packed by torch chunk by chunk, with the same payloads and bases."""
+    v1 = {n: t.bfloat16() for n, t in _tensors(5).items()}
+    v1["c"] = v1["c"].double()
+    v2 = _step(v1, 0.05, 1)
+    _assert_takes_equal(v1, [v2, _step(v2, 0.05, 2)], "on", 40, True, 2000)
+
+
+_SCALAR_RUN = """
+import sys
+import torch
+sys.path.insert(0, sys.argv[1])
+import test_delta_pack as t
+assert torch.backends.cpu.get_cpu_capability() == "DEFAULT"
+t.delta_pack._compare = t._not_called
+v1 = t._bits(0, {"probe": 4096 + 3, "one": 1, "five": 5, "odd": 7 * 61 * 8 + 1})
+t._assert_takes_equal(v1, [t._redrawn(v1, 0.2, 1)], "on", 8, True, 2000)
+print(hex(t.bf16_nan(t.delta_native.kernels())))
+"""
+
+
+def test_the_fused_cast_follows_torchs_scalar_cast_too() -> None:
+    """Without its vectorised kernels (``ATEN_CPU_CAPABILITY=default``) torch casts a NaN
+    to 0x7fc0 (c10's ``round_to_nearest_even``), not the vectorised 0xffff: the probe finds
+    that word and the fused payloads are still torch's, bit for bit."""
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "default"}
+    here = str(Path(__file__).parent)
+    done = subprocess.run(
+        [sys.executable, "-c", _SCALAR_RUN, here], env=env, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-1] == "0x7fc0"
 
 
 def test_segments_pack_any_range_as_the_whole_bucket_is_packed() -> None:
