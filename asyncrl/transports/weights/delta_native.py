@@ -3,21 +3,26 @@
 Finding the changed words of a bucket with numpy or torch takes several passes over it
 (compare into a mask, the mask's nonzero indices, a gather, a scatter into the base), and
 the index passes branch on every changed word: at a few percent of changed words that is
-most of a delta push's CPU time on a 2-core machine. These two loops do it in one
-pass each, with no branch per word:
+most of a delta push's CPU time on a 2-core machine. These loops do it in one pass each,
+with no branch on the data (a branch taken at random costs more than the work it skips):
 
-- ``encode``: compare words ``[start, n)`` of a packed bucket with its base (8 at a time: a
-  block equal to its base costs one vectorised compare); each changed word's value and
-  index are appended to ``vals``/``idx`` and written into the base; stops before ``cap``
-  changed words (the caller grows its buffers and resumes).
+- ``encode``: compare words ``[start, n)`` of a packed bucket with its base, 8 at a time;
+  each changed word's value and index are appended to ``vals``/``idx`` and written into
+  the base; stops before ``cap`` changed words (the caller grows its buffers and resumes).
+  With AVX-512 a block is one compare into a mask and two register compresses.
+- ``encode_bf16``: the same for a bucket of fp32 values synced as bf16, cast while
+  compared (torch's cast, bit for bit: see the C source and ``delta_pack.bf16_nan``), so
+  the bf16 bucket is never written anywhere but where its words changed in the base.
 - ``apply``: write ``c`` (value, index) pairs into a bucket, refusing an index outside it.
 
-The source is compiled with the system C compiler (``$CC``, else ``cc``/``gcc``) into a
-shared object kept in ``$XDG_CACHE_HOME/asyncrl`` (``~/.cache/asyncrl``), named by a hash
-of the source and the compiler, written under a temporary name and renamed (processes
-compiling at once do not see each other's half-written file). No compiler, a failed
-compile, or ``ASYNCRL_DELTA_NATIVE=0``: :func:`kernels` returns None and ``delta`` uses
-its torch/numpy path (same payloads, bit for bit; slower).
+The source is compiled with the system C compiler (``$CC``, else ``cc``/``gcc``) with
+``-march=native`` when the compiler takes it, into a shared object kept in
+``$XDG_CACHE_HOME/asyncrl`` (``~/.cache/asyncrl``), named by a hash of the source, the
+compiler and what ``-march=native`` means on this CPU (the compiler's predefined macros for
+it), written under a temporary name and renamed (processes compiling at once do not see
+each other's half-written file). No compiler, a failed compile, or
+``ASYNCRL_DELTA_NATIVE=0``: :func:`kernels` returns None and ``delta`` uses its torch/numpy
+path (same payloads, bit for bit; slower).
 """
 
 from __future__ import annotations

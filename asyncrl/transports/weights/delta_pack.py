@@ -6,7 +6,11 @@ a 0.5B model) and the compare reads them back. Here the bucket is packed ``CHUNK
 a time into a small scratch buffer (it stays in the core's L2 cache), by the same ``copy_``
 the packer uses (so the same bytes, bit for bit), and each chunk is compared with its base
 by the compiled ``encode`` loop (``delta_native``) at once: only the base is read from
-memory, and only the changed words are written.
+memory, and only the changed words are written. When the bucket's entries are contiguous
+fp32 tensors synced as bf16 they are not packed at all: the compiled ``encode_bf16`` reads
+the fp32 values, casts them exactly as torch's ``copy_`` does (:func:`bf16_nan`) and
+compares them with the base in the same pass; only a word shared by two entries is packed
+by torch first.
 
 :func:`take_chunked` gives the same payload and leaves the same base as
 ``DeltaEncoder.take`` of the whole packed bucket (``tests/transports/weights/
