@@ -218,8 +218,11 @@ def _compiled(cc: str) -> Path:
         src = Path(tmp) / "delta.c"
         src.write_text(SOURCE)
         built = Path(tmp) / "delta.so"
-        cmd = [cc, "-O3", *flags, "-std=c99", "-fPIC", "-shared", "-o", str(built), str(src)]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        for tries in ([*flags], []) if flags else ([],):  # no -march=native: portable code
+            cmd = [cc, "-O3", *tries, "-std=c99", "-fPIC", "-shared", "-o", str(built), str(src)]
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+            if done.returncode == 0:
+                break
         if done.returncode != 0:
             raise subprocess.SubprocessError(f"{' '.join(cmd)}: {done.stderr.strip()[-500:]}")
         os.replace(built, out)

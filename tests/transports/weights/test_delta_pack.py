@@ -4,6 +4,7 @@ packed whole and compared (``DeltaEncoder.take``): the same payloads and bases, 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -167,6 +168,35 @@ def test_entries_not_fp32_are_packed_by_torch() -> None:
     v1["c"] = v1["c"].double()
     v2 = _step(v1, 0.05, 1)
     _assert_takes_equal(v1, [v2, _step(v2, 0.05, 2)], "on", 40, True, 2000)
+
+
+def test_portable_loops_give_the_same(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A compiler that refuses ``-march=native``: the loops are built portable (no AVX-512:
+    the collect that stores every word and counts the changed ones) into a cache of their
+    own, and give the same payloads and bases, fused or packed by torch."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    calls = tmp_path / "calls"
+    wrapper = tmp_path / "cc"
+    wrapper.write_text(
+        f'#!/bin/sh\necho "$@" >> {calls}\n'
+        'for a in "$@"; do [ "$a" = -march=native ] && exit 1; done\n'
+        f'exec {cc} "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("CC", str(wrapper))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    delta_native._loaded.clear()
+    try:
+        assert delta_native.kernels() is not None
+        built = [c for c in calls.read_text().splitlines() if "-shared" in c]
+        assert len(built) == 1 and "-march=native" not in built[0]
+        v1 = _bits(0, {"probe": 4096 + 3, "one": 1, "five": 5, "odd": 7 * 61 * 8 + 1})
+        for fused, chunk in ((True, 8), (False, 40)):
+            _assert_takes_equal(v1, [_redrawn(v1, 0.05, 1)], "on", chunk, fused, 2000)
+    finally:
+        delta_native._loaded.clear()
 
 
 _SCALAR_RUN = """
