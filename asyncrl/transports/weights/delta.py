@@ -24,12 +24,13 @@ the estimate says the payload would not be smaller; otherwise it compares all
 words and still sends it whole when the payload is not smaller.
 
 On CPU buffers the compare and the apply are compiled C loops (``delta_native``: one
-pass each, no branch per word, no mask, no index arrays), and a delta push does not pack
-the bucket whole at all: :meth:`DeltaEncoder.take_chunked` packs it a cache-sized chunk at
-a time and compares each chunk at once (``delta_pack``; no scratch slot), its payload
-sized from the bucket's last push, grown when short, and kept for the next push when
-small. Without a C compiler the torch/numpy path gives the same payloads, bit for bit,
-more slowly.
+pass each, no branch on the data, no mask, no index arrays), and a delta push does not pack
+the bucket whole at all: :meth:`DeltaEncoder.take_chunked` casts fp32 entries synced as
+bf16 while comparing them, in one pass (``encode_bf16``; the bf16 bucket is never written
+out), and packs any other bucket a cache-sized chunk at a time, comparing each chunk at
+once (``delta_pack``; no scratch slot); its payload is sized from the bucket's last push,
+grown when short, and kept for the next push when small. Without a C compiler the
+torch/numpy path gives the same payloads, bit for bit, more slowly.
 
 Engine (``delta_apply.DeltaApplier``): knows which version of bucket k each
 receive buffer holds and the last delta it applied to bucket k; it brings the
@@ -150,6 +151,7 @@ class DeltaEncoder:
         self._changed: dict[int, int] = {}  # bucket -> changed words at its last push
         self._payloads: dict[int, torch.Tensor] = {}  # bucket -> its payload buffer, reused
         self.chunk_bytes = CHUNK_BYTES
+        self.fused = True  # fp32 entries synced as bf16: cast while compared (delta_pack)
         self.stats: dict[str, float] = {}
 
     def reset(self) -> None:
@@ -228,7 +230,7 @@ class DeltaEncoder:
         guess = nbytes // 64 if last is None else nbytes if last < 0 else last + last // 4
         auto, reuse = self.mode == "auto", self._payloads.pop(k, None)
         payload, changed = take_chunked(
-            native, segs, dtype, base, self._scratch, guess, auto, reuse
+            native, segs, dtype, base, self._scratch, guess, auto, reuse, self.fused
         )
         self._changed[k] = changed
         if payload is not None and 4 * payload.untyped_storage().nbytes() <= nbytes:
