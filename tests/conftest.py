@@ -215,37 +215,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(scope="session", autouse=True)
-def shared_fork_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str | None]:
-    """One fork server per test process, shared by every `asyncrl run` the tests start
-    (``ASYNCRL_FORK_SERVER``, docs/cluster.md): a run's trainer and engine are forked from
-    it instead of from a server of the run's own, saving each run ~5 CPU-s of imports.
-    Started in the background (a run that comes before its socket starts its own server);
-    ``ASYNCRL_TEST_SHARED_FORK_SERVER=0`` turns it off. Tests that look at a run's own
-    process tree are marked ``own_fork_server``."""
-    from asyncrl.forkserver import ENV_SHARED
-    from asyncrl.procs import spawn, stop
-
-    if os.environ.get("ASYNCRL_TEST_SHARED_FORK_SERVER", "1") == "0" or ENV_SHARED in os.environ:
-        yield None
-        return
-    folder = tmp_path_factory.mktemp("forkserver")
-    path = str(folder / "fs.sock")
-    preload = ["asyncrl.entrypoints.trainer", "asyncrl.entrypoints.engine"]
-    preload.append("transformers.models.qwen2.modeling_qwen2")  # the tiny models' class
-    args = ["-m", "asyncrl.entrypoints.forkserver", "--listen", path, "--preload", *preload]
-    args += ["--exit-with", str(os.getpid())]  # a crashed worker leaves no server behind
-    proc = spawn([*args, "--title-room", " " * 2048], folder / "forkserver.log")
-    os.environ[ENV_SHARED] = path
-    runs.shared_server_pid = proc.pid
-    try:
-        yield path
-    finally:
-        runs.shared_server_pid = None
-        os.environ.pop(ENV_SHARED, None)
-        stop([proc])
-
-
-@pytest.fixture(scope="session", autouse=True)
 def session_fork_servers(tmp_path_factory: pytest.TempPathFactory) -> None:
     """The vLLM and SGLang test servers, ranks and probes are forked from one server per
     upstream environment for the whole session (tests/session_forks.py), each started by
@@ -263,6 +232,37 @@ def session_fork_servers(tmp_path_factory: pytest.TempPathFactory) -> None:
         session_forks.allow(base.parent, os.getppid())
     else:
         session_forks.allow(base, os.getpid())
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_fork_server(session_fork_servers: None) -> Iterator[str | None]:
+    """One fork server for the whole session, shared by every `asyncrl run` the tests start
+    on any worker (``ASYNCRL_FORK_SERVER``, docs/cluster.md): a run's trainer and engine are
+    forked from it instead of from a server of the run's own, saving each run ~5 CPU-s of
+    imports. Started in the background by the first worker (tests/session_forks.py: ends
+    with the session's main process); a run that comes before its socket listens starts its
+    own server. ``ASYNCRL_TEST_SHARED_FORK_SERVER=0`` turns it off. Tests that look at a
+    run's own process tree are marked ``own_fork_server``; tests that look for what a run
+    left among the server's children tell theirs apart by working directory
+    (:func:`tests.runs.forked_by_shared_server`)."""
+    from asyncrl.forkserver import ENV_SHARED
+    from tests.session_forks import SessionForkServer
+
+    if ENV_SHARED in os.environ:  # a test session started by a test: the outer session's
+        yield None
+        return
+    preload = ("asyncrl.entrypoints.trainer", "asyncrl.entrypoints.engine")
+    preload += ("transformers.models.qwen2.modeling_qwen2",)  # the tiny models' class
+    got = SessionForkServer("asyncrl", dict, preload).started()
+    if got is None:
+        yield None
+        return
+    os.environ[ENV_SHARED], runs.shared_server_pid = got
+    try:
+        yield got[0]
+    finally:
+        runs.shared_server_pid = None
+        os.environ.pop(ENV_SHARED, None)
 
 
 @pytest.fixture(autouse=True)

@@ -121,8 +121,22 @@ class SessionForkServer:
         self._lock = threading.Lock()
 
     def socket_path(self) -> str | None:
-        """The server's socket, started now if there is none yet; None where none may be
-        started, or it does not run."""
+        """The server's socket, started now if there is none yet (waiting until it listens);
+        None where none may be started, or it does not run."""
+        got = self._ensure(wait=True)
+        if got is None:
+            return None
+        sock, pid = got
+        return sock if Path(sock).exists() and _alive(pid) else None
+
+    def started(self) -> tuple[str, int] | None:
+        """The server's socket path and pid, the server started now if no test process
+        started it yet, without waiting for its imports (a client that comes before it
+        listens starts its processes afresh: :func:`asyncrl.forkserver.spawn_shared`);
+        None where none may be started."""
+        return self._ensure(wait=False)
+
+    def _ensure(self, wait: bool) -> tuple[str, int] | None:
         room = _room()
         if room is None:
             return None
@@ -131,9 +145,11 @@ class SessionForkServer:
         with self._lock, open(folder / f"{self.name}.lock", "w") as lock:
             self._locked(lock, 240.0)  # one worker starts it; the others wait for it
             if not pid_file.exists():
-                pid_file.write_text(str(self._start(folder, sock, owner)))
-        pid = int(pid_file.read_text())
-        return str(sock) if sock.exists() and _alive(pid) else None
+                proc = self._launch(folder, sock, owner)
+                if wait:
+                    self._wait_listening(proc, folder, sock)
+                pid_file.write_text(str(proc.pid))
+        return str(sock), int(pid_file.read_text())
 
     def _locked(self, lock: Any, timeout_s: float) -> None:
         """Take the start lock (held while a worker starts the server: at most its 180 s)."""
@@ -159,13 +175,12 @@ class SessionForkServer:
         pid = int(pid_file.read_text())
         return pid if _alive(pid) else None
 
-    def _start(self, folder: Path, sock: Path, owner: int) -> int:
+    def _launch(self, folder: Path, sock: Path, owner: int) -> subprocess.Popen:
         args = ["-m", "asyncrl.entrypoints.forkserver", "--listen", str(sock)]
         args += ["--preload", *self.preload, "--exit-with", str(owner)]
         env = python_env(self.env())
         env.pop(ENV_SHARED, None)
-        log = folder / f"{self.name}.log"
-        with open(log, "ab") as out:
+        with open(folder / f"{self.name}.log", "ab") as out:
             # not a child that dies with this worker (tests/conftest.py arms that for a
             # `preexec_fn` of None): it serves every worker until the session's end
             proc = subprocess.Popen(
@@ -178,6 +193,10 @@ class SessionForkServer:
                 preexec_fn=_no_op,
             )
         _started.append(proc)  # held: no "still running" warning when a worker ends first
+        return proc
+
+    def _wait_listening(self, proc: subprocess.Popen, folder: Path, sock: Path) -> None:
+        log = folder / f"{self.name}.log"
         deadline = time.monotonic() + 180.0
         while not sock.exists():  # it binds once its imports are done
             if proc.poll() is not None:
@@ -186,7 +205,6 @@ class SessionForkServer:
                 stop([proc])
                 raise TimeoutError(f"{self.name} fork server silent for 180 s: {log}")
             time.sleep(0.1)
-        return proc.pid
 
     def spawn(
         self, args: list[str], log: Path | None, env: dict[str, str], fresh: bool = False

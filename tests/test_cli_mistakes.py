@@ -26,9 +26,9 @@ WEATHER_AGENT = f"{Path(__file__).resolve().parents[1] / 'examples' / 'agents.py
 """The weather task's example agent (examples/agents.py), by file: any working directory."""
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+def _cli(*args: str, python: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "asyncrl.cli", *args],
+        [sys.executable, *python, "-m", "asyncrl.cli", *args],
         capture_output=True,
         text=True,
         timeout=60,
@@ -74,7 +74,13 @@ def test_an_override_takes_its_value_from_the_next_argument(tmp_path: Path) -> N
 
 
 def test_serve_takes_the_engine_arguments() -> None:
-    out = _cli("serve", "--model-path", "/nonexistent", "--port", "1", "--help")
+    """``asyncrl serve --help`` lists every engine flag with its help, and imports no torch
+    to say it (the flags are parsed before the engine is imported)."""
+    args = ("serve", "--model-path", "/nonexistent", "--port", "1", "--help")
+    out = _cli(*args, python=("-X", "importtime"))
+    imported = {ln.rsplit("|", 1)[-1].strip() for ln in out.stderr.splitlines() if "|" in ln}
+    assert "asyncrl.entrypoints.engine_args" in imported, sorted(imported)
+    assert "torch" not in imported and "asyncrl.entrypoints.engine" not in imported
     assert out.returncode == 0 and "--model-path" in out.stdout and "--port" in out.stdout
     assert out.stdout.startswith("usage: asyncrl serve")
     options = out.stdout.split("options:", 1)[1]
@@ -118,10 +124,11 @@ def _timed_run(
     """``asyncrl run`` with ``overrides``: its output, wall time and CPU seconds (of the
     ``asyncrl run`` process: what it did, whatever the machine's load; wall time bounds only
     from below). Every process it started (marked through the environment its children
-    inherit) has ended when it returns."""
+    inherit, and those the session's shared fork server forked for it, in its working
+    directory ``tmp_path``) has ended when it returns."""
     mark = uuid.uuid4().hex
     run = ["run", "--run-dir", str(tmp_path / "run"), "--quiet", *overrides]
-    forked_before = forked_by_shared_server()
+    forked_before = forked_by_shared_server(tmp_path)
     t0, before = time.monotonic(), resource.getrusage(resource.RUSAGE_CHILDREN)
     out = subprocess.run(
         [sys.executable, "-m", "asyncrl.cli", *run],
@@ -130,14 +137,18 @@ def _timed_run(
         timeout=300,  # a hang: no run here needs more than seconds of CPU
         check=False,
         env=python_env({MARK: mark}),
+        cwd=tmp_path,
     )
     took, after = time.monotonic() - t0, resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     assert marked_pids(mark) == [], "a process of the run outlived it"
     # what the session's shared fork server forked for the run (their environment is the
-    # server's, unmarked): the run ended them; the server reaps them (poll, 10 s)
+    # server's, unmarked; their working directory the run's): the run ended them; the
+    # server reaps them (poll, 10 s)
     deadline = time.monotonic() + 10
-    while (left := forked_by_shared_server() - forked_before) and time.monotonic() < deadline:
+    while time.monotonic() < deadline:
+        if not (left := forked_by_shared_server(tmp_path) - forked_before):
+            break
         time.sleep(0.05)
     assert not left, f"processes forked for the run outlived it: {sorted(left)}"
     return out, took, cpu
