@@ -95,13 +95,16 @@ def test_serve_without_a_model_serves_the_tiny_default(
     tmp_path: Path, tiny_model_dir: Path, free_port: int
 ) -> None:
     from asyncrl.engines.rollout.sglang import SGLangClient
-    from asyncrl.procs import spawn, stop
+    from asyncrl.procs import stop
     from asyncrl.tasks.tiny_model import TINY_VERSION
+    from tests.runs import spawn_shared
 
     (tmp_path / "models").mkdir()
     (tmp_path / "models" / TINY_VERSION).symlink_to(tiny_model_dir)  # built already
     env = python_env({"ASYNCRL_CACHE": str(tmp_path)})
-    proc = spawn(["-m", "asyncrl.cli", "serve", "--port", str(free_port)], tmp_path / "log", env)
+    # `python -m asyncrl.cli serve`, forked from the session's fork server (torch imported)
+    args = ["-m", "asyncrl.cli", "serve", "--port", str(free_port)]
+    proc = spawn_shared(args, tmp_path / "log", env)
     try:
 
         async def generate() -> list[int]:
