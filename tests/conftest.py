@@ -11,6 +11,7 @@ import pytest
 
 from asyncrl.procs import free_port as _free_port
 from tests import runs
+from tests.session_forks import SessionForkServer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -176,9 +177,39 @@ _FILE_SECONDS = {
 }
 
 
+@pytest.hookimpl(trylast=True)  # after the tmp_path plugin's: its factory is needed
 def pytest_configure(config: pytest.Config) -> None:
     if hasattr(config.option, "loadscopereorder"):  # pytest-xdist: keep the order made below
         config.option.loadscopereorder = False
+    if not hasattr(config, "workerinput"):
+        _start_the_shared_fork_server(config)
+
+
+_PRELOAD = (
+    "asyncrl.entrypoints.trainer",
+    "asyncrl.entrypoints.engine",
+    "transformers.models.qwen2.modeling_qwen2",  # the tiny models' class
+)
+"""What the session's shared asyncrl fork server imports before it forks."""
+
+
+def _asyncrl_fork_server() -> SessionForkServer:
+    return SessionForkServer("asyncrl", dict, _PRELOAD)
+
+
+def _start_the_shared_fork_server(config: pytest.Config) -> None:
+    """The session's main process starts the shared asyncrl fork server (``shared_fork_server``)
+    at once, so that it imports while the xdist workers start and collect: a run that came
+    before it listened would start a fork server of its own (~5 CPU-s)."""
+    from asyncrl.forkserver import ENV_SHARED
+    from tests import session_forks
+
+    factory = getattr(config, "_tmp_path_factory", None)
+    off = os.environ.get("ASYNCRL_TEST_SHARED_FORK_SERVER", "1") == "0"
+    if off or factory is None or ENV_SHARED in os.environ or config.option.collectonly:
+        return
+    session_forks.allow(factory.getbasetemp(), os.getpid())
+    _asyncrl_fork_server().started()
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -239,24 +270,24 @@ def shared_fork_server(session_fork_servers: None) -> Iterator[str | None]:
     """One fork server for the whole session, shared by every `asyncrl run` the tests start
     on any worker (``ASYNCRL_FORK_SERVER``, docs/cluster.md): a run's trainer and engine are
     forked from it instead of from a server of the run's own, saving each run ~5 CPU-s of
-    imports. Started in the background by the first worker (tests/session_forks.py: ends
-    with the session's main process); a run that comes before its socket listens starts its
-    own server. ``ASYNCRL_TEST_SHARED_FORK_SERVER=0`` turns it off. Tests that look at a
+    imports. Started by the session's main process at ``pytest_configure`` (else by the first
+    worker; tests/session_forks.py: it ends with the main process); each worker waits for it
+    to listen before its first test (a run that came before would start its own server).
+    ``ASYNCRL_TEST_SHARED_FORK_SERVER=0`` turns it off. Tests that look at a
     run's own process tree are marked ``own_fork_server``; tests that look for what a run
     left among the server's children tell theirs apart by working directory
     (:func:`tests.runs.forked_by_shared_server`)."""
     from asyncrl.forkserver import ENV_SHARED
-    from tests.session_forks import SessionForkServer
 
     if ENV_SHARED in os.environ:  # a test session started by a test: the outer session's
         yield None
         return
-    preload = ("asyncrl.entrypoints.trainer", "asyncrl.entrypoints.engine")
-    preload += ("transformers.models.qwen2.modeling_qwen2",)  # the tiny models' class
-    got = SessionForkServer("asyncrl", dict, preload).started()
+    server = _asyncrl_fork_server()
+    got = server.started()
     if got is None:
         yield None
         return
+    server.wait_listening(120.0)  # started at pytest_configure: imports while workers collect
     os.environ[ENV_SHARED], runs.shared_server_pid = got
     try:
         yield got[0]

@@ -136,6 +136,20 @@ class SessionForkServer:
         None where none may be started."""
         return self._ensure(wait=False)
 
+    def wait_listening(self, timeout_s: float) -> bool:
+        """Whether the server listens, waiting up to ``timeout_s`` while it imports (False:
+        it ended, or still imports; its clients then start their processes afresh)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            room, pid = _room(), self.server_pid()
+            if room is None or pid is None:
+                return False
+            if (room[0] / f"{self.name}.sock").exists():
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+
     def _ensure(self, wait: bool) -> tuple[str, int] | None:
         room = _room()
         if room is None:
