@@ -1,6 +1,8 @@
 """Fork servers shared by the whole test session, one per environment that upstream code
 needs (vLLM 0.33's server code, each SGLang version's source: ``tests/engines/rollout/
-{vllm,sglang}/``), for the test servers, receiving ranks and probes that import it.
+{vllm,sglang}/``), for the test servers, receiving ranks and probes that import it; and
+one for asyncrl's own trainers and engines (``shared_fork_server`` in tests/conftest.py,
+started by the session's main process at ``pytest_configure``: :meth:`SessionForkServer.started`).
 
 Importing vLLM's CLI or an SGLang version's server modules costs 3-6 CPU-s (torch's
 inductor, transformers, openai's types), paid by each of the ~50 such processes a suite
