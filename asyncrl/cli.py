@@ -142,6 +142,16 @@ def _split_run_args(argv: list[str]) -> tuple[list[str], list[str]]:
     return known, overrides
 
 
+def _serve(argv: list[str]) -> None:
+    """``asyncrl serve ARGS``: flags parsed before the engine (torch) is imported."""
+    from asyncrl.entrypoints.engine_args import parser
+
+    args = parser().parse_args(argv)
+    from asyncrl.entrypoints.engine import serve
+
+    serve(args)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] != ["run"] and signal.getsignal(signal.SIGINT) is _interrupted:
@@ -155,9 +165,7 @@ def main(argv: list[str] | None = None) -> None:
 
         sys.exit(run_main(ns, overrides))
     if argv[:1] == ["serve"]:  # the engine's own parser takes the rest
-        from asyncrl.entrypoints.engine import main as serve_main
-
-        serve_main(argv[1:])
+        _serve(argv[1:])
         return
     if argv[:1] == ["bench"] and argv[1:2] and argv[1] in BENCHES:  # its own parser takes the rest
         from asyncrl.bench import run_bench
@@ -165,9 +173,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(run_bench(argv[1], argv[2:]))
     ns = parser.parse_args(argv)
     if ns.cmd == "serve":
-        from asyncrl.entrypoints.engine import main as serve_main
-
-        serve_main(ns.args)
+        _serve(ns.args)
     elif ns.cmd == "config":
         from asyncrl.config.reference import render, sections
 

@@ -11,6 +11,7 @@ import pytest
 
 from asyncrl.procs import free_port as _free_port
 from tests import runs
+from tests.session_forks import SessionForkServer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -138,47 +139,77 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
 
 
 # Test-seconds per file (idle box, 4 workers, `pytest --durations=0`; docs/results/test-suite.md,
-# session 9, merged main), the heaviest first. `--dist loadfile` gives each worker a whole
+# session 10), the heaviest first. `--dist loadfile` gives each worker a whole
 # file at a time, in collection order (`pytest_configure` turns off xdist's own order, by
 # number of tests): a heavy file started last would run alone at the end while the other
 # workers idle.
 _FILE_SECONDS = {
-    "tests/launchers/test_ray.py": 156,
-    "tests/test_resume.py": 72,
-    "tests/bench/test_smoke.py": 62,
-    "tests/engines/rollout/test_vllm_standin_runs.py": 62,
-    "tests/test_examples.py": 61,
+    "tests/launchers/test_ray.py": 159,
+    "tests/test_examples.py": 87,
+    "tests/test_resume.py": 67,
+    "tests/engines/rollout/test_vllm_standin_runs.py": 67,
+    "tests/bench/test_smoke.py": 57,
+    "tests/tasks/test_workloads.py": 55,
     "tests/test_cli_mistakes.py": 49,
-    "tests/tasks/test_workloads.py": 49,
-    "tests/engines/rollout/test_vllm_standin.py": 36,
-    "tests/test_run.py": 29,
-    "tests/engines/rollout/test_sglang_launch.py": 28,
-    "tests/test_layout.py": 27,
-    "tests/test_wheel.py": 26,
-    "tests/engines/rollout/test_vllm_verify.py": 24,
-    "tests/test_docs_commands.py": 24,
+    "tests/test_layout.py": 38,
+    "tests/test_run.py": 31,
+    "tests/engines/rollout/test_vllm_standin.py": 27,
+    "tests/test_wheel.py": 23,
+    "tests/engines/rollout/test_vllm_verify.py": 23,
     "tests/engines/rollout/test_sglang_standin.py": 22,
-    "tests/runner/test_orderings.py": 21,
-    "tests/engines/rollout/test_vllm_lora.py": 20,
-    "tests/test_forkserver.py": 18,
-    "tests/test_observability.py": 18,
-    "tests/bench/test_faults.py": 17,
-    "tests/engines/rollout/test_vllm_standin_two_engines.py": 17,
-    "tests/gateway/test_run_agent.py": 16,
-    "tests/engines/rollout/test_standin_auth.py": 15,
-    "tests/engines/rollout/test_vllm_client.py": 15,
-    "tests/controllers/test_schedules.py": 13,
-    "tests/bench/test_controller_cpu.py": 13,
-    "tests/bench/test_killed.py": 13,
-    "tests/engines/rollout/test_engine_auth.py": 12,
-    "tests/engines/rollout/test_vllm_trainer_nccl.py": 12,
-    "tests/engines/rollout/test_sglang_lora.py": 11,
+    "tests/test_docs_commands.py": 19,
+    "tests/bench/test_faults.py": 18,
+    "tests/runner/test_orderings.py": 17,
+    "tests/engines/rollout/test_vllm_lora.py": 17,
+    "tests/engines/rollout/test_sglang_launch.py": 17,
+    "tests/test_forkserver.py": 16,
+    "tests/engines/rollout/test_standin_auth.py": 16,
+    "tests/test_observability.py": 15,
+    "tests/gateway/test_run_agent.py": 15,
+    "tests/engines/rollout/test_vllm_standin_two_engines.py": 15,
+    "tests/engines/rollout/test_vllm_client.py": 13,
+    "tests/controllers/test_schedules.py": 12,
+    "tests/test_lora_run.py": 10,
+    "tests/tasks/test_rewards.py": 10,
+    "tests/launchers/test_local.py": 10,
+    "tests/engines/rollout/test_sglang_lora.py": 10,
+    "tests/engines/rollout/test_launcher.py": 10,
 }
 
 
+@pytest.hookimpl(trylast=True)  # after the tmp_path plugin's: its factory is needed
 def pytest_configure(config: pytest.Config) -> None:
     if hasattr(config.option, "loadscopereorder"):  # pytest-xdist: keep the order made below
         config.option.loadscopereorder = False
+    if not hasattr(config, "workerinput"):
+        _start_the_shared_fork_server(config)
+
+
+_PRELOAD = (
+    "asyncrl.entrypoints.trainer",
+    "asyncrl.entrypoints.engine",
+    "transformers.models.qwen2.modeling_qwen2",  # the tiny models' class
+)
+"""What the session's shared asyncrl fork server imports before it forks."""
+
+
+def _asyncrl_fork_server() -> SessionForkServer:
+    return SessionForkServer("asyncrl", dict, _PRELOAD)
+
+
+def _start_the_shared_fork_server(config: pytest.Config) -> None:
+    """The session's main process starts the shared asyncrl fork server (``shared_fork_server``)
+    at once, so that it imports while the xdist workers start and collect: a run that came
+    before it listened would start a fork server of its own (~5 CPU-s)."""
+    from asyncrl.forkserver import ENV_SHARED
+    from tests import session_forks
+
+    factory = getattr(config, "_tmp_path_factory", None)
+    off = os.environ.get("ASYNCRL_TEST_SHARED_FORK_SERVER", "1") == "0"
+    if off or factory is None or ENV_SHARED in os.environ or config.option.collectonly:
+        return
+    session_forks.allow(factory.getbasetemp(), os.getpid())
+    _asyncrl_fork_server().started()
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -215,37 +246,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(scope="session", autouse=True)
-def shared_fork_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str | None]:
-    """One fork server per test process, shared by every `asyncrl run` the tests start
-    (``ASYNCRL_FORK_SERVER``, docs/cluster.md): a run's trainer and engine are forked from
-    it instead of from a server of the run's own, saving each run ~5 CPU-s of imports.
-    Started in the background (a run that comes before its socket starts its own server);
-    ``ASYNCRL_TEST_SHARED_FORK_SERVER=0`` turns it off. Tests that look at a run's own
-    process tree are marked ``own_fork_server``."""
-    from asyncrl.forkserver import ENV_SHARED
-    from asyncrl.procs import spawn, stop
-
-    if os.environ.get("ASYNCRL_TEST_SHARED_FORK_SERVER", "1") == "0" or ENV_SHARED in os.environ:
-        yield None
-        return
-    folder = tmp_path_factory.mktemp("forkserver")
-    path = str(folder / "fs.sock")
-    preload = ["asyncrl.entrypoints.trainer", "asyncrl.entrypoints.engine"]
-    preload.append("transformers.models.qwen2.modeling_qwen2")  # the tiny models' class
-    args = ["-m", "asyncrl.entrypoints.forkserver", "--listen", path, "--preload", *preload]
-    args += ["--exit-with", str(os.getpid())]  # a crashed worker leaves no server behind
-    proc = spawn([*args, "--title-room", " " * 2048], folder / "forkserver.log")
-    os.environ[ENV_SHARED] = path
-    runs.shared_server_pid = proc.pid
-    try:
-        yield path
-    finally:
-        runs.shared_server_pid = None
-        os.environ.pop(ENV_SHARED, None)
-        stop([proc])
-
-
-@pytest.fixture(scope="session", autouse=True)
 def session_fork_servers(tmp_path_factory: pytest.TempPathFactory) -> None:
     """The vLLM and SGLang test servers, ranks and probes are forked from one server per
     upstream environment for the whole session (tests/session_forks.py), each started by
@@ -263,6 +263,37 @@ def session_fork_servers(tmp_path_factory: pytest.TempPathFactory) -> None:
         session_forks.allow(base.parent, os.getppid())
     else:
         session_forks.allow(base, os.getpid())
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_fork_server(session_fork_servers: None) -> Iterator[str | None]:
+    """One fork server for the whole session, shared by every `asyncrl run` the tests start
+    on any worker (``ASYNCRL_FORK_SERVER``, docs/cluster.md): a run's trainer and engine are
+    forked from it instead of from a server of the run's own, saving each run ~5 CPU-s of
+    imports. Started by the session's main process at ``pytest_configure`` (else by the first
+    worker; tests/session_forks.py: it ends with the main process); each worker waits for it
+    to listen before its first test (a run that came before would start its own server).
+    ``ASYNCRL_TEST_SHARED_FORK_SERVER=0`` turns it off. Tests that look at a
+    run's own process tree are marked ``own_fork_server``; tests that look for what a run
+    left among the server's children tell theirs apart by working directory
+    (:func:`tests.runs.forked_by_shared_server`)."""
+    from asyncrl.forkserver import ENV_SHARED
+
+    if ENV_SHARED in os.environ:  # a test session started by a test: the outer session's
+        yield None
+        return
+    server = _asyncrl_fork_server()
+    got = server.started()
+    if got is None:
+        yield None
+        return
+    server.wait_listening(120.0)  # started at pytest_configure: imports while workers collect
+    os.environ[ENV_SHARED], runs.shared_server_pid = got
+    try:
+        yield got[0]
+    finally:
+        runs.shared_server_pid = None
+        os.environ.pop(ENV_SHARED, None)
 
 
 @pytest.fixture(autouse=True)

@@ -25,10 +25,23 @@ shared_server_pid: int | None = None
 """The test session's shared fork server (tests/conftest.py), while it runs."""
 
 
-def forked_by_shared_server() -> set[int]:
-    """Live processes the shared fork server forked (its children), empty without one."""
+def forked_by_shared_server(cwd: Path) -> set[int]:
+    """Live processes the shared fork server forked for clients working in ``cwd`` (and
+    what those started), empty without a server. The server serves every test process of
+    the session, and forks each child in its client's working directory (the request's
+    ``cwd``; nothing of asyncrl changes directory after): a test that starts its run or
+    bench in a folder of its own tells that run's forks from other tests' by it."""
     pid = shared_server_pid
-    return set(descendants(pid)) - {pid} if pid is not None else set()
+    if pid is None:
+        return set()
+    return {p for p in descendants(pid) if p != pid and _works_in(p, cwd)}
+
+
+def _works_in(pid: int, folder: Path) -> bool:
+    try:
+        return Path(os.readlink(f"/proc/{pid}/cwd")).is_relative_to(folder)
+    except OSError:  # gone meanwhile (a zombie has no working directory: it has ended)
+        return False
 
 
 def spawn_shared(args: list[str], log: Path, env: dict[str, str]) -> Proc:

@@ -1,6 +1,8 @@
 """Fork servers shared by the whole test session, one per environment that upstream code
 needs (vLLM 0.33's server code, each SGLang version's source: ``tests/engines/rollout/
-{vllm,sglang}/``), for the test servers, receiving ranks and probes that import it.
+{vllm,sglang}/``), for the test servers, receiving ranks and probes that import it; and
+one for asyncrl's own trainers and engines (``shared_fork_server`` in tests/conftest.py,
+started by the session's main process at ``pytest_configure``: :meth:`SessionForkServer.started`).
 
 Importing vLLM's CLI or an SGLang version's server modules costs 3-6 CPU-s (torch's
 inductor, transformers, openai's types), paid by each of the ~50 such processes a suite
@@ -121,8 +123,36 @@ class SessionForkServer:
         self._lock = threading.Lock()
 
     def socket_path(self) -> str | None:
-        """The server's socket, started now if there is none yet; None where none may be
-        started, or it does not run."""
+        """The server's socket, started now if there is none yet (waiting until it listens);
+        None where none may be started, or it does not run."""
+        got = self._ensure(wait=True)
+        if got is None:
+            return None
+        sock, pid = got
+        return sock if Path(sock).exists() and _alive(pid) else None
+
+    def started(self) -> tuple[str, int] | None:
+        """The server's socket path and pid, the server started now if no test process
+        started it yet, without waiting for its imports (a client that comes before it
+        listens starts its processes afresh: :func:`asyncrl.forkserver.spawn_shared`);
+        None where none may be started."""
+        return self._ensure(wait=False)
+
+    def wait_listening(self, timeout_s: float) -> bool:
+        """Whether the server listens, waiting up to ``timeout_s`` while it imports (False:
+        it ended, or still imports; its clients then start their processes afresh)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            room, pid = _room(), self.server_pid()
+            if room is None or pid is None:
+                return False
+            if (room[0] / f"{self.name}.sock").exists():
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+
+    def _ensure(self, wait: bool) -> tuple[str, int] | None:
         room = _room()
         if room is None:
             return None
@@ -131,9 +161,11 @@ class SessionForkServer:
         with self._lock, open(folder / f"{self.name}.lock", "w") as lock:
             self._locked(lock, 240.0)  # one worker starts it; the others wait for it
             if not pid_file.exists():
-                pid_file.write_text(str(self._start(folder, sock, owner)))
-        pid = int(pid_file.read_text())
-        return str(sock) if sock.exists() and _alive(pid) else None
+                proc = self._launch(folder, sock, owner)
+                if wait:
+                    self._wait_listening(proc, folder, sock)
+                pid_file.write_text(str(proc.pid))
+        return str(sock), int(pid_file.read_text())
 
     def _locked(self, lock: Any, timeout_s: float) -> None:
         """Take the start lock (held while a worker starts the server: at most its 180 s)."""
@@ -159,13 +191,12 @@ class SessionForkServer:
         pid = int(pid_file.read_text())
         return pid if _alive(pid) else None
 
-    def _start(self, folder: Path, sock: Path, owner: int) -> int:
+    def _launch(self, folder: Path, sock: Path, owner: int) -> subprocess.Popen:
         args = ["-m", "asyncrl.entrypoints.forkserver", "--listen", str(sock)]
         args += ["--preload", *self.preload, "--exit-with", str(owner)]
         env = python_env(self.env())
         env.pop(ENV_SHARED, None)
-        log = folder / f"{self.name}.log"
-        with open(log, "ab") as out:
+        with open(folder / f"{self.name}.log", "ab") as out:
             # not a child that dies with this worker (tests/conftest.py arms that for a
             # `preexec_fn` of None): it serves every worker until the session's end
             proc = subprocess.Popen(
@@ -178,6 +209,10 @@ class SessionForkServer:
                 preexec_fn=_no_op,
             )
         _started.append(proc)  # held: no "still running" warning when a worker ends first
+        return proc
+
+    def _wait_listening(self, proc: subprocess.Popen, folder: Path, sock: Path) -> None:
+        log = folder / f"{self.name}.log"
         deadline = time.monotonic() + 180.0
         while not sock.exists():  # it binds once its imports are done
             if proc.poll() is not None:
@@ -186,7 +221,6 @@ class SessionForkServer:
                 stop([proc])
                 raise TimeoutError(f"{self.name} fork server silent for 180 s: {log}")
             time.sleep(0.1)
-        return proc.pid
 
     def spawn(
         self, args: list[str], log: Path | None, env: dict[str, str], fresh: bool = False

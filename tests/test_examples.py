@@ -116,10 +116,13 @@ def _key_file(path: Path) -> Path:
 
 
 def _by_hand_env() -> dict[str, str]:
-    """A shell's environment: no run secret of this test session."""
+    """A shell's environment: no run secret of this test session; one torch thread, as the
+    in-process example above has (two spinning intra-op threads of the example's trainer
+    beside a busy suite took it 82 s where one took 43 s, four busy loops on the 2 cores)."""
     from asyncrl.procs import python_env
 
-    return {k: v for k, v in python_env().items() if not k.startswith("ASYNCRL_SECRET")}
+    env = {k: v for k, v in python_env().items() if not k.startswith("ASYNCRL_SECRET")}
+    return env | {"OMP_NUM_THREADS": "1"}
 
 
 def _serve_by_hand(model: Path, port: int, key: Path, log: Path) -> subprocess.Popen:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -75,6 +77,12 @@ def test_a_sigkilled_benchmark_leaves_no_forked_process_behind(tmp_path: Path) -
     the engine and the peer are forked there, and end when the bench's connection closes."""
     if runs.shared_server_pid is None:
         pytest.skip("no shared fork server in this test session")
-    before = runs.forked_by_shared_server()
-    bench = spawn(CMD, tmp_path / "bench.log", python_env())  # the bench itself: fresh
-    _kill_and_check(bench, tmp_path / "bench.log", lambda: runs.forked_by_shared_server() - before)
+    # the server serves every test process: the bench's forks are those in its folder
+    before = runs.forked_by_shared_server(tmp_path)
+    with open(tmp_path / "bench.log", "ab") as log:  # the bench itself: fresh, in tmp_path
+        bench = subprocess.Popen(
+            [sys.executable, *CMD], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env=python_env(), cwd=tmp_path, start_new_session=True,
+        )  # fmt: skip
+    forked = lambda: runs.forked_by_shared_server(tmp_path) - before  # noqa: E731
+    _kill_and_check(bench, tmp_path / "bench.log", forked)

@@ -130,18 +130,19 @@ def test_engine_leaving_for_good_does_not_stall_the_weight_push(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     """One of two engines dies with no restart allowed while the other stays: the run goes on
-    with the engine left, and no push waits for the dead one (``weights.timeout_s`` is 120 s
-    here: a push that waited for it would hold the next steps' rows back that long)."""
+    with the engine left, and no push waits for the dead one (``weights.timeout_s`` is 600 s
+    here: a push that waited for it would hold the next steps' rows back that long; the
+    test waits at most half that, a hang guard, not a budget of a quiet machine)."""
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "asyncrl.cli", "run", "--run-dir", str(run), "--quiet"]
     cmd += [f"--model.path={tiny_model_dir}", "--controller.total_steps=200"]
     cmd += ["--controller.batch_size=4", "--rollout.num_engines=2", "--rollout.max_restarts=0"]
-    cmd += ["--weights.timeout_s=120", "--checkpoint.every_steps=0"]
+    cmd += ["--weights.timeout_s=600", "--checkpoint.every_steps=0"]
     metrics = run / "metrics.jsonl"
     proc = subprocess.Popen(cmd, env=python_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     pids: dict[str, int] = {}
     try:
-        deadline, killed, before = time.monotonic() + 60, 0.0, 0
+        deadline, killed, before = time.monotonic() + 180, 0.0, 0
         while proc.poll() is None and time.monotonic() < deadline and not killed:
             rows = len(metrics.read_text().splitlines()) if metrics.is_file() else 0
             if rows >= 2:
@@ -151,7 +152,7 @@ def test_engine_leaving_for_good_does_not_stall_the_weight_push(
             time.sleep(0.05)
         assert killed, "the run ended or stalled before the engine could be killed"
         # 4 more steps trained and pushed with the engine left: well before weights.timeout_s
-        deadline = killed + 30
+        deadline = killed + 300
         while proc.poll() is None and time.monotonic() < deadline:
             rows = metrics.read_text().splitlines()
             if len(rows) >= before + 4:
@@ -162,7 +163,7 @@ def test_engine_leaving_for_good_does_not_stall_the_weight_push(
         assert proc.poll() is None, "the run ended"
         assert len(after) >= 4, f"{len(after)} step(s) in {took:.1f}s after engine1 left"
         pushes = [r["sync_s"] for r in after if "sync_s" in r]
-        assert max(pushes, default=0.0) < 20, pushes
+        assert max(pushes, default=0.0) < 300, pushes  # none waited out weights.timeout_s
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=60)
     finally:

@@ -76,7 +76,7 @@ def test_push_waiting_on_an_engine_that_left_goes_to_the_others_at_once(
     tiny_model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """An engine SIGKILLed for good: the push after it re-forms the group and waits for the
-    dead engine's /health (weights.timeout_s, 120 s here) until the sender is told the new
+    dead engine's /health (weights.timeout_s, 600 s here) until the sender is told the new
     engine set; then it stops waiting and delivers to the engine left, at once."""
     import asyncio
 
@@ -90,7 +90,7 @@ def test_push_waiting_on_an_engine_that_left_goes_to_the_others_at_once(
             procs.append(spawn_shared(args, tmp_path / f"engine{i}.log", python_env()))
             urls.append(f"http://127.0.0.1:{port}")
         asyncio.run(_healthy(urls))
-        cfg = GlooWeightsConfig(bucket_mb=1, min_buckets=2, timeout_s=120.0)
+        cfg = GlooWeightsConfig(bucket_mb=1, min_buckets=2, timeout_s=600.0)
         sender = make_weight_transport(cfg, urls, "cpu")
         try:
             sender.connect()
@@ -106,11 +106,8 @@ def test_push_waiting_on_an_engine_that_left_goes_to_the_others_at_once(
                 time.sleep(0.01)  # until that re-form is under way
             assert sender.engines._op is not None, "the re-form never started"
             assert not handle.done()
-            t0 = time.monotonic()
             sender.engines_changed([urls[0]], epoch=1)
-            stats = handle.wait(30)
-            took = time.monotonic() - t0
-            assert took < 10, took  # not weights.timeout_s
+            stats = handle.wait(60)  # not weights.timeout_s (600 s): the change released it
             assert stats["attempts"] == 1.0
             assert state(urls[0]) == ("3", expected(w3))
             text = caplog.text
