@@ -6,9 +6,11 @@ token boundary: if requests are waiting it *prefills* them (up to
 ``max_batch_size`` running and ``max_prefill_tokens`` per prefill), samples
 their first token and appends their cache rows to the running batch;
 otherwise it runs one *decode* step — one new token per running sequence
-against the cached past. Finished sequences leave at once and their rows are
-dropped. Abort, pause and weight updates take the model lock, so they happen
-between two steps and never see a half-updated batch or model. Steps run under
+against the cached past (for Llama/Mistral/Qwen2/Qwen3 models as plain tensor ops on
+the model's parameters, :mod:`~asyncrl.engines.rollout.local.decode`; else the model's
+forward). Finished sequences leave at once and their rows are dropped. Abort,
+pause and weight updates take the model lock, so they happen between two steps
+and never see a half-updated batch or model. Steps run under
 ``torch.inference_mode`` (less work per op than ``no_grad``), so the cache's
 tensors are inference tensors: what changes them between steps enters it too.
 
