@@ -6,9 +6,11 @@ token boundary: if requests are waiting it *prefills* them (up to
 ``max_batch_size`` running and ``max_prefill_tokens`` per prefill), samples
 their first token and appends their cache rows to the running batch;
 otherwise it runs one *decode* step — one new token per running sequence
-against the cached past. Finished sequences leave at once and their rows are
-dropped. Abort, pause and weight updates take the model lock, so they happen
-between two steps and never see a half-updated batch or model. Steps run under
+against the cached past (for Llama/Mistral/Qwen2/Qwen3 models as plain tensor ops on
+the model's parameters, :mod:`~asyncrl.engines.rollout.local.decode`; else the model's
+forward). Finished sequences leave at once and their rows are dropped. Abort,
+pause and weight updates take the model lock, so they happen between two steps
+and never see a half-updated batch or model. Steps run under
 ``torch.inference_mode`` (less work per op than ``no_grad``), so the cache's
 tensors are inference tensors: what changes them between steps enters it too.
 
@@ -48,6 +50,7 @@ import torch
 
 from asyncrl.config import PAUSE_MODES
 from asyncrl.engines.rollout.local import attention
+from asyncrl.engines.rollout.local.decode import LeanDecoder
 from asyncrl.engines.rollout.local.kv import BatchCache
 from asyncrl.engines.rollout.local.lora import AdapterRing, LoraSpec
 from asyncrl.engines.rollout.local.sampling import SamplingParams, sample
@@ -121,7 +124,10 @@ class LocalEngine:
         stall_s: float = 60.0,
         context_length: int | None = None,
         max_prompt_tokens: int | None = None,
+        lean_decode: bool = True,
     ):
+        """``lean_decode``: decode steps of a supported model run as plain tensor ops on its
+        parameters (:mod:`~asyncrl.engines.rollout.local.decode`), not its forward."""
         if kv_after_update not in ("recompute", "keep"):
             raise ValueError(
                 f"kv_after_update must be 'recompute' or 'keep', got {kv_after_update!r}"
@@ -164,6 +170,7 @@ class LocalEngine:
         ]
         self._params = dict(self.model.named_parameters())
         self._bucketed = attention.enable(self.model)  # switches the model's attention function
+        self._lean = LeanDecoder.build(self.model) if lean_decode else None
         self.lora: AdapterRing | None = None  # LoRA serving (enable_lora)
         self._thread = threading.Thread(target=self._run, name="engine-scheduler", daemon=True)
         self._thread.start()
@@ -174,6 +181,7 @@ class LocalEngine:
         with self._model_lock:
             assert self.lora is None and not self.num_requests, "enable_lora before serving"
             self.lora = AdapterRing(self.model, spec, self.weight_version)
+            self._lean = None  # adapters wrap the linear layers: the model's forward runs them
         return self.lora
 
     def load_adapter(
@@ -517,29 +525,36 @@ class LocalEngine:
         t0 = time.perf_counter()
         kv = self._kv
         assert kv is not None and kv.rows == len(self._running)
-        extra: dict[str, Any] = {}
+        plan: attention.Plan | None = None
         cells = kv.rows * (kv.width + 1)
-        if self._bucketed:
-            extra["decode_plan"], cells = self._plan(kv)
-            self.stats["bucketed_steps"] += extra["decode_plan"] is not None
+        if self._bucketed or self._lean is not None:
+            plan, cells = self._plan(kv)
+            self.stats["bucketed_steps"] += plan is not None
         self.stats["decode_rows"] += kv.rows
         self.stats["decode_cells"] += cells
-        ids = torch.tensor([[r.output_ids[-1]] for r in self._running], device=self.device)
-        self._rows(self._running)
-        out = self.model(
-            input_ids=ids,
-            attention_mask=kv.decode_mask(self.device, sdpa=self._bucketed),
-            position_ids=kv.positions(self.device),
-            past_key_values=kv.cache,
-            use_cache=True,
-            **extra,
-        )
-        kv.cache = out.past_key_values
+        ids = torch.tensor([r.output_ids[-1] for r in self._running], device=self.device)
+        if self._lean is not None:
+            bias = kv.decode_bias(self.device, self._lean.dtype)
+            pos = torch.tensor(kv.lens, device=self.device)
+            logits = self._lean(ids, pos, max(kv.lens), bias, kv.layers, plan)
+        else:
+            self._rows(self._running)
+            extra = {"decode_plan": plan} if self._bucketed else {}
+            out = self.model(
+                input_ids=ids[:, None],
+                attention_mask=kv.decode_mask(self.device, sdpa=self._bucketed),
+                position_ids=kv.positions(self.device),
+                past_key_values=kv.cache,
+                use_cache=True,
+                **extra,
+            )
+            kv.cache = out.past_key_values
+            logits = out.logits[:, -1]
         kv.advance()
         self.stats["kv_bytes_peak"] = max(self.stats["kv_bytes_peak"], kv.nbytes)
         self.stats["decode_steps"] += 1
         self.stats["decode_s"] += time.perf_counter() - t0
-        self._emit(0, out.logits[:, -1].float())
+        self._emit(0, logits.float())
 
     def _plan(self, kv: BatchCache) -> tuple[attention.Plan | None, int]:
         """Decode attention buckets; the rows are re-sorted longest first when joins and

@@ -267,6 +267,19 @@ class BatchCache:
         attend = torch.arange(width + 1, device=device) >= first[:, None]
         return attend[:, None, None, :] if sdpa else attend.long()
 
+    def decode_bias(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """:meth:`decode_mask` as an additive mask ``(rows, width + 1)``: 0 where a row
+        attends, -inf on its padding."""
+        width = self.width
+        first = torch.tensor([width - n for n in self.lens], device=device)
+        pad = torch.arange(width + 1, device=device) < first[:, None]
+        return torch.zeros(pad.shape, dtype=dtype, device=device).masked_fill_(pad, -torch.inf)
+
+    @property
+    def layers(self) -> list[GrowingLayer]:
+        """Every layer's keys/values (what a decode step appends to)."""
+        return self._glayers
+
     def positions(self, device: torch.device) -> torch.Tensor:
         """Position id of each row's next token, (rows, 1)."""
         return torch.tensor(self.lens, device=device)[:, None]
