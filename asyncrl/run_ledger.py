@@ -4,7 +4,10 @@ trainer recovery must send again. Pure bookkeeping: no asyncio, no processes, no
 A run hands step ``s``'s batch to the trainer (:meth:`add_batch`), asks for checkpoint ``k``
 behind the batch of step ``k - 1`` (:meth:`add_save`), and hears back ``StepDone(s)``
 (:meth:`reported`) and ``Saved(k)`` (:meth:`take_save`, then :meth:`commit` once its
-manifest is on disk). A batch is
+manifest is on disk). The trainer reports ``StepDone(s)`` only once step ``s``'s weights
+are live, in the background, so ``Saved(k)`` may come before ``StepDone(k - 1)``; such a
+checkpoint is *held* (:meth:`take_save` returns None) until every step before it is
+reported (:meth:`ready_saves`). A batch is
 
 - *outstanding* from :meth:`add_batch` until its first report, and
 - *kept* until a committed checkpoint at a later step holds its training: a recovery
@@ -21,6 +24,11 @@ Contract (what the property tests in ``tests/runner/`` check under every orderin
   ``Saved``, still queued) drops no kept batch and allows no prune: the recovery may have
   chosen an older checkpoint and must still send every batch from it on (a recovery once
   lost the steps between its checkpoint and one committed meanwhile).
+- A checkpoint commits only once every step before it is reported: a trainer that dies
+  between ``Saved(k)`` and ``StepDone(k - 1)`` must not leave a committed checkpoint
+  whose steps no one reported (a recovery from it would never log them; a loaded CI run
+  once lost a step's metrics row that way). A recovery drops the holds: it asks for those
+  checkpoints again.
 - After :meth:`restore` nothing before the restored checkpoint is outstanding: a second
   recovery may restore a newer checkpoint than the first (one committed during the first)
   while steps before it, sent again by the first, were never reported.
@@ -57,6 +65,8 @@ class CheckpointLedger:
         """Batches sent since the newest committed checkpoint: a recovery sends them again."""
         self.pending: dict[int, PendingSave] = {}
         """Checkpoints asked for whose ``Saved`` has not arrived."""
+        self.held: set[int] = set()
+        """Pending checkpoints whose ``Saved`` came before a report of a step before them."""
         self.asked: set[int] = set()
         """Every checkpoint step asked for in this run (committed or not)."""
         self.committed = max(resumed_step, 0)
@@ -91,8 +101,23 @@ class CheckpointLedger:
         return self.outstanding.pop(step, None)
 
     def take_save(self, step: int) -> PendingSave | None:
-        """``Saved(step)`` arrived: the pending checkpoint (None: already taken)."""
-        return self.pending.pop(step, None)
+        """``Saved(step)`` arrived: the pending checkpoint to commit now (None: already taken,
+        or held until every step before it is reported: :meth:`ready_saves`)."""
+        if step not in self.pending:
+            return None
+        if any(s < step for s in self.outstanding):
+            self.held.add(step)
+            return None
+        self.held.discard(step)
+        return self.pending.pop(step)
+
+    def ready_saves(self) -> list[PendingSave]:
+        """Held checkpoints with every step before them now reported, in step order (taken:
+        commit each)."""
+        first = min(self.outstanding, default=self.total_steps)
+        ready = sorted(s for s in self.held if s <= first)
+        self.held.difference_update(ready)
+        return [self.pending.pop(s) for s in ready]
 
     def commit(self, step: int) -> bool:
         """Checkpoint ``step`` is complete on disk. Returns whether older checkpoints may be
@@ -116,8 +141,10 @@ class CheckpointLedger:
 
     # -- recovery ----------------------------------------------------------------------------
     def begin_recovery(self) -> None:
-        """A trainer recovery is choosing its checkpoint: commits keep every batch."""
+        """A trainer recovery is choosing its checkpoint: commits keep every batch; held
+        checkpoints are dropped (still pending: the recovery asks for them again)."""
         self.recovering = True
+        self.held.clear()
 
     def restore(self, step: int) -> list[int]:
         """The restarted trainer restored checkpoint ``step`` (0: the model): the steps to
@@ -131,6 +158,12 @@ class CheckpointLedger:
         for s in redo:
             self.outstanding[s] = self.kept[s]
         return redo
+
+    def ask_again(self, step: int) -> PendingSave | None:
+        """The recovery sent step ``step - 1`` again: checkpoint ``step`` if still pending (its
+        old attempt died; no longer held: it is asked for again), else None."""
+        self.held.discard(step)
+        return self.pending.get(step)
 
     def batch(self, step: int) -> Batch:
         """The kept batch of ``step`` (to send again)."""

@@ -29,7 +29,7 @@ from asyncrl import trace
 from asyncrl.config import RunConfig
 from asyncrl.controllers.state import ControllerState
 from asyncrl.core import Batch
-from asyncrl.run_ledger import CheckpointLedger
+from asyncrl.run_ledger import CheckpointLedger, PendingSave
 from asyncrl.run_steplog import StepLog
 from asyncrl.run_supervisor import (
     CheckpointStore,
@@ -105,6 +105,7 @@ class Pipeline:
         self.ledger: CheckpointLedger = sup.ledger
         self.on_step, self.on_engines = on_step, on_engines
         self.save_futures: dict[int, asyncio.Future[dict[str, float]]] = {}
+        self.saved_msgs: dict[int, Saved] = {}  # Saved reports not yet committed, by step
 
     # -- dispatcher ----------------------------------------------------------------------------
     async def dispatch(self, stop_event: asyncio.Event | None = None) -> None:
@@ -257,17 +258,24 @@ class Pipeline:
             if batch is not None:  # (None: a step reported again after a recovery)
                 trace.get().instant("step done", "controller", {"step": msg.step})
                 await self.on_step(msg, batch)
+            for save in self.ledger.ready_saves():  # held for this report
+                await self.commit(save)
 
     async def saved(self, msg: Saved) -> None:
-        """The trainer's part of checkpoint ``msg.step`` is written: commit and prune."""
-        save = self.ledger.take_save(msg.step)
-        if save is None:
-            return  # a report of a checkpoint already committed
-        done = self.save_futures[msg.step]
-        if msg.error:
+        """The trainer's part of checkpoint ``msg.step`` is written: commit and prune, once
+        every step before it is reported (held until then: ``CheckpointLedger.take_save``)."""
+        if msg.error and (save := self.ledger.pending.get(msg.step)) is not None:
             why = f"checkpoint {save.folder}: {msg.error}"
-            done.set_exception(RuntimeError(f"trainer failed {why}"))
+            self.save_futures[msg.step].set_exception(RuntimeError(f"trainer failed {why}"))
             raise RuntimeError(f"trainer failed to write {why}")
+        self.saved_msgs[msg.step] = msg
+        if (save := self.ledger.take_save(msg.step)) is not None:
+            await self.commit(save)
+
+    async def commit(self, save: PendingSave) -> None:
+        """Commit checkpoint ``save.step`` (its ``Saved`` arrived, every step before it is
+        reported), prune the old ones, log it."""
+        msg = self.saved_msgs.pop(save.step)
         t0 = time.perf_counter()
         await self.store.commit(save.folder, msg.step)
         if self.ledger.commit(msg.step):  # not during a recovery: it may restore an older one
@@ -275,7 +283,7 @@ class Pipeline:
         stats = {"step": msg.step, "stall_s": msg.stall_s, "save_s": msg.save_s}
         stats["manifest_s"] = time.perf_counter() - t0
         self.steplog.checkpoint(stats, save.folder)
-        done.set_result(stats)
+        self.save_futures[msg.step].set_result(stats)
 
 
 async def first(*coros: Awaitable[Any]) -> None:

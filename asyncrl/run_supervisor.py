@@ -241,7 +241,7 @@ class TrainerSupervisor:
             sent = await unless(self.chan.send_groups(batch.groups, step=step), self.failed)
         if not sent:
             return False
-        if (save := self.ledger.pending.get(step + 1)) is not None:
+        if (save := self.ledger.ask_again(step + 1)) is not None:
             await self.store.clear_trainer(save.folder)  # its old attempt died
             final = step + 1 == self.cfg.controller.total_steps
             await self.broadcast_save(step + 1, save.folder, self.final_export if final else "")

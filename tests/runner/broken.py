@@ -1,4 +1,4 @@
-"""The two ledger rules that broke in loaded CI, and the stop rule that lost a stop's
+"""The three ledger rules that broke in loaded CI, and the stop rule that lost a stop's
 checkpoint, re-created for the property tests to find (test code only: the product keeps
 the fixed rules)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from asyncrl.run_ledger import CheckpointLedger
+from asyncrl.run_ledger import CheckpointLedger, PendingSave
 from asyncrl.run_loops import Pipeline
 
 
@@ -38,6 +38,18 @@ class PrunesDuringRecovery(CheckpointLedger):
         for s in [s for s in self.kept if s < self.committed]:
             del self.kept[s]
         return True
+
+
+class CommitsBeforeItsStepsReported(CheckpointLedger):
+    """Before the ledger held checkpoints: ``Saved(k)`` committed at once, even with
+    ``StepDone(k - 1)`` (sent once that step's push is done) still to come; the trainer
+    died in between, the recovery restored ``k`` and no one reported step ``k - 1``."""
+
+    def take_save(self, step: int) -> PendingSave | None:
+        return self.pending.pop(step, None)
+
+    def ready_saves(self) -> list[PendingSave]:
+        return []
 
 
 class StopSaveIgnoresFailures(Pipeline):

@@ -8,8 +8,11 @@ trainer kills are drawn from ``random.Random(seed)``, so a seed replays the same
 What the fakes assume of the real processes (and nothing more):
 
 - the trainer takes batches and ``Save`` requests in the order sent, trains step ``s`` on
-  the state of steps ``0..s-1``, reports ``StepDone(s)`` after it and ``Saved(k)`` once its
-  state of steps ``0..k-1`` is written into the checkpoint's ``trainer`` folder;
+  the state of steps ``0..s-1``, reports ``Saved(k)`` once its state of steps ``0..k-1``
+  is written into the checkpoint's ``trainer`` folder, and ``StepDone(s)`` once step
+  ``s``'s weight push is done (pushes in step order, in the background as the real
+  trainer's: ``Saved(k)`` may come before ``StepDone(k - 1)``, and a death between the
+  two loses that ``StepDone``);
 - reports arrive in the order sent, a dead incarnation's (still queued when it died)
   before its successor's first (a restart takes seconds; the receive loop drains the old
   connection meanwhile); batches sent to a dead trainer are lost (credit runs out);
@@ -207,7 +210,10 @@ class SimTrainer:
         self.state: list[int] = []
         sim.incarnations += 1
         self.incarnation = sim.incarnations
+        self.pushes: asyncio.Queue[int] = asyncio.Queue()
+        self.unreported: set[int] = set()  # trained, StepDone not yet sent
         self.task = asyncio.ensure_future(self.run())
+        self.pusher = asyncio.ensure_future(self.push())
 
     def batches_queued(self) -> int:
         return sum(isinstance(x, int) for x in self.inbox._queue)  # type: ignore[attr-defined]
@@ -237,7 +243,8 @@ class SimTrainer:
                         f"step {item} trained on the state of steps 0..{len(self.state) - 1}"
                     )
                 self.state.append(item)
-                self.report(StepDone(step=item, version=len(self.state)))
+                self.unreported.add(item)
+                self.pushes.put_nowait(item)
             elif isinstance(item, Save):
                 await sim.sleep(0, 1, 2)
                 if item.step != len(self.state):
@@ -245,10 +252,20 @@ class SimTrainer:
                 f = sim.store.folders.get(Path(item.checkpoint).parent)
                 if f is not None:  # (gone: a bug the store's commit or restore reports)
                     f.trainer = tuple(self.state)
+                sim.saved_first += any(s < item.step for s in self.unreported)
                 self.report(Saved(step=item.step))
+
+    async def push(self) -> None:
+        """Each trained step's weights to the engines, in order; then its ``StepDone``."""
+        while True:
+            step = await self.pushes.get()
+            await self.sim.sleep(0, 0, 0.5, 1, 2)
+            self.unreported.discard(step)
+            self.report(StepDone(step=step, version=step + 1))
 
     def kill(self) -> None:
         self.task.cancel()
+        self.pusher.cancel()
 
 
 class SimController:
@@ -294,6 +311,7 @@ class Sim:
         self.trainer: SimTrainer | None = None
         self.incarnations = 0
         self.commits_in_recovery = 0  # the ordering of cde797b: a commit while recovering
+        self.saved_first = 0  # Saved(k) reported before StepDone(k - 1)
 
     def violation(self, what: str) -> None:
         self.violations.append(what)
