@@ -16,12 +16,12 @@ same run and on the same link:
   the cast, the comparison with the last pushed bytes, the changed words.
 
 Both senders stay connected to the engine (two weight groups) and push every
-version in turn, so the engine's bytes are the same for both. Rows (JSON: a
+version in turn (``PUSH_ORDER``), so the engine's bytes are the same for both. Rows (JSON: a
 list): ``mode`` (full/delta), ``lr``, ``changed_frac`` (bf16 values whose bits
 changed, per step), ``changed_words_frac`` (8-byte words), ``wire_bytes``,
 ``floor_s``, ``total_s``, ``stall_s`` (medians), ``delta_pushes`` (pushes
 sent as deltas), ``verified`` (the engine's parameters equal the masters cast
-to bf16, bit for bit, after the last push of each sender).
+to bf16, bit for bit, right after this sender's last push).
 
 Memory: ``sender_bytes_per_param`` is what the sender itself holds between pushes
 (staging slots, delta bases, compare mask; ``BucketStager.memory_bytes``) per parameter,
@@ -37,6 +37,7 @@ with fp32 masters would, plus the two senders.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 from pathlib import Path
@@ -44,7 +45,16 @@ from typing import Any
 
 from asyncrl.bench import log_dir
 
-__all__ = ["run_delta", "table_delta"]
+__all__ = ["PUSH_ORDER", "run_delta", "table_delta"]
+
+PUSH_ORDER = ("delta", "full")
+"""Each step's pushes, in turn: the delta sender's first. A delta applies against what its
+bucket's last push left on the engine (``delta_apply``), as a single sender's always does;
+this one's does too when it goes first, since the full sender pushed the previous version
+last (its base, byte for byte). Pushed second, its base would be one version behind what
+the full push left, which the engine still holds only for buckets its parameters are views
+of (two receive buffers each), not for one whose parameters are copies (a tensor split
+across buckets, e.g. Qwen2-0.5B's 272 MB embedding at ``--bucket-mb 128``): that failed."""
 
 
 def _masters(model: str) -> tuple[Any, dict[str, Any]]:
@@ -200,8 +210,8 @@ def _senders(args: argparse.Namespace, urls: list[str]) -> dict[str, Any]:
     }
     senders: dict[str, Any] = {}
     try:
-        for mode, cfg in cfgs.items():
-            senders[mode] = make_weight_transport(cfg, urls, "cpu")
+        for mode in PUSH_ORDER:
+            senders[mode] = make_weight_transport(cfgs[mode], urls, "cpu")
             senders[mode].connect()
     except BaseException:
         for sender in senders.values():
@@ -215,38 +225,62 @@ def _one_lr(
 ) -> list[dict[str, Any]]:
     """Both senders' rows at one learning rate: ``repeats + 2`` steps of ``trainer``. The
     senders are gone on return."""
-    from asyncrl.bench.weight_sync import _ours
+    from asyncrl.bench.weight_sync import _verified_sums
 
     senders = _senders(args, urls)
     runs: dict[str, list[dict[str, float]]] = {m: [] for m in senders}
     floors, fracs = [], []
+    last = args.repeats + 1
     try:
-        for step in range(args.repeats + 2):  # 2 warm-ups: the first push is always full
+        for step in range(last + 1):  # 2 warm-ups: the first push is always full
             frac = trainer.step()
             if step >= 2:
                 fracs.append(frac)
             floors.append(floor.once())
-            weights = trainer.weights()
-            for mode, sender in senders.items():
-                r = _ours(sender, weights, step + 1, statistics.median(floors))
-                r["held_bytes"] = float(sender.stager.memory_bytes())
-                if step >= 2:
+            check = None
+            if step == last:  # after each sender's last push: the engine holds its bytes
+                check = functools.partial(_verified_sums, urls, _bf16_sums(trainer.named), step + 1)
+            pushed = _push_step(
+                senders, trainer.weights(), step + 1, statistics.median(floors), check
+            )
+            if step >= 2:
+                for mode, r in pushed.items():
                     runs[mode].append(r)
-        verified = _verified_now(urls, trainer.named, args.repeats + 2)
     finally:
         for sender in senders.values():
             sender.close()
     numel = sum(t.numel() for t in trainer.named.values())
-    return [_row(args, mode, lr, rs, numel, floors, fracs, verified) for mode, rs in runs.items()]
+    return [_row(args, mode, lr, rs, numel, floors, fracs) for mode, rs in runs.items()]
 
 
-def _verified_now(urls: list[str], named: dict[str, Any], version: int) -> bool:
-    """The engine holds ``version`` and the masters cast to bf16, bit for bit."""
-    from asyncrl.bench.weight_sync import _verified_sums
+def _push_step(
+    senders: dict[str, Any],
+    weights: dict[str, Any],
+    version: int,
+    train_s: float,
+    check: Any = None,
+) -> dict[str, dict[str, float]]:
+    """One step: each sender pushes ``weights`` as ``version``, in ``PUSH_ORDER``, ``train_s``
+    of the trainer's work overlapping each push. Each push's stats, with ``held_bytes`` (what
+    the sender holds after it) and, given ``check()`` (whether the engine holds what was
+    pushed), ``verified`` (1.0 or 0.0) checked right after it."""
+    from asyncrl.bench.weight_sync import _ours
+
+    out = {}
+    for mode in PUSH_ORDER:
+        r = _ours(senders[mode], weights, version, train_s)
+        r["held_bytes"] = float(senders[mode].stager.memory_bytes())
+        if check is not None:
+            r["verified"] = float(check())
+        out[mode] = r
+    return out
+
+
+def _bf16_sums(named: dict[str, Any]) -> dict[str, int]:
+    """Per-tensor checksums of the masters cast to bf16: what the engine holds after a push."""
     from asyncrl.transports.weights.bucket import checksum
 
-    want = {k: checksum(p.detach().bfloat16()) for k, p in named.items()}
-    return _verified_sums(urls, want, version)
+    return {k: checksum(p.detach().bfloat16()) for k, p in named.items()}
 
 
 def _row(
@@ -257,7 +291,6 @@ def _row(
     numel: int,
     floors: list[float],
     fracs: list[float],
-    verified: bool,
 ) -> dict[str, Any]:
     nbytes = numel * 2
     floor_s = statistics.median(floors)
@@ -282,7 +315,7 @@ def _row(
         "delta_pushes": sum(int(r.get("delta", 0.0)) for r in rs),
         "pushes": len(rs),
         "verify": args.verify,
-        "verified": verified,
+        "verified": bool(rs[-1].get("verified", 0.0)),
         "total_runs_s": [r["total_s"] for r in rs],
         # what the sender itself holds (staging slots, delta bases, compare mask) between
         # pushes, and with a push's delta payloads while it is in flight

@@ -10,6 +10,16 @@ replays the last delta right after each commit, in the background
 arrives first stops the catch-up at the next bucket and catches the remaining buckets up
 itself, inline, as it applies them.
 
+Which base a delta may have: the version its bucket's last push left here (what a single
+sender always sends against: after a failed push or a re-formed group it pushes in full) or,
+for a bucket the model serves from (two buffers), the version its other buffer holds. A
+bucket whose parameters are copies of its bytes (a tensor split across buckets, joined at
+the commit; a converted dtype) has no live buffer: it keeps one, the bytes of its last push.
+So of two senders pushing each version in turn (``asyncrl bench weight-sync --delta``), the
+delta sender must go first: pushed after the other one's v, its delta against v-1 finds v
+there. Any other base is refused (ValueError, the push fails) and the sender's next push
+goes in full.
+
 All-or-nothing stays the receiver's: the model switches to the buffers only at the commit.
 Thread-safe: every method holds one lock while it reads or writes a buffer's state.
 """
@@ -98,7 +108,8 @@ class DeltaApplier:
         """After a commit: bring bucket ``index``'s standby buffer ``dst`` to the version the
         live one holds when the last delta leads there from the version ``dst`` holds (its
         replay; a copy of the live buffer is left to a push that needs it: a sender may still
-        send a delta against the version ``dst`` holds, e.g. after another sender's full push).
+        send a delta against the version ``dst`` holds, e.g. after another sender's full push
+        of a bucket that has two buffers).
         False once a push started after ``generation``: stop, that push's buckets catch up
         themselves."""
         with self._lock:

@@ -199,32 +199,68 @@ def test_fifty_delta_pushes_of_a_trained_model_stay_bit_identical(
     _push_trained(cfg, tiny_model_dir, tmp_path, 1.5e-3, 50, _bf16, check_every=1)
 
 
-def test_full_push_is_forced_first_every_n_after_a_failure_and_a_reconnect(
-    tiny_model_dir: Path, tmp_path: Path
-) -> None:
-    cfg = msgspec.structs.replace(CFG, full_every=3)
-    with engines(tiny_model_dir, tmp_path, ["fail:0@5"]) as urls:
+def _run_orders(
+    cfg: GlooWeightsConfig,
+    model_dir: Path,
+    tmp_path: Path,
+    fault: str,
+    holds: Callable[[dict[str, torch.Tensor]], dict[str, int]],
+) -> tuple[list[tuple[str, dict]], list]:
+    """The orders one sender makes in a run: 8 versions of real training (lr 1e-6) pushed to
+    an engine failing as ``fault`` says, a reconnect before v8; after each push that lands
+    the engine holds ``holds(weights)`` bit for bit. Each push's kind and stats; the plan."""
+    out: list[tuple[str, dict]] = []
+    with engines(model_dir, tmp_path, [fault]) as urls:
         sender = make_weight_transport(cfg, urls, "cpu")
-        kinds = []
         try:
             sender.connect()
-            for version, w in enumerate(_train_steps(tiny_model_dir, 1e-6, 8), start=1):
+            for version, w in enumerate(_train_steps(model_dir, 1e-6, 8), start=1):
                 if version == 8:
                     sender.connect()  # an engine (re)joined: full
                 try:
                     stats = sender.push(w.items(), version).wait(60)
                 except WeightSyncError as exc:
                     assert "injected failure" in str(exc)
-                    kinds.append("failed")
+                    out.append(("failed", {}))
                     continue
-                kinds.append("delta" if stats["delta"] else "full")
-                if stats["delta"]:
-                    assert stats["delta_buckets"] >= 1 and stats["wire_bytes"] < stats["bytes"]
-                assert state(urls[0]) == (str(version), _bf16(w))
+                out.append(("delta" if stats["delta"] else "full", stats))
+                assert state(urls[0]) == (str(version), holds(w))
+            plan = sender.stager.plan
         finally:
             sender.close()
-    # v1 first, v4 the 3rd push since v1, v5 fails, v6 after the failure, v8 after reconnect
-    assert kinds == ["full", "delta", "delta", "full", "failed", "full", "delta", "full", "delta"]
+    return out, plan
+
+
+# v1 first, v4 the 3rd push since v1, v5 fails, v6 after the failure, v8 after reconnect
+RUN_KINDS = ["full", "delta", "delta", "full", "failed", "full", "delta", "full", "delta"]
+
+
+def test_full_push_is_forced_first_every_n_after_a_failure_and_a_reconnect(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    cfg = msgspec.structs.replace(CFG, full_every=3)
+    pushes, _ = _run_orders(cfg, tiny_model_dir, tmp_path, "fail:0@5", _bf16)
+    assert [kind for kind, _ in pushes] == RUN_KINDS
+    for kind, stats in pushes:
+        if kind == "delta":
+            assert stats["delta_buckets"] >= 1 and stats["wire_bytes"] < stats["bytes"]
+
+
+def test_one_sender_lands_every_push_when_a_tensor_spans_buckets(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """The same orders where a tensor is split: float32 sync of the 1.5 MB embedding into
+    1 MiB buckets, bucket 0 only its first chunk, so its parameter is a copy (joined at the
+    commit) and the engine keeps one buffer for bucket 0: the bytes of its last push. v5
+    fails at bucket 1, after bucket 0's delta went into that buffer (never committed); the
+    sender pushes v6 in full, as a run does, and every push lands bit-exact."""
+    cfg = msgspec.structs.replace(CFG, delta="on", dtype="float32", full_every=3)
+    pushes, plan = _run_orders(cfg, model_dir, tmp_path, "fail:1@5", expected)
+    assert [kind for kind, _ in pushes] == RUN_KINDS
+    assert [e.whole for e in plan[0].entries] == [False]  # bucket 0: one chunk, nothing else
+    for kind, stats in pushes:
+        if kind == "delta":
+            assert stats["delta_buckets"] == len(plan)
 
 
 def test_delta_sender_holds_one_copy_of_the_weights_and_one_bucket(
