@@ -38,7 +38,8 @@ TRAINER_SIDE = (
 L = "asyncrl.engines.rollout.local."
 ENGINE_SIDE = (
     # the embedded engine; its folder's family.py (launch flags, weight adapter) is shared
-    *(L + m for m in ("attention", "checks", "engine", "kv", "lora", "sampling", "server")),
+    *(L + m for m in ("attention", "checks", "decode", "engine", "kv", "lora", "sampling")),
+    L + "server",
     L + "weights",
     "asyncrl.entrypoints.engine",
     L + "collective_recv",  # receives weights
