@@ -358,7 +358,8 @@ async def _start(
     job.engines.startup_s = job.startup_s
     clients = list(job.engines.clients.values())
     if cfg.rollout.urls:  # engines running elsewhere: reachable before anything starts
-        await _reachable(clients, job.startup_s)
+        if await _unless(_reachable(clients, job.startup_s), stop_event) is None:
+            raise RunStopped(None if state is None else state.step)  # a stop while waiting
     job.start_trainers(model_path, chan, urls)
     job.record_pids()
     healthy = asyncio.gather(*(c.wait_healthy(job.startup_s) for c in clients))

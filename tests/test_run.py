@@ -127,6 +127,34 @@ def test_sigint_stops_every_process_and_nothing_listened_beyond_loopback(
             proc.wait()
 
 
+def test_sigint_while_waiting_for_rollout_urls_stops_the_run(
+    tmp_path: Path, tiny_model_dir: Path, free_port: int
+) -> None:
+    """Ctrl-C while the run waits (``rollout.startup_timeout_s=300``) for a ``rollout.urls``
+    engine that nothing serves: exit 130 with the stop said, not after the wait (the first
+    signal used to set only the stop event, which that wait did not watch)."""
+    url = f"--rollout.urls=http://127.0.0.1:{free_port}"
+    proc = _run_cli(tmp_path, tiny_model_dir, url, "--rollout.startup_timeout_s=300")
+    guard = tmp_path / "run" / "pids.json"  # written by the run's loop: its handlers are set
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None and not guard.is_file():
+            time.sleep(0.05)
+        assert guard.is_file(), proc.stdout.read().decode() if proc.stdout else ""
+        guarded = json.loads(guard.read_text())  # {name: [pid, start time]}: its fork server
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=120)  # a hang guard, well under the 300 s wait
+        text = out.decode(errors="replace")
+        assert proc.returncode == 130, text
+        assert "Traceback" not in text and "before the first step" in text, text
+        assert not (tmp_path / "run" / "processes.json").exists()  # no trainer was started
+        assert not [name for name, (pid, _) in guarded.items() if pid_alive(pid)]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def test_sigint_while_starting_exits_at_once_leaving_no_process(
     tmp_path: Path, tiny_model_dir: Path
 ) -> None:
