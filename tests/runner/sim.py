@@ -436,8 +436,10 @@ def explore(
     make_ledger: Callable[[Sim], CheckpointLedger] | None = None,
     channel: type[SimChannel] = SimChannel,
     pipeline: type[Pipeline] = Pipeline,
+    until: Callable[[list[str]], bool] | None = None,
 ) -> dict[int, list[str]]:
-    """Run every seed; the broken invariants of each seed that broke any."""
+    """Run every seed (with ``until``: up to the first seed whose broken invariants it
+    accepts); the broken invariants of each seed that broke any."""
     with tempfile.TemporaryDirectory() as tmp:
         found = {}
         for seed in seeds:
@@ -447,4 +449,6 @@ def explore(
             sim.run()
             if bad := check(sim):
                 found[seed] = bad
+                if until is not None and until(bad):
+                    break
         return found

@@ -8,6 +8,7 @@ trainer's checkpoint, when their old rules come back."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -28,19 +29,30 @@ def _quiet(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.ERROR, "asyncrl")  # a recovery's warnings, hundreds of times
 
 
-def test_every_ordering_trains_each_step_once_and_ends_after_the_final_save() -> None:
-    found = explore(SEEDS)
+@pytest.fixture(scope="module")
+def sims(tmp_path_factory: pytest.TempPathFactory) -> list[Sim]:
+    """Every seed's run of the product's runner, once for the tests below."""
+    logging.getLogger("asyncrl").setLevel(logging.ERROR)  # recoveries' warnings, hundreds
+    try:
+        return [Sim(seed, tmp_path_factory.mktemp("sims")).run() for seed in SEEDS]
+    finally:
+        logging.getLogger("asyncrl").setLevel(logging.NOTSET)
+
+
+def test_every_ordering_trains_each_step_once_and_ends_after_the_final_save(
+    sims: list[Sim],
+) -> None:
+    found = {sim.seed: bad for sim in sims if (bad := check(sim))}
     assert not found, f"{len(found)} of {len(SEEDS)} orderings broke the contract: {found}"
 
 
 def test_the_orderings_cover_kills_recoveries_stops_and_commits_during_a_recovery(
-    tmp_path: Path,
+    sims: list[Sim],
 ) -> None:
     """The draw reaches what the invariants are about (else a pass would say little)."""
     seen = {"recovered": 0, "committed_in_recovery": 0, "stopped": 0, "budget_used_up": 0}
     seen["saved_before_its_last_step_reported"] = 0
-    for seed in SEEDS:
-        sim = Sim(seed, tmp_path).run()
+    for sim in sims:
         seen["recovered"] += bool(sim.sup.recoveries)
         seen["committed_in_recovery"] += bool(sim.commits_in_recovery)
         seen["stopped"] += sim.outcome == "stopped"
@@ -49,32 +61,39 @@ def test_the_orderings_cover_kills_recoveries_stops_and_commits_during_a_recover
     assert all(n >= 5 for n in seen.values()), seen
 
 
+def _shows(what: str) -> Callable[[list[str]], bool]:
+    """Whether a seed's broken invariants include ``what``."""
+    return lambda bad: any(what in b for b in bad)
+
+
 def test_the_checker_finds_a_run_ending_one_step_short() -> None:
     """58c6393: the reporter ended on the controller's count of formed batches."""
-    found = explore(SEEDS, lambda sim: EndsOnFormedCount(sim.plan.total, lambda: sim.ctl.step))
-    assert found, "the old end rule went unnoticed"
-    assert any("rc 0 with metrics rows" in b for bad in found.values() for b in bad)
+    shows = _shows("rc 0 with metrics rows")
+    found = explore(
+        SEEDS, lambda sim: EndsOnFormedCount(sim.plan.total, lambda: sim.ctl.step), until=shows
+    )
+    assert any(shows(bad) for bad in found.values()), f"the old end rule went unnoticed: {found}"
 
 
 def test_the_checker_finds_a_recovery_losing_steps_committed_meanwhile() -> None:
     """cde797b: a commit during a recovery dropped the batches it had to send again."""
-    found = explore(SEEDS, lambda sim: PrunesDuringRecovery(sim.plan.total))
-    assert found, "the old commit rule went unnoticed"
-    assert any("trained on the state" in b for bad in found.values() for b in bad)
+    shows = _shows("trained on the state")
+    found = explore(SEEDS, lambda sim: PrunesDuringRecovery(sim.plan.total), until=shows)
+    assert any(shows(bad) for bad in found.values()), f"the old commit rule went unnoticed: {found}"
 
 
 def test_the_checker_finds_a_checkpoint_committed_before_its_last_steps_report() -> None:
     """A loaded CI run (session 10): Saved(8) before StepDone(7), the trainer SIGKILLed in
     between, the recovery restored checkpoint 8 and step 7 never got its metrics row."""
-    found = explore(SEEDS, lambda sim: CommitsBeforeItsStepsReported(sim.plan.total))
-    assert found, "a checkpoint committed before its last step's report went unnoticed"
-    assert any("rc 0 with metrics rows" in b for bad in found.values() for b in bad)
+    shows = _shows("rc 0 with metrics rows")
+    found = explore(SEEDS, lambda sim: CommitsBeforeItsStepsReported(sim.plan.total), until=shows)
+    assert any(shows(bad) for bad in found.values()), f"went unnoticed: {found}"
 
 
 def test_the_checker_finds_a_stop_waiting_on_a_dead_trainers_checkpoint() -> None:
-    found = explore(SEEDS, pipeline=StopSaveIgnoresFailures)
-    assert found, "a stop hanging on a dead trainer's checkpoint went unnoticed"
-    assert any("TimeoutError" in b for bad in found.values() for b in bad)
+    shows = _shows("TimeoutError")
+    found = explore(SEEDS, pipeline=StopSaveIgnoresFailures, until=shows)
+    assert any(shows(bad) for bad in found.values()), f"a hanging stop went unnoticed: {found}"
 
 
 def test_a_seed_replays_the_same_run(tmp_path: Path) -> None:
