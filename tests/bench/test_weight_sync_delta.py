@@ -15,7 +15,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 from asyncrl.bench.weight_sync_delta import PUSH_ORDER, _push_step, _senders
 from asyncrl.procs import free_port, python_env, stop
@@ -23,29 +22,14 @@ from asyncrl.transports.weights.bucket import checksum
 from tests.runs import spawn_shared
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "transports" / "weights"))
-from test_collective import _healthy, state  # the engine-process helpers
+from test_collective import _healthy, state, tied_qwen2  # the engine-process helpers
 from test_delta import _train_steps
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tied-embedding Qwen2 whose bf16 embedding (1.25 MiB) spans two 1 MiB buckets."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    cfg = Qwen2Config(
-        vocab_size=10240,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-        eos_token_id=1,
-    )
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("weights") / "model"
-    Qwen2ForCausalLM(cfg).save_pretrained(path)
-    return path
+    return tied_qwen2(tmp_path_factory, vocab_size=10240)
 
 
 @contextlib.contextmanager

@@ -27,13 +27,13 @@ ENGINE = ["-m", "asyncrl.entrypoints.engine"]
 FAULTY = ["-m", "tests.transports.weights.faulty_engine"]  # the engine, failing as told (forked)
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A small tied-embedding Qwen2 whose embedding (1.5 MB) is larger than a 1 MiB bucket."""
+def tied_qwen2(tmp_path_factory: pytest.TempPathFactory, vocab_size: int) -> Path:
+    """A one-layer tied-embedding Qwen2 (hidden 64, seed 0) saved in a new folder: its
+    embedding is ``vocab_size`` x 64 values."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     cfg = Qwen2Config(
-        vocab_size=6000,
+        vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=1,
@@ -46,6 +46,12 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("weights") / "model"
     Qwen2ForCausalLM(cfg).save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small tied-embedding Qwen2 whose embedding (1.5 MB) is larger than a 1 MiB bucket."""
+    return tied_qwen2(tmp_path_factory, vocab_size=6000)
 
 
 def _model_weights(model_dir: Path, seed: int) -> dict[str, torch.Tensor]:
