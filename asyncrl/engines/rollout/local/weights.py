@@ -28,7 +28,9 @@ Protocol (SGLang's endpoints and field names, plus an ``asyncrl_bucket`` field):
 
 Received buckets live in receive buffers, two per bucket slot: the committed
 model's parameters become views into one set (no copy when dtypes match) while
-the next update arrives into the other. A receive buffer never aliases a served
+the next update arrives into the other. A bucket whose parameters are copies of
+its bytes (a tensor split across buckets, joined at commit; a dtype conversion)
+has one buffer, holding only the last push's bytes. A receive buffer never aliases a served
 parameter: a parameter of another dtype than its bucket gets a converted copy
 of its own, and a buffer any parameter still points into is never received
 into. A staged push must hold every parameter, each in the parameter's dtype
