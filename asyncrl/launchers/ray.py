@@ -4,7 +4,13 @@ The driver (``asyncrl run``: the controller, no torch) joins the cluster and pla
 one :class:`~asyncrl.launchers.ray_actor.ProcActor` per process; each actor starts
 the very ``python -m`` command a local run uses, on its node, so logs, signals and
 data paths (HTTP to engines, ZeroMQ to trainers, the weight-sync group) are the
-same. Ray is used for placement and for finding addresses:
+same. How it starts there follows ``cluster.fork_server`` as for local runs
+(:func:`~asyncrl.launchers.local.fork_server_wanted`; SGLang and vLLM are always
+started fresh): trainer ranks and embedded engines are forked from a fork server on
+their node — the one the driver's ``ASYNCRL_FORK_SERVER`` names when that socket is
+on the node, else the run's own server there (one per node, started with the first
+such process placed on it: :mod:`asyncrl.launchers.ray_forks`); others are fresh
+interpreters. Ray is used for placement and for finding addresses:
 
 - engines: one placement group per engine with ``rollout.tp_size`` GPUs (CPU
   engines: ``cluster.cpus_per_engine`` CPUs), plus ``cluster.engine_resources``;
