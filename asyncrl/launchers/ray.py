@@ -172,14 +172,17 @@ class RayLauncher:
 
     def _model_on(self, proc: _Proc) -> str:
         """The model folder on ``proc``'s node (``model.path``; empty: the tiny default,
-        built once on each node); the node's fork server starts importing once it is known."""
+        built once on each node)."""
         if proc.address not in self._models:
             ref = proc.actor.model.remote(self.cfg.model.path)
             self._models[proc.address] = self._call(ref, f"{proc.name}.model()", 600.0)
-        path = self._models[proc.address]
+        return self._models[proc.address]
+
+    def _warm(self, proc: _Proc) -> None:
+        """Start the fork server on ``proc``'s node if ``proc`` will fork from it (once per
+        node; it imports while the run goes on placing and starting)."""
         if self._forks is not None and self._forked(proc.name) and not proc.shared:
-            self._forks.start(proc.node_id, path)
-        return path
+            self._forks.start(proc.node_id, self._model_on(proc))
 
     def _forked(self, name: str) -> bool:
         """Whether process ``name`` is forked from a fork server (``cluster.fork_server``):
@@ -195,6 +198,7 @@ class RayLauncher:
         if proc.shared:
             return self._shared
         assert self._forks is not None
+        self._warm(proc)
         return self._forks.socket(proc.node_id, proc.address)
 
     def _start(self, proc: _Proc) -> None:
@@ -294,6 +298,7 @@ class RayLauncher:
         for rank, p in enumerate(placed):  # ranks in (node, GPU) order: rank 0 first
             p.name = f"trainer{rank}"
             self.procs[p.name] = p
+            self._warm(p)  # their nodes' fork servers import while the engines start
         self._master = placed[0].address
 
     def start_trainers(self, args: TrainerArgs) -> None:
