@@ -165,10 +165,12 @@ class ForkServer:
         log_path: Path | None,
         env: dict[str, str],
         cores: set[int] | None = None,
+        secret: str | None = None,
     ) -> Forked:
         """Fork ``python ARGS`` (``-m MODULE ...``) with ``env`` as its whole environment,
         output appended to ``log_path`` (None: the server's), on ``cores`` (Linux
-        affinity; None: the server's). RuntimeError if the server cannot fork it."""
+        affinity; None: the server's). A shared server's child gets ``secret`` (None: this
+        process's, :func:`asyncrl.secret.load`). RuntimeError if the server cannot fork it."""
         if not self.serves(args):
             raise ValueError(f"the fork server runs `-m MODULE ...` only, got {list(args)[:3]}")
         from asyncrl.secret import ENV_FD, ENV_SECRET
@@ -182,7 +184,7 @@ class ForkServer:
             if self.proc is None:  # a shared server: this run's secret goes with the request
                 from asyncrl.secret import load
 
-                req["secret"] = load()
+                req["secret"] = load() if secret is None else secret
             self._send(req)
             got = self._reply_locked(_START_TIMEOUT_S, self._ids)
         if "error" in got:

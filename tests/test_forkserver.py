@@ -192,6 +192,38 @@ def test_a_run_forks_from_the_shared_server(
     assert proc.poll() is None
 
 
+def test_children_die_with_a_server_told_so_and_take_the_secret_they_are_given(
+    tmp_path: Path,
+) -> None:
+    """``--children-die-with-server`` (the Ray launcher's node servers, whose Ray worker
+    SIGKILLs them as it exits): the server SIGKILLed, its children die too, where it could
+    not kill them itself. A child gets the secret its client hands it (a Ray actor's: the
+    run's, which came as a call argument), not the client's own."""
+    path = str(tmp_path / "fs.sock")
+    args = ["-m", "asyncrl.entrypoints.forkserver", "--listen", path, "--preload", CHILD]
+    proc = spawn([*args, "--children-die-with-server"], tmp_path / "fs.log")
+    try:
+        deadline = time.monotonic() + 60
+        while not Path(path).exists():
+            assert proc.poll() is None, (tmp_path / "fs.log").read_text()
+            assert time.monotonic() < deadline, "the fork server made no socket in 60 s"
+            time.sleep(0.05)
+        conn = ForkServer.connect(path)
+        key = secret.generate()
+        child = conn.spawn(["-m", CHILD, str(tmp_path / "c.json"), "sleep"], None, python_env(),
+                           secret=key)  # fmt: skip
+        seen = _seen(tmp_path / "c.json")
+        assert seen["secret"] == key != secret.load() and seen["ppid"] == proc.pid
+        os.kill(proc.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while pid_alive(child.pid):
+            assert time.monotonic() < deadline, "a child outlived its SIGKILLed server by 30 s"
+            time.sleep(0.05)
+        conn.close()
+    finally:
+        stop([proc])
+
+
 _WORKER = """
 import json, os, sys, time
 from pathlib import Path

@@ -131,12 +131,12 @@ class ClusterConfig(_Section, frozen=True):
     start_timeout_s: PositiveFloat = 300.0
     """``ray``: how long the run waits for the cluster to place an actor."""
     fork_server: Literal["auto", "on", "off"] = "auto"
-    """``local``: start the trainer ranks and embedded engines by forking one process that
-    imported torch, transformers and the model's class once (``asyncrl.forkserver``): each
-    start and restart skips ~3 CPU-seconds of imports. ``auto``: on when no process of the
-    run uses a GPU (a process forked after CUDA was initialised cannot use CUDA; the server
-    never initialises it, but this is unchecked on GPUs yet); ``off``: every process is a
-    fresh interpreter."""
+    """Start the trainer ranks and embedded engines by forking one process that imported
+    torch, transformers and the model's class once (``asyncrl.forkserver``; ``ray``: one
+    per node): each start and restart skips ~3 CPU-seconds of imports. ``auto``: on when no
+    process of the run uses a GPU (a process forked after CUDA was initialised cannot use
+    CUDA; the server never initialises it, but this is unchecked on GPUs yet); ``off``:
+    every process is a fresh interpreter."""
     secret_file: str = ""
     """A file (mode 0600) holding the run secret: the Bearer key of every engine and the
     root of the experience channel's CURVE keys (docs/security.md). Give one when engines

@@ -7,6 +7,9 @@ in ``ASYNCRL_FORK_SERVER`` (a unix socket, mode 0600); it runs until SIGTERM/SIG
 with ``--exit-with PID``, until process ``PID`` ends, however it ends (a SIGKILLed test
 worker must not leave a ~460 MB server and its children behind: the server watches a
 ``pidfd`` of ``PID``, Linux >= 5.3, and falls back to polling ``PID`` once a second).
+With ``--children-die-with-server`` each child is SIGKILLed when the server dies, however
+it dies (Linux ``PR_SET_PDEATHSIG``): a server SIGKILLed before it could kill them (a Ray
+worker SIGKILLs its own children as it exits) leaves none behind.
 
 Each connection sends JSON lines ``{"id", "args", "env", "cwd", "log", "cores",
 "secret"?}`` and gets ``{"id", "pid"}`` or ``{"id", "error"}``, and ``{"exit": PID,
@@ -29,6 +32,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
+from asyncrl.procs import die_with_parent_fn
+
 __all__ = ["main"]
 
 
@@ -41,9 +46,12 @@ class _Conn:
 
 
 class _Server:
-    def __init__(self, listener: socket.socket | None, watch: int | None = None):
+    def __init__(
+        self, listener: socket.socket | None, watch: int | None = None, bind: bool = False
+    ):
         self.listener = listener
         self.watch = watch
+        self.arm = die_with_parent_fn() if bind else None  # run in each child: dies with us
         self.sel = selectors.DefaultSelector()
         self.conns: dict[int, _Conn] = {}  # by fileno
         self.owner_of: dict[int, _Conn] = {}  # child pid -> its connection
@@ -155,6 +163,8 @@ class _Server:
             os.close(out)
             return {"id": req["id"], "pid": pid}
         self.forget()
+        if self.arm is not None:
+            self.arm()
         _child(req, out if log else None)
 
     def forget(self) -> None:
@@ -332,6 +342,11 @@ def main(argv: list[str] | None = None) -> None:
         metavar="PID",
         help="exit (ending every child) when process PID ends, however it ends",
     )
+    p.add_argument(
+        "--children-die-with-server",
+        action="store_true",
+        help="each child is SIGKILLed when this server dies, however it dies (Linux)",
+    )
     a = p.parse_args(argv)
     from asyncrl import secret
 
@@ -345,7 +360,8 @@ def main(argv: list[str] | None = None) -> None:
     elif error:
         sys.exit(f"fork server: {error}")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    server = _Server(_listen(a.listen) if a.listen else None, a.exit_with)
+    listener = _listen(a.listen) if a.listen else None
+    server = _Server(listener, a.exit_with, a.children_die_with_server)
     try:
         if a.fd is not None:
             server.add(sock, owner=True)

@@ -4,7 +4,13 @@ The driver (``asyncrl run``: the controller, no torch) joins the cluster and pla
 one :class:`~asyncrl.launchers.ray_actor.ProcActor` per process; each actor starts
 the very ``python -m`` command a local run uses, on its node, so logs, signals and
 data paths (HTTP to engines, ZeroMQ to trainers, the weight-sync group) are the
-same. Ray is used for placement and for finding addresses:
+same. How it starts there follows ``cluster.fork_server`` as for local runs
+(:func:`~asyncrl.launchers.local.fork_server_wanted`; SGLang and vLLM are always
+started fresh): trainer ranks and embedded engines are forked from a fork server on
+their node — the one the driver's ``ASYNCRL_FORK_SERVER`` names when that socket is
+on the node, else the run's own server there (one per node, started with the first
+such process placed on it: :mod:`asyncrl.launchers.ray_forks`); others are fresh
+interpreters. Ray is used for placement and for finding addresses:
 
 - engines: one placement group per engine with ``rollout.tp_size`` GPUs (CPU
   engines: ``cluster.cpus_per_engine`` CPUs), plus ``cluster.engine_resources``;
@@ -45,7 +51,9 @@ from asyncrl import secret
 from asyncrl.config import RunConfig
 from asyncrl.engines.rollout.factory import family
 from asyncrl.engines.rollout.launcher import engine_spec, launch_command, lora_engine_args
+from asyncrl.forkserver import ENV_SHARED
 from asyncrl.launchers.base import Death, Placed, TrainerArgs, trainer_command
+from asyncrl.launchers.local import fork_server_wanted
 from asyncrl.trace import ENV_DIR, ENV_EVERY, ENV_MAX_MB
 
 try:
@@ -58,6 +66,7 @@ except ImportError as exc:  # pragma: no cover - the extra is installed for the 
     ) from exc
 
 from asyncrl.launchers.ray_actor import ProcActor
+from asyncrl.launchers.ray_forks import NodeForks
 
 __all__ = ["RayLauncher"]
 
@@ -77,6 +86,8 @@ class _Proc:
     bundle: int
     options: dict[str, Any]
     address: str = ""
+    node_id: str = ""
+    shared: bool = False  # the shared fork server's socket (ASYNCRL_FORK_SERVER) is there
     gpus: list[str] = field(default_factory=list)
     args: list[str] = field(default_factory=list)
     files: dict[str, bytes] = field(default_factory=dict)
@@ -115,6 +126,13 @@ class RayLauncher:
         self._reported: set[str] = set()
         self._dist: tuple[str, int] | None = None  # trainer rank 0's rendezvous
         self._master = ""  # trainer rank 0's node: the engines' only weight-sync master
+        self._shared = os.environ.get(ENV_SHARED, "")  # a fork server shared by runs
+        self._forks: NodeForks | None = None  # the run's fork server on each node
+        if fork_server_wanted(cfg):
+            preload = ["asyncrl.entrypoints.trainer"]
+            if not cfg.rollout.urls:  # the servers' modules (the embedded engine's)
+                preload += family(cfg.rollout).preload
+            self._forks = NodeForks(self.run_dir, preload, self._call)
 
     # -- placement -----------------------------------------------------------------------
     def _gpu(self, device: str) -> bool:
@@ -148,8 +166,9 @@ class RayLauncher:
             raise RuntimeError(f"Ray actor did not answer {what} within {timeout_s:.0f}s") from None
 
     def _locate(self, proc: _Proc) -> None:
-        info = self._call(proc.actor.node.remote(), f"{proc.name}.node()")
+        info = self._call(proc.actor.node.remote(self._shared), f"{proc.name}.node()")
         proc.address, proc.gpus = info["address"], info["gpus"]
+        proc.node_id, proc.shared = info["node_id"], info["shared"]
 
     def _model_on(self, proc: _Proc) -> str:
         """The model folder on ``proc``'s node (``model.path``; empty: the tiny default,
@@ -159,12 +178,36 @@ class RayLauncher:
             self._models[proc.address] = self._call(ref, f"{proc.name}.model()", 600.0)
         return self._models[proc.address]
 
+    def _warm(self, proc: _Proc) -> None:
+        """Start the fork server on ``proc``'s node if ``proc`` will fork from it (once per
+        node; it imports while the run goes on placing and starting)."""
+        if self._forks is not None and self._forked(proc.name) and not proc.shared:
+            self._forks.start(proc.node_id, self._model_on(proc))
+
+    def _forked(self, name: str) -> bool:
+        """Whether process ``name`` is forked from a fork server (``cluster.fork_server``):
+        trainer ranks and embedded engines; never another program (SGLang, vLLM)."""
+        return self._forks is not None and (
+            name.startswith("trainer") or bool(family(self.cfg.rollout).preload)
+        )
+
+    def _fork_socket(self, proc: _Proc) -> str:
+        """The socket of the fork server ``proc`` forks from on its node, or "": fresh."""
+        if not self._forked(proc.name):
+            return ""
+        if proc.shared:
+            return self._shared
+        assert self._forks is not None
+        self._warm(proc)
+        return self._forks.socket(proc.node_id, proc.address)
+
     def _start(self, proc: _Proc) -> None:
         for path in proc.files:  # the driver's current copy (resume.json changes per restart)
             with contextlib.suppress(OSError):
                 proc.files[path] = Path(path).read_bytes()
         env = {k: os.environ[k] for k in TRACE_ENV if k in os.environ}  # trace.start_run's
-        ref = proc.actor.start.remote(proc.name, proc.args, proc.files, env, secret.load())
+        fork = self._fork_socket(proc)
+        ref = proc.actor.start.remote(proc.name, proc.args, proc.files, env, secret.load(), fork)
         proc.pid = self._call(ref, f"{proc.name}.start()")
         proc.dead = False
         self._reported.discard(proc.name)
@@ -255,6 +298,7 @@ class RayLauncher:
         for rank, p in enumerate(placed):  # ranks in (node, GPU) order: rank 0 first
             p.name = f"trainer{rank}"
             self.procs[p.name] = p
+            self._warm(p)  # their nodes' fork servers import while the engines start
         self._master = placed[0].address
 
     def start_trainers(self, args: TrainerArgs) -> None:
@@ -398,7 +442,9 @@ class RayLauncher:
         self._collect_traces()
         for p in self.procs.values():
             with contextlib.suppress(ray.exceptions.RayError, ValueError):
-                ray.kill(p.actor, no_restart=True)  # its process dies with it (parent-death)
+                ray.kill(p.actor, no_restart=True)  # its process dies with it (module docstring)
+        if self._forks is not None:
+            self._forks.stop()
         pgs = {id(p.pg): p.pg for p in self.procs.values() if p.owns_pg}
         if self._trainer_pg is not None:
             pgs[id(self._trainer_pg)] = self._trainer_pg
@@ -417,7 +463,10 @@ def _wait(refs: list[Any], timeout_s: float) -> None:
 class NodeProcess:
     """One ``python -m`` process on the Ray node whose address is ``address`` (placed with
     Ray's built-in ``node:<address>`` resource), for tools that measure a link between two
-    nodes (``asyncrl bench weight-sync --ray``). Ray must be initialised by the caller."""
+    nodes (``asyncrl bench weight-sync --ray``); forked from the fork server this process's
+    ``ASYNCRL_FORK_SERVER`` names when that socket is on the node (as
+    :func:`asyncrl.forkserver.spawn_shared` does on one host). Ray must be initialised by
+    the caller."""
 
     def __init__(self, address: str, log_dir: Path):
         self.address = address
@@ -435,7 +484,8 @@ class NodeProcess:
 
     def start(self, name: str, args: list[str]) -> None:
         """Start ``python args`` there (output in ``log_dir/name.log`` on that node)."""
-        ref = self._actor.start.remote(name, args, {}, {}, secret.load())
+        shared = os.environ.get(ENV_SHARED, "")  # forked there when it is on that node
+        ref = self._actor.start.remote(name, args, {}, {}, secret.load(), shared)
         self.pid = ray.get(ref, timeout=_CALL_TIMEOUT_S)
 
     def stop(self) -> None:

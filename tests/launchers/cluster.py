@@ -24,6 +24,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from asyncrl.forkserver import ENV_SHARED
+
 HEAD, WORKER = "127.0.0.2", "127.0.0.3"
 
 
@@ -97,6 +99,9 @@ def start_cluster(free_port: int) -> tuple[Cluster, list[subprocess.Popen]]:
         RAY_AUTH_TOKEN=secrets.token_hex(16),
     )
     env.pop("RAY_ADDRESS", None)
+    # Ray's workers inherit the daemons' environment: a run's shared fork server is the
+    # driver's to name (its ASYNCRL_FORK_SERVER, passed to each actor), not the daemons'
+    env.pop(ENV_SHARED, None)
     address = f"{HEAD}:{free_port}"
     common = ["--num-cpus=2", f"--temp-dir={tmp}", "--disable-usage-stats", "--block"]
     procs: list[subprocess.Popen] = []
@@ -229,6 +234,28 @@ def descendants(pid: int) -> list[int]:
         out.append(p)
         todo += children.get(p, [])
     return out
+
+
+def parent(pid: int) -> int | None:
+    """``pid``'s parent process, None once it is gone."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def node_fork_servers(tmp: Path) -> set[int]:
+    """The fork servers the Ray launcher started on the cluster's nodes (children of its
+    Ray workers) that still run."""
+    ray_side = {c for p in cluster_pids(tmp) for c in descendants(p)}
+    return {p for p in ray_side if "-m asyncrl.entrypoints.forkserver --listen" in cmdline(p)}
 
 
 def read_json(path: Path) -> dict:

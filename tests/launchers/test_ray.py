@@ -10,26 +10,33 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import os
 import signal
+import stat
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from asyncrl import secret
-from asyncrl.forkserver import spawn_shared
+from asyncrl.forkserver import ENV_SHARED, spawn_shared
 from asyncrl.procs import finish, pid_alive, python_env, stop
+from tests import runs
 from tests.launchers.cluster import (
     HEAD,
     WORKER,
     Cluster,
     cluster_pids,
+    cmdline,
     descendants,
     listeners,
     listening,
+    node_fork_servers,
+    parent,
     read_json,
 )
 from tests.runs import kill_when_rows, leaks, metrics_rows, wait_checkpoint, wait_rows
@@ -54,6 +61,25 @@ def _sockets(cluster: Cluster, run: Path, driver: int) -> dict[str, set[tuple[st
     return out
 
 
+def _forked_by(cluster: Cluster, pids: Iterable[int]) -> set[int]:
+    """The fork servers that forked ``pids``: each one must be the session's shared server
+    when it runs (the driver's ``ASYNCRL_FORK_SERVER``, which is on both nodes here), else
+    a server the launcher started on its node."""
+    shared = runs.shared_server_pid
+    servers = {shared} if shared is not None else node_fork_servers(cluster.temp_dir)
+    got = {parent(p) for p in pids}
+    assert got and got <= servers, {p: (parent(p), cmdline(p)) for p in pids}
+    return {p for p in got if p is not None}
+
+
+def _gone(pids: Iterable[int], timeout_s: float) -> list[int]:
+    """Poll until none of ``pids`` runs (up to ``timeout_s``); those still running."""
+    deadline = time.monotonic() + timeout_s
+    while (left := [p for p in pids if pid_alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
+
+
 def test_default_job_runs_across_two_nodes_and_learns(
     ray_cluster: Cluster, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -75,8 +101,9 @@ def test_default_job_runs_across_two_nodes_and_learns(
         ray_side = cluster_pids(ray_cluster.temp_dir)
         procs = {proc.pid, *descendants(proc.pid), *ray_side}
         procs |= {c for p in ray_side for c in descendants(p)}
-        assert {engine, read_json(run / "processes.json")["trainer0"]} <= procs
-        mid_run = leaks(secret.load(), run, sorted(procs))
+        ours = set(read_json(run / "processes.json").values())  # engine0, trainer0
+        _forked_by(ray_cluster, ours)  # fork_server "auto": no process uses CUDA
+        mid_run = leaks(secret.load(), run, sorted(procs | ours))
     except BaseException:
         proc.kill()
         proc.wait()
@@ -176,11 +203,15 @@ def test_bench_transport_measures_the_link_between_two_nodes(
     assert all(r["eps"] > 0 for r in remote["runs"])
 
 
+@pytest.mark.own_fork_server
 def test_trainer_killed_on_its_node_restarts_from_the_checkpoint(
     ray_cluster: Cluster, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     """Trainer rank 0 SIGKILLed on the worker node: restarted in its actor from the last
-    checkpoint (resume.json shipped to its node), the run finishes, each sample once."""
+    checkpoint (resume.json shipped to its node), the run finishes, each sample once. No
+    shared fork server: the launcher forks each process from a server of the run's own on
+    its node (one per node), and ends them with the run."""
+    assert ENV_SHARED not in os.environ
     run = tmp_path / "run"
     steps = 14
     cmd = [sys.executable, "-m", "asyncrl.cli", "run", "--run-dir", str(run), "--quiet"]
@@ -189,8 +220,23 @@ def test_trainer_killed_on_its_node_restarts_from_the_checkpoint(
     proc = subprocess.Popen(
         cmd, env=python_env(ray_cluster.env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
     )
+    try:
+        wait_rows(run, proc, 1)
+        pids = read_json(run / "processes.json")
+        servers = node_fork_servers(ray_cluster.temp_dir)
+        assert {parent(pids["engine0"]), parent(pids["trainer0"])} == servers, pids
+        assert len(servers) == 2  # one per node
+        logs = {f"forkserver-{HEAD}.log", f"forkserver-{WORKER}.log"}
+        assert logs <= {p.name for p in run.iterdir()}
+        sockets = [cmdline(s).split("--listen ")[1].split()[0] for s in servers]
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
     _, rc, text = kill_when_rows(proc, run, "trainer0", after_rows=6, checkpointed=True)
     assert rc == 0, text
+    assert _gone(servers, 30) == []  # the stop path ends them, and they remove their sockets
+    assert not [s for s in sockets if Path(s).exists()]
     recs = [json.loads(line) for line in (run / "recoveries.jsonl").read_text().splitlines()]
     assert [r["restart"] for r in recs] == [1] and recs[0]["from_step"] >= 4, recs
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -227,14 +273,80 @@ def test_driver_sigkilled_leaves_no_process_on_either_node_and_resumes(
     wait_checkpoint(run, proc)
     pids = read_json(run / "processes.json")
     assert set(pids) == {"engine0", "trainer0"}
+    servers = _forked_by(ray_cluster, pids.values())
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    deadline = time.monotonic() + 60
-    while (left := [n for n, p in pids.items() if pid_alive(p)]) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not left, f"alive 60 s after the driver's death: {left}"
+    # the actors' connections to the fork server close with them: it kills what it forked
+    # for them (a shared server lives on; a node's server ends with its own actor)
+    left = _gone(pids.values(), 60)
+    assert not left, f"alive 60 s after the driver's death: {left} of {pids}"
+    if runs.shared_server_pid is None:
+        assert _gone(servers, 60) == []
+    else:
+        assert servers == {runs.shared_server_pid} and pid_alive(runs.shared_server_pid)
     resumed_from, _ = ckpts.latest_checkpoint(run)
     steps = resumed_from + 3
     rc, out = finish(start("--resume", str(run), f"--controller.total_steps={steps}"), 240)
     assert rc == 0, out[-3000:]
     _check_exactly_once(metrics_rows(run), steps, 4)
+
+
+def test_each_actor_forks_from_its_nodes_fork_server_and_nothing_outlives_the_driver(
+    ray_cluster: Cluster, tmp_path: Path
+) -> None:
+    """ProcActors on both nodes fork their processes from their node's fork server (one per
+    node, started by a Ray actor there; socket mode 0600 in a folder of mode 0700); a restart
+    in the same actor forks again there; an actor killed takes its forked process with it
+    while the server lives on; the driver SIGKILLed leaves no process and no socket."""
+    from asyncrl.launchers.ray_forks import sweep
+
+    shared = os.environ.get(ENV_SHARED, "")
+    cmd = [sys.executable, "-m", "tests.launchers.ray_forks_driver", ray_cluster.address]
+    cmd += [str(tmp_path / "run"), *([shared] if shared else [])]
+    with open(tmp_path / "driver.log", "wb") as err:
+        driver = subprocess.Popen(
+            cmd, env=python_env(ray_cluster.env), stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=err, text=True,
+        )  # fmt: skip
+
+    def ask(command: str = "") -> Any:
+        assert driver.stdin is not None and driver.stdout is not None
+        if command:
+            driver.stdin.write(command + "\n")
+            driver.stdin.flush()
+        line = driver.stdout.readline()  # the driver's own calls time out within 60 s
+        assert line, (tmp_path / "driver.log").read_text()[-3000:]
+        return json.loads(line)
+
+    try:
+        got = ask()
+        servers = {node: parent(got[node]["child"]) for node in (HEAD, WORKER)}
+        ray_side = {c for p in cluster_pids(ray_cluster.temp_dir) for c in descendants(p)}
+        for node, server in servers.items():
+            sock = got[node]["socket"]
+            assert server in ray_side, cmdline(server)  # started by the node's actor
+            assert f"-m asyncrl.entrypoints.forkserver --listen {sock} " in cmdline(server)
+            assert stat.S_IMODE(os.stat(sock).st_mode) == 0o600
+            assert stat.S_IMODE(os.stat(Path(sock).parent).st_mode) == 0o700
+        assert servers[HEAD] != servers[WORKER]
+        assert got[HEAD]["node_id"] != got[WORKER]["node_id"]
+        new = ask("restart")
+        assert parent(new) == servers[HEAD]
+        assert _gone([got[HEAD]["child"]], 30) == []
+        if shared:
+            assert parent(got["shared"]["child"]) == runs.shared_server_pid
+            assert ask("kill-shared") == "killed"
+            assert _gone([got["shared"]["child"]], 60) == []
+            assert runs.shared_server_pid is not None and pid_alive(runs.shared_server_pid)
+        driver.kill()
+        driver.wait()
+        left = _gone([new, got[WORKER]["child"], *servers.values()], 60)
+        assert left == [], [(p, parent(p), cmdline(p)[:80]) for p in left]
+        # a server SIGKILLed by its exiting Ray worker leaves its socket file: nothing listens
+        # there, and the next node server's sweep removes it
+        sockets = [Path(got[n]["socket"]) for n in (HEAD, WORKER)]
+        sweep(sockets[0].parent)
+        assert not [s for s in sockets if s.exists()]
+    finally:
+        driver.kill()
+        driver.wait()
