@@ -84,24 +84,24 @@ def split_by_cost(
     last)."""
     n = len(lengths)
     order = sorted(range(n), key=lambda i: -lengths[i])
-    width = np.array([max(lengths[i], 1) for i in order], dtype=np.float64)
+    w = [max(lengths[i], 1) for i in order]
+    width = np.array(w, dtype=np.float64)
     pad_cost = width * (token_cost + width)  # per padded row of each width
-    best = np.zeros(n + 1)
-    cut = np.zeros(n + 1, dtype=np.int64)
-    for j in range(1, n + 1):  # best[j]: the first j (longest) sequences split optimally
-        lo = max(0, j - max(1, int(budget // width[j - 1])))  # wider groups break the budget
-        start = np.arange(lo, j)
-        cost = best[lo:j] + overhead + (j - start) * pad_cost[lo:j]
-        over = (j - start) * width[lo:j] > budget
-        over[-1] = False  # one sequence alone is always allowed
-        cost[over] = np.inf
+    start = np.arange(n, dtype=np.float64)
+    best = np.zeros(n + 1)  # best[j]: the j longest sequences split at least cost
+    cut = [0] * (n + 1)
+    lo = 0  # the longest group ending at j starts at lo: rows x width grows as lo falls,
+    for j in range(1, n + 1):  # and with j, so lo never moves back
+        while lo < j - 1 and (j - lo) * w[lo] > budget:
+            lo += 1
+        cost = best[lo:j] + (j - start[lo:j]) * pad_cost[lo:j]
         k = int(np.argmin(cost))
-        best[j], cut[j] = cost[k], lo + k
+        best[j], cut[j] = cost[k] + overhead, lo + k
     groups: list[list[int]] = []
     j = n
     while j > 0:
         groups.append(sorted(order[cut[j] : j]))
-        j = int(cut[j])
+        j = cut[j]
     groups.reverse()
     return groups + [[] for _ in range(min_count - len(groups))]
 
