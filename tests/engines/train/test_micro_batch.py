@@ -182,6 +182,11 @@ def test_padded_rows_without_a_mask_give_a_causal_models_log_probs(tiny_model_di
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     assert _causal(model)
+    # a model with no attention module saying so, or one attending both ways, keeps its mask
+    assert not _causal(torch.nn.Linear(2, 2))
+    model.model.layers[1].self_attn.is_causal = False
+    assert not _causal(model)
+    model.model.layers[1].self_attn.is_causal = True
     seqs = [
         Seq(torch.randint(3, 15, (p + r,)), p, {}) for p, r in ((3, 40), (7, 2), (1, 9), (2, 1))
     ]
