@@ -32,11 +32,13 @@ from asyncrl.engines.train import checkpoint, lora
 from asyncrl.engines.train.base import LossFn, Role, Seq, all_reduce_floats
 from asyncrl.engines.train.micro_batch import (
     MicroBatch,
+    micro_batch_overhead,
     packing_pays,
     prepare_inputs,
     response_entropy,
     response_logprobs,
     response_values,
+    split_by_cost,
     split_by_tokens,
     token_cost,
 )
@@ -129,6 +131,12 @@ class FSDPEngine:
         self.choose_layout = tc.packing == "auto" and self.packed
         self.varlen = attn in _VARLEN
         self.token_cost = token_cost(model.config)
+        self.overhead = micro_batch_overhead(model.config)
+        self.by_cost = not self.packed or (self.choose_layout and not self.varlen)
+        """Whether micro-batches are cut by modelled cost (:func:`split_by_cost`: similar
+        lengths together), i.e. wherever they may go padded and a packed row would not
+        attend per sequence; else balanced by tokens (:func:`split_by_tokens`)."""
+        self.causal = _causal(model)
         if tc.activation_checkpointing:
             _enable_activation_checkpointing(model)
         self.lora = config.lora.enabled and role == "actor"
@@ -187,11 +195,10 @@ class FSDPEngine:
         if not forward_only and loss_fn is None:
             raise ValueError("forward_backward_batch needs a loss_fn unless forward_only=True")
         lengths = [s.input_ids.shape[0] for s in seqs]
-        budget = self.config.trainer.micro_batch_tokens
-        groups = split_by_tokens(lengths, budget)
+        groups = self._split(lengths)
         count = int(all_reduce_floats(len(groups), op=dist.ReduceOp.MAX)[0])
         if count > len(groups):  # every rank runs as many micro-batches as the busiest
-            groups = split_by_tokens(lengths, budget, min_count=count)
+            groups = self._split(lengths, count)
         denom = 1.0
         weights: list[torch.Tensor] = []
         if loss_fn is not None and not forward_only:
@@ -221,6 +228,12 @@ class FSDPEngine:
         assert len(done) == len(outputs)
         return done, stats
 
+    def _split(self, lengths: list[int], min_count: int = 1) -> list[list[int]]:
+        budget = self.config.trainer.micro_batch_tokens
+        if self.by_cost:
+            return split_by_cost(lengths, budget, self.token_cost, self.overhead, min_count)
+        return split_by_tokens(lengths, budget, min_count)
+
     def _micro_batch(
         self,
         seqs: list[Seq],
@@ -243,7 +256,8 @@ class FSDPEngine:
         if self.choose_layout:
             lens = [s.input_ids.shape[0] for s in seqs]
             packed = packing_pays(lens, self.token_cost, self.varlen)
-        mb = prepare_inputs(seqs, packed, trim=self.role == "actor", pad_id=self.pad_id)
+        trim = self.role == "actor"
+        mb = prepare_inputs(seqs, packed, trim, pad_id=self.pad_id, causal=self.causal)
         logits = self._run_model(mb)
         if self.role == "critic":
             outs = response_values(logits, mb)
@@ -374,6 +388,14 @@ def _enable_activation_checkpointing(model: PreTrainedModel) -> None:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def _causal(model: nn.Module) -> bool:
+    """Whether every attention module of ``model`` says it attends causally (Hugging Face
+    attention modules carry ``is_causal``), and it has at least one."""
+    flags = [getattr(m, "is_causal", None) for m in model.modules()]
+    said = [f for f in flags if isinstance(f, bool)]
+    return bool(said) and all(said)
 
 
 def _packing_supported() -> bool:
