@@ -6,18 +6,23 @@ its whole tree. ``stop`` sends SIGTERM, waits, then SIGKILLs what is left.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import random
 import signal
 import socket
+import stat
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Protocol
 
 __all__ = [
+    "PORT_HOLD_S",
     "Proc",
     "Spawner",
     "descendants",
@@ -25,6 +30,7 @@ __all__ = [
     "finish",
     "free_port",
     "pid_alive",
+    "private_folder",
     "python_env",
     "rss_bytes",
     "spawn",
@@ -58,19 +64,99 @@ def free_port(host: str = "127.0.0.1") -> int:
     process's neighbours') and every outgoing connection's own end — all come from that
     range, so none of them can take the port between this call and the caller's bind (a
     server that starts slowly, e.g. an engine loading its model). Falls back to a port from
-    the kernel when nothing below the range is free."""
+    the kernel when nothing below the range is free.
+
+    A port handed out is *reserved* for :data:`PORT_HOLD_S` in this user's registry
+    (:func:`private_folder` ``/ports``, under ``flock``): no other ``free_port`` call on this
+    host, in any process of this user, hands it out again meanwhile, so two runs (or two
+    servers of one test session) starting side by side cannot both be given a port that
+    neither has bound yet — the loser would fail to bind, or its health check be answered by
+    the other's server. Without a usable registry (no private temp folder) ports are drawn
+    as before, unreserved."""
     low = _ephemeral_low()
-    for _ in range(64 if low > _FIXED_FLOOR + 1024 else 0):
-        port = random.randrange(_FIXED_FLOOR, low)
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind((host, port))
-            except OSError:
+    with _PortRegistry.open() as held:
+        for _ in range(64 if low > _FIXED_FLOOR + 1024 else 0):
+            port = random.randrange(_FIXED_FLOOR, low)
+            if port in held:
                 continue
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue
+            held.add(port)
             return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+PORT_HOLD_S = 300.0
+"""How long a port handed out by :func:`free_port` stays reserved (its server has bound it by
+then, or given up: a bound port is refused by the bind check anyway)."""
+
+
+def private_folder() -> Path:
+    """This user's folder on this host for asyncrl's sockets and registries
+    (``$TMPDIR/asyncrl-UID``, created mode 0700); ValueError when it exists but is not this
+    user's alone (someone else's, a link, open to others)."""
+    folder = Path(tempfile.gettempdir()) / f"asyncrl-{os.getuid()}"
+    with contextlib.suppress(FileExistsError):
+        folder.mkdir(mode=0o700)
+    st = folder.lstat()
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise ValueError(f"{folder} is not a folder of this user's alone (mode 0700)")
+    return folder
+
+
+class _PortRegistry:
+    """Ports reserved by :func:`free_port` on this host: ``PORT EXPIRY`` lines in
+    ``private_folder()/ports``, read and rewritten under an exclusive ``flock`` (held from
+    :meth:`open` to the end of the ``with``), expired lines dropped on each rewrite."""
+
+    def __init__(self, fd: int | None):
+        self.fd = fd
+        self.held: dict[int, float] = {}
+        self.added: list[int] = []
+        if fd is not None:
+            now = time.time()
+            text = os.pread(fd, 1 << 20, 0).decode(errors="replace")
+            for line in text.splitlines():
+                parts = line.split()
+                with contextlib.suppress(ValueError, IndexError):
+                    if float(parts[1]) > now:
+                        self.held[int(parts[0])] = float(parts[1])
+
+    @classmethod
+    @contextlib.contextmanager
+    def open(cls) -> Iterator[_PortRegistry]:
+        try:
+            fd: int | None = os.open(private_folder() / "ports", os.O_RDWR | os.O_CREAT, 0o600)
+        except (OSError, ValueError):
+            fd = None  # no private folder here: ports unreserved
+        try:
+            if fd is not None:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            registry = cls(fd)
+            yield registry
+            registry._write()
+        finally:
+            if fd is not None:
+                os.close(fd)  # releases the lock
+
+    def __contains__(self, port: int) -> bool:
+        return port in self.held
+
+    def add(self, port: int) -> None:
+        self.held[port] = time.time() + PORT_HOLD_S
+        self.added.append(port)
+
+    def _write(self) -> None:
+        if self.fd is None or not self.added:
+            return
+        data = "".join(f"{p} {t:.0f}\n" for p, t in self.held.items()).encode()
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, data, 0)
 
 
 _FIXED_FLOOR = 20_000  # below: ports services claim by default (Ray's workers: 10002-19999)

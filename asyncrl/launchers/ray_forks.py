@@ -31,9 +31,7 @@ import logging
 import os
 import secrets
 import socket
-import stat
 import subprocess
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -45,9 +43,9 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from asyncrl import secret
 from asyncrl.forkserver import model_module
 from asyncrl.launchers.base import log_tail
-from asyncrl.procs import python_env, spawn, stop
+from asyncrl.procs import private_folder, python_env, spawn, stop
 
-__all__ = ["NodeForkServer", "NodeForks", "socket_folder"]
+__all__ = ["NodeForkServer", "NodeForks"]
 
 log = logging.getLogger("asyncrl.launchers.ray")
 
@@ -70,18 +68,6 @@ def sweep(folder: Path) -> list[str]:
     return gone
 
 
-def socket_folder() -> Path:
-    """This user's folder for fork-server sockets on this host (created mode 0700); ValueError
-    when it exists but is not this user's alone (someone else's, a link, open to others)."""
-    folder = Path(tempfile.gettempdir()) / f"asyncrl-{os.getuid()}"
-    with contextlib.suppress(FileExistsError):
-        folder.mkdir(mode=0o700)
-    st = folder.lstat()
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
-        raise ValueError(f"{folder} is not a folder of this user's alone (mode 0700)")
-    return folder
-
-
 class NodeForkServer:
     """The run's fork server on the node this actor lives on (wrapped by ``ray.remote``)."""
 
@@ -97,7 +83,7 @@ class NodeForkServer:
         if self.proc is not None:
             return
         mods = [*preload, *filter(None, [model_module(model_path)])]
-        folder = socket_folder()
+        folder = private_folder()
         sweep(folder)
         self.socket = str(folder / f"fs-{secrets.token_hex(8)}.sock")
         address = ray.util.get_node_ip_address()
