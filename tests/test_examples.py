@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -135,63 +136,73 @@ def _serve_by_hand(model: Path, port: int, key: Path, log: Path) -> subprocess.P
         )
 
 
+@pytest.fixture(scope="module")
+def hand_engine(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, Path]]:
+    """One engine started by hand (:func:`_serve_by_hand`) holding a key of its own, not
+    this session's, for the tests below (one started per test cost a fresh interpreter's
+    torch import and model load each): its URL and key file."""
+    from asyncrl.procs import free_port, stop
+
+    folder = tmp_path_factory.mktemp("hand-engine")
+    key, port = _key_file(folder / "engine.key"), free_port()
+    engine = _serve_by_hand(tiny_model_dir, port, key, folder / "engine.log")
+    try:
+        yield f"http://127.0.0.1:{port}", key
+    finally:
+        stop([engine])
+
+
 def test_embedding_example_with_secret_file_trains_against_a_hand_started_engine(
-    tiny_model_dir: Path, tmp_path: Path, free_port: int
+    tiny_model_dir: Path, tmp_path: Path, hand_engine: tuple[str, Path]
 ) -> None:
     """Issue 37 item 4: ``examples/embedding.py --url URL --secret-file F`` (the config's
     ``cluster.secret_file``, no ASYNCRL_SECRET_FILE) beside ``asyncrl serve --secret-file F``
     started separately: it trains 2 steps and pushes its weights (the engine serves version
     2); given another key it fails within seconds naming the key's source, not a hang."""
     from asyncrl import secret
-    from asyncrl.procs import stop
 
-    key, other = _key_file(tmp_path / "engine.key"), _key_file(tmp_path / "other.key")
-    url = f"http://127.0.0.1:{free_port}"
-    engine = _serve_by_hand(tiny_model_dir, free_port, key, tmp_path / "engine.log")
-    try:
-        example = [sys.executable, str(EXAMPLE), "--url", url, "--model-path", str(tiny_model_dir)]
-        t0 = time.monotonic()
-        wrong = subprocess.run(
-            [*example, "--secret-file", str(other), "--steps", "1"],
-            env=_by_hand_env(), capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
-        took = time.monotonic() - t0
-        assert wrong.returncode != 0, wrong.stdout
-        assert "refused this process's run secret" in wrong.stderr, wrong.stderr[-3000:]
-        assert f"from the file {other} (cluster.secret_file)" in wrong.stderr
-        assert took < 200, took  # includes the engine's start; the refusal itself is at once
-        ok = subprocess.run(
-            [*example, "--secret-file", str(key), "--steps", "2"],
-            env=_by_hand_env(), capture_output=True, text=True, timeout=600,
-        )  # fmt: skip
-        assert ok.returncode == 0, ok.stderr[-3000:]
-        stats = json.loads(ok.stdout.strip().splitlines()[-1])
-        assert stats["trained"] == 8 and stats["version"] == 2 and stats["failed"] == 0, stats
+    url, key = hand_engine
+    other = _key_file(tmp_path / "other.key")
+    example = [sys.executable, str(EXAMPLE), "--url", url, "--model-path", str(tiny_model_dir)]
+    t0 = time.monotonic()
+    wrong = subprocess.run(
+        [*example, "--secret-file", str(other), "--steps", "1"],
+        env=_by_hand_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    took = time.monotonic() - t0
+    assert wrong.returncode != 0, wrong.stdout
+    assert "refused this process's run secret" in wrong.stderr, wrong.stderr[-3000:]
+    assert f"from the file {other} (cluster.secret_file)" in wrong.stderr
+    assert took < 200, took  # may include the engine's start; the refusal itself is at once
+    ok = subprocess.run(
+        [*example, "--secret-file", str(key), "--steps", "2"],
+        env=_by_hand_env(), capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    stats = json.loads(ok.stdout.strip().splitlines()[-1])
+    assert stats["trained"] == 8 and stats["version"] == 2 and stats["failed"] == 0, stats
 
-        async def version() -> str:
-            headers = secret.auth_headers(secret.read_file(key))
-            async with aiohttp.ClientSession(headers=headers) as s:
-                async with s.get(f"{url}/get_weight_version") as r:
-                    assert r.status == 200
-                    return str((await r.json())["weight_version"])
+    async def version() -> str:
+        headers = secret.auth_headers(secret.read_file(key))
+        async with aiohttp.ClientSession(headers=headers) as s:
+            async with s.get(f"{url}/get_weight_version") as r:
+                assert r.status == 200
+                return str((await r.json())["weight_version"])
 
-        assert asyncio.run(version()) == "2"  # the trainer's pushes reached the engine
-    finally:
-        stop([engine])
+    assert asyncio.run(version()) == "2"  # the trainer's pushes reached the engine
 
 
 def test_controller_stops_at_once_when_an_engine_refuses_the_secret(
-    tiny_model_dir: Path, tmp_path: Path, free_port: int
+    hand_engine: tuple[str, Path],
 ) -> None:
     """An engine holding another key: the first 401 stops the controller (``next_batch``
     raises EngineKeyRefused naming the engine and this process's secret's source), where it
     used to fail group after group and hang below ``max_failed_groups``."""
     from asyncrl import Controller, EngineKeyRefused, Sample, load_config, wait_healthy
-    from asyncrl.procs import stop
 
-    key = _key_file(tmp_path / "engine.key")
-    url = f"http://127.0.0.1:{free_port}"
-    engine = _serve_by_hand(tiny_model_dir, free_port, key, tmp_path / "engine.log")
+    url, _ = hand_engine  # its key is not this session's
 
     async def episode(ctx, sample):
         gen = await ctx.generate(sample.prompt_ids, max_new_tokens=2)
@@ -210,7 +221,4 @@ def test_controller_stops_at_once_when_an_engine_refuses_the_secret(
             assert url in str(got.value) and "ASYNCRL_SECRET_FILE" in str(got.value)
             return time.monotonic() - t0
 
-    try:
-        assert asyncio.run(main()) < 10
-    finally:
-        stop([engine])
+    assert asyncio.run(main()) < 10

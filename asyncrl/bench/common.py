@@ -5,10 +5,14 @@ when a model is built."""
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["qwen2", "save_random_qwen2", "write_json"]
+if TYPE_CHECKING:
+    from asyncrl.procs import Proc
+
+__all__ = ["qwen2", "save_random_qwen2", "start", "write_json"]
 
 
 _SIZE = (
@@ -43,3 +47,13 @@ def write_json(path: str | None, result: Any) -> None:
     """``result`` as indented JSON at ``path`` (a bench's ``--json``); nothing when unset."""
     if path:
         Path(path).write_text(json.dumps(result, indent=2) + "\n")
+
+
+def start(args: Sequence[str], log: Path | None, env: dict[str, str]) -> Proc:
+    """``python ARGS`` for a bench (its engine, its run), ending with this process: forked
+    from the shared fork server when ``ASYNCRL_FORK_SERVER`` names one (a sweep's, a test
+    session's: no imports to repeat), else a fresh process (:func:`asyncrl.procs.spawn`).
+    A :data:`asyncrl.procs.Spawner`."""
+    from asyncrl.forkserver import spawn_shared
+
+    return spawn_shared(args, log, env, die_with_parent=True)

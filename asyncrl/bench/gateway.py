@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.bench import bench_parser, log_dir
-from asyncrl.bench.common import write_json
+from asyncrl.bench.common import start, write_json
 from asyncrl.bench.gateway_paths import (
     Call,
     direct_run,
@@ -327,7 +327,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         flush=True,
     )
     with log_dir("asyncrl-bench-gw-") as logs:
-        server = launch(spec, logs / "engine.log", die_with_parent=True)
+        server = launch(spec, logs / "engine.log", spawner=start)
         try:
             asyncio.run(wait_healthy([server], timeout_s=300))
             srv = Served(model, server.url)

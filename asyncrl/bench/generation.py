@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.bench import bench_parser, log_dir
-from asyncrl.bench.common import qwen2, save_random_qwen2, write_json
+from asyncrl.bench.common import qwen2, save_random_qwen2, start, write_json
 
 BENCH_MODEL = "bench-qwen2-35m-v1"
 
@@ -115,7 +115,7 @@ def bench_engine(args: argparse.Namespace, model_dir: Path, reqs: list) -> dict[
     extra += ("--max-batch-size", str(args.max_batch_size), "--dtype", args.dtype)
     spec = LaunchSpec(str(model_dir), free_port(), module=LOCAL_SERVER, extra_args=extra)
     with log_dir("asyncrl-bench-gen-") as logs:
-        server = launch(spec, logs / "engine.log", die_with_parent=True)
+        server = launch(spec, logs / "engine.log", spawner=start)
         try:
             asyncio.run(wait_healthy([server], timeout_s=300))
             wall = asyncio.run(_engine_run(server.url, reqs, args.arrival_s))

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.bench import log_dir
+from asyncrl.bench.common import start
 
 __all__ = ["bench_lora"]
 
@@ -66,7 +67,7 @@ def _bench_lora(args: argparse.Namespace, model_dir: Path, reqs: list, log: Path
     extra += ("--enable-lora", "--max-lora-rank", str(lc.rank), "--lora-alpha", repr(lc.alpha))
     extra += ("--lora-target-modules", ",".join(lc.target_modules), "--max-loaded-loras", "3")
     spec = LaunchSpec(str(model_dir), free_port(), module=LOCAL_SERVER, extra_args=extra)
-    server = launch(spec, log, die_with_parent=True)
+    server = launch(spec, log, spawner=start)
     sender = None
     out: dict[str, Any] = {}
     try:

@@ -39,7 +39,8 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.bench import HelpFormatter, log_dir
-from asyncrl.procs import python_env, spawn, stop
+from asyncrl.bench.common import start
+from asyncrl.procs import python_env, stop
 
 __all__ = ["main", "reach"]
 
@@ -164,7 +165,7 @@ def run_trl(args: argparse.Namespace, seed: int, threads: int, root: Path, logs:
 def _run(name: str, cmd: list[str], log: Path, timeout_s: float, env: dict | None = None) -> None:
     """``python CMD...`` to its end (output to ``log``); RuntimeError with the log's tail when
     it fails or outlives ``timeout_s`` (its process group is ended either way)."""
-    proc = spawn(cmd, log, python_env(env), die_with_parent=True)
+    proc = start(cmd, log, python_env(env))
     try:
         rc = proc.wait(timeout_s)
     except subprocess.TimeoutExpired:

@@ -15,17 +15,16 @@ test_vllm_standin_two_engines.py (separate files: pytest-xdist puts them on othe
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from asyncrl.procs import python_env
+from asyncrl.procs import finish, python_env
 from tests.engines.rollout._background import check_versions, generate_in_background
 from tests.engines.rollout._vllm_checks import check_wire, sha
 from tests.engines.rollout.vllm import forks
 from tests.engines.rollout.vllm.server import VLLMStandIn, start_vllm
+from tests.runs import spawn_shared
 
 
 def test_pushes_are_exact_and_keep_versions_exact(tmp_path: Path, tiny_model_dir: Path) -> None:
@@ -94,10 +93,10 @@ def test_wire_matches_vllms_own_client(tmp_path: Path, tiny_model_dir: Path) -> 
     ours = start_vllm(tiny_model_dir, tmp_path / "ours")
     sender = None
     try:
-        cmd = [sys.executable, "-m", "tests.engines.rollout.vllm.reference", ref.url]
-        done = subprocess.run([*cmd, str(tiny_model_dir)], env=python_env(vllm_env()),
-                              capture_output=True, text=True, timeout=120)  # fmt: skip
-        assert done.returncode == 0, done.stderr[-3000:]
+        cmd = ["-m", "tests.engines.rollout.vllm.reference", ref.url, str(tiny_model_dir)]
+        log = tmp_path / "reference.log"  # forked from the shared server: torch imported
+        code, _ = finish(spawn_shared(cmd, log, python_env(vllm_env())), 120)
+        assert code == 0, log.read_text(errors="replace")[-3000:]
         cfg = GlooWeightsConfig(bucket_mb=1, timeout_s=60)
         sender = make_weight_transport(cfg, [ours.url], "cpu", "keep", "vllm")
         sender.connect()
