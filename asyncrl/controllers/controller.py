@@ -335,17 +335,22 @@ class Controller:
         episode journals), then the engines continue, still sent nothing. True when every
         request in flight answered within ``timeout_s`` (else the snapshot misses their
         tokens: they are generated again after the resume). Engine errors are reported to
-        the router, never raised; the gate stays closed (the run is stopping)."""
+        the router, never raised; the gate stays closed (the run is stopping).
+
+        The engines continue *before* the wait: a request that passed the gate just before it
+        closed may reach its engine only after the abort, and a paused engine would hold it
+        until resumed — which a wait with the engines still paused never saw (the stop then
+        took the whole ``timeout_s``). Continued, the engine answers it (its tokens journaled
+        like the aborted ones'), and nothing newer is sent: the gate is closed."""
         self._gate.open.clear()
         engines = self.router.engines
         self._failed(await pause_engines(engines, "abort"))
+        self._failed(await resume_engines(engines))
         try:
             await asyncio.wait_for(self._gate.drained.wait(), timeout_s)
             return True
         except asyncio.TimeoutError:
             return False
-        finally:
-            self._failed(await resume_engines(engines))
 
     def _failed(self, failed: list[tuple[RolloutEngine, BaseException]]) -> None:
         """Engines a pause or resume failed on (``transports/weights/pausing.py``, the one

@@ -216,3 +216,62 @@ def test_an_uncheckpointable_sample_from_the_source_stops_the_controller() -> No
             assert isinstance(cause, TypeError) and "Sample.answer is a _Handle" in str(cause)
 
     run_virtual(go())
+
+
+class _InTransit:
+    """``engine`` with one request held "on the wire" (``hold``): it passed the controller's
+    gate, and reaches the engine only once the engine was paused (``paused``)."""
+
+    def __init__(self, engine: InProcEngine):
+        self.inner = engine
+        self.hold = False
+        self.in_transit = asyncio.Event()
+        self.paused = asyncio.Event()
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+    async def generate(self, input_ids: list[int], sampling_params: dict, rid: str | None = None):
+        if self.hold:
+            self.hold = False
+            self.in_transit.set()
+            await self.paused.wait()
+        return await self.inner.generate(input_ids, sampling_params, rid)
+
+    async def pause_generation(self, mode: str = "abort") -> None:
+        await self.inner.pause_generation(mode)
+        self.paused.set()
+
+
+async def test_a_stop_answers_a_request_that_reaches_its_engine_after_the_abort(
+    engine: InProcEngine,
+) -> None:
+    """``Controller.interrupt`` (a run's stop): a request that passed the gate before it
+    closed and reaches the engine after the abort is answered, and the interrupt returns
+    True at once — with the engines held paused while it waited, such a request was never
+    answered and every stop of a busy multi-turn run waited out the whole timeout (120 s)."""
+
+    async def turns(ctx: EpisodeContext, sample: Sample):
+        ids, parts = list(sample.prompt_ids), []
+        for _ in range(50):
+            out = await ctx.generate(ids, max_new_tokens=2, ignore_eos=True)
+            parts += [out, TOOL]
+            ids += [*out.output_ids, *TOOL]
+        return ctx.trajectory(sample.prompt_ids, parts[:-1], 0.0)
+
+    cfg = RunConfig(
+        controller=ControllerConfig(batch_size=1, max_staleness=1, batch_requests=False),
+        algo=AlgoConfig(group_size=2),
+        rollout=LocalRolloutConfig(max_new_tokens=64),
+    )
+    wire = _InTransit(engine)
+    try:
+        ctl = Controller(cfg, turns, [wire], _samples(1))  # type: ignore[list-item]
+        async with ctl:
+            wire.hold = True
+            await asyncio.wait_for(wire.in_transit.wait(), 60)
+            answered = await asyncio.wait_for(ctl.interrupt(timeout_s=30), 60)
+            assert answered, "the request that reached the paused engine was never answered"
+            assert ctl._gate.inflight == 0
+    finally:
+        await engine.continue_generation()  # the module's engine serves the next test
