@@ -169,9 +169,10 @@ def _scores(
 class Evaluator:
     """``asyncrl run``'s evals (``[eval]``): :meth:`start` once the controller runs,
     :meth:`version` after each new weight version, :meth:`finish` at the end. Each eval is a
-    background task (at most one at a time: a version that comes while one runs is skipped,
-    counted in ``eval/skipped``) whose error surfaces at the next call; ``write`` gets each
-    result with ``step`` = the version asked for."""
+    background task (at most one at a time: a version that comes while one runs is skipped)
+    whose error surfaces at the next call; ``write`` gets each result with ``step`` = the
+    version asked for and ``eval/skipped`` = how many versions asked for are, so far, not
+    evaluated (a version skipped by the schedule and then evaluated at the end is not)."""
 
     def __init__(
         self,
@@ -188,7 +189,7 @@ class Evaluator:
         self.write = write
         self.budget = cfg.eval.max_new_tokens or cfg.generation_budget()
         self.running: asyncio.Task | None = None
-        self.skipped = 0
+        self.missed: set[int] = set()  # versions skipped while an eval ran
         self.done: set[int] = set()
 
     def start(self) -> None:
@@ -218,7 +219,7 @@ class Evaluator:
         if self.running is not None and self.running.done():
             self.running.result()  # an eval that failed fails the run here
         if self.running is not None and not self.running.done():
-            self.skipped += 1
+            self.missed.add(v)
             log.warning("eval of version %d skipped: the previous eval is still running", v)
             return
         self.done.add(v)
@@ -235,4 +236,5 @@ class Evaluator:
             max_new_tokens=self.budget,
             pass_threshold=c.pass_threshold,
         )
-        self.write({"step": v, **metrics, "eval/skipped": float(self.skipped)})
+        skipped = len(self.missed - self.done)
+        self.write({"step": v, **metrics, "eval/skipped": float(skipped)})

@@ -5,6 +5,7 @@ slots."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import subprocess
@@ -133,3 +134,54 @@ def test_short_run_evaluates_before_during_and_after(tmp_path: Path, tiny_model_
     ended = ("trained", "ready", "running", "rejected", "failed", "stale_dropped", "filtered")
     assert c["groups_admitted"] == sum(c[k] for k in (*ended, "stale_regenerated"))
     assert c["episodes"] == 8 * (c["groups_admitted"] - c["running"])
+
+
+class _HeldEvals:
+    """A controller whose ``evaluate`` runs until the test lets that version's eval end."""
+
+    def __init__(self) -> None:
+        self.release: dict[int, asyncio.Event] = {}
+        self.asked: list[int] = []
+
+    async def evaluate(self, samples: object, reward: object, **kw: object) -> dict[str, float]:
+        v = len(self.asked)
+        self.asked.append(v)
+        self.release[v] = asyncio.Event()
+        await self.release[v].wait()
+        return {"eval/reward_mean": 0.0}
+
+
+@pytest.mark.parametrize("slow", [0, 2])
+def test_eval_skipped_counts_the_versions_never_evaluated(slow: int) -> None:
+    """Versions 0 (before training), 2 and 4 (every 2), 4 again at the end: with the eval of
+    ``slow`` still running when the next version comes, that version is skipped. Skipped 2
+    stays skipped (1 in the last row); skipped 4 is evaluated at the end after all (0)."""
+    from asyncrl.controllers.evaluation import Evaluator
+
+    flags = ["--eval.before_train=true", "--eval.every_steps=2", "--eval.at_end=true"]
+    cfg = load_config(None, flags)
+    rows: list[dict] = []
+
+    async def main() -> None:
+        ctl = _HeldEvals()
+        ev = Evaluator(cfg, ctl, [], lambda *a: 0.0, rows.append)  # type: ignore[arg-type]
+        ev.start()  # version 0's eval runs
+        for v, before in ((2, 0), (4, 2)):
+            await asyncio.sleep(0)  # the running eval reaches its wait
+            if before != slow:  # it ends before version v comes
+                ctl.release[len(ctl.asked) - 1].set()
+                await ev.running  # type: ignore[misc]
+            ev.version(v)
+        end = asyncio.ensure_future(ev.finish(4))
+        while not end.done():  # every eval may end now
+            for e in ctl.release.values():
+                e.set()
+            await asyncio.sleep(0)
+        await end
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+    steps = [r["step"] for r in rows]
+    if slow == 0:  # 2 skipped, 4 evaluated by the schedule
+        assert steps == [0, 4] and rows[-1]["eval/skipped"] == 1.0
+    else:  # 4 skipped by the schedule, evaluated at the end
+        assert steps == [0, 2, 4] and rows[-1]["eval/skipped"] == 0.0
