@@ -301,7 +301,7 @@ async def run_job(
         _write_config(cfg, run_dir)
     model_path = resolve_model(cfg)
     job.startup_s = startup_timeout(cfg.rollout, model_path)
-    (run_dir / "pids.json").write_text("{}")
+    ckpts.write_atomic(run_dir / "pids.json", b"{}")  # never seen half-written
     guard = start_guard(run_dir / "pids.json")  # ends the children if this process dies
     launcher.prepare(model_path)  # the fork server imports while the rest is set up
     try:
