@@ -117,7 +117,7 @@ class _PortRegistry:
     def __init__(self, fd: int | None):
         self.fd = fd
         self.held: dict[int, float] = {}
-        self.added: list[int] = []
+        self.changed = False
         if fd is not None:
             now = time.time()
             text = os.pread(fd, 1 << 20, 0).decode(errors="replace")
@@ -149,10 +149,10 @@ class _PortRegistry:
 
     def add(self, port: int) -> None:
         self.held[port] = time.time() + PORT_HOLD_S
-        self.added.append(port)
+        self.changed = True
 
     def _write(self) -> None:
-        if self.fd is None or not self.added:
+        if self.fd is None or not self.changed:
             return
         data = "".join(f"{p} {t:.0f}\n" for p, t in self.held.items()).encode()
         os.ftruncate(self.fd, 0)
