@@ -5,6 +5,9 @@
 # torch the resolver picks within pyproject's range. Override with ASYNCRL_TORCH_SPEC.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# A registry connection that drops mid-download (CI lost a 286 MB triton wheel at 160 MB after
+# pip's default 5 resumes): more resumes and connection retries for every pip call below
+export PIP_RESUME_RETRIES=${PIP_RESUME_RETRIES:-50} PIP_RETRIES=${PIP_RETRIES:-10}
 PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
@@ -97,7 +100,16 @@ unpack_source trl 1.16.0 trl/trainer/grpo_trainer.py
 # `bash scripts/test`); ASYNCRL_SETUP=force runs them anyway. A new .venv always runs them.
 install_packages() {
 # pip, minus this kind of machine's noise about local index folders it does not have
-pip_install() { python -m pip install -q "$@" 2>&1 | { grep -v "^WARNING: Location 'file:" || true; }; }
+# (three tries: a download that fails past its resumes is started again from its beginning)
+pip_install() {
+  local try
+  for try in 1 2 3; do
+    python -m pip install -q "$@" 2>&1 | { grep -v "^WARNING: Location 'file:" || true; } \
+      && return 0
+    echo "setup: pip install $* failed (try $try of 3)" >&2
+  done
+  return 1
+}
 python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 if ! python -c "import torch" >/dev/null 2>&1; then
   if [ -n "${ASYNCRL_TORCH_SPEC:-}" ]; then
