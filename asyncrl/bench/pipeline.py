@@ -48,6 +48,10 @@ The whole-run times (controller start to last report) are in the JSON too.
 ``trainer_cpu_share`` = the trainer's CPU seconds / its busy wall time in the window:
 1.0 when its core is really its own, lower when other work on the machine takes it
 (the machine load — load average, CPU pressure — is recorded before and after each run).
+The CPU bound (``cpu_bound_s_per_step_*``) = every process's CPU seconds per step
+(engine, trainer, controller) / the cores this bench may use: a step cannot take less wall
+time than that; a run well above it waits on something other than the CPU (a straggler, the
+staleness bound).
 ``--repeats K`` alternates K sync/async pairs and reports the median run of each mode
 (this machine's load from other work drifts by tens of percent within minutes).
 """
@@ -135,6 +139,7 @@ def measure(rows: list[dict[str, Any]], warmup: int, staleness: int) -> dict[str
         for k in rows[-1]
         if k.startswith("cpu_") and k in rows[warmup - 1]
     }
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     trainer_cpu = sum(v for k, v in cpu.items() if k.startswith("trainer"))
     engine_cpu = sum(v for k, v in cpu.items() if k.startswith("engine"))
     return {
@@ -145,6 +150,11 @@ def measure(rows: list[dict[str, Any]], warmup: int, staleness: int) -> dict[str
         "train_s_per_step": busy / len(window),
         "engine_s_per_step": engine_cpu / len(window),
         "cpu_s": cpu,  # CPU seconds each process used in the window (runner's cpu_* metrics)
+        # every process's CPU per step spread over the cores this bench may use: no schedule
+        # on this machine runs a step faster than this (the CPU bound)
+        "cpu_s_per_step": sum(cpu.values()) / len(window),
+        "cpu_bound_s_per_step": sum(cpu.values()) / len(window) / max(1, cores or 1),
+        "cores": cores,
         # the share of its core the trainer got while it was busy: 1.0 on a dedicated core
         "trainer_cpu_share": trainer_cpu / busy if busy > 0 else 0.0,
         "total_s": rows[-1]["controller_s"],
@@ -301,6 +311,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "lengths_per": a.lengths,
         "trainer_cpu_share_sync": sync["trainer_cpu_share"],
         "trainer_cpu_share_async": asyn["trainer_cpu_share"],
+        "cpu_bound_s_per_step_sync": sync["cpu_bound_s_per_step"],
+        "cpu_bound_s_per_step_async": asyn["cpu_bound_s_per_step"],
         "cpu_s_sync": sync["cpu_s"],
         "cpu_s_async": asyn["cpu_s"],
         "load_each": [[s["load"], x["load"]] for s, x in zip(syncs, asyns)],  # noqa: B905
@@ -325,6 +337,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"speedup {res['speedup']:.2f}x (whole run {res['speedup_total']:.2f}x; ceiling for this "
         f"workload {res['overlap_ceiling']:.2f}x = 1 / (1 - sync trainer idle)), "
         f"staleness violations {res['staleness_violations']}"
+    )
+    print(
+        f"CPU bound: async {asyn['cpu_s_per_step']:.3f} CPU-s per step (engine + trainer + "
+        f"controller) / {asyn['cores']} cores = {asyn['cpu_bound_s_per_step']:.3f} s/step "
+        f"against {asyn['step_s']:.3f} measured (sync {sync['cpu_bound_s_per_step']:.3f} "
+        f"against {sync['step_s']:.3f})"
     )
     loads = [round(x["load"]["before"].get("loadavg_1m", -1.0), 1) for x in syncs + asyns]
     print(f"pairs: {', '.join(f'{x:.2f}x' for x in res['speedups_each'])}; load avg {loads}")

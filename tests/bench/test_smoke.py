@@ -268,7 +268,8 @@ def _learning_losses(res: dict[str, Any], out: str) -> None:
 
 
 def _pipeline(res: dict[str, Any], out: str) -> None:
-    assert "speedup" in out and "trainer idle" in out
+    assert "speedup" in out and "trainer idle" in out and "CPU bound: async" in out
+    assert 0 < res["cpu_bound_s_per_step_async"] and 0 < res["cpu_bound_s_per_step_sync"]
     assert res["steps"] == 2 and res["samples_per_step"] == 4
     assert res["sync_s"] > 0 and res["async_s"] > 0 and res["staleness_violations"] == 0
 

@@ -49,7 +49,7 @@ def _model(kind: str, dtype: torch.dtype = torch.float32, **extra: Any) -> torch
 
 
 async def _run(engine: LocalEngine, seed: int, temperature: float = 0.0) -> list[Request]:
-    """Waves of requests of mixed prompt and answer lengths, more than ``MIN_ROWS`` rows at
+    """Waves of requests of mixed prompt and answer lengths, many rows at
     once (bucketed attention), later ones joining a running batch that others leave."""
     rng = random.Random(seed)
     loop = asyncio.get_running_loop()

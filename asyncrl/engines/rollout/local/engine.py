@@ -560,8 +560,6 @@ class LocalEngine:
         """Decode attention buckets; the rows are re-sorted longest first when joins and
         leaves have shuffled them enough to read a quarter more columns than sorted rows."""
         plan, cells = attention.plan(kv.lens, kv.width)
-        if plan is None and kv.rows < attention.MIN_ROWS:
-            return plan, cells
         ideal = sorted(kv.lens, reverse=True)
         if ideal != kv.lens:
             best, best_cells = attention.plan(ideal, kv.width)
