@@ -15,6 +15,7 @@ from transformers import DynamicCache
 from asyncrl.engines.rollout.local.engine import LocalEngine, Request
 from asyncrl.engines.rollout.local.kv import BatchCache
 from asyncrl.engines.rollout.local.sampling import SamplingParams
+from tests.engines.rollout._pausing import pause_in_flight
 
 EOS = 2
 
@@ -101,3 +102,59 @@ def test_drop_moves_each_kept_row_whole() -> None:
         for layer, k in zip(kv._glayers, keys, strict=True):
             want = k[order][:, :, width - kv.width :]
             assert torch.equal(layer.keys, want) and torch.equal(layer.values, want + 100)
+
+
+def _poison_outside_windows(engine: LocalEngine) -> None:
+    """NaN in every buffer cell of the running batch that is not a clean column of a row
+    (padding the engine has not zeroed, spare rows and columns)."""
+    kv = engine._kv
+    assert kv is not None
+    with torch.inference_mode():
+        for layer in kv._glayers:
+            for buf in (layer._kbuf, layer._vbuf):
+                keep = buf[: kv.rows, :, layer._start : layer._end].clone()
+                buf.fill_(float("nan"))
+                for i, c in enumerate(kv.clean):
+                    c = min(c, kv.width)
+                    buf[i, :, layer._end - c : layer._end] = keep[i, :, kv.width - c :]
+
+
+async def test_unzeroed_padding_is_never_read(model: torch.nn.Module) -> None:
+    """Joiners' and widened rows' padding is not zeroed when they join (``BatchCache.clean``):
+    with everything outside each row's clean columns NaN, short and long rows joining a
+    running batch of mixed lengths (bucketed and full-width reads, rows moved into holes
+    and re-sorted) still get every log-prob of a plain forward."""
+    engine = LocalEngine(model, {EOS}, max_batch_size=64, context_length=512)
+    rng = random.Random(5)
+    loop = asyncio.get_running_loop()
+    vocab = model.config.vocab_size
+
+    def wave(tag: str, plens: list[int], ns: list[int]) -> list[Request]:
+        reqs = []
+        for i, (plen, n) in enumerate(zip(plens, ns, strict=True)):
+            prompt = [1] + [rng.randrange(3, vocab) for _ in range(plen - 1)]
+            sp = SamplingParams(max_new_tokens=n, ignore_eos=True)
+            reqs.append(Request(f"{tag}{i}", prompt, sp, loop, loop.create_future()))
+        engine.submit_all(reqs)
+        return reqs
+
+    try:
+        first = await pause_in_flight(
+            engine, lambda: wave("a", [40, 6, 6, 3], [300, 120, 9, 60]), 3, "in_place"
+        )
+        _poison_outside_windows(engine)
+        later = wave("b", [5] * 20 + [90], [rng.choice([2, 8, 30]) for _ in range(20)] + [20])
+        engine.resume()
+        await later[0].future  # a join, then more leaving and joining over poisoned buffers
+        more = wave("c", [4, 120, 7], [50, 10, 40])
+        done = await asyncio.gather(*(r.future for r in first + later + more))
+    finally:
+        engine.stop()
+    assert engine.stats["bucketed_steps"] > 0
+    for r in done:
+        assert len(r.output_ids) == r.sampling.max_new_tokens
+        with torch.no_grad():
+            ids = torch.tensor([r.input_ids + r.output_ids])
+            logits = model(ids).logits[0, len(r.input_ids) - 1 : -1].float()
+        want = torch.log_softmax(logits, -1).gather(-1, torch.tensor(r.output_ids)[:, None])
+        torch.testing.assert_close(torch.tensor(r.logprobs), want.squeeze(-1), atol=1e-4, rtol=0)

@@ -532,6 +532,7 @@ class LocalEngine:
             self.stats["bucketed_steps"] += plan is not None
         self.stats["decode_rows"] += kv.rows
         self.stats["decode_cells"] += cells
+        kv.clean_for(plan or [(0, kv.rows, kv.width + 1)])  # what attention reads: see kv
         ids = torch.tensor([r.output_ids[-1] for r in self._running], device=self.device)
         if self._lean is not None:
             bias = kv.decode_bias(self.device, self._lean.dtype)

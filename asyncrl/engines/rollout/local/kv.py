@@ -20,20 +20,27 @@ at most about twice its own keys/values:
   moved back to column 0 of the same buffers if at least ``ROOM`` columns stay
   free (trimming keeps sliding it right), else the buffers grow;
 - joining rows (prefilled on their own) are written into spare rows,
-  right-aligned, their padding zeroed; a wider joiner widens the window to the
-  left when there is room;
+  right-aligned; a wider joiner widens the window to the left when there is room;
 - leaving rows are filled by moving the last rows into their places (one row
-  copied per leaver, all of them in one indexed copy per buffer; the batch order
-  changes: :meth:`BatchCache.drop` returns it), and all-padding leading columns
-  are trimmed by moving the window start;
+  copied per leaver — only the columns it has written — all of them in one indexed
+  copy per buffer; the batch order changes: :meth:`BatchCache.drop` returns it),
+  and all-padding leading columns are trimmed by moving the window start;
 - a batch that empties hands its buffers to the next one (``spare``), which
   keeps them when they fit (the same limits as a reallocation), so a workload
   whose batches drain and refill (short answers: every step's batch empties)
   allocates nothing per batch.
 
-Buffers are allocated uninitialised: every column inside the window is written
-(keys/values, or zeros for padding) before it becomes part of it, and nothing
-reads outside the window.
+Padding is zeroed lazily. Buffers are allocated uninitialised, and a joiner's or a
+widened row's padding columns keep whatever the buffer held (a leftover, or NaN in a
+fresh buffer). Each row counts its *clean* trailing columns (``BatchCache.clean``: its
+keys/values, its prefill's own padding, or zeros); before a decode step reads the
+last ``n`` columns of some rows, :meth:`BatchCache.clean_for` zeroes the part of those
+columns that is not clean yet (attention masks padding, but ``0 x NaN`` is NaN).
+Decode attention reads each row at its bucket's width
+(:mod:`~asyncrl.engines.rollout.local.attention`), a short row beside a long one only
+its own columns, so most padding is never zeroed at all: a batch of 160 short joiners
+beside a 512-token row wrote ~80 MB of zeros per join when the padding was zeroed
+eagerly. Nothing reads outside the window.
 
 Only full-attention decoder layers are supported (``DynamicLayer``), which
 covers Llama/Qwen2/Qwen3/Mistral-style models without sliding windows.
@@ -176,23 +183,26 @@ class GrowingLayer(DynamicLayer):
         widen = max(0, w2 - self.width)
         if self._rows + m > self._kbuf.shape[0] or widen > self._start:
             self._realloc(self._rows + m, self.width + widen, left=widen)
-        if widen:  # the window grows to the left; the old rows' new columns are padding
-            self._start -= widen
-            self._kbuf[: self._rows, :, self._start : self._start + widen] = 0
-            self._vbuf[: self._rows, :, self._start : self._start + widen] = 0
-        new, pad = slice(self._rows, self._rows + m), slice(self._start, self._end - w2)
-        self._kbuf[new, :, pad] = 0
-        self._vbuf[new, :, pad] = 0
+        # the window grows to the left (the old rows' new columns are padding, not zeroed:
+        # see the module docstring); the new rows' padding is not zeroed either
+        self._start -= widen
+        new = slice(self._rows, self._rows + m)
         self._kbuf[new, :, self._end - w2 : self._end] = keys
         self._vbuf[new, :, self._end - w2 : self._end] = values
         self._rows += m
         self._views()
 
-    def move_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Rows ``dst`` of the window become rows ``src`` (disjoint index sets)."""
+    def move_rows(self, src: torch.Tensor, dst: torch.Tensor, cols: int) -> None:
+        """The last ``cols`` columns of rows ``dst`` of the window become those of rows
+        ``src`` (disjoint index sets)."""
         for buf in (self._kbuf, self._vbuf):
-            win = buf[: self._rows, :, self._start : self._end]
+            win = buf[: self._rows, :, self._end - cols : self._end]
             win[dst] = win[src]
+
+    def zero(self, row: slice, cols: slice) -> None:
+        """Zero window columns ``cols`` of rows ``row``."""
+        for buf in (self._kbuf, self._vbuf):
+            buf[row, :, self._start : self._end][:, :, cols] = 0
 
     def permute_rows(self, index: torch.Tensor) -> None:
         """Row ``i`` becomes old row ``index[i]`` (one copy of the window)."""
@@ -244,6 +254,9 @@ class BatchCache:
             cache = grown
         self.cache = cache
         self.lens = list(lens)
+        # per row: its trailing window columns that are its keys/values, its prefill's own
+        # padding (finite) or zeros — the columns a read may cover without zeroing first
+        self.clean = [self.width] * len(self.lens)
 
     @property
     def _glayers(self) -> list[GrowingLayer]:
@@ -287,6 +300,31 @@ class BatchCache:
     def advance(self) -> None:
         """Every row gained one token (after a decode step)."""
         self.lens = [n + 1 for n in self.lens]
+        self.clean = [n + 1 for n in self.clean]
+
+    def clean_for(self, buckets: Sequence[tuple[int, int, int]]) -> int:
+        """Before a decode step that reads, for each ``(first_row, end_row, n)``, the last
+        ``n`` columns of those rows after its write (the window plus the new column): zero
+        the columns of them that are not clean yet. Returns how many rows it zeroed (rows
+        of one join are zeroed together: they are adjacent and equally clean)."""
+        width, clean, zeroed = self.width, self.clean, 0
+        for a, b, n in buckets:
+            i = a
+            while i < b:
+                c = clean[i]
+                if c + 1 >= n:
+                    i += 1
+                    continue
+                j = i + 1
+                while j < b and clean[j] == c:
+                    j += 1
+                cols = slice(width + 1 - n, width - c)  # window columns, before the write
+                for layer in self._glayers:
+                    layer.zero(slice(i, j), cols)
+                clean[i:j] = [n - 1] * (j - i)
+                zeroed += j - i
+                i = j
+        return zeroed
 
     def drop(self, rows: Sequence[int]) -> list[int]:
         """Remove ``rows`` (not all of them); returns the new row order as old row indices.
@@ -302,13 +340,15 @@ class BatchCache:
             order.pop()
         # every moved row comes from past the new end into a hole before it: one copy each
         moved = [(i, j) for i, j in enumerate(order) if i != j]
-        if moved:
+        if moved:  # only the moved rows' clean columns: the rest is padding to them
             device = self._glayers[0].device
             dst = torch.tensor([i for i, _ in moved], device=device)
             src = torch.tensor([j for _, j in moved], device=device)
+            cols = min(self.width, max(self.clean[j] for _, j in moved))  # >= each one's
             for layer in self._glayers:
-                layer.move_rows(src, dst)
+                layer.move_rows(src, dst, cols)
         self.lens = [self.lens[j] for j in order]
+        self.clean = [self.clean[j] for j in order]
         trim = self.width - max(self.lens)
         for layer in self._glayers:
             layer.narrow(len(order), trim)
@@ -322,13 +362,16 @@ class BatchCache:
         for layer in self._glayers:
             layer.permute_rows(index)
         self.lens = [self.lens[i] for i in order]
+        self.clean = [self.clean[i] for i in order]
         return order
 
     def extend(self, cache: DynamicCache, lens: Sequence[int]) -> None:
         """Append the rows of ``cache`` (right-aligned, lengths ``lens``) after this cache's."""
-        for layer, (k, v) in zip(self._glayers, _layers(cache), strict=True):
+        kv = _layers(cache)
+        for layer, (k, v) in zip(self._glayers, kv, strict=True):
             layer.add_rows(k, v)
         self.lens += list(lens)
+        self.clean += [kv[0][0].shape[-2]] * len(lens)  # their prefill's window
 
     @property
     def nbytes(self) -> int:
