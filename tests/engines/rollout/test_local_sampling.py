@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncrl.engines.rollout.local.sampling import SamplingParams, sample
+from asyncrl.engines.rollout.local.sampling import SamplingParams, _draw, sample
 
 
 def test_equal_dicts_parse_to_one_object() -> None:
@@ -68,3 +68,29 @@ def test_mixed_rows_keep_their_own_settings() -> None:
         logits / torch.tensor([1.0 if i % 2 else 2.0 for i in range(32)])[:, None], -1
     )
     assert torch.equal(logp, want.gather(-1, tokens[:, None]).squeeze(-1))
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_draw_is_multinomials(seed: int) -> None:
+    """``_draw`` takes the same tokens as ``torch.multinomial(probs, 1)`` from the same
+    generator state, zero-probability entries (top-k) included, and leaves the generator
+    where multinomial does."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(37, 151, generator=g) * 4
+    logits[::3, 10:] = float("-inf")  # rows with most entries at zero probability
+    probs = torch.softmax(logits, -1)
+    mine, theirs = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
+    for _ in range(20):
+        want = torch.multinomial(probs, 1, generator=theirs).squeeze(-1)
+        assert torch.equal(_draw(probs, mine), want)
+    assert torch.equal(mine.get_state(), theirs.get_state())
+
+
+def test_a_row_that_is_not_a_distribution_raises() -> None:
+    logits = torch.randn(4, 9)
+    logits[2, 3] = float("nan")
+    with pytest.raises(ValueError, match="probability tensor contains"):
+        sample(logits, [SamplingParams()] * 4, torch.Generator().manual_seed(0))
+    logits[2, 3] = float("inf")
+    with pytest.raises(ValueError, match="probability tensor contains"):
+        sample(logits, [SamplingParams(temperature=0.5)] * 4, torch.Generator().manual_seed(0))

@@ -154,8 +154,10 @@ def sample(
     first = params[0]
     if all(p is first for p in params):
         params = [first]
-    temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=dev)
-    scaled = logits / temps[:, None]
+    temps = [1.0 if p.greedy else p.temperature for p in params]
+    scaled = logits  # x / 1.0 is x: no division where every row's temperature is 1
+    if any(t != 1.0 for t in temps):
+        scaled = logits / torch.tensor(temps, device=dev)[:, None]
     logp = torch.log_softmax(scaled, dim=-1)
     greedy = [p.greedy for p in params]
     if all(greedy):
@@ -175,7 +177,22 @@ def sample(
         sorted_l = sorted_l.masked_fill(drop, float("-inf"))
         filtered = torch.empty_like(scaled).scatter_(-1, idx, sorted_l)
     probs = torch.softmax(filtered, dim=-1)
-    tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    tokens = _draw(probs, generator)
     if any(greedy):
         tokens = torch.where(torch.tensor(greedy, device=dev), logits.argmax(-1), tokens)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def _draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One token per row of ``probs`` (B, V): ``torch.multinomial(probs, 1)``'s own algorithm
+    for one draw (``argmax(p / q)``, ``q ~ Exp(1)`` from ``generator``: the same tokens from
+    the same generator state) without its input checks, which cost more than the draw on a
+    decode step (min, max and row sums, each read back to the CPU). The checks' case — a
+    row that is not a distribution (NaN or inf logits) — raises here too, from the drawn
+    rows: their probability is NaN."""
+    q = torch.empty_like(probs).exponential_(1, generator=generator)
+    torch.div(probs, q, out=q)
+    tokens = q.argmax(-1)
+    if probs.gather(-1, tokens[:, None]).isnan().any():
+        raise ValueError("probability tensor contains either `inf`, `nan` or element < 0")
+    return tokens
