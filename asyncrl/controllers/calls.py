@@ -27,7 +27,7 @@ import numpy as np
 from asyncrl import secret
 from asyncrl.config import DEFAULT_MAX_NEW_TOKENS
 from asyncrl.controllers.adapters import AdapterNames
-from asyncrl.core import GenerateResult
+from asyncrl.core import GenerateResult, Trajectory
 from asyncrl.engines.rollout.base import EngineBadRequest, EngineError, EngineUnavailable
 
 if TYPE_CHECKING:
@@ -115,7 +115,8 @@ def _versions(res: GenerateResult, pinned: int | None) -> list[int]:
 
 
 class EngineCalls:
-    """An episode's ``generate`` calls: exact per-token versions, retries, the journal."""
+    """An episode's ``generate`` calls: exact per-token versions, retries, the journal (and
+    ``made``: the trajectories built from them)."""
 
     # one literal tuple: a type checker does not follow ``__slots__ += ...``
     __slots__ = (
@@ -127,6 +128,7 @@ class EngineCalls:
         "episode_id",
         "group_id",
         "journal",
+        "made",
         "next_rid",
         "replay",
         "sampling",
@@ -152,6 +154,9 @@ class EngineCalls:
         self.journal: list[tuple[list[int], Generation]] = []  # finished calls: (input, output)
         self.current: tuple[list[int], Generation] | None = None  # the call in progress
         self.replay: list[Generation] = []  # calls to answer from a checkpoint, in order
+        # the trajectories built from these calls, with the oldest version of their
+        # generated tokens (EpisodeContext.trajectory, the gateway's sessions)
+        self.made: list[tuple[Trajectory, int]] = []
 
     async def generate(self, input_ids: Sequence[int], **sampling: Any) -> Generation:
         """Complete ``input_ids``; keyword args override the run's sampling params.

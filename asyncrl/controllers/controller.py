@@ -54,21 +54,14 @@ from asyncrl import secret, trace
 from asyncrl.config import DEFAULT_MAX_NEW_TOKENS, RunConfig
 from asyncrl.controllers.adapters import AdapterNames
 from asyncrl.controllers.admission import Admission
-from asyncrl.controllers.episode import (
-    Episode,
-    Gate,
-)
+from asyncrl.controllers.episode import Episode, Gate
 from asyncrl.controllers.groups import Group, Running, choose, look_ahead
 from asyncrl.controllers.outcomes import GroupsFailing, Streaks
 from asyncrl.controllers.quiesce import Quiescer
 from asyncrl.controllers.router import Router
 from asyncrl.controllers.samples import Samples
 from asyncrl.controllers.staleness import Staleness
-from asyncrl.controllers.state import (
-    ControllerState,
-    EpisodeState,
-    decode_sample,
-)
+from asyncrl.controllers.state import ControllerState, EpisodeState, decode_sample
 from asyncrl.core import Batch
 from asyncrl.engines.rollout.base import RolloutEngine
 

@@ -55,7 +55,7 @@ from asyncrl.controllers.rewards import RewardError, RewardFn, RewardRunner, cal
 from asyncrl.core import Sample, Trajectory
 
 if TYPE_CHECKING:
-    from asyncrl.controllers.router import Router
+    pass
 
 __all__ = [
     "EngineKeyRefused",
@@ -89,19 +89,7 @@ class EpisodeContext(EngineCalls):
     """Handed to each episode: generation with exact versions (:class:`EngineCalls`:
     ``generate``, ``generate_stream``, the journal), rewards, trajectory helpers."""
 
-    __slots__ = ("made",)
-
-    def __init__(
-        self,
-        router: Router,
-        group_id: int,
-        episode_id: int,
-        sampling: dict[str, Any],
-        max_retries: int,
-        gate: Gate,
-    ):
-        super().__init__(router, group_id, episode_id, sampling, max_retries, gate)
-        self.made: list[tuple[Trajectory, int]] = []  # (trajectory, min generated version)
+    __slots__ = ()
 
     async def reward(
         self,
