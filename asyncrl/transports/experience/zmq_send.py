@@ -362,10 +362,8 @@ class ExperienceSender:
 
     async def _hello(self, ident: bytes, msg: Hello) -> None:
         if msg.world_size != self.world_size or not 0 <= msg.rank < self.world_size:
-            raise MalformedMessage(
-                "protocol",
-                f"hello rank {msg.rank}/{msg.world_size}, expected world {self.world_size}",
-            )
+            why = f"hello rank {msg.rank}/{msg.world_size}, expected world {self.world_size}"
+            raise MalformedMessage("protocol", why)
         peer = self._peers[msg.rank]
         resume = peer.ident is not None and msg.incarnation == peer.incarnation
         if not msg.control and (msg.credit < 0 or (msg.credit == 0 and not resume)):
@@ -436,15 +434,9 @@ class ExperienceSender:
         seqs = list(peer.pending)
         eids = [e for s in seqs for e in peer.pending[s].episode_ids]
         self.counters["lost_reported"] += len(seqs)
-        log.error(
-            "trainer rank %d lost (%s): %d unacknowledged message(s), seqs %s, "
-            "episodes %s; kept for redelivery",
-            rank,
-            why,
-            len(seqs),
-            seqs[:20],
-            eids[:50],
-        )
+        log.error("trainer rank %d lost (%s): %d unacknowledged message(s), seqs %s, "
+                  "episodes %s; kept for redelivery", rank, why, len(seqs), seqs[:20],
+                  eids[:50])  # fmt: skip
         self._reports.put_nowait(ConsumerLost(rank=rank, seqs=seqs, episode_ids=eids))
 
     async def _liveness_loop(self) -> None:
