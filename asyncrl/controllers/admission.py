@@ -8,8 +8,9 @@ a checkpoint's journals), and ends every group in exactly one counter: ready (ap
 rejected or failed (:class:`~asyncrl.controllers.outcomes.Streaks` bounds those). Each end
 releases the group's staleness slot and wakes the admission loop and ``next_batch``. It
 is a mixin: the state it reads and writes is the controller's, declared below and set in
-``Controller.__init__``; a group task's unexpected exception goes to the controller's
-supervision (``_supervise``).
+``Controller.__init__``. A group task that raises (an episode's unexpected error, a
+return value that is no trajectory, :class:`~asyncrl.controllers.outcomes.GroupsFailing`)
+goes to the controller's supervision (``_supervise``): the run stops with it.
 """
 
 from __future__ import annotations
