@@ -53,6 +53,7 @@ CONTROLLER_SIDE = (
     "asyncrl.launchers",
     "asyncrl.tasks",
     X + "zmq_send",  # sends experiences
+    *(X + m for m in ("send_peers", "send_ring", "send_socket")),  # zmq_send's parts
 )
 
 PROCESSES = {

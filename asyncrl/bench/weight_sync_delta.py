@@ -62,9 +62,9 @@ def _masters(model: str) -> tuple[Any, dict[str, Any]]:
     matrices, unit norms, zero biases."""
     import torch
 
-    from asyncrl.bench.weight_sync import _shapes
+    from asyncrl.bench.weight_sync_setup import model_shapes
 
-    shapes = _shapes(model)
+    shapes = model_shapes(model)
     flat = torch.empty(sum(torch.Size(s).numel() for _, s in shapes))
     g = torch.Generator().manual_seed(0)
     out, off = {}, 0
@@ -155,12 +155,12 @@ def run_delta(args: argparse.Namespace) -> list[dict[str, Any]]:
 def _run_delta(args: argparse.Namespace, logs: Path) -> list[dict[str, Any]]:
     import torch
 
-    from asyncrl.bench.weight_sync import _Children, _Floor
+    from asyncrl.bench.weight_sync_setup import Children, Floor
 
     torch.set_num_threads(args.threads)
     me = ["-m", "asyncrl.bench.weight_sync", "--backend", "gloo", "--model", args.model]
     me += ["--dtype", "bfloat16", "--send-host", args.send_host, "--recv-host", args.recv_host]
-    children = _Children(args, me, logs)
+    children = Children(args, me, logs)
     rows: list[dict[str, Any]] = []
     floor: Any = None
     try:
@@ -171,7 +171,7 @@ def _run_delta(args: argparse.Namespace, logs: Path) -> list[dict[str, Any]]:
             # the floor sends real bytes, as many as the bf16 sync: the masters' first half
             wire = flat.view(torch.uint8)[: flat.numel() * 2]
             if floor is None:
-                floor = _Floor("gloo", wire.numel(), children, args.send_host, wire)
+                floor = Floor("gloo", wire.numel(), children, args.send_host, wire)
             floor.buf = wire
             del wire
             try:
@@ -225,7 +225,7 @@ def _one_lr(
 ) -> list[dict[str, Any]]:
     """Both senders' rows at one learning rate: ``repeats + 2`` steps of ``trainer``. The
     senders are gone on return."""
-    from asyncrl.bench.weight_sync import _verified_sums
+    from asyncrl.bench.weight_sync_arms import verified_sums
 
     senders = _senders(args, urls)
     runs: dict[str, list[dict[str, float]]] = {m: [] for m in senders}
@@ -239,7 +239,7 @@ def _one_lr(
             floors.append(floor.once())
             check = None
             if step == last:  # after each sender's last push: the engine holds its bytes
-                check = functools.partial(_verified_sums, urls, _bf16_sums(trainer.named), step + 1)
+                check = functools.partial(verified_sums, urls, _bf16_sums(trainer.named), step + 1)
             pushed = _push_step(
                 senders, trainer.weights(), step + 1, statistics.median(floors), check
             )
@@ -264,11 +264,11 @@ def _push_step(
     of the trainer's work overlapping each push. Each push's stats, with ``held_bytes`` (what
     the sender holds after it) and, given ``check()`` (whether the engine holds what was
     pushed), ``verified`` (1.0 or 0.0) checked right after it."""
-    from asyncrl.bench.weight_sync import _ours
+    from asyncrl.bench.weight_sync_arms import push_once
 
     out = {}
     for mode in PUSH_ORDER:
-        r = _ours(senders[mode], weights, version, train_s)
+        r = push_once(senders[mode], weights, version, train_s)
         r["held_bytes"] = float(senders[mode].stager.memory_bytes())
         if check is not None:
             r["verified"] = float(check())

@@ -38,7 +38,7 @@ def adapter_shapes(model: str, rank: int) -> list[tuple[str, tuple[int, ...]]]:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from asyncrl.bench.weight_sync import MODELS
+    from asyncrl.bench.weight_sync_setup import MODELS
     from asyncrl.config import LoraConfig
 
     targets = set(LoraConfig().target_modules)
@@ -85,16 +85,19 @@ def run_lora(args: argparse.Namespace) -> list[dict[str, Any]]:
 def _run_lora(args: argparse.Namespace, logs: Path) -> list[dict[str, Any]]:
     import torch
 
-    from asyncrl.bench.weight_sync import _Children, _ours, _weights
+    from asyncrl.bench.weight_sync_arms import push_once
+    from asyncrl.bench.weight_sync_setup import Children, random_weights
 
     torch.set_num_threads(args.threads)
     me = ["-m", "asyncrl.bench.weight_sync", "--backend", "gloo", "--model", args.model]
     me += ["--dtype", args.dtype, "--send-host", args.send_host, "--recv-host", args.recv_host]
-    children = _Children(args, me, logs)
+    children = Children(args, me, logs)
     senders: dict[str, Any] = {}
     urls: dict[str, str] = {}
     try:
-        payloads: dict[str, dict[str, Any]] = {"full": _weights(args.model, args.dtype, "cpu")}
+        payloads: dict[str, dict[str, Any]] = {
+            "full": random_weights(args.model, args.dtype, "cpu")
+        }
         ranks: dict[str, int] = {"full": 0}
         for r in args.ranks:
             key = f"lora-r{r}"
@@ -108,7 +111,7 @@ def _run_lora(args: argparse.Namespace, logs: Path) -> list[dict[str, Any]]:
         runs: dict[str, list[dict[str, float]]] = {k: [] for k in senders}
         for step in range(args.repeats + 1):  # one warm-up
             for key, sender in senders.items():
-                r = _ours(sender, payloads[key], step + 1, STEP_S)
+                r = push_once(sender, payloads[key], step + 1, STEP_S)
                 if step >= 1:
                     runs[key].append(r)
         verified = {k: _verified(urls[k], payloads[k], args.repeats + 1) for k in senders}
@@ -124,11 +127,11 @@ def _verified(url: str, payload: dict[str, Any], version: int) -> bool:
     parameters), bit for bit."""
     import asyncio
 
-    from asyncrl.bench.weight_sync import _engine_checksums
+    from asyncrl.bench.weight_sync_arms import engine_checksums
     from asyncrl.transports.weights.bucket import checksum
 
     want = {n: checksum(t.contiguous()) for n, t in payload.items()}
-    (state,) = asyncio.run(_engine_checksums([url]))
+    (state,) = asyncio.run(engine_checksums([url]))
     if "adapters" in state:
         return state["adapters"].get(str(version)) == want
     return state["weight_version"] == str(version) and state["checksums"] == want

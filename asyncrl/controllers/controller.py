@@ -47,42 +47,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
-import time
-from collections import deque
-from collections.abc import AsyncIterator, Coroutine, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Coroutine, Iterable, Sequence
 from typing import Any
-
-import msgspec
 
 from asyncrl import secret, trace
 from asyncrl.config import DEFAULT_MAX_NEW_TOKENS, RunConfig
 from asyncrl.controllers.adapters import AdapterNames
-from asyncrl.controllers.episode import (
-    EngineKeyRefused,
-    Episode,
-    EpisodeContext,
-    EpisodeFailed,
-    EpisodeRejected,
-    Gate,
-)
+from asyncrl.controllers.admission import Admission
+from asyncrl.controllers.episode import Episode, Gate
+from asyncrl.controllers.groups import Group, Running, choose, look_ahead
+from asyncrl.controllers.outcomes import GroupsFailing, Streaks
+from asyncrl.controllers.quiesce import Quiescer
 from asyncrl.controllers.router import Router
+from asyncrl.controllers.samples import Samples
 from asyncrl.controllers.staleness import Staleness
-from asyncrl.controllers.state import (
-    ControllerState,
-    EpisodeState,
-    GroupState,
-    ReadyState,
-    check_sample,
-    decode_sample,
-    encode_sample,
-    journal_of,
-    traj_from_state,
-    traj_state,
-)
-from asyncrl.core import Batch, Trajectory
-from asyncrl.engines.rollout.base import EngineError, EngineUnavailable, RolloutEngine
-from asyncrl.transports.weights.pausing import pause_engines, resume_engines
+from asyncrl.controllers.state import ControllerState, EpisodeState, decode_sample
+from asyncrl.core import Batch
+from asyncrl.engines.rollout.base import RolloutEngine
 
 __all__ = ["Controller", "GroupsFailing", "NoMoreSamples"]
 
@@ -94,21 +75,6 @@ class NoMoreSamples(Exception):
     trained, rejected or failed: the input is used up, no batch will come. (Before
     ``end_input()``, ``next_batch()`` waits for samples instead.) The last batch before it
     may hold fewer than ``batch_size`` groups."""
-
-
-class GroupsFailing(RuntimeError):
-    """``controller.max_failed_groups`` groups in a row failed or were rejected, none
-    finishing between them: the run cannot train (every request fails the same way, every
-    agent raises, every episode returns None). The message names the last cause; the run
-    stops with it."""
-
-
-class Group(msgspec.Struct, gc=False):
-    gid: int
-    sample: Any
-    trajs: list[Trajectory]
-    min_version: int
-    admitted_at: int
 
 
 _END = object()
@@ -125,7 +91,7 @@ _COUNTERS = (
 )
 
 
-class Controller:
+class Controller(Admission):
     """Runs episodes concurrently under the staleness bound and hands out batches.
 
     ``async with Controller(cfg, episode=fn) as ctl:`` then ``ctl.submit(samples)``,
@@ -157,62 +123,48 @@ class Controller:
         self._episode = episode
         self._own_engines = engines is None
         secret.adopt(config.cluster.secret_file)  # the engines' key, as `asyncrl run` holds it
-        if engines is None:
-            from asyncrl.engines.rollout.factory import make_engine
-
-            if not config.rollout.urls:
-                raise ValueError("rollout.urls is empty: pass engines= or name the engine URLs")
-            engines = [make_engine(config.rollout, u) for u in config.rollout.urls]
         self.router = Router(
-            engines, batch_identical=cc.batch_requests, outage_timeout_s=cc.outage_timeout_s
+            _engines_of(config) if engines is None else engines,
+            batch_identical=cc.batch_requests,
+            outage_timeout_s=cc.outage_timeout_s,
         )
         self.staleness = Staleness(cc.max_staleness, cc.batch_size, start_version)
         self.step = start_version
         self._batch_size = cc.batch_size
         self._group_size = config.algo.group_size
         self._max_retries = cc.max_retries
-        self._max_failed_groups = cc.max_failed_groups
-        self._failed_streak = 0
-        self._failure_log = _RateLimitedLog(log, first=5, every_s=10.0)
-        self._rejected_streak = 0
-        self._reject_log = _RateLimitedLog(log, first=1, every_s=30.0)
+        self._streaks = Streaks(log, cc.batch_size, cc.max_failed_groups)
         self._regenerate = cc.stale_policy == "regenerate"
-        self._filter = config.algo.filter_groups  # DAPO dynamic sampling: _uniform groups
+        self._filter = config.algo.filter_groups  # DAPO dynamic sampling: uniform groups
         self._filter_cap = config.algo.filter_max_groups or 10 * cc.batch_size
         self._filtered_step = 0  # groups filtered since the last batch
         self._filter_share = 0.0  # moving share of the groups filtered per step (look-ahead)
-        self._sampling = {
-            "temperature": config.rollout.temperature,
-            "top_p": config.rollout.top_p,
-            "max_new_tokens": config.rollout.max_new_tokens or DEFAULT_MAX_NEW_TOKENS,
-            **(sampling or {}),
-        }
-        self._source: Iterator[Any] | None = iter(source) if source is not None else None
-        self._samples: deque[Any] = deque()
-        self._ready: list[Group] = []
-        self._groups: dict[int, asyncio.Task] = {}
-        self._admitted_at: dict[int, int] = {}  # running group -> version at its admission
-        self._tasks: set[asyncio.Task] = set()
-        self._gid = 0
-        self._eid = 0
-        self._changed = asyncio.Event()
-        self._ready_changed = asyncio.Event()
+        self._sampling = _sampling_of(config, sampling)
+        self._input = Samples(source)
+        self._init_groups()
         self._gate = Gate(cc.retry_backoff_s, cc.retry_backoff_max_s)
         if config.lora.enabled:  # every request names its adapter version
             self._gate.adapters = AdapterNames(
                 config.lora.name, cc.max_staleness + 1, start_version
             )
-        self._input_ended = False
+        self._quiesce = Quiescer(self.router, self._gate)
         self._closing = False
         self._error: BaseException | None = None
         self.counters = dict.fromkeys(_COUNTERS, 0)
-        self._drawn = 0  # samples taken from the source (the data stream's position)
-        self._ctxs: dict[int, list[EpisodeContext]] = {}  # running group -> its episodes
-        self._group_samples: dict[int, Any] = {}  # running group -> its sample
-        self._resumed: list[tuple[int, Any, int, list[EpisodeState]]] = []
         self.resumed = {"groups": 0, "episodes": 0, "kept_tokens": 0}
         if resume is not None:
             self._restore(resume, sample_type)
+
+    def _init_groups(self) -> None:
+        """The queues and the running groups' books, empty; the events that wake the loops."""
+        self._ready: list[Group] = []
+        self._running: dict[int, Running] = {}
+        self._tasks: set[asyncio.Task] = set()
+        self._gid = 0
+        self._eid = 0
+        self._changed = asyncio.Event()
+        self._ready_changed = asyncio.Event()
+        self._resumed: list[tuple[int, Any, int, list[EpisodeState]]] = []
 
     # -- lifecycle ---------------------------------------------------------------------
     async def __aenter__(self) -> Controller:
@@ -229,7 +181,7 @@ class Controller:
     async def close(self) -> None:
         """Cancel every task (background loops and running groups); close owned engines."""
         self._closing = True
-        tasks = [*self._tasks, *self._groups.values()]
+        tasks = [*self._tasks, *(r.task for r in self._running.values())]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -274,18 +226,13 @@ class Controller:
         queues none of ``samples``. (A ``source``'s samples are checked as they are drawn;
         one that fails stops the controller with the same error.)
         """
-        if self._input_ended:
-            raise ValueError("submit() after end_input(): the controller takes no more samples")
-        batch = list(samples)
-        for sample in batch:
-            check_sample(sample)
-        self._samples.extend(batch)
+        self._input.submit(samples)
         self._changed.set()
 
     def end_input(self) -> None:
         """No more samples will come: ``next_batch`` then hands out a last, smaller batch
         and raises :class:`NoMoreSamples` once every group is done."""
-        self._input_ended = True
+        self._input.end()
         self._notify()
 
     async def set_version(self, version: int) -> None:
@@ -314,18 +261,8 @@ class Controller:
         if mode != "wait" and mode not in modes:
             allowed = ", ".join(map(repr, (*modes, "wait")))
             raise ValueError(f"pause mode must be one of {allowed}, got {mode!r}")
-        engines = self.router.engines
-        try:
-            if mode == "wait":
-                self._gate.open.clear()
-                await self._gate.drained.wait()
-            else:  # requests sent meanwhile (resumed ones too) queue on the paused engines
-                self._failed(await pause_engines(engines, mode))
+        async with self._quiesce.paused(mode):
             yield
-        finally:
-            if mode != "wait":
-                self._failed(await resume_engines(engines))
-            self._gate.open.set()
         await self.set_version(version)
 
     async def interrupt(self, timeout_s: float) -> bool:
@@ -342,30 +279,13 @@ class Controller:
         until resumed — which a wait with the engines still paused never saw (the stop then
         took the whole ``timeout_s``). Continued, the engine answers it (its tokens journaled
         like the aborted ones'), and nothing newer is sent: the gate is closed."""
-        self._gate.open.clear()
-        engines = self.router.engines
-        self._failed(await pause_engines(engines, "abort"))
-        self._failed(await resume_engines(engines))
-        try:
-            await asyncio.wait_for(self._gate.drained.wait(), timeout_s)
-            return True
-        except asyncio.TimeoutError:
-            return False
-
-    def _failed(self, failed: list[tuple[RolloutEngine, BaseException]]) -> None:
-        """Engines a pause or resume failed on (``transports/weights/pausing.py``, the one
-        place engines are paused): an engine's error or an engine down goes to the router
-        (a down engine is not paused: fine); anything else is raised."""
-        for engine, exc in failed:
-            if not isinstance(exc, EngineError | EngineUnavailable):
-                raise exc
-            self.router.report_failure(engine, exc)
+        return await self._quiesce.interrupt(timeout_s)
 
     async def next_batch(self) -> Batch:
         """Wait for ``batch_size`` groups that may train at the next step, and take them."""
         while True:
             self._raise_if_failed()
-            if len(self._ready) >= self._batch_size or self._input_ended:
+            if len(self._ready) >= self._batch_size or self._input.ended:
                 batch = self._take_batch()
                 if batch is not None:
                     return batch
@@ -400,225 +320,25 @@ class Controller:
             "admitted_total": self.staleness.admitted,
             "in_flight": self.staleness.in_flight,
             "capacity": self.staleness.capacity,
-            "running": len(self._groups),
+            "running": len(self._running),
             "ready": len(self._ready),
-            "queued": len(self._samples),
+            "queued": len(self._input),
             "engine_failures": self.router.failures,
             "generated_tokens": self.router.generated_tokens,
             "engines_out": len(self.router.unhealthy | self.router.held),
             **self.counters,
         }
 
-    # -- admission ---------------------------------------------------------------------
-    def _next_sample(self) -> tuple[bool, Any]:
-        if self._samples:
-            return True, self._samples.popleft()
-        if self._source is not None:
-            try:
-                sample = next(self._source)
-                self._drawn += 1
-                check_sample(sample)
-                return True, sample
-            except StopIteration:
-                self._source = None
-        return False, None
-
+    # -- batches -----------------------------------------------------------------------
     def _exhausted(self) -> bool:
-        return (
-            self._input_ended
-            and not self._samples
-            and self._source is None
-            and not self._groups
-            and not self._ready
-        )
-
-    async def _admission_loop(self) -> None:
-        staleness = self.staleness
-        counters = self.counters
-        while True:
-            while staleness.can_admit():
-                ok, sample = self._next_sample()
-                if not ok:
-                    if self._input_ended:
-                        self._ready_changed.set()
-                    break
-                staleness.admit()
-                counters["groups_admitted"] += 1
-                gid = self._gid
-                self._gid += 1
-                self._start_group(gid, sample, staleness.version)
-            self._changed.clear()
-            if staleness.can_admit():  # waiting for input (or the sample source ended)
-                await self._changed.wait()
-                continue
-            with trace.get().span("admission blocked (staleness)", "controller admission"):
-                await self._changed.wait()
-
-    def _start_group(
-        self, gid: int, sample: Any, admitted_at: int, replay: list[EpisodeState] | None = None
-    ) -> None:
-        n = self._group_size
-        ctxs = (
-            [self._context(gid) for _ in range(n)] if replay is None else self._replay(gid, replay)
-        )
-        self._ctxs[gid] = ctxs
-        self._group_samples[gid] = sample
-        task = asyncio.get_running_loop().create_task(self._run_group(gid, sample, ctxs))
-        self._groups[gid] = task
-        self._admitted_at[gid] = admitted_at
-        task.add_done_callback(self._group_done)
-
-    def _group_done(self, task: asyncio.Task) -> None:
-        if task.cancelled():
-            return
-        exc = task.exception()
-        if exc is not None:
-            self._supervise(task)
-
-    def _release(self, counter: str) -> None:
-        self.counters[counter] += 1
-        self.staleness.release()
-        self._changed.set()
-        self._ready_changed.set()  # next_batch may be waiting for this very group
-
-    async def _run_group(self, gid: int, sample: Any, ctxs: list[EpisodeContext]) -> None:
-        try:
-            await self._group_body(gid, sample, ctxs)
-        finally:
-            del self._groups[gid]
-            del self._admitted_at[gid]
-            del self._ctxs[gid]
-            del self._group_samples[gid]
-
-    async def _group_body(self, gid: int, sample: Any, ctxs: list[EpisodeContext]) -> None:
-        n = self._group_size
-        if n == 1:
-            try:
-                results: list[Any] = [await self._episode(ctxs[0], sample)]
-            except (EpisodeFailed, EpisodeRejected) as exc:
-                results = [exc]
-        else:
-            coros = [self._episode(ctx, sample) for ctx in ctxs]
-            results = await asyncio.gather(*coros, return_exceptions=True)
-        self.counters["episodes"] += n
-        trajs: list[Trajectory] = []
-        min_v: int | None = None
-        cause = ""
-        for r, ctx in zip(results, ctxs):  # noqa: B905 - equal lengths by construction
-            if isinstance(r, EpisodeFailed):
-                self._group_failed(gid, r)
-                return
-            if isinstance(r, EpisodeRejected):
-                cause = str(r)
-                continue
-            if isinstance(r, BaseException):
-                raise r
-            if r is None:
-                continue
-            got = [r] if isinstance(r, Trajectory) else r
-            if not isinstance(got, list) or not all(isinstance(t, Trajectory) for t in got):
-                msg = f"an episode must return Trajectory, list[Trajectory] or None, got {r!r}"
-                raise TypeError(msg)
-            for t in got:
-                v = ctx.min_version(t)
-                min_v = v if min_v is None or v < min_v else min_v
-                t.group_id = gid
-            trajs += got
-        if min_v is None:
-            self._group_rejected(gid, cause)
-            return
-        self._failed_streak = self._rejected_streak = 0
-        if self._filter and self._filtered_step < self._filter_cap and _uniform(trajs):
-            self._filtered_step += 1
-            self._release("filtered")
-            return
-        self._ready.append(Group(gid, sample, trajs, min_v, self._admitted_at[gid]))
-        if len(self._ready) >= self._batch_size or self._input_ended:
-            self._ready_changed.set()
-
-    def _group_rejected(self, gid: int, cause: str) -> None:
-        """Count a group every episode of which was rejected (returned None or raised
-        :class:`EpisodeRejected`, ``cause``: the last one's message); warn (at a bounded
-        rate) while every group is rejected: ``next_batch`` would wait for groups that never
-        come; stop as :meth:`_group_failed` once the streak reaches the bound."""
-        self._release("rejected")
-        self._rejected_streak += 1
-        why = cause or "every episode returned None"
-        if self._rejected_streak >= self._batch_size:
-            self._reject_log.warning(
-                "%d groups in a row rejected (%s; the last group %d): "
-                "next_batch gets no batch while that goes on",
-                self._rejected_streak,
-                why,
-                gid,
-            )
-        self._failing(f"group {gid} rejected: {why}", None)
-
-    def _group_failed(self, gid: int, exc: EpisodeFailed) -> None:
-        """Count a failed group (logged at a bounded rate); raise :class:`GroupsFailing` (the
-        run's error, through this group's supervised task) once the streak reaches the bound."""
-        self._failure_log.warning("group %d failed: %s", gid, exc)
-        self._release("failed")
-        if isinstance(exc, EngineKeyRefused):  # no group can succeed: stop at the first
-            raise exc
-        self._failing(str(exc), exc)
-
-    def _failing(self, cause: str, exc: BaseException | None) -> None:
-        """One more group failed or rejected since the last that became ready: at
-        ``controller.max_failed_groups`` in a row, raise :class:`GroupsFailing` naming
-        ``cause`` (the last)."""
-        self._failed_streak += 1
-        if self._max_failed_groups and self._failed_streak >= self._max_failed_groups:
-            raise GroupsFailing(
-                f"{self._failed_streak} groups in a row failed or were rejected and none "
-                f"finished (controller.max_failed_groups); the last: {cause}"
-            ) from exc
-
-    def _context(self, gid: int, eid: int | None = None) -> EpisodeContext:
-        if eid is None:
-            eid = self._eid
-            self._eid += 1
-        return EpisodeContext(self.router, gid, eid, self._sampling, self._max_retries, self._gate)
-
-    def _replay(self, gid: int, episodes: list[EpisodeState]) -> list[EpisodeContext]:
-        if len(episodes) != self._group_size:
-            raise ValueError(
-                f"checkpointed group {gid} has {len(episodes)} episodes, algo.group_size is "
-                f"{self._group_size}: resume with the run's own group size"
-            )
-        ctxs = []
-        for e in episodes:
-            ctx = self._context(gid, e.episode_id)
-            ctx.replay = list(e.calls)
-            ctx.next_rid = e.next_rid
-            ctxs.append(ctx)
-            self.resumed["episodes"] += 1
-            self.resumed["kept_tokens"] += sum(len(c.output_ids) for c in e.calls)
-        self.resumed["groups"] += 1
-        return ctxs
+        return self._input.used_up and not self._running and not self._ready
 
     # -- checkpoints -------------------------------------------------------------------
     def snapshot(self) -> ControllerState:
         """The controller's state now (synchronous: one consistent instant; see state.py)."""
         st = self.staleness
-        running = []
-        for gid in sorted(self._groups):
-            sample = self._group_samples[gid]
-            eps = [
-                EpisodeState(c.episode_id, journal_of(c.journal, c.current), c.next_rid)
-                for c in self._ctxs[gid]
-            ]
-            running.append(GroupState(gid, encode_sample(sample), self._admitted_at[gid], eps))
-        ready = [
-            ReadyState(
-                g.gid,
-                encode_sample(g.sample),
-                [traj_state(t) for t in g.trajs],
-                g.min_version,
-                g.admitted_at,
-            )
-            for g in self._ready
-        ]
+        running = [self._running[gid].state(gid) for gid in sorted(self._running)]
+        queued, drawn = self._input.state()
         return ControllerState(
             step=self.step,
             version=st.version,
@@ -627,9 +347,9 @@ class Controller:
             counters=dict(self.counters),
             next_gid=self._gid,
             next_eid=self._eid,
-            drawn=self._drawn,
-            queued=[encode_sample(x) for x in self._samples],
-            ready=ready,
+            drawn=drawn,
+            queued=queued,
+            ready=[g.state() for g in self._ready],
             running=running,
         )
 
@@ -639,17 +359,8 @@ class Controller:
         self.step = state.step
         self.counters.update(state.counters)
         self._gid, self._eid = state.next_gid, state.next_eid
-        self._samples.extend(decode_sample(r, sample_type) for r in state.queued)
-        if self._source is not None:
-            for _ in range(state.drawn):  # the same stream, continued where it stopped
-                if next(self._source, _END) is _END:
-                    self._source = None
-                    break
-        self._drawn = state.drawn
-        for g in state.ready:
-            sample = decode_sample(g.sample, sample_type)
-            trajs = [traj_from_state(t) for t in g.trajs]
-            self._ready.append(Group(g.gid, sample, trajs, g.min_version, g.admitted_at))
+        self._input.restore(state.queued, state.drawn, sample_type)
+        self._ready += [Group.of_state(g, sample_type) for g in state.ready]
         self._resumed = [
             (g.gid, decode_sample(g.sample, sample_type), g.admitted_at, g.episodes)
             for g in state.running
@@ -661,16 +372,12 @@ class Controller:
             if self.router.unhealthy:
                 await self.router.probe()
 
-    # -- batches -----------------------------------------------------------------------
     def _take_batch(self) -> Batch | None:
         """Drop or re-queue groups too stale for this step, then take the B oldest-admitted
-        (or, once the input ended and nothing else can come, what is left).
-
-        Waits (returns None) while a running group was admitted at a version <= t - s: its
-        tokens are at least that new, so step t is its last chance to train; taking other
-        groups now would throw its work away. With FIFO admission this makes stale drops
-        rare (only after interruptions or failures), at the cost of waiting for a straggler
-        only once it is s steps old."""
+        (or, once the input ended and nothing else can come, what is left); None while a
+        running group must train at this step (:func:`~asyncrl.controllers.groups.choose`).
+        With FIFO admission this makes stale drops rare (only after interruptions or
+        failures), at the cost of waiting for a straggler only once it is s steps old."""
         step = self.step
         fits = self.staleness.fits
         keep = [g for g in self._ready if fits(step, g.min_version)]
@@ -679,24 +386,17 @@ class Controller:
                 if fits(step, g.min_version):
                     continue
                 if self._regenerate:
-                    self._samples.appendleft(g.sample)
+                    self._input.requeue(g.sample)
                     self._release("stale_regenerated")
                 else:
                     self._release("stale_dropped")
         self._ready = keep
-        size = self._batch_size
+        running_since = min((r.admitted_at for r in self._running.values()), default=None)
         due = step - self.staleness.max_staleness
-        if self._groups and min(self._admitted_at.values()) <= due:
-            # a running group must train at this step or never: wait for it, unless enough
-            # groups just as old are ready to fill the batch without it
-            if sum(1 for g in keep if g.admitted_at <= due) < size:
-                return None
-        if len(keep) < size:
-            last = self._input_ended and not self._samples and self._source is None
-            if not (last and keep and not self._groups):
-                return None
-        keep.sort(key=lambda g: (g.admitted_at, g.min_version, g.gid))
-        chosen, self._ready = keep[:size], keep[size:]
+        picked = choose(keep, self._batch_size, due, running_since, self._input.used_up)
+        if picked is None:
+            return None
+        chosen, self._ready = picked
         self.step += 1
         self.counters["trained"] += len(chosen)
         filtered, self._filtered_step = self._filtered_step, 0
@@ -710,43 +410,29 @@ class Controller:
         )
 
     def _admit_ahead(self, filtered: int, trained: int) -> None:
-        """Dynamic sampling's look-ahead: with a share ``f`` of finished groups dropped (moving
-        average over the steps, weight 1/2 to the newest), a window of ``(s + 1) B`` useful
-        groups in flight needs ``(s + 1) B f / (1 - f)`` more beside it; admitting them now
-        starts the refill with the groups it replaces, not after they finished, so the
-        trainer waits for the engines' throughput, not for their latency twice. Bounded by
-        ``algo.filter_max_groups`` (its default, 10 B) and by ``f <= 0.9``."""
-        share = filtered / max(1, filtered + trained)
-        self._filter_share = 0.5 * self._filter_share + 0.5 * share
-        f = min(self._filter_share, 0.9)
+        """Dynamic sampling's look-ahead (:func:`~asyncrl.controllers.groups.look_ahead`):
+        admit that many groups beyond the staleness window."""
         window = (self.staleness.max_staleness + 1) * self._batch_size
-        self.staleness.ahead = min(self._filter_cap, math.ceil(window * f / (1.0 - f)))
+        self._filter_share, self.staleness.ahead = look_ahead(
+            self._filter_share, filtered, trained, window, self._filter_cap
+        )
         self._changed.set()
 
 
-def _uniform(trajs: list[Trajectory]) -> bool:
-    """All rewards of a group equal: no signal for a group-relative baseline (DAPO)."""
-    return len({t.reward for t in trajs}) == 1
+def _engines_of(config: RunConfig) -> list[RolloutEngine]:
+    """SGLang-protocol clients (or the configured family's) of ``config.rollout.urls``."""
+    from asyncrl.engines.rollout.factory import make_engine
+
+    if not config.rollout.urls:
+        raise ValueError("rollout.urls is empty: pass engines= or name the engine URLs")
+    return [make_engine(config.rollout, u) for u in config.rollout.urls]
 
 
-class _RateLimitedLog:
-    """A warning logged the first ``first`` times, then at most once every ``every_s`` seconds
-    with the count of those left out (a run failing every request logs a few lines, not
-    thousands)."""
-
-    def __init__(self, logger: logging.Logger, first: int, every_s: float):
-        self._log, self._first, self._every_s = logger, first, every_s
-        self._count = self._skipped = 0
-        self._last = 0.0
-
-    def warning(self, msg: str, *args: Any) -> None:
-        self._count += 1
-        now = time.monotonic()
-        if self._count > self._first and now - self._last < self._every_s:
-            self._skipped += 1
-            return
-        if self._skipped:
-            msg += f" (and {self._skipped} more like it since the last such line)"
-            self._skipped = 0
-        self._last = now
-        self._log.warning(msg, *args)
+def _sampling_of(config: RunConfig, sampling: dict[str, Any] | None) -> dict[str, Any]:
+    """The run's sampling parameters (``rollout.*``), ``sampling`` overriding them."""
+    return {
+        "temperature": config.rollout.temperature,
+        "top_p": config.rollout.top_p,
+        "max_new_tokens": config.rollout.max_new_tokens or DEFAULT_MAX_NEW_TOKENS,
+        **(sampling or {}),
+    }

@@ -29,7 +29,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from asyncrl.controllers.episode import Generation, input_crc
+from asyncrl.controllers.calls import Generation, input_crc
 from asyncrl.core import ARRAY_FIELDS, Trajectory, TrajScalars, scalars_of
 
 __all__ = [

@@ -83,6 +83,8 @@ PARTS = {  # module of asyncrl/bench -> (the bench that runs it, the flag its ru
     "weight_sync_lora": ("weight-sync", "--lora"),
     # its --engine rows: test_weight_sync_into_the_vllm_standin below (a server to start first)
     "weight_sync_engines": ("weight-sync", ""),
+    "weight_sync_setup": ("weight-sync", ""),  # weights, engine processes, floor: every run
+    "weight_sync_arms": ("weight-sync", ""),  # the full-push arms and rows: every full run
     # --link-gbit: test_weight_sync_over_an_emulated_link below (root only; else its refusal)
     "netlink": ("weight-sync", ""),
     "peer_trl": ("peer", ""),  # the TRL side: every peer run

@@ -69,7 +69,7 @@ async def test_peers_without_the_key_are_refused_counted_and_the_run_goes_on() -
         refused = tx.counters["refused"]
 
         def counted() -> bool:
-            tx._count_disconnects()
+            tx._socket.count_events()
             return tx.counters["refused"] > refused
 
         await _until(counted, "the intruders' next retry refused")  # each retry is counted

@@ -81,7 +81,7 @@ async def test_a_frame_over_the_limit_on_the_data_connection_loses_nothing(side:
         for i in range(n):
             await tx.send([sent[i]], rank=0)
             if side == "producer" and i == cut_after:  # into the stream, between batches
-                tx._sock.send_multipart([_ident(tx, b"d"), BIG])
+                tx._socket.send_now(_ident(tx, b"d"), [BIG])
             if i == cut_after:
                 await tx.broadcast(Save(step=99))
 
@@ -116,7 +116,7 @@ async def test_a_frame_over_the_limit_on_the_control_connection_is_survived(side
         await tx.wait_peers(10)
         await _until(lambda: any(i.startswith(b"c") for i in tx._by_ident), "control hello")
         if side == "producer":  # a ROUTER sends on the control connection: libzmq cuts it
-            tx._sock.send_multipart([_ident(tx, b"c"), BIG])
+            tx._socket.send_now(_ident(tx, b"c"), [BIG])
             await _until(lambda: rx.reconnects == 1, "the control connection restored")
         else:
             with rx._ctl_lock:
