@@ -59,6 +59,21 @@ def test_a_fork_is_what_python_dash_m_would_be(server: ForkServer, tmp_path: Pat
     assert log.read_text() == f"child {proc.pid} says hello\n"
 
 
+def test_a_preloaded_package_runs_its_main_and_stays_imported(tmp_path: Path) -> None:
+    """``-m PACKAGE`` (its ``__main__``): python -m imports the package too, so the fork keeps
+    the server's copy (only a preloaded plain module is forgotten before it runs)."""
+    fs = ForkServer.start(["tests.forkserver_pkg"], timeout_s=60)
+    try:
+        out, log = tmp_path / "seen.json", tmp_path / "child.log"
+        proc = fs.spawn(["-m", "tests.forkserver_pkg", str(out)], log, python_env())
+        assert proc.wait(30) == 0, log.read_text()
+        seen = json.loads(out.read_text())
+        assert seen["imported_by"] == fs.proc.pid != seen["pid"]
+        assert log.read_text() == ""  # no warning
+    finally:
+        fs.close()
+
+
 def test_a_relative_log_is_the_clients(
     server: ForkServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

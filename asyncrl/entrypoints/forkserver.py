@@ -227,7 +227,10 @@ def _unimport(module: str) -> None:
     """Forget the preloaded ``module`` itself (what it imported stays imported), as a fresh
     ``python -m module`` has never imported it: its code then runs once, as ``__main__``,
     and importing it later imports it afresh. runpy would otherwise warn in every child's
-    log that it was "found in sys.modules ... prior to execution" (a preloaded module is)."""
+    log that it was "found in sys.modules ... prior to execution" (a preloaded module is).
+    A package stays: ``python -m package`` imports it too, and runs its ``__main__``."""
+    if hasattr(sys.modules.get(module), "__path__"):
+        return
     sys.modules.pop(module, None)
     package, _, name = module.rpartition(".")
     if package in sys.modules and hasattr(sys.modules[package], name):
