@@ -24,6 +24,7 @@ if __name__ == "__main__":
         "cores": sorted(os.sched_getaffinity(0)),
         "secret": secret.load(),
         "preloaded": "xml.dom.minidom" in sys.modules,
+        "itself_imported": "tests.forkserver_child" in sys.modules,  # python -m: never
         "threads": sys.modules["torch"].get_num_threads() if "torch" in sys.modules else None,
     }
     with open(out + ".tmp", "w") as f:

@@ -53,7 +53,25 @@ def test_a_fork_is_what_python_dash_m_would_be(server: ForkServer, tmp_path: Pat
     assert seen["comm"] == "forkserver_chil"  # 15 characters: the kernel's limit
     assert seen["cores"] == [0] and seen["preloaded"]
     assert seen["threads"] == 1  # torch's pool sized for its one core, as a fresh process's
-    assert f"child {proc.pid} says hello" in log.read_text()
+    # the server preloaded the child's module (the fixture's list): the fork runs its code as
+    # __main__ without that copy, as python -m would, and runpy has nothing to warn about
+    assert not seen["itself_imported"]
+    assert log.read_text() == f"child {proc.pid} says hello\n"
+
+
+def test_a_preloaded_package_runs_its_main_and_stays_imported(tmp_path: Path) -> None:
+    """``-m PACKAGE`` (its ``__main__``): python -m imports the package too, so the fork keeps
+    the server's copy (only a preloaded plain module is forgotten before it runs)."""
+    fs = ForkServer.start(["tests.forkserver_pkg"], timeout_s=60)
+    try:
+        out, log = tmp_path / "seen.json", tmp_path / "child.log"
+        proc = fs.spawn(["-m", "tests.forkserver_pkg", str(out)], log, python_env())
+        assert proc.wait(30) == 0, log.read_text()
+        seen = json.loads(out.read_text())
+        assert seen["imported_by"] == fs.proc.pid != seen["pid"]
+        assert log.read_text() == ""  # no warning
+    finally:
+        fs.close()
 
 
 def test_a_relative_log_is_the_clients(
@@ -100,6 +118,7 @@ def test_closing_the_server_ends_what_it_started(tmp_path: Path) -> None:
         assert time.monotonic() < deadline, "the fork server's child outlived it"
         time.sleep(0.05)
     assert not pid_alive(fs.proc.pid)
+    assert fs.proc.returncode == 0  # an orderly end (it leaves without the interpreter's teardown)
 
 
 def test_a_failed_preload_is_named(tmp_path: Path) -> None:

@@ -80,6 +80,8 @@ def _check_finished_run(tmp_path: Path, proc: subprocess.Popen, steps: int) -> N
     # run folder: logs, config.json, processes.json, metrics, trace, checkpoints
     assert (run / "trace.json").is_file() and list(run.glob("*.log"))
     assert leaks(secret.load(), run, []) == []
+    for name in ("engine0", "trainer0"):  # forks of the fork server run as python -m would
+        assert "RuntimeWarning" not in (run / f"{name}.log").read_text(), name
 
 
 def test_sigint_stops_every_process_and_nothing_listened_beyond_loopback(

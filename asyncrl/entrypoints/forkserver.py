@@ -14,7 +14,10 @@ worker SIGKILLs its own children as it exits) leaves none behind.
 Each connection sends JSON lines ``{"id", "args", "env", "cwd", "log", "cores",
 "secret"?}`` and gets ``{"id", "pid"}`` or ``{"id", "error"}``, and ``{"exit": PID,
 "code": C}`` when one of its children ends. When a connection closes, every child forked
-for it that still runs is SIGKILLed (its whole session); on exit, every child is.
+for it that still runs is SIGKILLed (its whole session); on exit, every child is. The
+server then leaves at once (atexit handlers run, output flushed), skipping the interpreter's
+teardown of what it preloaded. A child forgets the preloaded copy of the module it runs
+(runpy runs that module's code as ``__main__``, as ``python -m`` does).
 """
 
 from __future__ import annotations
@@ -207,6 +210,7 @@ def _child(req: dict[str, Any], out: int | None) -> NoReturn:
         _become(req, out)
         import runpy
 
+        _unimport(args[1])
         runpy.run_module(args[1], run_name="__main__", alter_sys=True)
         code = 0
     except SystemExit as exc:
@@ -217,6 +221,20 @@ def _child(req: dict[str, Any], out: int | None) -> NoReturn:
         traceback.print_exc()
     finally:
         _exit(code)
+
+
+def _unimport(module: str) -> None:
+    """Forget the preloaded ``module`` itself (what it imported stays imported), as a fresh
+    ``python -m module`` has never imported it: its code then runs once, as ``__main__``,
+    and importing it later imports it afresh. runpy would otherwise warn in every child's
+    log that it was "found in sys.modules ... prior to execution" (a preloaded module is).
+    A package stays: ``python -m package`` imports it too, and runs its ``__main__``."""
+    if hasattr(sys.modules.get(module), "__path__"):
+        return
+    sys.modules.pop(module, None)
+    package, _, name = module.rpartition(".")
+    if package in sys.modules and hasattr(sys.modules[package], name):
+        delattr(sys.modules[package], name)
 
 
 def _become(req: dict[str, Any], out: int | None) -> None:
@@ -372,5 +390,25 @@ def main(argv: list[str] | None = None) -> None:
             os.unlink(a.listen)
 
 
+def _serve_and_leave() -> NoReturn:
+    """:func:`main`, then leave as :func:`_exit` does: by then every child is ended and every
+    socket closed, and the interpreter's own teardown of what the server preloaded (torch,
+    transformers: ~1 s, which the run waits for as it stops the server) has nothing to do."""
+    code = 1
+    try:
+        main()
+        code = 0
+    except SystemExit as exc:
+        code = _exit_status(exc.code)
+    except KeyboardInterrupt:
+        code = 128 + signal.SIGINT
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        _exit(code)
+
+
 if __name__ == "__main__":
-    main()
+    _serve_and_leave()

@@ -8,7 +8,11 @@ driver binds ``experience.host``. A restarted process gets the very same command
 line (an engine keeps its port, so its URL is unchanged). With ``cluster.fork_server``
 on, trainer ranks and embedded engines are forks of the run's fork server
 (:mod:`asyncrl.forkserver`, its output in ``run_dir/forkserver.log``): same command
-lines, environment, sessions and logs, without importing torch again.
+lines, environment, sessions and logs, without importing torch again. Other programs
+(SGLang, vLLM, started behind ``-m asyncrl.entrypoints.keyed``) start as fresh processes,
+as the Ray launcher starts them: the server preloads nothing they import, and a fork of it
+would carry the trainer's ~460 MB of preloaded modules into a GPU server that never uses
+them.
 """
 
 from __future__ import annotations
@@ -29,6 +33,9 @@ from asyncrl.procs import Proc, free_port, python_env, spawn, stop, wait_exit
 
 __all__ = ["LocalLauncher", "fork_server_wanted"]
 
+TRAINER = "asyncrl.entrypoints.trainer"
+"""The trainer ranks' module (:func:`~asyncrl.launchers.base.trainer_command`)."""
+
 log_ = logging.getLogger("asyncrl.launcher")
 
 
@@ -48,6 +55,9 @@ class LocalLauncher:
         self._urls: dict[str, str] = {}
         self._hosts: dict[str, str] = {}
         self._reported: set[str] = set()
+        # what the fork server preloads and forks: the trainer's module and the servers' (the
+        # embedded engine's; none for SGLang and vLLM, or when the engines run elsewhere)
+        self._forked = [TRAINER, *(() if cfg.rollout.urls else family(cfg.rollout).preload)]
 
     def advertise_host(self) -> str:
         return self.cfg.experience.host
@@ -131,9 +141,10 @@ class LocalLauncher:
         self.procs[name] = self._start(role, args, self.run_dir / f"{name}.log", env)
 
     def _start(self, role: str, args: Sequence[str], log: Path | None, env: dict[str, str]) -> Proc:
-        """Fork ``args`` from the fork server when it serves them, else a fresh process."""
+        """Fork ``args`` from the fork server when they run a module it preloads (a trainer
+        rank, an embedded engine), else start a fresh process."""
         fs = self.fork_server
-        if fs is not None and fs.serves(args) and fs.alive():
+        if fs is not None and fs.serves(args) and args[1] in self._forked and fs.alive():
             try:
                 return fs.spawn(args, log, env, self.pin.get(role))
             except RuntimeError as exc:  # e.g. a preload failed: start fresh processes
@@ -154,9 +165,7 @@ class LocalLauncher:
                 return
             except OSError as exc:
                 log_.warning("%s; this run starts its own", exc)
-        preload = ["asyncrl.entrypoints.trainer"]
-        if not self.cfg.rollout.urls:  # the servers' modules (the embedded engine's)
-            preload += family(self.cfg.rollout).preload
+        preload = list(self._forked)
         model = model_module(model_path)
         preload += [model] if model else []
         self.fork_server = ForkServer.start(preload, self.run_dir / "forkserver.log")

@@ -36,6 +36,7 @@ def test_summary_and_ratios_over_seeds() -> None:
             "side": "trl",
             "seed": s,
             "threads": "2",
+            "process_to_train_s": 4.0 + s,  # TRL's imports and model load, before its clock
             **summarize([dict(r, step_s=1.0, gen_s=0.4) for r in _rows([1.0] * 20, dt=1.0)], [0.5]),
         }
         for s in (0, 1)
@@ -52,6 +53,9 @@ def test_summary_and_ratios_over_seeds() -> None:
     assert ratio["time_to"]["0.5"] == (1.0 + 4.5) / 10.0
     assert ratio["s_per_step"] == 0.5 and ratio["train_s"] == 0.5
     assert ratio["samples_to"]["0.5"] == 1.0
+    # from each side's process start: TRL's mean start-up (4.5 s) added to its clock only
+    assert got["sides"]["trl-t2"]["time_from_start_to"]["0.5"] == 10.0 + 4.5
+    assert ratio["time_from_start_to"]["0.5"] == (1.0 + 4.5) / (10.0 + 4.5)
     # a seed that never reaches a level: no mean time for that side
     late = dict(ours[1], reach={"0.5": None})
     assert aggregate([ours[0], late], [0.5])["sides"]["asyncrl"]["time_to"]["0.5"] is None

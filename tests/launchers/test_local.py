@@ -15,8 +15,10 @@ import pytest
 
 from asyncrl.config import load_config
 from asyncrl.engines.rollout.sglang import SGLangClient
+from asyncrl.forkserver import Forked
 from asyncrl.launchers import Launcher, make_launcher
 from asyncrl.launchers.base import TrainerArgs, trainer_command
+from asyncrl.launchers.local import LocalLauncher
 from asyncrl.procs import pid_alive, python_env
 from asyncrl.transports.experience.shm import PREFIX, SHM_DIR
 from tests.runs import kill_when_rows
@@ -67,6 +69,28 @@ async def test_engine_killed_is_reported_once_and_restarts_at_the_same_url(
         await asyncio.to_thread(launcher.stop)
     assert not pid_alive(new_pid)
     assert launcher.deaths() == []  # exits caused by stop() are not deaths
+
+
+@pytest.mark.parametrize(("backend", "forked"), [("local", True), ("sglang", False)])
+def test_the_fork_server_starts_embedded_engines_and_never_another_program(
+    tiny_model_dir: Path, tmp_path: Path, backend: str, forked: bool
+) -> None:
+    """With the fork server on, an embedded engine is its fork; an SGLang server (started
+    behind asyncrl.entrypoints.keyed, a ``-m`` command too) is a fresh process, as on Ray.
+    No SGLang here: that server ends at once, which is all this test needs of it."""
+    cfg = load_config(None, [f"--rollout.backend={backend}", "--cluster.fork_server=on"])
+    launcher = make_launcher(cfg, tmp_path)
+    assert isinstance(launcher, LocalLauncher)
+    try:
+        launcher.start_engines(str(tiny_model_dir))
+        proc = launcher.procs["engine0"]
+        assert launcher.fork_server is not None and launcher.fork_server.alive()
+        assert isinstance(proc, Forked) is forked
+        assert isinstance(proc, subprocess.Popen) is not forked  # a child of this process
+        if not forked:
+            assert proc.args[1:3] == ["-m", "asyncrl.entrypoints.keyed"]
+    finally:
+        launcher.stop()
 
 
 def test_trainer_command_carries_the_advertised_addresses(tmp_path: Path) -> None:

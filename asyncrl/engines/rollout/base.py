@@ -156,11 +156,14 @@ async def poll_healthy(
 ) -> None:
     """The families' health wait: poll ``why_unhealthy`` (None: healthy) until it holds or
     ``timeout_s`` passes, then EngineUnavailable naming ``url``, the timeout and the last
-    failure. ``gone`` is asked between polls: a reason it returns (e.g. "the process exited
-    with 1") ends the wait at once, naming ``url`` and that reason; so does ``fatal``'s
-    message for a failure no retry mends (a refused key)."""
+    failure. The pause between polls starts at 10 ms and doubles up to ``interval_s`` (a
+    server that is about to answer, as a run's forked engine is, is seen at once; one that
+    takes minutes is polled every ``interval_s``). ``gone`` is asked between polls: a reason
+    it returns (e.g. "the process exited with 1") ends the wait at once, naming ``url`` and
+    that reason; so does ``fatal``'s message for a failure no retry mends (a refused key)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
+    pause = min(0.01, interval_s)
     while (why := await why_unhealthy()) is not None:
         if gone is not None and (reason := gone()) is not None:
             raise EngineUnavailable(f"engine {url} is gone: {reason}")
@@ -170,7 +173,8 @@ async def poll_healthy(
             raise EngineUnavailable(
                 f"engine {url} did not answer within {timeout_s:g}s (last: {why})"[:500]
             )
-        await asyncio.sleep(interval_s)
+        await asyncio.sleep(pause)
+        pause = min(pause * 2, interval_s)
 
 
 def batch_rids(requests: list[GenerateRequest]) -> list[str] | None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from asyncrl.config import SGLangRolloutConfig
-from asyncrl.engines.rollout.base import EngineUnavailable
+from asyncrl.engines.rollout.base import EngineUnavailable, poll_healthy
 from asyncrl.engines.rollout.launcher import (
     LOCAL_SERVER,
     LaunchSpec,
@@ -50,6 +50,33 @@ def test_engines_given_by_url_are_taken_as_they_are(tmp_path: Path) -> None:
     rc = SGLangRolloutConfig(urls=("http://10.0.0.1:30000", "http://10.0.0.2:30000"))
     urls, servers = start_engines(rc, "/models/x", tmp_path)
     assert urls == list(rc.urls) and servers == []
+
+
+async def test_the_health_wait_polls_soon_then_every_interval(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A server about to answer (a run's forked engine: ~0.1 s) is seen within a few ms of
+    answering; a slow one is polled every ``interval_s``, and the wait still gives up."""
+    pauses: list[float] = []
+    answers = iter(["refused"] * 8 + [None])
+
+    async def sleep(s: float) -> None:
+        pauses.append(s)
+
+    async def why() -> str | None:
+        return next(answers)
+
+    monkeypatch.setattr(asyncio, "sleep", sleep)
+    await poll_healthy("http://e", why, timeout_s=60, interval_s=0.2)
+    assert pauses == [0.01, 0.02, 0.04, 0.08, 0.16, 0.2, 0.2, 0.2]
+
+    async def never() -> str:
+        return "refused"
+
+    pauses.clear()
+    with pytest.raises(EngineUnavailable, match=r"did not answer within -1s \(last: refused\)"):
+        await poll_healthy("http://e", never, timeout_s=-1, interval_s=0.005)
+    assert pauses == []  # past the deadline at the first failure: no pause
 
 
 async def test_launch_wait_and_stop_by_pid(tiny_model_dir: Path, tmp_path: Path, free_port: int):
