@@ -36,8 +36,8 @@ last ``columns`` columns of the keys/values."""
 
 MIN_SAVED = 512
 """A bucket is cut only where it spares at least this many cells (rows x columns) of the
-attention's reads: each bucket adds a few attention calls per layer (~15 us each on a CPU
-core for a small model), and a cell costs ~6 ns per head and layer there."""
+attention's reads: each bucket adds its attention calls to every layer (~20 us per layer on
+a CPU core for a small model), and a cell costs ~6 ns per head and layer there."""
 SHRINK = 0.6  # a new bucket starts where a row needs < SHRINK x the current bucket's width
 
 
