@@ -158,3 +158,38 @@ async def test_unzeroed_padding_is_never_read(model: torch.nn.Module) -> None:
             logits = model(ids).logits[0, len(r.input_ids) - 1 : -1].float()
         want = torch.log_softmax(logits, -1).gather(-1, torch.tensor(r.output_ids)[:, None])
         torch.testing.assert_close(torch.tensor(r.logprobs), want.squeeze(-1), atol=1e-4, rtol=0)
+
+
+def _prefilled(lens: list[int], heads: int = 2) -> DynamicCache:
+    cache, width = DynamicCache(), max(lens)
+    for layer in range(2):
+        k = torch.randn(len(lens), heads, width, 4)
+        cache.update(k, k + 100, layer)
+    return cache
+
+
+def test_decode_bias_kept_across_steps_is_the_one_built_anew() -> None:
+    """The additive mask kept across decode steps (a view one column wider per step) equals
+    the one its definition gives after every step, join, leave and sort — also past the
+    buffer's spare columns."""
+    rng = random.Random(1)
+    lens = [rng.randrange(1, 9) for _ in range(5)]
+    kv = BatchCache(_prefilled(lens), lens, max_rows=64)
+    for trial in range(300):
+        op = rng.random()
+        if op < 0.05:
+            new = [rng.randrange(1, 30) for _ in range(rng.randrange(1, 4))]
+            kv.extend(_prefilled(new), new)
+        elif op < 0.1 and kv.rows > 1:
+            kv.drop(rng.sample(range(kv.rows), rng.randrange(1, kv.rows)))
+        elif op < 0.12:
+            kv.sort()
+        got = kv.decode_bias(torch.device("cpu"), torch.float32)
+        first = torch.tensor([kv.width - n for n in kv.lens])
+        pad = torch.arange(kv.width + 1) < first[:, None]
+        want = torch.zeros(pad.shape).masked_fill_(pad, -torch.inf)
+        assert torch.equal(got, want), trial
+        step = torch.randn(kv.rows, 2, 1, 4)
+        for layer in kv.layers:
+            layer.update(step, step)
+        kv.advance()

@@ -257,6 +257,9 @@ class BatchCache:
         # per row: its trailing window columns that are its keys/values, its prefill's own
         # padding (finite) or zeros — the columns a read may cover without zeroing first
         self.clean = [self.width] * len(self.lens)
+        # decode_bias's buffer: (rows, spare columns) for this row set, the width it was
+        # built at; None after a join, leave or sort (advance alone keeps it: see there)
+        self._bias: tuple[torch.Tensor, int] | None = None
 
     @property
     def _glayers(self) -> list[GrowingLayer]:
@@ -282,11 +285,22 @@ class BatchCache:
 
     def decode_bias(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         """:meth:`decode_mask` as an additive mask ``(rows, width + 1)``: 0 where a row
-        attends, -inf on its padding."""
-        width = self.width
+        attends, -inf on its padding.
+
+        Built once per row set: a decode step adds a column every row attends (its padding
+        columns stay where they are), so the next step's mask is a view one column wider
+        of the same buffer, whose ``ROOM`` spare columns are zeros (a join, leave or sort
+        builds it anew)."""
+        width, cached = self.width, self._bias
+        if cached is not None:
+            buf, built = cached
+            if buf.device == device and buf.dtype == dtype and built <= width < buf.shape[1]:
+                return buf[:, : width + 1]
         first = torch.tensor([width - n for n in self.lens], device=device)
-        pad = torch.arange(width + 1, device=device) < first[:, None]
-        return torch.zeros(pad.shape, dtype=dtype, device=device).masked_fill_(pad, -torch.inf)
+        pad = torch.arange(width + 1 + ROOM, device=device) < first[:, None]
+        buf = torch.zeros(pad.shape, dtype=dtype, device=device).masked_fill_(pad, -torch.inf)
+        self._bias = buf, width
+        return buf[:, : width + 1]
 
     @property
     def layers(self) -> list[GrowingLayer]:
@@ -349,6 +363,7 @@ class BatchCache:
                 layer.move_rows(src, dst, cols)
         self.lens = [self.lens[j] for j in order]
         self.clean = [self.clean[j] for j in order]
+        self._bias = None
         trim = self.width - max(self.lens)
         for layer in self._glayers:
             layer.narrow(len(order), trim)
@@ -363,6 +378,7 @@ class BatchCache:
             layer.permute_rows(index)
         self.lens = [self.lens[i] for i in order]
         self.clean = [self.clean[i] for i in order]
+        self._bias = None
         return order
 
     def extend(self, cache: DynamicCache, lens: Sequence[int]) -> None:
@@ -371,6 +387,7 @@ class BatchCache:
         for layer, (k, v) in zip(self._glayers, kv, strict=True):
             layer.add_rows(k, v)
         self.lens += list(lens)
+        self._bias = None
         self.clean += [kv[0][0].shape[-2]] * len(lens)  # their prefill's window
 
     @property
