@@ -45,6 +45,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _add_run(sub: _Commands) -> None:
+    """``asyncrl run [CONFIG] [options] [--section.key=value ...]``: the overrides are not
+    argparse's (:func:`_split_run_args` sets them apart first)."""
     run = sub.add_parser(
         "run",
         help="fully-async GRPO (no arguments: the embedded default job)",
@@ -86,6 +88,7 @@ def _add_bench(sub: _Commands) -> None:
 
 
 def _add_config(sub: _Commands) -> None:
+    """``asyncrl config [SECTION]``: the configuration reference."""
     config = sub.add_parser(
         "config",
         help="the configuration reference: every key, its type, default and meaning",
@@ -99,6 +102,7 @@ def _add_config(sub: _Commands) -> None:
 
 
 def _add_plot(sub: _Commands) -> None:
+    """``asyncrl plot RUN_DIR ...``: pictures of runs."""
     plot = sub.add_parser(
         "plot",
         help="PNGs of runs (reward, staleness, throughput, time, timeline); several overlay",
