@@ -27,10 +27,26 @@ from asyncrl.config.algo_recipes import RECIPES  # noqa: E402
 
 __all__ = ["main"]
 
+_Commands = argparse._SubParsersAction  # what add_subparsers returns: one add_parser per command
+
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="asyncrl", description="Fully-asynchronous RL for LMs.")
     sub = p.add_subparsers(dest="cmd", required=True)
+    _add_run(sub)
+    serve = sub.add_parser("serve", help="start the embedded engine (SGLang HTTP protocol)")
+    serve.add_argument(
+        "args", nargs=argparse.REMAINDER, help="[--model-path DIR] [--port N] ... (see -h)"
+    )
+    _add_bench(sub)
+    _add_config(sub)
+    _add_plot(sub)
+    return p
+
+
+def _add_run(sub: _Commands) -> None:
+    """``asyncrl run [CONFIG] [options] [--section.key=value ...]``: the overrides are not
+    argparse's (:func:`_split_run_args` sets them apart first)."""
     run = sub.add_parser(
         "run",
         help="fully-async GRPO (no arguments: the embedded default job)",
@@ -56,10 +72,10 @@ def _parser() -> argparse.ArgumentParser:
         "a key given on the command line wins): "
         + "; ".join(f"{name}: {doc}" for name, (doc, _) in RECIPES.items()),
     )
-    serve = sub.add_parser("serve", help="start the embedded engine (SGLang HTTP protocol)")
-    serve.add_argument(
-        "args", nargs=argparse.REMAINDER, help="[--model-path DIR] [--port N] ... (see -h)"
-    )
+
+
+def _add_bench(sub: _Commands) -> None:
+    """``asyncrl bench NAME ...``: each benchmark parses its own arguments."""
     bench = sub.add_parser(
         "bench",
         help="benchmarks shipped with the package (asyncrl bench NAME --help)",
@@ -69,6 +85,10 @@ def _parser() -> argparse.ArgumentParser:
     for name, (_, summary) in BENCHES.items():
         one = names.add_parser(name, help=summary, add_help=False)
         one.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the benchmark")
+
+
+def _add_config(sub: _Commands) -> None:
+    """``asyncrl config [SECTION]``: the configuration reference."""
     config = sub.add_parser(
         "config",
         help="the configuration reference: every key, its type, default and meaning",
@@ -79,6 +99,10 @@ def _parser() -> argparse.ArgumentParser:
     config.add_argument(
         "section", nargs="?", default="", help="only this section (e.g. rollout, logging.trace)"
     )
+
+
+def _add_plot(sub: _Commands) -> None:
+    """``asyncrl plot RUN_DIR ...``: pictures of runs."""
     plot = sub.add_parser(
         "plot",
         help="PNGs of runs (reward, staleness, throughput, time, timeline); several overlay",
@@ -90,7 +114,6 @@ def _parser() -> argparse.ArgumentParser:
     plot.add_argument("--text", action="store_true", help="a terminal view instead of PNGs")
     plot.add_argument("--smooth", type=float, default=0.8, help="EMA weight in [0, 1)")
     plot.add_argument("--window", type=int, default=4, help="steps in the timeline strip")
-    return p
 
 
 _RUN_OPTIONS = ("--run-dir", "--resume", "--quiet", "--algo", "--help", "-h")

@@ -9,8 +9,10 @@ the environment it was given, ``sys.argv`` as ``-m`` sets it).
 
 Contract:
 
-- Only ``-m MODULE ...`` argument lists are forked (:meth:`ForkServer.serves`); anything
-  else (SGLang, vLLM, ``-c`` code) is started by :func:`asyncrl.procs.spawn` as before.
+- Only ``-m MODULE ...`` argument lists can be forked (:meth:`ForkServer.serves`), and the
+  launchers fork only the modules the server preloads (trainer ranks, embedded engines);
+  anything else (SGLang and vLLM behind ``-m asyncrl.entrypoints.keyed``, ``-c`` code) is
+  started by :func:`asyncrl.procs.spawn` as before.
 - The server never initialises CUDA, starts no thread and creates no intra-op pool before
   it forks, so a child is what a fresh interpreter with those modules imported would be.
   CUDA cannot be used in a process forked after CUDA was initialised, which is why

@@ -304,36 +304,58 @@ async def run_job(
     ckpts.write_atomic(run_dir / "pids.json", b"{}")  # never seen half-written
     guard = start_guard(run_dir / "pids.json")  # ends the children if this process dies
     launcher.prepare(model_path)  # the fork server imports while the rest is set up
-    try:
-        chan = _experience_sender(cfg, run_dir, launcher.advertise_host())
-    except BaseException:
-        await asyncio.to_thread(launcher.stop)
-        await asyncio.to_thread(release_guard, guard)
-        raise
+    chan = await _open_channel(cfg, run_dir, launcher, guard)
     job.supervise(chan)
     ctl_log = _controller_log(run_dir)  # warnings and errors with tracebacks, in the run folder
     tc = cfg.logging.trace
     trace.start_run(run_dir, tc.enabled, tc.every, tc.max_mb)  # children started below trace too
     job.steplog.sinks = make_sinks(cfg, run_dir, max(job.ledger.resumed_step, 0))
     try:
-        if episode is None:  # built before any process starts: a bad task fails fast
-            job.task = build_task(cfg, model_path)
-        else:
-            job.task = BuiltTask(None, episode, samples)
-        held_out = eval_samples(cfg, model_path) if cfg.eval.enabled else None
-        clients = await _start(job, chan, model_path, state, stop_event)
-        job.steplog.t_controller = time.perf_counter()
-        t = job.task
-        start = state.step if state is not None else 0
-        ctl = Controller(
-            cfg, t.episode, clients, t.samples, t.sampling, start, state, t.sample_type
-        )
-        if held_out is not None:
-            job.evaluator = Evaluator(cfg, ctl, *held_out, job.steplog.eval_row)
-        await _train(job, ctl, chan, state, stop_event)
-        return job.steplog.rows
+        return await _drive(job, chan, model_path, state, stop_event, episode, samples)
     finally:
         await _teardown(job, chan, guard, ctl_log)
+
+
+async def _open_channel(
+    cfg: RunConfig, run_dir: Path, launcher: Any, guard: Any
+) -> ExperienceSender:
+    """The run's experience channel; if it cannot open, the launcher's processes and the
+    guardian are ended before the error propagates."""
+    try:
+        return _experience_sender(cfg, run_dir, launcher.advertise_host())
+    except BaseException:
+        await asyncio.to_thread(launcher.stop)
+        await asyncio.to_thread(release_guard, guard)
+        raise
+
+
+async def _drive(
+    job: _Run,
+    chan: ExperienceSender,
+    model_path: str,
+    state: ControllerState | None,
+    stop_event: asyncio.Event | None,
+    episode: episode_api.Episode | None,
+    samples: Iterable[Any] | None,
+) -> list[dict[str, Any]]:
+    """:func:`run_job` once its channel is open: build the task, start the processes, run
+    the controller (and evals) to the end; returns the metrics rows. Ending what it started
+    is the caller's (:func:`_teardown`)."""
+    cfg = job.cfg
+    if episode is None:  # built before any process starts: a bad task fails fast
+        job.task = build_task(cfg, model_path)
+    else:
+        job.task = BuiltTask(None, episode, samples)
+    held_out = eval_samples(cfg, model_path) if cfg.eval.enabled else None
+    clients = await _start(job, chan, model_path, state, stop_event)
+    job.steplog.t_controller = time.perf_counter()
+    t = job.task
+    start = state.step if state is not None else 0
+    ctl = Controller(cfg, t.episode, clients, t.samples, t.sampling, start, state, t.sample_type)
+    if held_out is not None:
+        job.evaluator = Evaluator(cfg, ctl, *held_out, job.steplog.eval_row)
+    await _train(job, ctl, chan, state, stop_event)
+    return job.steplog.rows
 
 
 def _write_config(cfg: RunConfig, run_dir: Path) -> None:

@@ -234,41 +234,55 @@ def ppo_token_loss(
     if prox is None:
         prox = logp.detach()
     if decoupled:
-        old = prox
-        raw = torch.exp(prox - behav).detach()
-        weight, rejected = behaviour_weight(raw, correction, cap, band, lengths, mask)
-        # the metric: rounding is no truncation; icepop has no cap, only its band
-        truncated = (raw > cap * _TRUNCATED_BY).float() * (1.0 - rejected)
-        if correction == "icepop":
-            truncated = torch.zeros_like(logp)
-        behav_clipped = torch.zeros_like(logp)
-        if behav_clip_eps > 0:
-            out = ((adv > 0) & (raw > 1 + behav_clip_eps)) | (
-                (adv < 0) & (raw < 1 - behav_clip_eps)
-            )
-            behav_clipped = out.float()
-            weight = weight * (1.0 - behav_clipped)
+        how = (correction, cap, band, behav_clip_eps)
+        raw, weight, flags = _decoupled_weight(logp, prox, behav, adv, how, lengths, mask)
     else:
-        old = behav
-        raw = torch.exp(logp.detach() - behav)
-        weight = torch.ones_like(logp)
-        truncated = torch.zeros_like(logp)
-        behav_clipped = torch.zeros_like(logp)
-        rejected = torch.zeros_like(logp)
+        raw, weight, flags = _plain_weight(logp, behav)
+    old = prox if decoupled else behav
     high = clip_eps if clip_high is None else clip_high
     surrogate, ratio, cut = policy_surrogate(
         logp, old, adv, policy, (clip_eps, high), clip_ratio_c, tau, lengths, mask
     )
     loss = weight * surrogate
-    info = {
-        "ratio": ratio,
-        "clipped": cut,
-        "imp_weight": raw,
-        "truncated": truncated,
-        "behav_clipped": behav_clipped.detach(),
-        "rejected": rejected.detach(),
-    }
-    return loss, info
+    return loss, {"ratio": ratio, "clipped": cut, "imp_weight": raw, **flags}
+
+
+def _decoupled_weight(
+    logp: torch.Tensor,
+    prox: torch.Tensor,
+    behav: torch.Tensor,
+    adv: torch.Tensor,
+    how: tuple[Correction, float, tuple[float, float], float],
+    lengths: Sequence[int] | None,
+    mask: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """:func:`ppo_token_loss`'s off-policy side when decoupled: ``raw = exp(prox - behav)``
+    (detached), the weight on each token's surrogate (``how`` = correction, cap, band,
+    behav_clip_eps) and the detached per-token 0/1 diagnostics ``truncated``,
+    ``behav_clipped`` and ``rejected``."""
+    correction, cap, band, behav_clip_eps = how
+    raw = torch.exp(prox - behav).detach()
+    weight, rejected = behaviour_weight(raw, correction, cap, band, lengths, mask)
+    # the metric: rounding is no truncation; icepop has no cap, only its band
+    truncated = (raw > cap * _TRUNCATED_BY).float() * (1.0 - rejected)
+    if correction == "icepop":
+        truncated = torch.zeros_like(logp)
+    behav_clipped = torch.zeros_like(logp)
+    if behav_clip_eps > 0:
+        out = ((adv > 0) & (raw > 1 + behav_clip_eps)) | ((adv < 0) & (raw < 1 - behav_clip_eps))
+        behav_clipped = out.float()
+        weight = weight * (1.0 - behav_clipped)
+    flags = {"truncated": truncated, "behav_clipped": behav_clipped, "rejected": rejected}
+    return raw, weight, {k: v.detach() for k, v in flags.items()}
+
+
+def _plain_weight(
+    logp: torch.Tensor, behav: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """:func:`ppo_token_loss`'s off-policy side when not decoupled: the untruncated
+    ``exp(logp - behav)`` for the diagnostics, weight 1 and no token flagged."""
+    flags = {k: torch.zeros_like(logp) for k in ("truncated", "behav_clipped", "rejected")}
+    return torch.exp(logp.detach() - behav), torch.ones_like(logp), flags
 
 
 def kl_k3(logp: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:

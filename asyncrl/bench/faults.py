@@ -138,32 +138,56 @@ def run_scenario(name: str, args: argparse.Namespace, root: Path) -> dict[str, A
     out: dict[str, Any] = {"scenario": name, "recovery_s": 0.0, "steps_redone": 0}
     if name == "trainer":
         _wait_step(run_dir, proc, args.kill_at, args.timeout)
-        pids = json.loads((run_dir / "processes.json").read_text())
-        os.kill(pids["trainer0"], signal.SIGKILL)
+        _kill(run_dir, "trainer0")
     kills: dict[str, float] = {}  # engine -> wall time of its SIGKILL
     if name == "engines":  # two engines: engine 0 killed at the first step, engine 1 later
         for engine, at in zip(("engine0", "engine1"), _engine_kills(args), strict=True):
             _wait_step(run_dir, proc, at, args.timeout)
-            pids = json.loads((run_dir / "processes.json").read_text())
-            os.kill(pids[engine], signal.SIGKILL)
+            _kill(run_dir, engine)
             kills[engine] = time.time()
+    before = 0
     if name == "run":
-        _wait_step(run_dir, proc, args.kill_at, args.timeout)
-        _wait_checkpoint(run_dir, proc, args.timeout)  # a resume needs one complete checkpoint
-        pids = json.loads((run_dir / "processes.json").read_text())
-        before = _rows(run_dir / "metrics.jsonl")[-1]["step"]
-        proc.send_signal(signal.SIGKILL)
-        killed = time.perf_counter()
-        proc.wait()
-        while time.perf_counter() - killed < 10 and _left(pids, proc.pid):
-            time.sleep(0.05)
-        out["left_after_kill"] = len(_left(pids, proc.pid))
-        out["cleanup_s"] = time.perf_counter() - killed
-        proc = _cli(run_dir, [], resume=True)
-        out["recovery_s"] = _wait_resumed(run_dir, proc, killed, args.timeout)
+        proc, before = _kill_and_resume(run_dir, proc, args, out)
     _finish(proc, args.timeout)
     total = time.perf_counter() - t0
-    rows = _rows(run_dir / "metrics.jsonl")
+    _recoveries(name, run_dir, out, kills, before)
+    _outcome(run_dir, out, total)
+    return out
+
+
+def _kill(run_dir: Path, process: str) -> None:
+    """SIGKILL the run's ``process`` (a key of its ``processes.json``: ``trainer0``, ...)."""
+    pids = json.loads((run_dir / "processes.json").read_text())
+    os.kill(pids[process], signal.SIGKILL)
+
+
+def _kill_and_resume(
+    run_dir: Path, proc: subprocess.Popen, args: argparse.Namespace, out: dict[str, Any]
+) -> tuple[subprocess.Popen, int]:
+    """The ``run`` scenario's fault: SIGKILL the whole run after a complete checkpoint, time
+    its processes' exit (``left_after_kill``, ``cleanup_s``) and its resume (``recovery_s``)
+    into ``out``; returns the resumed run and the last step logged before the kill."""
+    _wait_step(run_dir, proc, args.kill_at, args.timeout)
+    _wait_checkpoint(run_dir, proc, args.timeout)  # a resume needs one complete checkpoint
+    pids = json.loads((run_dir / "processes.json").read_text())
+    before = _rows(run_dir / "metrics.jsonl")[-1]["step"]
+    proc.send_signal(signal.SIGKILL)
+    killed = time.perf_counter()
+    proc.wait()
+    while time.perf_counter() - killed < 10 and _left(pids, proc.pid):
+        time.sleep(0.05)
+    out["left_after_kill"] = len(_left(pids, proc.pid))
+    out["cleanup_s"] = time.perf_counter() - killed
+    proc = _cli(run_dir, [], resume=True)
+    out["recovery_s"] = _wait_resumed(run_dir, proc, killed, args.timeout)
+    return proc, before
+
+
+def _recoveries(
+    name: str, run_dir: Path, out: dict[str, Any], kills: dict[str, float], before: int
+) -> None:
+    """The scenario's recovery columns into ``out``, from the run's ``recoveries.jsonl``
+    (``kills``: each killed engine's wall time; ``before``: ``run``'s last step pre-kill)."""
     recs = _rows(run_dir / "recoveries.jsonl")
     trainer_recs = [r for r in recs if "engine" not in r]
     engine_recs = [r for r in recs if "engine" in r]
@@ -179,6 +203,11 @@ def run_scenario(name: str, args: argparse.Namespace, root: Path) -> dict[str, A
         out["recovery_max_s"] = max(back, default=float("nan"))
     if name == "run":
         out["steps_redone"] = max(0, before + 1 - _resumed_from(run_dir))
+
+
+def _outcome(run_dir: Path, out: dict[str, Any], total: float) -> None:
+    """The finished run's columns into ``out``: its steps, reward, losses and checkpoints."""
+    rows = _rows(run_dir / "metrics.jsonl")
     saves = _rows(run_dir / "checkpoints.jsonl")
     batch, stale = _config(run_dir)
     failed = int(rows[-1].get("ctl_failed", 0)) if rows else 0
@@ -194,7 +223,6 @@ def run_scenario(name: str, args: argparse.Namespace, root: Path) -> dict[str, A
         checkpoints=len(saves),
         resumed_kept_tokens=_kept_tokens(run_dir),
     )
-    return out
 
 
 def _engine_kills(args: argparse.Namespace) -> tuple[int, int]:

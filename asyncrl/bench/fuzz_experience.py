@@ -283,33 +283,11 @@ async def _fuzz_producer(
     is no signal for that (closing the previous DEALER, or its refused reconnection, counts
     there too), and closing earlier would drop what is still queued on it."""
     incarnation = rng.getrandbits(60)
-
-    def dealer() -> tuple[zmq.Socket, zmq.Socket]:
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        curve_client(sock)  # a holder of the run secret: the fuzz is of what comes after
-        sock.connect(tx.endpoint)
-        hello = Hello(rank=0, world_size=1, incarnation=incarnation, control=True)
-        sock.send_multipart(encode(hello))
-        return sock, mon
-
-    def cut_seen(mon: zmq.Socket) -> bool:
-        while mon.poll(0):
-            if recv_monitor_message(mon)["event"] == zmq.EVENT_DISCONNECTED:
-                return True
-        return False
-
-    def close(sock: zmq.Socket, mon: zmq.Socket) -> None:
-        sock.disable_monitor()
-        mon.close(linger=0)
-        sock.close(linger=0)
-
     plan = ["cut"] * cuts + [""] * max(0, n - cuts)
     rng.shuffle(plan)
     over = b"\x00" * (limit + 1)
     sent: Counter[str] = Counter()
-    sock, mon = dealer()
+    sock, mon = _dealer(ctx, tx.endpoint, incarnation)
     try:
         for kind in plan:
             if kind != "cut":
@@ -319,17 +297,44 @@ async def _fuzz_producer(
                 continue
             sock.send(over)
             sent["cut"] += 1
-            await _until(lambda m=mon: cut_seen(m), "the producer cutting the hostile DEALER", 30)
+            await _until(lambda m=mon: _cut_seen(m), "the producer cutting the hostile DEALER", 30)
             sent["cut_seen"] += 1
-            close(sock, mon)
-            sock, mon = dealer()
+            _close_dealer(sock, mon)
+            sock, mon = _dealer(ctx, tx.endpoint, incarnation)
         # closing at once would drop what the last DEALER still queues (linger 0)
         want = sum(sent.values()) - sent["cut"] - sent["cut_seen"]
         await _until(lambda: tx.rejected >= want,
                      lambda: f"the producer's rejects ({tx.rejected} of {want})", 60)  # fmt: skip
     finally:
-        close(sock, mon)
+        _close_dealer(sock, mon)
     return sent
+
+
+def _dealer(ctx: zmq.Context, endpoint: str, incarnation: int) -> tuple[zmq.Socket, zmq.Socket]:
+    """A DEALER to the producer at ``endpoint`` that said a valid control Hello, and its
+    monitor socket (EVENT_DISCONNECTED only)."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    curve_client(sock)  # a holder of the run secret: the fuzz is of what comes after
+    sock.connect(endpoint)
+    hello = Hello(rank=0, world_size=1, incarnation=incarnation, control=True)
+    sock.send_multipart(encode(hello))
+    return sock, mon
+
+
+def _cut_seen(mon: zmq.Socket) -> bool:
+    """Whether a :func:`_dealer`'s monitor has seen its connection dropped."""
+    while mon.poll(0):
+        if recv_monitor_message(mon)["event"] == zmq.EVENT_DISCONNECTED:
+            return True
+    return False
+
+
+def _close_dealer(sock: zmq.Socket, mon: zmq.Socket) -> None:
+    sock.disable_monitor()
+    mon.close(linger=0)
+    sock.close(linger=0)
 
 
 async def run(
@@ -339,11 +344,7 @@ async def run(
     rng = random.Random(seed)
     tx = ExperienceSender(1, "tcp://127.0.0.1:*", max_message_bytes=limit, shm="off")
     ctx = zmq.Context()
-    router = ctx.socket(zmq.ROUTER)
-    router.setsockopt(zmq.SNDHWM, 0)
-    router.setsockopt(zmq.LINGER, 0)
-    curve_server(router)  # the consumer speaks CURVE on tcp, as to the run's producer
-    port = router.bind_to_random_port("tcp://127.0.0.1")
+    router, port = _router(ctx)
     child = _Child([tx.endpoint, f"tcp://127.0.0.1:{port}"], limit)
     t0 = time.perf_counter()
     try:
@@ -359,15 +360,7 @@ async def run(
         want_c = sum(to_consumer.values()) - to_consumer["cut"]
         want_p = sum(to_producer.values()) - to_producer["cut"]
         stats = await _child_stats(child, want_c)
-        # then a valid message from each producer, bit-exact, and a report back
-        goods = {GOOD_EID: traj(GOOD_EID, 512), GOOD_EID + 1: traj(GOOD_EID + 1, 512)}
-        router.send_multipart([ident, *encode_batch(0, 0, [goods[GOOD_EID + 1]])])
-        await tx.send([goods[GOOD_EID]], rank=0)
-        got: dict[Any, Any] = {}  # eid -> crc, as the child printed them
-        while len(got) < 2:
-            row = await asyncio.to_thread(child.expect, "eid", 30)
-            got[row["eid"]] = row["crc"]
-        report = await asyncio.wait_for(tx.recv_report(), 30)
+        valid_after = await _valid_after(router, ident, tx, child)
         rss1 = rss_kb(child.proc.pid)
         stats = await _child_stats(child, want_c)
         wall = time.perf_counter() - t0
@@ -391,12 +384,38 @@ async def run(
             "expected_rejects": want_p, "cuts_sent": to_producer["cut"],
             "cuts_seen": cuts_seen, "disconnects": tx.counters["disconnects"],
         },
-        "valid_after": {
-            "bit_exact": all(got.get(e) == crc(t) for e, t in goods.items()),
-            "report_received": isinstance(report, StepDone),
-        },
+        "valid_after": valid_after,
         "wall_s": wall,
     }  # fmt: skip
+
+
+def _router(ctx: zmq.Context) -> tuple[zmq.Socket, int]:
+    """The ROUTER that plays a data producer to the consumer, and its port."""
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.SNDHWM, 0)
+    router.setsockopt(zmq.LINGER, 0)
+    curve_server(router)  # the consumer speaks CURVE on tcp, as to the run's producer
+    return router, router.bind_to_random_port("tcp://127.0.0.1")
+
+
+async def _valid_after(
+    router: zmq.Socket, ident: bytes, tx: ExperienceSender, child: _Child
+) -> dict[str, bool]:
+    """After the fuzz: a valid message from each producer (the ROUTER as the consumer's
+    data producer ``ident``, and ``tx``) arrives bit-exact, and the consumer's report back
+    reaches ``tx``."""
+    goods = {GOOD_EID: traj(GOOD_EID, 512), GOOD_EID + 1: traj(GOOD_EID + 1, 512)}
+    router.send_multipart([ident, *encode_batch(0, 0, [goods[GOOD_EID + 1]])])
+    await tx.send([goods[GOOD_EID]], rank=0)
+    got: dict[Any, Any] = {}  # eid -> crc, as the child printed them
+    while len(got) < 2:
+        row = await asyncio.to_thread(child.expect, "eid", 30)
+        got[row["eid"]] = row["crc"]
+    report = await asyncio.wait_for(tx.recv_report(), 30)
+    return {
+        "bit_exact": all(got.get(e) == crc(t) for e, t in goods.items()),
+        "report_received": isinstance(report, StepDone),
+    }
 
 
 async def _child_stats(child: _Child, want: int, timeout_s: float = 60.0) -> dict[str, Any]:

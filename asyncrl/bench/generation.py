@@ -163,28 +163,7 @@ def _sync(device: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = bench_parser("generation", __doc__.split("\n\n")[0])
-    p.add_argument("--json", default=None, help="write the results here")
-    p.add_argument("--model-path", default=None, help="HF model folder (default: random Qwen2)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--threads", type=int, default=1, help="torch threads of each side (CPU)")
-    p.add_argument("--requests", type=int, default=32)
-    p.add_argument("--prompt-len", type=int, default=64, help="longest prompt (shortest 16)")
-    p.add_argument("--short-len", type=int, default=16, help="typical short output length")
-    p.add_argument("--long-factor", type=int, default=8, help="long outputs = this x short")
-    p.add_argument("--long-frac", type=float, default=0.125, help="fraction of long requests")
-    p.add_argument("--arrival-s", type=float, default=0.0, help="spread arrivals over this")
-    p.add_argument("--max-batch-size", type=int, default=256)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--lora-rank",
-        type=int,
-        default=0,
-        help="also the engine serving LoRA adapters of this rank: one version, and two mixed "
-        "in every batch (rows lora, lora-mixed; docs/rollout-engines.md, LoRA)",
-    )
-    args = p.parse_args(argv)
+    args = _parser().parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -221,6 +200,45 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "model": str(model_dir),
         "argv": sys.argv[1:] if argv is None else list(argv),
     }
+    _report(result, engine, lora, hf, args)
+    write_json(args.json, result)
+    return result
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = bench_parser("generation", __doc__.split("\n\n")[0])
+    p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--model-path", default=None, help="HF model folder (default: random Qwen2)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--threads", type=int, default=1, help="torch threads of each side (CPU)")
+    p.add_argument("--requests", type=int, default=32)
+    p.add_argument("--prompt-len", type=int, default=64, help="longest prompt (shortest 16)")
+    p.add_argument("--short-len", type=int, default=16, help="typical short output length")
+    p.add_argument("--long-factor", type=int, default=8, help="long outputs = this x short")
+    p.add_argument("--long-frac", type=float, default=0.125, help="fraction of long requests")
+    p.add_argument("--arrival-s", type=float, default=0.0, help="spread arrivals over this")
+    p.add_argument("--max-batch-size", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--lora-rank",
+        type=int,
+        default=0,
+        help="also the engine serving LoRA adapters of this rank: one version, and two mixed "
+        "in every batch (rows lora, lora-mixed; docs/rollout-engines.md, LoRA)",
+    )
+    return p
+
+
+def _report(
+    result: dict[str, Any],
+    engine: dict[str, Any],
+    lora: dict[str, dict[str, Any]],
+    hf: dict[str, Any],
+    args: argparse.Namespace,
+) -> None:
+    """Adds the LoRA rows' keys to ``result`` (relative to the plain engine) and prints the
+    table: the engine, its LoRA rows, HF ``generate`` and the speedup."""
     for name, r in lora.items():  # the same engine serving LoRA, same workload
         key = name.replace("-", "_")
         result[f"{key}_tokens_per_s"] = r["tokens_per_s"]
@@ -233,8 +251,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"{'engine ' + name:16}{r['tokens_per_s']:12.1f}{r['wall_s']:10.2f}")
     print(f"{'hf generate':16}{hf['tokens_per_s']:12.1f}{hf['wall_s']:10.2f}")
     print(f"speedup engine / hf generate: {result['speedup']:.2f}x")
-    write_json(args.json, result)
-    return result
 
 
 if __name__ == "__main__":

@@ -297,6 +297,29 @@ def print_reach(summary: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = _parser()
+    args = p.parse_args(argv)
+    if args.losses is not None:
+        return _losses_main(p, args)
+    arms, seeds = _check(p, args)
+    logging.basicConfig(level=logging.WARNING)
+    results = _run_arms(arms, seeds, args)
+    summary = summarize(results)
+    print_table(results, summary)
+    if args.run_root:
+        root = Path(args.run_root)
+        firsts = " ".join(str(root / f"{a}-seed{seeds[0]}") for a in arms)
+        print(f"pictures: asyncrl plot {firsts} --out {root / 'plots'}")
+    out = {
+        **summary,
+        "config": {k: v for k, v in vars(args).items() if k != "json"},
+        "runs": results,
+    }
+    write_json(args.json, out)
+    return out
+
+
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="asyncrl bench learning",
         description=__doc__,
@@ -315,6 +338,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--trainer-core", type=int, default=1, help="core of the trainer process")
     p.add_argument("--no-pin", dest="pin", action="store_false", help="do not pin processes")
     p.add_argument("--seeds", default="0,1", help="comma-separated seeds (>= 2 for the claim)")
+    _add_run_options(p)
+    p.add_argument("--levels", default="0.5,0.9", help="reward levels, fractions of the maximum")
+    p.add_argument("--max-reward", type=float, default=1.0, help="the task's maximum reward")
+    p.add_argument("--smooth", type=float, default=0.8, help="EMA weight of the reward curve")
+    p.add_argument("--run-root", default=None, help="keep the runs here (default: a temp dir)")
+    p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument(
+        "--losses",
+        default=None,
+        metavar="all|NAME,...",
+        help="instead of the arms: one run of the default job per policy loss / advantage"
+        " estimator (" + ", ".join(LOSSES) + ") and seed, at"
+        " the job's own step budget unless --steps",
+    )
+    p.add_argument("--target", type=float, default=0.9, help="--losses: the 10-step mean to reach")
+    return p
+
+
+def _add_run_options(p: argparse.ArgumentParser) -> None:
+    """The options that size each arm's runs (steps, batch, staleness) and choose the arms."""
     p.add_argument("--steps", type=int, default=None, help="train steps per run" + _dflt("steps"))
     p.add_argument(
         "--batch-size",
@@ -336,23 +379,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         default=[],
         help="extra --section.key=value (after the workload's own: trainer.lr" + _dflt("lr") + ")",
     )
-    p.add_argument("--levels", default="0.5,0.9", help="reward levels, fractions of the maximum")
-    p.add_argument("--max-reward", type=float, default=1.0, help="the task's maximum reward")
-    p.add_argument("--smooth", type=float, default=0.8, help="EMA weight of the reward curve")
-    p.add_argument("--run-root", default=None, help="keep the runs here (default: a temp dir)")
-    p.add_argument("--json", default=None, help="write the results here")
-    p.add_argument(
-        "--losses",
-        default=None,
-        metavar="all|NAME,...",
-        help="instead of the arms: one run of the default job per policy loss / advantage"
-        " estimator (" + ", ".join(LOSSES) + ") and seed, at"
-        " the job's own step budget unless --steps",
-    )
-    p.add_argument("--target", type=float, default=0.9, help="--losses: the 10-step mean to reach")
-    args = p.parse_args(argv)
-    if args.losses is not None:
-        return _losses_main(p, args)
+
+
+def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[list[str], list[int]]:
+    """Fills the workload's defaults into ``args`` and parses its lists (``p.error`` on a bad
+    one); returns the arms and the seeds to run."""
     apply_workload_defaults(args)
     try:
         args.levels = [float(x) for x in args.levels.split(",") if x]
@@ -367,7 +398,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if unknown:
         p.error(f"unknown arms {unknown} (allowed: {', '.join(ARMS)})")
     seeds = [int(s) for s in args.seeds.split(",") if s]
-    logging.basicConfig(level=logging.WARNING)
+    return arms, seeds
+
+
+def _run_arms(arms: list[str], seeds: list[int], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every arm at every seed, in ``--run-root`` or a temporary folder, one line each."""
     with tempfile.TemporaryDirectory(prefix="asyncrl-learning-") as tmp:
         root = Path(args.run_root or tmp)
         results = []
@@ -376,18 +411,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 r = run_arm(arm, seed, args, root)
                 print(f"  {arm} seed {seed}: last10 {r['final_reward']:.3f} in {r['wall_s']:.1f}s")
                 results.append(r)
-    summary = summarize(results)
-    print_table(results, summary)
-    if args.run_root:
-        firsts = " ".join(str(root / f"{a}-seed{seeds[0]}") for a in arms)
-        print(f"pictures: asyncrl plot {firsts} --out {root / 'plots'}")
-    out = {
-        **summary,
-        "config": {k: v for k, v in vars(args).items() if k != "json"},
-        "runs": results,
-    }
-    write_json(args.json, out)
-    return out
+    return results
 
 
 def _losses_main(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, Any]:

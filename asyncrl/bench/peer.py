@@ -250,6 +250,39 @@ def _div(a: float | None, b: float | None) -> float | None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
+    from asyncrl.bench.peer_settings import check_trl, settings_table
+    from asyncrl.config import load_config
+    from asyncrl.tasks.tiny_model import ensure_tiny_model
+
+    check_trl()
+    args.cfg = load_config(None, asyncrl_overrides(args, args.seeds[0]))
+    args.model_dir = str(ensure_tiny_model())
+    runs = _run_all(args)
+    trl_view = next(r["config"] for r in runs if r["side"] == "trl")
+    table, differences = settings_table(args.cfg, trl_view, args.trl_threads)
+    print("\nsettings (asyncrl run | TRL GRPOTrainer)\n" + table)
+    print("differences that remain:\n" + "\n".join(f"  - {d}" for d in differences))
+    result = aggregate(runs, args.targets)
+    print("\n" + _summary_text(result, args.targets))
+    if args.json:
+        payload = {
+            "config": {
+                "seeds": args.seeds,
+                "steps": args.steps,
+                "targets": args.targets,
+                "trl_threads": args.trl_threads,
+                "trl_max_steps": args.trl_max_steps,
+            },
+            "settings": table,
+            "differences": differences,
+            "runs": runs,
+            **result,
+        }
+        Path(args.json).write_text(json.dumps(payload, indent=1))
+
+
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="asyncrl bench peer", description=__doc__, formatter_class=HelpFormatter
     )
@@ -277,14 +310,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--timeout-s", type=float, default=900.0, help="longest wait for one run")
     p.add_argument("--json", "--out", dest="json", default=None, help="write the results here")
-    args = p.parse_args(argv)
-    from asyncrl.bench.peer_settings import check_trl, settings_table
-    from asyncrl.config import load_config
-    from asyncrl.tasks.tiny_model import ensure_tiny_model
+    return p
 
-    check_trl()
-    args.cfg = load_config(None, asyncrl_overrides(args, args.seeds[0]))
-    args.model_dir = str(ensure_tiny_model())
+
+def _run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Per seed: the asyncrl run, then one TRL run per ``--trl-threads`` entry; a row each."""
     runs: list[dict[str, Any]] = []
     with log_dir("asyncrl-bench-peer-") as root:
         for seed in args.seeds:
@@ -293,27 +323,7 @@ def main(argv: list[str] | None = None) -> None:
             for threads in args.trl_threads:
                 runs.append(run_trl(args, seed, threads, root, root))
                 print(_row(runs[-1], args.targets), flush=True)
-    trl_view = next(r["config"] for r in runs if r["side"] == "trl")
-    table, differences = settings_table(args.cfg, trl_view, args.trl_threads)
-    print("\nsettings (asyncrl run | TRL GRPOTrainer)\n" + table)
-    print("differences that remain:\n" + "\n".join(f"  - {d}" for d in differences))
-    result = aggregate(runs, args.targets)
-    print("\n" + _summary_text(result, args.targets))
-    if args.json:
-        payload = {
-            "config": {
-                "seeds": args.seeds,
-                "steps": args.steps,
-                "targets": args.targets,
-                "trl_threads": args.trl_threads,
-                "trl_max_steps": args.trl_max_steps,
-            },
-            "settings": table,
-            "differences": differences,
-            "runs": runs,
-            **result,
-        }
-        Path(args.json).write_text(json.dumps(payload, indent=1))
+    return runs
 
 
 def _fmt(x: float | None, spec: str = ".2f") -> str:

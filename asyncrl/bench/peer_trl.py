@@ -88,6 +88,55 @@ def build_dataset(model_dir: str, args: argparse.Namespace) -> Any:
 
 
 def main(argv: list[str] | None = None) -> None:
+    args = _parse(argv)
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+
+    trl = importlib.import_module("trl")  # the peer extra's
+    GRPOConfig, GRPOTrainer = trl.GRPOConfig, trl.GRPOTrainer
+
+    from asyncrl.core import Sample
+
+    t_imported = time.perf_counter()
+    dataset, task = build_dataset(args.model_dir, args)
+    rewards: list[float] = []
+    record = _recorder(TrainerCallback, rewards, args.stop_at)
+    config = GRPOConfig(**settings(args))
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
+    trainer = _timed(GRPOTrainer)(
+        model=model,
+        reward_funcs=_reward_function(task, Sample, rewards),
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[record],
+    )
+    record.trainer = trainer
+    t_loaded = time.perf_counter()
+    t_train = record.t_train = time.perf_counter()
+    trainer.train()
+    report = {
+        "torch_threads": torch.get_num_threads(),
+        "config": _config_view(config, trainer),
+        "steps": record.steps,
+        "import_s": t_imported - T_START,
+        "load_s": t_loaded - t_imported,
+        "process_to_train_s": t_train - T_START,
+        "versions": {
+            "trl": _version("trl"),
+            "transformers": _version("transformers"),
+            "torch": torch.__version__,
+        },
+    }
+    Path(args.out).write_text(json.dumps(report))
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="TRL GRPOTrainer on asyncrl's default job")
     p.add_argument("--out", required=True)
     p.add_argument("--model-dir", required=True)
@@ -105,23 +154,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--grad-clip", type=float, default=1.0)
     p.add_argument("--clip-eps", type=float, default=0.2)
-    args = p.parse_args(argv)
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    return p.parse_args(argv)
 
-    import torch
 
-    torch.set_num_threads(args.threads)
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-
-    trl = importlib.import_module("trl")  # the peer extra's
-    GRPOConfig, GRPOTrainer = trl.GRPOConfig, trl.GRPOTrainer
-
-    from asyncrl.core import Sample
-
-    t_imported = time.perf_counter()
-    stop_at = args.stop_at
-    dataset, task = build_dataset(args.model_dir, args)
-    rewards: list[float] = []
+def _reward_function(task: Any, Sample: type, rewards: list[float]) -> Any:
+    """The reward function TRL calls: the reverse task's reward of each completion; appends
+    the batch's mean to ``rewards``."""
 
     def reverse_reward(prompts: Any, completions: Any, completion_ids: Any, answer: Any, **_: Any):
         out = [
@@ -131,7 +169,14 @@ def main(argv: list[str] | None = None) -> None:
         rewards.append(sum(out) / len(out))
         return out
 
-    class Timed(GRPOTrainer):  # type: ignore[misc,valid-type]
+    return reverse_reward
+
+
+def _timed(base: Any) -> Any:
+    """``base`` (TRL's ``GRPOTrainer``) that sums in ``gen_s`` the seconds spent in
+    ``_generate_and_score_completions`` (the step's recorder zeroes it at each step's begin)."""
+
+    class Timed(base):
         gen_s = 0.0
 
         def _generate_and_score_completions(self, *a: Any, **k: Any) -> Any:
@@ -141,26 +186,38 @@ def main(argv: list[str] | None = None) -> None:
             finally:
                 self.gen_s += time.perf_counter() - t0
 
-    steps: list[dict[str, float]] = []
+    return Timed
 
-    class Record(TrainerCallback):
+
+def _recorder(callback: Any, rewards: list[float], stop_at: float) -> Any:
+    """A ``TrainerCallback`` (the class ``callback``) that appends one row per step to its
+    ``steps``, and stops training once the last 10 steps' mean reward reaches ``stop_at``.
+    Its ``trainer`` (a :func:`_timed` one) and ``t_train`` (when ``train()`` was called) are
+    set before training."""
+
+    class Record(callback):
         t_begin = 0.0
+        t_train = 0.0
+        trainer: Any = None
+
+        def __init__(self) -> None:
+            self.steps: list[dict[str, float]] = []
 
         def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             self.t_begin = time.perf_counter()
-            trainer.gen_s = 0.0
+            self.trainer.gen_s = 0.0
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             now = time.perf_counter()
-            step_s = now - self.t_begin
+            step_s, steps, gen_s = now - self.t_begin, self.steps, self.trainer.gen_s
             steps.append(
                 {
                     "step": len(steps),
                     "reward_mean": rewards[-1],
-                    "wall_s": now - t_train,
+                    "wall_s": now - self.t_train,
                     "step_s": step_s,
-                    "gen_s": trainer.gen_s,
-                    "train_s": step_s - trainer.gen_s,
+                    "gen_s": gen_s,
+                    "train_s": step_s - gen_s,
                     "cpu_trl_s": time.process_time(),  # every thread of this process
                 }
             )
@@ -168,34 +225,7 @@ def main(argv: list[str] | None = None) -> None:
             if len(last) == 10 and sum(last) / 10 >= stop_at:
                 control.should_training_stop = True
 
-    config = GRPOConfig(**settings(args))
-    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
-    trainer = Timed(
-        model=model,
-        reward_funcs=reverse_reward,
-        args=config,
-        train_dataset=dataset,
-        processing_class=tokenizer,
-        callbacks=[Record()],
-    )
-    t_loaded = time.perf_counter()
-    t_train = time.perf_counter()
-    trainer.train()
-    report = {
-        "torch_threads": torch.get_num_threads(),
-        "config": _config_view(config, trainer),
-        "steps": steps,
-        "import_s": t_imported - T_START,
-        "load_s": t_loaded - t_imported,
-        "process_to_train_s": t_train - T_START,
-        "versions": {
-            "trl": _version("trl"),
-            "transformers": _version("transformers"),
-            "torch": torch.__version__,
-        },
-    }
-    Path(args.out).write_text(json.dumps(report))
+    return Record()
 
 
 def _config_view(config: Any, trainer: Any) -> dict[str, Any]:

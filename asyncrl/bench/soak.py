@@ -31,6 +31,7 @@ import os
 import random
 import signal
 import statistics
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -101,40 +102,12 @@ class _Striker:
 def soak(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     """The soak, start to finish; its row."""
     run_dir = root / "soak"
-    lo, hi = args.kill_every
-    budget = math.ceil(_WINDOW_S / lo) + 1
-    cfg = [
-        f"--controller.total_steps={args.steps}",
-        f"--checkpoint.every_steps={args.every}",
-        f"--rollout.num_engines={args.engines}",
-        f"--trainer.max_restarts={budget}",
-        f"--rollout.max_restarts={budget}",
-        f"--trainer.restart_window_s={_WINDOW_S:g}",
-        f"--rollout.restart_window_s={_WINDOW_S:g}",
-        *args.override,
-    ]
+    budget = math.ceil(_WINDOW_S / args.kill_every[0]) + 1
     rng = random.Random(args.seed)
     striker = _Striker(args.faults, args.hang_s, rng)
     t0 = time.perf_counter()
-    proc = _cli(run_dir, cfg)
-    samples: list[tuple[float, float]] = []  # (seconds since start, RSS MB)
-    log: list[str] = []
-    seen: dict[str, int] = {}
-    deadline = t0 + args.timeout
-    next_strike = time.perf_counter() + rng.uniform(lo, hi)
-    while proc.poll() is None:
-        now = time.perf_counter()
-        if now > deadline:
-            proc.kill()
-            raise TimeoutError(f"the soak's run did not end within {args.timeout:g} s")
-        pids = _pids(run_dir)
-        seen.update(pids)
-        if pids and _rows(run_dir / "metrics.jsonl"):
-            samples.append((now - t0, _rss_mb([proc.pid, *pids.values()])))
-            if now >= next_strike:
-                log.append(f"{now - t0:.1f}s {striker.strike(pids, lambda: proc.poll() is None)}")
-                next_strike = time.perf_counter() + rng.uniform(lo, hi)
-        time.sleep(0.5)
+    proc = _cli(run_dir, _overrides(args, budget))
+    samples, log, seen = _strike_until_done(proc, run_dir, striker, rng, args, t0)
     wall = time.perf_counter() - t0
     _finish(proc, 60)
     end = time.monotonic() + 10
@@ -162,6 +135,54 @@ def soak(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         "left": _left(seen, proc.pid),
         "final_reward": sum(r["reward_mean"] for r in rows[-10:]) / max(1, len(rows[-10:])),
     }
+
+
+def _overrides(args: argparse.Namespace, budget: int) -> list[str]:
+    """The soak run's config: ``budget`` restarts per restart window for each side."""
+    return [
+        f"--controller.total_steps={args.steps}",
+        f"--checkpoint.every_steps={args.every}",
+        f"--rollout.num_engines={args.engines}",
+        f"--trainer.max_restarts={budget}",
+        f"--rollout.max_restarts={budget}",
+        f"--trainer.restart_window_s={_WINDOW_S:g}",
+        f"--rollout.restart_window_s={_WINDOW_S:g}",
+        *args.override,
+    ]
+
+
+def _strike_until_done(
+    proc: subprocess.Popen,
+    run_dir: Path,
+    striker: _Striker,
+    rng: random.Random,
+    args: argparse.Namespace,
+    t0: float,
+) -> tuple[list[tuple[float, float]], list[str], dict[str, int]]:
+    """While the run lives: one fault every ``--kill-every`` seconds (uniform in the range)
+    and its processes' RSS every 0.5 s, once it has logged a step. Returns the RSS samples
+    (seconds since ``t0``, MB), the fault log and every process name -> pid seen; a run past
+    ``--timeout`` is killed (TimeoutError)."""
+    lo, hi = args.kill_every
+    samples: list[tuple[float, float]] = []  # (seconds since start, RSS MB)
+    log: list[str] = []
+    seen: dict[str, int] = {}
+    deadline = t0 + args.timeout
+    next_strike = time.perf_counter() + rng.uniform(lo, hi)
+    while proc.poll() is None:
+        now = time.perf_counter()
+        if now > deadline:
+            proc.kill()
+            raise TimeoutError(f"the soak's run did not end within {args.timeout:g} s")
+        pids = _pids(run_dir)
+        seen.update(pids)
+        if pids and _rows(run_dir / "metrics.jsonl"):
+            samples.append((now - t0, _rss_mb([proc.pid, *pids.values()])))
+            if now >= next_strike:
+                log.append(f"{now - t0:.1f}s {striker.strike(pids, lambda: proc.poll() is None)}")
+                next_strike = time.perf_counter() + rng.uniform(lo, hi)
+        time.sleep(0.5)
+    return samples, log, seen
 
 
 def _table(r: dict[str, Any]) -> str:

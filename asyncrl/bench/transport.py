@@ -286,6 +286,35 @@ async def _bench(args: argparse.Namespace) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    p = _parser()
+    args = p.parse_args(argv)
+    if args.role == "ours":
+        return _consume_ours(args.endpoint, args.total, args.credits, not args.no_curve)
+    if args.role == "pickle":
+        return _consume_pickle(args.endpoint, args.done_endpoint, args.total, args.credits)
+    _check(p, args)
+    import tempfile
+
+    if args.ray:
+        import ray
+
+        ray.init(address=args.ray, _node_ip_address=args.send_host, log_to_driver=False)
+    args.paths = {"auto": set(), "off": set()}
+    load_before = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory(prefix="xport-") as tmp:
+        args.tmp = Path(tmp)
+        rows = asyncio.run(_bench(args))
+    load = (load_before + os.getloadavg()[0]) / 2
+    _print(rows, args)
+    print(f"machine: {os.cpu_count()} CPUs, 1-min load average during the run ~{load:.1f}")
+    result = _result(rows, args, load)
+    _print_headline(result, args)
+    if args.json:
+        write_json(args.json, result)
+        print(f"wrote {args.json}")
+
+
+def _parser() -> argparse.ArgumentParser:
     p = bench_parser("transport", __doc__.split("\n\n")[0])
     p.add_argument("--json", default=None, help="write results to this JSON file")
     p.add_argument(
@@ -307,11 +336,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--done-endpoint", help=argparse.SUPPRESS)
     p.add_argument("--total", type=int, help=argparse.SUPPRESS)
     p.add_argument("--no-curve", action="store_true", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args.role == "ours":
-        return _consume_ours(args.endpoint, args.total, args.credits, not args.no_curve)
-    if args.role == "pickle":
-        return _consume_pickle(args.endpoint, args.done_endpoint, args.total, args.credits)
+    return p
+
+
+def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Parses ``--group-sizes`` into ints; ``p.error`` on sizes or hosts that cannot run."""
     args.group_sizes = [int(g) for g in args.group_sizes.split(",")]
     if args.trajectories < 1 or any(g < 1 or args.trajectories % g for g in args.group_sizes):
         p.error(
@@ -322,20 +351,10 @@ def main(argv: list[str] | None = None) -> None:
         args.ray or "127.0.0.1" not in (args.send_host, args.recv_host)
     ):
         p.error("--send-host/--recv-host/--ray need --transport tcp")
-    import tempfile
 
-    if args.ray:
-        import ray
 
-        ray.init(address=args.ray, _node_ip_address=args.send_host, log_to_driver=False)
-    args.paths = {"auto": set(), "off": set()}
-    load_before = os.getloadavg()[0]
-    with tempfile.TemporaryDirectory(prefix="xport-") as tmp:
-        args.tmp = Path(tmp)
-        rows = asyncio.run(_bench(args))
-    load = (load_before + os.getloadavg()[0]) / 2
-    _print(rows, args)
-    print(f"machine: {os.cpu_count()} CPUs, 1-min load average during the run ~{load:.1f}")
+def _result(rows: list[dict], args: argparse.Namespace, load: float) -> dict[str, Any]:
+    """The JSON result: the first group size's headline over every run's ``rows``."""
     first = {r["impl"]: r for r in rows if r["group_size"] == args.group_sizes[0]}
     head, base = first["msgspec_zmq"], first["pickle_zmq"]
     channel = ", ".join(sorted(args.paths["auto"]))
@@ -366,6 +385,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     if "frames_plain" in first:  # tcp: what CURVE costs, same run
         result["curve"] = _curve_cost(first)
+    return result
+
+
+def _print_headline(result: dict[str, Any], args: argparse.Namespace) -> None:
+    """CURVE's cost (tcp runs) and the headline line, from :func:`_result`'s ``result``."""
+    if "curve" in result:
         c = result["curve"]
         print(
             f"CURVE on vs off over tcp: frames {c['frames_eps_on']:.0f} vs "
@@ -374,14 +399,11 @@ def main(argv: list[str] | None = None) -> None:
             f"{c['shm_eps_on']:.0f} vs {c['shm_eps_off']:.0f} eps (x{c['shm_ratio']:.2f})"
         )
     print(
-        f"\nheadline (group {args.group_sizes[0]}): ours ({channel}) {head['eps']:.0f} eps, "
-        f"pickle {base['eps']:.0f} eps, x{result['speedup']:.2f}, payload "
-        f"{head['gbps']:.2f} GB/s"
-        + f"; frames only {frames['eps']:.0f} eps (x{result['frames_speedup']:.2f})"
+        f"\nheadline (group {args.group_sizes[0]}): ours ({result['channel']}) "
+        f"{result['msgspec_zmq_eps']:.0f} eps, pickle {result['pickle_baseline_eps']:.0f} eps, "
+        f"x{result['speedup']:.2f}, payload {result['payload_gbps']:.2f} GB/s"
+        + f"; frames only {result['frames_eps']:.0f} eps (x{result['frames_speedup']:.2f})"
     )
-    if args.json:
-        write_json(args.json, result)
-        print(f"wrote {args.json}")
 
 
 def _curve_cost(first: dict[str, dict]) -> dict[str, float]:

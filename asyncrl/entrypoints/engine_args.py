@@ -16,6 +16,32 @@ def parser() -> argparse.ArgumentParser:
         "(/generate, /pause_generation, /update_weights_from_distributed, ...), continuous "
         "batching on a CPU or a CUDA device. Serves until SIGTERM/SIGINT.",
     )
+    _add_model(p)
+    _add_limits(p)
+    p.add_argument(
+        "--weight-masters",
+        default="loopback",
+        help="addresses or CIDRs (comma-separated; 'loopback' = 127.0.0.0/8 and ::1) where "
+        "/init_weights_update_group may make this engine join a weight group",
+    )
+    _add_lora(p)
+    p.add_argument(
+        "--secret-file",
+        default="",
+        help="file (mode 0600) holding the key every request must carry as 'Authorization: "
+        "Bearer KEY' (default: the run's, handed over by asyncrl; else ASYNCRL_SECRET or "
+        "ASYNCRL_SECRET_FILE; else a fresh key, written to a 0600 file named in the log)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of sampling")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (CPU)")
+    # SGLang launch_server flags, so the SGLang launcher can start this server too.
+    p.add_argument("--tp-size", "--tp", type=int, default=1, help="must be 1 (no tensor parallel)")
+    p.add_argument("--mem-fraction-static", type=float, default=None, help="accepted, unused")
+    return p
+
+
+def _add_model(p: argparse.ArgumentParser) -> None:
+    """What is served, where, and on which device."""
     p.add_argument(
         "--model-path",
         default="",
@@ -30,6 +56,10 @@ def parser() -> argparse.ArgumentParser:
         choices=["float32", "bfloat16", "float16"],
         help="parameter dtype the model is served in",
     )
+
+
+def _add_limits(p: argparse.ArgumentParser) -> None:
+    """Batching, request-length and stall limits, and the KV cache across a weight update."""
     p.add_argument(
         "--max-batch-size", type=int, default=256, help="most sequences decoded together"
     )
@@ -60,12 +90,10 @@ def parser() -> argparse.ArgumentParser:
         default=60.0,
         help="/health answers 503 while one scheduler step has run longer than this (seconds)",
     )
-    p.add_argument(
-        "--weight-masters",
-        default="loopback",
-        help="addresses or CIDRs (comma-separated; 'loopback' = 127.0.0.0/8 and ::1) where "
-        "/init_weights_update_group may make this engine join a weight group",
-    )
+
+
+def _add_lora(p: argparse.ArgumentParser) -> None:
+    """Serving LoRA adapters (``--enable-lora``) and their shape."""
     p.add_argument(
         "--enable-lora",
         action="store_true",
@@ -85,16 +113,3 @@ def parser() -> argparse.ArgumentParser:
         help="adapter versions held at once (the run's max_staleness + 1)",
     )
     p.add_argument("--lora-name", default="policy", help="versions are served as NAME-vN")
-    p.add_argument(
-        "--secret-file",
-        default="",
-        help="file (mode 0600) holding the key every request must carry as 'Authorization: "
-        "Bearer KEY' (default: the run's, handed over by asyncrl; else ASYNCRL_SECRET or "
-        "ASYNCRL_SECRET_FILE; else a fresh key, written to a 0600 file named in the log)",
-    )
-    p.add_argument("--seed", type=int, default=0, help="seed of sampling")
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (CPU)")
-    # SGLang launch_server flags, so the SGLang launcher can start this server too.
-    p.add_argument("--tp-size", "--tp", type=int, default=1, help="must be 1 (no tensor parallel)")
-    p.add_argument("--mem-fraction-static", type=float, default=None, help="accepted, unused")
-    return p

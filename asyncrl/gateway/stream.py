@@ -90,23 +90,9 @@ async def stream_turn(request: web.Request, turn: Turn, model: str) -> web.Strea
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
     )
     await resp.prepare(request)
-    chat = turn.kind == "chat"
-    p = turn.params
-    holds = [Holdback(p.stop, p.parse_tools) for _ in turn.choices]
-    sent_tokens = [0] * len(turn.choices)
-    finished = [False] * len(turn.choices)
-    obj = "chat.completion.chunk" if chat else "text_completion"
-    head = {"id": turn.id, "object": obj, "created": turn.created, "model": model}
-    out: list[bytes] = []
-
-    def send(choices: list[dict[str, Any]], usage: Any = None) -> None:
-        chunk = {**head, "choices": choices}
-        if p.include_usage:
-            chunk["usage"] = usage
-        out.append(b"data: " + _encode(chunk) + b"\n\n")
-
-    if chat:
-        send([_delta(i, {"role": "assistant", "content": ""}) for i in range(p.n)])
+    ev = _Events(turn, model)
+    if ev.chat:
+        ev.send([_delta(i, {"role": "assistant", "content": ""}) for i in range(turn.params.n)])
     while True:
         wake = turn.wake
         done = turn.done.is_set()
@@ -115,37 +101,69 @@ async def stream_turn(request: web.Request, turn: Turn, model: str) -> web.Strea
                 "message": f"the completion failed: {turn.error!r}"[:500],
                 "type": "server_error",
             }
-            out.append(b"data: " + _encode({"error": err}) + b"\n\n")
+            ev.out.append(b"data: " + _encode({"error": err}) + b"\n\n")
             break
         for c in turn.choices:
-            i = c.index
-            if finished[i]:
-                continue
-            final = c.finish is not None and done
-            text = holds[i].delta(c.text, final)
-            if not text and not final:
-                continue
-            lps = None
-            if p.logprobs:  # the tokens the text sent so far covers
-                hi = len(c.ids) if final else _covered(turn, c, holds[i].sent, sent_tokens[i])
-                lps = _token_logprobs(turn, c, sent_tokens[i], hi)
-                sent_tokens[i] = max(sent_tokens[i], hi)
-            if text or lps:
-                send([_piece(chat, i, text, lps)])
-            if final:
-                finished[i] = True
-                send([_end(chat, c)])
-        if all(finished):
+            ev.advance(c, done)
+        if all(ev.finished):
             break
-        if out:
-            await resp.write(b"".join(out))
-            out.clear()
+        if ev.out:
+            await resp.write(ev.take())
         await wake.wait()
-    if p.include_usage:
-        send([], turn.usage())
-    out.append(b"data: [DONE]\n\n")
-    await resp.write_eof(b"".join(out))
+    if turn.params.include_usage:
+        ev.send([], turn.usage())
+    ev.out.append(b"data: [DONE]\n\n")
+    await resp.write_eof(ev.take())
     return resp
+
+
+class _Events:
+    """One reader's stream of ``turn``: the events not yet written (``out``) and each
+    choice's progress (its stop-string holdback, the tokens whose log-probs went out,
+    whether its end went out)."""
+
+    def __init__(self, turn: Turn, model: str) -> None:
+        self.turn, self.chat, self.p = turn, turn.kind == "chat", turn.params
+        self.holds = [Holdback(self.p.stop, self.p.parse_tools) for _ in turn.choices]
+        self.sent_tokens = [0] * len(turn.choices)
+        self.finished = [False] * len(turn.choices)
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        self.head = {"id": turn.id, "object": obj, "created": turn.created, "model": model}
+        self.out: list[bytes] = []
+
+    def send(self, choices: list[dict[str, Any]], usage: Any = None) -> None:
+        chunk = {**self.head, "choices": choices}
+        if self.p.include_usage:
+            chunk["usage"] = usage
+        self.out.append(b"data: " + _encode(chunk) + b"\n\n")
+
+    def advance(self, c: Choice, done: bool) -> None:
+        """The events for what choice ``c`` can send now: its safe text and the log-probs
+        of the tokens it covers, and, once it finished and the turn is ``done``, its end."""
+        i, turn, p = c.index, self.turn, self.p
+        if self.finished[i]:
+            return
+        final = c.finish is not None and done
+        text = self.holds[i].delta(c.text, final)
+        if not text and not final:
+            return
+        lps = None
+        if p.logprobs:  # the tokens the text sent so far covers
+            sent = self.sent_tokens[i]
+            hi = len(c.ids) if final else _covered(turn, c, self.holds[i].sent, sent)
+            lps = _token_logprobs(turn, c, sent, hi)
+            self.sent_tokens[i] = max(sent, hi)
+        if text or lps:
+            self.send([_piece(self.chat, i, text, lps)])
+        if final:
+            self.finished[i] = True
+            self.send([_end(self.chat, c)])
+
+    def take(self) -> bytes:
+        """The events not yet written, in one piece; ``out`` is empty after."""
+        data = b"".join(self.out)
+        self.out.clear()
+        return data
 
 
 _encode = msgspec.json.Encoder().encode
