@@ -113,7 +113,7 @@ class LeanDecoder:
         self.heads = int(model.config.num_attention_heads)
         self.group = self.heads // self.kv_heads
         self.scaling = float(attn.scaling)
-        self._cos = self._sin = torch.empty(0)  # rotary tables for positions [0, len)
+        self._table = torch.empty(0)  # rotary (cos, folded sin) of positions [0, len): (len, 2, d)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -126,14 +126,16 @@ class LeanDecoder:
 
     def _rotary(self, positions: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sign-folded sin (``rotate_half``'s minus on the first half) per row."""
-        if top >= self._cos.shape[0]:
+        if top >= self._table.shape[0]:
             n = max(64, 2 * top)
             weight = self.inner.embed_tokens.weight
             pos = torch.arange(n, device=weight.device)[None]
             cos, sin = self.inner.rotary_emb(weight[:1], pos)
             half = self.head_dim // 2
-            self._cos, self._sin = cos[0], torch.cat((-sin[0, :, :half], sin[0, :, half:]), -1)
-        return self._cos[positions][:, None], self._sin[positions][:, None]
+            folded = torch.cat((-sin[0, :, :half], sin[0, :, half:]), -1)
+            self._table = torch.stack((cos[0], folded), 1)
+        both = self._table.index_select(0, positions)  # one gather for cos and sin
+        return both[:, :1], both[:, 1:]
 
     def __call__(
         self,
