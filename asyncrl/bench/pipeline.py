@@ -231,6 +231,26 @@ def machine_load() -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = _parser()
+    a = p.parse_args(argv)
+    if a.warmup < 1:
+        p.error("--warmup must be >= 1")
+    from asyncrl.config import RunConfig
+    from asyncrl.runner import resolve_model
+
+    model_path = resolve_model(RunConfig())
+    out = Path(a.out or tempfile.mkdtemp(prefix="asyncrl-pipeline-"))
+    syncs, asyns = [], []
+    for i in range(a.repeats):  # alternate, so both modes see the same drift in machine load
+        syncs.append(run_once(0, a, model_path, out / f"r{i}"))
+        asyns.append(run_once(a.async_staleness, a, model_path, out / f"r{i}"))
+    res = _result(a, syncs, asyns, out)
+    _report(a, res, syncs, asyns)
+    write_json(a.json, res)
+    return res
+
+
+def _parser() -> argparse.ArgumentParser:
     p = bench_parser("pipeline", __doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=12, help="measured train steps per run")
     p.add_argument("--warmup", type=int, default=2, help="steps before the measured window")
@@ -266,20 +286,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--repeats", type=int, default=1, help="alternating sync/async pairs")
     p.add_argument("--out", default=None, help="folder for the two runs (default: a temp dir)")
     p.add_argument("--json", default=None, help="write results here")
-    a = p.parse_args(argv)
-    if a.warmup < 1:
-        p.error("--warmup must be >= 1")
-    from asyncrl.config import RunConfig
-    from asyncrl.runner import resolve_model
+    return p
 
-    model_path = resolve_model(RunConfig())
-    out = Path(a.out or tempfile.mkdtemp(prefix="asyncrl-pipeline-"))
-    syncs, asyns = [], []
-    for i in range(a.repeats):  # alternate, so both modes see the same drift in machine load
-        syncs.append(run_once(0, a, model_path, out / f"r{i}"))
-        asyns.append(run_once(a.async_staleness, a, model_path, out / f"r{i}"))
+
+def _result(
+    a: argparse.Namespace, syncs: list[dict[str, Any]], asyns: list[dict[str, Any]], out: Path
+) -> dict[str, Any]:
+    """The JSON result: the medians of each mode's runs, their ratios and the settings."""
     sync, asyn = _median(syncs), _median(asyns)
-    res = {
+    return {
         "sync_s": sync["seconds"],
         "async_s": asyn["seconds"],
         "speedup": sync["seconds"] / asyn["seconds"],
@@ -319,6 +334,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "cpus": os.cpu_count(),
         "runs": str(out),
     }
+
+
+def _report(
+    a: argparse.Namespace,
+    res: dict[str, Any],
+    syncs: list[dict[str, Any]],
+    asyns: list[dict[str, Any]],
+) -> None:
+    """The table, the speedup against its ceiling, the CPU bound and each pair's ratio."""
+    sync, asyn = _median(syncs), _median(asyns)
     print(
         f"{'mode':<22} {'window s':>9} {'total s':>8} {'s/step':>7} {'train s/step':>13}"
         f" {'engine s/step':>14} {'trainer idle':>13} {'max stale':>10} {'trainer cpu share':>18}"
@@ -346,8 +371,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     loads = [round(x["load"]["before"].get("loadavg_1m", -1.0), 1) for x in syncs + asyns]
     print(f"pairs: {', '.join(f'{x:.2f}x' for x in res['speedups_each'])}; load avg {loads}")
-    write_json(a.json, res)
-    return res
 
 
 if __name__ == "__main__":
