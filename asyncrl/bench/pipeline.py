@@ -244,8 +244,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for i in range(a.repeats):  # alternate, so both modes see the same drift in machine load
         syncs.append(run_once(0, a, model_path, out / f"r{i}"))
         asyns.append(run_once(a.async_staleness, a, model_path, out / f"r{i}"))
-    res = _result(a, syncs, asyns, out)
-    _report(a, res, syncs, asyns)
+    sync, asyn = _median(syncs), _median(asyns)
+    res = _result(a, sync, asyn, syncs, asyns, out)
+    _report(a, res, sync, asyn, syncs + asyns)
     write_json(a.json, res)
     return res
 
@@ -290,10 +291,15 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _result(
-    a: argparse.Namespace, syncs: list[dict[str, Any]], asyns: list[dict[str, Any]], out: Path
+    a: argparse.Namespace,
+    sync: dict[str, Any],
+    asyn: dict[str, Any],
+    syncs: list[dict[str, Any]],
+    asyns: list[dict[str, Any]],
+    out: Path,
 ) -> dict[str, Any]:
-    """The JSON result: the medians of each mode's runs, their ratios and the settings."""
-    sync, asyn = _median(syncs), _median(asyns)
+    """The JSON result: each mode's median run (``sync``, ``asyn``), their ratios, each
+    pair's (``syncs``, ``asyns``) and the settings."""
     return {
         "sync_s": sync["seconds"],
         "async_s": asyn["seconds"],
@@ -339,11 +345,12 @@ def _result(
 def _report(
     a: argparse.Namespace,
     res: dict[str, Any],
-    syncs: list[dict[str, Any]],
-    asyns: list[dict[str, Any]],
+    sync: dict[str, Any],
+    asyn: dict[str, Any],
+    runs: list[dict[str, Any]],
 ) -> None:
-    """The table, the speedup against its ceiling, the CPU bound and each pair's ratio."""
-    sync, asyn = _median(syncs), _median(asyns)
+    """The table of the median runs, the speedup against its ceiling, the CPU bound and each
+    pair's ratio (with the load before each of ``runs``)."""
     print(
         f"{'mode':<22} {'window s':>9} {'total s':>8} {'s/step':>7} {'train s/step':>13}"
         f" {'engine s/step':>14} {'trainer idle':>13} {'max stale':>10} {'trainer cpu share':>18}"
@@ -369,7 +376,7 @@ def _report(
         f"against {asyn['step_s']:.3f} measured (sync {sync['cpu_bound_s_per_step']:.3f} "
         f"against {sync['step_s']:.3f})"
     )
-    loads = [round(x["load"]["before"].get("loadavg_1m", -1.0), 1) for x in syncs + asyns]
+    loads = [round(x["load"]["before"].get("loadavg_1m", -1.0), 1) for x in runs]
     print(f"pairs: {', '.join(f'{x:.2f}x' for x in res['speedups_each'])}; load avg {loads}")
 
 

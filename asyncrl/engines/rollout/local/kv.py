@@ -316,12 +316,12 @@ class BatchCache:
         self.lens = [n + 1 for n in self.lens]
         self.clean = [n + 1 for n in self.clean]
 
-    def clean_for(self, buckets: Sequence[tuple[int, int, int]]) -> int:
+    def clean_for(self, buckets: Sequence[tuple[int, int, int]]) -> None:
         """Before a decode step that reads, for each ``(first_row, end_row, n)``, the last
         ``n`` columns of those rows after its write (the window plus the new column): zero
-        the columns of them that are not clean yet. Returns how many rows it zeroed (rows
-        of one join are zeroed together: they are adjacent and equally clean)."""
-        width, clean, zeroed = self.width, self.clean, 0
+        the columns of them that are not clean yet (adjacent, equally clean rows — one
+        join's — in one write per layer)."""
+        width, clean = self.width, self.clean
         for a, b, n in buckets:
             i = a
             while i < b:
@@ -336,9 +336,7 @@ class BatchCache:
                 for layer in self._glayers:
                     layer.zero(slice(i, j), cols)
                 clean[i:j] = [n - 1] * (j - i)
-                zeroed += j - i
                 i = j
-        return zeroed
 
     def drop(self, rows: Sequence[int]) -> list[int]:
         """Remove ``rows`` (not all of them); returns the new row order as old row indices.
