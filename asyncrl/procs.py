@@ -31,6 +31,7 @@ __all__ = [
     "free_port",
     "pid_alive",
     "private_folder",
+    "process_age_s",
     "python_env",
     "rss_bytes",
     "spawn",
@@ -291,6 +292,19 @@ def descendants(pid: int) -> list[int]:
         out.append(p)
         todo += children.get(p, [])
     return out
+
+
+def process_age_s(pid: int | None = None) -> float | None:
+    """Seconds since ``pid`` (default: this process) started -- for a forked process, since
+    its fork -- at the kernel's clock-tick resolution; None where /proc does not say."""
+    try:
+        with open(f"/proc/{pid or os.getpid()}/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return max(0.0, uptime - ticks / os.sysconf("SC_CLK_TCK"))
 
 
 def rss_bytes(pid: int, peak: bool = False) -> int:
