@@ -141,11 +141,9 @@ class LocalEngine:
         self.recompute_kv = kv_after_update == "recompute"
         self.weight_version = weight_version
         self.vocab_size = model.get_input_embeddings().num_embeddings
-        model_ctx = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-        self.context_length = int(context_length or model_ctx or 1 << 62)
-        self.max_prompt_tokens = int(max_prompt_tokens or self.context_length)
-        if self.context_length < 1 or self.max_prompt_tokens < 1:
-            raise ValueError("context_length and max_prompt_tokens must be >= 1")
+        self.context_length, self.max_prompt_tokens = _limits(
+            model, context_length, max_prompt_tokens
+        )
         self._gen = torch.Generator(device=self.device).manual_seed(seed)
         self._cv = threading.Condition()
         self._model_lock = threading.Lock()  # order: _model_lock, then _cv
@@ -473,29 +471,8 @@ class LocalEngine:
         seqs = [list(k[1:]) for k in unique]
         if self.lora is not None:
             self.lora.set_rows([k[0] for k in unique])
-        width = max(len(s) for s in seqs)
-        ids = torch.zeros(len(seqs), width, dtype=torch.long)
-        mask = torch.zeros(len(seqs), width, dtype=torch.long)
-        for i, s in enumerate(seqs):  # left padding: the last column is every sequence's tip
-            ids[i, width - len(s) :] = torch.tensor(s)
-            mask[i, width - len(s) :] = 1
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        try:
-            out = self.model(
-                input_ids=ids.to(self.device),
-                attention_mask=mask.to(self.device),
-                position_ids=pos.to(self.device),
-                use_cache=True,
-                logits_to_keep=1,
-            )
-        except _Cancelled:
-            for r in reqs:
-                self._finish(r, {"type": "abort", "message": "aborted by request"})
-            return
-        except Exception as exc:  # out of memory on a long prompt: the joiners fail, alone
-            log.exception("prefill of %d requests failed", len(reqs))
-            for r in reqs:
-                self._finish(r, {"type": "abort", "message": f"engine error in prefill: {exc}"})
+        out = self._prefill_forward(reqs, seqs)
+        if out is None:
             return
         logits = out.logits[:, -1].float()
         if len(seqs) < len(reqs):  # shared sequences: one computed row per distinct one
@@ -505,21 +482,51 @@ class LocalEngine:
                 layer.values = layer.values.index_select(0, rows)
             logits = logits.index_select(0, rows)
             self.stats["prefill_shared"] += len(reqs) - len(seqs)
-        lens = [len(seqs[i]) for i in index]
-        if self._kv is None:
-            spare, self._spare = self._spare, None
-            self._kv = BatchCache(
-                out.past_key_values, lens, self.max_batch_size, self.context_length, spare
-            )
-        else:
-            self._kv.extend(out.past_key_values, lens)
-        self.stats["kv_bytes_peak"] = max(self.stats["kv_bytes_peak"], self._kv.nbytes)
+        self._join(out.past_key_values, [len(seqs[i]) for i in index])
         with self._cv:
             self._running += reqs
         self.stats["prefill_steps"] += 1
         self.stats["prefill_tokens"] += sum(len(s) for s in seqs)
         self.stats["prefill_s"] += time.perf_counter() - t0
         self._emit(len(self._running) - len(reqs), logits)
+
+    def _prefill_forward(self, reqs: list[Request], seqs: list[list[int]]) -> Any:
+        """The model's forward over ``seqs`` left-padded into one batch, keeping the cache and
+        the last position's logits; None when it was cancelled or failed, every joiner in
+        ``reqs`` then finished with the reason (a failure is the joiners' alone)."""
+        width = max(len(s) for s in seqs)
+        ids = torch.zeros(len(seqs), width, dtype=torch.long)
+        mask = torch.zeros(len(seqs), width, dtype=torch.long)
+        for i, s in enumerate(seqs):  # left padding: the last column is every sequence's tip
+            ids[i, width - len(s) :] = torch.tensor(s)
+            mask[i, width - len(s) :] = 1
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        try:
+            return self.model(
+                input_ids=ids.to(self.device),
+                attention_mask=mask.to(self.device),
+                position_ids=pos.to(self.device),
+                use_cache=True,
+                logits_to_keep=1,
+            )
+        except _Cancelled:
+            for r in reqs:
+                self._finish(r, {"type": "abort", "message": "aborted by request"})
+        except Exception as exc:  # out of memory on a long prompt: the joiners fail, alone
+            log.exception("prefill of %d requests failed", len(reqs))
+            for r in reqs:
+                self._finish(r, {"type": "abort", "message": f"engine error in prefill: {exc}"})
+        return None
+
+    def _join(self, cache: Any, lens: list[int]) -> None:
+        """New rows of cached lengths ``lens`` (``cache``: their prefill's) below the running
+        batch's (the batch's cache made from them when none runs)."""
+        if self._kv is None:
+            spare, self._spare = self._spare, None
+            self._kv = BatchCache(cache, lens, self.max_batch_size, self.context_length, spare)
+        else:
+            self._kv.extend(cache, lens)
+        self.stats["kv_bytes_peak"] = max(self.stats["kv_bytes_peak"], self._kv.nbytes)
 
     def _decode(self) -> None:
         t0 = time.perf_counter()
@@ -626,6 +633,19 @@ class LocalEngine:
             by_loop.setdefault(r.loop, []).append(r)
         for loop, reqs in by_loop.items():
             loop.call_soon_threadsafe(_resolve, reqs)
+
+
+def _limits(
+    model: PreTrainedModel, context_length: int | None, max_prompt_tokens: int | None
+) -> tuple[int, int]:
+    """(context length, longest prompt): as given, else the model's
+    ``max_position_embeddings`` (else unbounded) and the context length."""
+    model_ctx = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    context = int(context_length or model_ctx or 1 << 62)
+    prompt = int(max_prompt_tokens or context)
+    if context < 1 or prompt < 1:
+        raise ValueError("context_length and max_prompt_tokens must be >= 1")
+    return context, prompt
 
 
 def _resolve(reqs: list[Request]) -> None:
