@@ -121,7 +121,12 @@ def _json_error(status: int, message: str) -> web.Response:
     return web.json_response({"error": {"message": message}, "success": False}, status=status)
 
 
+_PARSED = "asyncrl.body"  # the request's parsed JSON body, kept on it for the trace middleware
+
+
 async def _body(request: web.Request) -> dict[str, Any]:
+    """The JSON object the request carries ({} without a body); 400 for anything else. Kept
+    on the request: ``_traced`` reads the ``rid`` from it instead of parsing the body again."""
     if not request.can_read_body:
         return {}
     try:
@@ -130,6 +135,7 @@ async def _body(request: web.Request) -> dict[str, Any]:
         raise _BadRequest(f"body is not JSON: {type(exc).__name__}: {str(exc)[:200]}") from None
     if not isinstance(body, dict):
         raise _BadRequest("body must be a JSON object")
+    request[_PARSED] = body
     return body
 
 
@@ -372,9 +378,8 @@ async def _traced(request: web.Request, handler: Any) -> web.StreamResponse:
     finally:
         t1 = trace.now_us()
         args = None
-        if request.path == "/generate":
-            with contextlib.suppress(Exception):  # the body was read (and cached) by the handler
-                args = {"rid": (await request.json()).get("rid")}
+        if request.path == "/generate" and _PARSED in request:  # parsed by the handler
+            args = {"rid": request[_PARSED].get("rid")}
         tracer.complete(request.path, lane, t0, t1, args)
         tracer.free_lane(lane)
         if request.path == "/update_weight_version":
