@@ -91,7 +91,7 @@ def serve(args: argparse.Namespace, receiver: type[WeightReceiver] = WeightRecei
 
         args.model_path = str(ensure_tiny_model(default_model_dir()))
     trace.configure_from_env(f"engine-{args.port}")  # on when started by a traced run
-    _startup("imports done")
+    _startup("asyncrl's modules imported (the model's classes load with the model)")
     engine = load_engine(
         args.model_path,
         args.device,

@@ -193,7 +193,7 @@ def run(args: argparse.Namespace) -> None:
     pin_socket_ifname(cfg.weights.master_address)  # Gloo/NCCL bind where this rank advertises
     # rank 0's store listens on its advertised address only (torch's own: every interface)
     store = tcp_store(args.dist_addr, args.dist_port, args.world_size, args.rank == 0, 600.0)
-    _startup("imports done", args.rank)
+    _startup("asyncrl's modules imported (the model's classes load with the model)", args.rank)
     init_process_group(args.rank, args.world_size, device=cfg.trainer.device, store=store)
     _startup(f"process group on {cfg.trainer.device} joined", args.rank)
     rank = _Rank(args, cfg, tracer)
