@@ -161,11 +161,7 @@ class LocalEngine:
         self._step_t0: float | None = None  # start of the step in progress
         self._joining: list[Request] = []  # the prefill in progress
         self._cancel = False  # set when every joiner of the prefill in progress aborted
-        self._hooks = [
-            m.register_forward_pre_hook(self._check_cancel)
-            for m in self.model.modules()
-            if type(m).__name__.endswith("DecoderLayer")
-        ]
+        self._hooks = _on_each_layer(self.model, self._check_cancel)  # a prefill's cancel point
         self._params = dict(self.model.named_parameters())
         self._bucketed = attention.enable(self.model)  # switches the model's attention function
         self._lean = LeanDecoder.build(self.model) if lean_decode else None
@@ -633,6 +629,12 @@ class LocalEngine:
             by_loop.setdefault(r.loop, []).append(r)
         for loop, reqs in by_loop.items():
             loop.call_soon_threadsafe(_resolve, reqs)
+
+
+def _on_each_layer(model: PreTrainedModel, hook: Any) -> list[Any]:
+    """``hook`` as a forward pre-hook of each decoder layer of ``model`` (their handles)."""
+    layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
+    return [m.register_forward_pre_hook(hook) for m in layers]
 
 
 def _limits(
