@@ -25,16 +25,15 @@ import sys
 import time
 from pathlib import Path
 
+from asyncrl.procs import proc_stat
+
 __all__ = ["proc_start_time", "start_guard"]
 
 
 def proc_start_time(pid: int) -> int:
     """The process's start time in clock ticks since boot (-1 if it is gone or unknown)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[19])
-    except (OSError, ValueError, IndexError):
-        return -1
+    fields = proc_stat(pid)
+    return int(fields[19]) if fields is not None else -1
 
 
 def start_guard(pids_file: Path) -> subprocess.Popen:
@@ -103,11 +102,8 @@ def _kill_groups(pids: list[tuple[int, int]], grace_s: float) -> None:
 
 
 def _zombie(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True
+    fields = proc_stat(pid)
+    return fields is None or fields[0] == "Z"
 
 
 def cleanup(pids_file: Path, grace_s: float = 3.0) -> None:

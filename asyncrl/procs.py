@@ -25,12 +25,14 @@ __all__ = [
     "PORT_HOLD_S",
     "Proc",
     "Spawner",
+    "cpu_seconds",
     "descendants",
     "die_with_parent_fn",
     "finish",
     "free_port",
     "pid_alive",
     "private_folder",
+    "proc_stat",
     "process_age_s",
     "python_env",
     "rss_bytes",
@@ -260,13 +262,31 @@ def wait_exit(procs: Sequence[Proc], timeout_s: float) -> bool:
     return True
 
 
-def pid_alive(pid: int) -> bool:
-    """True while ``pid`` exists and is not a zombie (Linux: read from /proc)."""
+def proc_stat(pid: int | str) -> list[str] | None:
+    """``/proc/PID/stat``'s fields after the command name (``pid`` may be ``"self"``): index
+    0 is the state, 1 the parent, 11/12 user/system clock ticks, 19 the start time in
+    ticks since boot (proc(5)'s fields 3, 4, 14, 15, 22); None when it cannot be read (the
+    process is gone, or no /proc)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds ``pid`` has used so far (None: unreadable, see
+    :func:`proc_stat`)."""
+    fields = proc_stat(pid)
+    if fields is None:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def pid_alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie (Linux: read from /proc)."""
+    fields = proc_stat(pid)
+    return fields is not None and fields[0] != "Z"
 
 
 def descendants(pid: int) -> list[int]:
@@ -279,13 +299,9 @@ def descendants(pid: int) -> list[int]:
     except OSError:
         return []
     for name in entries:
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(ppid, []).append(int(name))
+        fields = proc_stat(name) if name.isdigit() else None
+        if fields is not None and fields[1].isdigit():
+            children.setdefault(int(fields[1]), []).append(int(name))
     out, todo = [], list(children.get(pid, []))
     while todo:
         p = todo.pop()
@@ -297,14 +313,15 @@ def descendants(pid: int) -> list[int]:
 def process_age_s(pid: int | None = None) -> float | None:
     """Seconds since ``pid`` (default: this process) started -- for a forked process, since
     its fork -- at the kernel's clock-tick resolution; None where /proc does not say."""
+    fields = proc_stat(pid or "self")
+    if fields is None:
+        return None
     try:
-        with open(f"/proc/{pid or os.getpid()}/stat") as f:
-            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
         with open("/proc/uptime") as f:
             uptime = float(f.read().split()[0])
     except (OSError, ValueError, IndexError):
         return None
-    return max(0.0, uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    return max(0.0, uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK"))
 
 
 def rss_bytes(pid: int, peak: bool = False) -> int:

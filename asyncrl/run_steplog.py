@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -25,6 +24,7 @@ from typing import Any
 from asyncrl.controllers import checkpoints as ckpts
 from asyncrl.core import Batch
 from asyncrl.launchers.base import Placed
+from asyncrl.procs import cpu_seconds
 from asyncrl.progress import Progress
 from asyncrl.sinks import log_row, rewind_sinks
 from asyncrl.transports.experience.control import StepDone
@@ -139,16 +139,10 @@ class StepLog:
     def cpu_times(self) -> dict[str, float]:
         """CPU seconds used so far by this process and each child (Linux /proc; else empty)."""
         out = {"cpu_controller_s": time.process_time()}
-        tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
         for name, placed in self.processes().items():
-            if not placed.here:
-                continue
-            try:
-                with open(f"/proc/{placed.pid}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            out[f"cpu_{name}_s"] = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+            cpu = cpu_seconds(placed.pid) if placed.here else None
+            if cpu is not None:
+                out[f"cpu_{name}_s"] = cpu
         return out
 
     def close(self) -> None:

@@ -14,13 +14,13 @@ reads the CPU seconds of this process and its children from ``/proc``.
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
 from asyncrl.bench.common import qwen2
+from asyncrl.procs import cpu_seconds
 
 __all__ = [
     "DEVICE",
@@ -236,10 +236,8 @@ def cpu_s(*children: Any) -> float:
     for child in children:
         if child is None:
             continue
-        try:
-            with open(f"/proc/{child.pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
+        cpu = cpu_seconds(child.pid)
+        if cpu is None:
             return float("nan")
-        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        total += cpu
     return total

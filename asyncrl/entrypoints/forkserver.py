@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
-from asyncrl.procs import die_with_parent_fn
+from asyncrl.procs import die_with_parent_fn, proc_stat
 
 __all__ = ["main"]
 
@@ -288,9 +288,10 @@ def _set_title(words: list[str]) -> None:
     ``setproctitle`` does; elsewhere nothing."""
     import ctypes
 
+    fields = proc_stat("self")
+    if fields is None:  # no /proc: nothing to rewrite
+        return
     try:
-        with open("/proc/self/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
         start, end = int(fields[45]), int(fields[46])  # arg_start, arg_end (proc(5): 48, 49)
         libc = ctypes.CDLL(None)
     except (OSError, ValueError, IndexError):
