@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import os
 import random
 import signal
@@ -30,6 +31,7 @@ __all__ = [
     "die_with_parent_fn",
     "finish",
     "free_port",
+    "log_startup",
     "pid_alive",
     "private_folder",
     "proc_stat",
@@ -322,6 +324,14 @@ def process_age_s(pid: int | None = None) -> float | None:
     except (OSError, ValueError, IndexError):
         return None
     return max(0.0, uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK"))
+
+
+def log_startup(log: logging.Logger, what: str, who: str = "") -> None:
+    """Log ``{who}start-up: {what} N s after the process started`` (its fork, when forked):
+    a process's milestones in its own log show where a slow start went."""
+    age = process_age_s()
+    if age is not None:
+        log.info("%sstart-up: %s %.2f s after the process started", who, what, age)
 
 
 def rss_bytes(pid: int, peak: bool = False) -> int:

@@ -26,7 +26,7 @@ from asyncrl.engines.rollout.local.server import EngineServer, build_app, load_e
 from asyncrl.engines.rollout.local.weights import WeightReceiver
 from asyncrl.entrypoints.engine_args import parser
 from asyncrl.loops import new_event_loop
-from asyncrl.procs import process_age_s
+from asyncrl.procs import log_startup
 
 __all__ = ["main", "serve"]
 
@@ -63,20 +63,13 @@ def _secret(args: argparse.Namespace) -> tuple[str, Path | None]:
     return key, path
 
 
+_log = logging.getLogger("asyncrl.engine")
+
+
 def main(argv: list[str] | None = None, receiver: type[WeightReceiver] = WeightReceiver) -> None:
     """Serve until SIGTERM/SIGINT (``receiver``: the receiving side of weight sync, see
     :class:`~asyncrl.engines.rollout.local.server.EngineServer`)."""
     serve(parser().parse_args(argv), receiver)
-
-
-def _startup(what: str) -> None:
-    """Log a start-up milestone with the seconds since this process started (its fork, when
-    forked): engine<i>.log shows where a slow start went."""
-    age = process_age_s()
-    if age is not None:
-        logging.getLogger("asyncrl.engine").info(
-            "start-up: %s %.2f s after the process started", what, age
-        )
 
 
 def serve(args: argparse.Namespace, receiver: type[WeightReceiver] = WeightReceiver) -> None:
@@ -91,7 +84,7 @@ def serve(args: argparse.Namespace, receiver: type[WeightReceiver] = WeightRecei
 
         args.model_path = str(ensure_tiny_model(default_model_dir()))
     trace.configure_from_env(f"engine-{args.port}")  # on when started by a traced run
-    _startup("asyncrl's modules imported (the model's classes load with the model)")
+    log_startup(_log, "asyncrl's modules imported (the model's classes load with the model)")
     engine = load_engine(
         args.model_path,
         args.device,
@@ -105,7 +98,7 @@ def serve(args: argparse.Namespace, receiver: type[WeightReceiver] = WeightRecei
         args.stall_timeout,
         _lora_spec(args),
     )
-    _startup(f"model loaded on {args.device}")
+    log_startup(_log, f"model loaded on {args.device}")
     server = EngineServer(engine, args.model_path, args.host, args.weight_masters, receiver)
     key, key_file = _secret(args)
     app = build_app(server, key)

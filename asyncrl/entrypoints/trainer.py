@@ -31,7 +31,7 @@ from asyncrl.engines.rollout.factory import make_weight_transport
 from asyncrl.engines.train.fsdp import FSDPEngine, init_process_group
 from asyncrl.engines.train.run_state import RunState
 from asyncrl.net import pin_socket_ifname, tcp_store
-from asyncrl.procs import process_age_s
+from asyncrl.procs import log_startup
 from asyncrl.transports.experience.control import (
     Engines,
     EnginesSynced,
@@ -193,11 +193,15 @@ def run(args: argparse.Namespace) -> None:
     pin_socket_ifname(cfg.weights.master_address)  # Gloo/NCCL bind where this rank advertises
     # rank 0's store listens on its advertised address only (torch's own: every interface)
     store = tcp_store(args.dist_addr, args.dist_port, args.world_size, args.rank == 0, 600.0)
-    _startup("asyncrl's modules imported (the model's classes load with the model)", args.rank)
+    log_startup(
+        log,
+        "asyncrl's modules imported (the model's classes load with the model)",
+        f"rank {args.rank} ",
+    )
     init_process_group(args.rank, args.world_size, device=cfg.trainer.device, store=store)
-    _startup(f"process group on {cfg.trainer.device} joined", args.rank)
+    log_startup(log, f"process group on {cfg.trainer.device} joined", f"rank {args.rank} ")
     rank = _Rank(args, cfg, tracer)
-    _startup("model, optimizer and experience channel ready", args.rank)
+    log_startup(log, "model, optimizer and experience channel ready", f"rank {args.rank} ")
     try:
         rank.serve()
     except _Stop as exc:
@@ -206,14 +210,6 @@ def run(args: argparse.Namespace) -> None:
         rank.close()
         dist.destroy_process_group()
         tracer.close()
-
-
-def _startup(what: str, rank: int) -> None:
-    """Log a start-up milestone with the seconds since this process started (its fork, when
-    forked): trainer<rank>.log shows where a slow start went."""
-    age = process_age_s()
-    if age is not None:
-        log.info("rank %d start-up: %s %.2f s after the process started", rank, what, age)
 
 
 def _sender(
