@@ -147,15 +147,16 @@ class _Run:
         """processes.json (name -> pid), placement.json (name -> node address), engines.json
         (name -> URL of every engine, started by the run or given in ``rollout.urls``; a
         restarted engine's new one) and pids.json (this host's processes with their start
-        times, for the guardian)."""
+        times, for the guardian). Each is replaced whole (benches and tests read them while
+        an engine restarts)."""
         placed = self.launcher.processes()
-        pids = {n: p.pid for n, p in placed.items()}
-        (self.run_dir / "processes.json").write_text(json.dumps(pids))
         urls = {n: c.url for n, c in self.engines.clients.items()}
-        (self.run_dir / "engines.json").write_text(json.dumps(urls))
-        (self.run_dir / "placement.json").write_text(
-            json.dumps({n: p.address for n, p in placed.items()})
-        )
+        for name, value in (
+            ("processes.json", {n: p.pid for n, p in placed.items()}),
+            ("engines.json", urls),
+            ("placement.json", {n: p.address for n, p in placed.items()}),
+        ):
+            ckpts.write_atomic(self.run_dir / name, json.dumps(value).encode())
         here = {n: p.pid for n, p in placed.items() if p.here}
         guarded = {name: [pid, proc_start_time(pid)] for name, pid in here.items()}
         ckpts.write_atomic(self.run_dir / "pids.json", json.dumps(guarded).encode())

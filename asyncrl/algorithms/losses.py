@@ -264,9 +264,10 @@ def _decoupled_weight(
     raw = torch.exp(prox - behav).detach()
     weight, rejected = behaviour_weight(raw, correction, cap, band, lengths, mask)
     # the metric: rounding is no truncation; icepop has no cap, only its band
-    truncated = (raw > cap * _TRUNCATED_BY).float() * (1.0 - rejected)
     if correction == "icepop":
         truncated = torch.zeros_like(logp)
+    else:
+        truncated = (raw > cap * _TRUNCATED_BY).float() * (1.0 - rejected)
     behav_clipped = torch.zeros_like(logp)
     if behav_clip_eps > 0:
         out = ((adv > 0) & (raw > 1 + behav_clip_eps)) | ((adv < 0) & (raw < 1 - behav_clip_eps))

@@ -155,10 +155,17 @@ def run_scenario(name: str, args: argparse.Namespace, root: Path) -> dict[str, A
     return out
 
 
+def _pids(run_dir: Path) -> dict[str, int]:
+    """The run's ``processes.json`` (name -> pid); empty before the run wrote it."""
+    try:
+        return {k: int(v) for k, v in json.loads((run_dir / "processes.json").read_text()).items()}
+    except (OSError, ValueError):
+        return {}
+
+
 def _kill(run_dir: Path, process: str) -> None:
     """SIGKILL the run's ``process`` (a key of its ``processes.json``: ``trainer0``, ...)."""
-    pids = json.loads((run_dir / "processes.json").read_text())
-    os.kill(pids[process], signal.SIGKILL)
+    os.kill(_pids(run_dir)[process], signal.SIGKILL)
 
 
 def _kill_and_resume(
@@ -169,7 +176,7 @@ def _kill_and_resume(
     into ``out``; returns the resumed run and the last step logged before the kill."""
     _wait_step(run_dir, proc, args.kill_at, args.timeout)
     _wait_checkpoint(run_dir, proc, args.timeout)  # a resume needs one complete checkpoint
-    pids = json.loads((run_dir / "processes.json").read_text())
+    pids = _pids(run_dir)
     before = _rows(run_dir / "metrics.jsonl")[-1]["step"]
     proc.send_signal(signal.SIGKILL)
     killed = time.perf_counter()

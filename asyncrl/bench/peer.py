@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.bench import HelpFormatter, log_dir
-from asyncrl.bench.common import start
+from asyncrl.bench.common import start, write_json
 from asyncrl.procs import python_env, stop
 
 __all__ = ["main", "reach"]
@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> None:
             "runs": runs,
             **result,
         }
-        Path(args.json).write_text(json.dumps(payload, indent=1))
+        write_json(args.json, payload)
 
 
 def _parser() -> argparse.ArgumentParser:

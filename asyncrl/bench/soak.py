@@ -25,7 +25,6 @@ rings: must be 0).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import random
@@ -38,19 +37,12 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.bench.common import write_json
-from asyncrl.bench.faults import _cli, _config, _finish, _left, _lost, _rows
+from asyncrl.bench.faults import _cli, _config, _finish, _left, _lost, _pids, _rows
 
 __all__ = ["main", "soak"]
 
 FAULTS = ("engine", "trainer", "hang")
 _WINDOW_S = 600.0
-
-
-def _pids(run_dir: Path) -> dict[str, int]:
-    try:
-        return {k: int(v) for k, v in json.loads((run_dir / "processes.json").read_text()).items()}
-    except (OSError, ValueError):
-        return {}
 
 
 def _rss_mb(pids: list[int]) -> float:
@@ -169,6 +161,7 @@ def _strike_until_done(
     seen: dict[str, int] = {}
     deadline = t0 + args.timeout
     next_strike = time.perf_counter() + rng.uniform(lo, hi)
+    training = False  # a metrics row was seen: the run trains (checked until it is)
     while proc.poll() is None:
         now = time.perf_counter()
         if now > deadline:
@@ -176,7 +169,8 @@ def _strike_until_done(
             raise TimeoutError(f"the soak's run did not end within {args.timeout:g} s")
         pids = _pids(run_dir)
         seen.update(pids)
-        if pids and _rows(run_dir / "metrics.jsonl"):
+        training = training or bool(_rows(run_dir / "metrics.jsonl"))
+        if pids and training:
             samples.append((now - t0, _rss_mb([proc.pid, *pids.values()])))
             if now >= next_strike:
                 log.append(f"{now - t0:.1f}s {striker.strike(pids, lambda: proc.poll() is None)}")

@@ -308,7 +308,7 @@ def main(argv: list[str] | None = None) -> None:
     _print(rows, args)
     print(f"machine: {os.cpu_count()} CPUs, 1-min load average during the run ~{load:.1f}")
     result = _result(rows, args, load)
-    _print_headline(result, args)
+    _print_headline(result)
     if args.json:
         write_json(args.json, result)
         print(f"wrote {args.json}")
@@ -388,7 +388,7 @@ def _result(rows: list[dict], args: argparse.Namespace, load: float) -> dict[str
     return result
 
 
-def _print_headline(result: dict[str, Any], args: argparse.Namespace) -> None:
+def _print_headline(result: dict[str, Any]) -> None:
     """CURVE's cost (tcp runs) and the headline line, from :func:`_result`'s ``result``."""
     if "curve" in result:
         c = result["curve"]
@@ -399,7 +399,7 @@ def _print_headline(result: dict[str, Any], args: argparse.Namespace) -> None:
             f"{c['shm_eps_on']:.0f} vs {c['shm_eps_off']:.0f} eps (x{c['shm_ratio']:.2f})"
         )
     print(
-        f"\nheadline (group {args.group_sizes[0]}): ours ({result['channel']}) "
+        f"\nheadline (group {result['group_size']}): ours ({result['channel']}) "
         f"{result['msgspec_zmq_eps']:.0f} eps, pickle {result['pickle_baseline_eps']:.0f} eps, "
         f"x{result['speedup']:.2f}, payload {result['payload_gbps']:.2f} GB/s"
         + f"; frames only {result['frames_eps']:.0f} eps (x{result['frames_speedup']:.2f})"

@@ -46,9 +46,7 @@ receivers are on another node.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from pathlib import Path
 from typing import Any
 
 from asyncrl.bench import bench_parser
@@ -239,7 +237,7 @@ def _over_links(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             for r in _one(one):
                 rows.append({**r, "link_gbit": gbit})
     if out:
-        Path(out).write_text(json.dumps(rows, indent=2))
+        write_json(out, rows)
         print(f"wrote {out}", file=sys.stderr)
 
 

@@ -134,7 +134,7 @@ class Floor:
         from asyncrl.procs import free_port
         from asyncrl.transports.weights.collective_wire import new_weight_group
 
-        self.backend, self.peer, self.group = backend, None, None
+        self.peer, self.group = None, None
         # Real bytes: a never-written buffer reads as the kernel's shared zero page (always
         # in cache), which would make the floor faster than any transfer of real weights.
         if buf is None:
@@ -179,7 +179,7 @@ class Children:
 
             ray.init(address=args.ray, _node_ip_address=args.send_host, log_to_driver=False)
 
-    def start(self, name: str, extra: list[str], port: int = 0) -> Any:
+    def start(self, name: str, extra: list[str]) -> Any:
         """Start ``extra`` (``{port}`` in it: a port free on the receiving node)."""
         from asyncrl.forkserver import spawn_shared
         from asyncrl.procs import free_port, python_env

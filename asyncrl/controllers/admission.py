@@ -20,13 +20,8 @@ from collections.abc import Callable
 from typing import Any
 
 from asyncrl import trace
-from asyncrl.controllers.episode import (
-    Episode,
-    EpisodeContext,
-    EpisodeFailed,
-    EpisodeRejected,
-    Gate,
-)
+from asyncrl.controllers.calls import EpisodeFailed, Gate
+from asyncrl.controllers.episode import Episode, EpisodeContext, EpisodeRejected
 from asyncrl.controllers.groups import Group, Running, collect, uniform
 from asyncrl.controllers.outcomes import Streaks
 from asyncrl.controllers.router import Router

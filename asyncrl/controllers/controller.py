@@ -54,7 +54,8 @@ from asyncrl import secret, trace
 from asyncrl.config import DEFAULT_MAX_NEW_TOKENS, RunConfig
 from asyncrl.controllers.adapters import AdapterNames
 from asyncrl.controllers.admission import Admission
-from asyncrl.controllers.episode import Episode, Gate
+from asyncrl.controllers.calls import Gate
+from asyncrl.controllers.episode import Episode
 from asyncrl.controllers.groups import Group, Running, choose, look_ahead
 from asyncrl.controllers.outcomes import GroupsFailing, Streaks
 from asyncrl.controllers.quiesce import Quiescer
@@ -76,8 +77,6 @@ class NoMoreSamples(Exception):
     ``end_input()``, ``next_batch()`` waits for samples instead.) The last batch before it
     may hold fewer than ``batch_size`` groups."""
 
-
-_END = object()
 
 _COUNTERS = (
     "groups_admitted",

@@ -39,7 +39,7 @@ episode then generates afresh from there.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -53,9 +53,6 @@ from asyncrl.controllers.calls import (
 )
 from asyncrl.controllers.rewards import RewardError, RewardFn, RewardRunner, call_reward
 from asyncrl.core import Sample, Trajectory
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = [
     "EngineKeyRefused",
